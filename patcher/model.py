@@ -1,0 +1,108 @@
+"""The one internal model every patch format parses into (pure data, no I/O).
+
+A patch is an ordered tuple of :class:`FileEdit`.  Paths are POSIX, relative to
+the repository root, already checked by :mod:`patcher.paths`.
+
+Lines are ``bytes`` *including* their terminator (``b"\\n"`` or ``b"\\r\\n"``);
+only the last line of a file may lack one.  Formats whose lines carry no
+terminator (agent formats) set ``Hunk.eol_agnostic``: the matcher then compares
+lines without their terminators and writes new lines with the file's own line
+ending, so a CRLF file stays CRLF.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "MODE_FILE",
+    "MODE_EXEC",
+    "MODE_LINK",
+    "Op",
+    "Hunk",
+    "FileEdit",
+    "Patch",
+    "AppliedFile",
+]
+
+MODE_FILE = 0o100644
+MODE_EXEC = 0o100755
+MODE_LINK = 0o120000
+
+Op = Literal["add", "modify", "delete", "rename"]
+
+
+@dataclass(frozen=True, slots=True)
+class Hunk:
+    """One hunk: the old lines (context + removed) become the new lines (context + added).
+
+    ``old_start`` is the 1-based line the patch claims the old lines start at
+    (``None`` for formats without line numbers; ``0`` for an empty old side).
+    ``scopes`` are ``@@ <scope line>`` anchors (apply_patch) that must be found, in
+    order, before the hunk.  ``at_eof`` anchors the hunk to the end of the file.
+    """
+
+    old_lines: tuple[bytes, ...]
+    new_lines: tuple[bytes, ...]
+    old_start: int | None = None
+    scopes: tuple[bytes, ...] = ()
+    at_eof: bool = False
+    eol_agnostic: bool = False
+    header: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FileEdit:
+    """An edit of one path.
+
+    * ``add``: ``path`` must not exist; ``content`` is the whole new file.
+    * ``delete``: ``path`` must exist; if ``hunks``/``content`` are given they must
+      describe the whole current content (git diffs do), else the delete is blind.
+    * ``modify``: ``hunks`` applied to ``path`` (or ``content`` replaces it whole
+      when ``hunks`` is empty and ``content`` is not ``None``); a mode change
+      alone has neither.
+    * ``rename``: as ``modify``, and the result lands at ``new_path`` (which must
+      not exist); ``path`` disappears.
+
+    ``new_mode`` is the git file mode after the edit (``None``: keep the old one;
+    for ``add``, ``None`` means :data:`MODE_FILE`).  ``old_mode`` is what the
+    patch claims the mode was (checked when given).
+    """
+
+    op: Op
+    path: str
+    new_path: str | None = None
+    hunks: tuple[Hunk, ...] = ()
+    content: bytes | None = None
+    old_mode: int | None = None
+    new_mode: int | None = None
+    old_blob: str | None = None  # git 'index' line: abbreviated or full old blob oid
+    new_blob: str | None = None
+
+    @property
+    def target(self) -> str:
+        """The path the edit's result lives at (``new_path`` for a rename)."""
+        return self.new_path if self.new_path is not None else self.path
+
+    @property
+    def touched(self) -> tuple[str, ...]:
+        """Every path this edit changes in the tree."""
+        if self.new_path is not None and self.new_path != self.path:
+            return (self.path, self.new_path)
+        return (self.path,)
+
+
+@dataclass(frozen=True, slots=True)
+class Patch:
+    format: str
+    edits: tuple[FileEdit, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedFile:
+    """Result of applying hunks to one file's bytes; ``grades`` names, per hunk, the grade that matched."""
+
+    content: bytes
+    grades: tuple[str, ...] = field(default=())
+    already_applied: bool = False
