@@ -1,0 +1,138 @@
+"""Locating a repository's folders without libgit2 (stdlib only).
+
+The replay and ``status`` paths must not import pygit2, yet they need the
+default store (``<git-common-dir>/oncepatch``) and the checked-out branch.
+This module reads git's on-disk layout directly: a ``.git`` folder, or a
+``.git`` file (``gitdir: <path>``) for linked worktrees and submodules, whose
+``commondir`` file names the shared folder.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from cas.errors import UsageError
+
+__all__ = ["GitLayout", "discover", "read_head", "common_dir_of", "worktrees_on"]
+
+
+@dataclass(frozen=True, slots=True)
+class GitLayout:
+    """``workdir`` is ``None`` for a bare repository; paths are absolute and real."""
+
+    workdir: str | None
+    git_dir: str
+    common_dir: str
+
+
+def _read_gitfile(path: str) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(4096).decode("utf-8", "surrogateescape").strip()
+    except OSError:
+        return None
+    if not text.startswith("gitdir:"):
+        return None
+    target = text[len("gitdir:"):].strip()
+    return os.path.realpath(os.path.join(os.path.dirname(path), target))
+
+
+def _is_git_dir(path: str) -> bool:
+    if not os.path.isfile(os.path.join(path, "HEAD")):
+        return False
+    return os.path.isdir(os.path.join(path, "objects")) or os.path.isfile(
+        os.path.join(path, "commondir")
+    )
+
+
+def common_dir_of(git_dir: str) -> str:
+    try:
+        with open(os.path.join(git_dir, "commondir"), "rb") as fh:
+            rel = fh.read().decode("utf-8", "surrogateescape").strip()
+    except FileNotFoundError:
+        return git_dir
+    return os.path.realpath(os.path.join(git_dir, rel))
+
+
+def discover(path: str) -> GitLayout:
+    """Find the repository containing ``path`` (walking up, as git does).
+
+    Raises:
+        UsageError: no repository there.
+    """
+    start = os.path.realpath(path)
+    if not os.path.isdir(start):
+        raise UsageError(f"not a folder: '{path}'")
+    cur = start
+    while True:
+        dotgit = os.path.join(cur, ".git")
+        if os.path.isdir(dotgit) and _is_git_dir(dotgit):
+            git_dir = os.path.realpath(dotgit)
+            return GitLayout(cur, git_dir, common_dir_of(git_dir))
+        if os.path.isfile(dotgit):
+            target = _read_gitfile(dotgit)
+            if target and _is_git_dir(target):
+                return GitLayout(cur, target, common_dir_of(target))
+        if _is_git_dir(cur) and os.path.basename(cur) != ".git":
+            # A bare repository (or we were handed a git dir directly).
+            return GitLayout(None, cur, common_dir_of(cur))
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            raise UsageError(f"not a git repository (or any parent): '{path}'")
+        cur = parent
+
+
+def read_head(git_dir: str) -> str | None:
+    """The ref HEAD points at (``refs/heads/x``), or ``None`` when detached."""
+    with open(os.path.join(git_dir, "HEAD"), "rb") as fh:
+        text = fh.read().decode("utf-8", "surrogateescape").strip()
+    if text.startswith("ref:"):
+        return text[4:].strip()
+    return None
+
+
+def worktrees_on(common_dir: str, ref: str) -> list[tuple[str, str]]:
+    """``(workdir, git_dir)`` of every worktree whose HEAD is the symbolic ref ``ref``.
+
+    The main worktree is the folder above the common dir when that is named
+    ``.git`` and not bare; linked worktrees are listed under ``worktrees/``.
+    """
+    found: list[tuple[str, str]] = []
+    if os.path.basename(common_dir) == ".git" and _read_head_safe(common_dir) == ref:
+        if not _is_bare(common_dir):
+            found.append((os.path.dirname(common_dir), common_dir))
+    wt_root = os.path.join(common_dir, "worktrees")
+    try:
+        names = sorted(os.listdir(wt_root))
+    except FileNotFoundError:
+        names = []
+    for name in names:
+        gd = os.path.join(wt_root, name)
+        if _read_head_safe(gd) != ref:
+            continue
+        try:
+            with open(os.path.join(gd, "gitdir"), "rb") as fh:
+                dotgit = fh.read().decode("utf-8", "surrogateescape").strip()
+        except OSError:
+            continue
+        workdir = os.path.dirname(os.path.realpath(os.path.join(gd, dotgit)))
+        if os.path.isdir(workdir):
+            found.append((workdir, os.path.realpath(gd)))
+    return found
+
+
+def _read_head_safe(git_dir: str) -> str | None:
+    try:
+        return read_head(git_dir)
+    except OSError:
+        return None
+
+
+def _is_bare(git_dir: str) -> bool:
+    try:
+        with open(os.path.join(git_dir, "config"), "rb") as fh:
+            text = fh.read().decode("utf-8", "replace").lower()
+    except OSError:
+        return False
+    return any(line.strip().replace(" ", "") == "bare=true" for line in text.splitlines())

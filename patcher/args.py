@@ -1,0 +1,113 @@
+"""The ``apply_patch`` tool's schema: normalising a call's arguments (no pygit2).
+
+Normalised args are what the identity hashes (DESIGN.md section 2):
+
+* ``repo``: the repository's working folder (or git dir when bare), absolute and real;
+* ``branch``: a full ref name ``refs/heads/<name>``; by default the branch the
+  repository's HEAD names (a detached HEAD needs ``--branch``);
+* ``patch_sha256``: the patch is represented by its sha256, never its text;
+* ``format``: the detected format when ``auto`` was asked (so ``auto`` and the
+  explicit name are the same intent);
+* ``check``, ``message``: ``None`` when not given.
+
+``TOOL_VERSION`` names the semantics of the tool, not the package release: it
+changes only when the same args would produce a different effect, because a
+new version gives every call a new identity (a retry across such an upgrade
+executes again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from cas.errors import UsageError
+from cas.gitdir import GitLayout, discover, read_head
+from patcher.errors import TooLarge
+
+__all__ = ["TOOL", "TOOL_VERSION", "MAX_PATCH_BYTES", "CallArgs", "normalise_args", "normalise_branch"]
+
+TOOL = "apply_patch"
+TOOL_VERSION = "1"
+MAX_PATCH_BYTES = int(os.environ.get("ONCEPATCH_MAX_PATCH_BYTES", str(64 << 20)))
+
+_BAD_REF = re.compile(r"(^|/)\.|\.\.|[\x00-\x20~^:?*\[\\\x7f]|@\{|\.lock(/|$)|/$|//|^$")
+
+
+@dataclass(frozen=True, slots=True)
+class CallArgs:
+    layout: GitLayout
+    repo: str
+    branch: str
+    patch: bytes
+    patch_sha256: str
+    format: str
+    check: str | None
+    message: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "repo": self.repo,
+            "branch": self.branch,
+            "patch_sha256": self.patch_sha256,
+            "format": self.format,
+            "check": self.check,
+            "message": self.message,
+        }
+
+
+def normalise_branch(branch: str | None, layout: GitLayout) -> str:
+    """Full ref name of the target branch.
+
+    Raises:
+        UsageError: detached HEAD without a branch, or an invalid branch name.
+    """
+    if branch is None:
+        head = read_head(layout.git_dir)
+        if head is None:
+            raise UsageError("HEAD is detached: name the branch with --branch")
+        branch = head
+    if not branch.startswith("refs/"):
+        branch = "refs/heads/" + branch
+    if not branch.startswith("refs/heads/") or _BAD_REF.search(branch[len("refs/heads/"):]):
+        raise UsageError(f"not a valid branch name: '{branch}'")
+    return branch
+
+
+def normalise_args(
+    repo: str,
+    patch: str | bytes,
+    *,
+    branch: str | None,
+    format: str,
+    check: str | None,
+    message: str | None,
+    detect: Any,
+) -> CallArgs:
+    """Normalise one call's arguments; ``detect(bytes) -> str`` resolves ``auto``.
+
+    Raises:
+        UsageError: no repository, bad branch, unknown format.
+        TooLarge: the patch is over :data:`MAX_PATCH_BYTES`.
+    """
+    data = patch.encode("utf-8", "surrogateescape") if isinstance(patch, str) else bytes(patch)
+    if len(data) > MAX_PATCH_BYTES:
+        raise TooLarge(
+            f"patch is {len(data)} bytes, over the limit of {MAX_PATCH_BYTES}",
+            details={"size": len(data), "limit": MAX_PATCH_BYTES},
+        )
+    layout = discover(repo)
+    fmt = detect(data) if format == "auto" else format
+    return CallArgs(
+        layout=layout,
+        repo=layout.workdir or layout.git_dir,
+        branch=normalise_branch(branch, layout),
+        patch=data,
+        patch_sha256=hashlib.sha256(data).hexdigest(),
+        format=fmt,
+        check=check,
+        message=message,
+    )

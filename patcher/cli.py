@@ -1,0 +1,201 @@
+"""``oncepatch`` command line: a thin layer over the Python API (DESIGN.md section 6).
+
+Start-up stays lean: argparse and the receipts layer only; pygit2 is imported
+inside the commands that need it (a replayed ``apply`` and ``status`` never
+import it).  Only this module prints.  With ``--json`` stdout is exactly one
+JSON object (one per line for ``watch``); human text otherwise; logs and
+progress go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import orjson
+
+from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, UsageError
+
+__all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repo", default=".", help="repository (default: the current folder)")
+    p.add_argument("--store", default=None, help="receipt store (default: $ONCEPATCH_STORE or <git-common-dir>/oncepatch)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="oncepatch", description="apply patches to git effectively once")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("apply", help="apply a patch as one atomic commit, once per key")
+    _common(p)
+    p.add_argument("patch", help="patch file, or - for standard input")
+    p.add_argument("--branch", default=None, help="target branch (default: the checked-out branch)")
+    p.add_argument("--key", default=None, help="idempotency key (default: the call_id)")
+    p.add_argument("--contract-sha256", default=None, help="sha256 of the contract the call was made under")
+    p.add_argument("--attempt", type=int, default=1, help="attempt number: a new intent with the same patch")
+    p.add_argument("--format", default="auto", help="auto, unified, apply_patch, ...")
+    p.add_argument("--check", default=None, metavar="CMD", help="run CMD in a temporary worktree of the candidate")
+    p.add_argument("--check-timeout", type=float, default=600.0, help="seconds before --check is stopped")
+    p.add_argument("--message", "-m", default=None, help="commit subject (default: names the touched files)")
+    p.add_argument("--lock-timeout", type=float, default=30.0, help="seconds to wait for the key's lock")
+
+    p = sub.add_parser("status", help="the verified receipt of a key or call_id")
+    _common(p)
+    p.add_argument("key")
+
+    p = sub.add_parser("log", help="the event ledger")
+    _common(p)
+    p.add_argument("--limit", type=int, default=None, help="only the last N events")
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+#: Commands defined in other modules register themselves here (recover, verify, watch, ...).
+_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
+_HANDLERS: dict[str, Callable[[argparse.Namespace], tuple[int, dict[str, Any], str]]] = {}
+
+
+def _read_patch(name: str) -> bytes:
+    try:
+        if name == "-":
+            return sys.stdin.buffer.read()
+        with open(name, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read patch '{name}': {exc.strerror}") from exc
+
+
+def _store_root(args: argparse.Namespace) -> str:
+    from cas.gitdir import discover
+    from patcher.protocol import store_root_for
+
+    if args.store:
+        return os.path.abspath(args.store)
+    if os.environ.get("ONCEPATCH_STORE"):
+        return os.path.abspath(os.environ["ONCEPATCH_STORE"])
+    return store_root_for(discover(args.repo).common_dir)
+
+
+def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
+    from patcher.protocol import apply
+
+    data = _read_patch(args.patch)
+    res = apply(
+        args.repo, data, key=args.key, branch=args.branch, contract_sha256=args.contract_sha256,
+        attempt=args.attempt, format=args.format, check=args.check, message=args.message,
+        store=args.store, lock_timeout=args.lock_timeout, check_timeout=args.check_timeout,
+    )
+    doc = res.to_json()
+    if res.replayed:
+        text = f"replayed: {res.status} {(res.commit or '')[:12]} (nothing re-executed)\n"
+    elif res.already_applied:
+        text = f"already applied in {(res.commit or '')[:12]}: no new commit\n"
+    else:
+        text = f"committed {(res.commit or '')[:12]}: {len(res.outputs)} file(s)\n"
+    text += f"key {res.key}\nreceipt {res.receipt}\n"
+    for w in res.warnings:
+        text += f"warning: {w}\n"
+    return EXIT_OK, doc, text
+
+
+def _cmd_status(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
+    from receipts.errors import ReceiptNotFound
+    from receipts.store import ReceiptStore
+
+    rstore = ReceiptStore(_store_root(args))
+    receipt = rstore.find(args.key)
+    if receipt is None:
+        raise ReceiptNotFound(f"no receipt for key or call_id '{args.key}'", key=args.key)
+    doc = {"ok": True, "receipt": receipt.to_doc(), "path": rstore.receipt_path(receipt.key)}
+    text = (f"{receipt.status}{' (retryable)' if receipt.retryable else ''}  key {receipt.key}\n"
+            f"call_id {receipt.call_id}\ncommit {receipt.commit or '-'}\n"
+            f"fencing token {receipt.fencing_token}, updated {receipt.updated_at}\n")
+    return EXIT_OK, doc, text
+
+
+def _cmd_log(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
+    from receipts.store import ReceiptStore
+
+    events = list(ReceiptStore(_store_root(args)).ledger.events())
+    if args.limit is not None:
+        events = events[-args.limit:] if args.limit > 0 else []
+    lines = [
+        f"{e.get('seq'):>5} {e.get('at', '')} {e.get('event', ''):<10} {e.get('status', ''):<10} "
+        f"{str(e.get('commit') or '-')[:12]:<12} {e.get('key', '')}"
+        for e in events
+    ]
+    return EXIT_OK, {"ok": True, "events": events}, "\n".join(lines) + ("\n" if lines else "")
+
+
+_HANDLERS.update(apply=_cmd_apply, status=_cmd_status, log=_cmd_log)
+
+
+def _load_extra_commands() -> None:
+    # Each module appends to _EXTRA_COMMANDS and _HANDLERS when imported.
+    import importlib
+
+    for name in ("patcher.cli_recovery",):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+
+
+def _emit(doc: dict[str, Any], text: str, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.buffer.write(orjson.dumps(doc) + b"\n")
+    else:
+        sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    _load_extra_commands()
+    try:
+        args = build_parser().parse_args(argv)
+        code, doc, text = _HANDLERS[args.command](args)
+    except OncepatchError as exc:
+        doc = {"ok": False, "error": exc.envelope()}
+        if as_json:
+            _emit(doc, "", True)
+        else:
+            sys.stderr.write(f"oncepatch: {exc.error_type}: {exc.message}\n")
+            if exc.key:
+                sys.stderr.write(f"key {exc.key} (next: {exc.next_action})\n")
+        return exc.exit_code
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence: one envelope, exit 1
+        err = {"type": "internal", "message": f"{type(exc).__name__}: {exc}", "retryable": False,
+               "effect_status": "unknown", "key": None, "next_action": "query_before_retry"}
+        if as_json:
+            _emit({"ok": False, "error": err}, "", True)
+        else:
+            import traceback
+
+            traceback.print_exc()
+        return EXIT_INTERNAL
+    _emit(doc, text, as_json)
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,549 @@
+"""Applying hunks to one file's bytes (pure: no I/O).
+
+These rules hold for every context-based patch format.
+
+**Lines.**  :func:`split_lines` splits on ``\\n`` only and keeps terminators; a
+lone ``\\r`` is part of its line.  Only the file's last line may lack ``\\n``.
+
+**Grades**, strictest first; a grade is tried only when every stricter grade
+found no candidate:
+
+``exact``   bytes equal, terminators included (``eol_agnostic`` hunks: equal
+            once ``\\r\\n``/``\\n`` is removed from both sides);
+``rstrip``  equal ignoring trailing ASCII whitespace (``\\r`` included);
+``strip``   equal ignoring leading and trailing ASCII whitespace;
+``punct``   UTF-8 decoded (invalid bytes replaced, for comparing only),
+            stripped, Unicode dashes/minus → ``-``, curly quotes → ``'``/``"``,
+            Unicode spaces → space, stripped again.
+
+**Where a hunk may match.**  Hunks of a file are matched in order against the
+*original* file; hunk *i* may only match at or after the end of hunk *i-1*'s
+match (no overlap).
+
+* With ``old_start`` (unified diffs) the *stated position* is
+  ``old_start - 1`` plus the offset at which the previous hunk was found
+  (where it matched minus where it said it was, as GNU patch carries it).
+  At a grade, a match at the stated position wins; else the unique nearest
+  candidate wins; two at equal distance → :class:`AmbiguousMatch`.
+* Without ``old_start`` and without scopes, more than one candidate at the
+  first grade that has any → :class:`AmbiguousMatch`; the first match is never
+  taken silently.
+* ``scopes`` (apply_patch ``@@ def foo():`` anchors, compared as line
+  contents: the terminator never matters): the first scope line is looked up
+  from the current position (at the strictest grade that finds it); each
+  later scope line is the first match after the previous one.  The hunk is
+  then the *first* candidate after the last scope line.  A first scope line
+  that occurs several times is tried at each occurrence, and the hunk is
+  ambiguous only if those occurrences lead to *different* hunk positions —
+  an ambiguous scope is harmless when the hunk resolves it.  Scopes take
+  precedence over ``old_start``.
+* ``at_eof``: the hunk's old lines must end at the file's last line.
+* An empty old side inserts: with ``old_start`` after line ``old_start``
+  (0 = start of file, plus the carried offset); else after the last scope
+  line, or at the end of the file.
+
+**Writing.**  Matched old lines are replaced by the hunk's new lines.  Lines
+that a hunk keeps (context, paired by content between old and new side) are
+written as the *file's* bytes whenever the match was not an exact one, or the
+hunk is ``eol_agnostic``.  Lines an ``eol_agnostic`` hunk adds get the file's
+dominant terminator (``\\r\\n`` if more lines end so than with a bare ``\\n``);
+when such a block ends the file and the file had no final newline, its last
+line gets none either.  For other hunks matched at a fuzzy grade, added lines
+keep the patch's bytes, except that if the patch's line ending differs from
+the matched region's (an LF patch on a CRLF file) they take the region's.
+A line left without terminator in the middle of the result (the old last line
+of a file without final newline, with lines now after it) gets the file's
+dominant terminator, so lines are never glued together.
+
+**Already applied.**  A hunk whose old side is not found (or is found only at
+a grade looser than its new side) but whose new side is found, with the same
+rules, is *present*.  A hunk with an empty old side (pure insertion) or an
+empty new side can never be judged present.  All hunks present →
+``AppliedFile(content=original, already_applied=True)``; some present, the
+rest applicable → :class:`PartiallyApplied` (``applied_hunks`` /
+``missing_hunks``, 1-based); a hunk neither applicable nor present →
+:class:`ContextNotFound` for the first such hunk.
+
+**Errors** carry ``details``: ``path``, ``hunk`` (1-based), ``hunk_header``,
+``expected`` (first 3 old lines, one string), ``grade_tried``, ``closest``
+(``line``, ``lines``, ``diff``: the window of the file sharing most lines with
+the old side under ``strip``, ties → nearest the stated position; ``None`` if
+no line is shared) and, when ambiguous, ``candidates`` (1-based lines).
+
+**Cost.**  The usual case (exact at the stated position) is O(hunk) after
+:func:`split_lines`; a search is O(file x hunk) at worst.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from difflib import SequenceMatcher
+from typing import Any, Literal
+
+from patcher.errors import AmbiguousMatch, ContextNotFound, PartiallyApplied
+from patcher.model import AppliedFile, Hunk
+
+__all__ = ["GRADES", "apply_hunks", "split_lines"]
+
+GRADES: tuple[str, ...] = ("exact", "rstrip", "strip", "punct")
+
+_PUNCT_TABLE = str.maketrans(
+    {
+        **dict.fromkeys([*range(0x2010, 0x2016), 0x2212], "-"),
+        **dict.fromkeys([0x2018, 0x2019, 0x201A, 0x201B], "'"),
+        **dict.fromkeys([0x201C, 0x201D, 0x201E, 0x201F], '"'),
+        **dict.fromkeys([0x00A0, *range(0x2000, 0x200B), 0x202F, 0x205F, 0x3000], " "),
+    }
+)
+_CLOSEST_LINES = 6
+_DIFF_LIMIT = 40
+
+
+def split_lines(data: bytes) -> list[bytes]:
+    """Split ``data`` into lines, each keeping its ``\\n``; a lone ``\\r`` does not break a line."""
+    if not data:
+        return []
+    parts = data.split(b"\n")
+    lines = [part + b"\n" for part in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+def _chomp(line: bytes) -> bytes:
+    if line.endswith(b"\r\n"):
+        return line[:-2]
+    if line.endswith(b"\n"):
+        return line[:-1]
+    return line
+
+
+def _eol_of(line: bytes) -> bytes:
+    if line.endswith(b"\r\n"):
+        return b"\r\n"
+    if line.endswith(b"\n"):
+        return b"\n"
+    return b""
+
+
+def _punct(line: bytes) -> str:
+    return line.decode("utf-8", "replace").strip().translate(_PUNCT_TABLE).strip()
+
+
+def _identity(line: bytes) -> bytes:
+    return line
+
+
+def _key_fn(grade: str, agnostic: bool) -> Callable[[bytes], object]:
+    if grade == "exact":
+        return _chomp if agnostic else _identity
+    if grade == "rstrip":
+        return bytes.rstrip
+    if grade == "strip":
+        return bytes.strip
+    return _punct
+
+
+def _dominant(lines: Sequence[bytes]) -> bytes:
+    """``\\r\\n`` if more of ``lines`` end with it than with a bare ``\\n``; ``b""`` if none ends at all."""
+    crlf = lf = 0
+    for line in lines:
+        if line.endswith(b"\r\n"):
+            crlf += 1
+        elif line.endswith(b"\n"):
+            lf += 1
+    if crlf == lf == 0:
+        return b""
+    return b"\r\n" if crlf > lf else b"\n"
+
+
+class _File:
+    """The file's lines plus per-grade comparison keys, computed only when a search needs them."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.lines = split_lines(data)
+        self._keys: dict[tuple[str, bool], list[Any]] = {}
+        self._eol: bytes | None = None
+
+    @property
+    def eol(self) -> bytes:
+        if self._eol is None:
+            crlf = self.data.count(b"\r\n")
+            self._eol = b"\r\n" if crlf > self.data.count(b"\n") - crlf else b"\n"
+        return self._eol
+
+    def keys(self, grade: str, agnostic: bool) -> list[Any]:
+        if grade == "exact" and not agnostic:
+            return self.lines
+        cache = (grade, agnostic if grade == "exact" else False)
+        if cache not in self._keys:
+            fn = _key_fn(grade, agnostic)
+            self._keys[cache] = [fn(line) for line in self.lines]
+        return self._keys[cache]
+
+    def match_at(self, grade: str, agnostic: bool, pos: int, hkeys: list[Any]) -> bool:
+        end = pos + len(hkeys)
+        if pos < 0 or end > len(self.lines):
+            return False
+        cached = self._keys.get((grade, agnostic if grade == "exact" else False))
+        if grade == "exact" and not agnostic:
+            cached = self.lines
+        if cached is not None:
+            return cached[pos:end] == hkeys
+        fn = _key_fn(grade, agnostic)
+        return all(fn(self.lines[pos + k]) == hkeys[k] for k in range(len(hkeys)))
+
+    def scan(self, grade: str, agnostic: bool, hkeys: list[Any], lo: int) -> list[int]:
+        """Every start position ``>= lo`` where ``hkeys`` matches (``hkeys`` not empty)."""
+        keys = self.keys(grade, agnostic)
+        m = len(hkeys)
+        last = len(keys) - m
+        found: list[int] = []
+        pos = lo
+        first = hkeys[0]
+        while pos <= last:
+            try:
+                pos = keys.index(first, pos, last + 1)
+            except ValueError:
+                break
+            if keys[pos : pos + m] == hkeys:
+                found.append(pos)
+            pos += 1
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class _Loc:
+    """Where a line sequence was found: one position, or several (ambiguous) at ``grade``."""
+
+    grade: str
+    positions: tuple[int, ...]
+
+
+def _locate(
+    f: _File,
+    seq: Sequence[bytes],
+    *,
+    agnostic: bool,
+    lo: int,
+    expected: int | None,
+    starts: Sequence[int] | None,
+    at_eof: bool,
+    grades: Sequence[str] = GRADES,
+) -> _Loc | None:
+    """Find the non-empty ``seq`` in ``f`` at or after ``lo`` by the rules of the module docstring."""
+    n, m = len(f.lines), len(seq)
+    last = n - m
+    if last < lo:
+        return None
+    for grade in grades:
+        fn = _key_fn(grade, agnostic)
+        hkeys = [fn(line) for line in seq]
+        if at_eof:
+            floor = max(lo, min(starts)) if starts else lo
+            if last >= floor and f.match_at(grade, agnostic, last, hkeys):
+                return _Loc(grade, (last,))
+            continue
+        if expected is not None and starts is None:
+            if lo <= expected <= last and f.match_at(grade, agnostic, expected, hkeys):
+                return _Loc(grade, (expected,))
+        cands = f.scan(grade, agnostic, hkeys, lo)
+        if not cands:
+            continue
+        if starts is not None:
+            firsts = set()
+            for start in starts:
+                after = [p for p in cands if p >= start]
+                if after:
+                    firsts.add(after[0])
+            if firsts:
+                return _Loc(grade, tuple(sorted(firsts)))
+            continue
+        if expected is None:
+            return _Loc(grade, tuple(cands))
+        best = min(abs(p - expected) for p in cands)
+        return _Loc(grade, tuple(p for p in cands if abs(p - expected) == best))
+    return None
+
+
+def _find_line(f: _File, line: bytes, lo: int) -> list[int]:
+    """Positions ``>= lo`` of one scope line at the strictest grade that finds any (terminator ignored)."""
+    if lo >= len(f.lines):
+        return []
+    for grade in GRADES:
+        key = _key_fn(grade, True)(line)
+        found = f.scan(grade, True, [key], lo)
+        if found:
+            return found
+    return []
+
+
+def _resolve_scopes(f: _File, scopes: Sequence[bytes], lo: int) -> tuple[list[int], bytes | None]:
+    """Positions just after the last scope line, one per occurrence of the first; else the missing scope."""
+    starts: list[int] = []
+    firsts = _find_line(f, scopes[0], lo)
+    if not firsts:
+        return [], scopes[0]
+    missing: bytes | None = None
+    for first in firsts:
+        pos = first + 1
+        for scope in scopes[1:]:
+            found = _find_line(f, scope, pos)
+            if not found:
+                missing = scope
+                break
+            pos = found[0] + 1
+        else:
+            if pos not in starts:
+                starts.append(pos)
+    return starts, (missing if not starts else None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    """How one hunk relates to the file: ``applies`` / ``present`` at ``pos``, or ``missing``."""
+
+    state: Literal["applies", "present", "missing"]
+    pos: int = 0
+    grade: str = "exact"
+    reason: str = ""
+
+
+class _Failure(Exception):
+    """Internal: a hunk cannot be placed; turned into a public error with details by the caller."""
+
+    def __init__(self, kind: type[ContextNotFound | AmbiguousMatch], reason: str, **extra: Any) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+        self.extra = extra
+
+
+def _judge(f: _File, hunk: Hunk, lo: int, carry: int) -> _Verdict:
+    """Decide whether ``hunk`` applies at or after ``lo``, is already present, or neither.
+
+    Raises:
+        _Failure: a scope is missing, an insertion point is outside the file, or
+            the old side is ambiguous (and the new side not found more strictly).
+    """
+    agnostic = hunk.eol_agnostic
+    starts: list[int] | None = None
+    if hunk.scopes:
+        starts, missing_scope = _resolve_scopes(f, hunk.scopes, lo)
+        if missing_scope is not None or not starts:
+            shown = _chomp(missing_scope or b"").decode("utf-8", "replace")
+            raise _Failure(
+                ContextNotFound, f"scope '{shown}' not found (tried {', '.join(GRADES)})", scope=shown
+            )
+    if not hunk.old_lines:
+        return _Verdict("applies", _insertion_point(f, hunk, lo, carry, starts))
+    expected = None if hunk.old_start is None else hunk.old_start - 1 + carry
+    kw: dict[str, Any] = {
+        "agnostic": agnostic,
+        "lo": lo,
+        "expected": expected,
+        "starts": starts,
+        "at_eof": hunk.at_eof,
+    }
+    old = _locate(f, hunk.old_lines, **kw)
+    if old is not None and old.grade == "exact" and len(old.positions) == 1:
+        return _Verdict("applies", old.positions[0], "exact")
+    new: _Loc | None = None
+    if hunk.new_lines:
+        # The new side counts only if found more strictly than the old side.
+        stricter = GRADES if old is None else GRADES[: GRADES.index(old.grade)]
+        new = _locate(f, hunk.new_lines, **kw, grades=stricter) if stricter else None
+    if new is not None:
+        return _Verdict("present", new.positions[0], new.grade)
+    if old is None:
+        where = "at end of file " if hunk.at_eof else ""
+        return _Verdict("missing", reason=f"context not found {where}(tried {', '.join(GRADES)})")
+    if len(old.positions) > 1:
+        lines = ", ".join(str(p + 1) for p in old.positions)
+        raise _Failure(
+            AmbiguousMatch,
+            f"context matches at lines {lines} (grade {old.grade}); add context to make it unique",
+            candidates=[p + 1 for p in old.positions],
+            grade_tried=list(GRADES[: GRADES.index(old.grade) + 1]),
+        )
+    return _Verdict("applies", old.positions[0], old.grade)
+
+
+def _insertion_point(f: _File, hunk: Hunk, lo: int, carry: int, starts: list[int] | None) -> int:
+    n = len(f.lines)
+    if starts is not None:
+        if hunk.at_eof:
+            return n
+        if len(starts) > 1:
+            raise _Failure(
+                AmbiguousMatch,
+                "insertion point is ambiguous: the scope occurs at several places",
+                candidates=[p for p in starts],
+                grade_tried=list(GRADES),
+            )
+        return max(starts[0], lo)
+    if hunk.old_start is None or hunk.at_eof:
+        return n
+    pos = hunk.old_start + carry
+    if not lo <= pos <= n:
+        raise _Failure(
+            ContextNotFound,
+            f"insertion after line {hunk.old_start} is outside the file ({n} lines)",
+        )
+    return pos
+
+
+def _new_block(f: _File, hunk: Hunk, pos: int, grade: str) -> list[bytes]:
+    """The lines that replace the matched old lines (see **Writing** in the module docstring)."""
+    if grade == "exact" and not hunk.eol_agnostic:
+        return list(hunk.new_lines)
+    m = len(hunk.old_lines)
+    matched = f.lines[pos : pos + m]
+    norm: Callable[[bytes], bytes] = _chomp if hunk.eol_agnostic else _identity
+    pairs = SequenceMatcher(
+        None, [norm(x) for x in hunk.old_lines], [norm(x) for x in hunk.new_lines], autojunk=False
+    )
+    kept: dict[int, int] = {}
+    for block in pairs.get_matching_blocks():
+        for k in range(block.size):
+            kept[block.b + k] = block.a + k
+    eol = f.eol
+    patch_eol = region_eol = b""
+    if not hunk.eol_agnostic:
+        patch_eol, region_eol = _dominant(hunk.old_lines), _dominant(matched)
+    out: list[bytes] = []
+    for j, line in enumerate(hunk.new_lines):
+        if j in kept:
+            out.append(matched[kept[j]])
+        elif hunk.eol_agnostic:
+            out.append(_chomp(line) + eol)
+        elif patch_eol and region_eol and patch_eol != region_eol and _eol_of(line) == patch_eol:
+            out.append(line[: -len(patch_eol)] + region_eol)
+        else:
+            out.append(line)
+    for k in range(len(out) - 1):
+        if not out[k].endswith(b"\n"):
+            out[k] += eol
+    n = len(f.lines)
+    if hunk.eol_agnostic and out and pos + m == n and n and not f.lines[-1].endswith(b"\n"):
+        out[-1] = _chomp(out[-1])
+    return out
+
+
+def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict]]) -> bytes:
+    out: list[bytes] = []
+
+    def extend(piece: Sequence[bytes]) -> None:
+        # Only the old last line can lack '\n'; if anything now follows it, terminate it.
+        if piece and out and not out[-1].endswith(b"\n"):
+            out[-1] += f.eol
+        out.extend(piece)
+
+    prev = 0
+    for hunk, verdict in plan:
+        extend(f.lines[prev : verdict.pos])
+        extend(_new_block(f, hunk, verdict.pos, verdict.grade))
+        prev = verdict.pos + len(hunk.old_lines)
+    extend(f.lines[prev:])
+    return b"".join(out)
+
+
+def _text(line: bytes) -> str:
+    return _chomp(line).decode("utf-8", "replace")
+
+
+def _closest(f: _File, seq: Sequence[bytes], ref: int) -> dict[str, Any] | None:
+    """The window of ``len(seq)`` file lines sharing most lines with ``seq`` under ``strip``."""
+    if not seq or not f.lines:
+        return None
+    want: dict[bytes, list[int]] = {}
+    for k, line in enumerate(seq):
+        want.setdefault(line.strip(), []).append(k)
+    score: dict[int, int] = {}
+    last = max(len(f.lines) - len(seq), 0)
+    for i, key in enumerate(f.keys("strip", False)):
+        for k in want.get(key, ()):
+            start = i - k
+            if 0 <= start <= last:
+                score[start] = score.get(start, 0) + 1
+    if not score:
+        return None
+    start = min(score, key=lambda p: (-score[p], abs(p - ref), p))
+    found = f.lines[start : start + len(seq)]
+    expected_text = [_text(x) for x in seq]
+    found_text = [_text(x) for x in found]
+    diff: list[str] = []
+    matcher = SequenceMatcher(None, expected_text, found_text, autojunk=False)
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag == "equal":
+            diff.extend(" " + x for x in expected_text[a0:a1])
+        else:
+            diff.extend("-" + x for x in expected_text[a0:a1])
+            diff.extend("+" + x for x in found_text[b0:b1])
+    return {
+        "line": start + 1,
+        "lines": [_text(x) for x in f.lines[start : start + _CLOSEST_LINES]],
+        "diff": diff[:_DIFF_LIMIT],
+    }
+
+
+def _error(
+    f: _File, hunk: Hunk, index: int, path: str, lo: int, expected: int | None, failure: _Failure
+) -> ContextNotFound | AmbiguousMatch:
+    details: dict[str, Any] = {
+        "path": path,
+        "hunk": index + 1,
+        "hunk_header": hunk.header,
+        "expected": "\n".join(_text(x) for x in hunk.old_lines[:3]),
+        "grade_tried": list(GRADES),
+    }
+    details.update(failure.extra)
+    details["closest"] = _closest(f, hunk.old_lines, lo if expected is None else expected)
+    message = f"hunk {index + 1} of '{path}' does not apply: {failure.reason}"
+    return failure.kind(message, details=details)
+
+
+def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str) -> AppliedFile:
+    """Apply ``hunks`` (in order) to ``original`` by the rules of the module docstring.
+
+    ``path`` is used only in messages and error details.  Returns the new
+    content with the grade each hunk matched at, or the original content with
+    ``already_applied=True`` when every hunk is already present.
+
+    Raises:
+        ContextNotFound: a hunk (or one of its scopes) is neither applicable nor present.
+        AmbiguousMatch: a hunk matches in several places equally well.
+        PartiallyApplied: some hunks are present, the others still apply.
+    """
+    f = _File(original)
+    plan: list[tuple[Hunk, _Verdict]] = []
+    lo = carry = 0
+    for index, hunk in enumerate(hunks):
+        expected = None if hunk.old_start is None else hunk.old_start - 1 + carry
+        try:
+            verdict = _judge(f, hunk, lo, carry)
+        except _Failure as failure:
+            raise _error(f, hunk, index, path, lo, expected, failure) from None
+        if verdict.state == "missing":
+            raise _error(f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason))
+        plan.append((hunk, verdict))
+        size = len(hunk.old_lines if verdict.state == "applies" else hunk.new_lines)
+        lo = verdict.pos + size
+        if hunk.old_start is not None and hunk.old_lines:
+            carry = verdict.pos - (hunk.old_start - 1)
+            if verdict.state == "present":
+                carry += len(hunk.new_lines) - len(hunk.old_lines)
+    grades = tuple(v.grade for _, v in plan)
+    present = [i + 1 for i, (_, v) in enumerate(plan) if v.state == "present"]
+    if not present:
+        return AppliedFile(content=_render(f, plan), grades=grades)
+    if len(present) == len(plan):
+        return AppliedFile(content=original, grades=grades, already_applied=True)
+    missing = [i + 1 for i, (_, v) in enumerate(plan) if v.state == "applies"]
+    raise PartiallyApplied(
+        f"patch is partially applied to '{path}': hunks {', '.join(map(str, present))} "
+        f"already present, hunks {', '.join(map(str, missing))} not",
+        details={"path": path, "applied_hunks": present, "missing_hunks": missing},
+    )

@@ -1,0 +1,417 @@
+"""The apply protocol (DESIGN.md section 4) for a git branch.
+
+:func:`apply` is the public face; the CLI and the MCP server call it.  Steps:
+
+0. normalise args, compute the identity and key; **replay fast path**: a final
+   receipt is read without the lock and without importing pygit2;
+1. under the key's lock: re-read the receipt (replay / conflict / resolve a
+   ``prepared`` or ``unknown`` one through :class:`patcher.git_adapter.GitAdapter`);
+2. decode the patch, check paths; open the repository;
+3. stage blobs, trees and the candidate commit (``after-stage``); refuse dirty
+   or symlinked worktree paths;
+4. write the ``prepared`` receipt with the next fencing token (``after-prepare``);
+5. compare-and-swap the branch, then create the key ref (``after-ref``); if the
+   branch moved, re-stage onto its new head (bounded rounds) or reject;
+6. materialise touched paths in every worktree on the branch (``after-materialise``);
+7. write the ``committed`` receipt (``before-receipt-replace``) and its ledger event.
+
+Fencing: before moving the ref and before finalising, the receipt on disk must
+still carry this attempt's token; a newer attempt's receipt is never
+overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cas.crash import crash_hook, crash_point
+from cas.errors import OncepatchError, RefLockedError, RefMovedError, RefUpdateUnknown
+from receipts.errors import FencedOff, IdempotencyConflict, StillUnknown
+from receipts.identity import check_key, compute_args_sha256, compute_call_id, key_hash, make_identity
+from receipts.receipt import Receipt, now_iso
+from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
+from patcher.args import TOOL, TOOL_VERSION, CallArgs, normalise_args
+from patcher.errors import Conflict, PatchError
+from patcher.formats import detect, parse_patch
+
+if TYPE_CHECKING:
+    from cas.objects import GitStore
+    from patcher.model import Patch
+    from patcher.stage import Staged
+
+__all__ = ["ApplyResult", "apply", "store_root_for", "owner_info", "MAX_RESTAGE_ROUNDS", "KEY_REF_PREFIX"]
+
+MAX_RESTAGE_ROUNDS = 16
+KEY_REF_PREFIX = "refs/oncepatch/keys/"
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    key: str
+    call_id: str
+    status: str
+    replayed: bool
+    commit: str | None
+    tree: str | None
+    outputs: tuple[dict[str, Any], ...]
+    receipt: str
+    already_applied: bool = False
+    warnings: tuple[str, ...] = ()
+    error: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "ok": True,
+            "key": self.key,
+            "call_id": self.call_id,
+            "status": self.status,
+            "replayed": self.replayed,
+            "commit": self.commit,
+            "tree": self.tree,
+            "outputs": list(self.outputs),
+            "receipt": self.receipt,
+        }
+        if self.already_applied:
+            doc["already_applied"] = True
+        if self.warnings:
+            doc["warnings"] = list(self.warnings)
+        return doc
+
+
+def store_root_for(common_dir: str, store: str | None = None) -> str:
+    """``--store``, else ``$ONCEPATCH_STORE``, else ``<git-common-dir>/oncepatch``."""
+    root = store or os.environ.get("ONCEPATCH_STORE") or os.path.join(common_dir, "oncepatch")
+    return os.path.abspath(root)
+
+
+def _proc_start_time() -> str | None:
+    try:
+        with open(f"/proc/{os.getpid()}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return fields[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def owner_info() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start_time": _proc_start_time(), "since": now_iso()}
+
+
+def _replay(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResult:
+    """Return the stored outcome of a final receipt; nothing is re-executed."""
+    store.ledger.append_receipt_event("replayed", receipt)
+    if receipt.status == "rejected":
+        err = dict(receipt.error or {})
+        raise _error_from_envelope(err, receipt.key, replayed=True)
+    return ApplyResult(
+        key=receipt.key,
+        call_id=receipt.call_id,
+        status=receipt.status,
+        replayed=True,
+        commit=receipt.commit,
+        tree=receipt.tree,
+        outputs=receipt.outputs,
+        receipt=path,
+        already_applied=bool(receipt.extra.get("already_applied")),
+    )
+
+
+def _error_from_envelope(err: dict[str, Any], key: str, *, replayed: bool) -> OncepatchError:
+    """Rebuild the stored rejection as an error of the same type and exit code."""
+    from patcher import errors as pe
+
+    by_type: dict[str, type[OncepatchError]] = {
+        cls.type: cls
+        for cls in (pe.ParseError, pe.UnsafePath, pe.TooLarge, pe.ContextNotFound, pe.AmbiguousMatch,
+                    pe.PartiallyApplied, pe.DirtyPath, pe.Conflict, pe.CheckFailed)
+    }
+    cls = by_type.get(str(err.get("type")), PatchError)
+    fixed = {"type", "message", "retryable", "effect_status", "key", "next_action"}
+    details = {k: v for k, v in err.items() if k not in fixed}
+    details["replayed"] = replayed
+    return cls(
+        str(err.get("message", "rejected")),
+        retryable=bool(err.get("retryable", False)),
+        effect_status=err.get("effect_status") or "not_applied",
+        key=key,
+        next_action=err.get("next_action") or "none",
+        details=details,
+        error_type=str(err.get("type") or "rejected"),
+    )
+
+
+def apply(
+    repo: str,
+    patch: str | bytes,
+    *,
+    key: str | None = None,
+    branch: str | None = None,
+    contract_sha256: str | None = None,
+    attempt: int = 1,
+    format: str = "auto",
+    check: str | None = None,
+    message: str | None = None,
+    store: str | None = None,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    check_timeout: float = 600.0,
+    _stores: dict[str, Any] | None = None,
+) -> ApplyResult:
+    """Apply ``patch`` (its content, never a file name) to ``branch`` of ``repo`` effectively once.
+
+    Returns the committed (or replayed) outcome.
+
+    Raises:
+        OncepatchError: a subclass with the envelope fields; ``exit_code`` gives
+            the CLI's exit status (conflict 3, rejected 4, in progress/unknown 5).
+    """
+    args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message, detect=detect)
+    identity = make_identity(TOOL, TOOL_VERSION, args.as_dict(), contract_sha256=contract_sha256, attempt=attempt)
+    call_id = compute_call_id(identity)
+    the_key = check_key(key) if key is not None else call_id
+    args_sha = compute_args_sha256(TOOL, TOOL_VERSION, args.as_dict())
+    rstore = ReceiptStore(store_root_for(args.layout.common_dir, store))
+    path = rstore.receipt_path(the_key)
+
+    # Fast path: a final receipt is immutable, so it can be read without the lock.
+    existing = rstore.read(the_key)
+    if existing is not None:
+        _check_same_intent(existing, args_sha, the_key)
+        if existing.is_final:
+            return _replay(existing, path, rstore)
+
+    with rstore.lock(the_key, timeout=lock_timeout):
+        existing = rstore.read(the_key)
+        if existing is not None:
+            _check_same_intent(existing, args_sha, the_key)
+            if existing.status in ("prepared", "unknown"):
+                from patcher.git_adapter import GitAdapter
+
+                existing = GitAdapter(stores=_stores).resolve(rstore, existing)
+            if existing.is_final:
+                return _replay(existing, path, rstore)
+        try:
+            return _execute(rstore, args, identity, call_id, the_key, args_sha, existing, lock_timeout,
+                            check_timeout, _stores)
+        except OncepatchError as exc:
+            raise exc.with_key(the_key)
+
+
+def _check_same_intent(existing: Receipt, args_sha: str, key: str) -> None:
+    if existing.args_sha256 != args_sha:
+        raise IdempotencyConflict(
+            f"key '{key}' was used for a different call (tool, version or args differ)",
+            key=key,
+            details={"existing_call_id": existing.call_id, "existing_status": existing.status},
+        )
+
+
+def open_store(repo_path: str, stores: dict[str, Any] | None) -> GitStore:
+    """An open :class:`GitStore`, reused from ``stores`` by long-lived callers."""
+    from cas.objects import GitStore
+
+    if stores is None:
+        return GitStore(repo_path)
+    found = stores.get(repo_path)
+    if found is None:
+        found = stores[repo_path] = GitStore(repo_path)
+    return found  # type: ignore[no-any-return]
+
+
+def _execute(
+    rstore: ReceiptStore,
+    args: CallArgs,
+    identity: dict[str, Any],
+    call_id: str,
+    key: str,
+    args_sha: str,
+    previous: Receipt | None,
+    lock_timeout: float,
+    check_timeout: float,
+    stores: dict[str, Any] | None,
+) -> ApplyResult:
+    from patcher.stage import stage, touched_paths
+    from patcher.worktrees import check_worktrees, materialise_all
+
+    parsed = parse_patch(args.patch, args.format)
+    gstore = open_store(args.repo, stores)
+    message = _commit_message(args, parsed, call_id, key)
+    base = gstore.resolve(args.branch)
+    staged, candidate = stage(gstore, base, parsed, message)
+    paths = touched_paths(parsed)
+    worktrees = check_worktrees(gstore, args.branch, paths)
+    if candidate is None:
+        return _already_applied(rstore, identity, call_id, key, args_sha, previous, args, staged)
+    if args.check is not None:
+        from patcher.check import run_check
+
+        run_check(rstore, gstore, candidate, args.check, key=key, timeout=check_timeout,
+                  on_fail=lambda err: _reject(rstore, identity, call_id, key, args_sha, previous, args, err,
+                                              base, candidate))
+    crash_point("after-stage")
+
+    token = (previous.fencing_token if previous is not None else 0) + 1
+    now = now_iso()
+    receipt = Receipt(
+        key=key,
+        call_id=call_id,
+        identity=identity,
+        args_sha256=args_sha,
+        tool=TOOL,
+        tool_version=TOOL_VERSION,
+        status="prepared",
+        fencing_token=token,
+        owner=owner_info(),
+        created_at=previous.created_at if previous is not None else now,
+        updated_at=now,
+        base={"ref": args.branch, "commit": base},
+        candidate=candidate,
+        outputs=staged.outputs,
+        extra={"touched": paths, "grades": {k: list(v) for k, v in staged.grades.items()}},
+    )
+    rstore.record(receipt, "prepared")
+    crash_point("after-prepare")
+
+    rounds = 0
+    while True:
+        _fence(rstore, key, token)
+        try:
+            gstore.compare_and_swap(args.branch, base, candidate, f"oncepatch: {call_id}")
+            break
+        except RefMovedError as moved:
+            rounds += 1
+            new_base = moved.actual
+            conflict: OncepatchError | None = None
+            if rounds > MAX_RESTAGE_ROUNDS:
+                conflict = Conflict(
+                    f"branch '{args.branch}' kept moving: gave up after {MAX_RESTAGE_ROUNDS} rounds",
+                    details={"paths": paths},
+                )
+            else:
+                try:
+                    staged, new_candidate = stage(gstore, new_base, parsed, message)
+                except PatchError as exc:
+                    conflict = Conflict(
+                        f"branch '{args.branch}' moved to {str(new_base)[:12]} and the patch no longer "
+                        f"applies there: {exc.message}",
+                        details={"paths": paths, "cause": exc.envelope()},
+                    )
+                else:
+                    if new_candidate is None:
+                        conflict = Conflict(
+                            f"branch '{args.branch}' moved to {str(new_base)[:12]}, which already "
+                            "contains this change", details={"paths": paths})
+            if conflict is not None:
+                _reject(rstore, identity, call_id, key, args_sha, receipt, args, conflict, base, candidate)
+                raise conflict
+            assert new_candidate is not None
+            base, candidate = new_base, new_candidate
+            receipt = receipt.evolve(base={"ref": args.branch, "commit": base}, candidate=candidate,
+                                     outputs=staged.outputs)
+            _fence(rstore, key, token)
+            rstore.record(receipt, "restaged")
+        except RefLockedError as exc:
+            _reject(rstore, identity, call_id, key, args_sha, receipt, args, exc, base, candidate,
+                    retryable=True)
+            raise
+        except RefUpdateUnknown as exc:
+            rstore.record(receipt.evolve(status="unknown", error=exc.envelope()), "unknown")
+            raise
+    gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}")
+    crash_point("after-ref")
+
+    warnings = materialise_all(gstore, rstore, worktrees, staged.changes, key)
+    crash_point("after-materialise")
+
+    _fence(rstore, key, token)
+    final = receipt.evolve(status="committed", commit=candidate, tree=staged.tree, error=None)
+    if warnings:
+        final = final.evolve(extra={**final.extra, "warnings": warnings})
+    path = rstore.write(final, before_replace=crash_hook("before-receipt-replace"))  # type: ignore[arg-type]
+    rstore.ledger.append_receipt_event("committed", final)
+    return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
+                       warnings=tuple(warnings))
+
+
+def _fence(rstore: ReceiptStore, key: str, token: int) -> None:
+    """The receipt on disk must still be this attempt's; else a newer attempt took over."""
+    current = rstore.read(key)
+    if current is not None and current.fencing_token != token:
+        raise FencedOff(
+            f"key '{key}' was taken over by attempt {current.fencing_token} (this is attempt {token})",
+            key=key,
+            details={"fencing_token": token, "current_token": current.fencing_token},
+        )
+
+
+def _reject(
+    rstore: ReceiptStore,
+    identity: dict[str, Any],
+    call_id: str,
+    key: str,
+    args_sha: str,
+    previous: Receipt | None,
+    args: CallArgs,
+    err: OncepatchError,
+    base: str | None,
+    candidate: str | None,
+    *,
+    retryable: bool | None = None,
+) -> None:
+    """Record a rejection after staging (conflict, failed check, stale lock)."""
+    envelope = err.with_key(key).envelope()
+    if retryable is not None:
+        envelope["retryable"] = retryable
+    now = now_iso()
+    token = previous.fencing_token if previous is not None and previous.status == "prepared" else (
+        (previous.fencing_token if previous is not None else 0) + 1)
+    receipt = Receipt(
+        key=key, call_id=call_id, identity=identity, args_sha256=args_sha, tool=TOOL, tool_version=TOOL_VERSION,
+        status="rejected", retryable=bool(envelope["retryable"]), fencing_token=token, owner=owner_info(),
+        created_at=previous.created_at if previous is not None else now, updated_at=now,
+        base={"ref": args.branch, "commit": base}, candidate=candidate, error=envelope,
+    )
+    if previous is not None and previous.status == "prepared":
+        _fence(rstore, key, token)
+    rstore.record(receipt, "rejected")
+
+
+def _already_applied(
+    rstore: ReceiptStore,
+    identity: dict[str, Any],
+    call_id: str,
+    key: str,
+    args_sha: str,
+    previous: Receipt | None,
+    args: CallArgs,
+    staged: Staged,
+) -> ApplyResult:
+    """Every edit is already in the branch: committed, naming the commit that has it; no new commit."""
+    now = now_iso()
+    receipt = Receipt(
+        key=key, call_id=call_id, identity=identity, args_sha256=args_sha, tool=TOOL, tool_version=TOOL_VERSION,
+        status="committed", fencing_token=(previous.fencing_token if previous else 0) + 1, owner=owner_info(),
+        created_at=previous.created_at if previous is not None else now, updated_at=now,
+        base={"ref": args.branch, "commit": staged.base_commit}, candidate=None,
+        commit=staged.base_commit, tree=staged.base_tree, outputs=staged.outputs,
+        extra={"already_applied": True},
+    )
+    path = rstore.record(receipt, "committed", already_applied=True)
+    return ApplyResult(key, call_id, "committed", False, staged.base_commit, staged.base_tree, staged.outputs,
+                       path, already_applied=True)
+
+
+def _commit_message(args: CallArgs, patch: Patch, call_id: str, key: str) -> str:
+    if args.message:
+        subject = args.message.rstrip("\n")
+    else:
+        targets = [e.target for e in patch.edits]
+        shown = ", ".join(targets[:3]) + (f" and {len(targets) - 3} more" if len(targets) > 3 else "")
+        subject = f"oncepatch: apply patch to {shown}"
+    return f"{subject}\n\nOncepatch-Call: {call_id}\nOncepatch-Key: {key_hash(key)}\n"
+
+
+def _unknown_error(key: str) -> StillUnknown:
+    return StillUnknown(f"outcome of key '{key}' is unknown: run 'oncepatch recover'", key=key)

@@ -1,0 +1,198 @@
+"""Staging: turn parsed file edits into new objects on top of a base commit.
+
+:func:`stage` reads only the blobs the edits touch, applies the hunks
+(:mod:`patcher.matching`), writes the new blobs, rebuilds the trees on the
+changed paths (:meth:`cas.objects.GitStore.edit_tree`) and returns the change
+set.  Nothing here moves a ref: a crash leaves only unreferenced objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from cas.objects import GitStore, TreeEntry
+from patcher.errors import ContextNotFound, PartiallyApplied, UnsafePath
+from patcher.matching import apply_hunks
+from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Patch
+
+__all__ = ["Staged", "stage", "touched_paths"]
+
+_MODE_TREE = 0o040000
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    base_commit: str | None
+    base_tree: str | None
+    tree: str
+    changes: dict[str, TreeEntry | None]
+    outputs: tuple[dict[str, Any], ...]
+    grades: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    already_applied: bool = False
+
+
+def touched_paths(patch: Patch) -> list[str]:
+    seen: dict[str, None] = {}
+    for edit in patch.edits:
+        for p in edit.touched:
+            seen.setdefault(p, None)
+    return list(seen)
+
+
+def _lookup(store: GitStore, tree: str | None, path: str, deleted: set[str]) -> TreeEntry | None:
+    if tree is None:
+        return None
+    found = store.lookup_path(tree, path)
+    if found.blocked_by is not None:
+        if found.blocked_mode == MODE_LINK:
+            raise UnsafePath(
+                f"refusing to write '{path}': '{found.blocked_by}' is a symlink in the tree",
+                details={"path": path, "reason": "through_symlink", "symlink": found.blocked_by},
+            )
+        if found.blocked_by not in deleted:
+            raise ContextNotFound(
+                f"cannot write '{path}': '{found.blocked_by}' is a file, not a folder",
+                details={"path": path, "blocked_by": found.blocked_by},
+            )
+        return None
+    if found.entry is not None and found.entry.mode == _MODE_TREE:
+        raise ContextNotFound(f"'{path}' is a folder, not a file", details={"path": path})
+    return found.entry
+
+
+def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None) -> tuple[bytes, int, tuple[str, ...], bool]:
+    """New content, new mode, per-hunk grades, already-applied flag for a modify/rename/add."""
+    if edit.op == "add":
+        content = edit.content if edit.content is not None else b""
+        mode = edit.new_mode or MODE_FILE
+        if current is not None:
+            if store.read_blob(current.oid) == content and current.mode == mode:
+                return content, mode, (), True
+            raise ContextNotFound(f"cannot add '{edit.path}': it already exists", details={"path": edit.path})
+        return content, mode, (), False
+    if current is None:
+        raise ContextNotFound(f"cannot change '{edit.path}': it does not exist", details={"path": edit.path})
+    if edit.old_mode is not None and edit.old_mode != current.mode and edit.new_mode != current.mode:
+        raise ContextNotFound(
+            f"'{edit.path}' has mode {current.mode:o}, the patch expects {edit.old_mode:o}",
+            details={"path": edit.path, "mode": oct(current.mode), "expected_mode": oct(edit.old_mode)},
+        )
+    old = store.read_blob(current.oid)
+    mode = edit.new_mode or current.mode
+    if edit.hunks:
+        applied = apply_hunks(old, edit.hunks, path=edit.path)
+        return applied.content, mode, applied.grades, applied.already_applied
+    if edit.content is not None:
+        return edit.content, mode, (), edit.content == old and mode == current.mode
+    # A mode change alone (or a pure rename).
+    return old, mode, (), mode == current.mode and edit.op != "rename"
+
+
+def stage(store: GitStore, base_commit: str | None, patch: Patch, message: str) -> tuple[Staged, str | None]:
+    """Apply ``patch`` on ``base_commit``; return the staged change and the candidate commit.
+
+    The candidate is ``None`` when every edit is already present in the base
+    (``Staged.already_applied``): nothing is written.
+
+    Raises:
+        ContextNotFound, AmbiguousMatch, PartiallyApplied, UnsafePath: the patch
+            does not apply to this base; nothing was written that any ref names.
+    """
+    base_tree = store.commit_tree(base_commit) if base_commit else None
+    deleted = {e.path for e in patch.edits if e.op in ("delete", "rename")}
+    changes: dict[str, TreeEntry | None] = {}
+    outputs: list[dict[str, Any]] = []
+    grades: dict[str, tuple[str, ...]] = {}
+    present: list[str] = []
+    missing: list[str] = []
+    blobs: list[tuple[str, bytes, int, dict[str, Any]]] = []
+    for edit in patch.edits:
+        current = _lookup(store, base_tree, edit.path, deleted)
+        if edit.op == "delete":
+            if current is None:
+                # A delete of a missing file is already applied only if nothing else is.
+                present.append(edit.path)
+                continue
+            if edit.hunks:
+                applied = apply_hunks(store.read_blob(current.oid), edit.hunks, path=edit.path)
+                if applied.content != b"":
+                    raise ContextNotFound(
+                        f"cannot delete '{edit.path}': its content differs from the patch",
+                        details={"path": edit.path},
+                    )
+            changes[edit.path] = None
+            outputs.append({"path": edit.path, "op": "delete", "sha256": None, "blob": None, "mode": None})
+            missing.append(edit.path)
+            continue
+        if edit.op == "rename":
+            target_now = _lookup(store, base_tree, edit.target, deleted)
+            if current is None and target_now is not None:
+                # Already moved?  Apply the content edit to the target to check.
+                content, mode, g, done = _apply_one(store, _as_modify(edit), target_now)
+                if done:
+                    present.append(edit.path)
+                    continue
+                raise ContextNotFound(f"cannot rename '{edit.path}': it does not exist", details={"path": edit.path})
+            if target_now is not None and edit.target not in deleted:
+                raise ContextNotFound(
+                    f"cannot rename '{edit.path}' to '{edit.target}': the target exists",
+                    details={"path": edit.target},
+                )
+        content, mode, g, done = _apply_one(store, edit, current)
+        if g:
+            grades[edit.target] = g
+        if done and edit.op != "rename":
+            present.append(edit.path)
+            continue
+        missing.append(edit.path)
+        if edit.op == "rename":
+            changes[edit.path] = None
+        out: dict[str, Any] = {
+            "path": edit.target,
+            "op": edit.op,
+            "sha256": hashlib.sha256(content).hexdigest(),
+            "blob": None,
+            "mode": mode,
+        }
+        if edit.op == "rename":
+            out["from"] = edit.path
+        outputs.append(out)
+        blobs.append((edit.target, content, mode, out))
+    if present and missing:
+        raise PartiallyApplied(
+            f"patch is partially applied: {len(present)} of {len(present) + len(missing)} file edits are already present",
+            details={"present": present, "missing": missing},
+        )
+    if not missing:
+        outputs_present = tuple(_present_outputs(store, base_tree, patch))
+        staged = Staged(base_commit, base_tree, base_tree or "", {}, outputs_present, grades, True)
+        return staged, None
+    for path, content, mode, out in blobs:
+        oid = store.write_blob(content)
+        changes[path] = TreeEntry(oid, mode)
+        out["blob"] = oid
+    tree = store.edit_tree(base_tree, changes)
+    candidate = store.create_commit(tree, [base_commit] if base_commit else [], message)
+    return Staged(base_commit, base_tree, tree, changes, tuple(outputs), grades, False), candidate
+
+
+def _as_modify(edit: FileEdit) -> FileEdit:
+    return FileEdit(op="modify", path=edit.target, hunks=edit.hunks, content=edit.content,
+                    new_mode=edit.new_mode)
+
+
+def _present_outputs(store: GitStore, tree: str | None, patch: Patch) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for edit in patch.edits:
+        if edit.op == "delete":
+            out.append({"path": edit.path, "op": "delete", "sha256": None, "blob": None, "mode": None})
+            continue
+        found = store.lookup_path(tree, edit.target).entry if tree else None
+        if found is None:
+            continue
+        data = store.read_blob(found.oid)
+        out.append({"path": edit.target, "op": edit.op, "sha256": hashlib.sha256(data).hexdigest(),
+                    "blob": found.oid, "mode": found.mode})
+    return out

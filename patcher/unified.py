@@ -1,0 +1,628 @@
+"""Parser of unified diffs (``git diff``, ``git format-patch``, ``diff -u``, agents) into a :class:`Patch`.
+
+Pure: bytes in, :class:`~patcher.model.Patch` out, no I/O.  Content stays
+bytes throughout (non-UTF-8 and CRLF survive byte for byte: a line is
+everything through its ``\\n``); paths are decoded as UTF-8 with
+``surrogateescape`` and checked by :func:`patcher.paths.check_path`.
+
+What is read:
+
+* **Git blocks**: ``diff --git <old> <new>`` and its extended header lines
+  (``old mode``/``new mode``, ``new file mode``, ``deleted file mode``,
+  ``rename from``/``rename to`` (also the old ``rename old``/``rename new``),
+  ``similarity index``, ``dissimilarity index``, ``index <old>..<new> [mode]``),
+  then ``---``/``+++`` and hunks.  Names come from ``rename from/to`` first,
+  then ``---``/``+++``, then the ``diff --git`` line.  The prefixes are those
+  of the ``diff --git`` line: ``a/``/``b/``, the mnemonic pairs (``c/``,
+  ``i/``, ``w/``, ``o/``, ``1/``/``2/``) or any other pair of differing first
+  components with equal remainders; identical names mean ``--no-prefix``.
+* **Plain blocks** (``---``, ``+++``, then ``@@``) without ``diff --git``:
+  ``a/``/``b/`` are stripped only when both sides use them (``/dev/null``
+  fits either), so ``--- x`` / ``+++ x`` stays ``x``.  If the two names still
+  differ, git's rule picks one: the old name if it is a shorter prefix of the
+  new one, else the new name (``--- x.py.orig`` / ``+++ x.py`` → ``x.py``).
+  ``/dev/null``, or a timestamp at the Unix epoch (``diff -N``), on one side
+  makes an add or a delete.
+* Names may be C-quoted as git writes them (``"a/sp\\303\\251cial \\"x\\""``);
+  a tab and what follows (a timestamp) is dropped; so is a trailing
+  ``YYYY-MM-DD hh:mm[:ss]`` date after spaces.
+* **Hunks** ``@@ -a[,b] +c[,d] @@ [section]`` (counts default to 1).  Their
+  length must match the header: a hunk that ends early or runs on (a `` ``,
+  ``+`` or ``-`` line right after it) is a :class:`ParseError` naming the
+  patch line.  ``\\ No newline at end of file`` removes the ``\\n`` of the
+  line before it, on the side(s) that line belongs to.  A bare empty line
+  inside a hunk that still expects lines on both sides is a context line
+  (editors strip the lone space).  ``old_start`` is ``a``: for an empty old
+  side (``-a,0``) that is the line to insert after.
+* Anything else outside a block is skipped: mail headers, commit messages,
+  diffstats, ``Index:`` lines; a non-diff line ends a block (the ``-- `` and
+  version signature of ``format-patch``).
+
+What it builds, per file: ``add`` (``content`` = the added lines, ``new_mode``
+from ``new file mode``; no hunks), ``delete`` (the removed lines kept in
+``hunks`` so the caller can check them; ``old_mode`` from ``deleted file
+mode``), ``rename`` (``path`` = old, ``new_path`` = new, hunks if any),
+``modify`` (hunks and/or a mode change: ``old_mode``/``new_mode``).  The mode
+on an ``index`` line is what the file's mode was and stays: it fills
+``old_mode`` (``new_mode`` stays ``None`` = keep).  ``old_blob``/``new_blob``
+come from the ``index`` line; the all-zero oid of an absent side becomes
+``None``.  Modes are canonicalised as git does (any regular file is
+``100644`` or ``100755``).
+
+Refused with :class:`UnsupportedPatch`: binary patches (``GIT binary patch``,
+``Binary files ... differ``), copies (``copy from``/``copy to``: the copy's
+content would depend on the source file, which the parser cannot see),
+submodules (mode ``160000``) and combined diffs (``diff --cc``).
+:class:`ParseError`: malformed hunks, a block with no change at all, the same
+path changed twice, or nothing recognisable at all.  Size limits are the
+caller's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from patcher.errors import ParseError, UnsupportedPatch
+from patcher.matching import split_lines
+from patcher.model import MODE_EXEC, MODE_FILE, MODE_LINK, FileEdit, Hunk, Patch
+from patcher.paths import check_path
+
+__all__ = ["looks_unified", "parse_unified"]
+
+_DEV_NULL = b"/dev/null"
+_MODE_GITLINK = 0o160000
+_HUNK = re.compile(rb"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(.*)", re.DOTALL)
+_INDEX = re.compile(rb"([0-9a-fA-F]+)\.\.([0-9a-fA-F]+)(?: +([0-7]+))? *")
+_STAMP = rb"\s*(\d{4}-\d\d-\d\d[ T]\d\d:\d\d(?::\d\d(?:\.\d+)?)?)(?:\s*([+-]\d{4}))?\s*"
+_DATED_NAME = re.compile(rb"(.*?)\s" + _STAMP)  # 'name 2024-01-01 10:00:00 +0000' without a tab
+_TIMESTAMP = re.compile(_STAMP)
+_BINARY = re.compile(rb"Binary files (.*) and (.*) differ")
+_LOOKS = re.compile(rb"^diff --git |^--- [^\n]*\n\+\+\+ [^\n]*\n@@ -", re.MULTILINE)
+_PREFIX_PAIRS = (
+    (b"a/", b"b/"),
+    (b"c/", b"w/"),
+    (b"c/", b"i/"),
+    (b"i/", b"w/"),
+    (b"o/", b"w/"),
+    (b"1/", b"2/"),
+)
+_ESCAPES = {
+    ord("a"): 7,
+    ord("b"): 8,
+    ord("t"): 9,
+    ord("n"): 10,
+    ord("v"): 11,
+    ord("f"): 12,
+    ord("r"): 13,
+    ord('"'): 34,
+    ord("\\"): 92,
+}
+
+
+def looks_unified(data: bytes) -> bool:
+    """Cheap detection: a ``diff --git`` line, or ``---`` then ``+++`` then ``@@ -`` lines."""
+    return _LOOKS.search(data.replace(b"\r\n", b"\n")) is not None
+
+
+# ---------------------------------------------------------------------------
+# names
+
+
+def _chomp(line: bytes) -> bytes:
+    if line.endswith(b"\r\n"):
+        return line[:-2]
+    if line.endswith(b"\n"):
+        return line[:-1]
+    return line
+
+
+def _show(name: bytes) -> str:
+    return name.decode("utf-8", "backslashreplace")
+
+
+def _unquote(text: bytes, start: int, lineno: int) -> tuple[bytes, int]:
+    """Unquote the C-style string at ``text[start] == '"'``; return it and the index after its quote."""
+    out = bytearray()
+    i = start + 1
+    while i < len(text):
+        c = text[i]
+        if c == ord('"'):
+            return bytes(out), i + 1
+        if c == ord("\\"):
+            i += 1
+            if i >= len(text):
+                break
+            e = text[i]
+            if e in _ESCAPES:
+                out.append(_ESCAPES[e])
+                i += 1
+                continue
+            octal = text[i : i + 3]
+            if len(octal) == 3 and all(0x30 <= d <= 0x37 for d in octal) and int(octal, 8) < 256:
+                out.append(int(octal, 8))
+                i += 3
+                continue
+            raise ParseError(
+                f"bad escape in quoted name at line {lineno}: '{_show(text)}'",
+                details={"line": lineno},
+            )
+        out.append(c)
+        i += 1
+    raise ParseError(
+        f"unterminated quoted name at line {lineno}: '{_show(text)}'", details={"line": lineno}
+    )
+
+
+def _is_epoch(date: bytes, zone: bytes | None) -> bool:
+    try:
+        stamp = datetime.fromisoformat(date.decode("ascii").replace(" ", "T")[:19])
+    except ValueError:
+        return False
+    offset = 0
+    if zone:
+        sign = -1 if zone[:1] == b"-" else 1
+        offset = sign * (int(zone[1:3]) * 3600 + int(zone[3:5]) * 60)
+    seconds = (stamp - datetime(1970, 1, 1)).total_seconds() - offset
+    return seconds == 0
+
+
+def _name_field(raw: bytes, lineno: int) -> tuple[bytes, bool]:
+    """The name on a ``---``/``+++`` line (after the marker), and whether its timestamp is the epoch."""
+    raw = _chomp(raw)
+    if raw.startswith(b'"'):
+        return _unquote(raw, 0, lineno)[0], False
+    name, tab, stamp = raw.partition(b"\t")
+    if tab:
+        dated = _TIMESTAMP.fullmatch(stamp)
+        return name, dated is not None and _is_epoch(dated[1], dated[2])
+    # No tab (git adds one after names with spaces): trailing blanks are junk, a date is a stamp.
+    name = name.rstrip(b" ")
+    dated = _DATED_NAME.fullmatch(name)
+    if dated is None:
+        return name, False
+    return dated[1], _is_epoch(dated[2], dated[3])
+
+
+def _header_names(rest: bytes, lineno: int) -> tuple[bytes, bytes] | None:
+    """The two names of a ``diff --git`` line, or ``None`` when spaces make them ambiguous."""
+    if rest.startswith(b'"'):
+        first, end = _unquote(rest, 0, lineno)
+        tail = rest[end:]
+        if not tail.startswith(b" "):
+            return None
+        tail = tail[1:]
+        if tail.startswith(b'"'):
+            second, end = _unquote(tail, 0, lineno)
+            return (first, second) if end == len(tail) else None
+        return first, tail
+    k = rest.find(b' "')
+    while k != -1:
+        try:
+            second, end = _unquote(rest, k + 1, lineno)
+        except ParseError:
+            second, end = b"", -1
+        if end == len(rest):
+            return rest[:k], second
+        k = rest.find(b' "', k + 1)
+    splits: list[int] = []
+    for k in (m.start() for m in re.finditer(rb" ", rest)):
+        old, new = rest[:k], rest[k + 1 :]
+        if old == new or (b"/" in old and old.partition(b"/")[2] == new.partition(b"/")[2]):
+            splits.append(k)
+    if len(splits) != 1 and rest.count(b" ") == 1:
+        splits = [rest.index(b" ")]
+    if len(splits) != 1:
+        return None
+    k = splits[0]
+    return rest[:k], rest[k + 1 :]
+
+
+def _prefix_pair(old: bytes, new: bytes) -> tuple[bytes, bytes]:
+    """The prefixes a ``diff --git`` line uses (``(b"", b"")`` for ``--no-prefix``)."""
+    if old == new:
+        return b"", b""
+    for pair in _PREFIX_PAIRS:
+        if old.startswith(pair[0]) and new.startswith(pair[1]):
+            return pair
+    old_first, old_sep, old_rest = old.partition(b"/")
+    new_first, new_sep, new_rest = new.partition(b"/")
+    if old_sep and new_sep and old_rest == new_rest:
+        return old_first + b"/", new_first + b"/"
+    return b"", b""
+
+
+def _strip(name: bytes, prefix: bytes) -> bytes:
+    return name[len(prefix) :] if prefix and name.startswith(prefix) else name
+
+
+# ---------------------------------------------------------------------------
+# blocks
+
+
+@dataclass
+class _Block:
+    """One file's section of the patch while it is being read."""
+
+    line: int
+    git: bool
+    header: tuple[bytes, bytes] | None = None
+    prefix: tuple[bytes, bytes] | None = None
+    minus: bytes | None = None
+    plus: bytes | None = None
+    minus_epoch: bool = False
+    plus_epoch: bool = False
+    rename_from: bytes | None = None
+    rename_to: bytes | None = None
+    copy: tuple[bytes | None, bytes | None] | None = None
+    old_mode: int | None = None
+    new_mode: int | None = None
+    new_file_mode: int | None = None
+    deleted_mode: int | None = None
+    index_mode: int | None = None
+    old_blob: str | None = None
+    new_blob: str | None = None
+    binary: bool = False
+    hunks: list[Hunk] = field(default_factory=list)
+
+    def display(self) -> str:
+        for name in (self.rename_to, self.plus, self.minus, self.rename_from):
+            if name is not None and name != _DEV_NULL:
+                return _show(name)
+        if self.header is not None:
+            return _show(self.header[1])
+        return "?"
+
+
+def _mode(raw: bytes, lineno: int) -> int:
+    try:
+        mode = int(raw.strip(), 8)
+    except ValueError:
+        mode = -1
+    kind = mode & 0o170000 if mode >= 0 else -1
+    if mode == _MODE_GITLINK:
+        return mode
+    if kind == 0o120000:
+        return MODE_LINK
+    if kind == 0o100000:
+        return MODE_EXEC if mode & 0o100 else MODE_FILE
+    raise ParseError(
+        f"invalid file mode '{_show(raw)}' at line {lineno}", details={"line": lineno}
+    )
+
+
+def _blob(oid: bytes) -> str | None:
+    text = oid.decode("ascii").lower()
+    return None if set(text) == {"0"} else text
+
+
+def _path_field(raw: bytes, lineno: int) -> bytes:
+    return _unquote(raw, 0, lineno)[0] if raw.startswith(b'"') else raw
+
+
+def _extended(block: _Block, line: bytes, lineno: int) -> bool:
+    """Consume one extended header line of a git block; ``False`` when ``line`` is not one."""
+    head, _, value = line.partition(b" ")
+    if line.startswith(b"old mode "):
+        block.old_mode = _mode(line[9:], lineno)
+    elif line.startswith(b"new mode "):
+        block.new_mode = _mode(line[9:], lineno)
+    elif line.startswith(b"new file mode "):
+        block.new_file_mode = _mode(line[14:], lineno)
+    elif line.startswith(b"deleted file mode "):
+        block.deleted_mode = _mode(line[18:], lineno)
+    elif line.startswith((b"rename from ", b"rename old ")):
+        block.rename_from = _path_field(line[12:], lineno)
+    elif line.startswith((b"rename to ", b"rename new ")):
+        block.rename_to = _path_field(line[line.index(b" ", 7) + 1 :], lineno)
+    elif line.startswith(b"copy from "):
+        block.copy = (_path_field(line[10:], lineno), (block.copy or (None, None))[1])
+    elif line.startswith(b"copy to "):
+        block.copy = ((block.copy or (None, None))[0], _path_field(line[8:], lineno))
+    elif line.startswith((b"similarity index ", b"dissimilarity index ")):
+        pass
+    elif head == b"index":
+        index = _INDEX.fullmatch(value)
+        if index is None:
+            raise ParseError(f"malformed index line at line {lineno}", details={"line": lineno})
+        block.old_blob, block.new_blob = _blob(index[1]), _blob(index[2])
+        if index[3] is not None:
+            block.index_mode = _mode(index[3], lineno)
+    elif line == b"GIT binary patch" or _BINARY.fullmatch(line):
+        block.binary = True
+    else:
+        return False
+    return True
+
+
+def _excess(lines: list[bytes], j: int) -> bool:
+    """Whether ``lines[j]``, right after a complete hunk, is a diff line the hunk's header did not count."""
+    line = lines[j]
+    if line[:1] in (b" ", b"+"):
+        return True
+    if line[:1] != b"-":
+        return False
+    if _chomp(line) in (b"-- ", b"--"):  # format-patch signature
+        return False
+    return not (line.startswith(b"--- ") and j + 1 < len(lines) and lines[j + 1].startswith(b"+++ "))
+
+
+def _read_hunks(lines: list[bytes], i: int, block: _Block) -> int:
+    """Read the hunks starting at ``lines[i]`` into ``block``; return the index after them."""
+    n = len(lines)
+    while i < n and lines[i].startswith(b"@@ -"):
+        head = _HUNK.fullmatch(_chomp(lines[i]))
+        if head is None:
+            raise ParseError(
+                f"malformed hunk header at line {i + 1}: '{_show(_chomp(lines[i]))}'",
+                details={"line": i + 1, "path": block.display()},
+            )
+        old_count = 1 if head[2] is None else int(head[2])
+        new_count = 1 if head[4] is None else int(head[4])
+        old: list[bytes] = []
+        new: list[bytes] = []
+        sides = ""  # which side(s) the previous line went to: "o", "n" or "on"
+        want_old, want_new = old_count, new_count
+        j = i + 1
+
+        def fail(what: str, at: int) -> ParseError:
+            return ParseError(
+                f"hunk at line {i + 1} of '{block.display()}' {what} at line {at}: "
+                f"header says {old_count} old and {new_count} new lines",
+                details={"line": at, "hunk_line": i + 1, "path": block.display()},
+            )
+
+        def no_newline(at: int) -> None:
+            if not sides:
+                raise fail("has a '\\ No newline' marker before any line", at)
+            if "o" in sides:
+                old[-1] = old[-1][:-1] if old[-1].endswith(b"\n") else old[-1]
+            if "n" in sides:
+                new[-1] = new[-1][:-1] if new[-1].endswith(b"\n") else new[-1]
+
+        while want_old > 0 or want_new > 0:
+            if j >= n:
+                raise fail("ends early", j)
+            line = lines[j]
+            kind = line[:1]
+            if kind == b" " or (line in (b"\n", b"\r\n") and want_old > 0 and want_new > 0):
+                if want_old == 0 or want_new == 0:
+                    raise fail("is longer than its header says", j + 1)
+                body = line[1:] if kind == b" " else line
+                old.append(body)
+                new.append(body)
+                want_old, want_new, sides = want_old - 1, want_new - 1, "on"
+            elif kind == b"-":
+                if want_old == 0:
+                    raise fail("is longer than its header says", j + 1)
+                old.append(line[1:])
+                want_old, sides = want_old - 1, "o"
+            elif kind == b"+":
+                if want_new == 0:
+                    raise fail("is longer than its header says", j + 1)
+                new.append(line[1:])
+                want_new, sides = want_new - 1, "n"
+            elif kind == b"\\":
+                no_newline(j + 1)
+                sides = ""
+            else:
+                raise fail("ends early", j + 1)
+            j += 1
+        if j < n and lines[j].startswith(b"\\"):
+            no_newline(j + 1)
+            j += 1
+        if j < n and not lines[j].startswith(b"@@ -") and _excess(lines, j):
+            raise fail("is longer than its header says", j + 1)
+        block.hunks.append(
+            Hunk(
+                old_lines=tuple(old),
+                new_lines=tuple(new),
+                old_start=int(head[1]),
+                header=_chomp(lines[i]).decode("utf-8", "replace"),
+            )
+        )
+        i = j
+    return i
+
+
+def _read_git_block(lines: list[bytes], i: int) -> tuple[_Block, int]:
+    block = _Block(line=i + 1, git=True)
+    block.header = _header_names(_chomp(lines[i])[len(b"diff --git ") :], i + 1)
+    if block.header is not None:
+        block.prefix = _prefix_pair(*block.header)
+    i += 1
+    while i < len(lines) and _extended(block, _chomp(lines[i]), i + 1):
+        i += 1
+    if i + 1 < len(lines) and lines[i].startswith(b"--- ") and lines[i + 1].startswith(b"+++ "):
+        block.minus, block.minus_epoch = _name_field(lines[i][4:], i + 1)
+        block.plus, block.plus_epoch = _name_field(lines[i + 1][4:], i + 2)
+        i += 2
+    return block, _read_hunks(lines, i, block)
+
+
+def _plain_header_at(lines: list[bytes], i: int) -> bool:
+    return (
+        i + 2 < len(lines)
+        and lines[i].startswith(b"--- ")
+        and lines[i + 1].startswith(b"+++ ")
+        and lines[i + 2].startswith(b"@@ -")
+    )
+
+
+def _read_plain_block(lines: list[bytes], i: int) -> tuple[_Block, int]:
+    block = _Block(line=i + 1, git=False)
+    block.minus, block.minus_epoch = _name_field(lines[i][4:], i + 1)
+    block.plus, block.plus_epoch = _name_field(lines[i + 1][4:], i + 2)
+    return block, _read_hunks(lines, i + 2, block)
+
+
+# ---------------------------------------------------------------------------
+# edits
+
+
+def _decode(name: bytes) -> str:
+    return check_path(name.decode("utf-8", "surrogateescape"))
+
+
+def _plain_names(minus: bytes | None, plus: bytes | None) -> tuple[bytes | None, bytes | None]:
+    """Names from ``---``/``+++`` alone (``None`` = absent side), ``a/``/``b/`` stripped when consistent."""
+    if (minus is None or minus.startswith(b"a/")) and (plus is None or plus.startswith(b"b/")):
+        minus = None if minus is None else minus[2:]
+        plus = None if plus is None else plus[2:]
+    return minus, plus
+
+
+def _names(block: _Block) -> tuple[bytes | None, bytes | None]:
+    """The old and new path of a block; ``None`` for the absent side of an add or a delete."""
+    minus = None if block.minus == _DEV_NULL or block.minus_epoch else block.minus
+    plus = None if block.plus == _DEV_NULL or block.plus_epoch else block.plus
+    absent_old = block.minus is not None and minus is None
+    absent_new = block.plus is not None and plus is None
+    if not block.git:
+        old, new = _plain_names(minus, plus)
+        if old is not None and new is not None and old != new:
+            old = new = old if len(old) < len(new) and new.startswith(old) else new
+        return old, new
+    if block.prefix is not None and block.header is not None:
+        old_prefix, new_prefix = block.prefix
+        old = None if minus is None else _strip(minus, old_prefix)
+        new = None if plus is None else _strip(plus, new_prefix)
+        if old is None and not absent_old:
+            old = _strip(block.header[0], old_prefix)
+        if new is None and not absent_new:
+            new = _strip(block.header[1], new_prefix)
+    else:
+        old, new = _plain_names(minus, plus)
+    if block.rename_from is not None:
+        old = block.rename_from
+    if block.rename_to is not None:
+        new = block.rename_to
+    if block.new_file_mode is not None:
+        old = None
+    if block.deleted_mode is not None:
+        new = None
+    return old, new
+
+
+def _to_edit(block: _Block) -> FileEdit:
+    lineno = block.line
+    if block.binary:
+        raise UnsupportedPatch(
+            f"binary patches are not supported yet: '{block.display()}'",
+            details={"path": block.display(), "line": lineno},
+        )
+    if block.copy is not None:
+        src, dst = (_show(x) if x is not None else "?" for x in block.copy)
+        raise UnsupportedPatch(
+            f"copies are not supported yet: '{src}' to '{dst}'",
+            details={"path": dst, "line": lineno},
+        )
+    modes = (block.old_mode, block.new_mode, block.new_file_mode, block.deleted_mode, block.index_mode)
+    if _MODE_GITLINK in modes:
+        raise UnsupportedPatch(
+            f"submodule changes are not supported: '{block.display()}'",
+            details={"path": block.display(), "line": lineno},
+        )
+    old, new = _names(block)
+    if old is None and new is None:
+        raise ParseError(
+            f"cannot tell which file the patch at line {lineno} changes",
+            details={"line": lineno},
+        )
+    hunks = tuple(block.hunks)
+    if old is None and new is not None:
+        if any(h.old_lines for h in hunks):
+            raise ParseError(
+                f"new file '{_show(new)}' at line {lineno} has hunks with old lines",
+                details={"line": lineno, "path": _show(new)},
+            )
+        return FileEdit(
+            op="add",
+            path=_decode(new),
+            content=b"".join(line for h in hunks for line in h.new_lines),
+            new_mode=block.new_file_mode,
+            new_blob=block.new_blob,
+        )
+    assert old is not None  # both None was refused above
+    old_mode = block.old_mode if block.old_mode is not None else block.index_mode
+    if new is None:
+        if any(h.new_lines for h in hunks):
+            raise ParseError(
+                f"deleted file '{_show(old)}' at line {lineno} has hunks with new lines",
+                details={"line": lineno, "path": _show(old)},
+            )
+        return FileEdit(
+            op="delete",
+            path=_decode(old),
+            hunks=hunks,
+            old_mode=block.deleted_mode if block.deleted_mode is not None else old_mode,
+            old_blob=block.old_blob,
+        )
+    renamed = block.rename_from is not None or block.rename_to is not None
+    if renamed and old == new:
+        raise ParseError(
+            f"rename of '{_show(old)}' onto itself at line {lineno}",
+            details={"line": lineno, "path": _show(old)},
+        )
+    if not hunks and not renamed and block.new_mode is None:
+        raise ParseError(
+            f"patch for '{_show(new)}' at line {lineno} changes nothing",
+            details={"line": lineno, "path": _show(new)},
+        )
+    return FileEdit(
+        op="rename" if renamed else "modify",
+        path=_decode(old),
+        new_path=_decode(new) if renamed else None,
+        hunks=hunks,
+        old_mode=old_mode,
+        new_mode=block.new_mode,
+        old_blob=block.old_blob,
+        new_blob=block.new_blob,
+    )
+
+
+def parse_unified(data: bytes) -> Patch:
+    """Parse a unified diff into ``Patch(format="unified", ...)`` as the module docstring describes.
+
+    Raises:
+        ParseError: malformed hunk or header, a path changed twice, or no file change found.
+        UnsupportedPatch: binary, copy, submodule or combined-diff content.
+        UnsafePath: a path that :func:`patcher.paths.check_path` refuses.
+    """
+    lines = split_lines(data)
+    edits: list[FileEdit] = []
+    seen: set[str] = set()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(b"diff --git "):
+            block, i = _read_git_block(lines, i)
+        elif _plain_header_at(lines, i):
+            block, i = _read_plain_block(lines, i)
+        elif line.startswith((b"diff --cc ", b"diff --combined ")):
+            raise UnsupportedPatch(
+                f"combined diffs are not supported at line {i + 1}", details={"line": i + 1}
+            )
+        elif (binary := _BINARY.fullmatch(_chomp(line))) is not None:
+            target = binary[2] if binary[2] != _DEV_NULL else binary[1]
+            shown = _show(target[2:] if target.startswith((b"a/", b"b/")) else target)
+            raise UnsupportedPatch(
+                f"binary patches are not supported yet: '{shown}'",
+                details={"path": shown, "line": i + 1},
+            )
+        else:
+            i += 1
+            continue
+        edit = _to_edit(block)
+        for path in edit.touched:
+            if path in seen:
+                raise ParseError(
+                    f"'{path}' is changed more than once in the patch (line {block.line})",
+                    details={"line": block.line, "path": path},
+                )
+            seen.add(path)
+        edits.append(edit)
+    if not edits:
+        raise ParseError("no file changes found in patch")
+    return Patch(format="unified", edits=tuple(edits))

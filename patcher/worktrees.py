@@ -1,0 +1,70 @@
+"""Worktrees that have the target branch checked out: checks before, writes after the commit."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from cas.errors import OncepatchError
+from cas.gitdir import worktrees_on
+from cas.objects import GitStore, TreeEntry
+from cas.worktree import dirty_paths, materialise, unsafe_worktree_paths
+from receipts.identity import key_hash
+from receipts.store import ReceiptStore
+from patcher.errors import DirtyPath, UnsafePath
+
+__all__ = ["check_worktrees", "materialise_all", "index_marker"]
+
+
+def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tuple[str, str]]:
+    """The worktrees on ``branch``, after refusing dirty or symlinked touched paths (before prepare).
+
+    Raises:
+        DirtyPath: a touched path has uncommitted changes (or an untracked file) there.
+        UnsafePath: a folder on a touched path is a symlink there.
+    """
+    found = worktrees_on(gstore.common_dir, branch)
+    for workdir, _git_dir in found:
+        bad = unsafe_worktree_paths(workdir, paths)
+        if bad:
+            raise UnsafePath(
+                f"refusing to write '{bad[0]}' in '{workdir}': a folder on its path is a symlink",
+                details={"paths": bad, "worktree": workdir, "reason": "through_symlink"},
+            )
+        dirty = dirty_paths(workdir, paths)
+        if dirty:
+            raise DirtyPath(
+                f"'{dirty[0]}' has uncommitted changes in '{workdir}'"
+                + (f" (and {len(dirty) - 1} more)" if len(dirty) > 1 else "")
+                + ": commit or stash them first",
+                details={"paths": dirty, "worktree": workdir},
+            )
+    return found
+
+
+def index_marker(rstore: ReceiptStore, key: str) -> str:
+    return os.path.join(rstore.tmp_dir, f"index-lock-{key_hash(key)}")
+
+
+def materialise_all(
+    gstore: GitStore,
+    rstore: ReceiptStore,
+    worktrees: list[tuple[str, str]],
+    changes: Mapping[str, TreeEntry | None],
+    key: str,
+) -> list[str]:
+    """Bring each worktree's touched paths and index to ``changes``; return warnings.
+
+    The commit has landed when this runs, so a failure here does not undo it:
+    it becomes a warning in the receipt, and ``recover`` materialises again.
+    """
+    warnings: list[str] = []
+    if not worktrees:
+        return warnings
+    os.makedirs(rstore.tmp_dir, exist_ok=True)
+    for workdir, _git_dir in worktrees:
+        try:
+            materialise(gstore, workdir, changes, lock_marker=index_marker(rstore, key))
+        except OncepatchError as exc:
+            warnings.append(f"worktree '{workdir}' not updated: {exc.message}")
+    return warnings

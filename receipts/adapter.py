@@ -1,0 +1,44 @@
+"""The adapter protocol: how a tool with side effects plugs into receipts.
+
+``receipts`` is generic: it knows keys, receipts, locks and the ledger, not git.
+A tool registers an adapter that can
+
+* ``query(receipt)`` — after a crash, tell whether the effect of a ``prepared``
+  or ``unknown`` receipt happened: :class:`QueryResult` with ``applied``,
+  ``not_applied`` or ``unknown`` (plus the fields to record, e.g. commit and
+  outputs), and
+* ``settle(receipt)`` — optional follow-up once a receipt is known to be
+  applied (git: bring a stale worktree to the commit).
+
+An adapter that cannot query returns ``unknown``; recovery then leaves the
+receipt ``unknown`` for a person to resolve.  A local git effect can always be
+queried, so it never stays ``unknown``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from receipts.receipt import Receipt
+
+__all__ = ["QueryStatus", "QueryResult", "EffectAdapter"]
+
+QueryStatus = Literal["applied", "not_applied", "unknown"]
+
+
+@dataclass(frozen=True, slots=True)
+class QueryResult:
+    status: QueryStatus
+    reason: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+class EffectAdapter(Protocol):
+    tool: str
+
+    def query(self, receipt: Receipt) -> QueryResult: ...
+
+    def settle(self, receipt: Receipt) -> list[str]:
+        """Repair follow-up state for an applied receipt; return what was done (for the report)."""
+        ...

@@ -1,0 +1,66 @@
+"""Canonical JSON on a restricted RFC 8785 profile (pure).
+
+Profile: UTF-8; object keys are strings, sorted by UTF-16 code units (RFC 8785
+section 3.2.3); no insignificant whitespace; integers within ±(2**53 - 1);
+no floats at all (a tool's schema normalises them or refuses); no NaN or
+infinities (orjson would silently write ``null``: they are refused first);
+values are ``None``, ``bool``, ``int``, ``str``, ``list``/``tuple``, ``dict``.
+String escaping is orjson's, which matches RFC 8785's (short escapes for
+``\\b \\t \\n \\f \\r``, ``\\u00xx`` for other controls, everything else as is).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from receipts.errors import CanonicalJsonError
+
+__all__ = ["MAX_SAFE_INT", "canonical_json", "normalise"]
+
+MAX_SAFE_INT = 2**53 - 1
+
+
+def _utf16_key(s: str) -> bytes:
+    return s.encode("utf-16-be", "surrogatepass")
+
+
+def normalise(value: Any, _where: str = "$") -> Any:
+    """Return ``value`` with dict keys in canonical order; refuse anything outside the profile.
+
+    Raises:
+        CanonicalJsonError: the value (at the JSON path named in the message) is not allowed.
+    """
+    if value is None or isinstance(value, bool) or isinstance(value, str):
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise CanonicalJsonError(f"string at '{_where}' is not valid unicode") from exc
+        return value
+    if isinstance(value, int):
+        if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:
+            raise CanonicalJsonError(f"integer at '{_where}' is outside ±(2^53-1): {value}")
+        return value
+    if isinstance(value, float):
+        if value != value:
+            raise CanonicalJsonError(f"NaN at '{_where}' is not allowed in canonical JSON")
+        raise CanonicalJsonError(f"float at '{_where}' is not allowed in canonical JSON: {value!r}")
+    if isinstance(value, (list, tuple)):
+        return [normalise(v, f"{_where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        for k in value:
+            if not isinstance(k, str):
+                raise CanonicalJsonError(f"object key at '{_where}' is not a string: {k!r}")
+        return {k: normalise(value[k], f"{_where}.{k}") for k in sorted(value, key=_utf16_key)}
+    raise CanonicalJsonError(f"value at '{_where}' has a type JSON cannot carry: {type(value).__name__}")
+
+
+def canonical_json(value: Any) -> bytes:
+    """The canonical bytes of ``value`` (see the module docstring).
+
+    Raises:
+        CanonicalJsonError: the value is outside the profile.
+    """
+    return orjson.dumps(normalise(value))

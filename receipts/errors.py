@@ -1,0 +1,113 @@
+"""Errors of the ``receipts`` package (a branch of the tree drawn in ``cas.errors``).
+
+::
+
+    ReceiptError(OncepatchError)
+    ├── CanonicalJsonError     value outside the canonical-JSON profile    exit 2 invalid_args
+    ├── InvalidKey             unusable idempotency key                   exit 2 usage
+    ├── IdempotencyConflict    same key, different tool/version/args      exit 3 idempotency_conflict
+    ├── InProgress             key lock still held at the timeout         exit 5 in_progress
+    ├── StillUnknown           outcome cannot be told; needs recover      exit 5 unknown
+    ├── FencedOff              a newer attempt owns the key               exit 5 in_progress
+    ├── CorruptReceipt         receipt fails verification on read         exit 6 corrupt_receipt
+    ├── CorruptLedger          event ledger line unreadable               exit 6 corrupt_receipt
+    └── ReceiptNotFound        no receipt for a key                       exit 2 not_found
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cas.errors import (
+    EXIT_CONFLICT,
+    EXIT_IN_PROGRESS,
+    EXIT_USAGE,
+    EXIT_VERIFY,
+    OncepatchError,
+)
+
+__all__ = [
+    "ReceiptError",
+    "CanonicalJsonError",
+    "InvalidKey",
+    "IdempotencyConflict",
+    "InProgress",
+    "StillUnknown",
+    "FencedOff",
+    "CorruptReceipt",
+    "CorruptLedger",
+    "ReceiptNotFound",
+]
+
+
+class ReceiptError(OncepatchError):
+    type = "internal"
+
+
+class CanonicalJsonError(ReceiptError):
+    type = "invalid_args"
+    exit_code = EXIT_USAGE
+    default_next_action = "fix_input"
+
+
+class InvalidKey(ReceiptError):
+    type = "usage"
+    exit_code = EXIT_USAGE
+    default_next_action = "fix_input"
+
+
+class IdempotencyConflict(ReceiptError):
+    type = "idempotency_conflict"
+    exit_code = EXIT_CONFLICT
+    default_effect_status = "not_started"
+    default_next_action = "fix_input"
+
+
+class InProgress(ReceiptError):
+    type = "in_progress"
+    exit_code = EXIT_IN_PROGRESS
+    default_retryable = True
+    default_effect_status = "unknown"
+    default_next_action = "query_before_retry"
+
+
+class StillUnknown(ReceiptError):
+    type = "unknown"
+    exit_code = EXIT_IN_PROGRESS
+    default_effect_status = "unknown"
+    default_next_action = "recover"
+
+
+class FencedOff(ReceiptError):
+    type = "in_progress"
+    exit_code = EXIT_IN_PROGRESS
+    default_effect_status = "unknown"
+    default_next_action = "query_before_retry"
+
+
+class CorruptReceipt(ReceiptError):
+    type = "corrupt_receipt"
+    exit_code = EXIT_VERIFY
+    default_effect_status = "unknown"
+    default_next_action = "recover"
+
+    def __init__(self, path: str, reason: str, **kw: Any) -> None:
+        details = dict(kw.pop("details", None) or {})
+        details.setdefault("path", path)
+        details.setdefault("reason", reason)
+        super().__init__(f"corrupt receipt '{path}': {reason}", details=details, **kw)
+        self.path = path
+        self.reason = reason
+
+
+class CorruptLedger(ReceiptError):
+    type = "corrupt_receipt"
+    exit_code = EXIT_VERIFY
+    default_effect_status = "unknown"
+    default_next_action = "none"
+
+
+class ReceiptNotFound(ReceiptError):
+    type = "not_found"
+    exit_code = EXIT_USAGE
+    default_next_action = "fix_input"

@@ -1,0 +1,96 @@
+"""Identity of a call (pure): call_id, args hash, key hash.
+
+``call_id`` = ``"opc1:" + sha256(canonical_json(identity))`` where ``identity``
+is ``{"contract_sha256", "attempt", "tool", "tool_version", "args"}`` with the
+args already normalised by the tool's schema.  The tag is versioned: a change
+of this recipe gets a new tag, never a silent collision with old ids.
+
+``args_sha256`` = sha256 of the canonical JSON of ``{"tool", "tool_version",
+"args"}``: what a caller-chosen key binds (not the attempt, not the contract).
+
+The key (caller's business key, or the call_id by default) is stored under
+``key_hash(key)`` = sha256 hex of its UTF-8 bytes: file names and ref names
+stay fixed-width and safe whatever the key contains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, NewType
+
+from receipts.canonical import canonical_json
+from receipts.errors import InvalidKey
+
+__all__ = [
+    "CALL_ID_TAG",
+    "MAX_KEY_LEN",
+    "CallId",
+    "KeyHash",
+    "make_identity",
+    "compute_call_id",
+    "compute_args_sha256",
+    "key_hash",
+    "check_key",
+]
+
+CALL_ID_TAG = "opc1:"
+MAX_KEY_LEN = 512
+
+CallId = NewType("CallId", str)
+KeyHash = NewType("KeyHash", str)
+
+
+def make_identity(
+    tool: str,
+    tool_version: str,
+    args: dict[str, Any],
+    *,
+    contract_sha256: str | None = None,
+    attempt: int = 1,
+) -> dict[str, Any]:
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise InvalidKey(f"attempt must be a positive integer, not {attempt!r}")
+    if contract_sha256 is not None:
+        c = contract_sha256.lower()
+        if len(c) != 64 or any(ch not in "0123456789abcdef" for ch in c):
+            raise InvalidKey(f"contract sha256 must be 64 hex digits: '{contract_sha256}'")
+        contract_sha256 = c
+    return {
+        "contract_sha256": contract_sha256,
+        "attempt": attempt,
+        "tool": tool,
+        "tool_version": tool_version,
+        "args": args,
+    }
+
+
+def compute_call_id(identity: dict[str, Any]) -> CallId:
+    return CallId(CALL_ID_TAG + hashlib.sha256(canonical_json(identity)).hexdigest())
+
+
+def compute_args_sha256(tool: str, tool_version: str, args: dict[str, Any]) -> str:
+    doc = {"tool": tool, "tool_version": tool_version, "args": args}
+    return hashlib.sha256(canonical_json(doc)).hexdigest()
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that cannot be stored or shown safely.
+
+    Raises:
+        InvalidKey: empty, too long, or containing control characters.
+    """
+    if not isinstance(key, str) or not key:
+        raise InvalidKey("idempotency key must be a non-empty string")
+    if len(key) > MAX_KEY_LEN:
+        raise InvalidKey(f"idempotency key is longer than {MAX_KEY_LEN} characters")
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in key):
+        raise InvalidKey("idempotency key contains control characters")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKey("idempotency key is not valid unicode") from exc
+    return key
+
+
+def key_hash(key: str) -> KeyHash:
+    return KeyHash(hashlib.sha256(key.encode("utf-8")).hexdigest())

@@ -1,0 +1,184 @@
+"""The event ledger: ``events.jsonl``, append-only, hash-chained.
+
+Each line is the canonical JSON of one event object with ``seq`` (1, 2, …)
+and ``prev`` (sha256 hex of the previous line's bytes without its newline;
+64 zeros for the first line).  Deleting, editing or reordering a line breaks
+the chain at that line, which :meth:`Ledger.verify_chain` reports.
+
+Appends happen under ``locks/ledger.lock`` and are fsynced.  A crash during an
+append can leave a torn last line (no newline): it is not an event (the
+receipt write it follows already happened, durably), so the next append
+under the lock truncates it away before writing, and readers skip it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import filelock
+import orjson
+
+from cas.durable import append_durable
+from receipts.canonical import canonical_json
+from receipts.errors import CorruptLedger, InProgress
+
+if TYPE_CHECKING:
+    from receipts.receipt import Receipt
+
+__all__ = ["Ledger", "LedgerProblem", "GENESIS"]
+
+GENESIS = "0" * 64
+_TAIL = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerProblem:
+    line: int
+    reason: str
+
+
+class Ledger:
+    def __init__(self, path: str, lock_path: str, lock_timeout: float = 30.0) -> None:
+        self.path = path
+        self.lock_path = lock_path
+        self.lock_timeout = lock_timeout
+
+    def _tail(self) -> tuple[int, str, int]:
+        """(last seq, sha256 of last full line, byte length of the full-line prefix)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return 0, GENESIS, 0
+        with os.fdopen(fd, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            start = max(0, size - _TAIL)
+            while True:
+                fh.seek(start)
+                chunk = fh.read(size - start)
+                end = chunk.rfind(b"\n")
+                if end < 0 and start > 0:
+                    start = max(0, start - _TAIL * 4)
+                    continue
+                if end < 0:
+                    return 0, GENESIS, 0
+                head = chunk[:end]
+                begin = head.rfind(b"\n")
+                if begin < 0 and start > 0:
+                    start = max(0, start - _TAIL * 4)
+                    continue
+                line = head[begin + 1:]
+                try:
+                    seq = int(orjson.loads(line)["seq"])
+                except Exception as exc:
+                    raise CorruptLedger(f"ledger '{self.path}': last line is unreadable") from exc
+                return seq, hashlib.sha256(line).hexdigest(), start + end + 1
+
+    def append(self, event: dict[str, Any]) -> dict[str, Any]:
+        """Append ``event`` (seq and prev filled in) durably; return the stored object.
+
+        Raises:
+            InProgress: the ledger lock could not be taken in time.
+            DurableWriteError: the append failed.
+        """
+        os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
+        lk = filelock.FileLock(self.lock_path, timeout=self.lock_timeout, thread_local=False,
+                               preserve_lock_file=True, poll_interval=0.005)
+        try:
+            lk.acquire()
+        except filelock.Timeout as exc:
+            raise InProgress(f"ledger lock '{self.lock_path}' is held") from exc
+        try:
+            seq, prev, good_len = self._tail()
+            try:
+                size = os.path.getsize(self.path)
+            except FileNotFoundError:
+                size = 0
+            if size != good_len:
+                # Torn tail from a crash mid-append: not an event; cut it off.
+                with open(self.path, "r+b") as fh:
+                    fh.truncate(good_len)
+                    os.fsync(fh.fileno())
+            stored = dict(event)
+            stored["seq"] = seq + 1
+            stored["prev"] = prev
+            append_durable(self.path, canonical_json(stored) + b"\n")
+            return stored
+        finally:
+            lk.release()
+
+    def append_receipt_event(self, event: str, receipt: Receipt, **fields: Any) -> dict[str, Any]:
+        from receipts.receipt import now_iso
+
+        doc: dict[str, Any] = {
+            "event": event,
+            "at": now_iso(),
+            "key": receipt.key,
+            "call_id": receipt.call_id,
+            "tool": receipt.tool,
+            "status": receipt.status,
+            "fencing_token": receipt.fencing_token,
+            "commit": receipt.commit,
+            "receipt_sha256": receipt.digest,
+        }
+        doc.update(fields)
+        return self.append(doc)
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        """Every complete event, in order (a torn last line is skipped).
+
+        Raises:
+            CorruptLedger: a complete line is not a JSON object.
+        """
+        try:
+            fh = open(self.path, "rb")
+        except FileNotFoundError:
+            return
+        with fh:
+            for n, raw in enumerate(fh, 1):
+                if not raw.endswith(b"\n"):
+                    return
+                try:
+                    obj = orjson.loads(raw)
+                except orjson.JSONDecodeError as exc:
+                    raise CorruptLedger(f"ledger '{self.path}' line {n} is not JSON") from exc
+                if not isinstance(obj, dict):
+                    raise CorruptLedger(f"ledger '{self.path}' line {n} is not an object")
+                yield obj
+
+    def verify_chain(self) -> list[LedgerProblem]:
+        """Check seq and prev of every line; return the problems (empty: the chain holds)."""
+        problems: list[LedgerProblem] = []
+        prev = GENESIS
+        expected_seq = 1
+        try:
+            fh = open(self.path, "rb")
+        except FileNotFoundError:
+            return problems
+        with fh:
+            for n, raw in enumerate(fh, 1):
+                if not raw.endswith(b"\n"):
+                    problems.append(LedgerProblem(n, "torn last line (crash during append)"))
+                    break
+                line = raw[:-1]
+                try:
+                    obj = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    problems.append(LedgerProblem(n, "not JSON"))
+                    prev = hashlib.sha256(line).hexdigest()
+                    expected_seq += 1
+                    continue
+                if not isinstance(obj, dict):
+                    problems.append(LedgerProblem(n, "not an object"))
+                elif obj.get("prev") != prev:
+                    problems.append(LedgerProblem(n, "hash chain broken: prev does not match the line before"))
+                elif obj.get("seq") != expected_seq:
+                    problems.append(LedgerProblem(n, f"seq is {obj.get('seq')!r}, expected {expected_seq}"))
+                prev = hashlib.sha256(line).hexdigest()
+                expected_seq = (obj.get("seq") if isinstance(obj, dict) and isinstance(obj.get("seq"), int) else expected_seq) + 1
+        return problems
+
+

@@ -1,0 +1,219 @@
+"""The receipt record (pure): schema ``oncepatch.receipt/1``, parsing and verification.
+
+A receipt is one JSON object per key.  Parsing is tolerant of unknown keys
+(kept in ``extra`` and written back unchanged) and strict on missing ones.
+
+Verification on read (:func:`parse_receipt` with ``expected_key_hash``):
+
+* the schema tag is known and every required field has the right type;
+* ``call_id`` is recomputed from ``identity``;
+* ``args_sha256`` is recomputed from ``identity``'s tool, tool version and args;
+* ``tool``/``tool_version`` equal those inside ``identity``;
+* the key's hash equals the file name;
+* ``receipt_sha256`` (a self-digest: sha256 of the canonical JSON of every
+  other field, unknown ones included) matches, so an edit of *any* field —
+  status, commit, outputs — is caught, not only edits of the identity.
+
+States: ``prepared`` → ``committed`` | ``rejected`` | ``unknown``
+(see :mod:`receipts.states`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from receipts.canonical import canonical_json
+from receipts.errors import CorruptReceipt
+from receipts.identity import compute_args_sha256, compute_call_id, key_hash
+from receipts.states import STATUSES, Status
+
+__all__ = ["SCHEMA", "Receipt", "parse_receipt", "receipt_bytes", "now_iso"]
+
+SCHEMA = "oncepatch.receipt/1"
+
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "schema": str,
+    "key": str,
+    "call_id": str,
+    "identity": dict,
+    "args_sha256": str,
+    "tool": str,
+    "tool_version": str,
+    "status": str,
+    "fencing_token": int,
+    "owner": dict,
+    "created_at": str,
+    "updated_at": str,
+}
+_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "retryable": (bool, type(None)),
+    "base": (dict, type(None)),
+    "candidate": (str, type(None)),
+    "commit": (str, type(None)),
+    "tree": (str, type(None)),
+    "outputs": list,
+    "error": (dict, type(None)),
+    "result": (dict, type(None)),
+}
+_DIGEST_FIELD = "receipt_sha256"
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    key: str
+    call_id: str
+    identity: dict[str, Any]
+    args_sha256: str
+    tool: str
+    tool_version: str
+    status: Status
+    fencing_token: int
+    owner: dict[str, Any]
+    created_at: str
+    updated_at: str
+    retryable: bool | None = None
+    base: dict[str, Any] | None = None
+    candidate: str | None = None
+    commit: str | None = None
+    tree: str | None = None
+    outputs: tuple[dict[str, Any], ...] = ()
+    error: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    schema: str = SCHEMA
+
+    @property
+    def args(self) -> dict[str, Any]:
+        args = self.identity.get("args")
+        return args if isinstance(args, dict) else {}
+
+    @property
+    def is_final(self) -> bool:
+        """Replayed as is: committed, or rejected and not retryable."""
+        return self.status == "committed" or (self.status == "rejected" and not self.retryable)
+
+    def evolve(self, **changes: Any) -> Receipt:
+        """A copy with ``changes`` and a fresh ``updated_at``."""
+        changes.setdefault("updated_at", now_iso())
+        return dataclasses.replace(self, **changes)
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = dict(self.extra)
+        doc.update(
+            schema=self.schema,
+            key=self.key,
+            call_id=self.call_id,
+            identity=self.identity,
+            args_sha256=self.args_sha256,
+            tool=self.tool,
+            tool_version=self.tool_version,
+            status=self.status,
+            retryable=self.retryable,
+            fencing_token=self.fencing_token,
+            owner=self.owner,
+            base=self.base,
+            candidate=self.candidate,
+            commit=self.commit,
+            tree=self.tree,
+            outputs=list(self.outputs),
+            error=self.error,
+            result=self.result,
+            created_at=self.created_at,
+            updated_at=self.updated_at,
+        )
+        doc.pop(_DIGEST_FIELD, None)
+        doc[_DIGEST_FIELD] = hashlib.sha256(canonical_json(doc)).hexdigest()
+        return doc
+
+    @property
+    def digest(self) -> str:
+        return str(self.to_doc()[_DIGEST_FIELD])
+
+
+def receipt_bytes(receipt: Receipt) -> bytes:
+    """The file bytes of a receipt: indented, sorted keys, trailing newline (readable, stable)."""
+    return orjson.dumps(receipt.to_doc(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
+
+
+def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = None) -> Receipt:
+    """Parse and verify a receipt file's bytes (checks in the module docstring).
+
+    Raises:
+        CorruptReceipt: any check fails; the reason names the first failure.
+    """
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise CorruptReceipt(path, f"not JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise CorruptReceipt(path, "not a JSON object")
+    for name, typ in _REQUIRED.items():
+        if name not in doc:
+            raise CorruptReceipt(path, f"missing field '{name}'")
+        if not isinstance(doc[name], typ) or (typ is int and isinstance(doc[name], bool)):
+            raise CorruptReceipt(path, f"field '{name}' has the wrong type")
+    for name, typ in _OPTIONAL.items():
+        if name in doc and not isinstance(doc[name], typ):
+            raise CorruptReceipt(path, f"field '{name}' has the wrong type")
+    if doc["schema"] != SCHEMA:
+        raise CorruptReceipt(path, f"unknown schema '{doc['schema']}'")
+    if doc["status"] not in STATUSES:
+        raise CorruptReceipt(path, f"unknown status '{doc['status']}'")
+    stored_digest = doc.get(_DIGEST_FIELD)
+    if not isinstance(stored_digest, str):
+        raise CorruptReceipt(path, f"missing field '{_DIGEST_FIELD}'")
+    body = {k: v for k, v in doc.items() if k != _DIGEST_FIELD}
+    try:
+        actual_digest = hashlib.sha256(canonical_json(body)).hexdigest()
+        identity = doc["identity"]
+        call_id = compute_call_id(identity)
+        args_sha = compute_args_sha256(
+            identity.get("tool", ""), identity.get("tool_version", ""), identity.get("args", {})
+        )
+    except Exception as exc:  # CanonicalJsonError, odd identity shapes
+        raise CorruptReceipt(path, f"cannot recompute hashes ({exc})") from exc
+    if actual_digest != stored_digest:
+        raise CorruptReceipt(path, "receipt_sha256 does not match its content (edited by hand?)")
+    if call_id != doc["call_id"]:
+        raise CorruptReceipt(path, "call_id does not match identity")
+    if args_sha != doc["args_sha256"]:
+        raise CorruptReceipt(path, "args_sha256 does not match identity")
+    if identity.get("tool") != doc["tool"] or identity.get("tool_version") != doc["tool_version"]:
+        raise CorruptReceipt(path, "tool or tool_version differs from identity")
+    if expected_key_hash is not None and key_hash(doc["key"]) != expected_key_hash:
+        raise CorruptReceipt(path, "key does not match the file name")
+    known = set(_REQUIRED) | set(_OPTIONAL) | {_DIGEST_FIELD}
+    extra = {k: v for k, v in doc.items() if k not in known}
+    return Receipt(
+        key=doc["key"],
+        call_id=doc["call_id"],
+        identity=identity,
+        args_sha256=doc["args_sha256"],
+        tool=doc["tool"],
+        tool_version=doc["tool_version"],
+        status=doc["status"],
+        fencing_token=doc["fencing_token"],
+        owner=doc["owner"],
+        created_at=doc["created_at"],
+        updated_at=doc["updated_at"],
+        retryable=doc.get("retryable"),
+        base=doc.get("base"),
+        candidate=doc.get("candidate"),
+        commit=doc.get("commit"),
+        tree=doc.get("tree"),
+        outputs=tuple(doc.get("outputs") or ()),
+        error=doc.get("error"),
+        result=doc.get("result"),
+        extra=extra,
+        schema=doc["schema"],
+    )

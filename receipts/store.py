@@ -1,0 +1,192 @@
+"""The receipt store on disk: sharded receipt files, per-key locks, the event ledger.
+
+Layout under the store root::
+
+    receipts/<h[:2]>/<h>.json     one receipt per key, h = sha256(key)
+    locks/<h>.lock                the key's lock (filelock, flock-based)
+    locks/ledger.lock             serialises ledger appends
+    events.jsonl                  the hash-chained event ledger
+    tmp/                          scratch (check worktrees, outputs)
+
+Every write goes through :func:`cas.durable.write_durable`.  Reads verify
+(:func:`receipts.receipt.parse_receipt`); a corrupt receipt raises, it is never
+skipped or overwritten silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import filelock
+
+from cas.durable import fsync_dir, write_durable
+from receipts.errors import CorruptReceipt, InProgress
+from receipts.identity import KeyHash, key_hash
+from receipts.ledger import Ledger
+from receipts.receipt import Receipt, parse_receipt, receipt_bytes
+
+__all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT"]
+
+DEFAULT_LOCK_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoredReceipt:
+    """A receipt file found by a scan: either a verified receipt or the error that file gave."""
+
+    path: str
+    key_hash: str
+    receipt: Receipt | None
+    error: CorruptReceipt | None
+
+
+class ReceiptStore:
+    """Receipts, locks and the ledger of one store folder.
+
+    Cheap to construct; folders are created on first write.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.receipts_dir = os.path.join(self.root, "receipts")
+        self.locks_dir = os.path.join(self.root, "locks")
+        self.tmp_dir = os.path.join(self.root, "tmp")
+        self.ledger = Ledger(os.path.join(self.root, "events.jsonl"), self._ledger_lock_path())
+
+    # -- paths -----------------------------------------------------------------
+
+    def _ledger_lock_path(self) -> str:
+        return os.path.join(self.root, "locks", "ledger.lock")
+
+    def receipt_path(self, key: str) -> str:
+        h = key_hash(key)
+        return self.path_for_hash(h)
+
+    def path_for_hash(self, h: str) -> str:
+        return os.path.join(self.receipts_dir, h[:2], f"{h}.json")
+
+    def lock_path(self, key: str) -> str:
+        return os.path.join(self.locks_dir, f"{key_hash(key)}.lock")
+
+    # -- folders ---------------------------------------------------------------
+
+    def _ensure_dir(self, path: str) -> None:
+        """Create ``path`` and its missing parents, syncing each parent that gained an entry."""
+        if os.path.isdir(path):
+            return
+        parent = os.path.dirname(path)
+        self._ensure_dir(parent)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o755)
+            fsync_dir(parent)
+
+    # -- locks -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lock(self, key: str, timeout: float = DEFAULT_LOCK_TIMEOUT) -> Iterator[None]:
+        """Hold the key's lock; raise :class:`InProgress` if it is still held after ``timeout`` s.
+
+        The lock is an flock on ``locks/<h>.lock``: the kernel drops it when the
+        holder dies, so a crashed owner never leaves the key stuck.
+        """
+        self._ensure_dir(self.locks_dir)
+        lk = filelock.FileLock(self.lock_path(key), timeout=timeout, is_singleton=False, thread_local=False,
+                              preserve_lock_file=True, poll_interval=0.01)
+        try:
+            lk.acquire()
+        except filelock.Timeout as exc:
+            raise InProgress(
+                f"another call holds the lock of key '{key}' (waited {timeout:g}s)",
+                key=key,
+                details={"lock_path": self.lock_path(key)},
+            ) from exc
+        try:
+            yield
+        finally:
+            lk.release()
+
+    def try_lock(self, key: str) -> filelock.BaseFileLock | None:
+        """Take the key's lock without waiting; ``None`` if a live process holds it."""
+        self._ensure_dir(self.locks_dir)
+        lk = filelock.FileLock(self.lock_path(key), timeout=0, is_singleton=False, thread_local=False,
+                              preserve_lock_file=True, poll_interval=0.01)
+        try:
+            lk.acquire(timeout=0)
+        except filelock.Timeout:
+            return None
+        return lk
+
+    # -- receipts --------------------------------------------------------------
+
+    def read(self, key: str) -> Receipt | None:
+        """The verified receipt of ``key``, or ``None`` when there is none.
+
+        Raises:
+            CorruptReceipt: the file exists but fails verification.
+        """
+        h = key_hash(key)
+        return self.read_hash(h)
+
+    def read_hash(self, h: str) -> Receipt | None:
+        path = self.path_for_hash(h)
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            return None
+        return parse_receipt(data, path=path, expected_key_hash=h)
+
+    def write(self, receipt: Receipt, *, before_replace: Callable[[], None] | None = None) -> str:
+        """Write ``receipt`` durably (then append its state to the ledger); return its path."""
+        h = key_hash(receipt.key)
+        path = self.path_for_hash(h)
+        self._ensure_dir(os.path.dirname(path))
+        write_durable(path, receipt_bytes(receipt), before_replace=before_replace)
+        return path
+
+    def record(self, receipt: Receipt, event: str, *, before_replace: Callable[[], None] | None = None,
+               **fields: object) -> str:
+        """Write ``receipt`` and append ``event`` for it to the ledger (the usual pairing)."""
+        path = self.write(receipt, before_replace=before_replace)
+        self.ledger.append_receipt_event(event, receipt, **fields)
+        return path
+
+    def scan(self) -> Iterator[StoredReceipt]:
+        """Every receipt file in the store, verified; corrupt ones are yielded with their error."""
+        try:
+            shards = sorted(os.listdir(self.receipts_dir))
+        except FileNotFoundError:
+            return
+        for shard in shards:
+            folder = os.path.join(self.receipts_dir, shard)
+            if len(shard) != 2 or not os.path.isdir(folder):
+                continue
+            for name in sorted(os.listdir(folder)):
+                if not name.endswith(".json") or name.startswith("."):
+                    continue
+                h = name[:-5]
+                path = os.path.join(folder, name)
+                try:
+                    with open(path, "rb") as fh:
+                        data = fh.read()
+                    yield StoredReceipt(path, h, parse_receipt(data, path=path, expected_key_hash=h), None)
+                except CorruptReceipt as exc:
+                    yield StoredReceipt(path, h, None, exc)
+                except FileNotFoundError:
+                    continue
+
+    def find(self, key_or_call_id: str) -> Receipt | None:
+        """Look up by key, else by call_id (a scan: call_ids are not indexed)."""
+        found = self.read(key_or_call_id)
+        if found is not None:
+            return found
+        for item in self.scan():
+            if item.receipt is not None and item.receipt.call_id == key_or_call_id:
+                return item.receipt
+        return None
+
+    def hash_of(self, key: str) -> KeyHash:
+        return key_hash(key)

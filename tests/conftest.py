@@ -1,0 +1,170 @@
+"""Shared fixtures: hermetic environment, real git repositories, CLI runner, snapshots."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def hermetic(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No developer's git config, store or crash point leaks into a test."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    for name in list(os.environ):
+        if name.startswith("GIT_") or name.startswith("ONCEPATCH_"):
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "Test Author")
+    monkeypatch.setenv("GIT_AUTHOR_EMAIL", "author@example.com")
+    monkeypatch.setenv("GIT_COMMITTER_NAME", "Test Author")
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "author@example.com")
+    (home / ".gitconfig").write_text(
+        "[user]\n\tname = Test Author\n\temail = author@example.com\n"
+        "[init]\n\tdefaultBranch = main\n[core]\n\tautocrlf = false\n[advice]\n\tdetachedHead = false\n"
+    )
+
+
+def git(cwd: Path | str, *args: str, input: bytes | None = None, check: bool = True) -> str:
+    res = subprocess.run(["git", *args], cwd=cwd, input=input, capture_output=True, check=False)
+    if check and res.returncode != 0:
+        raise AssertionError(f"git {' '.join(args)} failed ({res.returncode}): {res.stderr.decode()}")
+    return res.stdout.decode("utf-8", "surrogateescape")
+
+
+@dataclass
+class Repo:
+    path: Path
+
+    def git(self, *args: str, input: bytes | None = None, check: bool = True) -> str:
+        return git(self.path, *args, input=input, check=check)
+
+    def write(self, rel: str, data: bytes | str, mode: int | None = None) -> None:
+        p = self.path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data.encode() if isinstance(data, str) else data)
+        if mode is not None:
+            p.chmod(mode)
+
+    def commit_all(self, msg: str = "c") -> str:
+        self.git("add", "-A")
+        self.git("commit", "-q", "--allow-empty", "-m", msg)
+        return self.head()
+
+    def head(self, ref: str = "HEAD") -> str:
+        return self.git("rev-parse", ref).strip()
+
+    def count(self, ref: str = "HEAD") -> int:
+        return int(self.git("rev-list", "--count", ref).strip())
+
+    @property
+    def store(self) -> Path:
+        return self.path / ".git" / "oncepatch"
+
+
+def make_repo(path: Path, files: dict[str, str | bytes] | None = None) -> Repo:
+    path.mkdir(parents=True, exist_ok=True)
+    git(path, "init", "-q", "-b", "main")
+    repo = Repo(path)
+    for rel, data in (files or {"README": "hello\n"}).items():
+        repo.write(rel, data)
+    repo.commit_all("initial")
+    return repo
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Repo:
+    return make_repo(
+        tmp_path / "repo",
+        {
+            "README": "hello\n",
+            "src/app.py": "".join(f"line {i}\n" for i in range(1, 21)),
+            "src/util.py": "def f():\n    return 1\n",
+            "docs/guide.txt": "guide\n",
+        },
+    )
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+def run_cli(*args: str, cwd: Path | str | None = None, input: bytes | None = None,
+            env: dict[str, str] | None = None, timeout: float = 120) -> Run:
+    e = dict(os.environ)
+    if env:
+        e.update(env)
+    res = subprocess.run(
+        [sys.executable, "-m", "patcher.cli", *args], cwd=cwd, input=input, capture_output=True,
+        env=e, timeout=timeout, check=False,
+    )
+    return Run(res.returncode, res.stdout.decode("utf-8", "replace"), res.stderr.decode("utf-8", "replace"))
+
+
+@pytest.fixture
+def cli() -> Any:
+    return run_cli
+
+
+def snapshot(repo: Repo, store: Path | None = None) -> dict[str, Any]:
+    """Everything a rejection must leave byte-for-byte unchanged: refs, index, worktree, store."""
+    state: dict[str, Any] = {}
+    state["refs"] = repo.git("for-each-ref", "--format=%(refname) %(objectname)")
+    state["head"] = (repo.path / ".git" / "HEAD").read_bytes()
+    idx = repo.path / ".git" / "index"
+    state["index"] = hashlib.sha256(idx.read_bytes()).hexdigest() if idx.exists() else None
+    files: dict[str, str] = {}
+    for p in sorted(repo.path.rglob("*")):
+        rel = p.relative_to(repo.path).as_posix()
+        if rel == ".git" or rel.startswith(".git/"):
+            continue
+        if p.is_symlink():
+            files[rel] = "link:" + os.readlink(p)
+        elif p.is_file():
+            files[rel] = f"{oct(p.stat().st_mode)}:{hashlib.sha256(p.read_bytes()).hexdigest()}"
+        else:
+            files[rel] = "dir"
+    state["worktree"] = files
+    store = store if store is not None else repo.store
+    sfiles: dict[str, str] = {}
+    if store.exists():
+        for p in sorted(store.rglob("*")):
+            if p.is_file():
+                sfiles[p.relative_to(store).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
+    state["store"] = sfiles
+    return state
+
+
+def diff_of(repo: Repo, a: str, b: str) -> bytes:
+    return subprocess.run(["git", "diff", "--full-index", "--binary", a, b], cwd=repo.path,
+                          capture_output=True, check=True).stdout
+
+
+@pytest.fixture
+def tmp_repo_factory(tmp_path: Path) -> Iterator[Any]:
+    n = [0]
+
+    def factory(files: dict[str, str | bytes] | None = None) -> Repo:
+        n[0] += 1
+        return make_repo(tmp_path / f"r{n[0]}", files)
+
+    yield factory
