@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 import orjson
 
 from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, UsageError
+from patcher.cli_common import add_common, store_root
 
 __all__ = ["main", "build_parser"]
 
@@ -27,18 +28,12 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--repo", default=".", help="repository (default: the current folder)")
-    p.add_argument("--store", default=None, help="receipt store (default: $ONCEPATCH_STORE or <git-common-dir>/oncepatch)")
-    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="oncepatch", description="apply patches to git effectively once")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("apply", help="apply a patch as one atomic commit, once per key")
-    _common(p)
+    add_common(p)
     p.add_argument("patch", help="patch file, or - for standard input")
     p.add_argument("--branch", default=None, help="target branch (default: the checked-out branch)")
     p.add_argument("--key", default=None, help="idempotency key (default: the call_id)")
@@ -51,11 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lock-timeout", type=float, default=30.0, help="seconds to wait for the key's lock")
 
     p = sub.add_parser("status", help="the verified receipt of a key or call_id")
-    _common(p)
+    add_common(p)
     p.add_argument("key")
 
     p = sub.add_parser("log", help="the event ledger")
-    _common(p)
+    add_common(p)
     p.add_argument("--limit", type=int, default=None, help="only the last N events")
 
     for register in _EXTRA_COMMANDS:
@@ -63,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Commands defined in other modules register themselves here (recover, verify, watch, ...).
+#: Commands defined in other modules (recover, verify, watch, ...): each module has
+#: ``register(subparsers)`` and ``HANDLERS``; loaded by :func:`_load_extra_commands`.
 _EXTRA_COMMANDS: list[Callable[[Any], None]] = []
 _HANDLERS: dict[str, Callable[[argparse.Namespace], tuple[int, dict[str, Any], str]]] = {}
 
@@ -76,17 +72,6 @@ def _read_patch(name: str) -> bytes:
             return fh.read()
     except OSError as exc:
         raise UsageError(f"cannot read patch '{name}': {exc.strerror}") from exc
-
-
-def _store_root(args: argparse.Namespace) -> str:
-    from cas.gitdir import discover
-    from patcher.protocol import store_root_for
-
-    if args.store:
-        return os.path.abspath(args.store)
-    if os.environ.get("ONCEPATCH_STORE"):
-        return os.path.abspath(os.environ["ONCEPATCH_STORE"])
-    return store_root_for(discover(args.repo).common_dir)
 
 
 def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
@@ -115,7 +100,7 @@ def _cmd_status(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from receipts.errors import ReceiptNotFound
     from receipts.store import ReceiptStore
 
-    rstore = ReceiptStore(_store_root(args))
+    rstore = ReceiptStore(store_root(args))
     receipt = rstore.find(args.key)
     if receipt is None:
         raise ReceiptNotFound(f"no receipt for key or call_id '{args.key}'", key=args.key)
@@ -129,7 +114,7 @@ def _cmd_status(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 def _cmd_log(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from receipts.store import ReceiptStore
 
-    events = list(ReceiptStore(_store_root(args)).ledger.events())
+    events = list(ReceiptStore(store_root(args)).ledger.events())
     if args.limit is not None:
         events = events[-args.limit:] if args.limit > 0 else []
     lines = [
@@ -149,10 +134,14 @@ def _load_extra_commands() -> None:
 
     for name in ("patcher.cli_recovery",):
         try:
-            importlib.import_module(name)
+            mod = importlib.import_module(name)
         except ModuleNotFoundError as exc:
             if exc.name != name:
                 raise
+            continue
+        if mod.register not in _EXTRA_COMMANDS:
+            _EXTRA_COMMANDS.append(mod.register)
+            _HANDLERS.update(mod.HANDLERS)
 
 
 def _emit(doc: dict[str, Any], text: str, as_json: bool) -> None:

@@ -23,12 +23,9 @@ import contextlib
 import os
 from typing import Any
 
-from cas.crash import crash_hook, crash_point
-from cas.errors import OncepatchError
 from cas.gitdir import worktrees_on
 from cas.objects import GitStore, TreeEntry
 from receipts.adapter import QueryResult
-from receipts.errors import StillUnknown
 from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
@@ -42,7 +39,8 @@ KEY_REF_PREFIX = "refs/oncepatch/keys/"
 class GitAdapter:
     tool = TOOL
 
-    def __init__(self, stores: dict[str, Any] | None = None) -> None:
+    def __init__(self, rstore: ReceiptStore | None = None, stores: dict[str, Any] | None = None) -> None:
+        self._rstore = rstore
         self._stores = stores if stores is not None else {}
 
     def _store(self, receipt: Receipt) -> GitStore:
@@ -77,18 +75,22 @@ class GitAdapter:
         branch = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
         key_ref = KEY_REF_PREFIX + key_hash(receipt.key)
         if gstore.resolve(key_ref) == candidate:
-            return QueryResult("applied", "key_ref", {"notes": notes})
+            return QueryResult("applied", "key_ref", self._fields(gstore, candidate, notes))
         if gstore.has_object(candidate):
             tip = gstore.resolve(branch)
             if tip is not None and gstore.is_ancestor(candidate, tip):
-                return QueryResult("applied", "reachable_from_branch", {"notes": notes})
+                return QueryResult("applied", "reachable_from_branch", self._fields(gstore, candidate, notes))
             if gstore.reflog_names(branch, candidate):
-                return QueryResult("applied", "named_in_reflog", {"notes": notes})
+                return QueryResult("applied", "named_in_reflog", self._fields(gstore, candidate, notes))
         return QueryResult("not_applied", "crashed_before_commit", {"notes": notes})
+
+    @staticmethod
+    def _fields(gstore: GitStore, commit: str, notes: list[str]) -> dict[str, Any]:
+        return {"commit": commit, "tree": gstore.commit_tree(commit), "notes": notes}
 
     # -- settle ------------------------------------------------------------------
 
-    def settle(self, receipt: Receipt, rstore: ReceiptStore | None = None) -> list[str]:
+    def settle(self, receipt: Receipt) -> list[str]:
         """Create a missing key ref; bring worktrees whose touched paths still show the base."""
         from cas.worktree import materialise
 
@@ -125,57 +127,113 @@ class GitAdapter:
                     left.append(path)
             if stale:
                 marker = None
-                if rstore is not None:
-                    os.makedirs(rstore.tmp_dir, exist_ok=True)
-                    marker = os.path.join(rstore.tmp_dir, f"index-lock-{key_hash(receipt.key)}")
+                if self._rstore is not None:
+                    from patcher.worktrees import index_marker
+
+                    os.makedirs(self._rstore.tmp_dir, exist_ok=True)
+                    marker = index_marker(self._rstore, receipt.key)
                 materialise(gstore, workdir, stale, lock_marker=marker)
                 done.append(f"materialised {len(stale)} path(s) in '{workdir}'")
             if left:
                 done.append(f"left {len(left)} path(s) in '{workdir}' alone: changed since the crash")
         return done
 
-    # -- resolve (used under the key lock) ---------------------------------------------
+    # -- verify ---------------------------------------------------------------------
 
-    def resolve(self, rstore: ReceiptStore, receipt: Receipt) -> Receipt:
-        """Settle a ``prepared``/``unknown`` receipt whose owner is gone; return the new receipt.
+    def verify_committed(self, receipt: Receipt) -> list[str]:
+        """The commit exists, the key ref points at it, and every output digest matches its blob."""
+        import hashlib
 
-        Caller holds the key's lock.
-
-        Raises:
-            StillUnknown: the adapter cannot tell (never for git).
-        """
-        result = self.query(receipt)
-        crash_point("recover-after-resolve")
-        if result.status == "applied":
+        problems: list[str] = []
+        commit = receipt.commit
+        if not commit:
+            return ["committed receipt names no commit"]
+        try:
             gstore = self._store(receipt)
-            commit = receipt.candidate
-            assert commit is not None
-            new = receipt.evolve(status="committed", commit=commit, tree=gstore.commit_tree(commit), error=None,
-                                 extra={**receipt.extra, "recovered": result.reason})
+        except Exception as exc:  # noqa: BLE001 - a missing repository is a verification failure
+            return [f"repository '{receipt.args.get('repo')}' cannot be opened: {exc}"]
+        if not gstore.has_object(commit):
+            return [f"commit {commit} does not exist"]
+        already = bool(receipt.extra.get("already_applied"))
+        key_ref = KEY_REF_PREFIX + key_hash(receipt.key)
+        if not already and gstore.resolve(key_ref) != commit:
+            problems.append(f"key ref '{key_ref}' does not point at {commit[:12]}")
+        try:
+            tree = gstore.commit_tree(commit)
+        except Exception as exc:  # noqa: BLE001
+            return [f"commit {commit} is unreadable: {exc}"]
+        if receipt.tree and receipt.tree != tree:
+            problems.append(f"tree {receipt.tree[:12]} differs from commit's tree {tree[:12]}")
+        for out in receipt.outputs:
+            path = str(out.get("path"))
+            entry = gstore.lookup_path(tree, path).entry
+            if out.get("op") == "delete":
+                if entry is not None:
+                    problems.append(f"'{path}' should be deleted in {commit[:12]} but exists")
+                continue
+            if entry is None:
+                problems.append(f"'{path}' is missing from {commit[:12]}")
+                continue
+            if out.get("blob") and entry.oid != out.get("blob"):
+                problems.append(f"'{path}' blob {entry.oid[:12]} differs from the receipt's {str(out.get('blob'))[:12]}")
+                continue
+            data = gstore.read_blob(entry.oid)
+            if hashlib.sha256(data).hexdigest() != out.get("sha256"):
+                problems.append(f"'{path}' sha256 differs from the receipt's output digest")
+            if out.get("mode") is not None and int(out["mode"]) != entry.mode:
+                problems.append(f"'{path}' mode {entry.mode:o} differs from the receipt's {int(out['mode']):o}")
+        return problems
+
+    # -- cleanup -------------------------------------------------------------------
+
+    def cleanup(self, rstore: ReceiptStore, dry_run: bool, tmp_age: float) -> list[str]:
+        """Remove index-lock markers (and the stale ``index.lock`` they prove ours) of dead owners."""
+        removed: list[str] = []
+        try:
+            names = sorted(os.listdir(rstore.tmp_dir))
+        except FileNotFoundError:
+            return removed
+        for name in names:
+            if not name.startswith("index-lock-"):
+                continue
+            marker = os.path.join(rstore.tmp_dir, name)
+            h = name[len("index-lock-"):]
+            lk = _try_lock_hash(rstore, h)
+            if lk is None:
+                continue  # its owner is alive and may hold the index lock right now
             try:
-                notes = self.settle(new, rstore)
-            except OncepatchError as exc:
-                notes = [f"worktree not updated: {exc.message}"]
-            if notes:
-                new = new.evolve(extra={**new.extra, "recovery_notes": notes})
-            rstore.write(new, before_replace=crash_hook("recover-before-receipt-replace"))  # type: ignore[arg-type]
-            rstore.ledger.append_receipt_event("recovered", new, reason=result.reason)
-            return new
-        if result.status == "not_applied":
-            err = {
-                "type": "crashed_before_commit",
-                "message": "the call stopped before its commit landed; a retry executes it once",
-                "retryable": True,
-                "effect_status": "not_applied",
-                "key": receipt.key,
-                "next_action": "retry",
-            }
-            new = receipt.evolve(status="rejected", retryable=True, error=err,
-                                 extra={**receipt.extra, "recovered": result.reason})
-            rstore.write(new, before_replace=crash_hook("recover-before-receipt-replace"))  # type: ignore[arg-type]
-            rstore.ledger.append_receipt_event("recovered", new, reason=result.reason)
-            return new
-        raise StillUnknown(f"outcome of key '{receipt.key}' cannot be told: {result.reason}", key=receipt.key)
+                try:
+                    with open(marker, "rb") as fh:
+                        index_lock = fh.read().decode("utf-8", "surrogateescape").strip()
+                    marker_mtime = os.stat(marker).st_mtime
+                except FileNotFoundError:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    # Ours only if it was created after our marker, i.e. by our write.
+                    if index_lock.endswith("index.lock") and os.stat(index_lock).st_mtime >= marker_mtime:
+                        removed.append(index_lock)
+                        if not dry_run:
+                            os.unlink(index_lock)
+                removed.append(marker)
+                if not dry_run:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(marker)
+            finally:
+                lk.release()
+        return removed
+
+
+def _try_lock_hash(rstore: ReceiptStore, h: str) -> Any:
+    import filelock
+
+    os.makedirs(rstore.locks_dir, exist_ok=True)
+    lk = filelock.FileLock(os.path.join(rstore.locks_dir, f"{h}.lock"), timeout=0, thread_local=False,
+                           preserve_lock_file=True)
+    try:
+        lk.acquire(timeout=0)
+    except filelock.Timeout:
+        return None
+    return lk
 
 
 def _matches(gstore: GitStore, workdir: str, path: str, entry: TreeEntry | None) -> bool:

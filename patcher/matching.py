@@ -146,7 +146,7 @@ def _key_fn(grade: str, agnostic: bool) -> Callable[[bytes], object]:
 
 
 def _dominant(lines: Sequence[bytes]) -> bytes:
-    """``\\r\\n`` if more of ``lines`` end with it than with a bare ``\\n``; ``b""`` if none ends at all."""
+    """``\\r\\n`` if more of ``lines`` end so than with a bare ``\\n``; ``b""`` if none ends."""
     crlf = lf = 0
     for line in lines:
         if line.endswith(b"\r\n"):
@@ -233,7 +233,7 @@ def _locate(
     at_eof: bool,
     grades: Sequence[str] = GRADES,
 ) -> _Loc | None:
-    """Find the non-empty ``seq`` in ``f`` at or after ``lo`` by the rules of the module docstring."""
+    """Find the non-empty ``seq`` in ``f`` at or after ``lo`` (rules: module docstring)."""
     n, m = len(f.lines), len(seq)
     last = n - m
     if last < lo:
@@ -246,9 +246,14 @@ def _locate(
             if last >= floor and f.match_at(grade, agnostic, last, hkeys):
                 return _Loc(grade, (last,))
             continue
-        if expected is not None and starts is None:
-            if lo <= expected <= last and f.match_at(grade, agnostic, expected, hkeys):
-                return _Loc(grade, (expected,))
+        # Fast path, and the rule "the stated position wins": O(hunk) when it matches.
+        if (
+            expected is not None
+            and starts is None
+            and lo <= expected <= last
+            and f.match_at(grade, agnostic, expected, hkeys)
+        ):
+            return _Loc(grade, (expected,))
         cands = f.scan(grade, agnostic, hkeys, lo)
         if not cands:
             continue
@@ -269,7 +274,7 @@ def _locate(
 
 
 def _find_line(f: _File, line: bytes, lo: int) -> list[int]:
-    """Positions ``>= lo`` of one scope line at the strictest grade that finds any (terminator ignored)."""
+    """Positions ``>= lo`` of a scope line, at the strictest grade finding any (EOL ignored)."""
     if lo >= len(f.lines):
         return []
     for grade in GRADES:
@@ -281,7 +286,10 @@ def _find_line(f: _File, line: bytes, lo: int) -> list[int]:
 
 
 def _resolve_scopes(f: _File, scopes: Sequence[bytes], lo: int) -> tuple[list[int], bytes | None]:
-    """Positions just after the last scope line, one per occurrence of the first; else the missing scope."""
+    """Positions just after the last scope line, one per occurrence of the first scope line.
+
+    When no occurrence leads through every scope line, also returns the scope line not found.
+    """
     starts: list[int] = []
     firsts = _find_line(f, scopes[0], lo)
     if not firsts:
@@ -314,7 +322,9 @@ class _Verdict:
 class _Failure(Exception):
     """Internal: a hunk cannot be placed; turned into a public error with details by the caller."""
 
-    def __init__(self, kind: type[ContextNotFound | AmbiguousMatch], reason: str, **extra: Any) -> None:
+    def __init__(
+        self, kind: type[ContextNotFound | AmbiguousMatch], reason: str, **extra: Any
+    ) -> None:
         super().__init__(reason)
         self.kind = kind
         self.reason = reason
@@ -335,7 +345,9 @@ def _judge(f: _File, hunk: Hunk, lo: int, carry: int) -> _Verdict:
         if missing_scope is not None or not starts:
             shown = _chomp(missing_scope or b"").decode("utf-8", "replace")
             raise _Failure(
-                ContextNotFound, f"scope '{shown}' not found (tried {', '.join(GRADES)})", scope=shown
+                ContextNotFound,
+                f"scope '{shown}' not found (tried {', '.join(GRADES)})",
+                scope=shown,
             )
     if not hunk.old_lines:
         return _Verdict("applies", _insertion_point(f, hunk, lo, carry, starts))
@@ -527,7 +539,9 @@ def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Applied
         except _Failure as failure:
             raise _error(f, hunk, index, path, lo, expected, failure) from None
         if verdict.state == "missing":
-            raise _error(f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason))
+            raise _error(
+                f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason)
+            )
         plan.append((hunk, verdict))
         size = len(hunk.old_lines if verdict.state == "applies" else hunk.new_lines)
         lo = verdict.pos + size

@@ -29,18 +29,18 @@ from typing import TYPE_CHECKING, Any
 
 from cas.crash import crash_hook, crash_point
 from cas.errors import OncepatchError, RefLockedError, RefMovedError, RefUpdateUnknown
-from receipts.errors import FencedOff, IdempotencyConflict, StillUnknown
+from receipts.errors import FencedOff, IdempotencyConflict
 from receipts.identity import check_key, compute_args_sha256, compute_call_id, key_hash, make_identity
 from receipts.receipt import Receipt, now_iso
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL, TOOL_VERSION, CallArgs, normalise_args
 from patcher.errors import Conflict, PatchError
 from patcher.formats import detect, parse_patch
+from patcher.model import Patch
 
 if TYPE_CHECKING:
     from cas.objects import GitStore
-    from patcher.model import Patch
-    from patcher.stage import Staged
+    from patcher.stage import Staged, StagePlan
 
 __all__ = ["ApplyResult", "apply", "store_root_for", "owner_info", "MAX_RESTAGE_ROUNDS", "KEY_REF_PREFIX"]
 
@@ -182,21 +182,51 @@ def apply(
         if existing.is_final:
             return _replay(existing, path, rstore)
 
+    pre: _PreCheck | None = None
+    if existing is None:
+        # First call: every input error is found before the lock is taken, so a
+        # rejected patch leaves the store (and the repository) exactly as it was.
+        try:
+            pre = _precheck(args, _stores)
+        except OncepatchError as exc:
+            raise exc.with_key(the_key)
+
     with rstore.lock(the_key, timeout=lock_timeout):
         existing = rstore.read(the_key)
         if existing is not None:
             _check_same_intent(existing, args_sha, the_key)
             if existing.status in ("prepared", "unknown"):
                 from patcher.git_adapter import GitAdapter
+                from receipts.recovery import resolve_receipt
 
-                existing = GitAdapter(stores=_stores).resolve(rstore, existing)
+                # A live owner would hold the lock: this one is dead. Settle it first.
+                existing = resolve_receipt(rstore, existing, GitAdapter(rstore, _stores))
             if existing.is_final:
                 return _replay(existing, path, rstore)
         try:
-            return _execute(rstore, args, identity, call_id, the_key, args_sha, existing, lock_timeout,
-                            check_timeout, _stores)
+            return _execute(rstore, args, identity, call_id, the_key, args_sha, existing, check_timeout,
+                            _stores, pre)
         except OncepatchError as exc:
             raise exc.with_key(the_key)
+
+
+@dataclass(frozen=True, slots=True)
+class _PreCheck:
+    patch: Patch
+    plan: StagePlan
+    worktrees: list[tuple[str, str]]
+
+
+def _precheck(args: CallArgs, stores: dict[str, Any] | None) -> _PreCheck:
+    """Parse, plan against the branch's current head and check worktrees; write nothing."""
+    from patcher.stage import plan_stage, touched_paths
+    from patcher.worktrees import check_worktrees
+
+    parsed = parse_patch(args.patch, args.format)
+    gstore = open_store(args.repo, stores)
+    plan = plan_stage(gstore, gstore.resolve(args.branch), parsed)
+    worktrees = check_worktrees(gstore, args.branch, touched_paths(parsed)) if not plan.already_applied else []
+    return _PreCheck(parsed, plan, worktrees)
 
 
 def _check_same_intent(existing: Receipt, args_sha: str, key: str) -> None:
@@ -228,20 +258,24 @@ def _execute(
     key: str,
     args_sha: str,
     previous: Receipt | None,
-    lock_timeout: float,
     check_timeout: float,
     stores: dict[str, Any] | None,
+    pre: _PreCheck | None,
 ) -> ApplyResult:
-    from patcher.stage import stage, touched_paths
+    from patcher.stage import plan_stage, stage, touched_paths, write_stage
     from patcher.worktrees import check_worktrees, materialise_all
 
-    parsed = parse_patch(args.patch, args.format)
+    parsed = pre.patch if pre is not None else parse_patch(args.patch, args.format)
     gstore = open_store(args.repo, stores)
     message = _commit_message(args, parsed, call_id, key)
-    base = gstore.resolve(args.branch)
-    staged, candidate = stage(gstore, base, parsed, message)
     paths = touched_paths(parsed)
-    worktrees = check_worktrees(gstore, args.branch, paths)
+    base = gstore.resolve(args.branch)
+    if pre is not None and pre.plan.base_commit == base:
+        plan, worktrees = pre.plan, pre.worktrees
+    else:
+        plan = plan_stage(gstore, base, parsed)
+        worktrees = check_worktrees(gstore, args.branch, paths) if not plan.already_applied else []
+    staged, candidate = write_stage(gstore, plan, message, parsed)
     if candidate is None:
         return _already_applied(rstore, identity, call_id, key, args_sha, previous, args, staged)
     if args.check is not None:
@@ -412,6 +446,3 @@ def _commit_message(args: CallArgs, patch: Patch, call_id: str, key: str) -> str
         subject = f"oncepatch: apply patch to {shown}"
     return f"{subject}\n\nOncepatch-Call: {call_id}\nOncepatch-Key: {key_hash(key)}\n"
 
-
-def _unknown_error(key: str) -> StillUnknown:
-    return StillUnknown(f"outcome of key '{key}' is unknown: run 'oncepatch recover'", key=key)

@@ -17,7 +17,7 @@ from patcher.errors import ContextNotFound, PartiallyApplied, UnsafePath
 from patcher.matching import apply_hunks
 from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Patch
 
-__all__ = ["Staged", "stage", "touched_paths"]
+__all__ = ["Staged", "StagePlan", "plan_stage", "write_stage", "stage", "touched_paths"]
 
 _MODE_TREE = 0o040000
 
@@ -31,6 +31,19 @@ class Staged:
     outputs: tuple[dict[str, Any], ...]
     grades: dict[str, tuple[str, ...]] = field(default_factory=dict)
     already_applied: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """What the patch does to ``base_commit``, computed without writing anything."""
+
+    base_commit: str | None
+    base_tree: str | None
+    blobs: tuple[tuple[str, bytes, int, dict[str, Any]], ...]
+    deletes: tuple[str, ...]
+    outputs: tuple[dict[str, Any], ...]
+    grades: dict[str, tuple[str, ...]]
+    already_applied: bool
 
 
 def touched_paths(patch: Patch) -> list[str]:
@@ -91,14 +104,16 @@ def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None) -> tu
 
 
 def stage(store: GitStore, base_commit: str | None, patch: Patch, message: str) -> tuple[Staged, str | None]:
-    """Apply ``patch`` on ``base_commit``; return the staged change and the candidate commit.
+    """Plan and write in one go (see :func:`plan_stage` and :func:`write_stage`)."""
+    return write_stage(store, plan_stage(store, base_commit, patch), message, patch)
 
-    The candidate is ``None`` when every edit is already present in the base
-    (``Staged.already_applied``): nothing is written.
+
+def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StagePlan:
+    """Apply ``patch`` to ``base_commit`` in memory; nothing is written.
 
     Raises:
         ContextNotFound, AmbiguousMatch, PartiallyApplied, UnsafePath: the patch
-            does not apply to this base; nothing was written that any ref names.
+            does not apply to this base.
     """
     base_tree = store.commit_tree(base_commit) if base_commit else None
     deleted = {e.path for e in patch.edits if e.op in ("delete", "rename")}
@@ -165,17 +180,32 @@ def stage(store: GitStore, base_commit: str | None, patch: Patch, message: str) 
             f"patch is partially applied: {len(present)} of {len(present) + len(missing)} file edits are already present",
             details={"present": present, "missing": missing},
         )
-    if not missing:
+    return StagePlan(base_commit, base_tree, tuple(blobs), tuple(p for p, e in changes.items() if e is None),
+                     tuple(outputs), grades, not missing)
+
+
+def write_stage(store: GitStore, plan: StagePlan, message: str, patch: Patch) -> tuple[Staged, str | None]:
+    """Write the plan's blobs, trees and candidate commit (immutable objects only: no ref moves).
+
+    The candidate is ``None`` when every edit is already present in the base
+    (``Staged.already_applied``): nothing is written.
+    """
+    base_commit, base_tree = plan.base_commit, plan.base_tree
+    if plan.already_applied:
         outputs_present = tuple(_present_outputs(store, base_tree, patch))
-        staged = Staged(base_commit, base_tree, base_tree or "", {}, outputs_present, grades, True)
-        return staged, None
-    for path, content, mode, out in blobs:
+        return Staged(base_commit, base_tree, base_tree or "", {}, outputs_present, plan.grades, True), None
+    changes: dict[str, TreeEntry | None] = {p: None for p in plan.deletes}
+    outputs: list[dict[str, Any]] = []
+    for path, content, mode, out in plan.blobs:
         oid = store.write_blob(content)
         changes[path] = TreeEntry(oid, mode)
-        out["blob"] = oid
+        outputs.append({**out, "blob": oid})
+    outputs += [o for o in plan.outputs if o["op"] == "delete"]
+    order = {o["path"]: i for i, o in enumerate(plan.outputs)}
+    outputs.sort(key=lambda o: order.get(o["path"], 0))
     tree = store.edit_tree(base_tree, changes)
     candidate = store.create_commit(tree, [base_commit] if base_commit else [], message)
-    return Staged(base_commit, base_tree, tree, changes, tuple(outputs), grades, False), candidate
+    return Staged(base_commit, base_tree, tree, changes, tuple(outputs), plan.grades, False), candidate
 
 
 def _as_modify(edit: FileEdit) -> FileEdit:

@@ -1,4 +1,4 @@
-"""Parser of unified diffs (``git diff``, ``git format-patch``, ``diff -u``, agents) into a :class:`Patch`.
+"""Parser of unified diffs (``git diff``, ``format-patch``, ``diff -u``, agents) into a ``Patch``.
 
 Pure: bytes in, :class:`~patcher.model.Patch` out, no I/O.  Content stays
 bytes throughout (non-UTF-8 and CRLF survive byte for byte: a line is
@@ -123,7 +123,10 @@ def _show(name: bytes) -> str:
 
 
 def _unquote(text: bytes, start: int, lineno: int) -> tuple[bytes, int]:
-    """Unquote the C-style string at ``text[start] == '"'``; return it and the index after its quote."""
+    """Unquote the C-style string starting at ``text[start] == '"'``.
+
+    Returns the bytes and the index just after the closing quote.
+    """
     out = bytearray()
     i = start + 1
     while i < len(text):
@@ -169,7 +172,7 @@ def _is_epoch(date: bytes, zone: bytes | None) -> bool:
 
 
 def _name_field(raw: bytes, lineno: int) -> tuple[bytes, bool]:
-    """The name on a ``---``/``+++`` line (after the marker), and whether its timestamp is the epoch."""
+    """The name on a ``---``/``+++`` line (after the marker); whether its timestamp is the epoch."""
     raw = _chomp(raw)
     if raw.startswith(b'"'):
         return _unquote(raw, 0, lineno)[0], False
@@ -267,12 +270,10 @@ class _Block:
     hunks: list[Hunk] = field(default_factory=list)
 
     def display(self) -> str:
-        for name in (self.rename_to, self.plus, self.minus, self.rename_from):
-            if name is not None and name != _DEV_NULL:
-                return _show(name)
-        if self.header is not None:
-            return _show(self.header[1])
-        return "?"
+        """The block's path as far as it is known yet, for messages."""
+        old, new = _names(self)
+        name = new if new is not None else old
+        return "?" if name is None else _show(name)
 
 
 def _mode(raw: bytes, lineno: int) -> int:
@@ -287,9 +288,7 @@ def _mode(raw: bytes, lineno: int) -> int:
         return MODE_LINK
     if kind == 0o100000:
         return MODE_EXEC if mode & 0o100 else MODE_FILE
-    raise ParseError(
-        f"invalid file mode '{_show(raw)}' at line {lineno}", details={"line": lineno}
-    )
+    raise ParseError(f"invalid file mode '{_show(raw)}' at line {lineno}", details={"line": lineno})
 
 
 def _blob(oid: bytes) -> str | None:
@@ -337,7 +336,7 @@ def _extended(block: _Block, line: bytes, lineno: int) -> bool:
 
 
 def _excess(lines: list[bytes], j: int) -> bool:
-    """Whether ``lines[j]``, right after a complete hunk, is a diff line the hunk's header did not count."""
+    """Whether ``lines[j]``, just after a complete hunk, is a diff line its header left out."""
     line = lines[j]
     if line[:1] in (b" ", b"+"):
         return True
@@ -345,85 +344,92 @@ def _excess(lines: list[bytes], j: int) -> bool:
         return False
     if _chomp(line) in (b"-- ", b"--"):  # format-patch signature
         return False
-    return not (line.startswith(b"--- ") and j + 1 < len(lines) and lines[j + 1].startswith(b"+++ "))
+    return not (
+        line.startswith(b"--- ") and j + 1 < len(lines) and lines[j + 1].startswith(b"+++ ")
+    )
 
 
 def _read_hunks(lines: list[bytes], i: int, block: _Block) -> int:
     """Read the hunks starting at ``lines[i]`` into ``block``; return the index after them."""
-    n = len(lines)
-    while i < n and lines[i].startswith(b"@@ -"):
-        head = _HUNK.fullmatch(_chomp(lines[i]))
-        if head is None:
-            raise ParseError(
-                f"malformed hunk header at line {i + 1}: '{_show(_chomp(lines[i]))}'",
-                details={"line": i + 1, "path": block.display()},
-            )
-        old_count = 1 if head[2] is None else int(head[2])
-        new_count = 1 if head[4] is None else int(head[4])
-        old: list[bytes] = []
-        new: list[bytes] = []
-        sides = ""  # which side(s) the previous line went to: "o", "n" or "on"
-        want_old, want_new = old_count, new_count
-        j = i + 1
-
-        def fail(what: str, at: int) -> ParseError:
-            return ParseError(
-                f"hunk at line {i + 1} of '{block.display()}' {what} at line {at}: "
-                f"header says {old_count} old and {new_count} new lines",
-                details={"line": at, "hunk_line": i + 1, "path": block.display()},
-            )
-
-        def no_newline(at: int) -> None:
-            if not sides:
-                raise fail("has a '\\ No newline' marker before any line", at)
-            if "o" in sides:
-                old[-1] = old[-1][:-1] if old[-1].endswith(b"\n") else old[-1]
-            if "n" in sides:
-                new[-1] = new[-1][:-1] if new[-1].endswith(b"\n") else new[-1]
-
-        while want_old > 0 or want_new > 0:
-            if j >= n:
-                raise fail("ends early", j)
-            line = lines[j]
-            kind = line[:1]
-            if kind == b" " or (line in (b"\n", b"\r\n") and want_old > 0 and want_new > 0):
-                if want_old == 0 or want_new == 0:
-                    raise fail("is longer than its header says", j + 1)
-                body = line[1:] if kind == b" " else line
-                old.append(body)
-                new.append(body)
-                want_old, want_new, sides = want_old - 1, want_new - 1, "on"
-            elif kind == b"-":
-                if want_old == 0:
-                    raise fail("is longer than its header says", j + 1)
-                old.append(line[1:])
-                want_old, sides = want_old - 1, "o"
-            elif kind == b"+":
-                if want_new == 0:
-                    raise fail("is longer than its header says", j + 1)
-                new.append(line[1:])
-                want_new, sides = want_new - 1, "n"
-            elif kind == b"\\":
-                no_newline(j + 1)
-                sides = ""
-            else:
-                raise fail("ends early", j + 1)
-            j += 1
-        if j < n and lines[j].startswith(b"\\"):
-            no_newline(j + 1)
-            j += 1
-        if j < n and not lines[j].startswith(b"@@ -") and _excess(lines, j):
-            raise fail("is longer than its header says", j + 1)
-        block.hunks.append(
-            Hunk(
-                old_lines=tuple(old),
-                new_lines=tuple(new),
-                old_start=int(head[1]),
-                header=_chomp(lines[i]).decode("utf-8", "replace"),
-            )
-        )
-        i = j
+    while i < len(lines) and lines[i].startswith(b"@@ -"):
+        i = _read_hunk(lines, i, block)
     return i
+
+
+def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
+    """Read the hunk whose header is ``lines[i]`` into ``block``; return the index after it."""
+    n = len(lines)
+    head = _HUNK.fullmatch(_chomp(lines[i]))
+    if head is None:
+        raise ParseError(
+            f"malformed hunk header at line {i + 1}: '{_show(_chomp(lines[i]))}'",
+            details={"line": i + 1, "path": block.display()},
+        )
+    old_count = 1 if head[2] is None else int(head[2])
+    new_count = 1 if head[4] is None else int(head[4])
+    old: list[bytes] = []
+    new: list[bytes] = []
+    sides = ""  # which side(s) the previous line went to: "o", "n" or "on"
+    want_old, want_new = old_count, new_count
+
+    def fail(what: str, at: int) -> ParseError:
+        return ParseError(
+            f"hunk at line {i + 1} of '{block.display()}' {what} at line {at}: "
+            f"header says {old_count} old and {new_count} new lines",
+            details={"line": at, "hunk_line": i + 1, "path": block.display()},
+        )
+
+    def no_newline(at: int) -> None:
+        if not sides:
+            raise fail("has a '\\ No newline' marker before any line", at)
+        if "o" in sides and old[-1].endswith(b"\n"):
+            old[-1] = old[-1][:-1]
+        if "n" in sides and new[-1].endswith(b"\n"):
+            new[-1] = new[-1][:-1]
+
+    j = i + 1
+    while want_old > 0 or want_new > 0:
+        if j >= n:
+            raise fail("ends early", j)
+        line = lines[j]
+        kind = line[:1]
+        if kind == b" " or (line in (b"\n", b"\r\n") and want_old > 0 and want_new > 0):
+            if want_old == 0 or want_new == 0:
+                raise fail("is longer than its header says", j + 1)
+            body = line[1:] if kind == b" " else line
+            old.append(body)
+            new.append(body)
+            want_old, want_new, sides = want_old - 1, want_new - 1, "on"
+        elif kind == b"-":
+            if want_old == 0:
+                raise fail("is longer than its header says", j + 1)
+            old.append(line[1:])
+            want_old, sides = want_old - 1, "o"
+        elif kind == b"+":
+            if want_new == 0:
+                raise fail("is longer than its header says", j + 1)
+            new.append(line[1:])
+            want_new, sides = want_new - 1, "n"
+        elif kind == b"\\":
+            no_newline(j + 1)
+            sides = ""
+        else:
+            raise fail("ends early", j + 1)
+        j += 1
+    if j < n and lines[j].startswith(b"\\"):
+        no_newline(j + 1)
+        j += 1
+    if j < n and not lines[j].startswith(b"@@ -") and _excess(lines, j):
+        raise fail("is longer than its header says", j + 1)
+    block.hunks.append(
+        Hunk(
+            old_lines=tuple(old),
+            new_lines=tuple(new),
+            old_start=int(head[1]),
+            header=_chomp(lines[i]).decode("utf-8", "replace"),
+        )
+    )
+    return j
 
 
 def _read_git_block(lines: list[bytes], i: int) -> tuple[_Block, int]:
@@ -466,7 +472,7 @@ def _decode(name: bytes) -> str:
 
 
 def _plain_names(minus: bytes | None, plus: bytes | None) -> tuple[bytes | None, bytes | None]:
-    """Names from ``---``/``+++`` alone (``None`` = absent side), ``a/``/``b/`` stripped when consistent."""
+    """Names from ``---``/``+++`` (``None``: absent); ``a/``, ``b/`` stripped if both use them."""
     if (minus is None or minus.startswith(b"a/")) and (plus is None or plus.startswith(b"b/")):
         minus = None if minus is None else minus[2:]
         plus = None if plus is None else plus[2:]
@@ -518,7 +524,13 @@ def _to_edit(block: _Block) -> FileEdit:
             f"copies are not supported yet: '{src}' to '{dst}'",
             details={"path": dst, "line": lineno},
         )
-    modes = (block.old_mode, block.new_mode, block.new_file_mode, block.deleted_mode, block.index_mode)
+    modes = (
+        block.old_mode,
+        block.new_mode,
+        block.new_file_mode,
+        block.deleted_mode,
+        block.index_mode,
+    )
     if _MODE_GITLINK in modes:
         raise UnsupportedPatch(
             f"submodule changes are not supported: '{block.display()}'",

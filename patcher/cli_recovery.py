@@ -1,0 +1,197 @@
+"""CLI commands after a crash: ``recover``, ``verify``, ``watch``, ``resolve``, ``install-hook``.
+
+Registered into :mod:`patcher.cli` on import; the same ``--json``, exit-code
+and envelope rules hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import sys
+import threading
+from typing import Any
+
+import orjson
+
+from cas.errors import EXIT_OK, EXIT_VERIFY, UsageError
+from patcher.cli_common import add_common, store_root
+
+__all__ = ["register", "HANDLERS"]
+
+
+def _adapters(rstore: Any) -> dict[str, Any]:
+    from patcher.git_adapter import GitAdapter
+
+    git = GitAdapter(rstore, {})
+    return {git.tool: git}
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("recover", help="settle every prepared/unknown receipt after a crash")
+    add_common(p)
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    p.add_argument("--tmp-age", type=float, default=600.0,
+                   help="only remove leftovers older than this many seconds (default 600)")
+
+    p = sub.add_parser("verify", help="prove every receipt matches its commits and files")
+    add_common(p)
+    p.add_argument("--grace", type=float, default=300.0,
+                   help="a prepared receipt older than this many seconds fails (default 300)")
+
+    p = sub.add_parser("watch", help="flag orphaned prepared receipts as they appear")
+    add_common(p)
+    p.add_argument("--grace", type=float, default=30.0, help="seconds before a prepared receipt may be flagged")
+    p.add_argument("--rescan", type=float, default=30.0, help="seconds between full rescans")
+    p.add_argument("--once", action="store_true", help="one scan, then exit (0 nothing flagged, 6 flagged)")
+    p.add_argument("--recover", action="store_true", help="resolve each flagged receipt on the spot")
+    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+
+    p = sub.add_parser("resolve", help="settle an unknown receipt by hand")
+    add_common(p)
+    p.add_argument("key")
+    p.add_argument("--as", dest="as_", required=True, choices=["committed", "rejected"])
+    p.add_argument("--note", default="", help="why (recorded in the ledger)")
+
+    p = sub.add_parser("install-hook", help="install a git pre-commit hook that runs 'oncepatch verify'")
+    add_common(p)
+
+
+def _progress(n: int) -> None:
+    sys.stderr.write(f"scanned {n} receipts\n")
+    sys.stderr.flush()
+
+
+def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
+    from receipts.recovery import recover
+    from receipts.store import ReceiptStore
+
+    rstore = ReceiptStore(store_root(args))
+    adapters = _adapters(rstore)
+    git = adapters["apply_patch"]
+    report = recover(rstore, adapters, dry_run=args.dry_run, tmp_age=args.tmp_age, progress=_progress,
+                     extra_cleanup=git.cleanup)
+    doc = report.to_json()
+    lines = [f"{'plan' if args.dry_run else 'recovered'}: {len(report.rows)} receipt(s) of {report.scanned}"]
+    for r in report.rows:
+        lines.append(f"  {r.key}: {r.from_} -> {r.to} ({r.reason}){' ' + r.commit[:12] if r.commit else ''}")
+        lines += [f"    {n}" for n in r.notes]
+    for s in report.skipped:
+        lines.append(f"  skipped {s['key']}: {s['reason']}")
+    for c in report.corrupt:
+        lines.append(f"  corrupt {c['path']}: {c['reason']}")
+    for k in report.ledger_repaired:
+        lines.append(f"  ledger event added for {k}")
+    for path in report.removed:
+        lines.append(f"  {'would remove' if args.dry_run else 'removed'} {path}")
+    if not report.changed and not report.skipped and not report.corrupt:
+        lines.append("  nothing to do")
+    return (EXIT_VERIFY if report.corrupt else EXIT_OK), doc, "\n".join(lines) + "\n"
+
+
+def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
+    from receipts.store import ReceiptStore
+    from receipts.verifier import verify
+
+    rstore = ReceiptStore(store_root(args))
+    report = verify(rstore, _adapters(rstore), grace=args.grace, progress=_progress)
+    doc = report.to_json()
+    if report.ok:
+        text = f"ok: {report.receipts} receipt(s), {report.ledger_events} ledger event(s) verified\n"
+    else:
+        text = "".join(f"{f.key or f.path}: {f.reason}\n" for f in report.failures)
+        text += f"verification failed: {len(report.failures)} problem(s)\n"
+    return (EXIT_OK if report.ok else EXIT_VERIFY), doc, text
+
+
+def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
+    from receipts.store import ReceiptStore
+    from receipts.watcher import Watcher
+
+    rstore = ReceiptStore(store_root(args))
+    out_lock = threading.Lock()
+
+    def emit(obj: dict[str, Any]) -> None:
+        with out_lock:
+            if args.json:
+                sys.stdout.buffer.write(orjson.dumps(obj) + b"\n")
+            elif "flag" in obj:
+                sys.stdout.write(f"orphan: {obj['key']} prepared {obj['age_s']:.1f}s ago; run 'oncepatch recover'\n")
+            else:
+                sys.stdout.write(f"recovered: {obj.get('recovered')} -> {obj.get('status')}\n")
+            sys.stdout.flush()
+
+    w = Watcher(rstore, _adapters(rstore), grace=args.grace, rescan_interval=args.rescan, on_flag=emit,
+                recover=args.recover, on_error=lambda m: sys.stderr.write(f"oncepatch watch: {m}\n"))
+    if args.once:
+        flagged = w.scan_once()
+        return (EXIT_VERIFY if flagged else EXIT_OK), {}, ""
+    stop = threading.Event()
+    if args.duration is not None:
+        threading.Timer(args.duration, stop.set).start()
+    try:
+        w.run(stop)
+    except KeyboardInterrupt:
+        stop.set()
+    return (EXIT_VERIFY if w.flags else EXIT_OK), {}, ""
+
+
+def _cmd_resolve(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
+    from receipts.manual import resolve_by_hand
+    from receipts.store import ReceiptStore
+
+    rstore = ReceiptStore(store_root(args))
+    receipt = resolve_by_hand(rstore, args.key, args.as_, args.note)
+    return EXIT_OK, {"ok": True, "receipt": receipt.to_doc()}, f"{receipt.key}: {receipt.status}\n"
+
+
+HOOK_MARK = "# installed by oncepatch install-hook"
+
+
+def _cmd_install_hook(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
+    from cas.durable import write_durable
+    from cas.gitdir import discover
+
+    layout = discover(args.repo)
+    hooks = os.path.join(layout.common_dir, "hooks")
+    os.makedirs(hooks, exist_ok=True)
+    hook = os.path.join(hooks, "pre-commit")
+    chained = os.path.join(hooks, "pre-commit.before-oncepatch")
+    if os.path.exists(hook):
+        with open(hook, "rb") as fh:
+            current = fh.read()
+        if HOOK_MARK.encode() in current:
+            return EXIT_OK, {"ok": True, "hook": hook, "chained": os.path.exists(chained), "changed": False}, \
+                f"hook already installed: {hook}\n"
+        if os.path.exists(chained):
+            raise UsageError(f"'{chained}' already exists: move it away first")
+        os.rename(hook, chained)  # moved aside, never lost
+    exe = sys.executable
+    store_arg = f" --store '{os.path.abspath(args.store)}'" if args.store else ""
+    script = f"""#!/bin/sh
+{HOOK_MARK}
+# Runs the hook that was here before (if any), then 'oncepatch verify'.
+here="$(dirname "$0")"
+if [ -x "$here/pre-commit.before-oncepatch" ]; then
+  "$here/pre-commit.before-oncepatch" "$@" || exit $?
+fi
+if command -v oncepatch >/dev/null 2>&1; then
+  exec oncepatch verify{store_arg}
+fi
+exec '{exe}' -m patcher.cli verify{store_arg}
+"""
+    write_durable(hook, script.encode(), mode=0o755)
+    st = os.stat(hook)
+    os.chmod(hook, st.st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return EXIT_OK, {"ok": True, "hook": hook, "chained": os.path.exists(chained), "changed": True}, \
+        f"installed {hook}" + (f" (previous hook kept as {chained})" if os.path.exists(chained) else "") + "\n"
+
+
+HANDLERS = {
+    "recover": _cmd_recover,
+    "verify": _cmd_verify,
+    "watch": _cmd_watch,
+    "resolve": _cmd_resolve,
+    "install-hook": _cmd_install_hook,
+}

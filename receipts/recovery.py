@@ -1,0 +1,268 @@
+"""Recovery after a crash (DESIGN.md section 5), generic over tools.
+
+:func:`plan` computes what :func:`recover` would do (``--dry-run`` prints it);
+:func:`recover` does it.  For every ``prepared`` or ``unknown`` receipt whose
+key lock can be taken without waiting (a live owner holds it otherwise, and
+is never touched), the tool's adapter is queried:
+
+* ``applied``      → ``committed`` (then the adapter settles follow-up state);
+* ``not_applied``  → ``rejected``, retryable, reason ``crashed_before_commit``;
+* ``unknown``      → stays ``unknown`` for a person (``oncepatch resolve``).
+
+Then the store is tidied: the ledger gets an event for every receipt whose
+latest state it lacks (a crash between the receipt write and the append),
+and leftovers are removed — only names this project creates, only past an
+age bound: tmp files of the durable-write helper, index-lock markers whose
+owner is gone, lock files of keys that have no receipt.
+
+A second run finds nothing to do.  A crash during recovery leaves receipts
+still ``prepared`` (nothing was written yet) or already settled (written
+atomically), so running it again finishes the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cas.crash import crash_hook, crash_point
+from cas.durable import is_own_tmp
+from cas.errors import OncepatchError
+from receipts.adapter import EffectAdapter, QueryResult
+from receipts.errors import StillUnknown
+from receipts.receipt import Receipt
+from receipts.states import needs_resolution
+from receipts.store import ReceiptStore
+
+__all__ = [
+    "RecoveryRow",
+    "RecoveryReport",
+    "resolve_receipt",
+    "recover",
+    "receipt_age",
+    "DEFAULT_TMP_AGE",
+]
+
+#: Leftovers younger than this may belong to a live writer: left alone.
+DEFAULT_TMP_AGE = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryRow:
+    key: str
+    call_id: str
+    from_: str
+    to: str
+    reason: str
+    commit: str | None
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "call_id": self.call_id, "from": self.from_, "to": self.to,
+                "reason": self.reason, "commit": self.commit, "notes": list(self.notes)}
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    dry_run: bool
+    rows: list[RecoveryRow] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    corrupt: list[dict[str, Any]] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    ledger_repaired: list[str] = field(default_factory=list)
+    scanned: int = 0
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.rows or self.removed or self.ledger_repaired)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": not self.corrupt,
+            "dry_run": self.dry_run,
+            "scanned": self.scanned,
+            "changed": self.changed,
+            "rows": [r.to_json() for r in self.rows],
+            "skipped": self.skipped,
+            "corrupt": self.corrupt,
+            "removed": self.removed,
+            "ledger_repaired": self.ledger_repaired,
+        }
+
+
+def receipt_age(receipt: Receipt, now: float | None = None) -> float:
+    """Seconds since the receipt was last written (by its own ``updated_at``)."""
+    try:
+        ts = _dt.datetime.fromisoformat(receipt.updated_at.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+    return max(0.0, (now if now is not None else time.time()) - ts)
+
+
+def resolve_receipt(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapter,
+                    result: QueryResult | None = None) -> Receipt:
+    """Settle one ``prepared``/``unknown`` receipt; the caller holds the key's lock.
+
+    Raises:
+        StillUnknown: the adapter cannot tell; the receipt is written ``unknown``.
+    """
+    if result is None:
+        result = adapter.query(receipt)
+    crash_point("recover-after-resolve")
+    hook = crash_hook("recover-before-receipt-replace")
+    notes = [str(n) for n in result.fields.get("notes", [])]
+    if result.status == "applied":
+        fields = {k: v for k, v in result.fields.items() if k in ("commit", "tree", "outputs", "result")}
+        new = receipt.evolve(status="committed", error=None, retryable=None,
+                             extra={**receipt.extra, "recovered": result.reason}, **fields)
+        try:
+            notes += adapter.settle(new)
+        except OncepatchError as exc:
+            notes.append(f"follow-up not done: {exc.message}")
+        if notes:
+            new = new.evolve(extra={**new.extra, "recovery_notes": notes})
+        store.record(new, "recovered", before_replace=hook, reason=result.reason)  # type: ignore[arg-type]
+        return new
+    if result.status == "not_applied":
+        err = {
+            "type": "crashed_before_commit",
+            "message": "the call stopped before its effect happened; a retry executes it once",
+            "retryable": True,
+            "effect_status": "not_applied",
+            "key": receipt.key,
+            "next_action": "retry",
+        }
+        new = receipt.evolve(status="rejected", retryable=True, error=err,
+                             extra={**receipt.extra, "recovered": result.reason,
+                                    **({"recovery_notes": notes} if notes else {})})
+        store.record(new, "recovered", before_replace=hook, reason=result.reason)  # type: ignore[arg-type]
+        return new
+    if receipt.status != "unknown":
+        new = receipt.evolve(status="unknown", extra={**receipt.extra, "unknown_reason": result.reason})
+        store.record(new, "unknown", reason=result.reason)
+    raise StillUnknown(
+        f"outcome of key '{receipt.key}' cannot be told ({result.reason}): "
+        "check by hand, then 'oncepatch resolve KEY --as committed|rejected'",
+        key=receipt.key,
+    )
+
+
+def recover(
+    store: ReceiptStore,
+    adapters: Mapping[str, EffectAdapter],
+    *,
+    dry_run: bool = False,
+    tmp_age: float = DEFAULT_TMP_AGE,
+    progress: Callable[[int], None] | None = None,
+    extra_cleanup: Callable[[ReceiptStore, bool, float], list[str]] | None = None,
+) -> RecoveryReport:
+    """Resolve every unresolved receipt and tidy the store (see the module docstring)."""
+    report = RecoveryReport(dry_run=dry_run)
+    ledger_digests = {str(e.get("receipt_sha256")) for e in store.ledger.events()}
+    now = time.time()
+    for item in store.scan():
+        report.scanned += 1
+        if progress is not None and report.scanned % 10000 == 0:
+            progress(report.scanned)
+        if item.receipt is None:
+            assert item.error is not None
+            report.corrupt.append({"path": item.path, "reason": item.error.reason})
+            continue
+        receipt = item.receipt
+        if needs_resolution(receipt.status):
+            _resolve_one(store, receipt, adapters, report, dry_run)
+        elif receipt.digest not in ledger_digests:
+            report.ledger_repaired.append(receipt.key)
+            if not dry_run:
+                store.ledger.append_receipt_event("recovered", receipt, reason="ledger_gap")
+    report.removed += _cleanup(store, dry_run, tmp_age, now)
+    if extra_cleanup is not None:
+        report.removed += extra_cleanup(store, dry_run, tmp_age)
+    return report
+
+
+def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, EffectAdapter],
+                 report: RecoveryReport, dry_run: bool) -> None:
+    adapter = adapters.get(receipt.tool)
+    if adapter is None:
+        report.skipped.append({"key": receipt.key, "reason": f"no adapter for tool '{receipt.tool}'"})
+        return
+    lock = store.try_lock(receipt.key)
+    if lock is None:
+        report.skipped.append({"key": receipt.key, "reason": "locked by a live process"})
+        return
+    try:
+        current = store.read(receipt.key)
+        if current is None or not needs_resolution(current.status):
+            return
+        result = adapter.query(current)
+        to = {"applied": "committed", "not_applied": "rejected"}.get(result.status, "unknown")
+        reason = result.reason
+        commit = current.candidate if to == "committed" else None
+        if dry_run:
+            report.rows.append(RecoveryRow(current.key, current.call_id, current.status, to, reason, commit))
+            return
+        try:
+            new = resolve_receipt(store, current, adapter, result)
+        except StillUnknown:
+            if current.status != "unknown":
+                report.rows.append(RecoveryRow(current.key, current.call_id, current.status, "unknown", reason, None))
+            else:
+                report.skipped.append({"key": current.key, "reason": f"still unknown: {reason}"})
+            return
+        report.rows.append(RecoveryRow(new.key, new.call_id, current.status, new.status, reason, new.commit,
+                                       tuple(str(n) for n in new.extra.get("recovery_notes", []))))
+    finally:
+        lock.release()
+
+
+def _old_enough(path: str, tmp_age: float, now: float) -> bool:
+    try:
+        return now - os.lstat(path).st_mtime >= tmp_age
+    except FileNotFoundError:
+        return False
+
+
+def _cleanup(store: ReceiptStore, dry_run: bool, tmp_age: float, now: float) -> list[str]:
+    removed: list[str] = []
+    # 1. tmp files of the durable-write helper, anywhere in the store.
+    for folder, _dirs, files in os.walk(store.root):
+        for name in files:
+            path = os.path.join(folder, name)
+            if is_own_tmp(name) and _old_enough(path, tmp_age, now):
+                removed.append(path)
+                if not dry_run:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+    # 2. lock files of keys with no receipt, past the age bound, taken before removal.
+    try:
+        names = sorted(os.listdir(store.locks_dir))
+    except FileNotFoundError:
+        names = []
+    for name in names:
+        if not name.endswith(".lock") or name == "ledger.lock" or len(name) != 69:
+            continue
+        h = name[:-5]
+        path = os.path.join(store.locks_dir, name)
+        if os.path.exists(store.path_for_hash(h)) or not _old_enough(path, tmp_age, now):
+            continue
+        import filelock
+
+        lk = filelock.FileLock(path, timeout=0, thread_local=False, preserve_lock_file=True)
+        try:
+            lk.acquire(timeout=0)
+        except filelock.Timeout:
+            continue
+        try:
+            removed.append(path)
+            if not dry_run:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        finally:
+            lk.release()
+    return removed

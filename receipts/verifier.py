@@ -1,0 +1,101 @@
+"""``verify``: prove that every receipt matches what it claims (DESIGN.md section 5).
+
+Checks, each failure naming the receipt and the reason:
+
+* every receipt file verifies on read (:mod:`receipts.receipt`);
+* every ``committed`` receipt passes its adapter's ``verify_committed``
+  (git: the commit exists, the key ref points at it, each output's digest
+  equals the blob of that commit);
+* no ``prepared`` receipt older than the grace period (its owner is gone or
+  stuck: ``recover`` settles it); no ``unknown`` receipt (a person must look);
+* the ledger's hash chain is unbroken, and every receipt's latest state
+  (its ``receipt_sha256``) appears in the ledger.
+
+The watcher is never needed for any of this: verify reads the store itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from receipts.receipt import Receipt
+from receipts.recovery import receipt_age
+from receipts.store import ReceiptStore
+
+__all__ = ["Failure", "VerifyReport", "CommitVerifier", "verify", "DEFAULT_GRACE"]
+
+DEFAULT_GRACE = 300.0
+
+
+class CommitVerifier(Protocol):
+    def verify_committed(self, receipt: Receipt) -> list[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    key: str | None
+    path: str | None
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "receipt": self.path, "reason": self.reason}
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    failures: list[Failure] = field(default_factory=list)
+    receipts: int = 0
+    ledger_events: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "receipts": self.receipts, "ledger_events": self.ledger_events,
+                "failures": [f.to_json() for f in self.failures]}
+
+
+def verify(
+    store: ReceiptStore,
+    verifiers: Mapping[str, CommitVerifier],
+    *,
+    grace: float = DEFAULT_GRACE,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    report = VerifyReport()
+    digests: set[str] = set()
+    for problem in store.ledger.verify_chain():
+        report.failures.append(Failure(None, store.ledger.path, f"ledger line {problem.line}: {problem.reason}"))
+    for event in store.ledger.events():
+        report.ledger_events += 1
+        d = event.get("receipt_sha256")
+        if isinstance(d, str):
+            digests.add(d)
+    now = time.time()
+    for item in store.scan():
+        report.receipts += 1
+        if progress is not None and report.receipts % 10000 == 0:
+            progress(report.receipts)
+        if item.receipt is None:
+            assert item.error is not None
+            report.failures.append(Failure(None, item.path, f"corrupt: {item.error.reason}"))
+            continue
+        r = item.receipt
+        if r.digest not in digests:
+            report.failures.append(Failure(r.key, item.path, f"latest state '{r.status}' is not in the ledger"))
+        if r.status == "prepared" and receipt_age(r, now) > grace:
+            report.failures.append(Failure(
+                r.key, item.path, f"unresolved prepared receipt, {receipt_age(r, now):.0f}s old: run 'oncepatch recover'"))
+        elif r.status == "unknown":
+            report.failures.append(Failure(r.key, item.path, "outcome unknown: resolve it by hand ('oncepatch resolve')"))
+        elif r.status == "committed":
+            v = verifiers.get(r.tool)
+            if v is None:
+                continue
+            for reason in v.verify_committed(r):
+                report.failures.append(Failure(r.key, item.path, reason))
+    return report

@@ -1,0 +1,225 @@
+"""``watch``: flag orphaned ``prepared`` receipts as they appear (DESIGN.md section 5).
+
+A watchdog observer on ``<store>/receipts`` feeds receipt paths (created,
+modified, and moved events read by their *destination*, since every receipt
+write is an atomic rename) into a queue; a periodic full rescan catches what
+events miss (events can be lost, and a writer that crashed emits none).
+
+A ``prepared`` receipt is flagged once its ``updated_at`` is older than the
+grace period **and** its key lock can be taken without waiting (the owner is
+gone: the kernel dropped its flock).  A live apply that is merely slow holds
+the lock and is never flagged.  Each flag is one JSON object handed to
+``on_flag``; with ``recover=True`` the receipt is resolved on the spot.
+
+The rescan keeps each file's mtime and last status, so files that have not
+changed since the previous scan and were final are not parsed again.
+
+The watcher is never the source of truth: ``recover`` and ``verify`` find
+everything it flags without it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from receipts.adapter import EffectAdapter
+from receipts.errors import CorruptReceipt
+from receipts.receipt import Receipt, parse_receipt
+from receipts.recovery import receipt_age, resolve_receipt
+from receipts.store import ReceiptStore
+
+__all__ = ["Watcher"]
+
+
+class Watcher:
+    def __init__(
+        self,
+        store: ReceiptStore,
+        adapters: Mapping[str, EffectAdapter],
+        *,
+        grace: float = 30.0,
+        rescan_interval: float = 30.0,
+        on_flag: Callable[[dict[str, Any]], None],
+        recover: bool = False,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.adapters = adapters
+        self.grace = grace
+        self.rescan_interval = rescan_interval
+        self.on_flag = on_flag
+        self.recover = recover
+        self.on_error = on_error or (lambda msg: None)
+        self._events: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._seen: dict[str, tuple[float, str]] = {}  # path -> (mtime, status)
+        self._pending: dict[str, float] = {}  # path -> when to look again
+        self._flagged: set[tuple[str, int]] = set()
+        self.flags = 0
+
+    # -- feeding -------------------------------------------------------------------
+
+    def notify(self, path: str) -> None:
+        """Called from the observer thread with a receipt path that changed."""
+        self._events.put(path)
+
+    def rescan(self) -> None:
+        """Walk every receipt file; parse only those new or changed since the last walk."""
+        try:
+            shards = os.listdir(self.store.receipts_dir)
+        except FileNotFoundError:
+            return
+        for shard in shards:
+            folder = os.path.join(self.store.receipts_dir, shard)
+            try:
+                names = os.listdir(folder)
+            except (NotADirectoryError, FileNotFoundError):
+                continue
+            for name in names:
+                if name.endswith(".json") and not name.startswith("."):
+                    self._consider(os.path.join(folder, name))
+
+    def _consider(self, path: str) -> None:
+        try:
+            mtime = os.stat(path).st_mtime
+        except FileNotFoundError:
+            self._seen.pop(path, None)
+            self._pending.pop(path, None)
+            return
+        seen = self._seen.get(path)
+        if seen is not None and seen[0] == mtime and seen[1] != "prepared":
+            return
+        receipt = self._read(path)
+        if receipt is None:
+            return
+        self._seen[path] = (mtime, receipt.status)
+        if receipt.status == "prepared":
+            due = time.monotonic() + max(0.0, self.grace - receipt_age(receipt))
+            self._pending[path] = min(due, self._pending.get(path, due))
+        else:
+            self._pending.pop(path, None)
+
+    def _read(self, path: str) -> Receipt | None:
+        h = os.path.basename(path)[:-5]
+        try:
+            with open(path, "rb") as fh:
+                return parse_receipt(fh.read(), path=path, expected_key_hash=h)
+        except FileNotFoundError:
+            return None
+        except CorruptReceipt as exc:
+            self.on_error(exc.message)
+            return None
+
+    # -- judging -------------------------------------------------------------------
+
+    def check_due(self, *, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for path, due in list(self._pending.items()):
+            if due > now:
+                continue
+            receipt = self._read(path)
+            if receipt is None or receipt.status != "prepared":
+                self._pending.pop(path, None)
+                continue
+            age = receipt_age(receipt)
+            if age < self.grace:
+                self._pending[path] = now + (self.grace - age)
+                continue
+            self._judge(path, receipt, age, now)
+
+    def _judge(self, path: str, receipt: Receipt, age: float, now: float) -> None:
+        lock = self.store.try_lock(receipt.key)
+        if lock is None:
+            self._pending[path] = now + 1.0  # owner alive: look again later
+            return
+        try:
+            current = self.store.read(receipt.key) or receipt
+            if current.status != "prepared":
+                self._pending.pop(path, None)
+                return
+            mark = (current.key, current.fencing_token)
+            adapter = self.adapters.get(current.tool)
+            on_branch: bool | None = None
+            if adapter is not None:
+                try:
+                    on_branch = adapter.query(current).status == "applied"
+                except Exception as exc:  # noqa: BLE001 - report and keep watching
+                    self.on_error(f"query of '{current.key}' failed: {exc}")
+            if mark not in self._flagged:
+                self._flagged.add(mark)
+                self.flags += 1
+                self.on_flag({
+                    "flag": "orphan_prepared",
+                    "key": current.key,
+                    "call_id": current.call_id,
+                    "age_s": round(age, 3),
+                    "candidate": current.candidate,
+                    "candidate_on_branch": on_branch,
+                    "receipt": path,
+                    "next_action": "recover",
+                })
+            if self.recover and adapter is not None:
+                try:
+                    new = resolve_receipt(self.store, current, adapter)
+                    self.on_flag({"recovered": current.key, "status": new.status, "commit": new.commit})
+                except Exception as exc:  # noqa: BLE001
+                    self.on_error(f"recovery of '{current.key}' failed: {exc}")
+            self._pending.pop(path, None)
+        finally:
+            lock.release()
+
+    def scan_once(self) -> int:
+        """One full scan and judgement of everything due now; returns the number of flags raised."""
+        before = self.flags
+        self.rescan()
+        self.check_due(now=float("inf"))
+        return self.flags - before
+
+    # -- running -------------------------------------------------------------------
+
+    def run(self, stop: threading.Event, *, tick: float = 0.1) -> None:
+        """Watch until ``stop`` is set: events, due checks, and a full rescan every ``rescan_interval`` s."""
+        from watchdog.events import FileSystemEvent, PatternMatchingEventHandler
+        from watchdog.observers import Observer
+
+        watcher = self
+
+        class Handler(PatternMatchingEventHandler):
+            def __init__(self) -> None:
+                super().__init__(patterns=["*.json"], ignore_directories=True)
+
+            def on_created(self, event: FileSystemEvent) -> None:
+                watcher.notify(os.fsdecode(event.src_path))
+
+            def on_modified(self, event: FileSystemEvent) -> None:
+                watcher.notify(os.fsdecode(event.src_path))
+
+            def on_moved(self, event: FileSystemEvent) -> None:
+                watcher.notify(os.fsdecode(event.dest_path))
+
+        os.makedirs(self.store.receipts_dir, exist_ok=True)
+        observer = Observer()
+        observer.schedule(Handler(), self.store.receipts_dir, recursive=True)
+        observer.start()
+        try:
+            self.rescan()
+            next_rescan = time.monotonic() + self.rescan_interval
+            while not stop.is_set():
+                try:
+                    path = self._events.get(timeout=tick)
+                    self._consider(path)
+                    while True:
+                        self._consider(self._events.get_nowait())
+                except queue.Empty:
+                    pass
+                if time.monotonic() >= next_rescan:
+                    self.rescan()
+                    next_rescan = time.monotonic() + self.rescan_interval
+                self.check_due()
+        finally:
+            observer.stop()
+            observer.join(timeout=5)
