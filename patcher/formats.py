@@ -87,5 +87,7 @@ def parse_patch(data: bytes, fmt: str) -> Patch:
         )
         for e in parsed.edits
     )
-    check_paths([p for e in edits for p in e.touched])
+    # A file may give way to a folder of the same name (or back) in one patch.
+    check_paths([p for e in edits for p in e.touched],
+                removed=[e.path for e in edits if e.op in ("delete", "rename")])
     return Patch(parsed.format, edits)

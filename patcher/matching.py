@@ -55,10 +55,14 @@ A line left without terminator in the middle of the result (the old last line
 of a file without final newline, with lines now after it) gets the file's
 dominant terminator, so lines are never glued together.
 
-**Already applied.**  A hunk whose old side is not found (or is found only at
-a grade looser than its new side) but whose new side is found, with the same
-rules, is *present*.  A hunk with an empty old side (pure insertion) or an
-empty new side can never be judged present.  All hunks present →
+**Already applied.**  A hunk whose old side is found nowhere (or only at a
+grade looser than its new side: a whitespace-only change re-applied) but whose
+new side is found, by the same rules and from the same position, is
+*present* (if the new side occurs at several places, the one nearest the
+stated position counts, else the first).  "Its removed lines absent" thus
+means: the old side (context and removed lines together) is not in the file.
+A hunk with an empty old side (pure insertion) or an empty new side can never
+be judged present.  All hunks present →
 ``AppliedFile(content=original, already_applied=True)``; some present, the
 rest applicable → :class:`PartiallyApplied` (``applied_hunks`` /
 ``missing_hunks``, 1-based); a hunk neither applicable nor present →

@@ -23,7 +23,7 @@ form, or raises :class:`~patcher.errors.UnsafePath` (``details`` =
 ``.`` components are removed (``./a/./b`` → ``a/b``); nothing else is
 rewritten.  :func:`check_paths` checks a whole patch's paths together: no
 duplicates, and no path that is a leading directory of another (``a`` and
-``a/b`` cannot both be files).
+``a/b`` cannot both be files) unless the patch removes it.
 
 Whether a path runs through a symlink in the target tree needs the tree and is
 checked by the apply protocol, not here.
@@ -98,13 +98,18 @@ def check_path(path: str) -> str:
     return "/".join(parts)
 
 
-def check_paths(paths: Iterable[str]) -> None:
+def check_paths(paths: Iterable[str], *, removed: Iterable[str] = ()) -> None:
     """Check every path (as :func:`check_path`) and the set of them together.
+
+    ``removed`` names those of ``paths`` that the patch takes away (deletes,
+    rename sources): only paths that remain files afterwards may not nest, so
+    a file may become a folder (delete ``x``, add ``x/y``) and back.
 
     Raises:
         UnsafePath: a path is unsafe; two paths normalise to the same path
-            (reason ``duplicate path``); or one path is a leading directory of
-            another (``details["conflicts_with"]`` names the deeper one).
+            (reason ``duplicate path``); or of two paths that both remain, one
+            is a leading directory of the other (``details["conflicts_with"]``
+            names the deeper one).
     """
     seen: dict[str, str] = {}
     for raw in paths:
@@ -112,10 +117,13 @@ def check_paths(paths: Iterable[str]) -> None:
         if norm in seen:
             raise _refuse(raw, "duplicate path")
         seen[norm] = raw
+    gone = {check_path(raw) for raw in removed}
     for norm, raw in seen.items():
+        if norm in gone:
+            continue
         parent, sep, _ = norm.rpartition("/")
         while sep:
-            if parent in seen:
+            if parent in seen and parent not in gone:
                 raise _refuse(
                     seen[parent],
                     f"is both a file and the directory of '{_show(norm)}'",

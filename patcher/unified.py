@@ -26,6 +26,9 @@ What is read:
 * Names may be C-quoted as git writes them (``"a/sp\\303\\251cial \\"x\\""``);
   a tab and what follows (a timestamp) is dropped; so is a trailing
   ``YYYY-MM-DD hh:mm[:ss]`` date after spaces.
+* A patch whose very last line lacks its ``\\n`` is read as if it had one
+  (``\\r\\n`` if the line before ends so): in a unified diff only the
+  ``\\ No newline`` marker removes a terminator.
 * **Hunks** ``@@ -a[,b] +c[,d] @@ [section]`` (counts default to 1).  Their
   length must match the header: a hunk that ends early or runs on (a `` ``,
   ``+`` or ``-`` line right after it) is a :class:`ParseError` naming the
@@ -103,7 +106,7 @@ _ESCAPES = {
 
 def looks_unified(data: bytes) -> bool:
     """Cheap detection: a ``diff --git`` line, or ``---`` then ``+++`` then ``@@ -`` lines."""
-    return _LOOKS.search(data.replace(b"\r\n", b"\n")) is not None
+    return _LOOKS.search(data) is not None
 
 
 # ---------------------------------------------------------------------------
@@ -602,6 +605,11 @@ def parse_unified(data: bytes) -> Patch:
         UnsupportedPatch: binary, copy, submodule or combined-diff content.
         UnsafePath: a path that :func:`patcher.paths.check_path` refuses.
     """
+    if data and not data.endswith(b"\n"):
+        # Only a '\\ No newline' marker says a line has no terminator; a patch whose own
+        # last line was cut (agents often drop it) must not drop the file's last newline.
+        last = data.rfind(b"\n")
+        data += b"\r\n" if last > 0 and data[last - 1] == 0x0D else b"\n"
     lines = split_lines(data)
     edits: list[FileEdit] = []
     seen: set[str] = set()

@@ -102,3 +102,10 @@ def test_check_paths_refuses_file_that_is_also_a_directory(order: list[str]) -> 
     assert "both a file and the directory" in info.value.details["reason"]
     assert info.value.details["conflicts_with"] in order
     assert info.value.details["path"] in order
+
+
+def test_check_paths_allows_a_removed_file_to_become_a_directory() -> None:
+    check_paths(["x", "x/y"], removed=["x"])
+    check_paths(["folder/a", "folder"], removed=["./folder/a"])
+    with pytest.raises(UnsafePath):
+        check_paths(["x", "x/y", "z"], removed=["z"])

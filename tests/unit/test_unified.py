@@ -1,0 +1,688 @@
+"""Parsing unified diffs into the edit model (pure; two tests ask a real git for diff text)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from patcher.errors import ParseError, UnsafePath, UnsupportedPatch
+from patcher.matching import apply_hunks
+from patcher.model import MODE_EXEC, MODE_FILE, MODE_LINK, FileEdit, Hunk
+from patcher.unified import looks_unified, parse_unified
+
+
+def _p(*lines: str | bytes) -> bytes:
+    """Patch text from lines, each given without its '\\n'."""
+    return b"".join((x if isinstance(x, bytes) else x.encode()) + b"\n" for x in lines)
+
+
+def _one(data: bytes) -> FileEdit:
+    patch = parse_unified(data)
+    assert patch.format == "unified"
+    assert len(patch.edits) == 1
+    return patch.edits[0]
+
+
+MODIFY = _p(
+    "diff --git a/src/x.py b/src/x.py",
+    "index 83db48f..bf269f4 100644",
+    "--- a/src/x.py",
+    "+++ b/src/x.py",
+    "@@ -1,3 +1,3 @@ def f():",
+    " one",
+    "-two",
+    "+TWO",
+    " three",
+)
+
+
+# --------------------------------------------------------------------------- headers
+
+
+def test_git_modify_with_index_line() -> None:
+    edit = _one(MODIFY)
+    assert edit.op == "modify"
+    assert edit.path == "src/x.py" and edit.new_path is None
+    assert edit.old_blob == "83db48f" and edit.new_blob == "bf269f4"
+    assert edit.old_mode == MODE_FILE and edit.new_mode is None
+    (hunk,) = edit.hunks
+    assert hunk.old_lines == (b"one\n", b"two\n", b"three\n")
+    assert hunk.new_lines == (b"one\n", b"TWO\n", b"three\n")
+    assert hunk.old_start == 1
+    assert hunk.header == "@@ -1,3 +1,3 @@ def f():"
+    assert not hunk.eol_agnostic
+
+
+def test_index_line_mode_is_the_unchanged_mode() -> None:
+    edit = _one(MODIFY.replace(b"100644", b"100755"))
+    assert edit.old_mode == MODE_EXEC and edit.new_mode is None
+
+
+def test_full_index_oids_are_recorded() -> None:
+    old, new = "a" * 40, "b" * 40
+    edit = _one(MODIFY.replace(b"83db48f..bf269f4", f"{old}..{new}".encode()))
+    assert (edit.old_blob, edit.new_blob) == (old, new)
+
+
+def test_new_file() -> None:
+    edit = _one(
+        _p(
+            "diff --git a/new.txt b/new.txt",
+            "new file mode 100755",
+            "index 0000000..3b18e51",
+            "--- /dev/null",
+            "+++ b/new.txt",
+            "@@ -0,0 +1,2 @@",
+            "+hello",
+            "+world",
+        )
+    )
+    assert edit.op == "add" and edit.path == "new.txt"
+    assert edit.content == b"hello\nworld\n"
+    assert edit.hunks == ()
+    assert edit.new_mode == MODE_EXEC
+    assert edit.old_blob is None and edit.new_blob == "3b18e51"
+
+
+def test_deleted_file_keeps_removed_lines() -> None:
+    edit = _one(
+        _p(
+            "diff --git a/gone.txt b/gone.txt",
+            "deleted file mode 100644",
+            "index 3b18e51..0000000",
+            "--- a/gone.txt",
+            "+++ /dev/null",
+            "@@ -1,2 +0,0 @@",
+            "-hello",
+            "-world",
+        )
+    )
+    assert edit.op == "delete" and edit.path == "gone.txt"
+    assert edit.old_mode == MODE_FILE
+    assert edit.hunks[0].old_lines == (b"hello\n", b"world\n")
+    assert edit.hunks[0].new_lines == ()
+    assert edit.new_blob is None
+
+
+def test_empty_new_file_and_empty_deleted_file() -> None:
+    patch = parse_unified(
+        _p(
+            "diff --git a/empty b/empty",
+            "new file mode 100644",
+            "index 0000000..e69de29",
+            "diff --git a/was-empty b/was-empty",
+            "deleted file mode 100755",
+            "index e69de29..0000000",
+        )
+    )
+    add, delete = patch.edits
+    assert (add.op, add.path, add.content, add.new_mode) == ("add", "empty", b"", MODE_FILE)
+    assert (delete.op, delete.path, delete.hunks, delete.old_mode) == (
+        "delete",
+        "was-empty",
+        (),
+        MODE_EXEC,
+    )
+
+
+def test_mode_only_change() -> None:
+    edit = _one(_p("diff --git a/run.sh b/run.sh", "old mode 100644", "new mode 100755"))
+    assert edit.op == "modify" and edit.path == "run.sh"
+    assert (edit.old_mode, edit.new_mode) == (MODE_FILE, MODE_EXEC)
+    assert edit.hunks == () and edit.content is None
+
+
+def test_odd_regular_mode_is_canonicalised() -> None:
+    edit = _one(_p("diff --git a/f b/f", "old mode 100664", "new mode 100775"))
+    assert (edit.old_mode, edit.new_mode) == (MODE_FILE, MODE_EXEC)
+
+
+def test_pure_rename() -> None:
+    edit = _one(
+        _p(
+            "diff --git a/old name.txt b/new name.txt",
+            "similarity index 100%",
+            "rename from old name.txt",
+            "rename to new name.txt",
+        )
+    )
+    assert (edit.op, edit.path, edit.new_path, edit.hunks) == (
+        "rename",
+        "old name.txt",
+        "new name.txt",
+        (),
+    )
+
+
+def test_rename_with_edit() -> None:
+    edit = _one(
+        _p(
+            "diff --git a/a.py b/lib/b.py",
+            "similarity index 80%",
+            "rename from a.py",
+            "rename to lib/b.py",
+            "index 1111111..2222222 100644",
+            "--- a/a.py",
+            "+++ b/lib/b.py",
+            "@@ -2 +2 @@",
+            "-x",
+            "+y",
+        )
+    )
+    assert (edit.op, edit.path, edit.new_path) == ("rename", "a.py", "lib/b.py")
+    assert edit.hunks[0].old_lines == (b"x\n",) and edit.hunks[0].old_start == 2
+    assert edit.old_mode == MODE_FILE
+
+
+def test_dissimilarity_index_with_rewrite_is_read() -> None:
+    edit = _one(
+        _p(
+            "diff --git a/f b/f",
+            "dissimilarity index 90%",
+            "index 1111111..2222222 100644",
+            "--- a/f",
+            "+++ b/f",
+            "@@ -1 +1 @@",
+            "-a",
+            "+b",
+        )
+    )
+    assert edit.op == "modify" and edit.hunks[0].new_lines == (b"b\n",)
+
+
+def test_symlink_is_a_file_whose_content_is_the_target() -> None:
+    edit = _one(
+        _p(
+            "diff --git a/link b/link",
+            "new file mode 120000",
+            "index 0000000..b1ed2a4",
+            "--- /dev/null",
+            "+++ b/link",
+            "@@ -0,0 +1 @@",
+            "+target/file",
+            "\\ No newline at end of file",
+        )
+    )
+    assert (edit.op, edit.new_mode, edit.content) == ("add", MODE_LINK, b"target/file")
+
+
+def test_copy_is_refused() -> None:
+    with pytest.raises(UnsupportedPatch, match="copies are not supported yet: 'a' to 'b'"):
+        parse_unified(_p("diff --git a/a b/b", "similarity index 100%", "copy from a", "copy to b"))
+
+
+@pytest.mark.parametrize(
+    "marker",
+    [
+        ["GIT binary patch", "literal 5", "McmZQzWMT#Z00961"],
+        ["Binary files a/img.png and b/img.png differ"],
+    ],
+)
+def test_git_binary_patch_is_refused(marker: list[str]) -> None:
+    data = _p("diff --git a/img.png b/img.png", "index 1111111..2222222 100644", *marker)
+    with pytest.raises(UnsupportedPatch) as info:
+        parse_unified(data)
+    assert info.value.message == "binary patches are not supported yet: 'img.png'"
+    assert info.value.error_type == "parse_error"
+
+
+def test_plain_binary_line_is_refused() -> None:
+    with pytest.raises(UnsupportedPatch, match=r"'img\.png'"):
+        parse_unified(_p("Binary files a/img.png and b/img.png differ"))
+
+
+def test_submodule_and_combined_diff_are_refused() -> None:
+    with pytest.raises(UnsupportedPatch, match="submodule"):
+        parse_unified(
+            _p(
+                "diff --git a/sub b/sub",
+                "index 1111111..2222222 160000",
+                "--- a/sub",
+                "+++ b/sub",
+                "@@ -1 +1 @@",
+                "-Subproject commit 1111111",
+                "+Subproject commit 2222222",
+            )
+        )
+    with pytest.raises(UnsupportedPatch, match="combined"):
+        parse_unified(_p("diff --cc f", "@@@ -1,1 -1,1 +1,1 @@@", "- a", " -b", "++c"))
+
+
+# --------------------------------------------------------------------------- names
+
+
+def test_quoted_paths_are_unquoted() -> None:
+    edit = _one(
+        _p(
+            r'diff --git "a/sp\303\251cial \"x\"" "b/sp\303\251cial \"x\""',
+            r'--- "a/sp\303\251cial \"x\""' + "\t",
+            r'+++ "b/sp\303\251cial \"x\""' + "\t",
+            "@@ -1 +1 @@",
+            "-a",
+            "+b",
+        )
+    )
+    assert edit.path == 'spécial "x"'
+
+
+def test_quoted_rename_paths_with_escapes() -> None:
+    edit = _one(
+        _p(
+            r'diff --git "a/say \"hi\"" "b/\303\251t\303\251"',
+            "similarity index 100%",
+            r'rename from "say \"hi\""',
+            r'rename to "\303\251t\303\251"',
+        )
+    )
+    assert (edit.path, edit.new_path) == ('say "hi"', "été")
+
+
+def test_quoted_escape_of_a_control_character_is_decoded_then_refused() -> None:
+    with pytest.raises(UnsafePath) as info:
+        parse_unified(
+            _p(r'diff --git "a/tab\there" "b/tab\there"', "old mode 100644", "new mode 100755")
+        )
+    assert info.value.details["path"] == "tab\there"
+
+
+def test_non_utf8_path_survives_with_surrogateescape() -> None:
+    edit = _one(_p(r'diff --git "a/caf\351" "b/caf\351"', "old mode 100644", "new mode 100755"))
+    assert os.fsencode(edit.path) == b"caf\xe9"
+
+
+def test_header_names_with_spaces_are_split_where_they_agree() -> None:
+    edit = _one(_p("diff --git a/my b/file b/my b/file", "old mode 100644", "new mode 100755"))
+    assert edit.path == "my b/file"
+
+
+def test_no_prefix_git_diff() -> None:
+    edit = _one(
+        _p(
+            "diff --git a/x a/x",
+            "index 1..2 100644",
+            "--- a/x",
+            "+++ a/x",
+            "@@ -1 +1 @@",
+            "-p",
+            "+q",
+        )
+    )
+    assert edit.path == "a/x"
+
+
+def test_mnemonic_prefixes() -> None:
+    edit = _one(_p("diff --git i/f.c w/f.c", "--- i/f.c", "+++ w/f.c", "@@ -1 +1 @@", "-p", "+q"))
+    assert edit.path == "f.c"
+
+
+def test_plain_diff_with_prefixes_and_timestamps() -> None:
+    edit = _one(
+        _p(
+            "--- a/lib/x.c\t2024-01-02 10:00:00.000000000 +0100",
+            "+++ b/lib/x.c\t2024-01-02 11:00:00.000000000 +0100",
+            "@@ -1 +1 @@",
+            "-p",
+            "+q",
+        )
+    )
+    assert (edit.op, edit.path) == ("modify", "lib/x.c")
+
+
+def test_plain_diff_without_prefixes_keeps_the_name() -> None:
+    edit = _one(_p("--- a/x.py", "+++ a/x.py", "@@ -1 +1 @@", "-p", "+q"))
+    assert edit.path == "a/x.py"
+    edit = _one(_p("--- x.py", "+++ x.py", "@@ -1 +1 @@", "-p", "+q"))
+    assert edit.path == "x.py"
+
+
+def test_plain_diff_with_differing_names_takes_gits_choice() -> None:
+    assert _one(_p("--- x.py.orig", "+++ x.py", "@@ -1 +1 @@", "-p", "+q")).path == "x.py"
+    assert _one(_p("--- x.py", "+++ x.py.new", "@@ -1 +1 @@", "-p", "+q")).path == "x.py"
+
+
+def test_plain_add_and_delete_via_dev_null() -> None:
+    patch = parse_unified(
+        _p(
+            "--- /dev/null",
+            "+++ b/new.txt",
+            "@@ -0,0 +1 @@",
+            "+n",
+            "--- a/old.txt",
+            "+++ /dev/null",
+            "@@ -1 +0,0 @@",
+            "-o",
+        )
+    )
+    add, delete = patch.edits
+    assert (add.op, add.path, add.content, add.new_mode) == ("add", "new.txt", b"n\n", None)
+    assert (delete.op, delete.path, delete.hunks[0].old_lines) == ("delete", "old.txt", (b"o\n",))
+
+
+def test_epoch_timestamp_means_absent_side() -> None:
+    edit = _one(
+        _p(
+            "--- x.txt\t1970-01-01 00:00:00.000000000 +0000",
+            "+++ x.txt\t2024-01-01 00:00:00.000000000 +0000",
+            "@@ -0,0 +1 @@",
+            "+n",
+        )
+    )
+    assert (edit.op, edit.content) == ("add", b"n\n")
+
+
+def test_unsafe_path_in_patch_is_refused() -> None:
+    with pytest.raises(UnsafePath):
+        parse_unified(
+            _p("--- a/../../etc/passwd", "+++ b/../../etc/passwd", "@@ -1 +1 @@", "-p", "+q")
+        )
+    with pytest.raises(UnsafePath):
+        parse_unified(
+            _p("diff --git a/.git/config b/.git/config", "old mode 100644", "new mode 100755")
+        )
+
+
+# --------------------------------------------------------------------------- hunks
+
+
+def test_counts_default_to_one() -> None:
+    (hunk,) = _one(_p("--- a/f", "+++ b/f", "@@ -3 +3 @@", "-p", "+q")).hunks
+    assert (hunk.old_lines, hunk.new_lines, hunk.old_start) == ((b"p\n",), (b"q\n",), 3)
+
+
+def test_several_hunks_keep_their_order_and_starts() -> None:
+    edit = _one(
+        _p(
+            "--- a/f",
+            "+++ b/f",
+            "@@ -1,2 +1,2 @@",
+            " a",
+            "-b",
+            "+B",
+            "@@ -10,2 +10,1 @@",
+            " j",
+            "-k",
+        )
+    )
+    assert [h.old_start for h in edit.hunks] == [1, 10]
+    assert edit.hunks[1].new_lines == (b"j\n",)
+
+
+def test_empty_old_side_keeps_the_insert_after_line() -> None:
+    (hunk,) = _one(_p("--- a/f", "+++ b/f", "@@ -5,0 +6,2 @@", "+x", "+y")).hunks
+    assert hunk.old_lines == () and hunk.old_start == 5
+
+
+def test_crlf_lines_are_kept_byte_for_byte() -> None:
+    data = b"--- a/f\r\n+++ b/f\r\n@@ -1,2 +1,2 @@\r\n x\r\n-y\r\n+Y\r\n"
+    (hunk,) = _one(data).hunks
+    assert hunk.old_lines == (b"x\r\n", b"y\r\n") and hunk.new_lines == (b"x\r\n", b"Y\r\n")
+
+
+def test_lone_cr_is_not_a_line_break() -> None:
+    (hunk,) = _one(_p("--- a/f", "+++ b/f", "@@ -1 +1 @@", "-a\rb", "+c\rd")).hunks
+    assert hunk.old_lines == (b"a\rb\n",) and hunk.new_lines == (b"c\rd\n",)
+
+
+def test_non_utf8_content_survives() -> None:
+    (hunk,) = _one(_p("--- a/f", "+++ b/f", "@@ -1 +1 @@", b"-caf\xe9", b"+\xff\xfe")).hunks
+    assert hunk.old_lines == (b"caf\xe9\n",) and hunk.new_lines == (b"\xff\xfe\n",)
+
+
+def test_no_newline_on_old_side() -> None:
+    (hunk,) = _one(
+        _p("--- a/f", "+++ b/f", "@@ -1 +1 @@", "-last", "\\ No newline at end of file", "+last")
+    ).hunks
+    assert hunk.old_lines == (b"last",) and hunk.new_lines == (b"last\n",)
+
+
+def test_no_newline_on_new_side() -> None:
+    (hunk,) = _one(
+        _p("--- a/f", "+++ b/f", "@@ -1 +1 @@", "-last", "+last", "\\ No newline at end of file")
+    ).hunks
+    assert hunk.old_lines == (b"last\n",) and hunk.new_lines == (b"last",)
+
+
+def test_no_newline_on_both_sides() -> None:
+    (hunk,) = _one(
+        _p(
+            "--- a/f",
+            "+++ b/f",
+            "@@ -1,2 +1,2 @@",
+            "-a",
+            "+A",
+            " end",
+            "\\ No newline at end of file",
+        )
+    ).hunks
+    assert hunk.old_lines == (b"a\n", b"end") and hunk.new_lines == (b"A\n", b"end")
+
+
+def test_no_newline_keeps_cr_of_crlf_line() -> None:
+    data = b"--- a/f\n+++ b/f\n@@ -1 +1 @@\n-x\r\n\\ No newline at end of file\n+y\r\n"
+    (hunk,) = _one(data).hunks
+    assert hunk.old_lines == (b"x\r",) and hunk.new_lines == (b"y\r\n",)
+
+
+def test_patch_text_cut_before_its_last_newline_keeps_the_files_newline() -> None:
+    (hunk,) = _one(b"--- a/f\n+++ b/f\n@@ -1 +1,2 @@\n x\n+y").hunks
+    assert hunk.new_lines == (b"x\n", b"y\n")
+    (crlf,) = _one(b"--- a/f\r\n+++ b/f\r\n@@ -1 +1 @@\r\n-x\r\n+y").hunks
+    assert crlf.new_lines == (b"y\r\n",)
+
+
+def test_stripped_empty_context_line_is_accepted_inside_a_hunk() -> None:
+    (hunk,) = _one(_p("--- a/f", "+++ b/f", "@@ -1,3 +1,3 @@", " a", "", "-b", "+B")).hunks
+    assert hunk.old_lines == (b"a\n", b"\n", b"b\n")
+    assert hunk.new_lines == (b"a\n", b"\n", b"B\n")
+
+
+def test_empty_line_after_a_complete_hunk_ends_it() -> None:
+    patch = parse_unified(_p("--- a/f", "+++ b/f", "@@ -1 +1 @@", "-a", "+b", "", "trailing words"))
+    assert patch.edits[0].hunks[0].new_lines == (b"b\n",)
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        (["-a"], "ends early"),
+        (["-a", "+b", " c"], "is longer than its header says"),
+        (["-a", "+b", "+c"], "is longer than its header says"),
+        (["-a", "-b"], "is longer than its header says"),
+        (["-a", "garbage"], "ends early"),
+    ],
+)
+def test_bad_counts_are_parse_errors_with_line_number(body: list[str], where: str) -> None:
+    with pytest.raises(ParseError) as info:
+        parse_unified(_p("--- a/f", "+++ b/f", "@@ -1 +1 @@", *body))
+    assert where in info.value.message
+    assert "hunk at line 3 of 'f'" in info.value.message
+    assert isinstance(info.value.details["line"], int) and info.value.details["line"] >= 4
+
+
+def test_malformed_hunk_header_is_a_parse_error() -> None:
+    with pytest.raises(ParseError, match="malformed hunk header at line 3"):
+        parse_unified(_p("--- a/f", "+++ b/f", "@@ -x +1 @@", "-a", "+b"))
+
+
+# --------------------------------------------------------------------------- framing
+
+
+FORMAT_PATCH = _p(
+    "From 1234567890abcdef1234567890abcdef12345678 Mon Sep 17 00:00:00 2001",
+    "From: A U Thor <author@example.com>",
+    "Date: Tue, 2 Jan 2024 10:00:00 +0100",
+    "Subject: [PATCH] change f",
+    "",
+    "A message that mentions --- and +++ in passing.",
+    "--- a/not/a/header",
+    "",
+    "---",
+    " f | 2 +-",
+    " 1 file changed, 1 insertion(+), 1 deletion(-)",
+    "",
+    "diff --git a/f b/f",
+    "index 1111111..2222222 100644",
+    "--- a/f",
+    "+++ b/f",
+    "@@ -1,2 +1,2 @@",
+    " keep",
+    "-old",
+    "+new",
+    "-- ",
+    "2.39.5",
+    "",
+)
+
+
+def test_format_patch_preamble_and_signature_are_ignored() -> None:
+    edit = _one(FORMAT_PATCH)
+    assert edit.path == "f"
+    assert edit.hunks[0].new_lines == (b"keep\n", b"new\n")
+
+
+def test_garbage_between_files_is_skipped() -> None:
+    patch = parse_unified(
+        _p(
+            "Index: f",
+            "===================================================================",
+            "--- f",
+            "+++ f",
+            "@@ -1 +1 @@",
+            "-a",
+            "+b",
+            "Some explanation an agent wrote.",
+            "--- g",
+            "+++ g",
+            "@@ -1 +1 @@",
+            "-c",
+            "+d",
+        )
+    )
+    assert [e.path for e in patch.edits] == ["f", "g"]
+
+
+def test_nothing_recognisable_is_a_parse_error() -> None:
+    with pytest.raises(ParseError, match="no file changes found in patch"):
+        parse_unified(b"just some words\n--- not\nalone\n")
+    with pytest.raises(ParseError, match="no file changes found in patch"):
+        parse_unified(b"")
+
+
+def test_same_path_twice_is_a_parse_error() -> None:
+    one = _p("--- a/f", "+++ b/f", "@@ -1 +1 @@", "-a", "+b")
+    with pytest.raises(ParseError, match="'f' is changed more than once"):
+        parse_unified(one + one)
+
+
+def test_rename_target_counts_as_touched() -> None:
+    with pytest.raises(ParseError, match="'b' is changed more than once"):
+        parse_unified(
+            _p(
+                "diff --git a/a b/b",
+                "rename from a",
+                "rename to b",
+                "diff --git a/b b/b",
+                "old mode 100644",
+                "new mode 100755",
+            )
+        )
+
+
+def test_block_without_change_is_a_parse_error() -> None:
+    with pytest.raises(ParseError, match="changes nothing"):
+        parse_unified(_p("diff --git a/f b/f", "index 1111111..2222222 100644"))
+
+
+def test_looks_unified() -> None:
+    assert looks_unified(MODIFY)
+    assert looks_unified(_p("intro", "--- f", "+++ f", "@@ -1 +1 @@", "-a", "+b"))
+    assert looks_unified(b"--- f\r\n+++ f\r\n@@ -1 +1 @@\r\n-a\r\n+b\r\n")
+    assert not looks_unified(_p("*** Begin Patch", "*** Update File: f", "@@", "-a", "+b"))
+    assert not looks_unified(_p("--- f", "+++ f", "no hunk"))
+    assert not looks_unified(b"")
+
+
+# --------------------------------------------------------------------------- real git output
+
+
+def _git(cwd: Path, *args: str) -> bytes:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(HOME=str(cwd), GIT_CONFIG_NOSYSTEM="1", LC_ALL="C")
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=cwd,
+        env=env,
+        check=True,
+        capture_output=True,
+    ).stdout
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_real_git_diff_round_trips_through_apply(tmp_path: Path) -> None:
+    before = {
+        "a.txt": b"one\ntwo\nthree\n" + b"".join(b"line %d\n" % i for i in range(30)) + b"tail\n",
+        "crlf.txt": b"x\r\ny\r\nz\r\n",
+        "nonl.txt": b"no newline",
+        'caf\xc3\xa9 "q".txt': b"keep\n",
+        "old.txt": b"".join(b"row %d\n" % i for i in range(20)),
+        "gone.txt": b"bye\n",
+        "bytes.bin.txt": b"caf\xe9\n",
+    }
+    after = {
+        "a.txt": b"one\nTWO\nthree\n"
+        + b"".join(b"line %d\n" % i for i in range(30))
+        + b"tail\nnew\n",
+        "crlf.txt": b"x\r\nY\r\nz\r\n",
+        "nonl.txt": b"no newline either",
+        'caf\xc3\xa9 "q".txt': b"keep\nmore\n",
+        "new.txt": b"".join(b"row %d\n" % i for i in range(20)) + b"row 20\n",
+        "added.txt": b"fresh\n",
+        "bytes.bin.txt": b"caf\xe9\n\xff\n",
+    }
+    _git(tmp_path, "init", "-q", ".")
+    _git(tmp_path, "config", "core.autocrlf", "false")
+    for name, data in before.items():
+        (tmp_path / os.fsdecode(name.encode() if isinstance(name, str) else name)).write_bytes(data)
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "base")
+    for name in before:
+        (tmp_path / name).unlink()
+    for name, data in after.items():
+        (tmp_path / name).write_bytes(data)
+    _git(tmp_path, "add", "-A")
+    diff = _git(tmp_path, "diff", "--cached", "-M", "--full-index")
+    edits = {e.target: e for e in parse_unified(diff).edits}
+    assert edits["new.txt"].op == "rename" and edits["new.txt"].path == "old.txt"
+    assert edits["gone.txt"].op == "delete"
+    assert edits["added.txt"].content == b"fresh\n"
+    for target, edit in edits.items():
+        if edit.op in ("modify", "rename"):
+            result = apply_hunks(before[edit.path], edit.hunks, path=edit.path)
+            assert result.content == after[target], target
+            assert set(result.grades) == {"exact"}
+        elif edit.op == "delete":
+            result = apply_hunks(before[edit.path], edit.hunks, path=edit.path)
+            assert result.content == b""
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_real_git_format_patch_parses(tmp_path: Path) -> None:
+    _git(tmp_path, "init", "-q", ".")
+    (tmp_path / "f").write_bytes(b"a\nb\n")
+    _git(tmp_path, "add", "f")
+    _git(tmp_path, "commit", "-qm", "base")
+    (tmp_path / "f").write_bytes(b"a\nB\n")
+    (tmp_path / "run.sh").write_bytes(b"#!/bin/sh\n")
+    (tmp_path / "run.sh").chmod(0o755)
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "subject\n\nbody --- with\n+++ markers\n")
+    text = _git(tmp_path, "format-patch", "--stdout", "-1")
+    assert text.rstrip().splitlines()[-2] == b"-- "
+    edits = {e.path: e for e in parse_unified(text).edits}
+    assert edits["f"].hunks[0].new_lines == (b"a\n", b"B\n")
+    assert (edits["run.sh"].op, edits["run.sh"].new_mode) == ("add", MODE_EXEC)
+    assert isinstance(edits["f"].hunks[0], Hunk)
