@@ -12,9 +12,10 @@
   entries of the index and write it once (git's ``index.lock`` protocol,
   through libgit2).
 
-An index lock taken by libgit2 leaves no mark of who took it; so while ours
-is held a marker file in the store names it, and recovery removes a stale
-``index.lock`` only when that marker proves it was ours and its owner is dead.
+While oncepatch holds ``index.lock`` it contains ``oncepatch-index-lock <pid>``
+(see :func:`update_index`), and a marker file in the store names it: recovery
+removes a stale ``index.lock`` only when one of these proves it was ours and
+its owner is dead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import time
 from collections.abc import Mapping
 
 import pygit2
@@ -32,6 +34,8 @@ from cas.errors import GitStoreError, RefLockedError, UnsafeWorktreePath
 from cas.objects import GitStore, TreeEntry
 
 __all__ = [
+    "INDEX_LOCK_MARK",
+    "update_index",
     "dirty_paths",
     "unsafe_worktree_paths",
     "materialise",
@@ -167,30 +171,82 @@ def materialise(
         raise
     except OSError as exc:
         raise GitStoreError(f"cannot write worktree '{workdir}': {exc}") from exc
+    update_index(workdir, [p for p in deletes], [p for p, _ in writes], lock_marker=lock_marker)
+
+
+#: Content of an index.lock held by oncepatch (git's own locks hold index data).
+INDEX_LOCK_MARK = b"oncepatch-index-lock "
+
+
+def update_index(
+    workdir: str,
+    removed: list[str],
+    added: list[str],
+    *,
+    lock_marker: str | None = None,
+    timeout: float = 10.0,
+) -> None:
+    """Update just these entries of ``workdir``'s index (stat data from the files), safely against git.
+
+    The read-modify-write happens while we hold ``index.lock`` by git's own
+    protocol (``O_CREAT|O_EXCL``), so a concurrent ``git add``/``git commit``
+    either waits for us or we wait for it — neither update is lost.  libgit2
+    can only write the index through its own lock, so the lock is handed over
+    (ours unlinked, libgit2's created) at the last moment; if another process
+    took it in that gap, libgit2's write fails and the whole step is redone.
+    Our lock file holds ``oncepatch-index-lock <pid>`` so recovery can prove a
+    stale one was ours.
+
+    Raises:
+        RefLockedError: ``index.lock`` stayed held for ``timeout`` seconds.
+        GitStoreError: libgit2 failed.
+    """
     wt_repo = pygit2.Repository(workdir)
     index_lock = os.path.join(os.path.realpath(wt_repo.path), "index.lock")
-    if os.path.exists(index_lock):
-        raise RefLockedError(index_lock)
-    if lock_marker is not None:
-        write_durable(lock_marker, index_lock.encode() + b"\n", sync_dir=False)
-    try:
-        index = wt_repo.index
-        index.read(False)
-        for path in deletes:
-            with contextlib.suppress(OSError, KeyError, pygit2.GitError):
-                index.remove(path)
-        for path, _entry in writes:
-            index.add(path)
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while True:
         try:
-            index.write()
-        except pygit2.GitError as exc:
-            if os.path.exists(index_lock):
-                raise RefLockedError(index_lock) from exc
-            raise GitStoreError(f"cannot write index of '{workdir}': {exc}") from exc
-    finally:
+            fd = os.open(index_lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            if time.monotonic() >= deadline:
+                raise RefLockedError(index_lock) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            continue
+        try:
+            os.write(fd, INDEX_LOCK_MARK + str(os.getpid()).encode() + b"\n")
+        finally:
+            os.close(fd)
         if lock_marker is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock_marker)
+            write_durable(lock_marker, index_lock.encode() + b"\n", sync_dir=False)
+        handed_over = False
+        try:
+            index = wt_repo.index
+            index.read(True)
+            for path in removed:
+                with contextlib.suppress(OSError, KeyError, pygit2.GitError):
+                    index.remove(path)
+            for path in added:
+                index.add(path)
+            os.unlink(index_lock)
+            handed_over = True
+            try:
+                index.write()
+                return
+            except pygit2.GitError as exc:
+                if not os.path.exists(index_lock) or time.monotonic() >= deadline:
+                    if os.path.exists(index_lock):
+                        raise RefLockedError(index_lock) from exc
+                    raise GitStoreError(f"cannot write index of '{workdir}': {exc}") from exc
+                # Someone took index.lock in the hand-over gap: start again from a fresh read.
+        finally:
+            if not handed_over:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(index_lock)
+            if lock_marker is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lock_marker)
 
 
 def worktree_matches(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:

@@ -186,9 +186,45 @@ class GitAdapter:
 
     # -- cleanup -------------------------------------------------------------------
 
+    @staticmethod
+    def _cleanup_check_worktrees(rstore: ReceiptStore, dry_run: bool) -> list[str]:
+        """Remove temporary check worktrees whose owner is gone (its key lock is free)."""
+        import shutil
+        import subprocess
+
+        from patcher.check import check_worktree_root
+
+        removed: list[str] = []
+        root = check_worktree_root(rstore)
+        try:
+            names = sorted(os.listdir(root))
+        except FileNotFoundError:
+            return removed
+        for name in names:
+            h = name.split("-", 1)[0]
+            if len(h) != 64:
+                continue
+            lk = _try_lock_hash(rstore, h)
+            if lk is None:
+                continue  # a live check is running there
+            try:
+                path = os.path.join(root, name)
+                repo = _check_worktree_repo(path)
+                removed.append(path)
+                if dry_run:
+                    continue
+                shutil.rmtree(path, ignore_errors=True)
+                if repo is not None:
+                    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+                    subprocess.run(["git", "--git-dir", repo, "worktree", "prune"], capture_output=True,
+                                   env=env, check=False)
+            finally:
+                lk.release()
+        return removed
+
     def cleanup(self, rstore: ReceiptStore, dry_run: bool, tmp_age: float) -> list[str]:
         """Remove index-lock markers (and the stale ``index.lock`` they prove ours) of dead owners."""
-        removed: list[str] = []
+        removed: list[str] = self._cleanup_check_worktrees(rstore, dry_run)
         try:
             names = sorted(os.listdir(rstore.tmp_dir))
         except FileNotFoundError:
@@ -209,8 +245,7 @@ class GitAdapter:
                 except FileNotFoundError:
                     continue
                 with contextlib.suppress(FileNotFoundError):
-                    # Ours only if it was created after our marker, i.e. by our write.
-                    if index_lock.endswith("index.lock") and os.stat(index_lock).st_mtime >= marker_mtime:
+                    if index_lock.endswith("index.lock") and _index_lock_is_ours(index_lock, marker_mtime):
                         removed.append(index_lock)
                         if not dry_run:
                             os.unlink(index_lock)
@@ -221,6 +256,38 @@ class GitAdapter:
             finally:
                 lk.release()
         return removed
+
+
+def _check_worktree_repo(path: str) -> str | None:
+    """The repository a temporary check worktree belongs to (from its ``.git`` file)."""
+    from cas.gitdir import common_dir_of
+
+    try:
+        with open(os.path.join(path, ".git"), "rb") as fh:
+            text = fh.read().decode("utf-8", "surrogateescape").strip()
+    except OSError:
+        return None
+    if not text.startswith("gitdir:"):
+        return None
+    return common_dir_of(os.path.realpath(text[len("gitdir:"):].strip()))
+
+
+def _index_lock_is_ours(index_lock: str, marker_mtime: float) -> bool:
+    """Our own lock (marked, owner pid dead), or libgit2's write begun after our marker."""
+    from cas.worktree import INDEX_LOCK_MARK
+
+    with open(index_lock, "rb") as fh:
+        head = fh.read(64)
+    if head.startswith(INDEX_LOCK_MARK):
+        try:
+            pid = int(head[len(INDEX_LOCK_MARK):].split()[0])
+            os.kill(pid, 0)
+        except (ValueError, IndexError, ProcessLookupError):
+            return True
+        except PermissionError:
+            return False
+        return False
+    return os.stat(index_lock).st_mtime >= marker_mtime
 
 
 def _try_lock_hash(rstore: ReceiptStore, h: str) -> Any:

@@ -356,7 +356,7 @@ def _execute(
     gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}")
     crash_point("after-ref")
 
-    warnings = materialise_all(gstore, rstore, worktrees, staged.changes, key)
+    warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key)
     crash_point("after-materialise")
 
     _fence(rstore, key, token)

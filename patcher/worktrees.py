@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 
 from cas.errors import OncepatchError
 from cas.gitdir import worktrees_on
+from cas.hashing import sha256_hex
 from cas.objects import GitStore, TreeEntry
 from cas.worktree import dirty_paths, materialise, unsafe_worktree_paths
 from receipts.identity import key_hash
@@ -50,21 +50,40 @@ def materialise_all(
     gstore: GitStore,
     rstore: ReceiptStore,
     worktrees: list[tuple[str, str]],
-    changes: Mapping[str, TreeEntry | None],
+    branch: str,
+    paths: list[str],
     key: str,
 ) -> list[str]:
-    """Bring each worktree's touched paths and index to ``changes``; return warnings.
+    """Bring each worktree's touched paths and index to the branch's *current* head; return warnings.
+
+    Under a per-worktree lock, the head is re-read and its entries for the
+    touched paths are written — not this call's candidate: when two calls land
+    one after the other and the first materialises last, it must not roll a
+    shared path back to its own older version.
 
     The commit has landed when this runs, so a failure here does not undo it:
     it becomes a warning in the receipt, and ``recover`` materialises again.
     """
+    import filelock
+
     warnings: list[str] = []
     if not worktrees:
         return warnings
     os.makedirs(rstore.tmp_dir, exist_ok=True)
+    os.makedirs(rstore.locks_dir, exist_ok=True)
     for workdir, _git_dir in worktrees:
+        wt_lock = os.path.join(rstore.locks_dir, "worktree-" + sha256_hex(workdir.encode()) + ".lock")
         try:
-            materialise(gstore, workdir, changes, lock_marker=index_marker(rstore, key))
+            with filelock.FileLock(wt_lock, timeout=60, thread_local=False, preserve_lock_file=True,
+                                   poll_interval=0.005):
+                tip = gstore.resolve(branch)
+                tree = gstore.commit_tree(tip) if tip else None
+                changes: dict[str, TreeEntry | None] = {
+                    p: (gstore.lookup_path(tree, p).entry if tree else None) for p in paths
+                }
+                materialise(gstore, workdir, changes, lock_marker=index_marker(rstore, key))
         except OncepatchError as exc:
             warnings.append(f"worktree '{workdir}' not updated: {exc.message}")
+        except filelock.Timeout:
+            warnings.append(f"worktree '{workdir}' not updated: its materialise lock '{wt_lock}' stayed held")
     return warnings

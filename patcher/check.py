@@ -1,0 +1,117 @@
+"""``--check CMD``: run a command against the candidate tree before the branch may move.
+
+The candidate commit is checked out into a temporary git worktree under
+``<store>/tmp/worktrees/<h>-<pid>`` (``git worktree add --detach``: git shares
+the object database, so only the files are written — no clone, no copy of
+history).  CMD runs there through the shell, in its own process group, with a
+timeout; its combined output is captured (size-capped) and saved beside the
+receipt.  A non-zero exit or a timeout → ``rejected`` with ``type:
+check_failed``, the exit status and the sha256 of the captured output.  The
+user's worktree and branch are not touched until the check passed.
+
+The temporary worktree is removed afterwards, also when CMD fails; after a
+crash, ``recover`` removes it (its owner's key lock is free) and prunes git's
+administrative entry (``git worktree prune`` semantics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Callable
+
+from cas.crash import crash_point
+from cas.durable import write_durable
+from cas.objects import GitStore
+from receipts.identity import key_hash
+from receipts.store import ReceiptStore
+from patcher.errors import CheckFailed
+
+__all__ = ["run_check", "check_worktree_root", "remove_check_worktree", "OUTPUT_CAP"]
+
+#: At most this much of a check's output is kept (the digest covers all of it).
+OUTPUT_CAP = 1 << 20
+
+
+def check_worktree_root(rstore: ReceiptStore) -> str:
+    return os.path.join(rstore.tmp_dir, "worktrees")
+
+
+def _git(cwd: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, timeout=timeout, env=env, check=False)
+
+
+def remove_check_worktree(repo_dir: str, path: str) -> None:
+    """Remove a temporary worktree and git's entry for it (safe to repeat)."""
+    res = _git(repo_dir, "worktree", "remove", "--force", path)
+    if res.returncode != 0 and os.path.exists(path):
+        shutil.rmtree(path, ignore_errors=True)
+    _git(repo_dir, "worktree", "prune")
+
+
+def run_check(
+    rstore: ReceiptStore,
+    gstore: GitStore,
+    candidate: str,
+    cmd: str,
+    *,
+    key: str,
+    timeout: float,
+    on_fail: Callable[[CheckFailed], None],
+) -> None:
+    """Run ``cmd`` in a temporary worktree of ``candidate``; return if it passed.
+
+    Raises:
+        CheckFailed: non-zero exit or timeout (``on_fail`` has recorded the rejection).
+    """
+    h = key_hash(key)
+    root = check_worktree_root(rstore)
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, f"{h}-{os.getpid()}")
+    repo_dir = gstore.repo.workdir or gstore.common_dir
+    if os.path.exists(path):
+        remove_check_worktree(repo_dir, path)
+    res = _git(repo_dir, "worktree", "add", "--detach", "--force", path, candidate)
+    if res.returncode != 0:
+        raise CheckFailed(
+            f"cannot create a worktree for the check: {res.stderr.decode(errors='replace').strip()}",
+            details={"check": cmd}, error_type="check_failed",
+        )
+    try:
+        crash_point("check-running")
+        status, output, timed_out = _run(cmd, path, timeout)
+    finally:
+        remove_check_worktree(repo_dir, path)
+    if status == 0 and not timed_out:
+        return
+    digest = hashlib.sha256(output).hexdigest()
+    out_path = rstore.path_for_hash(h)[:-5] + ".check.txt"
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    write_durable(out_path, output[:OUTPUT_CAP])
+    reason = f"timed out after {timeout:g}s" if timed_out else f"exited with status {status}"
+    err = CheckFailed(
+        f"check '{cmd}' {reason}",
+        details={"check": cmd, "exit_status": status, "timed_out": timed_out, "output_sha256": digest,
+                 "output_bytes": len(output), "output_path": out_path},
+    )
+    on_fail(err)
+    raise err
+
+
+def _run(cmd: str, cwd: str, timeout: float) -> tuple[int, bytes, bool]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_") and k != "ONCEPATCH_CRASH_AT"}
+    proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out, False
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return proc.returncode if proc.returncode is not None else -9, out, True
