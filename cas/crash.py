@@ -15,6 +15,7 @@ Points (DESIGN.md section 4, and recovery's own):
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 __all__ = ["POINTS", "CRASH_ENV", "crash_point", "crash_hook"]
 
@@ -40,7 +41,7 @@ def crash_point(name: str) -> None:
         os._exit(137)
 
 
-def crash_hook(name: str) -> None | object:
+def crash_hook(name: str) -> Callable[[], None] | None:
     """A ``before_replace`` callback for :func:`cas.durable.write_durable`, or ``None`` when unarmed."""
     if _environ.get(CRASH_ENV) == name:
         return lambda: crash_point(name)

@@ -161,8 +161,7 @@ class GitStore:
         return oid
 
     def _edit(self, tree_oid: str | None, changes: dict[tuple[str, ...], TreeEntry | None]) -> str | None:
-        tree = self.repo[tree_oid] if tree_oid else None
-        builder = self.repo.TreeBuilder(tree) if tree is not None else self.repo.TreeBuilder()
+        builder = self.repo.TreeBuilder(tree_oid) if tree_oid else self.repo.TreeBuilder()
         here: dict[str, TreeEntry | None] = {}
         below: dict[str, dict[tuple[str, ...], TreeEntry | None]] = {}
         for parts, entry in changes.items():

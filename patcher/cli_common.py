@@ -19,9 +19,9 @@ def store_root(args: argparse.Namespace) -> str:
     from patcher.protocol import store_root_for
 
     if args.store:
-        return os.path.abspath(args.store)
+        return os.path.abspath(str(args.store))
     if os.environ.get("ONCEPATCH_STORE"):
         return os.path.abspath(os.environ["ONCEPATCH_STORE"])
-    return store_root_for(discover(args.repo).common_dir)
+    return store_root_for(discover(str(args.repo)).common_dir)
 
 

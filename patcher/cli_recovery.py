@@ -105,6 +105,10 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     return (EXIT_OK if report.ok else EXIT_VERIFY), doc, text
 
 
+def _warn(message: str) -> None:
+    sys.stderr.write(f"oncepatch watch: {message}\n")
+
+
 def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from receipts.store import ReceiptStore
     from receipts.watcher import Watcher
@@ -123,7 +127,7 @@ def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
             sys.stdout.flush()
 
     w = Watcher(rstore, _adapters(rstore), grace=args.grace, rescan_interval=args.rescan, on_flag=emit,
-                recover=args.recover, on_error=lambda m: sys.stderr.write(f"oncepatch watch: {m}\n"))
+                recover=args.recover, on_error=_warn)
     if args.once:
         flagged = w.scan_once()
         return (EXIT_VERIFY if flagged else EXIT_OK), {}, ""

@@ -20,6 +20,8 @@ All of them are rejections that happen before anything is written (effect
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from cas.errors import EXIT_REJECTED, EffectStatus, NextAction, OncepatchError
 
 __all__ = [
@@ -41,8 +43,8 @@ class PatchError(OncepatchError):
     type = "internal"
     exit_code = EXIT_REJECTED
     default_retryable = False
-    default_effect_status: EffectStatus = "not_started"
-    default_next_action: NextAction = "fix_input"
+    default_effect_status: ClassVar[EffectStatus] = "not_started"
+    default_next_action: ClassVar[NextAction] = "fix_input"
 
 
 class ParseError(PatchError):

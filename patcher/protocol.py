@@ -247,7 +247,7 @@ def open_store(repo_path: str, stores: dict[str, Any] | None) -> GitStore:
     found = stores.get(repo_path)
     if found is None:
         found = stores[repo_path] = GitStore(repo_path)
-    return found  # type: ignore[no-any-return]
+    return found
 
 
 def _execute(
@@ -363,7 +363,7 @@ def _execute(
     final = receipt.evolve(status="committed", commit=candidate, tree=staged.tree, error=None)
     if warnings:
         final = final.evolve(extra={**final.extra, "warnings": warnings})
-    path = rstore.write(final, before_replace=crash_hook("before-receipt-replace"))  # type: ignore[arg-type]
+    path = rstore.write(final, before_replace=crash_hook("before-receipt-replace"))
     rstore.ledger.append_receipt_event("committed", final)
     return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
                        warnings=tuple(warnings))

@@ -178,7 +178,8 @@ class Ledger:
                 elif obj.get("seq") != expected_seq:
                     problems.append(LedgerProblem(n, f"seq is {obj.get('seq')!r}, expected {expected_seq}"))
                 prev = hashlib.sha256(line).hexdigest()
-                expected_seq = (obj.get("seq") if isinstance(obj, dict) and isinstance(obj.get("seq"), int) else expected_seq) + 1
+                seq = obj.get("seq") if isinstance(obj, dict) else None
+                expected_seq = (seq if isinstance(seq, int) else expected_seq) + 1
         return problems
 
 

@@ -126,7 +126,7 @@ def resolve_receipt(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapte
             notes.append(f"follow-up not done: {exc.message}")
         if notes:
             new = new.evolve(extra={**new.extra, "recovery_notes": notes})
-        store.record(new, "recovered", before_replace=hook, reason=result.reason)  # type: ignore[arg-type]
+        store.record(new, "recovered", before_replace=hook, reason=result.reason)
         return new
     if result.status == "not_applied":
         err = {
@@ -140,7 +140,7 @@ def resolve_receipt(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapte
         new = receipt.evolve(status="rejected", retryable=True, error=err,
                              extra={**receipt.extra, "recovered": result.reason,
                                     **({"recovery_notes": notes} if notes else {})})
-        store.record(new, "recovered", before_replace=hook, reason=result.reason)  # type: ignore[arg-type]
+        store.record(new, "recovered", before_replace=hook, reason=result.reason)
         return new
     if receipt.status != "unknown":
         new = receipt.evolve(status="unknown", extra={**receipt.extra, "unknown_reason": result.reason})
