@@ -28,6 +28,7 @@ its key ref is found by recovery through reachability and the reflog.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -213,14 +214,32 @@ class GitStore:
         folder = self.common_dir if ref.startswith("refs/") else self.git_dir
         return os.path.join(folder, ref + ".lock")
 
-    def compare_and_swap(self, ref: str, expected: str | None, new: str, message: str) -> None:
+    def compare_and_swap(self, ref: str, expected: str | None, new: str, message: str,
+                         *, lock_timeout: float = 1.0) -> None:
         """Move ``ref`` from ``expected`` to ``new`` atomically, or not at all.
 
+        A held ``<ref>.lock`` is waited for up to ``lock_timeout`` seconds (git
+        holds its ref locks for milliseconds; like git's
+        ``core.filesRefLockTimeout``), then reported.
+
         Raises:
-            RefLockedError: ``<ref>.lock`` exists (a live git, or a stale lock).
+            RefLockedError: ``<ref>.lock`` stayed held (a live git, or a stale lock).
             RefMovedError: under the lock, the ref is not at ``expected``.
             RefUpdateUnknown: the commit of the transaction failed; the ref may have moved.
         """
+        deadline = time.monotonic() + lock_timeout
+        delay = 0.001
+        while True:
+            try:
+                self._compare_and_swap_once(ref, expected, new, message)
+                return
+            except RefLockedError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+    def _compare_and_swap_once(self, ref: str, expected: str | None, new: str, message: str) -> None:
         committing = False
         try:
             with self.repo.transaction() as txn:

@@ -30,6 +30,7 @@ from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 from patcher.args import TOOL
+from patcher.markers import index_marker, ref_lock_marker
 
 __all__ = ["GitAdapter", "KEY_REF_PREFIX"]
 
@@ -51,19 +52,35 @@ class GitAdapter:
     # -- query -------------------------------------------------------------------
 
     def _remove_own_stale_locks(self, gstore: GitStore, receipt: Receipt, notes: list[str]) -> None:
+        """Remove ref locks the dead owner of ``receipt`` provably left (caller holds the key lock).
+
+        Proof, per lock file: it holds exactly the receipt's candidate oid (libgit2
+        wrote it at commit time), or it is empty — libgit2 creates the lock empty
+        and fills it only when committing; git fills its locks at once — and no
+        older than the marker the owner wrote just before locking.
+        """
         branch = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
         candidate = receipt.candidate or ""
-        lock = os.path.join(gstore.common_dir, branch + ".lock")
-        with contextlib.suppress(FileNotFoundError):
-            with open(lock, "rb") as fh:
-                content = fh.read().strip().decode("ascii", "replace")
-            if candidate and content == candidate:
-                os.unlink(lock)
-                notes.append(f"removed stale '{lock}' left by the crashed call")
-        key_lock = os.path.join(gstore.common_dir, KEY_REF_PREFIX + key_hash(receipt.key) + ".lock")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(key_lock)
-            notes.append(f"removed stale '{key_lock}' left by the crashed call")
+        marker = ref_lock_marker(self._rstore, receipt.key) if self._rstore is not None else None
+        try:
+            marker_mtime: float | None = os.stat(marker).st_mtime if marker else None
+        except FileNotFoundError:
+            marker_mtime = None
+        key_ref = KEY_REF_PREFIX + key_hash(receipt.key)
+        for ref in (branch, key_ref):
+            lock = os.path.join(gstore.common_dir, ref + ".lock")
+            with contextlib.suppress(FileNotFoundError):
+                with open(lock, "rb") as fh:
+                    content = fh.read().strip().decode("ascii", "replace")
+                ours = bool(candidate) and content == candidate
+                if not ours and content == "" and marker_mtime is not None:
+                    ours = os.stat(lock).st_mtime >= marker_mtime
+                if ours:
+                    os.unlink(lock)
+                    notes.append(f"removed stale '{lock}' left by the crashed call")
+        if marker:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
 
     def query(self, receipt: Receipt) -> QueryResult:
         candidate = receipt.candidate
@@ -128,8 +145,6 @@ class GitAdapter:
             if stale:
                 marker = None
                 if self._rstore is not None:
-                    from patcher.worktrees import index_marker
-
                     os.makedirs(self._rstore.tmp_dir, exist_ok=True)
                     marker = index_marker(self._rstore, receipt.key)
                 materialise(gstore, workdir, stale, lock_marker=marker)
@@ -168,7 +183,8 @@ class GitAdapter:
             path = str(out.get("path"))
             entry = gstore.lookup_path(tree, path).entry
             if out.get("op") == "delete":
-                if entry is not None:
+                # Gone, or given way to a folder of the same name.
+                if entry is not None and entry.mode != 0o040000:
                     problems.append(f"'{path}' should be deleted in {commit[:12]} but exists")
                 continue
             if entry is None:
@@ -230,6 +246,22 @@ class GitAdapter:
         except FileNotFoundError:
             return removed
         for name in names:
+            if name.startswith("ref-lock-"):
+                # Its stale ref locks are handled by query() under the key lock; an
+                # orphan marker (the call failed cleanly or was settled) is just removed.
+                h = name[len("ref-lock-"):]
+                lk = _try_lock_hash(rstore, h)
+                if lk is not None:
+                    try:
+                        marker = os.path.join(rstore.tmp_dir, name)
+                        if rstore.read_hash(h) is None or not _unresolved(rstore, h):
+                            removed.append(marker)
+                            if not dry_run:
+                                with contextlib.suppress(FileNotFoundError):
+                                    os.unlink(marker)
+                    finally:
+                        lk.release()
+                continue
             if not name.startswith("index-lock-"):
                 continue
             marker = os.path.join(rstore.tmp_dir, name)
@@ -256,6 +288,14 @@ class GitAdapter:
             finally:
                 lk.release()
         return removed
+
+
+def _unresolved(rstore: ReceiptStore, h: str) -> bool:
+    try:
+        r = rstore.read_hash(h)
+    except Exception:  # noqa: BLE001 - a corrupt receipt: keep the marker for a person
+        return True
+    return r is not None and r.status in ("prepared", "unknown")
 
 
 def _check_worktree_repo(path: str) -> str | None:

@@ -22,6 +22,7 @@ overwritten.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL, TOOL_VERSION, CallArgs, normalise_args
 from patcher.errors import Conflict, PatchError
 from patcher.formats import detect, parse_patch
+from patcher.markers import ref_lock_marker
 from patcher.model import Patch
 
 if TYPE_CHECKING:
@@ -262,7 +264,7 @@ def _execute(
     stores: dict[str, Any] | None,
     pre: _PreCheck | None,
 ) -> ApplyResult:
-    from patcher.stage import plan_stage, stage, touched_paths, write_stage
+    from patcher.stage import plan_stage, touched_paths, write_stage
     from patcher.worktrees import check_worktrees, materialise_all
 
     parsed = pre.patch if pre is not None else parse_patch(args.patch, args.format)
@@ -308,6 +310,62 @@ def _execute(
     rstore.record(receipt, "prepared")
     crash_point("after-prepare")
 
+    # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter).
+    ref_marker = ref_lock_marker(rstore, key)
+    os.makedirs(rstore.tmp_dir, exist_ok=True)
+    with open(ref_marker, "wb") as fh:
+        fh.write(args.branch.encode() + b"\n")
+    try:
+        receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args)
+    finally:
+        # Reached on every outcome but a crash: our ref locks are released by now.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ref_marker)
+    candidate = receipt.candidate
+    assert candidate is not None
+    crash_point("after-ref")
+
+    warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key)
+    crash_point("after-materialise")
+
+    _fence(rstore, key, token)
+    final = receipt.evolve(status="committed", commit=candidate, tree=staged.tree, error=None)
+    if warnings:
+        final = final.evolve(extra={**final.extra, "warnings": warnings})
+    path = rstore.write(final, before_replace=crash_hook("before-receipt-replace"))
+    rstore.ledger.append_receipt_event("committed", final)
+    return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
+                       warnings=tuple(warnings))
+
+
+def _move_refs(
+    gstore: GitStore,
+    rstore: ReceiptStore,
+    receipt: Receipt,
+    parsed: Patch,
+    message: str,
+    staged: Staged,
+    paths: list[str],
+    token: int,
+    args: CallArgs,
+) -> tuple[Receipt, Staged]:
+    """Compare-and-swap the branch to the candidate (re-staging onto a moved head), then the key ref.
+
+    Returns the receipt as last recorded (its base and candidate may have been
+    re-staged) and the staged change that landed.
+
+    Raises:
+        Conflict: the branch moved and the patch no longer applies (rejected, retryable).
+        RefLockedError: the branch's lock file is held (rejected, retryable).
+        RefUpdateUnknown: the ref update failed half way (receipt ``unknown``).
+        FencedOff: a newer attempt owns the key.
+    """
+    from patcher.stage import stage
+
+    key, call_id = receipt.key, receipt.call_id
+    base = (receipt.base or {}).get("commit")
+    candidate = receipt.candidate
+    assert candidate is not None
     rounds = 0
     while True:
         _fence(rstore, key, token)
@@ -318,6 +376,7 @@ def _execute(
             rounds += 1
             new_base = moved.actual
             conflict: OncepatchError | None = None
+            new_candidate: str | None = None
             if rounds > MAX_RESTAGE_ROUNDS:
                 conflict = Conflict(
                     f"branch '{args.branch}' kept moving: gave up after {MAX_RESTAGE_ROUNDS} rounds",
@@ -338,7 +397,8 @@ def _execute(
                             f"branch '{args.branch}' moved to {str(new_base)[:12]}, which already "
                             "contains this change", details={"paths": paths})
             if conflict is not None:
-                _reject(rstore, identity, call_id, key, args_sha, receipt, args, conflict, base, candidate)
+                _reject(rstore, receipt.identity, call_id, key, receipt.args_sha256, receipt, args, conflict,
+                        base, candidate)
                 raise conflict
             assert new_candidate is not None
             base, candidate = new_base, new_candidate
@@ -347,26 +407,14 @@ def _execute(
             _fence(rstore, key, token)
             rstore.record(receipt, "restaged")
         except RefLockedError as exc:
-            _reject(rstore, identity, call_id, key, args_sha, receipt, args, exc, base, candidate,
-                    retryable=True)
+            _reject(rstore, receipt.identity, call_id, key, receipt.args_sha256, receipt, args, exc, base,
+                    candidate, retryable=True)
             raise
         except RefUpdateUnknown as exc:
             rstore.record(receipt.evolve(status="unknown", error=exc.envelope()), "unknown")
             raise
     gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}")
-    crash_point("after-ref")
-
-    warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key)
-    crash_point("after-materialise")
-
-    _fence(rstore, key, token)
-    final = receipt.evolve(status="committed", commit=candidate, tree=staged.tree, error=None)
-    if warnings:
-        final = final.evolve(extra={**final.extra, "warnings": warnings})
-    path = rstore.write(final, before_replace=crash_hook("before-receipt-replace"))
-    rstore.ledger.append_receipt_event("committed", final)
-    return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
-                       warnings=tuple(warnings))
+    return receipt, staged
 
 
 def _fence(rstore: ReceiptStore, key: str, token: int) -> None:

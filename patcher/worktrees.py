@@ -12,8 +12,9 @@ from cas.worktree import dirty_paths, materialise, unsafe_worktree_paths
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath, UnsafePath
+from patcher.markers import index_marker
 
-__all__ = ["check_worktrees", "materialise_all", "index_marker"]
+__all__ = ["check_worktrees", "materialise_all"]
 
 
 def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tuple[str, str]]:
@@ -40,10 +41,6 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tup
                 details={"paths": dirty, "worktree": workdir},
             )
     return found
-
-
-def index_marker(rstore: ReceiptStore, key: str) -> str:
-    return os.path.join(rstore.tmp_dir, f"index-lock-{key_hash(key)}")
 
 
 def materialise_all(

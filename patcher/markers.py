@@ -1,0 +1,27 @@
+"""Marker files a call writes in ``<store>/tmp`` while it holds git lock files (no pygit2).
+
+git's ``.lock`` files carry no owner.  Just before a call takes a ref lock or
+the index lock it writes a marker naming the lock; it removes the marker once
+the lock is released.  After a crash the marker outlives its owner, and
+recovery (:mod:`patcher.git_adapter`) uses it as proof that a lock file no
+older than the marker was left by that dead call — never by a live git.
+"""
+
+from __future__ import annotations
+
+import os
+
+from receipts.identity import key_hash
+from receipts.store import ReceiptStore
+
+__all__ = ["ref_lock_marker", "index_marker", "MARKER_PREFIXES"]
+
+MARKER_PREFIXES = ("ref-lock-", "index-lock-")
+
+
+def ref_lock_marker(rstore: ReceiptStore, key: str) -> str:
+    return os.path.join(rstore.tmp_dir, f"ref-lock-{key_hash(key)}")
+
+
+def index_marker(rstore: ReceiptStore, key: str) -> str:
+    return os.path.join(rstore.tmp_dir, f"index-lock-{key_hash(key)}")

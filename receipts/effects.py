@@ -1,0 +1,632 @@
+"""The generic effect ledger: any tool's side effect, executed effectively once per key.
+
+``receipts`` already knows keys, receipts, locks and the ledger; this module
+puts them in the order a tool needs (DESIGN.md section 1: "any tool with side
+effects can use it" — e-mail, tickets, payments, HTTP calls, files):
+
+1. compute the identity of ``(tool, tool_version, args)`` and the key (the
+   caller's business key, else the call_id); a **final** receipt is replayed
+   without the lock (it is immutable);
+2. take the key's lock; re-read the receipt: same key with other args →
+   :class:`~receipts.errors.IdempotencyConflict`; ``prepared``/``unknown``
+   (its owner died: a live one would hold the lock) → settle it through the
+   adapter's ``query`` first; final → replay;
+3. **prepare phase**: ``adapter.prepare(args)`` (optional) validates and
+   returns extra fields for the receipt; an error here is a *validation
+   error before sending*: ``rejected``, not retryable, replayed as such;
+4. write ``prepared`` (the next fencing token, the owner), durable;
+5. run the tool (the ``with`` body, or ``fn`` of :func:`perform`);
+6. record ``committed`` with the result and its digest — or, when the tool
+   raised, ``rejected`` or ``unknown`` per :func:`classify`;
+7. release the lock.
+
+Error classification (:func:`classify`) — the one rule: a failure is
+``rejected`` only when the effect provably did not happen, else ``unknown``:
+
+==============================================  ===========================
+raised                                          recorded
+==============================================  ===========================
+:class:`EffectRejected` (the tool says so,      ``rejected``, retryable as
+e.g. an HTTP 4xx answer)                        the tool says
+inside :meth:`EffectCall.before_send`, or in    ``rejected``: not retryable
+``adapter.prepare``: ``ValueError``,            (``validation_error``)
+``TypeError``, :class:`InvalidEffectArgs`
+inside ``before_send``: any other error         ``rejected``, retryable
+                                                (``failed_before_send``)
+anything after the request may have gone out    ``unknown`` (``timeout``,
+(the default for the whole body)                ``connection_lost``,
+                                                ``failed_after_send``)
+==============================================  ===========================
+
+``unknown`` is never read as failed: a repeat call with the same key does not
+run the tool again; it asks the adapter's ``query`` (an adapter that cannot
+tell leaves it for ``oncepatch resolve KEY --as committed|rejected``).
+
+Usage, as a context manager (check ``replayed``: a ``with`` body cannot be
+skipped by the context manager itself)::
+
+    with effect("send_email", {"to": to, "body_sha256": digest}, key=f"welcome:{user}",
+                store=store) as call:
+        if not call.replayed:
+            with call.before_send():
+                msg = build(to, body)          # ValueError here: rejected, not retried
+            call.commit({"message_id": smtp.send(msg)})
+    print(call.result)
+
+or as a function (:func:`perform`) or a decorator (:func:`effectful`), which
+skip the tool on a replay by themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import os
+import socket
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+
+from cas.crash import crash_point
+from cas.errors import EXIT_REJECTED, EffectStatus, NextAction, OncepatchError, UsageError
+from receipts.adapter import QueryResult
+from receipts.canonical import canonical_json
+from receipts.errors import FencedOff, IdempotencyConflict, ReceiptError, StillUnknown
+from receipts.identity import check_key, compute_args_sha256, compute_call_id, make_identity
+from receipts.receipt import Receipt, now_iso
+from receipts.recovery import resolve_receipt
+from receipts.states import needs_resolution
+from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
+
+__all__ = [
+    "GenericAdapter",
+    "NoQueryAdapter",
+    "EffectCall",
+    "EffectResult",
+    "EffectRejected",
+    "InvalidEffectArgs",
+    "EffectUnknown",
+    "Classification",
+    "classify",
+    "result_digest",
+    "open_store",
+    "effect",
+    "perform",
+    "effectful",
+    "CRASH_AFTER_EXECUTE",
+]
+
+#: Crash point (``ONCEPATCH_CRASH_AT``) between a tool's success and its ``committed`` receipt.
+CRASH_AFTER_EXECUTE = "effect-after-execute"
+
+T = TypeVar("T")
+
+
+# -- errors ------------------------------------------------------------------------
+
+
+class EffectRejected(ReceiptError):
+    """The tool asserts its effect did not happen (raise it from a tool; exit 4).
+
+    ``retryable`` says whether the same call may be executed again under the
+    same key (a rate limit: yes; a refusal of the input: no).
+    """
+
+    type = "effect_rejected"
+    exit_code = EXIT_REJECTED
+    default_retryable = False
+    default_effect_status = "not_applied"
+    default_next_action = "fix_input"
+
+    def __init__(self, message: str, *, retryable: bool | None = None, **kw: Any) -> None:
+        if retryable and "next_action" not in kw:
+            kw["next_action"] = "retry"
+        super().__init__(message, retryable=retryable, **kw)
+
+
+class InvalidEffectArgs(EffectRejected):
+    """A validation error before anything was sent: rejected, never retried under this key."""
+
+    type = "validation_error"
+    default_retryable = False
+    default_effect_status = "not_started"
+    default_next_action = "fix_input"
+
+
+class EffectUnknown(StillUnknown):
+    """The tool failed at a point where its effect may have happened (exit 5).
+
+    Never read as failed: ``query`` it (``oncepatch recover``) or settle it by
+    hand (``oncepatch resolve``) before trying again.
+    """
+
+    type = "unknown"
+    default_effect_status = "unknown"
+    default_next_action = "query_before_retry"
+
+
+# -- classification (pure) -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    """How a tool's failure is recorded."""
+
+    status: Literal["rejected", "unknown"]
+    type: str
+    retryable: bool
+    effect_status: EffectStatus
+    next_action: NextAction
+
+
+_VALIDATION = (ValueError, TypeError, InvalidEffectArgs)
+
+
+def classify(exc: BaseException, *, sent: bool) -> Classification:
+    """Map a tool's exception to a receipt state (the table in the module docstring).
+
+    ``sent`` is False only inside :meth:`EffectCall.before_send` and
+    ``adapter.prepare``: code that promised to send nothing.
+    """
+    if isinstance(exc, EffectRejected):
+        return Classification("rejected", exc.error_type, exc.retryable, exc.effect_status, exc.next_action)
+    if not sent:
+        if isinstance(exc, _VALIDATION):
+            return Classification("rejected", "validation_error", False, "not_started", "fix_input")
+        return Classification("rejected", "failed_before_send", True, "not_started", "retry")
+    if isinstance(exc, (TimeoutError, socket.timeout)) or type(exc).__name__ == "TimeoutExpired":
+        kind = "timeout"
+    elif isinstance(exc, (ConnectionError, OSError)):
+        kind = "connection_lost"
+    else:
+        kind = "failed_after_send"
+    return Classification("unknown", kind, False, "unknown", "query_before_retry")
+
+
+def result_digest(result: Mapping[str, Any] | None) -> str | None:
+    """sha256 hex of the canonical JSON of a tool's result (``None`` for no result)."""
+    if result is None:
+        return None
+    return hashlib.sha256(canonical_json(dict(result))).hexdigest()
+
+
+# -- adapters ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class GenericAdapter(Protocol):
+    """What :func:`effect` needs of a tool's adapter (``prepare`` is optional).
+
+    ``query(receipt)`` must answer from the world, not from the receipt:
+    ``applied`` (with ``fields={"result": ...}`` when it can rebuild the
+    result), ``not_applied``, or ``unknown``.
+    """
+
+    tool: str
+
+    def query(self, receipt: Receipt) -> QueryResult: ...
+
+    def settle(self, receipt: Receipt) -> list[str]: ...
+
+
+class NoQueryAdapter:
+    """The adapter of a tool that cannot tell whether its effect happened: always ``unknown``."""
+
+    def __init__(self, tool: str) -> None:
+        self.tool = tool
+
+    def query(self, receipt: Receipt) -> QueryResult:
+        return QueryResult("unknown", f"tool '{self.tool}' cannot be queried: resolve it by hand")
+
+    def settle(self, receipt: Receipt) -> list[str]:
+        return []
+
+
+def open_store(store: ReceiptStore | str | os.PathLike[str] | None) -> ReceiptStore:
+    """A :class:`ReceiptStore` from an instance, a folder, or ``$ONCEPATCH_STORE``.
+
+    Raises:
+        UsageError: none given and ``ONCEPATCH_STORE`` is unset.
+    """
+    if isinstance(store, ReceiptStore):
+        return store
+    if store is None:
+        env = os.environ.get("ONCEPATCH_STORE")
+        if not env:
+            raise UsageError("no receipt store: pass store= or set ONCEPATCH_STORE")
+        store = env
+    return ReceiptStore(os.fspath(store))
+
+
+def _owner() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "since": now_iso()}
+
+
+# -- the call ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EffectResult:
+    """The outcome of one effect call (fresh or replayed)."""
+
+    key: str
+    call_id: str
+    tool: str
+    status: str
+    replayed: bool
+    result: dict[str, Any] | None
+    receipt: str
+    fencing_token: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": True, "key": self.key, "call_id": self.call_id, "tool": self.tool, "status": self.status,
+                "replayed": self.replayed, "result": self.result, "receipt": self.receipt,
+                "fencing_token": self.fencing_token}
+
+
+class EffectCall:
+    """One claimed effect: a context manager (see :func:`effect`).
+
+    Inside the ``with`` body the key's lock is held and the receipt says
+    ``prepared``; :attr:`replayed` is True when the body must not run (the
+    stored :attr:`result` is the answer).  Not reusable.
+    """
+
+    def __init__(
+        self,
+        store: ReceiptStore,
+        tool: str,
+        tool_version: str,
+        args: dict[str, Any],
+        key: str | None,
+        adapter: Any,
+        *,
+        contract_sha256: str | None,
+        attempt: int,
+        lock_timeout: float,
+    ) -> None:
+        self.store = store
+        self.tool = tool
+        self.tool_version = tool_version
+        self.adapter = adapter if adapter is not None else NoQueryAdapter(tool)
+        if getattr(self.adapter, "tool", tool) != tool:
+            raise UsageError(f"adapter is for tool '{self.adapter.tool}', not '{tool}'")
+        self.identity = make_identity(tool, tool_version, args, contract_sha256=contract_sha256, attempt=attempt)
+        self.call_id: str = compute_call_id(self.identity)  # refuses non-canonical args first
+        self.args_sha256 = compute_args_sha256(tool, tool_version, args)
+        self.key: str = check_key(key) if key is not None else self.call_id
+        self.lock_timeout = lock_timeout
+        self.replayed = False
+        self.result: dict[str, Any] | None = None
+        self.status: str | None = None
+        self.receipt_path = store.receipt_path(self.key)
+        self._receipt: Receipt | None = None
+        self._stack: contextlib.ExitStack | None = None
+        self._sent = True
+        self._finished = False
+
+    # -- public --------------------------------------------------------------
+
+    @property
+    def receipt(self) -> Receipt | None:
+        """The receipt as last written or read."""
+        return self._receipt
+
+    @property
+    def fencing_token(self) -> int:
+        return self._receipt.fencing_token if self._receipt is not None else 0
+
+    @property
+    def outcome(self) -> EffectResult:
+        assert self._receipt is not None and self.status is not None
+        return EffectResult(self.key, self.call_id, self.tool, self.status, self.replayed, self.result,
+                            self.receipt_path, self._receipt.fencing_token)
+
+    @contextlib.contextmanager
+    def before_send(self) -> Iterator[None]:
+        """A region that sends nothing: its errors are ``rejected``, not ``unknown``.
+
+        ``ValueError``/``TypeError``/:class:`InvalidEffectArgs` raised here are
+        validation errors (not retryable); any other error is retryable.
+        """
+        if self._finished:
+            raise RuntimeError("before_send() after the effect was recorded")
+        self._sent = False
+        try:
+            yield
+        finally:
+            self._sent = True
+
+    def commit(self, result: Mapping[str, Any] | None = None) -> EffectResult:
+        """Record ``committed`` with ``result`` (canonical JSON: no floats) and its digest.
+
+        Raises:
+            RuntimeError: called on a replayed or already recorded call.
+            FencedOff: a newer attempt took the key over (only after a lost lock).
+        """
+        if self.replayed or self._finished or self._receipt is None:
+            raise RuntimeError(f"effect '{self.key}' is already recorded: commit() must not run again")
+        self._finished = True
+        doc = dict(result) if result is not None else None
+        extra = dict(self._receipt.extra)
+        bad: Exception | None = None
+        try:
+            extra["result_sha256"] = result_digest(doc)
+        except ReceiptError as exc:
+            # The effect happened: record that truthfully even if its result cannot be kept.
+            bad, doc = exc, None
+            extra["result_unrecorded"] = exc.message
+        self._fence()
+        final = self._receipt.evolve(status="committed", result=doc, error=None, retryable=None, extra=extra)
+        self.store.record(final, "committed")
+        self._receipt, self.status, self.result = final, "committed", doc
+        if bad is not None:
+            raise bad
+        return self.outcome
+
+    # -- context manager -----------------------------------------------------
+
+    def __enter__(self) -> EffectCall:
+        if self._stack is not None:
+            raise RuntimeError("an EffectCall is not reusable")
+        # Fast path: a final receipt is immutable, so it is read without the lock.
+        existing = self.store.read(self.key)
+        if existing is not None:
+            self._check_same_intent(existing)
+            if existing.is_final:
+                self._replay(existing)
+                self._stack = contextlib.ExitStack()
+                return self
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.store.lock(self.key, timeout=self.lock_timeout))
+        try:
+            existing = self.store.read(self.key)
+            if existing is not None:
+                self._check_same_intent(existing)
+                if needs_resolution(existing.status):
+                    # A live owner would hold the lock: this one died. Ask the world first.
+                    try:
+                        existing = resolve_receipt(self.store, existing, self.adapter)
+                    except StillUnknown as exc:
+                        raise EffectUnknown(exc.message, key=self.key,
+                                            details={"receipt": self.receipt_path}) from exc
+                if existing.is_final:
+                    self._replay(existing)
+                    stack.close()
+                    self._stack = contextlib.ExitStack()
+                    return self
+            self._prepare(existing)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        assert self._stack is not None
+        try:
+            if self.replayed:
+                return False
+            if exc is None:
+                if not self._finished:
+                    crash_point(CRASH_AFTER_EXECUTE)
+                    self.commit(None)
+                return False
+            if self._finished:
+                return False  # recorded already (committed): the error came after the effect
+            raise self._record_failure(exc) from (exc if isinstance(exc, Exception) else None)
+        except OncepatchError as err:
+            if err is exc:
+                return False
+            raise
+        finally:
+            self._stack.close()
+
+    # -- internals -----------------------------------------------------------
+
+    def _check_same_intent(self, existing: Receipt) -> None:
+        if existing.args_sha256 != self.args_sha256:
+            raise IdempotencyConflict(
+                f"key '{self.key}' was used for a different call (tool, version or args differ)",
+                key=self.key,
+                details={"existing_call_id": existing.call_id, "existing_status": existing.status,
+                         "existing_tool": existing.tool},
+            )
+
+    def _replay(self, receipt: Receipt) -> None:
+        """Return the stored outcome; a stored rejection is raised again, nothing re-executed."""
+        self.store.ledger.append_receipt_event("replayed", receipt)
+        self._receipt, self.status, self.replayed = receipt, receipt.status, True
+        if receipt.status == "rejected":
+            raise _error_from_envelope(receipt.error or {}, receipt.key)
+        self.result = receipt.result
+
+    def _prepare(self, previous: Receipt | None) -> None:
+        token = (previous.fencing_token if previous is not None else 0) + 1
+        now = now_iso()
+        base = Receipt(
+            key=self.key, call_id=self.call_id, identity=self.identity, args_sha256=self.args_sha256,
+            tool=self.tool, tool_version=self.tool_version, status="prepared", fencing_token=token,
+            owner=_owner(), created_at=previous.created_at if previous is not None else now, updated_at=now,
+        )
+        prepare = getattr(self.adapter, "prepare", None)
+        if prepare is not None:
+            try:
+                fields = prepare(self.identity["args"]) or {}
+            except Exception as exc:
+                self._receipt = base
+                raise self._record_failure(exc, sent=False) from exc
+            base = base.evolve(extra={**base.extra, **dict(fields)})
+        self.store.record(base, "prepared")
+        self._receipt = base
+
+    def _record_failure(self, exc: BaseException, *, sent: bool | None = None) -> OncepatchError:
+        """Write ``rejected``/``unknown`` for ``exc``; return the error to raise."""
+        assert self._receipt is not None
+        self._finished = True
+        c = classify(exc, sent=self._sent if sent is None else sent)
+        detail = f"{type(exc).__name__}: {exc}" if not isinstance(exc, OncepatchError) else exc.message
+        err: OncepatchError
+        if isinstance(exc, OncepatchError):
+            err = exc.with_key(self.key)
+        elif c.status == "rejected":
+            cls = InvalidEffectArgs if c.type == "validation_error" else EffectRejected
+            err = cls(f"tool '{self.tool}' failed before sending: {detail}", retryable=c.retryable,
+                      effect_status=c.effect_status, next_action=c.next_action, key=self.key,
+                      error_type=c.type)
+        else:
+            err = EffectUnknown(
+                f"tool '{self.tool}' failed after it may have acted ({detail}): its effect is unknown; "
+                "query it ('oncepatch recover') or settle it by hand ('oncepatch resolve') before retrying",
+                key=self.key, error_type=c.type,
+            )
+        envelope = err.envelope()
+        envelope.update(type=c.type, retryable=c.retryable, effect_status=c.effect_status,
+                        next_action=c.next_action)
+        err.retryable, err.effect_status, err.next_action = c.retryable, c.effect_status, c.next_action
+        err.details.setdefault("receipt", self.receipt_path)
+        if c.status == "rejected":
+            new = self._receipt.evolve(status="rejected", retryable=c.retryable, error=envelope)
+            self._fence()
+            self.store.record(new, "rejected")
+        else:
+            new = self._receipt.evolve(status="unknown", error=envelope,
+                                       extra={**self._receipt.extra, "unknown_reason": c.type})
+            self._fence()
+            self.store.record(new, "unknown", reason=c.type)
+        self._receipt, self.status = new, new.status
+        return err
+
+    def _fence(self) -> None:
+        """The receipt on disk must still be this attempt's (a newer one is never overwritten)."""
+        assert self._receipt is not None
+        current = self.store.read(self.key)
+        if current is not None and current.fencing_token > self._receipt.fencing_token:
+            raise FencedOff(
+                f"key '{self.key}' was taken over by attempt {current.fencing_token} "
+                f"(this is attempt {self._receipt.fencing_token})",
+                key=self.key,
+            )
+
+
+def _error_from_envelope(err: Mapping[str, Any], key: str) -> OncepatchError:
+    """Rebuild a stored rejection as an error carrying the same envelope."""
+    etype = str(err.get("type") or "effect_rejected")
+    cls = InvalidEffectArgs if etype == "validation_error" else EffectRejected
+    fixed = {"type", "message", "retryable", "effect_status", "key", "next_action"}
+    details = {k: v for k, v in err.items() if k not in fixed}
+    details["replayed"] = True
+    return cls(
+        str(err.get("message") or "rejected"),
+        retryable=bool(err.get("retryable", False)),
+        effect_status=err.get("effect_status") or "not_applied",
+        next_action=err.get("next_action") or "none",
+        key=key, details=details, error_type=etype,
+    )
+
+
+# -- entry points ------------------------------------------------------------------------
+
+
+def effect(
+    tool: str,
+    args: Mapping[str, Any],
+    key: str | None = None,
+    *,
+    adapter: Any = None,
+    store: ReceiptStore | str | os.PathLike[str] | None = None,
+    tool_version: str = "1",
+    contract_sha256: str | None = None,
+    attempt: int = 1,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+) -> EffectCall:
+    """Claim the effect ``tool(args)`` under ``key``; use the result as a context manager.
+
+    ``args`` must already be normalised by the tool (absolute paths, digests
+    instead of large payloads, defaults filled in) and be canonical JSON.
+
+    Raises (on entering):
+        IdempotencyConflict: ``key`` was used with other tool, version or args.
+        InProgress: another call holds the key past ``lock_timeout``.
+        EffectUnknown: an earlier call's outcome is unknown and ``query`` cannot tell.
+        EffectRejected / InvalidEffectArgs: the stored rejection (a replay), or
+            ``adapter.prepare`` refused the args.
+        CanonicalJsonError / InvalidKey / UsageError: unusable args, key or store.
+    Raises (on leaving, when the body raised): :class:`EffectRejected`,
+    :class:`InvalidEffectArgs` or :class:`EffectUnknown` chained to the body's error.
+    """
+    return EffectCall(open_store(store), tool, tool_version, dict(args), key, adapter,
+                      contract_sha256=contract_sha256, attempt=attempt, lock_timeout=lock_timeout)
+
+
+def perform(
+    tool: str,
+    args: Mapping[str, Any],
+    fn: Callable[[EffectCall], Mapping[str, Any] | None],
+    *,
+    key: str | None = None,
+    adapter: Any = None,
+    store: ReceiptStore | str | os.PathLike[str] | None = None,
+    tool_version: str = "1",
+    contract_sha256: str | None = None,
+    attempt: int = 1,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+) -> EffectResult:
+    """Run ``fn(call)`` as the effect once per key; its return value is the recorded result.
+
+    On a replay ``fn`` is not called and the stored result is returned.
+    Raises: as :func:`effect`.
+    """
+    with effect(tool, args, key, adapter=adapter, store=store, tool_version=tool_version,
+                contract_sha256=contract_sha256, attempt=attempt, lock_timeout=lock_timeout) as call:
+        if call.replayed:
+            return call.outcome
+        result = fn(call)
+        if not call.receipt or call.status != "committed":
+            crash_point(CRASH_AFTER_EXECUTE)
+            call.commit(result)
+    return call.outcome
+
+
+def effectful(
+    tool: str,
+    *,
+    store: ReceiptStore | str | os.PathLike[str] | None = None,
+    adapter: Any = None,
+    tool_version: str = "1",
+    args: Callable[..., Mapping[str, Any]] | None = None,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a tool function so each call runs once per ``idempotency_key``.
+
+    The decorated function takes an extra keyword ``idempotency_key`` (default:
+    the call_id of its arguments).  Its arguments (bound, defaults applied,
+    without a parameter named ``call``) are the identity's args unless
+    ``args(**bound)`` normalises them; a parameter named ``call`` receives the
+    :class:`EffectCall`.  It returns the tool's result — the stored one on a replay.
+    """
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+        wants_call = "call" in sig.parameters
+
+        @functools.wraps(fn)
+        def wrapper(*a: Any, idempotency_key: str | None = None, **kw: Any) -> Any:
+            bound = sig.bind_partial(*a, **kw)
+            bound.apply_defaults()
+            given = {k: v for k, v in bound.arguments.items() if k != "call"}
+            call_args = dict(args(**given)) if args is not None else given
+
+            def run(call: EffectCall) -> Any:
+                return fn(*a, **kw, call=call) if wants_call else fn(*a, **kw)
+
+            return perform(tool, call_args, run, key=idempotency_key, adapter=adapter, store=store,
+                           tool_version=tool_version, lock_timeout=lock_timeout).result
+
+        return wrapper
+
+    return deco
