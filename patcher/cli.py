@@ -28,9 +28,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; with ``only``, just that command's subparser is filled in.
+
+    argparse spends most of a short command's start-up building help text for
+    every subcommand, so a known command builds only its own.
+    """
     parser = _Parser(prog="oncepatch", description="apply patches to git effectively once")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    if only is not None:
+        sub = _OnlySubparsers(sub, only)  # type: ignore[assignment]
 
     p = sub.add_parser("apply", help="apply a patch as one atomic commit, once per key")
     add_common(p)
@@ -56,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     for register in _EXTRA_COMMANDS:
         register(sub)
     return parser
+
+
+class _OnlySubparsers:
+    """Wraps argparse's subparsers action: ``add_parser`` builds the named command only."""
+
+    def __init__(self, sub: Any, only: str) -> None:
+        self._sub = sub
+        self._only = only
+
+    def add_parser(self, name: str, **kw: Any) -> argparse.ArgumentParser:
+        if name == self._only:
+            return self._sub.add_parser(name, **kw)  # type: ignore[no-any-return]
+        return _Parser(add_help=False, conflict_handler="resolve")  # filled in, then dropped
 
 
 #: Commands defined in other modules (recover, verify, watch, ...): each module has
@@ -157,7 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     as_json = "--json" in argv
     _load_extra_commands()
     try:
-        args = build_parser().parse_args(argv)
+        command = next((a for a in argv if not a.startswith("-")), None)
+        known = command in _HANDLERS
+        args = build_parser(command if known else None).parse_args(argv)
         code, doc, text = _HANDLERS[args.command](args)
     except OncepatchError as exc:
         doc = {"ok": False, "error": exc.envelope()}

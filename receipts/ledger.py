@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import filelock
 import orjson
 
 from cas.durable import append_durable
 from receipts.canonical import canonical_json
-from receipts.errors import CorruptLedger, InProgress
+from receipts.errors import CorruptLedger
+from receipts.flock import flocked
 
 if TYPE_CHECKING:
     from receipts.receipt import Receipt
@@ -85,13 +85,7 @@ class Ledger:
             DurableWriteError: the append failed.
         """
         os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
-        lk = filelock.FileLock(self.lock_path, timeout=self.lock_timeout, thread_local=False,
-                               preserve_lock_file=True, poll_interval=0.005)
-        try:
-            lk.acquire()
-        except filelock.Timeout as exc:
-            raise InProgress(f"ledger lock '{self.lock_path}' is held") from exc
-        try:
+        with flocked(self.lock_path, self.lock_timeout):
             seq, prev, good_len = self._tail()
             try:
                 size = os.path.getsize(self.path)
@@ -107,8 +101,6 @@ class Ledger:
             stored["prev"] = prev
             append_durable(self.path, canonical_json(stored) + b"\n")
             return stored
-        finally:
-            lk.release()
 
     def append_receipt_event(self, event: str, receipt: Receipt, **fields: Any) -> dict[str, Any]:
         from receipts.receipt import now_iso

@@ -19,14 +19,16 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-
-import filelock
+from typing import TYPE_CHECKING
 
 from cas.durable import fsync_dir, write_durable
 from receipts.errors import CorruptReceipt, InProgress
 from receipts.identity import KeyHash, key_hash
 from receipts.ledger import Ledger
 from receipts.receipt import Receipt, parse_receipt, receipt_bytes
+
+if TYPE_CHECKING:
+    import filelock
 
 __all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT"]
 
@@ -92,6 +94,8 @@ class ReceiptStore:
         The lock is an flock on ``locks/<h>.lock``: the kernel drops it when the
         holder dies, so a crashed owner never leaves the key stuck.
         """
+        import filelock
+
         self._ensure_dir(self.locks_dir)
         lk = filelock.FileLock(self.lock_path(key), timeout=timeout, is_singleton=False, thread_local=False,
                               preserve_lock_file=True, poll_interval=0.01)
@@ -110,6 +114,8 @@ class ReceiptStore:
 
     def try_lock(self, key: str) -> filelock.BaseFileLock | None:
         """Take the key's lock without waiting; ``None`` if a live process holds it."""
+        import filelock
+
         self._ensure_dir(self.locks_dir)
         lk = filelock.FileLock(self.lock_path(key), timeout=0, is_singleton=False, thread_local=False,
                               preserve_lock_file=True, poll_interval=0.01)
