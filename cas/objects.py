@@ -133,6 +133,20 @@ class GitStore:
             tree = self.repo[entry.id]
         return PathLookup(None)
 
+    def list_files(self, tree_oid: str) -> list[str]:
+        """Every non-folder path below ``tree_oid``, relative to it (reads that subtree only)."""
+        out: list[str] = []
+        stack: list[tuple[str, str]] = [("", tree_oid)]
+        while stack:
+            prefix, oid = stack.pop()
+            for entry in self.repo[oid]:  # type: ignore[attr-defined]
+                name = f"{prefix}{entry.name}"
+                if int(entry.filemode) == pygit2.enums.FileMode.TREE:
+                    stack.append((name + "/", str(entry.id)))
+                else:
+                    out.append(name)
+        return out
+
     def read_blob(self, oid: str) -> bytes:
         try:
             return bytes(self.repo[oid].read_raw())
@@ -170,13 +184,11 @@ class GitStore:
                 here[parts[0]] = entry
             else:
                 below.setdefault(parts[0], {})[parts[1:]] = entry
-        for name, entry in here.items():
-            if entry is None:
-                if builder.get(name) is not None:
-                    builder.remove(name)
-            else:
-                builder.insert(name, pygit2.Oid(hex=entry.oid), entry.mode)
+        # A name may be both a file and a folder in one change (a file giving way
+        # to a folder, or back): the side that survives is the one with content.
         for name, sub in below.items():
+            if here.get(name) is not None:
+                continue  # a file replaces the folder: its contents go with it
             existing = builder.get(name)
             sub_oid = None
             if existing is not None and int(existing.filemode) == pygit2.enums.FileMode.TREE:
@@ -187,6 +199,14 @@ class GitStore:
                     builder.remove(name)
             else:
                 builder.insert(name, pygit2.Oid(hex=new_sub), pygit2.enums.FileMode.TREE)
+        for name, entry in here.items():
+            if entry is None:
+                if name in below:
+                    continue  # the file gave way to a folder, written above
+                if builder.get(name) is not None:
+                    builder.remove(name)
+            else:
+                builder.insert(name, pygit2.Oid(hex=entry.oid), entry.mode)
         if len(builder) == 0:
             return None
         return str(builder.write())
@@ -277,7 +297,8 @@ class GitStore:
             if current != target:
                 raise RefMovedError(ref, current, None) from None
             return False
-        except pygit2.GitError as exc:
+        except (pygit2.GitError, OSError) as exc:
+            # libgit2 reports a held '<ref>.lock' as GitError or, through pygit2, OSError.
             raise RefLockedError(self._lock_path(ref)) from exc
         return True
 

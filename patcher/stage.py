@@ -4,16 +4,34 @@
 (:mod:`patcher.matching`), writes the new blobs, rebuilds the trees on the
 changed paths (:meth:`cas.objects.GitStore.edit_tree`) and returns the change
 set.  Nothing here moves a ref: a crash leaves only unreferenced objects.
+
+Rules per operation (every format; docs/FORMATS.md):
+
+* ``add`` of an existing path: already applied if it has the same bytes and
+  mode, else an error (``context_not_found``) -- never an overwrite;
+* ``delete`` of a missing path: an error (``context_not_found``), never
+  "already applied" (the file may have been deleted by something else; the
+  caller learns that instead of a silent success);
+* ``rename`` onto an existing path: an error, unless the patch also deletes or
+  renames that path away; a rename whose source is gone and whose target
+  already holds the result is already applied;
+* ``modify`` of a missing path: an error, except for formats registered with
+  ``writes_create`` (whole-file writes), where it is an ``add``.
+
+Hunks apply with the format's ``apply_file`` (:class:`patcher.formats.Format`;
+default :func:`patcher.matching.apply_hunks`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from cas.objects import GitStore, TreeEntry
 from patcher.errors import ContextNotFound, PartiallyApplied, UnsafePath
+from patcher.formats import FileApplier, get_format
 from patcher.matching import apply_hunks
 from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Patch
 
@@ -71,11 +89,14 @@ def _lookup(store: GitStore, tree: str | None, path: str, deleted: set[str]) -> 
             )
         return None
     if found.entry is not None and found.entry.mode == _MODE_TREE:
+        if all(f"{path}/{sub}" in deleted for sub in store.list_files(found.entry.oid)):
+            return None  # a folder giving way to a file: every file in it is deleted by the patch
         raise ContextNotFound(f"'{path}' is a folder, not a file", details={"path": path})
     return found.entry
 
 
-def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None) -> tuple[bytes, int, tuple[str, ...], bool]:
+def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None,
+               applier: FileApplier = apply_hunks) -> tuple[bytes, int, tuple[str, ...], bool]:
     """New content, new mode, per-hunk grades, already-applied flag for a modify/rename/add."""
     if edit.op == "add":
         content = edit.content if edit.content is not None else b""
@@ -95,7 +116,7 @@ def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None) -> tu
     old = store.read_blob(current.oid)
     mode = edit.new_mode or current.mode
     if edit.hunks:
-        applied = apply_hunks(old, edit.hunks, path=edit.path)
+        applied = applier(old, edit.hunks, path=edit.path)
         return applied.content, mode, applied.grades, applied.already_applied
     if edit.content is not None:
         return edit.content, mode, (), edit.content == old and mode == current.mode
@@ -116,6 +137,9 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
             does not apply to this base.
     """
     base_tree = store.commit_tree(base_commit) if base_commit else None
+    fmt = get_format(patch.format)
+    applier: FileApplier = fmt.apply_file if fmt is not None and fmt.apply_file is not None else apply_hunks
+    writes_create = fmt is not None and fmt.writes_create
     deleted = {e.path for e in patch.edits if e.op in ("delete", "rename")}
     changes: dict[str, TreeEntry | None] = {}
     outputs: list[dict[str, Any]] = []
@@ -125,11 +149,12 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
     blobs: list[tuple[str, bytes, int, dict[str, Any]]] = []
     for edit in patch.edits:
         current = _lookup(store, base_tree, edit.path, deleted)
+        if edit.op == "modify" and current is None and writes_create and edit.content is not None:
+            edit = dataclasses.replace(edit, op="add")
         if edit.op == "delete":
             if current is None:
-                # A delete of a missing file is already applied only if nothing else is.
-                present.append(edit.path)
-                continue
+                raise ContextNotFound(f"cannot delete '{edit.path}': it does not exist",
+                                      details={"path": edit.path})
             if edit.hunks:
                 applied = apply_hunks(store.read_blob(current.oid), edit.hunks, path=edit.path)
                 if applied.content != b"":
@@ -145,7 +170,7 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
             target_now = _lookup(store, base_tree, edit.target, deleted)
             if current is None and target_now is not None:
                 # Already moved?  Apply the content edit to the target to check.
-                content, mode, g, done = _apply_one(store, _as_modify(edit), target_now)
+                content, mode, g, done = _apply_one(store, _as_modify(edit), target_now, applier)
                 if done:
                     present.append(edit.path)
                     continue
@@ -155,7 +180,7 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
                     f"cannot rename '{edit.path}' to '{edit.target}': the target exists",
                     details={"path": edit.target},
                 )
-        content, mode, g, done = _apply_one(store, edit, current)
+        content, mode, g, done = _apply_one(store, edit, current, applier)
         if g:
             grades[edit.target] = g
         if done and edit.op != "rename":

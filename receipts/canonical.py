@@ -53,6 +53,10 @@ def normalise(value: Any, _where: str = "$") -> Any:
         for k in value:
             if not isinstance(k, str):
                 raise CanonicalJsonError(f"object key at '{_where}' is not a string: {k!r}")
+            try:
+                k.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise CanonicalJsonError(f"object key at '{_where}' is not valid unicode") from exc
         return {k: normalise(value[k], f"{_where}.{k}") for k in sorted(value, key=_utf16_key)}
     raise CanonicalJsonError(f"value at '{_where}' has a type JSON cannot carry: {type(value).__name__}")
 

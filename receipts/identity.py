@@ -83,7 +83,7 @@ def check_key(key: str) -> str:
         raise InvalidKey("idempotency key must be a non-empty string")
     if len(key) > MAX_KEY_LEN:
         raise InvalidKey(f"idempotency key is longer than {MAX_KEY_LEN} characters")
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in key):
+    if any(ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F for ch in key):  # C0, DEL, C1
         raise InvalidKey("idempotency key contains control characters")
     try:
         key.encode("utf-8")

@@ -1,0 +1,314 @@
+"""The order of fsyncs and renames, observed with strace on real processes (DESIGN.md section 4).
+
+* ``write_durable``: openat(tmp, O_EXCL|O_NOFOLLOW) → write → fsync(tmp) → rename(tmp, target)
+  → fsync(folder).
+* faults injected by strace (``-e inject=SYSCALL:error=ERRNO``): the process reports
+  ``DurableWriteError``, the target is unchanged, no tmp file is left.
+* a full ``oncepatch apply``: prepared receipt renamed → branch ref renamed from its
+  ``.lock`` → committed receipt renamed, each rename preceded by an fsync of its file.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cas.durable import TMP_MARK
+from receipts.identity import key_hash
+from tests.conftest import Repo, make_repo
+
+ROOT = Path(__file__).resolve().parents[2]
+STRACE = shutil.which("strace")
+
+
+@pytest.fixture(scope="module")
+def strace() -> str:
+    if STRACE is None:
+        pytest.skip("strace is not installed (apt-get install -y strace)")
+    probe = subprocess.run([STRACE, "-f", "-o", os.devnull, "-e", "trace=none", "true"], capture_output=True,
+                           text=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"strace cannot trace here (ptrace not permitted?): {probe.stderr.strip()[:200]}")
+    return STRACE
+
+
+@dataclass(frozen=True)
+class Call:
+    n: int
+    pid: int
+    name: str
+    args: str
+    ret: int
+    injected: bool
+
+    def arg(self, i: int) -> str:
+        return _split_args(self.args)[i]
+
+    def path_arg(self, i: int) -> str:
+        return self.arg(i).strip('"')
+
+
+_LINE = re.compile(r"^(\d+)\s+(.*)$")
+_DONE = re.compile(r"^(\w+)\((.*)\)\s+=\s+(-?\d+|\?)(.*)$")
+_UNFINISHED = re.compile(r"^(.*) <unfinished \.\.\.>$")
+_RESUMED = re.compile(r"^<\.\.\. (\w+) resumed>(.*)$")
+
+
+def _split_args(args: str) -> list[str]:
+    out, depth, cur, quoted, esc = [], 0, "", False, False
+    for ch in args:
+        if quoted:
+            cur += ch
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                quoted = False
+            continue
+        if ch == '"':
+            quoted = True
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    out.append(cur.strip())
+    return out
+
+
+def parse_trace(text: str) -> list[Call]:
+    """Completed syscalls, in order, from ``strace -f -o`` output (unfinished/resumed pairs joined)."""
+    calls: list[Call] = []
+    pending: dict[int, str] = {}
+    for raw in text.splitlines():
+        m = _LINE.match(raw)
+        if not m:
+            continue
+        pid, body = int(m.group(1)), m.group(2)
+        if body.startswith("+++") or body.startswith("---"):
+            continue
+        u = _UNFINISHED.match(body)
+        if u:
+            pending[pid] = u.group(1)
+            continue
+        r = _RESUMED.match(body)
+        if r:
+            body = pending.pop(pid, r.group(1) + "(") + r.group(2)
+        d = _DONE.match(body)
+        if not d or d.group(3) == "?":
+            continue
+        calls.append(Call(len(calls), pid, d.group(1), d.group(2), int(d.group(3)), "(INJECTED)" in d.group(4)))
+    return calls
+
+
+def run_traced(strace: str, tmp_path: Path, argv: list[str], trace: str, *, inject: str | None = None,
+               cwd: Path | None = None) -> tuple[subprocess.CompletedProcess[str], list[Call]]:
+    out = tmp_path / f"trace-{len(list(tmp_path.glob('trace-*')))}.txt"
+    cmd = [strace, "-f", "-qq", "-s", "256", "-o", str(out), "-e", f"trace={trace}"]
+    if inject:
+        cmd += ["-e", f"inject={inject}"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1")
+    res = subprocess.run(cmd + argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    return res, parse_trace(out.read_text(errors="replace"))
+
+
+WRITER = r"""
+import sys
+from cas.durable import write_durable
+from cas.errors import DurableWriteError
+try:
+    write_durable(sys.argv[1], b"payload-" * 4096, mode=0o640)
+except DurableWriteError as exc:
+    sys.exit(100 + (exc.cause.errno or 0))
+"""
+
+PAYLOAD_LEN = len(b"payload-") * 4096
+DURABLE_TRACE = "openat,write,fchmod,fsync,fdatasync,close,rename,renameat,renameat2,unlink,unlinkat"
+
+
+def _fd_calls(calls: list[Call], fd: int, start: int, names: set[str]) -> list[Call]:
+    """Calls on ``fd`` after ``start`` until it is closed."""
+    found = []
+    for c in calls[start + 1:]:
+        if c.name == "close" and c.arg(0) == str(fd):
+            break
+        if c.name in names and c.arg(0) == str(fd):
+            found.append(c)
+    return found
+
+
+def _tmp_open(calls: list[Call], folder: Path) -> Call:
+    opens = [c for c in calls if c.name == "openat" and TMP_MARK in c.args and str(folder) in c.args]
+    assert len(opens) == 1, opens
+    return opens[0]
+
+
+def test_write_durable_syscall_order(strace: str, tmp_path: Path) -> None:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    target = folder / "state.json"
+    target.write_bytes(b"old")
+    res, calls = run_traced(strace, tmp_path, [sys.executable, "-c", WRITER, str(target)], DURABLE_TRACE)
+    assert res.returncode == 0, res.stderr
+    assert target.read_bytes() == b"payload-" * 4096
+
+    op = _tmp_open(calls, folder)
+    flags = op.arg(2)
+    for flag in ("O_CREAT", "O_EXCL", "O_NOFOLLOW", "O_WRONLY"):
+        assert flag in flags, flags
+    assert op.arg(3) == "0600"
+    tmp, fd = op.path_arg(1), op.ret
+    assert os.path.dirname(tmp) == str(folder) and os.path.basename(tmp).startswith(".state.json" + TMP_MARK)
+
+    writes = _fd_calls(calls, fd, op.n, {"write"})
+    assert writes and sum(w.ret for w in writes) == PAYLOAD_LEN
+    syncs = _fd_calls(calls, fd, op.n, {"fsync"})
+    assert len(syncs) == 1
+    renames = [c for c in calls if c.name.startswith("rename") and tmp in c.args]
+    assert len(renames) == 1
+    rename = renames[0]
+    assert rename.path_arg(-1) == str(target) and rename.ret == 0
+    dir_opens = [c for c in calls if c.n > rename.n and c.name == "openat" and c.path_arg(1) == str(folder)
+                 and "O_DIRECTORY" in c.args]
+    assert dir_opens, "the folder is never opened after the rename"
+    dir_syncs = _fd_calls(calls, dir_opens[0].ret, dir_opens[0].n, {"fsync"})
+
+    # the order: open(tmp) → write… → fsync(tmp) → rename → fsync(folder)
+    assert op.n < writes[0].n <= writes[-1].n < syncs[0].n < rename.n < dir_opens[0].n < dir_syncs[0].n
+    assert not any(c.name.startswith("unlink") for c in calls if TMP_MARK in c.args)
+
+
+@pytest.mark.parametrize(
+    ("inject", "err"),
+    [
+        ("fsync:error=EIO", errno.EIO),
+        ("write:error=ENOSPC", errno.ENOSPC),
+        ("?rename,?renameat,?renameat2:error=EIO", errno.EIO),
+    ],
+    ids=["fsync-EIO", "write-ENOSPC", "rename-EIO"],
+)
+def test_injected_fault_leaves_no_residue(strace: str, tmp_path: Path, inject: str, err: int) -> None:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    target = folder / "state.json"
+    target.write_bytes(b"old state\n")
+    target.chmod(0o600)
+    res, calls = run_traced(strace, tmp_path, [sys.executable, "-c", WRITER, str(target)], DURABLE_TRACE,
+                            inject=inject)
+    assert res.returncode == 100 + err, (res.returncode, res.stderr)  # DurableWriteError with that errno
+    assert target.read_bytes() == b"old state\n"
+    assert (target.stat().st_mode & 0o777) == 0o600
+    assert sorted(os.listdir(folder)) == ["state.json"]  # no tmp left
+    op = _tmp_open(calls, folder)
+    assert any(c.injected for c in calls if c.n > op.n), "the fault was not injected into the write"
+    unlinks = [c for c in calls if c.name.startswith("unlink") and op.path_arg(1) in c.args]
+    assert len(unlinks) == 1 and unlinks[0].ret == 0
+    assert not any(c.name.startswith("rename") and c.ret == 0 for c in calls)
+
+
+# -- a full apply -------------------------------------------------------------------------------
+
+APPLY_TRACE = "fsync,fdatasync,rename,renameat,renameat2,openat,close,link,linkat"
+
+
+def _landings(calls: list[Call]) -> list[tuple[Call, str, str]]:
+    """Every rename or link that put a file in place: (call, source, destination)."""
+    out = []
+    for c in calls:
+        if c.ret != 0:
+            continue
+        if c.name in ("rename", "link"):
+            out.append((c, c.path_arg(0), c.path_arg(1)))
+        elif c.name in ("renameat", "renameat2", "linkat"):
+            out.append((c, c.path_arg(1), c.path_arg(3)))
+    return out
+
+
+def _synced_before(calls: list[Call], path: str, before: int) -> bool:
+    """Some fd opened on ``path`` was fsynced before call number ``before`` (and before it was closed)."""
+    for c in calls:
+        if c.n >= before:
+            break
+        if c.name == "openat" and c.ret >= 0 and c.path_arg(1) == path:
+            for s in _fd_calls(calls, c.ret, c.n, {"fsync", "fdatasync"}):
+                if s.n < before and s.pid == c.pid:
+                    return True
+    return False
+
+
+def _folder_synced_between(calls: list[Call], folder: str, start: int, end: int) -> bool:
+    for c in calls[start:end]:
+        if c.name == "openat" and c.ret >= 0 and c.path_arg(1).rstrip("/") == folder:
+            if any(s.n < end for s in _fd_calls(calls, c.ret, c.n, {"fsync"})):
+                return True
+    return False
+
+
+def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path) -> None:
+    repo: Repo = make_repo(tmp_path / "repo", {"README": "hello\n", "src/a.txt": "a\n"})
+    repo.write("README", "hello\nworld\n")
+    diff = repo.git("diff").encode()
+    repo.git("checkout", "-q", "README")
+    patch = tmp_path / "p.diff"
+    patch.write_bytes(diff)
+    base = repo.head()
+
+    res, calls = run_traced(strace, tmp_path, [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--json"],
+                            APPLY_TRACE, cwd=repo.path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert out["ok"] and out["status"] == "committed"
+    commit = out["commit"]
+    assert repo.head("refs/heads/main") == commit and repo.git("rev-parse", f"{commit}~1").strip() == base
+    assert f"Oncepatch-Call: {out['call_id']}" in repo.git("log", "-1", "--format=%B", commit)
+    repo.git("fsck", "--strict")  # git agrees with what the receipt says
+
+    git_dir = os.path.realpath(repo.path / ".git")
+    h = key_hash(out["key"])
+    receipt = os.path.join(git_dir, "oncepatch", "receipts", h[:2], f"{h}.json")
+    assert os.path.realpath(out["receipt"]) == receipt
+    branch = os.path.join(git_dir, "refs", "heads", "main")
+    key_ref = os.path.join(git_dir, "refs", "oncepatch", "keys", h)
+    commit_obj = os.path.join(git_dir, "objects", commit[:2], commit[2:])
+
+    landings = _landings(calls)
+    receipt_moves = [(c, src) for c, src, dst in landings if dst == receipt]
+    branch_moves = [(c, src) for c, src, dst in landings if dst == branch]
+    key_moves = [c for c, _, dst in landings if dst == key_ref]
+    obj_moves = [c for c, _, dst in landings if dst == commit_obj]
+    assert len(receipt_moves) == 2, [c.args for c, _ in receipt_moves]  # prepared, then committed
+    assert len(branch_moves) == 1 and branch_moves[0][1] == branch + ".lock"
+    assert len(key_moves) == 1 and len(obj_moves) == 1
+    prepared, committed = receipt_moves[0][0], receipt_moves[1][0]
+    branch_move = branch_moves[0][0]
+
+    # the protocol's order: object → prepared receipt → branch ref → key ref → committed receipt
+    assert obj_moves[0].n < prepared.n < branch_move.n < key_moves[0].n < committed.n
+
+    # every receipt rename: its tmp file was fsynced before, its folder after
+    for move, src in receipt_moves:
+        assert os.path.basename(src).startswith("." + h + ".json" + TMP_MARK)
+        assert _synced_before(calls, src, move.n), f"receipt tmp {src} renamed without fsync"
+    assert _folder_synced_between(calls, os.path.dirname(receipt), prepared.n, branch_move.n), \
+        "receipts folder not synced between the prepared receipt and the ref move"
+    # the branch's lock file is fsynced before it becomes the ref; the commit object before the ref moves
+    assert _synced_before(calls, branch + ".lock", branch_move.n)
+    assert _folder_synced_between(calls, os.path.dirname(commit_obj), obj_moves[0].n, prepared.n)
+
+    fsyncs = [c for c in calls if c.name in ("fsync", "fdatasync")]
+    print(f"full apply: {len(fsyncs)} fsync/fdatasync calls, {len(landings)} renames/links")
+    assert len(fsyncs) >= 8
