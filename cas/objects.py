@@ -290,6 +290,12 @@ class GitStore:
             return False
         if current is not None:
             raise RefMovedError(ref, current, None)
+        # libgit2 logs refs outside refs/heads only when their reflog exists: make it,
+        # so the key ref gets its reflog entry (DESIGN.md section 4, step 5).
+        log = os.path.join(self.common_dir, "logs", ref)
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        with open(log, "ab"):
+            pass
         try:
             self.repo.create_reference_direct(ref, pygit2.Oid(hex=target), False, message=message)
         except pygit2.AlreadyExistsError:
