@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import pygit2
@@ -133,6 +133,15 @@ class GitStore:
             tree = self.repo[entry.id]
         return PathLookup(None)
 
+    def lookup_file(self, tree_oid: str | None, path: str) -> TreeEntry | None:
+        """The entry at ``path`` if it is a file or symlink; ``None`` if absent or a folder."""
+        if tree_oid is None:
+            return None
+        entry = self.lookup_path(tree_oid, path).entry
+        if entry is None or entry.mode == pygit2.enums.FileMode.TREE:
+            return None
+        return entry
+
     def list_files(self, tree_oid: str) -> list[str]:
         """Every non-folder path below ``tree_oid``, relative to it (reads that subtree only)."""
         out: list[str] = []
@@ -235,12 +244,17 @@ class GitStore:
         return os.path.join(folder, ref + ".lock")
 
     def compare_and_swap(self, ref: str, expected: str | None, new: str, message: str,
-                         *, lock_timeout: float = 1.0) -> None:
+                         *, lock_timeout: float = 1.0, precondition: Callable[[], None] | None = None) -> None:
         """Move ``ref`` from ``expected`` to ``new`` atomically, or not at all.
 
         A held ``<ref>.lock`` is waited for up to ``lock_timeout`` seconds (git
         holds its ref locks for milliseconds; like git's
         ``core.filesRefLockTimeout``), then reported.
+
+        ``precondition`` runs while ``<ref>.lock`` is held, after the compare and
+        before the swap; whatever it raises aborts the transaction (the ref is
+        not moved, the lock is released) and propagates.  The apply protocol
+        checks its fencing token there, so that check and the move are one step.
 
         Raises:
             RefLockedError: ``<ref>.lock`` stayed held (a live git, or a stale lock).
@@ -251,7 +265,7 @@ class GitStore:
         delay = 0.001
         while True:
             try:
-                self._compare_and_swap_once(ref, expected, new, message)
+                self._compare_and_swap_once(ref, expected, new, message, precondition)
                 return
             except RefLockedError:
                 if time.monotonic() >= deadline:
@@ -259,7 +273,8 @@ class GitStore:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
 
-    def _compare_and_swap_once(self, ref: str, expected: str | None, new: str, message: str) -> None:
+    def _compare_and_swap_once(self, ref: str, expected: str | None, new: str, message: str,
+                               precondition: Callable[[], None] | None) -> None:
         committing = False
         try:
             with self.repo.transaction() as txn:
@@ -270,6 +285,10 @@ class GitStore:
                 actual = self.resolve(ref)  # re-read under the lock: the compare of the CAS
                 if actual != expected:
                     raise RefMovedError(ref, actual, expected)
+                if precondition is not None:
+                    # Race: a check made before taking the lock can be stale by the time
+                    # the ref moves (a paused owner whose key was taken over meanwhile).
+                    precondition()
                 txn.set_target(ref, pygit2.Oid(hex=new), message=message)
                 committing = True  # the context manager commits on a clean exit
         except pygit2.GitError as exc:

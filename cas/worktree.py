@@ -13,9 +13,15 @@
   through libgit2).
 
 While oncepatch holds ``index.lock`` it contains ``oncepatch-index-lock <pid>``
-(see :func:`update_index`), and a marker file in the store names it: recovery
+(see :func:`hold_index_lock`), and a marker file in the store names it: recovery
 removes a stale ``index.lock`` only when one of these proves it was ours and
 its owner is dead.
+
+The apply protocol takes ``index.lock`` *before* it moves the branch and keeps
+it until the index is written (:func:`hold_index_lock`, ``held=`` of
+:func:`materialise`): ``git commit`` reads HEAD first and takes ``index.lock``
+after, so it must never find the new HEAD beside the old index — its commit
+would silently revert the change just landed.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from cas.objects import GitStore, TreeEntry
 
 __all__ = [
     "INDEX_LOCK_MARK",
+    "IndexLock",
+    "hold_index_lock",
     "update_index",
     "dirty_paths",
     "unsafe_worktree_paths",
@@ -50,18 +58,28 @@ _MODE_TREE = 0o040000
 
 
 def dirty_paths(workdir: str, paths: list[str]) -> list[str]:
-    """Touched paths whose index entry or working file differs from HEAD (or that are untracked/ignored)."""
+    """Touched paths whose index entry or working file differs from HEAD (or that are untracked/ignored).
+
+    A touched path that is a folder in the worktree (a folder giving way to a
+    file) is dirty when it holds any file the patch does not touch itself.
+    """
     repo = pygit2.Repository(workdir)
+    touched = set(paths)
     dirty = []
     for path in paths:
+        full = os.path.join(workdir, path)
+        if os.path.isdir(full) and not os.path.islink(full):
+            for folder, _dirs, files in os.walk(full):
+                rel = os.path.relpath(folder, workdir).replace(os.sep, "/")
+                if any(f"{rel}/{name}" not in touched for name in files):
+                    dirty.append(path)
+                    break
+            continue
         try:
             flags = repo.status_file(path)
         except KeyError:
-            # Not in HEAD, not in the index, not on disk... unless a folder sits there.
-            full = os.path.join(workdir, path)
-            if os.path.lexists(full) and not os.path.isdir(full):
-                dirty.append(path)
-            elif os.path.isdir(full) and not os.path.islink(full) and os.listdir(full):
+            # Not in HEAD, not in the index, not on disk.
+            if os.path.lexists(full):
                 dirty.append(path)
             continue
         except pygit2.GitError as exc:
@@ -148,12 +166,14 @@ def materialise(
     changes: Mapping[str, TreeEntry | None],
     *,
     lock_marker: str | None = None,
+    held: IndexLock | None = None,
 ) -> None:
     """Write the touched paths of ``workdir`` and its index to match ``changes``.
 
     Deletions go first (a file may give way to a folder of the same name), then
     writes in path order.  ``lock_marker``: a file to hold while the index lock
-    is ours (see the module docstring).
+    is ours (see the module docstring).  ``held``: the worktree's index lock,
+    already taken by the caller (and left held).
 
     Raises:
         UnsafeWorktreePath: a folder on a path is a symlink.
@@ -171,11 +191,80 @@ def materialise(
         raise
     except OSError as exc:
         raise GitStoreError(f"cannot write worktree '{workdir}': {exc}") from exc
-    update_index(workdir, [p for p in deletes], [p for p, _ in writes], lock_marker=lock_marker)
+    update_index(workdir, [p for p in deletes], [p for p, _ in writes], lock_marker=lock_marker, held=held)
 
 
 #: Content of an index.lock held by oncepatch (git's own locks hold index data).
 INDEX_LOCK_MARK = b"oncepatch-index-lock "
+
+
+class IndexLock:
+    """``<git-dir>/index.lock`` of one worktree, created by us (git's ``O_CREAT|O_EXCL`` protocol).
+
+    Calling sequence: :func:`hold_index_lock`, then any number of
+    :func:`update_index` calls with ``held=``, then :meth:`release` (also on
+    every error).  While it is held no git command writes the index, and
+    ``git commit`` cannot start.
+    """
+
+    def __init__(self, path: str, git_dir: str, identity: tuple[int, int], marker: str | None) -> None:
+        self.path = path
+        self.git_dir = git_dir
+        self._identity = identity
+        self._marker = marker
+
+    def release(self) -> None:
+        """Remove the lock file — only if it is still the one we created (safe to repeat)."""
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._identity:
+                os.unlink(self.path)
+        if self._marker is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._marker)
+            self._marker = None
+
+
+def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | None = None) -> IndexLock:
+    """Take ``workdir``'s ``index.lock``, waiting up to ``timeout`` seconds while someone else holds it.
+
+    The file holds ``oncepatch-index-lock <pid>``; ``lock_marker`` (a file in
+    the store) is written to name it, and removed again on release.
+
+    Raises:
+        RefLockedError: ``index.lock`` stayed held (a live git, or a stale lock; never removed here).
+        GitStoreError: ``workdir`` is not a worktree libgit2 can open.
+    """
+    try:
+        git_dir = os.path.realpath(pygit2.Repository(workdir).path)
+    except (pygit2.GitError, KeyError) as exc:
+        raise GitStoreError(f"cannot open worktree '{workdir}': {exc}") from exc
+    index_lock = os.path.join(git_dir, "index.lock")
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while True:
+        try:
+            fd = os.open(index_lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            break
+        except FileExistsError:
+            if time.monotonic() >= deadline:
+                raise RefLockedError(index_lock) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+    try:
+        os.write(fd, INDEX_LOCK_MARK + str(os.getpid()).encode() + b"\n")
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    lock = IndexLock(index_lock, git_dir, (st.st_dev, st.st_ino), None)
+    if lock_marker is not None:
+        try:
+            write_durable(lock_marker, index_lock.encode() + b"\n", sync_dir=False)
+        except BaseException:
+            lock.release()
+            raise
+        lock._marker = lock_marker
+    return lock
 
 
 def update_index(
@@ -185,68 +274,70 @@ def update_index(
     *,
     lock_marker: str | None = None,
     timeout: float = 10.0,
+    held: IndexLock | None = None,
 ) -> None:
     """Update just these entries of ``workdir``'s index (stat data from the files), safely against git.
 
-    The read-modify-write happens while we hold ``index.lock`` by git's own
-    protocol (``O_CREAT|O_EXCL``), so a concurrent ``git add``/``git commit``
-    either waits for us or we wait for it — neither update is lost.  libgit2
-    can only write the index through its own lock, so the lock is handed over
-    (ours unlinked, libgit2's created) at the last moment; if another process
-    took it in that gap, libgit2's write fails and the whole step is redone.
-    Our lock file holds ``oncepatch-index-lock <pid>`` so recovery can prove a
-    stale one was ours.
+    The read-modify-write happens while we hold ``index.lock`` (``held``, or
+    taken here and released after), so a concurrent ``git add``/``git commit``
+    either waits for us or we wait for it — neither update is lost.
+
+    libgit2 writes an index only through its own ``<index>.lock``, so it is
+    given a hard link of the index to rewrite (``index<TMP_MARK><pid>``,
+    replaced by libgit2's write, the original untouched), which is then
+    renamed over ``index`` while our ``index.lock`` is still held.  Race
+    guarded: handing ``index.lock`` itself over to libgit2 opened a gap in
+    which ``git commit`` could take the lock and commit the old index.
 
     Raises:
         RefLockedError: ``index.lock`` stayed held for ``timeout`` seconds.
         GitStoreError: libgit2 failed.
     """
-    wt_repo = pygit2.Repository(workdir)
-    index_lock = os.path.join(os.path.realpath(wt_repo.path), "index.lock")
-    deadline = time.monotonic() + timeout
-    delay = 0.002
-    while True:
-        try:
-            fd = os.open(index_lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            if time.monotonic() >= deadline:
-                raise RefLockedError(index_lock) from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-            continue
-        try:
-            os.write(fd, INDEX_LOCK_MARK + str(os.getpid()).encode() + b"\n")
-        finally:
-            os.close(fd)
-        if lock_marker is not None:
-            write_durable(lock_marker, index_lock.encode() + b"\n", sync_dir=False)
-        handed_over = False
-        try:
-            index = wt_repo.index
-            index.read(True)
-            for path in removed:
-                with contextlib.suppress(OSError, KeyError, pygit2.GitError):
-                    index.remove(path)
-            for path in added:
-                index.add(path)
-            os.unlink(index_lock)
-            handed_over = True
-            try:
-                index.write()
-                return
-            except pygit2.GitError as exc:
-                if not os.path.exists(index_lock) or time.monotonic() >= deadline:
-                    if os.path.exists(index_lock):
-                        raise RefLockedError(index_lock) from exc
-                    raise GitStoreError(f"cannot write index of '{workdir}': {exc}") from exc
-                # Someone took index.lock in the hand-over gap: start again from a fresh read.
-        finally:
-            if not handed_over:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(index_lock)
-            if lock_marker is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(lock_marker)
+    lock = held if held is not None else hold_index_lock(workdir, timeout=timeout, lock_marker=lock_marker)
+    try:
+        _write_index(workdir, lock, removed, added)
+    finally:
+        if held is None:
+            lock.release()
+
+
+def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[str]) -> None:
+    from pygit2.errors import check_error
+    from pygit2.ffi import C, ffi
+
+    index_path = os.path.join(lock.git_dir, "index")
+    tmp = os.path.join(lock.git_dir, f"index{TMP_MARK}{os.getpid()}")
+    try:
+        # The worktree's own index computes the new entries (stat data, blob ids) ...
+        source = pygit2.Repository(workdir).index
+        source.read(True)
+        for path in added:
+            source.add(path)
+        # ... and they are copied into the linked copy, which libgit2 then writes.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.link(index_path, tmp)  # no index yet: an empty one is written
+        target = pygit2.Index(tmp)
+        for path in removed:
+            with contextlib.suppress(OSError, KeyError, pygit2.GitError):
+                target.remove(path)
+        for path in added:
+            entry = C.git_index_get_bypath(source._index, os.fsencode(path), 0)
+            if entry == ffi.NULL:
+                raise GitStoreError(f"cannot stage '{path}' in '{workdir}'")
+            check_error(C.git_index_add(target._index, entry))
+        target.write()
+        del target
+        os.replace(tmp, index_path)
+        fsync_dir(lock.git_dir)
+    except pygit2.GitError as exc:
+        raise GitStoreError(f"cannot write index of '{workdir}': {exc}") from exc
+    except OSError as exc:
+        raise GitStoreError(f"cannot write index of '{workdir}': {exc}") from exc
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def worktree_matches(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:

@@ -8,8 +8,10 @@
    receipt's candidate oid, ``refs/oncepatch/keys/<h>.lock``;
 2. the key ref points at the candidate → applied (the key ref is only created
    after the branch moved);
-3. the candidate is reachable from the branch, or named in the branch's
-   reflog (the branch moved on, or was reset since) → applied;
+3. the candidate is reachable from the branch, or the branch's reflog shows
+   it moving *away* from the candidate (reset since) → applied; an entry
+   that only moves it *to* the candidate proves nothing (libgit2 writes it
+   before the ref itself);
 4. otherwise → not applied (``crashed_before_commit``).
 
 A local git effect can always be queried, so this adapter never answers
@@ -40,9 +42,13 @@ KEY_REF_PREFIX = "refs/oncepatch/keys/"
 class GitAdapter:
     tool = TOOL
 
-    def __init__(self, rstore: ReceiptStore | None = None, stores: dict[str, Any] | None = None) -> None:
+    def __init__(self, rstore: ReceiptStore | None = None, stores: dict[str, Any] | None = None, *,
+                 read_only: bool = False) -> None:
         self._rstore = rstore
         self._stores = stores if stores is not None else {}
+        # ``recover --dry-run`` and a flag-only ``watch`` query too: then a stale lock is
+        # only reported, never removed (a dry run changes nothing).
+        self._read_only = read_only
 
     def _store(self, receipt: Receipt) -> GitStore:
         from patcher.protocol import open_store
@@ -75,10 +81,12 @@ class GitAdapter:
                 ours = bool(candidate) and content == candidate
                 if not ours and content == "" and marker_mtime is not None:
                     ours = os.stat(lock).st_mtime >= marker_mtime
-                if ours:
+                if ours and self._read_only:
+                    notes.append(f"would remove stale '{lock}' left by the crashed call")
+                elif ours:
                     os.unlink(lock)
                     notes.append(f"removed stale '{lock}' left by the crashed call")
-        if marker:
+        if marker and not self._read_only:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(marker)
 
@@ -97,7 +105,11 @@ class GitAdapter:
             tip = gstore.resolve(branch)
             if tip is not None and gstore.is_ancestor(candidate, tip):
                 return QueryResult("applied", "reachable_from_branch", self._fields(gstore, candidate, notes))
-            if gstore.reflog_names(branch, candidate):
+            # Not reflog_names(): libgit2 appends the reflog entry (base -> candidate) *before*
+            # renaming <branch>.lock, so a crash between the two leaves the candidate named
+            # in the reflog of a branch that never moved.  Only an entry that moves the
+            # branch *from* the candidate (a reset or a later move) proves it was there.
+            if _reflog_left(gstore.common_dir, branch, candidate):
                 return QueryResult("applied", "named_in_reflog", self._fields(gstore, candidate, notes))
         return QueryResult("not_applied", "crashed_before_commit", {"notes": notes})
 
@@ -134,8 +146,8 @@ class GitAdapter:
             stale: dict[str, TreeEntry | None] = {}
             left: list[str] = []
             for path in touched:
-                want = gstore.lookup_path(tip_tree, path).entry
-                was = gstore.lookup_path(base_tree, path).entry if base_tree else None
+                want = gstore.lookup_file(tip_tree, path)
+                was = gstore.lookup_file(base_tree, path)
                 if _matches(gstore, workdir, path, want) and _index_matches(workdir, path, want):
                     continue
                 if _matches_any(gstore, workdir, path, (was, want)) and _index_any(workdir, path, (was, want)):
@@ -143,6 +155,12 @@ class GitAdapter:
                 else:
                     left.append(path)
             if stale:
+                # A call killed inside update_index leaves its marked index.lock, maybe
+                # without the store marker (killed before writing it): materialise would
+                # wait on it and give up.  Its pid is gone, so it is provably stale.
+                freed = _remove_dead_marked_index_lock(_gd)
+                if freed is not None:
+                    done.append(f"removed stale '{freed}' left by a crashed call")
                 marker = None
                 if self._rstore is not None:
                     os.makedirs(self._rstore.tmp_dir, exist_ok=True)
@@ -288,6 +306,39 @@ class GitAdapter:
             finally:
                 lk.release()
         return removed
+
+
+def _remove_dead_marked_index_lock(git_dir: str) -> str | None:
+    """Remove ``<git_dir>/index.lock`` if oncepatch wrote it and its pid is gone; return its path then."""
+    from cas.worktree import INDEX_LOCK_MARK
+
+    lock = os.path.join(os.path.realpath(git_dir), "index.lock")
+    try:
+        with open(lock, "rb") as fh:
+            head = fh.read(64)
+    except FileNotFoundError:
+        return None
+    if not head.startswith(INDEX_LOCK_MARK):
+        return None  # git's own, or libgit2's index write: never ours to judge here
+    try:
+        os.kill(int(head[len(INDEX_LOCK_MARK):].split()[0]), 0)
+    except (ValueError, IndexError, PermissionError):
+        return None
+    except ProcessLookupError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+        return lock
+    return None  # its owner is alive
+
+
+def _reflog_left(common_dir: str, ref: str, oid: str) -> bool:
+    """Whether the reflog of ``ref`` records the ref moving away from ``oid`` (so it pointed there)."""
+    needle = oid.encode()
+    try:
+        with open(os.path.join(common_dir, "logs", ref), "rb") as fh:
+            return any(line.split(b" ", 1)[0] == needle for line in fh)
+    except FileNotFoundError:
+        return False
 
 
 def _unresolved(rstore: ReceiptStore, h: str) -> bool:

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +50,57 @@ __all__ = ["ApplyResult", "apply", "store_root_for", "owner_info", "MAX_RESTAGE_
 
 MAX_RESTAGE_ROUNDS = 16
 KEY_REF_PREFIX = "refs/oncepatch/keys/"
+
+#: Seconds a call waits for its turn among the oncepatch writers of one branch
+#: (:func:`_writer_turn`); past it the call goes ahead without its turn.
+WRITER_TURN_TIMEOUT = 30.0
+
+#: Test seam (like ``ONCEPATCH_CRASH_AT``): ``ONCEPATCH_PAUSE_AT=<point>`` makes the
+#: process stop itself with SIGSTOP at that point, so a test can break its key lock
+#: and let another process take the key over before sending SIGCONT.  Points:
+#: ``after-prepare``, ``before-ref`` (after the fence check made without locks,
+#: before the branch's locks), ``before-finalise`` (the branch moved; before the
+#: final fence).
+PAUSE_ENV = "ONCEPATCH_PAUSE_AT"
+
+
+def _pause_point(name: str) -> None:
+    if os.environ.get(PAUSE_ENV) == name:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+@contextlib.contextmanager
+def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str) -> Iterator[None]:
+    """Hold this branch's turn: oncepatch writers of one branch re-stage and swap one at a time.
+
+    Race guarded: writers that all stage optimistically and then compare-and-swap
+    starve one another — a call whose re-stage is slower keeps losing to calls that
+    staged later (seen: 16 lost rounds in a row, 8 processes on 2 CPUs), and gives
+    up with a spurious ``conflict``.  In turn, only a writer that is not oncepatch
+    (git itself) can move the branch between our re-stage and our swap.
+
+    Only progress depends on this lock, never correctness (the swap is still a
+    compare-and-swap under git's ref lock): it is an flock the kernel drops when
+    its holder dies, and a call that cannot get it within
+    :data:`WRITER_TURN_TIMEOUT` (its holder is stopped, say) goes ahead without it.
+    """
+    import filelock
+
+    from cas.hashing import sha256_hex
+
+    os.makedirs(rstore.locks_dir, exist_ok=True)
+    name = "branch-" + sha256_hex(f"{gstore.common_dir}\0{branch}".encode()) + ".lock"
+    lk = filelock.FileLock(os.path.join(rstore.locks_dir, name), timeout=WRITER_TURN_TIMEOUT, is_singleton=False,
+                          thread_local=False, preserve_lock_file=True, poll_interval=0.002)
+    try:
+        lk.acquire()
+    except filelock.Timeout:
+        yield
+        return
+    try:
+        yield
+    finally:
+        lk.release()
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +222,11 @@ def apply(
         OncepatchError: a subclass with the envelope fields; ``exit_code`` gives
             the CLI's exit status (conflict 3, rejected 4, in progress/unknown 5).
     """
-    args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message, detect=detect)
+    try:
+        args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message,
+                              detect=detect)
+    except OncepatchError as exc:
+        raise exc.with_key(key) if key is not None else exc
     identity = make_identity(TOOL, TOOL_VERSION, args.as_dict(), contract_sha256=contract_sha256, attempt=attempt)
     call_id = compute_call_id(identity)
     the_key = check_key(key) if key is not None else call_id
@@ -265,7 +322,7 @@ def _execute(
     pre: _PreCheck | None,
 ) -> ApplyResult:
     from patcher.stage import plan_stage, touched_paths, write_stage
-    from patcher.worktrees import check_worktrees, materialise_all
+    from patcher.worktrees import check_worktrees, hold_index_locks, materialise_all, release_index_locks
 
     parsed = pre.patch if pre is not None else parse_patch(args.patch, args.format)
     gstore = open_store(args.repo, stores)
@@ -309,25 +366,38 @@ def _execute(
     )
     rstore.record(receipt, "prepared")
     crash_point("after-prepare")
+    _pause_point("after-prepare")
 
-    # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter).
-    ref_marker = ref_lock_marker(rstore, key)
-    os.makedirs(rstore.tmp_dir, exist_ok=True)
-    with open(ref_marker, "wb") as fh:
-        fh.write(args.branch.encode() + b"\n")
-    try:
-        receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args)
-    finally:
-        # Reached on every outcome but a crash: our ref locks are released by now.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(ref_marker)
-    candidate = receipt.candidate
-    assert candidate is not None
-    crash_point("after-ref")
+    _fence(rstore, key, token)
+    _pause_point("before-ref")
+    with _writer_turn(rstore, gstore, args.branch):
+        try:
+            held = hold_index_locks(rstore, worktrees, key)
+        except RefLockedError as exc:
+            _reject(rstore, identity, call_id, key, args_sha, receipt, args, exc, base, candidate, retryable=True)
+            raise
+        try:
+            # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter).
+            ref_marker = ref_lock_marker(rstore, key)
+            os.makedirs(rstore.tmp_dir, exist_ok=True)
+            with open(ref_marker, "wb") as fh:
+                fh.write(args.branch.encode() + b"\n")
+            try:
+                receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args)
+            finally:
+                # Reached on every outcome but a crash: our ref locks are released by now.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(ref_marker)
+            candidate = receipt.candidate
+            assert candidate is not None
+            crash_point("after-ref")
 
-    warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key)
+            warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key, held)
+        finally:
+            release_index_locks(held)
     crash_point("after-materialise")
 
+    _pause_point("before-finalise")
     _fence(rstore, key, token)
     final = receipt.evolve(status="committed", commit=candidate, tree=staged.tree, error=None)
     if warnings:
@@ -368,9 +438,12 @@ def _move_refs(
     assert candidate is not None
     rounds = 0
     while True:
-        _fence(rstore, key, token)
         try:
-            gstore.compare_and_swap(args.branch, base, candidate, f"oncepatch: {call_id}")
+            # The fence is checked again under the branch's ref lock: between the
+            # caller's check and the swap this process may have been paused, its key
+            # lock broken and the key taken over (then the ref must not move).
+            gstore.compare_and_swap(args.branch, base, candidate, f"oncepatch: {call_id}",
+                                    precondition=lambda: _fence(rstore, key, token))
             break
         except RefMovedError as moved:
             rounds += 1
@@ -418,13 +491,28 @@ def _move_refs(
 
 
 def _fence(rstore: ReceiptStore, key: str, token: int) -> None:
-    """The receipt on disk must still be this attempt's; else a newer attempt took over."""
+    """The receipt on disk must still be this attempt's own ``prepared`` one; else another process took over.
+
+    Races guarded: this process lost its key lock (stopped, lock file broken by
+    hand, NFS) and resumes after another process took the key — with the next
+    token, or by settling this attempt's receipt (``recover`` and the takeover in
+    :func:`apply` keep the token and change the status).
+    """
     current = rstore.read(key)
-    if current is not None and current.fencing_token != token:
+    if current is None:
+        return
+    if current.fencing_token != token:
         raise FencedOff(
             f"key '{key}' was taken over by attempt {current.fencing_token} (this is attempt {token})",
             key=key,
             details={"fencing_token": token, "current_token": current.fencing_token},
+        )
+    if current.status != "prepared":
+        raise FencedOff(
+            f"key '{key}' was settled as {current.status} by another process while attempt {token} ran",
+            key=key,
+            details={"fencing_token": token, "current_token": current.fencing_token,
+                     "current_status": current.status},
         )
 
 

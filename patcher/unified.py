@@ -635,6 +635,19 @@ def parse_unified(data: bytes) -> Patch:
             i += 1
             continue
         edit = _to_edit(block)
+        if (
+            edit.op == "add"
+            and edits
+            and edits[-1].op == "delete"
+            and edits[-1].path == edit.path
+            and (edits[-1].old_mode == MODE_LINK) != (edit.new_mode == MODE_LINK)
+        ):
+            # A type change (symlink <-> file): git writes a delete and an add of one
+            # path; it is one whole-content replacement with a new mode.
+            gone = edits.pop()
+            edit = FileEdit(op="modify", path=edit.path, content=edit.content,
+                            old_mode=gone.old_mode, new_mode=edit.new_mode or MODE_FILE)
+            seen.discard(edit.path)
         for path in edit.touched:
             if path in seen:
                 raise ParseError(

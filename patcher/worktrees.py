@@ -8,13 +8,13 @@ from cas.errors import OncepatchError
 from cas.gitdir import worktrees_on
 from cas.hashing import sha256_hex
 from cas.objects import GitStore, TreeEntry
-from cas.worktree import dirty_paths, materialise, unsafe_worktree_paths
+from cas.worktree import IndexLock, dirty_paths, hold_index_lock, materialise, unsafe_worktree_paths
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath, UnsafePath
 from patcher.markers import index_marker
 
-__all__ = ["check_worktrees", "materialise_all"]
+__all__ = ["check_worktrees", "hold_index_locks", "release_index_locks", "materialise_all"]
 
 
 def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tuple[str, str]]:
@@ -43,6 +43,38 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tup
     return found
 
 
+def hold_index_locks(rstore: ReceiptStore, worktrees: list[tuple[str, str]], key: str,
+                     timeout: float = 10.0) -> dict[str, IndexLock]:
+    """Take the ``index.lock`` of every worktree on the branch (in path order), before the branch moves.
+
+    They stay held until the touched paths are materialised
+    (:func:`release_index_locks` after :func:`materialise_all`).  Race guarded:
+    ``git commit`` reads HEAD, then takes ``index.lock`` and builds its tree
+    from the index; if it read our new HEAD while the index still had the old
+    entries, its commit would revert our change (a lost update, with both
+    commits in ``git log``).
+
+    Raises:
+        RefLockedError: an ``index.lock`` stayed held (those taken are released).
+    """
+    held: dict[str, IndexLock] = {}
+    try:
+        for workdir, _git_dir in sorted(worktrees):
+            marker = index_marker(rstore, key) if not held else None
+            if marker is not None:
+                os.makedirs(rstore.tmp_dir, exist_ok=True)
+            held[workdir] = hold_index_lock(workdir, timeout=timeout, lock_marker=marker)
+    except BaseException:
+        release_index_locks(held)
+        raise
+    return held
+
+
+def release_index_locks(held: dict[str, IndexLock]) -> None:
+    for lock in held.values():
+        lock.release()
+
+
 def materialise_all(
     gstore: GitStore,
     rstore: ReceiptStore,
@@ -50,6 +82,7 @@ def materialise_all(
     branch: str,
     paths: list[str],
     key: str,
+    held: dict[str, IndexLock] | None = None,
 ) -> list[str]:
     """Bring each worktree's touched paths and index to the branch's *current* head; return warnings.
 
@@ -57,6 +90,8 @@ def materialise_all(
     touched paths are written — not this call's candidate: when two calls land
     one after the other and the first materialises last, it must not roll a
     shared path back to its own older version.
+
+    ``held``: index locks taken by :func:`hold_index_locks` (used, not released).
 
     The commit has landed when this runs, so a failure here does not undo it:
     it becomes a warning in the receipt, and ``recover`` materialises again.
@@ -75,10 +110,12 @@ def materialise_all(
                                    poll_interval=0.005):
                 tip = gstore.resolve(branch)
                 tree = gstore.commit_tree(tip) if tip else None
-                changes: dict[str, TreeEntry | None] = {
-                    p: (gstore.lookup_path(tree, p).entry if tree else None) for p in paths
-                }
-                materialise(gstore, workdir, changes, lock_marker=index_marker(rstore, key))
+                # A touched path that is a folder at the head (a file gave way to it)
+                # is "no file here": its own files are touched paths too.
+                changes: dict[str, TreeEntry | None] = {p: gstore.lookup_file(tree, p) for p in paths}
+                lock = (held or {}).get(workdir)
+                materialise(gstore, workdir, changes, lock_marker=None if lock else index_marker(rstore, key),
+                            held=lock)
         except OncepatchError as exc:
             warnings.append(f"worktree '{workdir}' not updated: {exc.message}")
         except filelock.Timeout:

@@ -1,0 +1,326 @@
+"""Every refusal of `oncepatch apply` changes nothing (DESIGN.md sections 4 and 6).
+
+For each refusal path: the exit code, the error envelope, and a `snapshot()`
+of refs, HEAD, index, worktree and store taken before and after must be equal.
+
+Input checks (decode, plan against the branch head, worktree checks) run
+before the key's lock is taken, so a refusal does not even leave a lock file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Repo, git, run_cli, snapshot
+
+CALL_ID = re.compile(r"^opc1:[0-9a-f]{64}$")
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def patch_of(repo: Repo, change: Callable[[Repo], None]) -> bytes:
+    """The `git diff` of ``change`` made on top of HEAD; the repo is put back at HEAD."""
+    base = repo.head()
+    change(repo)
+    target = repo.commit_all("tmp")
+    data = git(repo.path, "diff", "--full-index", "--binary", "-M", base, target).encode("utf-8", "surrogateescape")
+    repo.git("reset", "-q", "--hard", base)
+    repo.git("reflog", "expire", "--expire=all", "--all")
+    assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
+    return data
+
+
+def refuse(repo: Repo, patch: bytes, *extra: str, code: int, type: str, retryable: bool = False,
+           effect_status: str = "not_started", next_action: str = "fix_input", key: str | None = "K",
+           env: dict[str, str] | None = None, expect_key: Any = "same") -> dict[str, Any]:
+    """Run a refused apply; check exit code, envelope and that nothing changed; return the error object."""
+    before = snapshot(repo)
+    args = ["apply", "-", "--repo", str(repo.path), "--json", *extra]
+    if key is not None:
+        args += ["--key", key]
+    r = run_cli(*args, input=patch, env=env)
+    assert r.code == code, r.out + r.err
+    doc = r.json
+    assert set(doc) == {"ok", "error"} and doc["ok"] is False
+    err: dict[str, Any] = doc["error"]
+    assert err["type"] == type, err
+    assert err["retryable"] is retryable
+    assert err["effect_status"] == effect_status
+    assert err["next_action"] == next_action
+    assert isinstance(err["message"], str) and err["message"] and not err["message"].endswith(".")
+    if expect_key == "same":
+        assert err["key"] == key if key is not None else CALL_ID.match(err["key"]), err["key"]
+    else:
+        assert err["key"] == expect_key
+    assert snapshot(repo) == before
+    return err
+
+
+def add_patch(path: bytes, body: bytes = b"x\n") -> bytes:
+    lines = body.count(b"\n")
+    return (b"--- /dev/null\n+++ " + path + b"\n@@ -0,0 +1," + str(lines).encode() + b" @@\n"
+            + b"".join(b"+" + line + b"\n" for line in body.splitlines()))
+
+
+# -- unsafe paths -------------------------------------------------------------------------
+
+
+UNSAFE = [
+        ("absolute", add_patch(b"/etc/oncepatch-evil"), "absolute path"),
+        ("absolute_git_prefix", add_patch(b"b//tmp/oncepatch-evil"), "absolute path"),
+        ("dotdot", add_patch(b"b/../escape.txt"), "'..' component"),
+        ("dotdot_inner", add_patch(b"b/src/../../escape.txt"), "'..' component"),
+        ("dotgit_config", b"diff --git a/.git/config b/.git/config\n--- a/.git/config\n+++ b/.git/config\n"
+         b"@@ -1 +1 @@\n-[core]\n+[core]\n", "'.git' component"),
+        ("dotgit_upper", add_patch(b"b/.GIT/x"), "'.git' component"),
+        ("dotgit_nested", add_patch(b"b/src/.Git/hooks/pre-commit"), "'.git' component"),
+        ("nul_byte", add_patch(b"b/a\x00b"), "control character in path"),
+        ("nul_quoted", b'diff --git "a/a\\000b" "b/a\\000b"\nnew file mode 100644\n--- /dev/null\n'
+         b'+++ "b/a\\000b"\n@@ -0,0 +1 @@\n+x\n', "control character in path"),
+    ]
+
+
+@pytest.mark.parametrize(("name", "patch", "reason"), UNSAFE, ids=[c[0] for c in UNSAFE])
+def test_unsafe_path_in_patch(repo: Repo, name: str, patch: bytes, reason: str) -> None:
+    err = refuse(repo, patch, code=4, type="unsafe_path")
+    assert err["reason"] == reason
+    assert not Path("/etc/oncepatch-evil").exists() and not Path("/tmp/oncepatch-evil").exists()
+    assert not (repo.path.parent / "escape.txt").exists()
+
+
+def test_unsafe_path_through_symlink_in_tree(repo: Repo, tmp_path: Path) -> None:
+    os.symlink("src", repo.path / "lnk")
+    repo.commit_all("a symlink to a folder")
+    patch = add_patch(b"b/lnk/new.py")
+    err = refuse(repo, patch, code=4, type="unsafe_path", key=None)
+    assert err["reason"] == "through_symlink" and err["symlink"] == "lnk"
+    assert not (repo.path / "src/new.py").exists()
+    # Modifying a file "under" the symlink is refused the same way.
+    patch = (b"--- a/lnk/util.py\n+++ b/lnk/util.py\n@@ -1,2 +1,2 @@\n def f():\n-    return 1\n+    return 2\n")
+    err = refuse(repo, patch, code=4, type="unsafe_path")
+    assert err["reason"] == "through_symlink"
+
+
+def test_unsafe_path_through_untracked_symlinked_folder(repo: Repo, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, repo.path / "ext")  # only in the worktree, not in any tree
+    err = refuse(repo, add_patch(b"b/ext/new.txt"), code=4, type="unsafe_path")
+    assert err["reason"] == "through_symlink"
+    assert list(outside.iterdir()) == []
+
+
+def test_unsafe_path_tracked_folder_swapped_for_symlink(repo: Repo, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "guide.txt").write_text("guide\n")
+    (repo.path / "docs/guide.txt").unlink()
+    (repo.path / "docs").rmdir()
+    os.symlink(outside, repo.path / "docs")
+    patch = b"--- a/docs/guide.txt\n+++ b/docs/guide.txt\n@@ -1 +1 @@\n-guide\n+GUIDE\n"
+    err = refuse(repo, patch, code=4, type="unsafe_path")
+    assert err["reason"] == "through_symlink"
+    assert (outside / "guide.txt").read_text() == "guide\n"
+
+
+# -- does not apply -----------------------------------------------------------------------
+
+
+def test_context_not_found(repo: Repo) -> None:
+    patch = (b"--- a/src/app.py\n+++ b/src/app.py\n@@ -3,3 +3,3 @@\n line 3\n-line 4 (as it never was)\n"
+             b"+line four\n line 5\n")
+    err = refuse(repo, patch, code=4, type="context_not_found", key=None)
+    assert err["path"] == "src/app.py" and err["hunk"] == 1
+    assert err["closest"]["line"] == 3
+
+
+def test_ambiguous_match(repo: Repo) -> None:
+    # 'x / y' sits two lines above and two lines below where the hunk says it is (line 4).
+    repo.write("amb.txt", "top\nx\ny\nmid1\nmid2\nx\ny\nend\n")
+    repo.commit_all("ambiguous file")
+    patch = b"--- a/amb.txt\n+++ b/amb.txt\n@@ -4,2 +4,2 @@\n x\n-y\n+Y\n"
+    err = refuse(repo, patch, code=4, type="ambiguous_match")
+    assert err["candidates"] == [2, 6]
+    assert err["path"] == "amb.txt"
+
+
+def test_add_of_existing_file_with_other_content(repo: Repo) -> None:
+    patch = patch_of(repo, lambda r: r.write("new.txt", "mine\n"))
+    repo.write("new.txt", "theirs\n")
+    repo.commit_all("someone added it first")
+    err = refuse(repo, patch, code=4, type="context_not_found")
+    assert err["path"] == "new.txt"
+
+
+def test_partially_applied(repo: Repo) -> None:
+    def both(r: Repo) -> None:
+        text = (r.path / "src/app.py").read_text()
+        r.write("src/app.py", text.replace("line 3\n", "line three\n").replace("line 17\n", "line seventeen\n"))
+
+    patch = patch_of(repo, both)
+    text = (repo.path / "src/app.py").read_text()
+    repo.write("src/app.py", text.replace("line 3\n", "line three\n"))  # hunk 1 landed some other way
+    repo.commit_all("half of it")
+    err = refuse(repo, patch, code=4, type="partially_applied")
+    assert err["applied_hunks"] == [1] and err["missing_hunks"] == [2]
+
+
+def test_delete_of_missing_file(repo: Repo) -> None:
+    patch = patch_of(repo, lambda r: r.git("rm", "-q", "docs/guide.txt"))
+    repo.git("rm", "-q", "docs/guide.txt")
+    repo.commit_all("deleted already, by someone else")
+    err = refuse(repo, patch, code=4, type="context_not_found")
+    assert err["path"] == "docs/guide.txt"
+
+
+# -- dirty worktree -----------------------------------------------------------------------
+
+
+MODIFY_UTIL = b"--- a/src/util.py\n+++ b/src/util.py\n@@ -1,2 +1,2 @@\n def f():\n-    return 1\n+    return 2\n"
+
+
+def test_dirty_modified_tracked_file(repo: Repo) -> None:
+    repo.write("src/util.py", "def f():\n    return 1\n# my unsaved work\n")
+    err = refuse(repo, MODIFY_UTIL, code=4, type="dirty_path", retryable=True, next_action="retry")
+    assert err["paths"] == ["src/util.py"] and err["worktree"] == str(repo.path)
+    assert (repo.path / "src/util.py").read_text().endswith("# my unsaved work\n")
+
+
+def test_dirty_staged_change(repo: Repo) -> None:
+    repo.write("src/util.py", "def f():\n    return 1\n\n")
+    repo.git("add", "src/util.py")
+    err = refuse(repo, MODIFY_UTIL, code=4, type="dirty_path", retryable=True, next_action="retry")
+    assert err["paths"] == ["src/util.py"]
+
+
+def test_dirty_untracked_file_where_add_goes(repo: Repo) -> None:
+    patch = patch_of(repo, lambda r: r.write("notes/new.txt", "from the patch\n"))
+    repo.write("notes/new.txt", "my untracked notes\n")
+    err = refuse(repo, patch, code=4, type="dirty_path", retryable=True, next_action="retry", key=None)
+    assert err["paths"] == ["notes/new.txt"]
+    assert (repo.path / "notes/new.txt").read_text() == "my untracked notes\n"
+
+
+def test_dirty_only_matters_on_touched_paths(repo: Repo) -> None:
+    repo.write("README", "edited but not touched by the patch\n")
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", input=MODIFY_UTIL)
+    assert r.code == 0, r.out + r.err
+    assert (repo.path / "README").read_text() == "edited but not touched by the patch\n"
+    assert repo.git("status", "--porcelain") == " M README\n"
+
+
+# -- malformed, binary, too large ---------------------------------------------------------
+
+
+def test_malformed_hunk(repo: Repo) -> None:
+    patch = b"--- a/src/util.py\n+++ b/src/util.py\n@@ -1,3 +1,3 @@\n def f():\n-    return 1\n+    return 2\n"
+    err = refuse(repo, patch, code=4, type="parse_error")
+    assert err["path"] == "src/util.py"
+
+
+def test_not_a_patch_at_all(repo: Repo) -> None:
+    err = refuse(repo, b"this is a commit message, not a diff\n", code=4, type="parse_error", key=None,
+                 expect_key=None)
+    assert "format" in err["message"]
+
+
+def test_binary_patch(repo: Repo) -> None:
+    repo.write("blob.bin", bytes(range(256)))
+    repo.commit_all("binary file")
+    patch = patch_of(repo, lambda r: r.write("blob.bin", bytes(reversed(range(256)))))
+    assert b"GIT binary patch" in patch
+    err = refuse(repo, patch, code=4, type="parse_error")
+    assert err["path"] == "blob.bin"
+
+
+def test_binary_files_differ_line(repo: Repo) -> None:
+    patch = b"diff --git a/blob.bin b/blob.bin\nindex 1111111..2222222 100644\nBinary files a/blob.bin and b/blob.bin differ\n"
+    refuse(repo, patch, code=4, type="parse_error")
+
+
+def test_too_large(repo: Repo) -> None:
+    patch = MODIFY_UTIL + b"\n" * 64
+    assert len(patch) > 100
+    err = refuse(repo, patch, code=4, type="too_large", env={"ONCEPATCH_MAX_PATCH_BYTES": "100"}, key=None,
+                 expect_key=None)
+    assert err["limit"] == 100 and err["size"] == len(patch)
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", input=patch)
+    assert r.code == 0, "the same patch applies under the default limit"
+
+
+def test_too_large_envelope_names_the_given_key(repo: Repo) -> None:
+    patch = MODIFY_UTIL + b"\n" * 64
+    refuse(repo, patch, code=4, type="too_large", env={"ONCEPATCH_MAX_PATCH_BYTES": "100"}, key="K")
+
+
+# -- usage: exit 2 ------------------------------------------------------------------------
+
+
+def usage(repo: Repo, *args: str, cwd: Path | None = None, input: bytes | None = None) -> dict[str, Any]:
+    before = snapshot(repo)
+    r = run_cli("apply", *args, "--json", cwd=cwd, input=input)
+    assert r.code == 2, r.out + r.err
+    err: dict[str, Any] = r.json["error"]
+    assert r.json["ok"] is False and err["type"] == "usage"
+    assert err["retryable"] is False and err["effect_status"] == "not_started"
+    assert err["next_action"] == "fix_input" and err["key"] is None
+    assert snapshot(repo) == before
+    return err
+
+
+def test_unreadable_patch_file(repo: Repo, tmp_path: Path) -> None:
+    err = usage(repo, str(tmp_path / "missing.patch"), "--repo", str(repo.path))
+    assert "missing.patch" in err["message"]
+    usage(repo, str(tmp_path), "--repo", str(repo.path))  # a folder
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling.patch")
+    usage(repo, str(tmp_path / "dangling.patch"), "--repo", str(repo.path))
+    if os.geteuid() != 0:  # root reads anything
+        p = tmp_path / "locked.patch"
+        p.write_bytes(MODIFY_UTIL)
+        p.chmod(0)
+        usage(repo, str(p), "--repo", str(repo.path))
+
+
+def test_not_a_repository(repo: Repo, tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    err = usage(repo, "-", "--repo", str(plain), input=MODIFY_UTIL)
+    assert "not a git repository" in err["message"]
+    assert list(plain.iterdir()) == []
+    usage(repo, "-", cwd=plain, input=MODIFY_UTIL)
+
+
+def test_detached_head_needs_branch(repo: Repo) -> None:
+    repo.git("checkout", "-q", "--detach")
+    err = usage(repo, "-", "--repo", str(repo.path), input=MODIFY_UTIL)
+    assert "--branch" in err["message"]
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--branch", "main", "--json", input=MODIFY_UTIL)
+    assert r.code == 0, r.out + r.err
+    assert repo.git("status", "--porcelain") == ""  # a detached HEAD is not 'main' checked out
+
+
+def test_bad_branch_name_and_attempt(repo: Repo) -> None:
+    usage(repo, "-", "--repo", str(repo.path), "--branch", "bad..name", input=MODIFY_UTIL)
+    usage(repo, "-", "--repo", str(repo.path), "--attempt", "0", input=MODIFY_UTIL)
+    usage(repo, "-", "--repo", str(repo.path), "--attempt", "two", input=MODIFY_UTIL)
+
+
+def test_refusal_is_not_remembered(repo: Repo) -> None:
+    """A refusal before prepare writes no receipt: fixing the worktree and retrying applies."""
+    repo.write("src/util.py", "dirty\n")
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--key", "K", "--json", input=MODIFY_UTIL)
+    assert r.code == 4 and r.json["error"]["type"] == "dirty_path"
+    assert run_cli("status", "K", "--repo", str(repo.path), "--json").code == 2
+    repo.git("checkout", "--", "src/util.py")
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--key", "K", "--json", input=MODIFY_UTIL)
+    assert r.code == 0 and r.json["replayed"] is False
+    assert repo.count() == 2
