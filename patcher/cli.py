@@ -152,7 +152,7 @@ def _load_extra_commands() -> None:
     # Each module appends to _EXTRA_COMMANDS and _HANDLERS when imported.
     import importlib
 
-    for name in ("patcher.cli_recovery",):
+    for name in ("patcher.cli_recovery", "patcher.cli_mcp"):
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as exc:

@@ -21,11 +21,21 @@ from patcher.cli_common import add_common, store_root
 __all__ = ["register", "HANDLERS"]
 
 
-def _adapters(rstore: Any) -> dict[str, Any]:
+def _adapters(rstore: Any, *, read_only: bool = False) -> dict[str, Any]:
     from patcher.git_adapter import GitAdapter
 
-    git = GitAdapter(rstore, {})
-    return {git.tool: git}
+    from receipts.adapters import builtin_adapters
+
+    git = GitAdapter(rstore, {}, read_only=read_only)
+    return {**builtin_adapters(), git.tool: git}
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A default taken from the environment (ignored when not a number)."""
+    try:
+        return float(os.environ.get(name) or default)
+    except ValueError:
+        return default
 
 
 def register(sub: Any) -> None:
@@ -37,8 +47,9 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("verify", help="prove every receipt matches its commits and files")
     add_common(p)
-    p.add_argument("--grace", type=float, default=300.0,
-                   help="a prepared receipt older than this many seconds fails (default 300)")
+    p.add_argument("--grace", type=float, default=_env_seconds("ONCEPATCH_VERIFY_GRACE", 300.0),
+                   help="a prepared receipt fails at once when its call is gone, and after this many "
+                        "seconds while its call still holds the key (default $ONCEPATCH_VERIFY_GRACE or 300)")
 
     p = sub.add_parser("watch", help="flag orphaned prepared receipts as they appear")
     add_common(p)
@@ -68,7 +79,7 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from receipts.store import ReceiptStore
 
     rstore = ReceiptStore(store_root(args))
-    adapters = _adapters(rstore)
+    adapters = _adapters(rstore, read_only=args.dry_run)
     git = adapters["apply_patch"]
     report = recover(rstore, adapters, dry_run=args.dry_run, tmp_age=args.tmp_age, progress=_progress,
                      extra_cleanup=git.cleanup)
@@ -100,7 +111,10 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     if report.ok:
         text = f"ok: {report.receipts} receipt(s), {report.ledger_events} ledger event(s) verified\n"
     else:
-        text = "".join(f"{f.key or f.path}: {f.reason}\n" for f in report.failures)
+        # One line per failure, naming the receipt file (and its key when it could be read).
+        text = "".join(
+            f"{f.path}{f' (key {f.key!r})' if f.key is not None else ''}: {' '.join(f.reason.splitlines())}\n"
+            for f in report.failures)
         text += f"verification failed: {len(report.failures)} problem(s)\n"
     return (EXIT_OK if report.ok else EXIT_VERIFY), doc, text
 
@@ -126,11 +140,14 @@ def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
                 sys.stdout.write(f"recovered: {obj.get('recovered')} -> {obj.get('status')}\n")
             sys.stdout.flush()
 
-    w = Watcher(rstore, _adapters(rstore), grace=args.grace, rescan_interval=args.rescan, on_flag=emit,
+    # Without --recover the watcher only flags: its queries must not remove stale locks.
+    adapters = _adapters(rstore, read_only=not args.recover)
+    w = Watcher(rstore, adapters, grace=args.grace, rescan_interval=args.rescan, on_flag=emit,
                 recover=args.recover, on_error=_warn)
     if args.once:
         flagged = w.scan_once()
-        return (EXIT_VERIFY if flagged else EXIT_OK), {}, ""
+        # With --json the last line is this summary (flag lines carry "flag", this one "flags").
+        return (EXIT_VERIFY if flagged else EXIT_OK), {"ok": not flagged, "flags": flagged}, ""
     stop = threading.Event()
     if args.duration is not None:
         threading.Timer(args.duration, stop.set).start()
@@ -138,7 +155,7 @@ def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         w.run(stop)
     except KeyboardInterrupt:
         stop.set()
-    return (EXIT_VERIFY if w.flags else EXIT_OK), {}, ""
+    return (EXIT_VERIFY if w.flags else EXIT_OK), {"ok": not w.flags, "flags": w.flags}, ""
 
 
 def _cmd_resolve(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
@@ -171,19 +188,30 @@ def _cmd_install_hook(args: argparse.Namespace) -> tuple[int, dict[str, Any], st
         if os.path.exists(chained):
             raise UsageError(f"'{chained}' already exists: move it away first")
         os.rename(hook, chained)  # moved aside, never lost
-    exe = sys.executable
-    store_arg = f" --store '{os.path.abspath(args.store)}'" if args.store else ""
+    import shlex
+
+    exe = shlex.quote(sys.executable)
+    store_arg = f" --store {shlex.quote(os.path.abspath(args.store))}" if args.store else ""
+    # git runs hooks with its own PATH, where 'oncepatch' may be missing (a venv not
+    # activated): the interpreter that installed the hook comes first, then PATH.
+    # No --grace: verify fails at once on a prepared receipt whose call is gone (its
+    # key lock is free), and a live call's only after $ONCEPATCH_VERIFY_GRACE (300 s).
     script = f"""#!/bin/sh
 {HOOK_MARK}
-# Runs the hook that was here before (if any), then 'oncepatch verify'.
+# Runs the hook that was here before (if any; its failure blocks the commit), then
+# 'oncepatch verify' (an orphaned or failing receipt blocks it: run 'oncepatch recover').
 here="$(dirname "$0")"
 if [ -x "$here/pre-commit.before-oncepatch" ]; then
   "$here/pre-commit.before-oncepatch" "$@" || exit $?
 fi
+if [ -x {exe} ]; then
+  exec {exe} -m patcher.cli verify{store_arg}
+fi
 if command -v oncepatch >/dev/null 2>&1; then
   exec oncepatch verify{store_arg}
 fi
-exec '{exe}' -m patcher.cli verify{store_arg}
+echo "oncepatch pre-commit hook: neither {exe} nor 'oncepatch' on PATH; reinstall with 'oncepatch install-hook'" >&2
+exit 1
 """
     write_durable(hook, script.encode(), mode=0o755)
     st = os.stat(hook)

@@ -2,7 +2,18 @@
 
 Each format registers a cheap ``looks(data)`` test and a ``parse(data)``.
 ``auto`` picks the one format whose test accepts the input; detection never
-guesses between two formats that both accept it.
+guesses between two formats that both accept it: each ``looks`` is specific
+(``docs/FORMATS.md``, "Detection"), and two that accept → :class:`ParseError`.
+
+Built in: ``unified`` (:mod:`patcher.unified`), ``apply_patch``
+(:mod:`patcher.envelope`), ``search_replace`` and ``str_replace``
+(:mod:`patcher.editblocks`), ``whole_file`` (:mod:`patcher.wholefile`).
+
+A format may also say how its edits apply (read by :mod:`patcher.stage`):
+``apply_file(original, hunks, path=...)`` replaces
+:func:`patcher.matching.apply_hunks` for its ``modify``/``rename`` hunks
+(edit blocks apply one after another); ``writes_create`` makes a
+``modify`` with whole ``content`` of a missing path an ``add`` (whole-file writes).
 """
 
 from __future__ import annotations
@@ -12,10 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from patcher.errors import ParseError
-from patcher.model import Patch
+from patcher.model import AppliedFile, Patch
 from patcher.paths import check_path, check_paths
 
-__all__ = ["Format", "FORMATS", "register", "detect", "parse_patch", "format_names"]
+__all__ = ["Format", "FileApplier", "FORMATS", "register", "detect", "parse_patch", "format_names", "get_format"]
+
+FileApplier = Callable[..., AppliedFile]  # (original: bytes, hunks: Sequence[Hunk], *, path: str)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +36,8 @@ class Format:
     name: str
     looks: Callable[[bytes], bool]
     parse: Callable[[bytes], Patch]
+    apply_file: FileApplier | None = None
+    writes_create: bool = False
 
 
 FORMATS: dict[str, Format] = {}
@@ -33,15 +48,19 @@ def register(fmt: Format) -> None:
 
 
 def _load_builtin() -> None:
-    from patcher import unified
+    from patcher import editblocks, envelope, unified, wholefile
 
     register(Format("unified", unified.looks_unified, unified.parse_unified))
-    try:
-        from patcher import envelope
-    except ImportError:  # pragma: no cover - optional format module
-        return
-    for fmt in envelope.FORMATS:
-        register(fmt)
+    for module in (envelope, editblocks, wholefile):
+        for fmt in module.FORMATS:
+            register(fmt)
+
+
+def get_format(name: str) -> Format | None:
+    """The registered format ``name`` (``None`` if unknown)."""
+    if not FORMATS:
+        _load_builtin()
+    return FORMATS.get(name)
 
 
 def format_names() -> list[str]:

@@ -222,6 +222,8 @@ def apply(
         OncepatchError: a subclass with the envelope fields; ``exit_code`` gives
             the CLI's exit status (conflict 3, rejected 4, in progress/unknown 5).
     """
+    if _stores is None:
+        _stores = {}  # one open repository for the whole call, even for one-shot callers
     try:
         args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message,
                               detect=detect)

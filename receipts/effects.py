@@ -68,7 +68,7 @@ import socket
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from cas.crash import crash_point
 from cas.errors import EXIT_REJECTED, EffectStatus, NextAction, OncepatchError, UsageError
@@ -102,8 +102,6 @@ __all__ = [
 #: Crash point (``ONCEPATCH_CRASH_AT``) between a tool's success and its ``committed`` receipt.
 CRASH_AFTER_EXECUTE = "effect-after-execute"
 
-T = TypeVar("T")
-
 
 # -- errors ------------------------------------------------------------------------
 
@@ -118,8 +116,8 @@ class EffectRejected(ReceiptError):
     type = "effect_rejected"
     exit_code = EXIT_REJECTED
     default_retryable = False
-    default_effect_status = "not_applied"
-    default_next_action = "fix_input"
+    default_effect_status: ClassVar[EffectStatus] = "not_applied"
+    default_next_action: ClassVar[NextAction] = "fix_input"
 
     def __init__(self, message: str, *, retryable: bool | None = None, **kw: Any) -> None:
         if retryable and "next_action" not in kw:
@@ -144,8 +142,6 @@ class EffectUnknown(StillUnknown):
     """
 
     type = "unknown"
-    default_effect_status = "unknown"
-    default_next_action = "query_before_retry"
 
 
 # -- classification (pure) -------------------------------------------------------------
@@ -177,7 +173,8 @@ def classify(exc: BaseException, *, sent: bool) -> Classification:
         if isinstance(exc, _VALIDATION):
             return Classification("rejected", "validation_error", False, "not_started", "fix_input")
         return Classification("rejected", "failed_before_send", True, "not_started", "retry")
-    if isinstance(exc, (TimeoutError, socket.timeout)) or type(exc).__name__ == "TimeoutExpired":
+    if (isinstance(exc, (TimeoutError, socket.timeout)) or type(exc).__name__ == "TimeoutExpired"
+            or isinstance(getattr(exc, "reason", None), TimeoutError)):  # urllib wraps timeouts
         kind = "timeout"
     elif isinstance(exc, (ConnectionError, OSError)):
         kind = "connection_lost"
@@ -306,6 +303,7 @@ class EffectCall:
         self._receipt: Receipt | None = None
         self._stack: contextlib.ExitStack | None = None
         self._sent = True
+        self._unsent: BaseException | None = None
         self._finished = False
 
     # -- public --------------------------------------------------------------
@@ -337,6 +335,9 @@ class EffectCall:
         self._sent = False
         try:
             yield
+        except BaseException as exc:
+            self._unsent = exc  # classified as raised before sending when it reaches __exit__
+            raise
         finally:
             self._sent = True
 
@@ -350,15 +351,18 @@ class EffectCall:
         if self.replayed or self._finished or self._receipt is None:
             raise RuntimeError(f"effect '{self.key}' is already recorded: commit() must not run again")
         self._finished = True
-        doc = dict(result) if result is not None else None
         extra = dict(self._receipt.extra)
         bad: Exception | None = None
+        doc: dict[str, Any] | None = None
         try:
+            if result is not None and not isinstance(result, Mapping):
+                raise TypeError(f"a tool's result must be a mapping or None, not {type(result).__name__}")
+            doc = dict(result) if result is not None else None
             extra["result_sha256"] = result_digest(doc)
-        except ReceiptError as exc:
+        except (ReceiptError, TypeError, ValueError) as exc:
             # The effect happened: record that truthfully even if its result cannot be kept.
             bad, doc = exc, None
-            extra["result_unrecorded"] = exc.message
+            extra["result_unrecorded"] = f"{type(exc).__name__}: {exc}"
         self._fence()
         final = self._receipt.evolve(status="committed", result=doc, error=None, retryable=None, extra=extra)
         self.store.record(final, "committed")
@@ -406,7 +410,7 @@ class EffectCall:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
+                 tb: TracebackType | None) -> Literal[False]:
         assert self._stack is not None
         try:
             if self.replayed:
@@ -418,11 +422,10 @@ class EffectCall:
                 return False
             if self._finished:
                 return False  # recorded already (committed): the error came after the effect
-            raise self._record_failure(exc) from (exc if isinstance(exc, Exception) else None)
-        except OncepatchError as err:
-            if err is exc:
-                return False
-            raise
+            err = self._record_failure(exc)
+            if err is exc or not isinstance(exc, Exception):
+                return False  # the tool's own EffectRejected; or KeyboardInterrupt & co. go on as they are
+            raise err from exc
         finally:
             self._stack.close()
 
@@ -468,10 +471,12 @@ class EffectCall:
         """Write ``rejected``/``unknown`` for ``exc``; return the error to raise."""
         assert self._receipt is not None
         self._finished = True
-        c = classify(exc, sent=self._sent if sent is None else sent)
-        detail = f"{type(exc).__name__}: {exc}" if not isinstance(exc, OncepatchError) else exc.message
+        if sent is None:
+            sent = self._sent and exc is not self._unsent
+        c = classify(exc, sent=sent)
+        detail = exc.message if isinstance(exc, OncepatchError) else f"{type(exc).__name__}: {exc}"
         err: OncepatchError
-        if isinstance(exc, OncepatchError):
+        if isinstance(exc, EffectRejected):
             err = exc.with_key(self.key)
         elif c.status == "rejected":
             cls = InvalidEffectArgs if c.type == "validation_error" else EffectRejected
@@ -586,7 +591,7 @@ def perform(
         if call.replayed:
             return call.outcome
         result = fn(call)
-        if not call.receipt or call.status != "committed":
+        if call.status != "committed":
             crash_point(CRASH_AFTER_EXECUTE)
             call.commit(result)
     return call.outcome

@@ -1,0 +1,191 @@
+"""The public Python API (DESIGN.md section 7): one-shot :func:`apply`, and a long-lived :class:`Client`.
+
+The CLI and the MCP server are thin layers over this module.  Every error is
+an :class:`~cas.errors.OncepatchError` carrying the envelope fields
+(``error_type``, ``message``, ``retryable``, ``effect_status``, ``key``,
+``next_action``; ``envelope()`` gives the dict, ``exit_code`` the CLI status).
+
+:class:`Client` keeps repositories open between calls.  pygit2's
+``Repository`` is not safe to share between threads, so each thread gets its
+own open repository per path (a per-thread cache); everything else a call
+touches is either immutable or guarded by file locks that work between
+threads as between processes (each lock acquisition opens its own file
+description, and ``flock`` excludes per description).  So one ``Client`` may
+serve many threads, and many processes may use one repository and store.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from cas.errors import OncepatchError
+from patcher.protocol import ApplyResult, apply, store_root_for
+from receipts.receipt import Receipt
+from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport
+from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
+from receipts.verifier import DEFAULT_GRACE, VerifyReport
+
+__all__ = ["apply", "ApplyResult", "Client", "OncepatchError", "status"]
+
+
+def status(key: str, *, repo: str = ".", store: str | None = None) -> Receipt:
+    """The verified receipt of ``key`` (or a call_id) for ``repo``'s store.
+
+    Raises:
+        ReceiptNotFound, CorruptReceipt, UsageError.
+    """
+    from receipts.lookup import status as _status
+
+    return _status(key, store=store, repo=repo)
+
+
+class Client:
+    """A long-lived caller: repositories and stores stay open between calls; thread-safe.
+
+    ``repo``, ``store`` and ``branch`` are defaults that each call may override.
+    Use it as a context manager, or call :meth:`close` once no call is running.
+    """
+
+    def __init__(
+        self,
+        repo: str | os.PathLike[str] = ".",
+        *,
+        store: str | os.PathLike[str] | None = None,
+        branch: str | None = None,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        check_timeout: float = 600.0,
+    ) -> None:
+        self.repo = os.path.abspath(os.fspath(repo))
+        self.store = os.path.abspath(os.fspath(store)) if store is not None else None
+        self.branch = branch
+        self.lock_timeout = lock_timeout
+        self.check_timeout = check_timeout
+        self._local = threading.local()
+        self._guard = threading.Lock()
+        self._caches: list[dict[str, Any]] = []
+        self._roots: dict[str, str] = {}
+        self._closed = False
+
+    # -- caches --------------------------------------------------------------
+
+    def _stores(self) -> dict[str, Any]:
+        """This thread's open repositories (``{repo path: GitStore}``)."""
+        if self._closed:
+            raise RuntimeError("client is closed")
+        cache: dict[str, Any] | None = getattr(self._local, "stores", None)
+        if cache is None:
+            with self._guard:
+                cache = {}
+                self._caches.append(cache)
+            self._local.stores = cache
+        return cache
+
+    def _repo(self, repo: str | os.PathLike[str] | None) -> str:
+        return os.path.abspath(os.fspath(repo)) if repo is not None else self.repo
+
+    def store_root(self, repo: str | os.PathLike[str] | None = None) -> str:
+        """The receipt store of ``repo`` (``store=``, ``$ONCEPATCH_STORE``, or ``<git-common-dir>/oncepatch``)."""
+        path = self._repo(repo)
+        with self._guard:
+            root = self._roots.get(path)
+        if root is None:
+            from cas.gitdir import discover
+
+            root = store_root_for(discover(path).common_dir, self.store)
+            with self._guard:
+                self._roots[path] = root
+        return root
+
+    def receipt_store(self, repo: str | os.PathLike[str] | None = None) -> ReceiptStore:
+        return ReceiptStore(self.store_root(repo))
+
+    def _adapters(self, rstore: ReceiptStore, *, read_only: bool) -> dict[str, Any]:
+        from patcher.git_adapter import GitAdapter
+        from receipts.adapters import builtin_adapters
+
+        adapters: dict[str, Any] = builtin_adapters()
+        git = GitAdapter(rstore, self._stores(), read_only=read_only)
+        adapters[git.tool] = git
+        return adapters
+
+    # -- calls ---------------------------------------------------------------
+
+    def apply(
+        self,
+        patch: str | bytes,
+        *,
+        key: str | None = None,
+        repo: str | os.PathLike[str] | None = None,
+        branch: str | None = None,
+        contract_sha256: str | None = None,
+        attempt: int = 1,
+        format: str = "auto",
+        check: str | None = None,
+        message: str | None = None,
+    ) -> ApplyResult:
+        """:func:`patcher.protocol.apply` with this client's defaults and open repositories.
+
+        Raises:
+            OncepatchError: as :func:`apply` (conflict 3, rejected 4, in progress / unknown 5).
+        """
+        return apply(
+            self._repo(repo), patch, key=key, branch=branch if branch is not None else self.branch,
+            contract_sha256=contract_sha256, attempt=attempt, format=format, check=check, message=message,
+            store=self.store, lock_timeout=self.lock_timeout, check_timeout=self.check_timeout,
+            _stores=self._stores(),
+        )
+
+    def status(self, key: str, *, repo: str | os.PathLike[str] | None = None) -> Receipt:
+        """The verified receipt of ``key`` or a call_id.
+
+        Raises:
+            ReceiptNotFound, CorruptReceipt.
+        """
+        from receipts.lookup import status as _status
+
+        return _status(key, store=self.receipt_store(repo))
+
+    def recover(self, *, repo: str | os.PathLike[str] | None = None, dry_run: bool = False,
+                tmp_age: float = DEFAULT_TMP_AGE,
+                adapters: Mapping[str, Any] | None = None) -> RecoveryReport:
+        """Settle every ``prepared``/``unknown`` receipt (git and the built-in generic tools; more via ``adapters``)."""
+        from receipts.recovery import recover
+
+        rstore = self.receipt_store(repo)
+        known = self._adapters(rstore, read_only=dry_run)
+        known.update(adapters or {})
+        return recover(rstore, known, dry_run=dry_run, tmp_age=tmp_age,
+                       extra_cleanup=known["apply_patch"].cleanup)
+
+    def verify(self, *, repo: str | os.PathLike[str] | None = None, grace: float = DEFAULT_GRACE,
+               verifiers: Mapping[str, Any] | None = None) -> VerifyReport:
+        """Prove every receipt matches what it claims (read-only)."""
+        from receipts.verifier import verify
+
+        rstore = self.receipt_store(repo)
+        known = self._adapters(rstore, read_only=True)
+        known.update(verifiers or {})
+        return verify(rstore, known, grace=grace)
+
+    # -- lifetime ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free every open repository (call when no call is running); later calls raise."""
+        with self._guard:
+            self._closed = True
+            caches, self._caches = self._caches, []
+        for cache in caches:
+            for gstore in cache.values():
+                free = getattr(getattr(gstore, "repo", None), "free", None)
+                if free is not None:
+                    free()
+            cache.clear()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

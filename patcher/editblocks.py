@@ -1,0 +1,385 @@
+"""Search/replace edit blocks and ``str_replace`` JSON edits (pure: no I/O).
+
+Two formats that name a file and the text to replace in it, without line
+numbers, and one rule for applying them.
+
+**search_replace** (the aider style)::
+
+    src/app.py
+    ```python
+    <<<<<<< SEARCH
+    def f():
+        return 1
+    =======
+    def f():
+        return 2
+    >>>>>>> REPLACE
+    ```
+
+The file name is the last non-blank line before the ``<<<<<<< SEARCH`` line
+that is not a code fence (````` ```lang `````), with surrounding ``` ` ```, ``*``,
+``#`` and a trailing ``:`` removed; a block with no such line since the
+previous block belongs to the previous block's file.  Markers stand at the
+start of their line: 5 to 9 ``<``/``=``/``>`` (7 is usual), then ``SEARCH`` /
+nothing / ``REPLACE``.  A block must have exactly one ``=======`` line: with two,
+where SEARCH ends cannot be told (:class:`ParseError`).  An empty SEARCH
+creates the file (``add``: an error if it exists with other content); it
+cannot be mixed with other blocks for the same file.  Prose between blocks is
+ignored.
+
+**str_replace** (JSON)::
+
+    [{"path": "src/app.py", "old": "return 1", "new": "return 2"}, ...]
+
+A list of objects (or one object); ``old_str``/``new_str`` are accepted for
+``old``/``new``; other keys are an error.  ``old`` must not be empty and must
+differ from ``new``.
+
+**Applying** (:func:`apply_sequential`, used by ``patcher.stage`` for both
+formats): the edits of one file apply **in order, each to the result of the
+one before** -- as an agent issuing them one by one expects -- and each must
+match **exactly once**:
+
+1. as whole lines, by the graded matcher (:func:`patcher.matching.apply_hunks`:
+   ``exact`` → ``rstrip`` → ``strip`` → ``punct``, line endings kept); a match at
+   ``exact`` or ``rstrip`` is taken;
+2. otherwise the old text is looked up as an exact **substring** (its ``\\n``
+   read as the file's line ending): found once, it is replaced in place (grade
+   ``substring``: this keeps the indentation and the rest of the line that a
+   partial-line ``old`` leaves out);
+3. otherwise a ``strip``/``punct`` whole-line match from step 1 (or the
+   matcher's "already present" verdict) is taken;
+4. otherwise a substring found twice or more is :class:`AmbiguousMatch`; a
+   new text found once where the old text is not is "already present"; else
+   :class:`ContextNotFound` with the matcher's details.
+
+All edits present → the file is already applied; some present, some not →
+:class:`PartiallyApplied`.  Error details add ``sequential: true``: the
+``closest`` lines of a later edit are those of the file after the earlier edits.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied
+from patcher.formats import Format
+from patcher.matching import apply_hunks, split_lines
+from patcher.model import AppliedFile, FileEdit, Hunk, Patch
+
+__all__ = [
+    "SEARCH_REPLACE",
+    "STR_REPLACE",
+    "looks_search_replace",
+    "parse_search_replace",
+    "looks_str_replace",
+    "parse_str_replace",
+    "apply_sequential",
+    "FORMATS",
+]
+
+SEARCH_REPLACE = "search_replace"
+STR_REPLACE = "str_replace"
+
+_SEARCH = re.compile(rb"<{5,9} SEARCH>?[ \t]*\r?")
+_DIVIDER = re.compile(rb"={5,9}[ \t]*\r?")
+_REPLACE = re.compile(rb">{5,9} REPLACE[ \t]*\r?")
+_FENCE = re.compile(rb"\s*(```|~~~).*")
+_LOOKS_SEARCH = re.compile(rb"^<{5,9} SEARCH>?[ \t]*\r?$", re.MULTILINE)
+_LOOKS_REPLACE = re.compile(rb"^>{5,9} REPLACE[ \t]*\r?$", re.MULTILINE)
+
+_STR_KEYS = {"path", "old", "new", "old_str", "new_str"}
+_WHOLE_KEYS = {"content", "content_b64", "delete", "mode"}
+
+
+# --------------------------------------------------------------------------- search/replace blocks
+
+
+def looks_search_replace(data: bytes) -> bool:
+    """A ``<<<<<<< SEARCH`` line and a ``>>>>>>> REPLACE`` line, each at the start of a line."""
+    return _LOOKS_SEARCH.search(data) is not None and _LOOKS_REPLACE.search(data) is not None
+
+
+def _chomp(line: bytes) -> bytes:
+    if line.endswith(b"\r\n"):
+        return line[:-2]
+    if line.endswith(b"\n"):
+        return line[:-1]
+    return line
+
+
+def _error(message: str, **details: Any) -> ParseError:
+    if "line" in details:
+        message = f"{message} (line {details['line']})"
+    return ParseError(message, details=details)
+
+
+def _file_name(lines: list[bytes], lo: int, hi: int) -> str | None:
+    """The file name on the last meaningful line in ``lines[lo:hi]`` (``None``: none there)."""
+    for k in range(hi - 1, lo - 1, -1):
+        text = _chomp(lines[k]).strip()
+        if not text or _FENCE.fullmatch(text):
+            continue
+        name = text.strip(b"`*#").strip()
+        if name.endswith(b":"):
+            name = name[:-1].strip()
+        name = name.strip(b"`*").strip()
+        if not name:
+            continue
+        return name.decode("utf-8", "surrogateescape")
+    return None
+
+
+def parse_search_replace(data: bytes) -> Patch:
+    """Parse search/replace blocks into ``Patch(format="search_replace")`` (module docstring).
+
+    Raises:
+        ParseError: a block without a file name, unterminated, with no or several
+            ``=======`` lines; an empty SEARCH mixed with other blocks; no block at all.
+    """
+    lines = split_lines(data)
+    blocks: list[tuple[str, int, list[bytes], list[bytes]]] = []  # path, line, search, replace
+    path: str | None = None
+    i = 0
+    after_last = 0
+    while i < len(lines):
+        if not _SEARCH.fullmatch(lines[i].rstrip(b"\n")):
+            i += 1
+            continue
+        start = i + 1
+        name = _file_name(lines, after_last, i)
+        if name is not None:
+            path = name
+        if path is None:
+            raise _error("search/replace block has no file name before it", line=start)
+        j = i + 1
+        dividers: list[int] = []
+        end = None
+        while j < len(lines):
+            text = lines[j].rstrip(b"\n")
+            if _REPLACE.fullmatch(text):
+                end = j
+                break
+            if _SEARCH.fullmatch(text):
+                break
+            if _DIVIDER.fullmatch(text):
+                dividers.append(j)
+            j += 1
+        if end is None:
+            raise _error(f"search/replace block for '{path}' is not closed by '>>>>>>> REPLACE'",
+                         line=start, path=path)
+        if len(dividers) != 1:
+            what = "no '=======' line" if not dividers else f"{len(dividers)} '=======' lines (lines " + \
+                ", ".join(str(d + 1) for d in dividers) + "): cannot tell where SEARCH ends"
+            raise _error(f"search/replace block for '{path}' has {what}", line=start, path=path)
+        div = dividers[0]
+        blocks.append((path, start, lines[i + 1:div], lines[div + 1:end]))
+        i = end + 1
+        after_last = i
+    if not blocks:
+        raise _error("no search/replace block found")
+    return Patch(format=SEARCH_REPLACE, edits=_group(blocks, SEARCH_REPLACE))
+
+
+def _group(blocks: list[tuple[str, int, list[bytes], list[bytes]]], kind: str) -> tuple[FileEdit, ...]:
+    """One edit per path (first-appearance order), its blocks as hunks in the order given."""
+    order: dict[str, list[tuple[int, list[bytes], list[bytes]]]] = {}
+    for path, line, search, replace in blocks:
+        order.setdefault(path, []).append((line, search, replace))
+    edits: list[FileEdit] = []
+    for path, items in order.items():
+        creates = [line for line, search, _ in items if not search]
+        if creates:
+            if len(items) > 1:
+                raise _error(f"'{path}' has an empty SEARCH (create the file) and other blocks",
+                             line=creates[0], path=path)
+            edits.append(FileEdit(op="add", path=path, content=b"".join(items[0][2])))
+            continue
+        hunks = []
+        for n, (line, search, replace) in enumerate(items, 1):
+            old = tuple(_chomp(x) for x in search)
+            new = tuple(_chomp(x) for x in replace)
+            if old == new:
+                raise _error(f"edit {n} of '{path}' changes nothing", line=line, path=path)
+            label = "block" if kind == SEARCH_REPLACE else "edit"
+            hunks.append(Hunk(old_lines=old, new_lines=new, eol_agnostic=True,
+                              header=f"{label} {n} (line {line})" if kind == SEARCH_REPLACE else f"{label} {n}"))
+        edits.append(FileEdit(op="modify", path=path, hunks=tuple(hunks)))
+    return tuple(edits)
+
+
+# --------------------------------------------------------------------------- str_replace JSON
+
+
+def _json_items(data: bytes) -> list[Any] | None:
+    """The list of objects a JSON edit format carries (``None``: not a JSON list/object of objects)."""
+    head = data.lstrip()[:1]
+    if head not in (b"[", b"{"):
+        return None
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    items = doc if isinstance(doc, list) else [doc]
+    if not items or not all(isinstance(x, dict) for x in items):
+        return None
+    return items
+
+
+def looks_str_replace(data: bytes) -> bool:
+    """JSON objects that all have ``path`` and ``old``/``old_str``, and none of the whole-file keys."""
+    items = _json_items(data)
+    return items is not None and all(
+        "path" in x and ("old" in x or "old_str" in x) and not (_WHOLE_KEYS & x.keys()) for x in items
+    )
+
+
+def parse_str_replace(data: bytes) -> Patch:
+    """Parse ``str_replace`` JSON edits into ``Patch(format="str_replace")``.
+
+    Raises:
+        ParseError: not a JSON list of objects, a missing/unknown/non-string
+            field, an empty ``old``, or ``old == new``.
+    """
+    items = _json_items(data)
+    if items is None:
+        raise _error("str_replace edits must be a JSON list of objects {\"path\", \"old\", \"new\"}")
+    blocks: list[tuple[str, int, list[bytes], list[bytes]]] = []
+    for n, item in enumerate(items, 1):
+        unknown = sorted(set(item) - _STR_KEYS)
+        if unknown:
+            raise _error(f"edit {n}: unknown key(s) {', '.join(map(repr, unknown))} "
+                         "(expected path, old, new)", item=n)
+        values: dict[str, str] = {}
+        for key, alias in (("path", None), ("old", "old_str"), ("new", "new_str")):
+            if key in item and alias is not None and alias in item:
+                raise _error(f"edit {n}: both '{key}' and '{alias}' given", item=n)
+            value = item.get(key, item.get(alias) if alias else None)
+            if not isinstance(value, str):
+                raise _error(f"edit {n}: '{key}' must be a string", item=n)
+            values[key] = value
+        if values["old"] == "":
+            raise _error(f"edit {n}: 'old' is empty; create files with a whole-file write", item=n)
+        if values["old"] == values["new"]:
+            raise _error(f"edit {n} of '{values['path']}' changes nothing", item=n)
+        old = split_lines(values["old"].encode("utf-8", "surrogateescape"))
+        new = split_lines(values["new"].encode("utf-8", "surrogateescape"))
+        blocks.append((values["path"], n, old, new))
+    return Patch(format=STR_REPLACE, edits=_group(blocks, STR_REPLACE))
+
+
+# --------------------------------------------------------------------------- applying
+
+
+def _with_index(exc: ContextNotFound | AmbiguousMatch, index: int) -> ContextNotFound | AmbiguousMatch:
+    """The matcher's error for a one-hunk call, renumbered to the edit's place in the file's list."""
+    details = dict(exc.details)
+    details["hunk"] = index
+    details["sequential"] = True
+    message = exc.message
+    if message.startswith("hunk 1 of "):
+        message = f"hunk {index} of " + message[len("hunk 1 of "):]
+    return type(exc)(message, details=details)
+
+
+def _eol(data: bytes) -> bytes:
+    crlf = data.count(b"\r\n")
+    return b"\r\n" if crlf > data.count(b"\n") - crlf else b"\n"
+
+
+def _joined(lines: Sequence[bytes], eol: bytes) -> bytes:
+    return eol.join(lines)
+
+
+def _substring(content: bytes, hunk: Hunk) -> tuple[str, bytes | None, list[int]]:
+    """Exact substring lookup: ``("applies", new content, [line])``, ``("ambiguous", None, lines)``,
+    ``("present", None, [line])`` or ``("missing", None, [])``."""
+    eol = _eol(content)
+    old = _joined(hunk.old_lines, eol)
+    new = _joined(hunk.new_lines, eol)
+    if not old:
+        return "missing", None, []
+    starts: list[int] = []
+    pos = content.find(old)
+    while pos >= 0:
+        starts.append(pos)
+        pos = content.find(old, pos + 1)
+    lines = [content.count(b"\n", 0, p) + 1 for p in starts]
+    if len(starts) == 1:
+        at = starts[0]
+        return "applies", content[:at] + new + content[at + len(old):], lines
+    if len(starts) > 1:
+        return "ambiguous", None, lines
+    if new and content.count(new) == 1:
+        return "present", None, [content.count(b"\n", 0, content.find(new)) + 1]
+    return "missing", None, []
+
+
+def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> AppliedFile:
+    """Apply ``hunks`` one after another, each to the result of the previous (module docstring).
+
+    Raises:
+        ContextNotFound, AmbiguousMatch: an edit matches nowhere / more than once.
+        PartiallyApplied: some edits are already present, the others not.
+    """
+    content = original
+    grades: list[str] = []
+    present: list[int] = []
+    applied: list[int] = []
+    for index, hunk in enumerate(hunks, 1):
+        lined: AppliedFile | None = None
+        failure: ContextNotFound | None = None
+        try:
+            lined = apply_hunks(content, [hunk], path=path)
+        except AmbiguousMatch as exc:
+            raise _with_index(exc, index) from None
+        except ContextNotFound as exc:
+            failure = exc
+        if lined is not None and lined.grades and lined.grades[0] in ("exact", "rstrip"):
+            chosen: tuple[str, AppliedFile] = ("lines", lined)
+        else:
+            state, new_content, lines = _substring(content, hunk)
+            if state == "applies" and new_content is not None:
+                chosen = ("substring", AppliedFile(new_content, ("substring",)))
+            elif lined is not None:
+                chosen = ("lines", lined)
+            elif state == "ambiguous":
+                raise AmbiguousMatch(
+                    f"hunk {index} of '{path}' does not apply: its text occurs at lines "
+                    f"{', '.join(map(str, lines))}; add context to make it unique",
+                    details={"path": path, "hunk": index, "hunk_header": hunk.header,
+                             "expected": "\n".join(x.decode("utf-8", "replace") for x in hunk.old_lines[:3]),
+                             "grade_tried": ["exact", "rstrip", "strip", "punct", "substring"],
+                             "candidates": lines, "sequential": True},
+                )
+            elif state == "present":
+                chosen = ("lines", AppliedFile(content, ("substring",), already_applied=True))
+            else:
+                assert failure is not None
+                raise _with_index(failure, index) from None
+        result = chosen[1]
+        grades.append(result.grades[0] if result.grades else "exact")
+        if result.already_applied:
+            present.append(index)
+        else:
+            applied.append(index)
+            content = result.content
+    if not applied:
+        return AppliedFile(content=original, grades=tuple(grades), already_applied=True)
+    if present:
+        raise PartiallyApplied(
+            f"patch is partially applied to '{path}': edits {', '.join(map(str, present))} "
+            f"already present, edits {', '.join(map(str, applied))} not",
+            details={"path": path, "applied_hunks": present, "missing_hunks": applied, "sequential": True},
+        )
+    return AppliedFile(content=content, grades=tuple(grades))
+
+
+FORMATS: list[Format] = [
+    Format(SEARCH_REPLACE, looks_search_replace, parse_search_replace, apply_file=apply_sequential),
+    Format(STR_REPLACE, looks_str_replace, parse_str_replace, apply_file=apply_sequential),
+]

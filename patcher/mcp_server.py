@@ -1,0 +1,243 @@
+"""``oncepatch mcp``: the Model Context Protocol server over stdio (optional extra ``oncepatch[mcp]``).
+
+Built on the official ``mcp`` SDK: ``mcp.server.mcpserver.MCPServer`` (SDK 2.x;
+``mcp.server.fastmcp.FastMCP`` of SDK 1.x is used when that is what is
+installed: the same ``add_tool`` call, the same wire result).
+
+Tools, each a thin layer over :class:`patcher.api.Client` (one per server, so
+repositories and stores stay open between calls; calls run on worker
+threads, and the client keeps one open repository per thread):
+
+=================  ===========  =============  ==========  =========
+tool               readOnly     destructive    idempotent  openWorld
+=================  ===========  =============  ==========  =========
+``apply_patch``    false        **false**      true        false
+``receipt_status`` true         —              true        false
+``recover``        false        false          true        false
+``verify``         true         —              true        false
+=================  ===========  =============  ==========  =========
+
+Why ``apply_patch`` is *not* destructive (the spec: "if false, the tool
+performs only additive updates"): it adds objects and moves the branch
+forward by compare-and-swap onto a new commit whose parent is the old tip
+— history is never rewritten, nothing is deleted from the object database,
+and a worktree path with uncommitted changes is refused before anything is
+written, so no uncommitted work is overwritten.  A deletion in a patch is a
+new commit that deletes; ``git revert`` undoes it.  It is idempotent because
+``idempotency_key`` is required: the same key with the same patch replays
+the stored receipt and changes nothing (the same key with a different patch
+is an ``idempotency_conflict`` error).  ``--check`` is not offered here: it
+runs arbitrary commands (it would make the tool open-world).
+
+Errors come back as tool errors (``isError: true``) whose text and
+``structuredContent`` are the CLI's envelope ``{"ok": false, "error": {...}}``.
+Nothing but the protocol goes to stdout: logs go to stderr (and the SDK
+points fd 1 at stderr while serving, so a child process cannot write to the
+wire either).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from cas.errors import OncepatchError, UsageError
+
+__all__ = ["build_server", "serve", "SERVER_NAME", "INSTRUCTIONS"]
+
+SERVER_NAME = "oncepatch"
+log = logging.getLogger("oncepatch.mcp")
+
+INSTRUCTIONS = """\
+oncepatch applies a patch to a git branch effectively once: one atomic commit per \
+idempotency key, with a durable receipt. Choose the key per intended change (e.g. \
+"issue-123/fix-null-check"), not per attempt: when a call times out or its result is \
+lost, call again with the SAME key and the SAME patch — it replays the stored outcome \
+instead of committing twice. A different patch needs a different key. On an error, \
+read error.retryable and error.next_action before trying again."""
+
+
+def _import_sdk() -> tuple[Any, Any]:
+    """(server class, mcp.types) of the installed SDK.
+
+    Raises:
+        UsageError: the ``mcp`` package is not installed.
+    """
+    try:
+        import mcp.types as mcp_types
+    except ImportError as exc:
+        raise UsageError("the MCP server needs the 'mcp' package: pip install 'oncepatch[mcp]'") from exc
+    server_cls: Any
+    try:
+        from mcp.server.mcpserver import MCPServer
+
+        server_cls = MCPServer
+    except ImportError:  # SDK 1.x
+        import importlib
+
+        server_cls = importlib.import_module("mcp.server.fastmcp").FastMCP
+    return server_cls, mcp_types
+
+
+class _Tools:
+    """The tool bodies: plain functions over one :class:`Client`, returning ``CallToolResult``."""
+
+    def __init__(self, client: Any, types: Any, *, allow_other_repos: bool) -> None:
+        self.client = client
+        self.types = types
+        self.allow_other_repos = allow_other_repos
+
+    def _repo(self, repo: str | None) -> str:
+        if repo is None or repo == "":
+            return str(self.client.repo)
+        path = os.path.abspath(repo)
+        if not self.allow_other_repos and os.path.realpath(path) != os.path.realpath(self.client.repo):
+            raise UsageError(f"this server serves '{self.client.repo}' only, not '{repo}' "
+                             "(start it with --any-repo to allow others)")
+        return path
+
+    def _ok(self, doc: dict[str, Any]) -> Any:
+        text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
+        return self.types.CallToolResult(content=[self.types.TextContent(type="text", text=text)],
+                                         structuredContent=doc, isError=False)
+
+    def _err(self, exc: OncepatchError) -> Any:
+        doc = {"ok": False, "error": exc.envelope()}
+        text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
+        return self.types.CallToolResult(content=[self.types.TextContent(type="text", text=text)],
+                                         structuredContent=doc, isError=True)
+
+    def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> Any:
+        try:
+            doc = fn()
+        except OncepatchError as exc:
+            log.info("%s: %s: %s", name, exc.error_type, exc.message)
+            return self._err(exc)
+        except Exception as exc:  # noqa: BLE001 - one envelope for the unexpected, as the CLI does
+            log.exception("%s failed", name)
+            err = OncepatchError(f"{type(exc).__name__}: {exc}", effect_status="unknown",
+                                 next_action="query_before_retry")
+            return self._err(err)
+        return self._ok(doc)
+
+    # -- bodies ----------------------------------------------------------------
+
+    def apply_patch(self, patch: str, idempotency_key: str, repo: str | None, branch: str | None,
+                    format: str, message: str | None) -> dict[str, Any]:
+        res = self.client.apply(patch, key=idempotency_key, repo=self._repo(repo), branch=branch or None,
+                                format=format or "auto", message=message or None)
+        doc: dict[str, Any] = res.to_json()
+        return doc
+
+    def receipt_status(self, key: str, repo: str | None) -> dict[str, Any]:
+        receipt = self.client.status(key, repo=self._repo(repo))
+        return {"ok": True, "receipt": receipt.to_doc(),
+                "path": self.client.receipt_store(self._repo(repo)).receipt_path(receipt.key)}
+
+    def recover(self, repo: str | None, dry_run: bool) -> dict[str, Any]:
+        doc: dict[str, Any] = self.client.recover(repo=self._repo(repo), dry_run=dry_run).to_json()
+        return doc
+
+    def verify(self, repo: str | None) -> dict[str, Any]:
+        doc: dict[str, Any] = self.client.verify(repo=self._repo(repo)).to_json()
+        return doc
+
+
+def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos: bool = False) -> Any:
+    """The MCP server object (not yet running), with the four tools registered."""
+    import anyio
+
+    from patcher.api import Client
+
+    server_cls, types = _import_sdk()
+    client = Client(repo, store=store)
+    tools = _Tools(client, types, allow_other_repos=allow_other_repos)
+    server = server_cls(SERVER_NAME, instructions=INSTRUCTIONS)
+    server._oncepatch_client = client  # closed by serve()
+
+    def offload(name: str, fn: Callable[[], dict[str, Any]]) -> Any:
+        # pygit2 and fsync block: run on a worker thread, keep the event loop free.
+        return anyio.to_thread.run_sync(functools.partial(tools.run, name, fn))
+
+    async def apply_patch(patch: str, idempotency_key: str, repo: str | None = None, branch: str | None = None,
+                          format: str = "auto", message: str | None = None) -> Any:
+        return await offload("apply_patch", lambda: tools.apply_patch(patch, idempotency_key, repo, branch,
+                                                                      format, message))
+
+    async def receipt_status(key: str, repo: str | None = None) -> Any:
+        return await offload("receipt_status", lambda: tools.receipt_status(key, repo))
+
+    async def recover(repo: str | None = None, dry_run: bool = False) -> Any:
+        return await offload("recover", lambda: tools.recover(repo, dry_run))
+
+    async def verify(repo: str | None = None) -> Any:
+        return await offload("verify", lambda: tools.verify(repo))
+
+    A = types.ToolAnnotations
+    server.add_tool(
+        apply_patch, name="apply_patch", title="Apply a patch once",
+        description=(
+            "Apply a patch (unified diff, or the apply_patch envelope format) to a git branch as ONE "
+            "atomic commit, at most once per idempotency_key. Returns the commit and a receipt. "
+            "idempotency_key: stable per intended change (e.g. 'issue-42/rename-helper'), never per "
+            "attempt — repeating a call with the same key and patch replays the first result "
+            "(replayed: true) and commits nothing. repo: path of the repository (default: the "
+            "server's); branch: target branch (default: the checked-out one); format: auto, "
+            "unified or apply_patch. Errors carry error.type, error.retryable and "
+            "error.next_action (retry, fix_input, query_before_retry, recover, none)."
+        ),
+        annotations=A(title="Apply a patch once", readOnlyHint=False, destructiveHint=False,
+                      idempotentHint=True, openWorldHint=False),
+        structured_output=False,
+    )
+    server.add_tool(
+        receipt_status, name="receipt_status", title="Receipt of a key",
+        description=("The verified receipt of an idempotency key (or call_id): status prepared, "
+                     "committed, rejected or unknown, the commit, and the output digests."),
+        annotations=A(title="Receipt of a key", readOnlyHint=True, idempotentHint=True, openWorldHint=False),
+        structured_output=False,
+    )
+    server.add_tool(
+        recover, name="recover", title="Recover after a crash",
+        description=("Settle every receipt left prepared or unknown by a crashed call: asks git whether "
+                     "the commit landed and records committed or rejected (retryable). A second run "
+                     "changes nothing. dry_run: only report the plan."),
+        annotations=A(title="Recover after a crash", readOnlyHint=False, destructiveHint=False,
+                      idempotentHint=True, openWorldHint=False),
+        structured_output=False,
+    )
+    server.add_tool(
+        verify, name="verify", title="Verify receipts",
+        description=("Prove every receipt matches what it claims: receipts verify, committed ones "
+                     "match their commits, nothing is left prepared or unknown, the ledger chain "
+                     "holds. ok: false lists each failure."),
+        annotations=A(title="Verify receipts", readOnlyHint=True, idempotentHint=True, openWorldHint=False),
+        structured_output=False,
+    )
+    return server
+
+
+def serve(repo: str = ".", *, store: str | None = None, allow_other_repos: bool = False,
+          log_level: str = "WARNING") -> None:
+    """Run the server on stdin/stdout until the client closes it.
+
+    Raises:
+        UsageError: the ``mcp`` package is missing, or ``repo`` is not a repository.
+    """
+    from cas.gitdir import discover
+
+    discover(repo)  # fail fast, before the client waits on a silent server
+    logging.basicConfig(stream=sys.stderr, level=getattr(logging, log_level.upper(), logging.WARNING),
+                        format="oncepatch mcp: %(levelname)s %(message)s")
+    server = build_server(repo, store=store, allow_other_repos=allow_other_repos)
+    logging.getLogger().setLevel(getattr(logging, log_level.upper(), logging.WARNING))
+    try:
+        server.run("stdio")
+    finally:
+        server._oncepatch_client.close()

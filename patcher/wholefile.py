@@ -1,0 +1,146 @@
+"""Whole-file writes and deletes as JSON (pure: no I/O).
+
+::
+
+    [
+      {"path": "src/app.py", "content": "print('hi')\\n"},
+      {"path": "bin/run", "content_b64": "IyEvYmluL3NoCg==", "mode": "100755"},
+      {"path": "old.txt", "delete": true}
+    ]
+
+A list of objects (or one object).  Per item:
+
+* ``path`` (string) and exactly one of ``content`` (a string, written as
+  UTF-8, line endings as given), ``content_b64`` (standard base64, strict) or
+  ``"delete": true``;
+* ``mode`` (writes only): ``"100644"``/``"644"`` or ``"100755"``/``"755"`` (a
+  string, or the int 0o644/0o755/0o100644/0o100755); absent: a new file is
+  ``100644``, an existing one keeps its mode.  Symlinks and other modes are
+  refused.
+* any other key, a duplicate path, ``delete`` not ``true``: :class:`ParseError`.
+
+A write replaces the file whole, or creates it (the format is registered
+with ``writes_create``: :mod:`patcher.stage` turns a write of a missing path
+into an ``add``).  A write of the same bytes and mode is already applied.  A
+delete of a missing file is an error (``context_not_found``), never "already
+applied".  Content is taken as is: there is no matching, so no grades.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+import orjson
+
+from patcher.errors import ParseError
+from patcher.formats import Format
+from patcher.model import MODE_EXEC, MODE_FILE, FileEdit, Patch
+
+__all__ = ["WHOLE_FILE", "looks_whole_file", "parse_whole_file", "FORMATS"]
+
+WHOLE_FILE = "whole_file"
+
+_KEYS = {"path", "content", "content_b64", "delete", "mode"}
+_EDIT_KEYS = {"old", "new", "old_str", "new_str"}
+_MODES = {
+    "100644": MODE_FILE, "644": MODE_FILE, "0644": MODE_FILE,
+    "100755": MODE_EXEC, "755": MODE_EXEC, "0755": MODE_EXEC,
+}
+
+
+def _items(data: bytes) -> list[Any] | None:
+    if data.lstrip()[:1] not in (b"[", b"{"):
+        return None
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    items = doc if isinstance(doc, list) else [doc]
+    if not items or not all(isinstance(x, dict) for x in items):
+        return None
+    return items
+
+
+def looks_whole_file(data: bytes) -> bool:
+    """JSON objects that all have ``path`` and one of ``content``/``content_b64``/``delete``, no edit keys."""
+    items = _items(data)
+    return items is not None and all(
+        "path" in x and ({"content", "content_b64", "delete"} & x.keys()) and not (_EDIT_KEYS & x.keys())
+        for x in items
+    )
+
+
+def _error(message: str, item: int | None = None, **extra: Any) -> ParseError:
+    details: dict[str, Any] = dict(extra)
+    if item is not None:
+        details["item"] = item
+        message = f"item {item}: {message}"
+    return ParseError(f"invalid whole-file edit: {message}", details=details)
+
+
+def _mode(value: Any, n: int) -> int:
+    if isinstance(value, bool):
+        raise _error(f"'mode' must be \"100644\" or \"100755\", not {value!r}", n)
+    if isinstance(value, int):
+        if value in (0o644, MODE_FILE):
+            return MODE_FILE
+        if value in (0o755, MODE_EXEC):
+            return MODE_EXEC
+    if isinstance(value, str) and value in _MODES:
+        return _MODES[value]
+    raise _error(f"'mode' must be \"100644\" or \"100755\", not {value!r}", n)
+
+
+def parse_whole_file(data: bytes) -> Patch:
+    """Parse whole-file JSON into ``Patch(format="whole_file")`` (module docstring).
+
+    Raises:
+        ParseError: not JSON objects, a missing or unknown key, bad base64 or
+            mode, two items for one path.
+    """
+    items = _items(data)
+    if items is None:
+        raise _error("expected a JSON list of objects {\"path\", \"content\"|\"content_b64\"|\"delete\"}")
+    edits: list[FileEdit] = []
+    seen: dict[str, int] = {}
+    for n, item in enumerate(items, 1):
+        unknown = sorted(set(item) - _KEYS)
+        if unknown:
+            raise _error(f"unknown key(s) {', '.join(map(repr, unknown))} "
+                         "(expected path, content, content_b64, mode, delete)", n)
+        path = item.get("path")
+        if not isinstance(path, str):
+            raise _error("'path' must be a string", n)
+        if path in seen:
+            raise _error(f"'{path}' is also item {seen[path]}", n, path=path)
+        seen[path] = n
+        given = [k for k in ("content", "content_b64", "delete") if k in item]
+        if len(given) != 1:
+            raise _error("give exactly one of 'content', 'content_b64', 'delete'", n, path=path)
+        if given[0] == "delete":
+            if item["delete"] is not True:
+                raise _error("'delete' must be true", n, path=path)
+            if "mode" in item:
+                raise _error("'mode' makes no sense with 'delete'", n, path=path)
+            edits.append(FileEdit(op="delete", path=path))
+            continue
+        if given[0] == "content":
+            if not isinstance(item["content"], str):
+                raise _error("'content' must be a string (use 'content_b64' for bytes)", n, path=path)
+            content = item["content"].encode("utf-8", "surrogateescape")
+        else:
+            raw = item["content_b64"]
+            if not isinstance(raw, str):
+                raise _error("'content_b64' must be a string", n, path=path)
+            try:
+                content = base64.b64decode(raw, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise _error(f"'content_b64' is not valid base64: {exc}", n, path=path) from None
+        mode = _mode(item["mode"], n) if "mode" in item else None
+        edits.append(FileEdit(op="modify", path=path, content=content, new_mode=mode))
+    return Patch(format=WHOLE_FILE, edits=tuple(edits))
+
+
+FORMATS: list[Format] = [Format(WHOLE_FILE, looks_whole_file, parse_whole_file, writes_create=True)]

@@ -1,0 +1,42 @@
+"""Looking receipts up: ``status`` of a key or call_id, and where the store is (no pygit2, writes nothing)."""
+
+from __future__ import annotations
+
+import os
+
+from cas.gitdir import discover
+from receipts.errors import ReceiptNotFound
+from receipts.receipt import Receipt
+from receipts.store import ReceiptStore
+
+__all__ = ["status", "store_root"]
+
+
+def store_root(store: str | os.PathLike[str] | None = None, repo: str | os.PathLike[str] | None = None) -> str:
+    """``store``, else ``$ONCEPATCH_STORE``, else ``<git-common-dir of repo>/oncepatch``.
+
+    Raises:
+        UsageError: no store given and ``repo`` (default: the current folder) is not in a repository.
+    """
+    if store is not None:
+        return os.path.abspath(os.fspath(store))
+    if os.environ.get("ONCEPATCH_STORE"):
+        return os.path.abspath(os.environ["ONCEPATCH_STORE"])
+    return os.path.abspath(os.path.join(discover(os.fspath(repo) if repo is not None else ".").common_dir,
+                                        "oncepatch"))
+
+
+def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = None,
+           repo: str | os.PathLike[str] | None = None) -> Receipt:
+    """The verified receipt of ``key`` (or of a call_id) in the store.
+
+    Raises:
+        ReceiptNotFound: no receipt for it.
+        CorruptReceipt: its file fails verification.
+        UsageError: no store can be found.
+    """
+    rstore = store if isinstance(store, ReceiptStore) else ReceiptStore(store_root(store, repo))
+    found = rstore.find(key)
+    if found is None:
+        raise ReceiptNotFound(f"no receipt for key or call_id '{key}'", key=key)
+    return found

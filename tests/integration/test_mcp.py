@@ -1,0 +1,168 @@
+"""`oncepatch mcp` end to end: the real server as a child process, the official SDK's stdio client.
+
+Skipped when the optional ``mcp`` package is not installed (``pip install
+'oncepatch[mcp]'``; the ``dev`` extra includes it, so CI runs these).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import ROOT, Repo
+
+pytest.importorskip("mcp")
+
+import anyio  # noqa: E402 - after the skip: a dependency of mcp
+from mcp import ClientSession, StdioServerParameters  # noqa: E402
+from mcp.client.stdio import stdio_client  # noqa: E402
+
+EDIT = """\
+--- a/src/app.py
++++ b/src/app.py
+@@ -1,5 +1,5 @@
+ line 1
+ line 2
+-line 3
++line three
+ line 4
+ line 5
+"""
+OTHER_EDIT = EDIT.replace("+line three", "+line 3, changed otherwise")
+STALE = """\
+--- a/src/util.py
++++ b/src/util.py
+@@ -1,2 +1,2 @@
+ def g():
+-    return 1
++    return 2
+"""
+
+
+def _attr(obj: Any, *names: str) -> Any:
+    """Read a field under its SDK 2 (snake_case) or SDK 1 (camelCase) name."""
+    for name in names:
+        if hasattr(obj, name):
+            return getattr(obj, name)
+    raise AttributeError(names)
+
+
+def is_error(res: Any) -> bool:
+    return bool(_attr(res, "is_error", "isError"))
+
+
+def structured(res: Any) -> dict[str, Any]:
+    doc = _attr(res, "structured_content", "structuredContent")
+    text = json.loads(res.content[0].text)
+    assert doc == text  # the text block carries the same envelope, for clients that read only text
+    return dict(doc)
+
+
+def hints(tool: Any) -> dict[str, Any]:
+    a = tool.annotations
+    return {"readOnly": _attr(a, "read_only_hint", "readOnlyHint"),
+            "destructive": _attr(a, "destructive_hint", "destructiveHint"),
+            "idempotent": _attr(a, "idempotent_hint", "idempotentHint"),
+            "openWorld": _attr(a, "open_world_hint", "openWorldHint")}
+
+
+def with_server(repo: Repo, errlog: Path,
+                body: Callable[[ClientSession], Awaitable[None]], *extra: str) -> None:
+    env = {k: v for k, v in os.environ.items()}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    params = StdioServerParameters(command=sys.executable,
+                                   args=["-m", "patcher.cli", "mcp", "--repo", str(repo.path), *extra],
+                                   env=env, cwd=str(repo.path))
+
+    async def main() -> None:
+        with open(errlog, "w") as err:
+            async with stdio_client(params, errlog=err) as (read, write):
+                async with ClientSession(read, write) as session:
+                    await session.initialize()
+                    with anyio.fail_after(120):
+                        await body(session)
+
+    anyio.run(main)
+
+
+def test_mcp_tools_apply_replay_and_errors(repo: Repo, tmp_path: Path) -> None:
+    before = repo.count()
+    seen: dict[str, Any] = {}
+
+    async def body(s: ClientSession) -> None:
+        tools = {t.name: t for t in (await s.list_tools()).tools}
+        seen["tools"] = tools
+        seen["apply"] = await s.call_tool("apply_patch", {"patch": EDIT, "idempotency_key": "issue-7/line-3"})
+        seen["replay"] = await s.call_tool("apply_patch", {"patch": EDIT, "idempotency_key": "issue-7/line-3"})
+        seen["conflict"] = await s.call_tool("apply_patch",
+                                             {"patch": OTHER_EDIT, "idempotency_key": "issue-7/line-3"})
+        seen["stale"] = await s.call_tool("apply_patch", {"patch": STALE, "idempotency_key": "issue-8"})
+        seen["status"] = await s.call_tool("receipt_status", {"key": "issue-7/line-3"})
+        seen["missing"] = await s.call_tool("receipt_status", {"key": "never-used"})
+        seen["verify"] = await s.call_tool("verify", {})
+        seen["recover"] = await s.call_tool("recover", {"dry_run": True})
+        seen["elsewhere"] = await s.call_tool("apply_patch", {"patch": EDIT, "idempotency_key": "x",
+                                                              "repo": str(tmp_path)})
+
+    errlog = tmp_path / "server.err"
+    with_server(repo, errlog, body, "--log-level", "INFO")
+
+    tools = seen["tools"]
+    assert set(tools) == {"apply_patch", "receipt_status", "recover", "verify"}
+    assert hints(tools["apply_patch"]) == {"readOnly": False, "destructive": False, "idempotent": True,
+                                           "openWorld": False}
+    assert hints(tools["receipt_status"])["readOnly"] is True
+    assert hints(tools["verify"])["readOnly"] is True
+    assert hints(tools["recover"]) == {"readOnly": False, "destructive": False, "idempotent": True,
+                                       "openWorld": False}
+    schema = _attr(tools["apply_patch"], "input_schema", "inputSchema")
+    assert set(schema["required"]) == {"patch", "idempotency_key"}
+    assert {"repo", "branch", "format"} <= set(schema["properties"])
+
+    first = seen["apply"]
+    assert not is_error(first)
+    doc = structured(first)
+    assert doc["ok"] is True and doc["status"] == "committed" and doc["replayed"] is False
+    assert doc["commit"] == repo.head("main")
+
+    replay = structured(seen["replay"])
+    assert not is_error(seen["replay"]) and replay["replayed"] is True and replay["commit"] == doc["commit"]
+
+    assert is_error(seen["conflict"])
+    err = structured(seen["conflict"])
+    assert err["ok"] is False and err["error"]["type"] == "idempotency_conflict"
+    assert err["error"]["key"] == "issue-7/line-3" and err["error"]["next_action"] == "fix_input"
+
+    assert is_error(seen["stale"])
+    stale = structured(seen["stale"])["error"]
+    assert stale["type"] == "context_not_found" and stale["effect_status"] == "not_started"
+    assert stale["retryable"] is False
+
+    status = structured(seen["status"])
+    assert status["receipt"]["status"] == "committed" and status["receipt"]["commit"] == doc["commit"]
+    assert is_error(seen["missing"]) and structured(seen["missing"])["error"]["type"] == "not_found"
+    assert structured(seen["verify"])["ok"] is True
+    assert structured(seen["recover"])["rows"] == []
+    assert is_error(seen["elsewhere"]) and structured(seen["elsewhere"])["error"]["type"] == "usage"
+
+    # The repository shows exactly one new commit, and it is the one the receipt names.
+    assert repo.count() == before + 1
+    assert (repo.path / "src/app.py").read_text().splitlines()[2] == "line three"
+    assert repo.git("status", "--porcelain") == ""
+    repo.git("fsck", "--strict")
+    # Nothing but the protocol went to stdout (the client would have failed to parse it);
+    # the server's logs went to stderr.
+    assert "context_not_found" in errlog.read_text()
+
+
+def test_mcp_server_without_a_repository_fails_before_serving(tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    r = run_cli("mcp", "--repo", str(tmp_path), "--json", input=b"")
+    assert r.code == 2 and r.json["error"]["type"] == "usage"
