@@ -9,7 +9,8 @@ cost is one dict lookup.
 Points (DESIGN.md section 4, and recovery's own):
 ``after-stage``, ``after-prepare``, ``after-ref``, ``after-materialise``,
 ``before-receipt-replace``, ``recover-after-resolve``,
-``recover-before-receipt-replace``, ``check-running``.
+``recover-before-receipt-replace``, ``check-running`` (inside ``--check``),
+``effect-after-execute`` (a generic effect ran, its receipt is not written).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ POINTS = frozenset(
         "recover-after-resolve",
         "recover-before-receipt-replace",
         "check-running",
+        "effect-after-execute",
     }
 )
 _environ = os.environ

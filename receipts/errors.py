@@ -11,7 +11,11 @@
     ├── FencedOff              a newer attempt owns the key               exit 5 in_progress
     ├── CorruptReceipt         receipt fails verification on read         exit 6 corrupt_receipt
     ├── CorruptLedger          event ledger line unreadable               exit 6 corrupt_receipt
-    └── ReceiptNotFound        no receipt for a key                       exit 2 not_found
+    ├── ReceiptNotFound        no receipt for a key                       exit 2 not_found
+    └── (receipts.effects)     generic effects:
+        ├── EffectRejected     provably not done (tool said so, or before sending)  exit 4
+        │   └── InvalidEffectArgs   args refused before sending, not retryable     exit 4
+        └── EffectUnknown(StillUnknown)  failed after sending: outcome unknown     exit 5
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+total = price * qty * 1.2  # euros

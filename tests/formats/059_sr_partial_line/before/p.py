@@ -1,0 +1,1 @@
+total = price * qty  # euros
