@@ -12,7 +12,7 @@
   entries of the index and write it once (git's ``index.lock`` protocol,
   through libgit2).
 
-While oncepatch holds ``index.lock`` it contains ``oncepatch-index-lock <pid>``
+While oncepatch holds ``index.lock`` it contains ``oncepatch-index-lock <pid> <host>``
 (see :func:`hold_index_lock`), and a marker file in the store names it: recovery
 removes a stale ``index.lock`` only when one of these proves it was ours and
 its owner is dead.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import stat
 import time
 from collections.abc import Mapping
@@ -43,6 +44,7 @@ __all__ = [
     "INDEX_LOCK_MARK",
     "IndexLock",
     "hold_index_lock",
+    "break_dead_own_index_lock",
     "update_index",
     "dirty_paths",
     "unsafe_worktree_paths",
@@ -204,7 +206,8 @@ class IndexLock:
     Calling sequence: :func:`hold_index_lock`, then any number of
     :func:`update_index` calls with ``held=``, then :meth:`release` (also on
     every error).  While it is held no git command writes the index, and
-    ``git commit`` cannot start.
+    ``git commit`` cannot start.  The store marker (``lock_marker``) exists
+    exactly while the lock may be ours.
     """
 
     def __init__(self, path: str, git_dir: str, identity: tuple[int, int], marker: str | None) -> None:
@@ -214,7 +217,7 @@ class IndexLock:
         self._marker = marker
 
     def release(self) -> None:
-        """Remove the lock file — only if it is still the one we created (safe to repeat)."""
+        """Remove the lock file — only if it is still the one we created — then the marker (safe to repeat)."""
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(self.path)
             if (st.st_dev, st.st_ino) == self._identity:
@@ -228,11 +231,13 @@ class IndexLock:
 def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | None = None) -> IndexLock:
     """Take ``workdir``'s ``index.lock``, waiting up to ``timeout`` seconds while someone else holds it.
 
-    The file holds ``oncepatch-index-lock <pid>``; ``lock_marker`` (a file in
-    the store) is written to name it, and removed again on release.
+    The file holds ``oncepatch-index-lock <pid> <host>``; ``lock_marker`` (a
+    file in the store) is written to name it, and removed on release.  A lock
+    that oncepatch left on this host and whose process is gone is removed
+    (:func:`break_dead_own_index_lock`); any other is waited for, never removed.
 
     Raises:
-        RefLockedError: ``index.lock`` stayed held (a live git, or a stale lock; never removed here).
+        RefLockedError: ``index.lock`` stayed held (a live git, or a stale lock of git's).
         GitStoreError: ``workdir`` is not a worktree libgit2 can open.
     """
     try:
@@ -247,12 +252,14 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
             fd = os.open(index_lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             break
         except FileExistsError:
+            if break_dead_own_index_lock(index_lock):
+                continue
             if time.monotonic() >= deadline:
                 raise RefLockedError(index_lock) from None
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
     try:
-        os.write(fd, INDEX_LOCK_MARK + str(os.getpid()).encode() + b"\n")
+        os.write(fd, INDEX_LOCK_MARK + f"{os.getpid()} {socket.gethostname()}\n".encode())
         st = os.fstat(fd)
     finally:
         os.close(fd)
@@ -265,6 +272,51 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
             raise
         lock._marker = lock_marker
     return lock
+
+
+def break_dead_own_index_lock(index_lock: str) -> bool:
+    """Remove ``index_lock`` if oncepatch wrote it on this host and its process is gone; ``True`` if it is gone.
+
+    Only a lock whose content proves it ours (``oncepatch-index-lock <pid>
+    <host>``, this host, no such pid) is touched; git's own locks hold index
+    data and are never removed.  Race guarded: two processes finding the same
+    dead lock — the second must not remove the lock the first has just
+    created in its place — so the read and the unlink happen under an flock on
+    the lock's folder, which every breaker takes, and the file unlinked must be
+    the one read.
+    """
+    import fcntl
+
+    folder = os.path.dirname(index_lock)
+    dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX)
+        try:
+            fd = os.open(index_lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            return True
+        try:
+            head = os.read(fd, 256)
+            read_id = os.fstat(fd)
+        finally:
+            os.close(fd)
+        fields = head[len(INDEX_LOCK_MARK):].split() if head.startswith(INDEX_LOCK_MARK) else []
+        if len(fields) < 2 or fields[1].decode("utf-8", "replace") != socket.gethostname():
+            return False  # not ours, or written elsewhere: its owner cannot be checked from here
+        try:
+            os.kill(int(fields[0]), 0)
+            return False  # alive (or its pid reused: waiting is the safe side)
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(index_lock)
+            if (st.st_dev, st.st_ino) == (read_id.st_dev, read_id.st_ino):
+                os.unlink(index_lock)
+        return True
+    finally:
+        os.close(dfd)  # drops the flock
 
 
 def update_index(

@@ -23,6 +23,7 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tup
     Raises:
         DirtyPath: a touched path has uncommitted changes (or an untracked file) there.
         UnsafePath: a folder on a touched path is a symlink there.
+        RefLockedError: a worktree's ``index.lock`` stayed held (nothing is written then).
     """
     found = worktrees_on(gstore.common_dir, branch)
     for workdir, _git_dir in found:
@@ -32,7 +33,14 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tup
                 f"refusing to write '{bad[0]}' in '{workdir}': a folder on its path is a symlink",
                 details={"paths": bad, "worktree": workdir, "reason": "through_symlink"},
             )
-        dirty = dirty_paths(workdir, paths)
+        # Race guarded: another call moves the branch (holding index.lock) and only
+        # then brings the index along; read in between, HEAD and the index disagree
+        # and a clean path looks dirty.  Under index.lock both are read as one state.
+        lock = hold_index_lock(workdir)
+        try:
+            dirty = dirty_paths(workdir, paths)
+        finally:
+            lock.release()
         if dirty:
             raise DirtyPath(
                 f"'{dirty[0]}' has uncommitted changes in '{workdir}'"

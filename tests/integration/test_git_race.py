@@ -1,0 +1,106 @@
+"""`git commit` racing `oncepatch apply` on the same checked-out branch (issue 4).
+
+Both sides use git's own lock files: the branch's ``refs/heads/main.lock``
+(oncepatch through libgit2's reference transaction, re-reading the ref under
+the lock) and the worktree's ``index.lock``.  A side that meets the other's
+lock fails and its loop retries: git with "cannot lock ref" / "index.lock:
+File exists", oncepatch with exit 5.  Afterwards nothing of either side is
+lost — every commit is in ``git log`` and every change is in the final tree,
+the worktree and the index.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from conftest import Repo, make_repo
+from test_concurrency import (  # noqa: F401  (workers: the fixture)
+    DEADLINE,
+    apply_argv,
+    assert_worktree_equals_head,
+    key_hash,
+    trailer_counts,
+    verify_ok,
+    workers,
+)
+
+GIT_COMMITS = 40
+ONCEPATCH_WORKERS = 2
+ONCEPATCH_CALLS = 20
+
+GIT_LOOP = r"""
+set -u
+fail=0
+for i in $(seq 1 "$1"); do
+  printf 'git %s\n' "$i" > "g$i.txt"
+  n=0
+  # git refuses (exit 128) while oncepatch holds index.lock or the branch's lock: retry.
+  until git add "g$i.txt" 2>>git-errors.log; do n=$((n+1)); [ $n -gt 2000 ] && exit 3; sleep 0.005; done
+  until git commit -q -m "git loop $i" 2>>git-errors.log; do
+    n=$((n+1)); [ $n -gt 2000 ] && exit 4; sleep 0.005
+  done
+done
+"""
+
+
+def test_git_commit_loop_and_oncepatch_loops_lose_nothing(tmp_path: Path, workers: Any) -> None:
+    files: dict[str, str | bytes] = {"README": "race\n"}
+    files.update({f"op/w{w}-{j}.txt": f"file {w} {j}\n" for w in range(ONCEPATCH_WORKERS)
+                  for j in range(ONCEPATCH_CALLS)})
+    repo = make_repo(tmp_path / "repo", files)
+    (repo.path / ".git" / "info" / "exclude").write_text("git-errors.log\n")
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    batch = workers()
+    for w in range(ONCEPATCH_WORKERS):
+        jobs = []
+        for j in range(ONCEPATCH_CALLS):
+            p = patches / f"{w}-{j}.diff"
+            p.write_text(f"--- a/op/w{w}-{j}.txt\n+++ b/op/w{w}-{j}.txt\n@@ -1 +1,2 @@\n file {w} {j}\n"
+                         f"+oncepatch {w} {j}\n")
+            # exit 5: the branch's or the index's lock stayed held by git: retry, like git's loop.
+            jobs.append({"name": f"{w}-{j}", "argv": apply_argv(repo, p, f"k-{w}-{j}"), "retry_on": [5],
+                         "retries": 200})
+        batch.add(jobs)
+    batch.release()
+    git_loop = subprocess.Popen(["bash", "-c", GIT_LOOP, "git-loop", str(GIT_COMMITS)], cwd=repo.path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = git_loop.communicate(timeout=DEADLINE)
+    finally:
+        if git_loop.poll() is None:
+            git_loop.kill()
+            git_loop.communicate()
+    results = [r for n in range(ONCEPATCH_WORKERS) for r in batch.wait(n)]
+    assert git_loop.returncode == 0, err.decode()
+
+    git_errors = (repo.path / "git-errors.log").read_text()
+    retried = Counter(r.attempts.count(5) for r in results)
+    print(f"\ngit side: {git_errors.count('fatal') + git_errors.count('error')} refusals; "
+          f"oncepatch side: calls by number of exit-5 retries {dict(sorted(retried.items()))}")
+    assert [r.code for r in results] == [0] * len(results), [r.out for r in results if r.code]
+    assert all(set(r.attempts) <= {0, 5} for r in results)
+
+    # Every commit of either side is in the history, once.
+    subjects = Counter(repo.git("log", "--format=%s", "main").splitlines())
+    for i in range(1, GIT_COMMITS + 1):
+        assert subjects[f"git loop {i}"] == 1, i
+    assert trailer_counts(repo) == Counter({key_hash(f"k-{r.name}"): 1 for r in results})
+    assert repo.count() == 1 + GIT_COMMITS + len(results)
+    on_branch = set(repo.git("rev-list", "main").split())
+    assert {r.json["commit"] for r in results} <= on_branch
+
+    # ... and every change of either side is in the final tree, the worktree and the index.
+    tree = {line.split("\t")[1]: line.split()[2] for line in repo.git("ls-tree", "-r", "main").splitlines()}
+    for i in range(1, GIT_COMMITS + 1):
+        assert repo.git("cat-file", "blob", tree[f"g{i}.txt"]) == f"git {i}\n"
+    for w in range(ONCEPATCH_WORKERS):
+        for j in range(ONCEPATCH_CALLS):
+            want = f"file {w} {j}\noncepatch {w} {j}\n"
+            assert repo.git("cat-file", "blob", tree[f"op/w{w}-{j}.txt"]) == want, (w, j)
+            assert (repo.path / f"op/w{w}-{j}.txt").read_text() == want
+    assert_worktree_equals_head(repo)
+    verify_ok(repo)

@@ -1,0 +1,153 @@
+"""Stale git lock files left by "a crashed git" (issue 4).
+
+A ``refs/heads/main.lock`` or ``index.lock`` that nobody will ever release
+looks exactly like one a live git holds for a moment, so oncepatch waits a
+little (ref lock: 1 s, index lock: 10 s), then gives up with a clear error —
+exit 5, ``in_progress``, the file named, and how to check that it is stale —
+and never deletes it.  Nothing moves: the branch, HEAD, the index and the
+worktree stay as they were.
+
+What the store keeps (the contract):
+
+* ``index.lock`` is met by the input checks, before the key's lock is taken
+  (the dirty-path check reads HEAD and the index under it): nothing at all is
+  written — no receipt, no lock file;
+* ``refs/heads/<b>.lock`` is met at the compare-and-swap, after ``prepared``:
+  the call ends as a ``rejected`` receipt with ``retryable: true`` and the lock
+  error inside (type ``in_progress``, ``lock_path``), its ``prepared`` and
+  ``rejected`` ledger events, and lock files of its own; the staged objects
+  stay unreferenced (``git gc`` prunes them).  Once the file is removed by
+  hand, the same call executes with the next fencing token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Repo, run_cli, snapshot
+
+PATCH = b"--- a/README\n+++ b/README\n@@ -1 +1,2 @@\n hello\n+after the stale lock\n"
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def allowed_store_change(path: str) -> bool:
+    """Store files a call stopped by a held git lock may leave: its receipt, ledger and lock files."""
+    h = key_hash("K")
+    return path in {f"receipts/{h[:2]}/{h}.json", "events.jsonl", f"locks/{h}.lock", "locks/ledger.lock"} or (
+        path.startswith("locks/branch-") and path.endswith(".lock"))
+
+
+def apply(repo: Repo, patch: Path) -> Any:
+    return run_cli("apply", str(patch), "--repo", str(repo.path), "--json", "--key", "K")
+
+
+@pytest.fixture
+def patch(tmp_path: Path) -> Path:
+    p = tmp_path / "p.diff"
+    p.write_bytes(PATCH)
+    return p
+
+
+def stale_lock_case(repo: Repo, patch: Path, lock: Path, content: bytes, *, receipt_left: bool) -> None:
+    lock.write_bytes(content)
+    mtime = lock.stat().st_mtime_ns
+    before = snapshot(repo)
+
+    r = apply(repo, patch)
+    assert r.code == 5, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "in_progress" and err["retryable"] is True and err["key"] == "K"
+    assert err["lock_path"] == os.path.realpath(lock)
+    assert f"'{err['lock_path']}'" in err["message"]  # names the file ...
+    assert "fuser" in err["message"] and "remove the file by hand" in err["message"]  # ... and how to check it
+    assert err["effect_status"] in ("not_started", "not_applied")
+
+    # Never deleted or touched.
+    assert lock.read_bytes() == content and lock.stat().st_mtime_ns == mtime
+    after = snapshot(repo)
+    for part in ("refs", "head", "index", "worktree"):
+        assert after[part] == before[part], part
+    changed = {p for p in set(after["store"]) | set(before["store"])
+               if after["store"].get(p) != before["store"].get(p)}
+    receipt_file = repo.store / "receipts" / key_hash("K")[:2] / f"{key_hash('K')}.json"
+    if receipt_left:
+        assert all(allowed_store_change(p) for p in changed), changed
+        receipt = json.loads(receipt_file.read_text())
+        assert (receipt["status"], receipt["retryable"], receipt["fencing_token"]) == ("rejected", True, 1)
+        assert receipt["error"]["type"] == "in_progress" and receipt["error"]["lock_path"] == err["lock_path"]
+        assert receipt["commit"] is None
+    else:
+        assert changed == set() and not receipt_file.exists()
+
+    # recover does not remove someone else's lock either.
+    rec = run_cli("recover", "--repo", str(repo.path), "--json", "--tmp-age", "0")
+    assert rec.code == 0, rec.err
+    assert lock.read_bytes() == content
+    assert str(lock) not in json.dumps(rec.json["removed"])
+
+    # Checked and removed by hand: the same call now executes, once.
+    lock.unlink()
+    again = apply(repo, patch)
+    assert again.code == 0, again.out + again.err
+    assert again.json["replayed"] is False
+    receipt = json.loads(Path(again.json["receipt"]).read_text())
+    assert (receipt["status"], receipt["fencing_token"]) == ("committed", 2 if receipt_left else 1)
+    assert repo.head() == again.json["commit"] and repo.count() == 2
+    assert (repo.path / "README").read_text() == "hello\nafter the stale lock\n"
+    assert repo.git("status", "--porcelain") == ""
+    assert run_cli("verify", "--repo", str(repo.path), "--json").code == 0
+
+
+def test_stale_branch_lock_is_reported_never_removed(repo: Repo, patch: Path) -> None:
+    base = repo.head()
+    # What git leaves when it dies holding the ref lock: the new value it was about to write.
+    stale_lock_case(repo, patch, repo.path / ".git/refs/heads/main.lock", f"{base}\n".encode(), receipt_left=True)
+
+
+def test_stale_index_lock_is_reported_never_removed(repo: Repo, patch: Path) -> None:
+    """Met by the input checks: nothing is written, not even the key's lock file."""
+    # What git leaves when it dies holding the index lock: a (partial) new index.
+    stale_lock_case(repo, patch, repo.path / ".git/index.lock", (repo.path / ".git/index").read_bytes()[:100],
+                    receipt_left=False)
+
+
+def test_index_lock_of_a_dead_oncepatch_call_is_removed(repo: Repo, patch: Path) -> None:
+    """Provably ours and stale (our mark, this host, no such process): the next call removes it."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock = repo.path / ".git/index.lock"
+    lock.write_bytes(b"oncepatch-index-lock %d %s\n" % (dead.pid, socket.gethostname().encode()))
+    r = apply(repo, patch)
+    assert r.code == 0, r.out + r.err
+    assert not lock.exists() and repo.git("status", "--porcelain") == ""
+
+
+def test_index_lock_of_a_live_oncepatch_process_is_kept(repo: Repo, patch: Path) -> None:
+    lock = repo.path / ".git/index.lock"
+    content = b"oncepatch-index-lock %d %s\n" % (os.getpid(), socket.gethostname().encode())
+    lock.write_bytes(content)
+    r = apply(repo, patch)
+    assert r.code == 5 and r.json["error"]["lock_path"] == os.path.realpath(lock), r.out
+    assert lock.read_bytes() == content
+
+
+def test_stale_index_lock_of_a_branch_not_checked_out_does_not_matter(repo: Repo, patch: Path) -> None:
+    """Only worktrees that have the branch checked out are locked and written."""
+    repo.git("branch", "side")
+    lock = repo.path / ".git/index.lock"
+    lock.write_bytes(b"")
+    r = run_cli("apply", str(patch), "--repo", str(repo.path), "--json", "--key", "K", "--branch", "side")
+    assert r.code == 0, r.out + r.err
+    assert repo.head("side") == r.json["commit"] and lock.read_bytes() == b""
