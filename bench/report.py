@@ -1,0 +1,260 @@
+"""Markdown tables and the target check, from the results dict of one run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.stats import fmt_ms, fmt_ratio
+
+__all__ = ["render", "targets"]
+
+
+def _mib(kib: int | None) -> str:
+    return "–" if not kib else f"{kib / 1024:.0f}"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def _timing_rows(rows: list[dict[str, Any]], *, rss: bool = False) -> list[list[str]]:
+    out = []
+    for r in rows:
+        base = r.get("baseline_median_s")
+        floor = r["name"].startswith("python")
+        line = [r["name"], fmt_ms(r["median_s"]), fmt_ms(r["p90_s"]), str(r["n"]),
+                "(floor)" if floor else fmt_ratio(base, r["median_s"]) if r.get("baseline") else "baseline"]
+        if rss:
+            line.append(_mib(r.get("maxrss_kib")))
+        out.append(line)
+    return out
+
+
+def _find(rows: list[dict[str, Any]], size: str, name: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r.get("size") == size and r["name"] == name), None)
+
+
+def targets(res: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(target, measured, verdict) for each target of issue 7."""
+    out: list[tuple[str, str, str]] = []
+    single = res.get("single", {}).get("single", [])
+    sizes = [r["size"] for r in single if r["name"] == "git pair"]
+    lo = "1k" if "1k" in sizes else (sizes[0] if sizes else None)
+    hi = "100k" if "100k" in sizes else None
+
+    def ms(r: dict[str, Any] | None) -> float | None:
+        return None if r is None else r["median_s"] * 1000
+
+    def check(name: str, value: float | None, limit: float, unit: str = "ms", *, le: bool = True,
+              shown: str | None = None) -> None:
+        if value is None:
+            out.append((name, "not measured in this run", "n/a"))
+            return
+        ok = value <= limit if le else value >= limit
+        s = shown or f"{value:.1f} {unit}".strip()
+        if ok:
+            verdict = "**met**"
+        elif le:
+            verdict = f"**missed** by {value - limit:.1f} {unit} ({value / limit:.1f}× the limit)".replace("  ", " ")
+        else:
+            verdict = f"**missed**: {value:.2f}{unit} vs ≥ {limit:g}{unit}"
+        out.append((name, s, verdict))
+
+    api_side = "API, branch not checked out"
+    api_main = "API, branch checked out"
+    for size, label in ((lo, "1k"), (hi, "100k")):
+        r = _find(single, size, api_side) if size else None
+        check(f"API not checked out ≤ 5 ms median at {size or label}", ms(r), 5.0)
+    for size, label, want in ((lo, "1k", 1.5), (hi, "100k", 25.0)):
+        r = _find(single, size, api_side) if size else None
+        g = _find(single, size, "git pair") if size else None
+        ratio = g["median_s"] / r["median_s"] if r and g else None
+        check(f"API not checked out ≥ {want:g}× faster than git pair at {size or label}", ratio, want, "×",
+              le=False, shown=f"{ratio:.2f}×" if ratio else None)
+    a, b = (_find(single, lo, api_side) if lo else None), (_find(single, hi, api_side) if hi else None)
+    flat = b["median_s"] / a["median_s"] if a and b else None
+    check("API not checked out flat: 100k median ≤ 1.3 × 1k median", flat, 1.3, "×",
+          shown=f"{flat:.2f}×" if flat else None)
+    r = _find(single, hi, api_main) if hi else None
+    check("API checked out ≤ 45 ms at 100k", ms(r), 45.0)
+    g = _find(single, hi, "git pair") if hi else None
+    ratio = g["median_s"] / r["median_s"] if r and g else None
+    check("API checked out ≥ 3.5× faster than git pair at 100k", ratio, 3.5, "×", le=False,
+          shown=f"{ratio:.2f}×" if ratio else None)
+    r = _find(single, lo, api_main) if lo else None
+    check(f"API checked out ≤ 5 ms at {lo or '1k'}", ms(r), 5.0)
+    for name in ("CLI cold, branch checked out", "CLI cold, branch not checked out"):
+        r = _find(single, hi, name) if hi else None
+        gm = ms(g)
+        val = ms(r)
+        check(f"{name} at 100k ≤ git pair ({fmt_ms(g['median_s']) if g else '?'} ms)",
+              val, gm if gm is not None else 0.0)
+    reps = [r for r in res.get("single", {}).get("replay", []) if r["name"] == "CLI replay"]
+    worst = max(reps, key=lambda r: r["median_s"]) if reps else None
+    check(f"CLI replay ≤ 40 ms median (worst size: {worst['size'] if worst else '?'})", ms(worst), 40.0)
+    imp = res.get("single", {}).get("importtime", {})
+    if imp:
+        bad = imp.get("replay", {}).get("pygit2_imported") or imp.get("replay_sys_modules_has_pygit2")
+        out.append(("CLI replay does not import pygit2", "imported" if bad else "not imported",
+                    "**missed**" if bad else "**met**"))
+    store = res.get("store", {}).get("rows", [])
+    v = next((r for r in store if r["size"] == "100k" and r["name"] == "oncepatch verify"), None)
+    check("verify of 100k receipts ≤ 10 s", v["median_s"] if v else None, 10.0, "s")
+    check("verify of 100k receipts peak memory ≤ 300 MiB", (v["maxrss_kib"] / 1024) if v else None, 300.0, "MiB")
+    rc = next((r for r in store if r["size"] == "100k" and r["name"].startswith("oncepatch recover")), None)
+    check("recover (nothing to do) over 100k receipts ≤ 5 s", rc["median_s"] if rc else None, 5.0, "s")
+    w = next((r for r in res.get("watch", {}).get("rows", [])
+              if r["size"] == "100k" and r.get("config") == "as specified"), None)
+    if w is not None:
+        check(f"watcher flag latency ≤ grace + 1 s = {w['grace_s'] + 1:g} s at 100k", w["median_s"],
+              w["grace_s"] + 1, "s")
+    else:
+        check("watcher flag latency ≤ grace + 1 s at 100k", None, 0)
+    big = res.get("large", {}).get("bigfile", [])
+    size = res.get("large", {}).get("big_size")
+    for r in big:
+        if r["name"].startswith("API (fresh process), branch checked out") and size:
+            floor = next((x for x in big if x["name"].startswith("python:")), None)
+            extra = (r["maxrss_kib"] - (floor["maxrss_kib"] if floor else 0)) * 1024 / size
+            check(f"{size >> 20} MiB file: API peak memory above the import floor ≤ 3 × file size", extra, 3.0, "×",
+                  shown=f"{extra:.1f}× ({_mib(r['maxrss_kib'])} MiB peak)")
+    return out
+
+
+def render(res: dict[str, Any]) -> str:
+    parts: list[str] = []
+    m = res["machine"]
+    parts.append("### Machine and run\n")
+    parts.append(_table(["", ""], [
+        ["command", f"`{res['command']}`"],
+        ["date (UTC)", res["date"]],
+        ["CPU", f"{m['cpu']}, {m['nproc']} cores"], ["RAM", f"{m['ram_gib']} GiB"],
+        ["filesystem", m["filesystem"]], ["kernel", m["kernel"]],
+        ["python / pygit2 / libgit2", f"{m['python']} / {m['pygit2']} / {m['libgit2']}"],
+        ["git", m["git"]], ["strace", m["strace"]],
+        ["product measured", m.get("product", "–")],
+        ["fsync floor here (start / end of run)", res.get("fsync_floor", "–")],
+        ["load average (1 min) during the run", res.get("load", "–")],
+        ["total wall time", f"{res.get('wall_s', 0):.0f} s"],
+        ["repo generation", ", ".join(f"{k}: {v:.1f} s" for k, v in res.get("gen", {}).items())],
+    ]))
+    s = res.get("single")
+    if s:
+        parts.append("\n### 1. One-file patch (ms; ratio = git pair median / this median, > 1 is faster)\n")
+        for size in dict.fromkeys(r["size"] for r in s["single"]):
+            rows = [r for r in s["single"] if r["size"] == size]
+            parts.append(f"\n**{size} files** (worktree clean afterwards: {s['clean'].get(size)})\n\n")
+            parts.append(_table(["contender", "median", "p90", "n", "vs git pair"], _timing_rows(rows)))
+        parts.append("\n### 2. Replay of a committed call (ms)\n")
+        for size in dict.fromkeys(r["size"] for r in s["replay"]):
+            rows = [r for r in s["replay"] if r["size"] == size]
+            parts.append(f"\n**{size} files**\n\n")
+            parts.append(_table(["contender", "median", "p90", "n", "vs git pair"], _timing_rows(rows)))
+        imp = s.get("importtime", {})
+        if imp:
+            rp = imp["replay"]
+            parts.append(
+                f"\nCLI replay imports: pygit2 imported = **{rp['pygit2_imported']}** (`-X importtime`), "
+                f"`'pygit2' in sys.modules` after `main()` = **{imp['replay_sys_modules_has_pygit2']}**; "
+                f"{rp['modules']} modules, {rp['import_ms']} ms of imports (self times summed); "
+                "largest: " + ", ".join(f"`{m}` {t} ms" for m, t in rp["top"]) + ".\n")
+        cold = res.get("cold_imports")
+        if cold:
+            parts.append(f"\nCLI cold *apply* imports: {cold['modules']} modules, {cold['import_ms']} ms; largest: "
+                         + ", ".join(f"`{m}` {t} ms" for m, t in cold["top"]) + ".\n")
+    lg = res.get("large")
+    if lg:
+        parts.append(f"\n### 3. Large changes\n\n**500-file patch, {lg['files500'][0]['size']} files** (ms; worktree "
+                     f"clean afterwards: {lg['files500_clean']})\n\n")
+        parts.append(_table(["contender", "median", "p90", "n", "vs git pair"], _timing_rows(lg["files500"])))
+        parts.append(f"\n**One line changed in a {lg['big_size'] >> 20} MiB file** (ms; peak RSS of the process "
+                     f"in MiB, max over rounds; worktree clean afterwards: {lg['bigfile_clean']})\n\n")
+        parts.append(_table(["contender", "median", "p90", "n", "vs git pair", "peak RSS MiB"],
+                            _timing_rows(lg["bigfile"], rss=True)))
+    ag = res.get("agents")
+    if ag:
+        r0 = ag["rows"][0]
+        parts.append(f"\n### Many agents at once (issue 4): one-file patches on distinct files of one branch, "
+                     f"{r0['size']} files\n\nEach process is a long-lived API caller (`bench.worker batch`); wall "
+                     f"time includes process start-up (each process imports pygit2), the apply-loop span does not. Worktree clean afterwards: {ag['clean']}.\n\n")
+        rows = []
+        for r in ag["rows"]:
+            serial = next((x for x in ag["rows"] if x["branch"] == r["branch"] and x["mode"] == "serial"), None)
+            rows.append([f"branch {r['branch']}", r["mode"], str(r["procs"]), str(r["calls"]), str(r["landed"]),
+                         str(r["commits_added"]), str(r.get("restaged", "–")),
+                         ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "none",
+                         f"{r['wall_s']:.2f}", f"{r['per_s']:.1f}",
+                         f"{r['per_s'] / serial['per_s']:.2f}×" if serial else "–",
+                         f"{r['span_per_s']:.1f}",
+                         f"{r['span_per_s'] / serial['span_per_s']:.2f}×" if serial else "–"])
+        parts.append(_table(["target", "mode", "processes", "calls", "landed", "commits added",
+                             "re-staged (branch moved)", "errors", "wall s",
+                             "calls/s (wall)", "vs serial", "calls/s (apply loops only)", "vs serial"], rows))
+    st = res.get("store")
+    if st:
+        parts.append("\n### 4. `recover` and `verify` over stores of committed receipts (cold CLI processes)\n\n")
+        rows = []
+        for r in st["rows"]:
+            rows.append([r["size"], r["name"], fmt_ms(r["median_s"]), fmt_ms(r["p90_s"]), str(r["n"]),
+                         f"{r['per_s']:,.0f}" if r.get("per_s") else "–", _mib(r.get("maxrss_kib")),
+                         fmt_ratio(r["baseline_median_s"], r["median_s"]) if r.get("baseline") else "floor"])
+        parts.append(_table(["receipts", "command", "median (ms)", "p90", "n", "receipts/s", "peak RSS MiB",
+                             "vs floor"], rows))
+        parts.append("\nStore synthesis: " + ", ".join(f"{k} {v:.1f}" + ("" if k == "repo_commits" else " s")
+                                                      for k, v in st["gen"].items()) + ".\n")
+    w = res.get("watch")
+    if w:
+        parts.append("\n### 5. Watcher: orphan created → flag printed by `oncepatch watch --json --grace 1`\n\n")
+        rows = [[r["config"], f"{r['receipts']:,}", f"{r['startup_scan_s']:.1f} s", f"{r['median_s']:.2f} s",
+                 f"{r['p90_s']:.2f} s", str(len(r["samples_s"])), f"{r['grace_s'] + 1:g} s", _mib(r.get("rss_kib"))]
+                for r in w["rows"]]
+        parts.append(_table(["watcher", "receipts", "start-up scan", "latency median", "p90", "n", "target",
+                             "peak RSS MiB"], rows))
+    fs = res.get("fsync")
+    if fs:
+        parts.append("\n### 6. fsync per transaction\n\n**strace** (`strace -f -T -y`, one cold process each; "
+                     "median of the runs)\n\n")
+        rows = [[r["size"], r["name"], f"{r['count']:g}", str(r["dirs"]), f"{r['fsync_ms']:.1f}",
+                 f"{r['wall_ms']:.0f}", ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items(),
+                                                                               key=lambda kv: -kv[1]))]
+                for r in fs["strace"]]
+        parts.append(_table(["files", "process", "fsyncs", "of which folders", "ms in fsync", "wall ms (traced)",
+                             "what was synced"], rows))
+        first = next((r for r in fs["strace"] if r["name"] == "oncepatch apply, branch checked out"), None)
+        if first and first.get("paths"):
+            runs: list[list[Any]] = []
+            for p in first["paths"]:
+                if runs and runs[-1][0] == p:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([p, 1])
+            parts.append(f"\nWhat one `oncepatch apply` (branch checked out, {first['size']} files) syncs, in order "
+                         "(`<h>` a hash, `<xx>` a fan-out folder):\n\n```\n"
+                         + "\n".join(f"{p}" + (f"  ×{n}" if n > 1 else "") for p, n in runs) + "\n```\n")
+        parts.append("\n**In process, durable vs fsync stubbed** (`os.fsync` no-op and libgit2 "
+                     "`enable_fsync_gitdir(False)`; interleaved)\n\n")
+        rows = []
+        for size in dict.fromkeys(r["size"] for r in fs["ab"]):
+            for where in ("not checked out", "checked out"):
+                d = next(r for r in fs["ab"] if r["size"] == size and r["name"] == f"API durable, {where}")
+                n = next(r for r in fs["ab"] if r["size"] == size and r["name"] == f"API fsync stubbed, {where}")
+                share = (d["median_s"] - n["median_s"]) / d["median_s"] if d["median_s"] else 0
+                rows.append([size, f"API, branch {where}", fmt_ms(d["median_s"]), fmt_ms(n["median_s"]),
+                             fmt_ms(d["median_s"] - n["median_s"]), f"{share:.0%}"])
+        parts.append(_table(["files", "call", "durable median (ms)", "no-fsync median", "fsync cost", "share"],
+                            rows))
+    parts.append("\n### Target check (issue 7)\n\n")
+    parts.append(_table(["target", "measured", "verdict"], [list(t) for t in targets(res)]))
+    pr = res.get("profile")
+    if pr:
+        parts.append("\n### Profile tables (cProfile; per call)\n")
+        for name, p in pr.items():
+            parts.append(f"\n**{name}** — {p['total_ms']:.1f} ms per call under the profiler, {p['ops']} calls\n\n")
+            rows = [[str(i + 1), f"`{r['func']}`", f"{r['cum_ms']:.2f}", f"{r['self_ms']:.2f}", f"{r['calls']:g}"]
+                    for i, r in enumerate(p["by_cum"][:12])]
+            parts.append(_table(["#", "function", "cum ms/call", "self ms/call", "calls/call"], rows))
+            parts.append("\nLargest self time: " + ", ".join(
+                f"`{r['func']}` {r['self_ms']:.2f} ms" for r in p["by_self"][:6]) + ".\n")
+    return "".join(parts)
