@@ -59,13 +59,22 @@ _MODE_EXEC = 0o100755
 _MODE_TREE = 0o040000
 
 
-def dirty_paths(workdir: str, paths: list[str]) -> list[str]:
-    """Touched paths whose index entry or working file differs from HEAD (or that are untracked/ignored).
+def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str | None) -> list[str]:
+    """Touched paths whose index entry or working file differs from ``head_tree`` (or that are untracked/ignored).
 
     A touched path that is a folder in the worktree (a folder giving way to a
     file) is dirty when it holds any file the patch does not touch itself.
+    The index is read through :func:`cas.index_cache.snapshot_for` (parsed
+    once per process while unchanged); working files are compared by content.
+    ``store`` reads the trees (a linked worktree shares the object database).
     """
-    repo = pygit2.Repository(workdir)
+    from cas.index_cache import snapshot_for
+
+    try:
+        git_dir = os.path.realpath(pygit2.Repository(workdir).path)
+    except (pygit2.GitError, KeyError) as exc:
+        raise GitStoreError(f"cannot open worktree '{workdir}': {exc}") from exc
+    snap = snapshot_for(git_dir)
     touched = set(paths)
     dirty = []
     for path in paths:
@@ -77,16 +86,8 @@ def dirty_paths(workdir: str, paths: list[str]) -> list[str]:
                     dirty.append(path)
                     break
             continue
-        try:
-            flags = repo.status_file(path)
-        except KeyError:
-            # Not in HEAD, not in the index, not on disk.
-            if os.path.lexists(full):
-                dirty.append(path)
-            continue
-        except pygit2.GitError as exc:
-            raise GitStoreError(f"cannot read status of '{path}' in '{workdir}': {exc}") from exc
-        if flags != pygit2.enums.FileStatus.CURRENT:
+        want = store.lookup_file(head_tree, path)
+        if snap.entry(path) != want or not worktree_files_match(store, workdir, {path: want}):
             dirty.append(path)
     return dirty
 
@@ -193,7 +194,8 @@ def materialise(
         raise
     except OSError as exc:
         raise GitStoreError(f"cannot write worktree '{workdir}': {exc}") from exc
-    update_index(workdir, [p for p in deletes], [p for p, _ in writes], lock_marker=lock_marker, held=held)
+    update_index(workdir, [p for p in deletes], [p for p, _ in writes], lock_marker=lock_marker, held=held,
+                 known=dict(writes))
 
 
 #: Content of an index.lock held by oncepatch (git's own locks hold index data).
@@ -327,6 +329,7 @@ def update_index(
     lock_marker: str | None = None,
     timeout: float = 10.0,
     held: IndexLock | None = None,
+    known: Mapping[str, TreeEntry | None] | None = None,
 ) -> None:
     """Update just these entries of ``workdir``'s index (stat data from the files), safely against git.
 
@@ -347,49 +350,45 @@ def update_index(
     """
     lock = held if held is not None else hold_index_lock(workdir, timeout=timeout, lock_marker=lock_marker)
     try:
-        _write_index(workdir, lock, removed, added)
+        _write_index(workdir, lock, removed, added, known)
     finally:
         if held is None:
             lock.release()
 
 
-def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[str]) -> None:
-    from pygit2.errors import check_error
-    from pygit2.ffi import C, ffi
+def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[str],
+                 known: Mapping[str, TreeEntry | None] | None = None) -> None:
+    """Set these entries in the parsed copy of the index and install it (``index.lock`` is held).
 
-    index_path = os.path.join(lock.git_dir, "index")
-    tmp = os.path.join(lock.git_dir, f"index{TMP_MARK}{os.getpid()}")
+    ``known``: the entries just written for these paths (their files are not re-hashed).
+    """
+    from cas.index_cache import snapshot_for
+
+    snap = snapshot_for(lock.git_dir)
+    entries: list[tuple[str, TreeEntry]] = []
+    for path in added:
+        given = (known or {}).get(path)
+        if given is not None:
+            entries.append((path, given))
+            continue
+        full = os.path.join(workdir, path)
+        try:
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                data = os.fsencode(os.readlink(full))
+                mode = _MODE_LINK
+            else:
+                with open(full, "rb") as fh:
+                    data = fh.read()
+                mode = _MODE_EXEC if st.st_mode & 0o100 else 0o100644
+        except OSError as exc:
+            raise GitStoreError(f"cannot stage '{path}' in '{workdir}': {exc}") from exc
+        entries.append((path, TreeEntry(git_blob_oid(data), mode)))
     try:
-        # The worktree's own index computes the new entries (stat data, blob ids) ...
-        source = pygit2.Repository(workdir).index
-        source.read(True)
-        for path in added:
-            source.add(path)
-        # ... and they are copied into the linked copy, which libgit2 then writes.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        with contextlib.suppress(FileNotFoundError):
-            os.link(index_path, tmp)  # no index yet: an empty one is written
-        target = pygit2.Index(tmp)
-        for path in removed:
-            with contextlib.suppress(OSError, KeyError, pygit2.GitError):
-                target.remove(path)
-        for path in added:
-            entry = C.git_index_get_bypath(source._index, os.fsencode(path), 0)
-            if entry == ffi.NULL:
-                raise GitStoreError(f"cannot stage '{path}' in '{workdir}'")
-            check_error(C.git_index_add(target._index, entry))
-        target.write()
-        del target
-        os.replace(tmp, index_path)
-        fsync_dir(lock.git_dir)
+        snap.stage(workdir, removed, entries)
     except pygit2.GitError as exc:
-        raise GitStoreError(f"cannot write index of '{workdir}': {exc}") from exc
-    except OSError as exc:
-        raise GitStoreError(f"cannot write index of '{workdir}': {exc}") from exc
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        raise GitStoreError(f"cannot stage in '{workdir}': {exc}") from exc
+    snap.install()
 
 
 def worktree_matches(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:
@@ -403,7 +402,7 @@ def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, Tr
         full = os.path.join(workdir, path)
         try:
             st = os.lstat(full)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a file may stand where a folder goes
             if entry is not None:
                 return False
             continue

@@ -38,7 +38,8 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tup
         # and a clean path looks dirty.  Under index.lock both are read as one state.
         lock = hold_index_lock(workdir)
         try:
-            dirty = dirty_paths(workdir, paths)
+            tip = gstore.resolve(branch)
+            dirty = dirty_paths(gstore, workdir, paths, gstore.commit_tree(tip) if tip else None)
         finally:
             lock.release()
         if dirty:

@@ -28,9 +28,9 @@ from typing import Any
 
 import orjson
 
-from receipts.canonical import canonical_json
+from receipts.canonical import canonical_json, normalise
 from receipts.errors import CorruptReceipt
-from receipts.identity import compute_args_sha256, compute_call_id, key_hash
+from receipts.identity import CALL_ID_TAG, key_hash
 from receipts.states import STATUSES, Status
 
 __all__ = ["SCHEMA", "Receipt", "parse_receipt", "receipt_bytes", "now_iso"]
@@ -91,6 +91,9 @@ class Receipt:
     result: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     schema: str = SCHEMA
+    #: The verified ``receipt_sha256`` of the file this record was parsed from
+    #: (``None`` for a record built in memory); :meth:`evolve` drops it.
+    parsed_digest: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def args(self) -> dict[str, Any]:
@@ -105,6 +108,7 @@ class Receipt:
     def evolve(self, **changes: Any) -> Receipt:
         """A copy with ``changes`` and a fresh ``updated_at``."""
         changes.setdefault("updated_at", now_iso())
+        changes.setdefault("parsed_digest", None)
         return dataclasses.replace(self, **changes)
 
     def to_doc(self) -> dict[str, Any]:
@@ -137,6 +141,8 @@ class Receipt:
 
     @property
     def digest(self) -> str:
+        if self.parsed_digest is not None:
+            return self.parsed_digest
         return str(self.to_doc()[_DIGEST_FIELD])
 
 
@@ -174,12 +180,15 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
         raise CorruptReceipt(path, f"missing field '{_DIGEST_FIELD}'")
     body = {k: v for k, v in doc.items() if k != _DIGEST_FIELD}
     try:
-        actual_digest = hashlib.sha256(canonical_json(body)).hexdigest()
-        identity = doc["identity"]
-        call_id = compute_call_id(identity)
-        args_sha = compute_args_sha256(
-            identity.get("tool", ""), identity.get("tool_version", ""), identity.get("args", {})
-        )
+        # One validating walk (normalise) gives key-sorted copies; the three hashes
+        # are then plain orjson dumps of its parts, identical to canonical_json().
+        canon = normalise(body)
+        actual_digest = hashlib.sha256(orjson.dumps(canon)).hexdigest()
+        identity = canon["identity"]
+        call_id = CALL_ID_TAG + hashlib.sha256(orjson.dumps(identity)).hexdigest()
+        args_doc = {"args": identity.get("args", {}), "tool": identity.get("tool", ""),
+                    "tool_version": identity.get("tool_version", "")}
+        args_sha = hashlib.sha256(orjson.dumps(args_doc)).hexdigest()
     except Exception as exc:  # CanonicalJsonError, odd identity shapes
         raise CorruptReceipt(path, f"cannot recompute hashes ({exc})") from exc
     if actual_digest != stored_digest:
@@ -216,4 +225,5 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
         result=doc.get("result"),
         extra=extra,
         schema=doc["schema"],
+        parsed_digest=actual_digest,
     )
