@@ -66,6 +66,7 @@ from typing import Any
 
 import orjson
 
+from patcher.detection import WHOLE_KEYS, json_items, looks_search_replace, looks_str_replace
 from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied
 from patcher.formats import Format
 from patcher.matching import apply_hunks, split_lines
@@ -89,19 +90,12 @@ _SEARCH = re.compile(rb"<{5,9} SEARCH>?[ \t]*\r?")
 _DIVIDER = re.compile(rb"={5,9}[ \t]*\r?")
 _REPLACE = re.compile(rb">{5,9} REPLACE[ \t]*\r?")
 _FENCE = re.compile(rb"\s*(```|~~~).*")
-_LOOKS_SEARCH = re.compile(rb"^<{5,9} SEARCH>?[ \t]*\r?$", re.MULTILINE)
-_LOOKS_REPLACE = re.compile(rb"^>{5,9} REPLACE[ \t]*\r?$", re.MULTILINE)
 
 _STR_KEYS = {"path", "old", "new", "old_str", "new_str"}
-_WHOLE_KEYS = {"content", "content_b64", "delete", "mode"}
+_WHOLE_KEYS = WHOLE_KEYS
 
 
 # --------------------------------------------------------------------------- search/replace blocks
-
-
-def looks_search_replace(data: bytes) -> bool:
-    """A ``<<<<<<< SEARCH`` line and a ``>>>>>>> REPLACE`` line, each at the start of a line."""
-    return _LOOKS_SEARCH.search(data) is not None and _LOOKS_REPLACE.search(data) is not None
 
 
 def _chomp(line: bytes) -> bytes:
@@ -215,29 +209,6 @@ def _group(blocks: list[tuple[str, int, list[bytes], list[bytes]]], kind: str) -
 # --------------------------------------------------------------------------- str_replace JSON
 
 
-def _json_items(data: bytes) -> list[Any] | None:
-    """The list of objects a JSON edit format carries (``None``: not a JSON list/object of objects)."""
-    head = data.lstrip()[:1]
-    if head not in (b"[", b"{"):
-        return None
-    try:
-        doc = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    items = doc if isinstance(doc, list) else [doc]
-    if not items or not all(isinstance(x, dict) for x in items):
-        return None
-    return items
-
-
-def looks_str_replace(data: bytes) -> bool:
-    """JSON objects that all have ``path`` and ``old``/``old_str``, and none of the whole-file keys."""
-    items = _json_items(data)
-    return items is not None and all(
-        "path" in x and ("old" in x or "old_str" in x) and not (_WHOLE_KEYS & x.keys()) for x in items
-    )
-
-
 def parse_str_replace(data: bytes) -> Patch:
     """Parse ``str_replace`` JSON edits into ``Patch(format="str_replace")``.
 
@@ -245,7 +216,7 @@ def parse_str_replace(data: bytes) -> Patch:
         ParseError: not a JSON list of objects, a missing/unknown/non-string
             field, an empty ``old``, or ``old == new``.
     """
-    items = _json_items(data)
+    items = json_items(data)
     if items is None:
         raise _error("str_replace edits must be a JSON list of objects {\"path\", \"old\", \"new\"}")
     blocks: list[tuple[str, int, list[bytes], list[bytes]]] = []

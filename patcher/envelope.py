@@ -60,6 +60,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from patcher.detection import looks_envelope
 from patcher.errors import ParseError
 from patcher.formats import Format
 from patcher.model import FileEdit, Hunk, Patch
@@ -79,17 +80,6 @@ END_OF_FILE = b"*** End of File"
 _KNOWN = (ADD, DELETE, UPDATE, MOVE, END_OF_FILE, BEGIN, END)
 _HEREDOC = re.compile(rb"(?:(?:apply_patch|applypatch)\s+)?<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
 _UNIFIED_HEADER = re.compile(rb"@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@.*")
-_LOOKS = re.compile(
-    rb"\A\s*(?:(?:(?:apply_patch|applypatch)\s+)?<<-?\s*['\"]?[A-Za-z_][A-Za-z0-9_]*['\"]?[ \t]*\r?\n\s*)?"
-    rb"\*\*\* Begin Patch[ \t]*(?:\r?\n|\Z)"
-)
-
-
-def looks_envelope(data: bytes) -> bool:
-    """``*** Begin Patch`` is the first non-blank line (or the one after a heredoc line)."""
-    return _LOOKS.match(data) is not None
-
-
 @dataclass(slots=True)
 class _Line:
     no: int  # 1-based line number in the patch as sent

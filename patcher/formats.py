@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from patcher.detection import DETECTORS
 from patcher.errors import ParseError
 from patcher.model import AppliedFile, Patch
 from patcher.paths import check_path, check_paths
@@ -75,12 +76,14 @@ def detect(data: bytes) -> str:
     Raises:
         ParseError: no format, or more than one, accepts it.
     """
-    if not FORMATS:
-        _load_builtin()
-    hits = [f.name for f in FORMATS.values() if f.looks(data)]
+    # Only the light tests: detection must not import the parsers (replays stay cheap).
+    detectors: dict[str, Callable[[bytes], bool]] = dict(DETECTORS)
+    for name, fmt in FORMATS.items():
+        detectors.setdefault(name, fmt.looks)
+    hits = [name for name, looks in detectors.items() if looks(data)]
     if not hits:
         raise ParseError("cannot tell the patch format: no known format matches (use --format)",
-                         details={"formats": format_names()})
+                         details={"formats": sorted(detectors)})
     if len(hits) > 1:
         raise ParseError(f"patch could be any of {', '.join(sorted(hits))}: name one with --format",
                          details={"formats": sorted(hits)})

@@ -67,6 +67,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from patcher.detection import looks_unified
 from patcher.errors import ParseError, UnsupportedPatch
 from patcher.matching import split_lines
 from patcher.model import MODE_EXEC, MODE_FILE, MODE_LINK, FileEdit, Hunk, Patch
@@ -82,7 +83,6 @@ _STAMP = rb"\s*(\d{4}-\d\d-\d\d[ T]\d\d:\d\d(?::\d\d(?:\.\d+)?)?)(?:\s*([+-]\d{4
 _DATED_NAME = re.compile(rb"(.*?)\s" + _STAMP)  # 'name 2024-01-01 10:00:00 +0000' without a tab
 _TIMESTAMP = re.compile(_STAMP)
 _BINARY = re.compile(rb"Binary files (.*) and (.*) differ")
-_LOOKS = re.compile(rb"^diff --git |^--- [^\n]*\n\+\+\+ [^\n]*\n@@ -", re.MULTILINE)
 _PREFIX_PAIRS = (
     (b"a/", b"b/"),
     (b"c/", b"w/"),
@@ -102,11 +102,6 @@ _ESCAPES = {
     ord('"'): 34,
     ord("\\"): 92,
 }
-
-
-def looks_unified(data: bytes) -> bool:
-    """Cheap detection: a ``diff --git`` line, or ``---`` then ``+++`` then ``@@ -`` lines."""
-    return _LOOKS.search(data) is not None
 
 
 # ---------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Any
 
 import orjson
 
+from patcher.detection import EDIT_KEYS, json_items, looks_whole_file
 from patcher.errors import ParseError
 from patcher.formats import Format
 from patcher.model import MODE_EXEC, MODE_FILE, FileEdit, Patch
@@ -43,33 +44,11 @@ __all__ = ["WHOLE_FILE", "looks_whole_file", "parse_whole_file", "FORMATS"]
 WHOLE_FILE = "whole_file"
 
 _KEYS = {"path", "content", "content_b64", "delete", "mode"}
-_EDIT_KEYS = {"old", "new", "old_str", "new_str"}
+_EDIT_KEYS = EDIT_KEYS
 _MODES = {
     "100644": MODE_FILE, "644": MODE_FILE, "0644": MODE_FILE,
     "100755": MODE_EXEC, "755": MODE_EXEC, "0755": MODE_EXEC,
 }
-
-
-def _items(data: bytes) -> list[Any] | None:
-    if data.lstrip()[:1] not in (b"[", b"{"):
-        return None
-    try:
-        doc = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    items = doc if isinstance(doc, list) else [doc]
-    if not items or not all(isinstance(x, dict) for x in items):
-        return None
-    return items
-
-
-def looks_whole_file(data: bytes) -> bool:
-    """JSON objects that all have ``path`` and one of ``content``/``content_b64``/``delete``, no edit keys."""
-    items = _items(data)
-    return items is not None and all(
-        "path" in x and ({"content", "content_b64", "delete"} & x.keys()) and not (_EDIT_KEYS & x.keys())
-        for x in items
-    )
 
 
 def _error(message: str, item: int | None = None, **extra: Any) -> ParseError:
@@ -100,7 +79,7 @@ def parse_whole_file(data: bytes) -> Patch:
         ParseError: not JSON objects, a missing or unknown key, bad base64 or
             mode, two items for one path.
     """
-    items = _items(data)
+    items = json_items(data)
     if items is None:
         raise _error("expected a JSON list of objects {\"path\", \"content\"|\"content_b64\"|\"delete\"}")
     edits: list[FileEdit] = []
