@@ -249,22 +249,34 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
     index_lock = os.path.join(git_dir, "index.lock")
     deadline = time.monotonic() + timeout
     delay = 0.002
-    while True:
-        try:
-            fd = os.open(index_lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            break
-        except FileExistsError:
-            if break_dead_own_index_lock(index_lock):
-                continue
-            if time.monotonic() >= deadline:
-                raise RefLockedError(index_lock) from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+    # The lock is born with its mark: written to a tmp file beside it, then
+    # link()ed to 'index.lock' (exclusive like O_CREAT|O_EXCL).  Race guarded: a
+    # call killed between creating an empty lock and writing its mark would leave
+    # a lock nothing could prove ours, blocking every later call.
+    tmp = os.path.join(git_dir, f".index.lock{TMP_MARK}{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, INDEX_LOCK_MARK + f"{os.getpid()} {socket.gethostname()}\n".encode())
-        st = os.fstat(fd)
     finally:
         os.close(fd)
+    try:
+        while True:
+            try:
+                os.link(tmp, index_lock)
+                break
+            except FileExistsError:
+                if break_dead_own_index_lock(index_lock):
+                    continue
+                if time.monotonic() >= deadline:
+                    raise RefLockedError(index_lock) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    st = os.lstat(index_lock)
     lock = IndexLock(index_lock, git_dir, (st.st_dev, st.st_ino), None)
     if lock_marker is not None:
         try:

@@ -143,6 +143,10 @@ class GitAdapter:
         base_tree = gstore.commit_tree(base_commit) if base_commit else None
         tip_tree = gstore.commit_tree(tip)
         for workdir, _gd in worktrees_on(gstore.common_dir, branch):
+            # A call killed while writing a touched file (or the index) leaves its tmp file
+            # beside it: untracked residue in the user's worktree unless removed here.
+            for tmp in _remove_dead_tmp_files(workdir, _gd, touched):
+                done.append(f"removed '{tmp}' left by a crashed call")
             stale: dict[str, TreeEntry | None] = {}
             left: list[str] = []
             for path in touched:
@@ -256,9 +260,33 @@ class GitAdapter:
                 lk.release()
         return removed
 
+    def _cleanup_dead_index_locks(self, rstore: ReceiptStore, dry_run: bool) -> list[str]:
+        """Remove marked ``index.lock`` files of dead calls in the repositories at hand.
+
+        Race guarded: a call also takes ``index.lock`` briefly *before* its key lock and
+        receipt (the dirty-path check); killed there, no receipt or marker names the lock
+        and it would block every later call.  The repositories looked at: the one the
+        store lives in (the default ``<git-common-dir>/oncepatch``) and every one this
+        recovery opened for a receipt.
+        """
+        common_dirs = {os.path.realpath(str(g.common_dir)) for g in self._stores.values()}
+        parent = os.path.dirname(rstore.root)
+        if os.path.isfile(os.path.join(parent, "HEAD")) and os.path.isdir(os.path.join(parent, "objects")):
+            common_dirs.add(os.path.realpath(parent))
+        removed: list[str] = []
+        for common_dir in sorted(common_dirs):
+            for git_dir in _git_dirs_of(common_dir):
+                stale = _remove_dead_marked_index_lock(git_dir, remove=not dry_run)
+                if stale is not None:
+                    removed.append(stale)
+                if not dry_run:  # the index update's tmp files of dead calls (never a lock)
+                    removed += _remove_dead_tmp_files(None, git_dir, [])
+        return removed
+
     def cleanup(self, rstore: ReceiptStore, dry_run: bool, tmp_age: float) -> list[str]:
         """Remove index-lock markers (and the stale ``index.lock`` they prove ours) of dead owners."""
         removed: list[str] = self._cleanup_check_worktrees(rstore, dry_run)
+        removed += self._cleanup_dead_index_locks(rstore, dry_run)
         try:
             names = sorted(os.listdir(rstore.tmp_dir))
         except FileNotFoundError:
@@ -291,44 +319,135 @@ class GitAdapter:
                 try:
                     with open(marker, "rb") as fh:
                         index_lock = fh.read().decode("utf-8", "surrogateescape").strip()
-                    marker_mtime = os.stat(marker).st_mtime
                 except FileNotFoundError:
                     continue
                 with contextlib.suppress(FileNotFoundError):
-                    if index_lock.endswith("index.lock") and _index_lock_is_ours(index_lock, marker_mtime):
-                        removed.append(index_lock)
-                        if not dry_run:
-                            os.unlink(index_lock)
+                    if index_lock.endswith("index.lock") and _index_lock_is_ours(index_lock):
+                        from cas.worktree import break_dead_own_index_lock
+
+                        # cas breaks it under the folder's flock (a bare unlink could hit a
+                        # live call's lock created in its place since the read).
+                        if dry_run or break_dead_own_index_lock(index_lock):
+                            removed.append(index_lock)
                 removed.append(marker)
                 if not dry_run:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(marker)
             finally:
                 lk.release()
-        return removed
+        return list(dict.fromkeys(removed))  # a lock found both ways is listed once
 
 
-def _remove_dead_marked_index_lock(git_dir: str) -> str | None:
-    """Remove ``<git_dir>/index.lock`` if oncepatch wrote it and its pid is gone; return its path then."""
+def _pid_of_tmp(rest: str) -> int | None:
+    """The pid in the tail ``<pid>-<rand>`` / ``<pid>`` / ``<pid>.lock`` of a tmp file name."""
+    head = rest.split("-", 1)[0].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _pid_dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:
+    """Where cas's index update leaves tmp files: ``index.optmp-<pid>…``, ``.index.lock.optmp-<pid>``."""
+    from cas.durable import TMP_MARK
+
+    real = os.path.realpath(git_dir)
+    return [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}")]
+
+
+def _remove_dead_tmp_files(workdir: str | None, git_dir: str, touched: list[str]) -> list[str]:
+    """Remove tmp files of dead processes beside the touched paths and beside the index.
+
+    Only names cas writes (``.<name>.optmp-<pid>-<rand>`` by the durable-write helper,
+    ``index.optmp-<pid>[…]`` and ``.index.lock.optmp-<pid>`` by the index update) whose
+    pid is gone.  ``workdir=None``: only those beside the index.
+    """
+    from cas.durable import TMP_MARK
+
+    removed: list[str] = []
+    candidates: list[tuple[str, str]] = []
+    real_root = os.path.realpath(workdir) if workdir is not None else ""
+    for folder_rel in sorted({os.path.dirname(p) for p in touched} if workdir is not None else ()):
+        folder = os.path.join(real_root, folder_rel) if folder_rel else real_root
+        if os.path.realpath(folder) != os.path.normpath(folder):
+            continue  # a symlink on the way: never follow it
+        names = {f".{os.path.basename(p)}{TMP_MARK}" for p in touched if os.path.dirname(p) == folder_rel}
+        candidates += [(folder, prefix) for prefix in sorted(names)]
+    candidates += _git_dir_tmp_prefixes(git_dir)
+    for folder, prefix in candidates:
+        try:
+            entries = os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            if not entry.startswith(prefix):
+                continue
+            pid = _pid_of_tmp(entry[len(prefix):])
+            if pid is None or not _pid_dead(pid):
+                continue
+            path = os.path.join(folder, entry)
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
+def _marked_by_dead_call(head: bytes) -> bool:
+    """``head`` of an ``index.lock`` says ``oncepatch-index-lock <pid> [<host>]`` of a pid gone from
+    this host.  Another host's (a shared repository), or one without a readable pid, is not
+    judged: left alone."""
+    import socket
+
     from cas.worktree import INDEX_LOCK_MARK
 
+    if not head.startswith(INDEX_LOCK_MARK):
+        return False  # git's own lock: never ours
+    fields = head[len(INDEX_LOCK_MARK):].split()
+    if not fields or not fields[0].isdigit():
+        return False
+    if len(fields) > 1 and fields[1].decode("utf-8", "replace") != socket.gethostname():
+        return False
+    return _pid_dead(int(fields[0]))
+
+
+def _remove_dead_marked_index_lock(git_dir: str, *, remove: bool = True) -> str | None:
+    """Remove ``<git_dir>/index.lock`` if a dead oncepatch call wrote it; return its path then.
+
+    With ``remove=False`` only tell (a dry run).
+    """
     lock = os.path.join(os.path.realpath(git_dir), "index.lock")
     try:
         with open(lock, "rb") as fh:
-            head = fh.read(64)
+            head = fh.read(256)
     except FileNotFoundError:
         return None
-    if not head.startswith(INDEX_LOCK_MARK):
-        return None  # git's own, or libgit2's index write: never ours to judge here
-    try:
-        os.kill(int(head[len(INDEX_LOCK_MARK):].split()[0]), 0)
-    except (ValueError, IndexError, PermissionError):
+    if not _marked_by_dead_call(head):
         return None
-    except ProcessLookupError:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock)
-        return lock
-    return None  # its owner is alive
+    if remove:
+        from cas.worktree import break_dead_own_index_lock
+
+        # Not a bare unlink: a call may break the same dead lock and create its own in its
+        # place between our read and our unlink; cas re-reads and unlinks under the folder's
+        # flock, and only the file it read.
+        if not break_dead_own_index_lock(lock):
+            return None
+    return lock
+
+
+def _git_dirs_of(common_dir: str) -> list[str]:
+    """The common dir and every linked worktree's git dir (each has its own index)."""
+    found = [common_dir]
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        root = os.path.join(common_dir, "worktrees")
+        found += [os.path.join(root, n) for n in sorted(os.listdir(root))]
+    return found
 
 
 def _reflog_left(common_dir: str, ref: str, oid: str) -> bool:
@@ -363,22 +482,16 @@ def _check_worktree_repo(path: str) -> str | None:
     return common_dir_of(os.path.realpath(text[len("gitdir:"):].strip()))
 
 
-def _index_lock_is_ours(index_lock: str, marker_mtime: float) -> bool:
-    """Our own lock (marked, owner pid dead), or libgit2's write begun after our marker."""
-    from cas.worktree import INDEX_LOCK_MARK
+def _index_lock_is_ours(index_lock: str) -> bool:
+    """Our own lock: marked ``oncepatch-index-lock <pid> <host>``, that pid dead on this host.
 
+    Never an unmarked lock, however new: libgit2 no longer writes ``index.lock``
+    (cas.worktree has it rewrite a hard-linked copy), so an unmarked one is a
+    live git's — e.g. a ``git commit`` begun after someone removed our stale lock
+    by hand, which the old "newer than our marker" rule would have deleted.
+    """
     with open(index_lock, "rb") as fh:
-        head = fh.read(64)
-    if head.startswith(INDEX_LOCK_MARK):
-        try:
-            pid = int(head[len(INDEX_LOCK_MARK):].split()[0])
-            os.kill(pid, 0)
-        except (ValueError, IndexError, ProcessLookupError):
-            return True
-        except PermissionError:
-            return False
-        return False
-    return os.stat(index_lock).st_mtime >= marker_mtime
+        return _marked_by_dead_call(fh.read(256))
 
 
 def _try_lock_hash(rstore: ReceiptStore, h: str) -> Any:

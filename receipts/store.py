@@ -160,8 +160,8 @@ class ReceiptStore:
         self.ledger.append_receipt_event(event, receipt, **fields)
         return path
 
-    def scan(self) -> Iterator[StoredReceipt]:
-        """Every receipt file in the store, verified; corrupt ones are yielded with their error."""
+    def files(self) -> Iterator[tuple[str, str, bytes]]:
+        """``(path, key hash, bytes)`` of every receipt file, unparsed (a scan's raw input)."""
         try:
             shards = sorted(os.listdir(self.receipts_dir))
         except FileNotFoundError:
@@ -173,16 +173,21 @@ class ReceiptStore:
             for name in sorted(os.listdir(folder)):
                 if not name.endswith(".json") or name.startswith("."):
                     continue
-                h = name[:-5]
                 path = os.path.join(folder, name)
                 try:
                     with open(path, "rb") as fh:
                         data = fh.read()
-                    yield StoredReceipt(path, h, parse_receipt(data, path=path, expected_key_hash=h), None)
-                except CorruptReceipt as exc:
-                    yield StoredReceipt(path, h, None, exc)
                 except FileNotFoundError:
                     continue
+                yield path, name[:-5], data
+
+    def scan(self) -> Iterator[StoredReceipt]:
+        """Every receipt file in the store, verified; corrupt ones are yielded with their error."""
+        for path, h, data in self.files():
+            try:
+                yield StoredReceipt(path, h, parse_receipt(data, path=path, expected_key_hash=h), None)
+            except CorruptReceipt as exc:
+                yield StoredReceipt(path, h, None, exc)
 
     def find(self, key_or_call_id: str) -> Receipt | None:
         """Look up by key, else by call_id (a scan: call_ids are not indexed)."""

@@ -6,8 +6,9 @@ Checks, each failure naming the receipt and the reason:
 * every ``committed`` receipt passes its adapter's ``verify_committed``
   (git: the commit exists, the key ref points at it, each output's digest
   equals the blob of that commit);
-* no ``prepared`` receipt older than the grace period (its owner is gone or
-  stuck: ``recover`` settles it); no ``unknown`` receipt (a person must look);
+* no unresolved ``prepared`` receipt: its call is gone (its key lock is
+  free: ``recover`` settles it), or it is still held but older than the grace
+  period (stuck); no ``unknown`` receipt (a person must look);
 * the ledger's hash chain is unbroken, and every receipt's latest state
   (its ``receipt_sha256``) appears in the ledger.
 
@@ -21,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from receipts.errors import CorruptReceipt
 from receipts.receipt import Receipt
 from receipts.recovery import receipt_age
 from receipts.store import ReceiptStore
@@ -87,9 +89,10 @@ def verify(
         r = item.receipt
         if r.digest not in digests:
             report.failures.append(Failure(r.key, item.path, f"latest state '{r.status}' is not in the ledger"))
-        if r.status == "prepared" and receipt_age(r, now) > grace:
-            report.failures.append(Failure(
-                r.key, item.path, f"unresolved prepared receipt, {receipt_age(r, now):.0f}s old: run 'oncepatch recover'"))
+        if r.status == "prepared":
+            unresolved = _unresolved_prepared(store, r, grace, now)
+            if unresolved is not None:
+                report.failures.append(Failure(r.key, item.path, unresolved))
         elif r.status == "unknown":
             report.failures.append(Failure(r.key, item.path, "outcome unknown: resolve it by hand ('oncepatch resolve')"))
         elif r.status == "committed":
@@ -99,3 +102,34 @@ def verify(
             for reason in v.verify_committed(r):
                 report.failures.append(Failure(r.key, item.path, reason))
     return report
+
+
+def _unresolved_prepared(store: ReceiptStore, r: Receipt, grace: float, now: float) -> str | None:
+    """Why a ``prepared`` receipt fails verification, or ``None`` while its call may still be running.
+
+    A call holds its key lock from before it writes ``prepared`` until its final
+    write, so a free lock means the call is gone: an orphan, whatever its age
+    (the pre-commit hook must see it at once).  A held lock is a live call,
+    merely slow: a failure only once older than ``grace`` (stuck).
+    """
+    age = receipt_age(r, now)
+    try:
+        lock = store.try_lock(r.key)
+    except OSError:  # a read-only store: liveness cannot be told, the age alone decides
+        if age > grace:
+            return f"unresolved prepared receipt, {age:.0f}s old: run 'oncepatch recover'"
+        return None
+    if lock is None:
+        if age > grace:
+            return f"prepared {age:.0f}s ago and its call still holds the key lock: stuck? (grace {grace:g}s)"
+        return None
+    try:
+        # Re-read under the lock: the call may have finished between the scan and now.
+        current = store.read(r.key)
+    except CorruptReceipt:
+        return None  # reported by the scan on its next run; this one read it intact
+    finally:
+        lock.release()
+    if current is None or current.status != "prepared" or current.fencing_token != r.fencing_token:
+        return None
+    return f"unresolved prepared receipt, {age:.0f}s old, its call is gone: run 'oncepatch recover'"

@@ -183,23 +183,32 @@ class Watcher:
 
     def run(self, stop: threading.Event, *, tick: float = 0.1) -> None:
         """Watch until ``stop`` is set: events, due checks, and a full rescan every ``rescan_interval`` s."""
-        from watchdog.events import FileSystemEvent, PatternMatchingEventHandler
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
         from watchdog.observers import Observer
 
         watcher = self
 
-        class Handler(PatternMatchingEventHandler):
-            def __init__(self) -> None:
-                super().__init__(patterns=["*.json"], ignore_directories=True)
+        def feed(path: bytes | str) -> None:
+            name = os.path.basename(os.fsdecode(path))
+            if name.endswith(".json") and not name.startswith("."):
+                watcher.notify(os.fsdecode(path))
 
+        # Not PatternMatchingEventHandler(patterns=["*.json"]): watchdog 7 matches
+        # patterns against the *full* path (PurePath.full_match), where "*.json"
+        # never matches ".../receipts/ab/<h>.json" — every event was dropped and
+        # only the periodic rescan ever saw a receipt.  Filter by file name here.
+        class Handler(FileSystemEventHandler):
             def on_created(self, event: FileSystemEvent) -> None:
-                watcher.notify(os.fsdecode(event.src_path))
+                if not event.is_directory:
+                    feed(event.src_path)
 
             def on_modified(self, event: FileSystemEvent) -> None:
-                watcher.notify(os.fsdecode(event.src_path))
+                if not event.is_directory:
+                    feed(event.src_path)
 
             def on_moved(self, event: FileSystemEvent) -> None:
-                watcher.notify(os.fsdecode(event.dest_path))
+                if not event.is_directory:
+                    feed(event.dest_path)
 
         os.makedirs(self.store.receipts_dir, exist_ok=True)
         observer = Observer()

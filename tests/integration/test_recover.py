@@ -1,0 +1,419 @@
+"""``oncepatch recover`` through the CLI on real repositories (DESIGN.md section 5).
+
+* idempotent: a second run reports ``changed: false`` and touches nothing;
+* crash-safe: killed at its own crash points, a second run ends in the same
+  state as one clean run;
+* ``--dry-run`` changes nothing (snapshot, stale git locks included) and lists
+  the rows the real run then does;
+* a key whose lock a live process holds is skipped, never touched;
+* SIGKILL at exact system calls (strace fault injection): inside libgit2's ref
+  update (the reflog entry is written before the branch moves) and inside the
+  index update (a stale ``index.lock`` with or without its store marker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Repo, make_repo, run_cli, snapshot
+from torture_driver import commits_with_trailer, fsck
+
+from receipts.store import ReceiptStore
+
+BASE: dict[str, str | bytes] = {
+    "README": "hello\n",
+    "src/app.py": "".join(f"line {i}\n" for i in range(1, 21)),
+    "docs/guide.txt": "guide\n",
+}
+KEY = "recover-test-key"
+
+
+def h(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def make_patch(tmp_path: Path, name: str = "change.diff", line: str = "line 7") -> tuple[Repo, Path]:
+    """A clean repo and a patch (modify one file, add another) made by git against its head."""
+    repo = make_repo(tmp_path / "repo", BASE)
+    pf = patch_for(repo, tmp_path / name, line)
+    return repo, pf
+
+
+def patch_for(repo: Repo, pf: Path, line: str = "line 7", new: str = "pkg/added.txt") -> Path:
+    base = repo.head()
+    repo.write("src/app.py", (repo.path / "src/app.py").read_text().replace(f"{line}\n", f"{line} changed\n"))
+    repo.write(new, "added\n")
+    repo.git("add", "-A")
+    pf.write_bytes(repo.git("diff", "--cached", "--full-index").encode())
+    repo.git("reset", "-q", "--hard", base)
+    repo.git("clean", "-qfd")
+    return pf
+
+
+def apply(repo: Repo, pf: Path, *extra: str, key: str = KEY, env: dict[str, str] | None = None) -> Any:
+    return run_cli("apply", "--repo", str(repo.path), "--key", key, "--json", *extra, str(pf), env=env)
+
+
+def recover(repo: Repo, *extra: str, env: dict[str, str] | None = None) -> Any:
+    return run_cli("recover", "--repo", str(repo.path), "--json", *extra, env=env)
+
+
+def receipt(repo: Repo, key: str = KEY) -> Any:
+    return ReceiptStore(str(repo.store)).read(key)
+
+
+def tmp_files(repo: Repo) -> list[str]:
+    return sorted(p.name for p in repo.store.rglob("*") if ".optmp-" in p.name)
+
+
+def crashed(tmp_path: Path, point: str) -> tuple[Repo, Path]:
+    repo, pf = make_patch(tmp_path)
+    r = apply(repo, pf, env={"ONCEPATCH_CRASH_AT": point})
+    assert r.code == 137, (r.code, r.out, r.err)
+    return repo, pf
+
+
+# -- idempotence -----------------------------------------------------------------------------
+
+
+def test_second_recover_reports_no_change_and_touches_nothing(tmp_path: Path) -> None:
+    repo, _pf = crashed(tmp_path, "after-ref")
+    first = recover(repo)
+    assert first.code == 0 and first.json["changed"] is True
+    assert [(r["from"], r["to"]) for r in first.json["rows"]] == [("prepared", "committed")]
+    before = snapshot(repo)
+    second = recover(repo)
+    assert second.code == 0, second.err
+    doc = second.json
+    assert doc["changed"] is False
+    assert (doc["rows"], doc["removed"], doc["ledger_repaired"], doc["skipped"]) == ([], [], [], [])
+    assert snapshot(repo) == before
+    text = run_cli("recover", "--repo", str(repo.path))
+    assert text.code == 0 and "nothing to do" in text.out
+
+
+def test_torn_ledger_tail_is_cut_so_verify_passes(tmp_path: Path) -> None:
+    """A crash mid-append leaves a torn last ledger line: verify fails on it, and recover (not
+    only some later call's append) must cut it; then a second run has nothing to do."""
+    repo, pf = make_patch(tmp_path)
+    assert apply(repo, pf).code == 0
+    ledger = repo.store / "events.jsonl"
+    good = ledger.read_bytes()
+    with open(ledger, "ab") as fh:
+        fh.write(b'{"at":"2026-01-01T00:00:00Z","event":"repl')  # no newline: torn
+    bad = run_cli("verify", "--repo", str(repo.path))
+    assert bad.code == 6 and "torn last line" in bad.out
+    plan = recover(repo, "--dry-run")
+    assert plan.json["removed"] == [f"{ledger} (torn last line)"] and ledger.read_bytes().endswith(b"repl")
+    rec = recover(repo)
+    assert rec.code == 0 and rec.json["changed"] is True
+    assert ledger.read_bytes().startswith(good) and ledger.read_bytes().endswith(b"\n")
+    assert run_cli("verify", "--repo", str(repo.path)).code == 0
+    assert recover(repo).json["changed"] is False
+
+
+# -- recover killed at its own crash points ------------------------------------------------------
+
+
+def outcome(repo: Repo) -> dict[str, Any]:
+    """The state a recovery leaves, free of oids and times (so two repos can be compared)."""
+    r = receipt(repo)
+    head = repo.head("main")
+    key_ref = repo.git("for-each-ref", "--format=%(objectname)", f"refs/oncepatch/keys/{h(KEY)}").strip()
+    events = [(e["event"], e["status"]) for e in run_cli("log", "--repo", str(repo.path), "--json").json["events"]]
+    return {
+        "tree": repo.head("main^{tree}"),
+        "commits": repo.count("main"),
+        "status": r.status,
+        "retryable": r.retryable,
+        "commit_is_head": r.commit == head,
+        "key_ref_is_head": key_ref == head,
+        "porcelain": repo.git("status", "--porcelain", "--untracked-files=all"),
+        "tmp": tmp_files(repo),
+        "events": events,
+        "verify": run_cli("verify", "--repo", str(repo.path), "--grace", "0").code,
+    }
+
+
+@pytest.mark.parametrize("recover_point", ["recover-after-resolve", "recover-before-receipt-replace"])
+@pytest.mark.parametrize("apply_point", ["after-prepare", "after-ref"])
+def test_recover_killed_then_rerun_ends_as_one_clean_recover(tmp_path: Path, apply_point: str,
+                                                             recover_point: str) -> None:
+    clean, _ = crashed(tmp_path / "clean", apply_point)
+    assert recover(clean, "--tmp-age", "0").code == 0
+    expected = outcome(clean)
+
+    repo, _ = crashed(tmp_path / "killed", apply_point)
+    killed = recover(repo, "--tmp-age", "0", env={"ONCEPATCH_CRASH_AT": recover_point})
+    assert killed.code == 137, (killed.code, killed.out, killed.err)
+    assert receipt(repo).status == "prepared"  # nothing was settled before the kill
+    if recover_point == "recover-before-receipt-replace":
+        assert len(tmp_files(repo)) == 1  # the settled receipt's tmp, never renamed
+    again = recover(repo, "--tmp-age", "0")
+    assert again.code == 0, again.err
+    assert [(r["from"], r["to"]) for r in again.json["rows"]] == [
+        ("prepared", "committed" if apply_point == "after-ref" else "rejected")]
+    assert outcome(repo) == expected
+    assert expected["verify"] == 0 and expected["porcelain"] == "" and expected["tmp"] == []
+
+
+# -- dry run ------------------------------------------------------------------------------------
+
+
+def test_dry_run_lists_the_plan_and_changes_nothing(tmp_path: Path) -> None:
+    repo, pf = crashed(tmp_path, "before-receipt-replace")
+    # A second key crashed before its commit landed, in the same store.
+    pf2 = patch_for(repo, tmp_path / "other.diff", "line 15", "pkg/other.txt")
+    assert apply(repo, pf2, key="other", env={"ONCEPATCH_CRASH_AT": "after-prepare"}).code == 137
+    before = snapshot(repo)
+    plan = recover(repo, "--dry-run", "--tmp-age", "0")
+    assert plan.code == 0, plan.err
+    doc = plan.json
+    assert doc["dry_run"] is True
+    rows = sorted((r["key"], r["from"], r["to"]) for r in doc["rows"])
+    assert rows == sorted([(KEY, "prepared", "committed"), ("other", "prepared", "rejected")])
+    assert any(".optmp-" in p for p in doc["removed"])  # would remove the receipt tmp
+    assert snapshot(repo) == before
+    text = run_cli("recover", "--repo", str(repo.path), "--dry-run", "--tmp-age", "0")
+    assert text.code == 0 and text.out.startswith("plan: 2 receipt(s)")
+    assert f"{KEY}: prepared -> committed" in text.out and "other: prepared -> rejected" in text.out
+    assert "would remove" in text.out
+    assert snapshot(repo) == before
+
+    real = recover(repo, "--tmp-age", "0")
+    assert sorted((r["key"], r["from"], r["to"]) for r in real.json["rows"]) == rows
+    assert sorted(real.json["removed"]) == sorted(doc["removed"])
+    assert {r["key"]: r["commit"] for r in real.json["rows"]} == {r["key"]: r["commit"] for r in doc["rows"]}
+
+
+# -- a live owner's key is never touched -------------------------------------------------------------
+
+HOLDER = """
+import sys, filelock
+lk = filelock.FileLock(sys.argv[1], thread_local=False)
+lk.acquire()
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_key_locked_by_a_live_process_is_skipped_untouched(tmp_path: Path) -> None:
+    repo, _pf = crashed(tmp_path, "after-ref")
+    lock = repo.store / "locks" / f"{h(KEY)}.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
+        before = snapshot(repo)
+        for extra in ((), ("--dry-run",)):
+            r = recover(repo, *extra)
+            assert r.code == 0, r.err
+            assert r.json["rows"] == []
+            assert r.json["skipped"] == [{"key": KEY, "reason": "locked by a live process"}]
+            assert snapshot(repo) == before
+        assert receipt(repo).status == "prepared"
+    finally:
+        holder.kill()
+        holder.wait()
+    r = recover(repo)
+    assert [(x["key"], x["to"]) for x in r.json["rows"]] == [(KEY, "committed")]
+    assert r.json["skipped"] == []
+
+
+# -- SIGKILL at exact system calls (strace fault injection) ------------------------------------------
+
+needs_strace = pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+
+
+def apply_killed_at(repo: Repo, pf: Path, path: Path, syscalls: str, key: str = KEY, nth: int = 1) -> None:
+    """Run ``apply`` under strace, SIGKILLed on entry to the ``nth`` of ``syscalls`` on ``path``."""
+    cmd = ["strace", "-f", "-qq", "-o", os.devnull, "-P", str(path), "-e", f"trace={syscalls}",
+           "-e", f"inject={syscalls}:signal=KILL:when={nth}", sys.executable, "-m", "patcher.cli", "apply",
+           "--repo", str(repo.path), "--key", key, "--json", str(pf)]
+    res = subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+    if b"ptrace" in res.stderr and b"Operation not permitted" in res.stderr:
+        pytest.skip("ptrace is not permitted here")
+    assert res.returncode in (137, -9), (res.returncode, res.stdout, res.stderr)
+
+
+RENAMES = "rename,renameat,renameat2"
+
+
+@needs_strace
+def test_kill_between_reflog_and_ref_rename_is_not_applied(tmp_path: Path) -> None:
+    """libgit2 appends the branch's reflog entry *before* renaming ``main.lock``: killed in
+    between, the reflog names the candidate but the branch never moved.  That call did not
+    land: recover must say ``rejected`` (retryable), and the retry must commit it — never a
+    ``committed`` receipt for a commit the branch does not have."""
+    repo, pf = make_patch(tmp_path)
+    base = repo.head("main")
+    apply_killed_at(repo, pf, repo.path / ".git/refs/heads/main.lock", RENAMES)
+    r = receipt(repo)
+    assert r.status == "prepared" and repo.head("main") == base
+    reflog = (repo.path / ".git/logs/refs/heads/main").read_text()
+    assert r.candidate in reflog  # the torn transaction's evidence
+    assert (repo.path / ".git/refs/heads/main.lock").exists()
+
+    plan = recover(repo, "--dry-run")
+    assert [(x["to"], x["reason"]) for x in plan.json["rows"]] == [("rejected", "crashed_before_commit")]
+    assert (repo.path / ".git/refs/heads/main.lock").exists()  # a dry run removes nothing
+
+    rec = recover(repo)
+    assert rec.code == 0, rec.err
+    assert [(x["to"], x["reason"]) for x in rec.json["rows"]] == [("rejected", "crashed_before_commit")]
+    assert not (repo.path / ".git/refs/heads/main.lock").exists()  # provably ours: removed
+    assert repo.head("main") == base
+
+    again = apply(repo, pf)
+    assert again.code == 0, again.out + again.err
+    doc = again.json
+    head = repo.head("main")
+    assert doc["replayed"] is False and doc["commit"] == head and repo.head(f"{head}^") == base
+    assert "line 7 changed" in (repo.path / "src/app.py").read_text()
+    assert commits_with_trailer(repo.path, doc["call_id"], "main") == [head]
+    assert run_cli("verify", "--repo", str(repo.path)).code == 0
+    assert fsck(repo.path)[0]
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.parametrize("where", ["before-marker", "after-ref"])
+def test_kill_holding_index_lock_after_the_ref_moved(tmp_path: Path, where: str) -> None:
+    """The call holds the worktree's ``index.lock`` (``oncepatch-index-lock <pid> <host>``) from
+    before the branch moves until the index is written.  Killed after the move — with its store
+    marker (crash point ``after-ref``) or before the marker was renamed into place — recover
+    removes the provably stale lock before settling (so it never waits on it), brings worktree
+    and index to the commit, and the next call works normally."""
+    repo, pf = make_patch(tmp_path)
+    index_lock = repo.path / ".git/index.lock"
+    marker = repo.store / "tmp" / f"index-lock-{h(KEY)}"
+    assert apply(repo, pf, env={"ONCEPATCH_CRASH_AT": "after-ref"}).code == 137
+    if where == "before-marker":
+        # strace -P does not match a rename's second path, so this state is made by hand:
+        # the same files, with the marked lock of a pid that is gone, and no marker.
+        with contextlib.suppress(FileNotFoundError):
+            marker.unlink()
+        index_lock.write_bytes(b"oncepatch-index-lock %d %s\n" % (dead_pid(), socket.gethostname().encode()))
+    assert index_lock.read_bytes().startswith(b"oncepatch-index-lock ")
+    assert receipt(repo).status == "prepared"
+
+    t0 = time.monotonic()
+    rec = recover(repo)
+    took = time.monotonic() - t0
+    assert rec.code == 0, rec.err
+    assert [(x["from"], x["to"]) for x in rec.json["rows"]] == [("prepared", "committed")]
+    assert not index_lock.exists() and not marker.exists()
+    assert took < 8, f"recover waited on the stale index.lock ({took:.1f}s): {rec.json}"
+    assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
+    assert receipt(repo).status == "committed"
+
+    # The next call is not hindered by leftovers.
+    pf2 = patch_for(repo, tmp_path / "next.diff", "line 15", "pkg/next.txt")
+    nxt = apply(repo, pf2, key="next")
+    assert nxt.code == 0, nxt.out + nxt.err
+    assert "warnings" not in nxt.json
+    assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
+    assert run_cli("verify", "--repo", str(repo.path)).code == 0
+
+
+@needs_strace
+@pytest.mark.parametrize("nth", [1, 2])
+def test_kill_right_after_taking_index_lock(tmp_path: Path, nth: int) -> None:
+    """A call takes the worktree's ``index.lock`` more than once (today: briefly for the dirty-path
+    check, before its key lock and receipt; then from before the ref update on).  SIGKILLed right
+    after the lock (born with its mark) is linked into place (the ``nth`` time), no store marker names the lock
+    yet, and the call may have no receipt or one that did not land — nothing to settle.  recover
+    must still remove the lock, or every later call would wait on it and fail (found by the
+    kill -9 torture: a round where every re-run exited 5)."""
+    repo, pf = make_patch(tmp_path)
+    index_lock = repo.path / ".git/index.lock"
+    apply_killed_at(repo, pf, index_lock, "lstat,newfstatat,statx", nth=nth)
+    assert index_lock.read_bytes().startswith(b"oncepatch-index-lock ")
+
+    plan = recover(repo, "--dry-run")
+    assert str(index_lock) in plan.json["removed"] and index_lock.exists()
+    rec = recover(repo)
+    assert rec.code == 0, rec.err
+    assert not index_lock.exists()
+    t0 = time.monotonic()
+    again = apply(repo, pf)
+    assert again.code == 0, again.out + again.err
+    assert time.monotonic() - t0 < 8  # did not wait on a lock
+    assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
+    assert commits_with_trailer(repo.path, again.json["call_id"], "main") == [repo.head("main")]
+    assert run_cli("verify", "--repo", str(repo.path)).code == 0
+
+
+@needs_strace
+def test_kill_while_taking_the_index_lock_leaves_no_lock(tmp_path: Path) -> None:
+    """The index lock is born with its mark (a tmp file link()ed to ``index.lock``): a call
+    killed on that link leaves no ``index.lock`` at all — never an empty one that nothing could
+    prove a dead oncepatch call's — so the next call is not blocked."""
+    repo, pf = make_patch(tmp_path)
+    index_lock = repo.path / ".git/index.lock"
+    apply_killed_at(repo, pf, index_lock, "link,linkat")
+    assert not index_lock.exists()
+    rec = recover(repo)
+    assert rec.code == 0, rec.err
+    t0 = time.monotonic()
+    again = run_cli("apply", "--repo", str(repo.path), "--key", KEY, "--json", str(pf))
+    assert again.code == 0, again.out + again.err
+    assert time.monotonic() - t0 < 8  # did not wait on a lock
+    assert repo.git("status", "--porcelain") == ""
+
+
+def test_dead_calls_tmp_files_in_the_worktree_are_removed(tmp_path: Path) -> None:
+    """A call killed while writing a touched file leaves ``.<name>.optmp-<pid>-<rand>`` beside it
+    (found by the torture: an untracked file in the user's worktree), or ``index.optmp-<pid>``
+    beside the index.  Settling removes those of dead pids — never a live process's."""
+    repo, _pf = crashed(tmp_path, "after-ref")  # touches src/app.py and pkg/added.txt
+    dead = dead_pid()
+    (repo.path / "pkg").mkdir(exist_ok=True)
+    stray = repo.path / "pkg" / f".added.txt.optmp-{dead}-0badf00d"
+    stray.write_bytes(b"half a fi")
+    index_tmp = repo.path / ".git" / f"index.optmp-{dead}"
+    index_tmp.write_bytes(b"DIRC")
+    lock_tmp = repo.path / ".git" / f".index.lock.optmp-{dead}"  # a mark not yet linked to index.lock
+    lock_tmp.write_bytes(b"oncepatch-index-lock %d\n" % dead)
+    live = repo.path / "src" / f".app.py.optmp-{os.getpid()}-12345678"
+    live.write_bytes(b"being written")
+    rec = recover(repo)
+    assert rec.code == 0, rec.err
+    assert not stray.exists() and not index_tmp.exists() and not lock_tmp.exists()
+    assert live.exists()
+    notes = rec.json["rows"][0]["notes"]
+    assert any(str(stray) in n for n in notes) and any(str(index_tmp) in n for n in notes), notes
+    live.unlink()
+    assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
+
+
+def test_live_gits_index_lock_is_never_removed(tmp_path: Path) -> None:
+    """An ``index.lock`` that is not provably a dead oncepatch call's is left alone, even with
+    that call's marker beside it: here someone removed the crashed call's lock by hand and a
+    ``git commit`` (index data in its lock) holds it now.  recover still commits the receipt and
+    reports the worktree as not brought along, rather than deleting a live git's lock."""
+    repo, pf = crashed(tmp_path, "after-ref")
+    index_lock = repo.path / ".git/index.lock"
+    index_lock.unlink(missing_ok=True)  # the user's 'rm .git/index.lock' ...
+    time.sleep(0.05)
+    index_lock.write_bytes((repo.path / ".git/index").read_bytes())  # ... then git took it
+    rec = recover(repo)
+    assert rec.code == 0, rec.err
+    assert [(x["from"], x["to"]) for x in rec.json["rows"]] == [("prepared", "committed")]
+    assert index_lock.exists()
+    assert any("follow-up not done" in n for n in rec.json["rows"][0]["notes"]), rec.json

@@ -1,0 +1,161 @@
+"""``oncepatch verify`` catches each way a store can stop telling the truth (DESIGN.md section 5).
+
+Two real calls commit two receipts (and four ledger lines); then one thing is
+broken per case and ``verify`` must exit 6 with a line naming that receipt (or
+the ledger) and the reason, and the same failure in ``--json``'s list.
+Tampered receipts that should still *parse* are rewritten through the
+receipt helpers (``parse_receipt`` → ``dataclasses.replace`` →
+``receipt_bytes``), which recompute ``receipt_sha256``: only the deeper
+checks (commit, blobs, ledger) can catch them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Repo, make_repo, run_cli
+
+from receipts.receipt import parse_receipt, receipt_bytes
+from receipts.store import ReceiptStore
+
+BASE: dict[str, str | bytes] = {"README": "hello\n", "src/app.py": "".join(f"line {i}\n" for i in range(1, 21))}
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Repo:
+    """A repo where keys ``one`` and ``two`` have each committed one change."""
+    repo = make_repo(tmp_path / "repo", BASE)
+    for key, line in (("one", 3), ("two", 15)):
+        head = repo.head()
+        repo.write("src/app.py", (repo.path / "src/app.py").read_text().replace(f"line {line}\n", f"{key}\n"))
+        pf = tmp_path / f"{key}.diff"
+        pf.write_bytes(repo.git("diff", "--full-index").encode())
+        repo.git("reset", "-q", "--hard", head)
+        r = run_cli("apply", "--repo", str(repo.path), "--key", key, "--json", str(pf))
+        assert r.code == 0, r.out + r.err
+    return repo
+
+
+def receipt_path(repo: Repo, key: str) -> Path:
+    return Path(ReceiptStore(str(repo.store)).receipt_path(key))
+
+
+def rewrite(repo: Repo, key: str, **changes: Any) -> Path:
+    """Rewrite ``key``'s receipt with ``changes``; it still parses (digest recomputed)."""
+    path = receipt_path(repo, key)
+    r = parse_receipt(path.read_bytes(), path=str(path))
+    path.write_bytes(receipt_bytes(dataclasses.replace(r, **changes)))
+    parse_receipt(path.read_bytes(), path=str(path))  # still verifies on read
+    return path
+
+
+def verify(repo: Repo, *extra: str) -> tuple[Any, Any]:
+    text = run_cli("verify", "--repo", str(repo.path), *extra)
+    js = run_cli("verify", "--repo", str(repo.path), "--json", *extra)
+    return text, js
+
+
+# -- the ways to break it ---------------------------------------------------------------------------
+
+
+def edited_field(repo: Repo) -> tuple[Path, str]:
+    path = receipt_path(repo, "one")
+    path.write_bytes(path.read_bytes().replace(b'"status": "committed"', b'"status": "rejected"'))
+    return path, "corrupt: receipt_sha256 does not match"
+
+
+def wrong_output_digest(repo: Repo) -> tuple[Path, str]:
+    r = ReceiptStore(str(repo.store)).read("one")
+    outputs = tuple({**o, "sha256": "0" * 64} for o in r.outputs)
+    return rewrite(repo, "one", outputs=outputs), "'src/app.py' sha256 differs from the receipt's output digest"
+
+
+def missing_commit(repo: Repo) -> tuple[Path, str]:
+    gone = "1234567890abcdef1234567890abcdef12345678"
+    return rewrite(repo, "two", commit=gone), f"commit {gone} does not exist"
+
+
+def _ledger(repo: Repo) -> tuple[Path, list[bytes]]:
+    path = repo.store / "events.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert len(lines) >= 4
+    return path, lines
+
+
+def deleted_ledger_line(repo: Repo) -> tuple[Path, str]:
+    path, lines = _ledger(repo)
+    del lines[1]
+    path.write_bytes(b"".join(lines))
+    return path, "ledger line 2: hash chain broken"
+
+
+def reordered_ledger_lines(repo: Repo) -> tuple[Path, str]:
+    path, lines = _ledger(repo)
+    lines[1], lines[2] = lines[2], lines[1]
+    path.write_bytes(b"".join(lines))
+    return path, "ledger line 2: hash chain broken"
+
+
+def unresolved_prepared(repo: Repo) -> tuple[Path, str]:
+    pf = repo.path.parent / "three.diff"
+    head = repo.head()
+    repo.write("README", "hello there\n")
+    pf.write_bytes(repo.git("diff", "--full-index").encode())
+    repo.git("reset", "-q", "--hard", head)
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "three", "--json", str(pf),
+                env={"ONCEPATCH_CRASH_AT": "after-prepare"})
+    assert r.code == 137
+    # Its call is gone (the key lock is free): a failure at once, even within the default grace.
+    assert run_cli("verify", "--repo", str(repo.path)).code == 6
+    return receipt_path(repo, "three"), "unresolved prepared receipt"
+
+
+CASES: dict[str, Callable[[Repo], tuple[Path, str]]] = {
+    "edited_field": edited_field,
+    "wrong_output_digest": wrong_output_digest,
+    "missing_commit": missing_commit,
+    "deleted_ledger_line": deleted_ledger_line,
+    "reordered_ledger_lines": reordered_ledger_lines,
+    "unresolved_prepared": unresolved_prepared,
+}
+
+
+def test_clean_store_passes(repo: Repo) -> None:
+    text, js = verify(repo, "--grace", "0")
+    assert text.code == 0 and text.out == "ok: 2 receipt(s), 4 ledger event(s) verified\n"
+    assert js.code == 0 and js.json == {"ok": True, "receipts": 2, "ledger_events": 4, "failures": []}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_verify_names_the_receipt_and_the_reason(repo: Repo, case: str) -> None:
+    broken, reason = CASES[case](repo)
+    text, js = verify(repo, "--grace", "0")
+    assert text.code == 6 and js.code == 6, text.out + text.err
+    lines = text.out.splitlines()
+    assert lines[-1].startswith("verification failed: ")
+    problems = lines[:-1]
+    assert len(problems) == len(js.json["failures"]) >= 1
+    # One line per failure: "<receipt file> (key '<key>'): <reason>".
+    ours = [ln for ln in problems if ln.startswith(str(broken)) and reason in ln]
+    assert ours, f"no line names {broken} with {reason!r}:\n{text.out}"
+    failures = js.json["failures"]
+    assert js.json["ok"] is False
+    assert any(f["receipt"] == str(broken) and reason in f["reason"] for f in failures), failures
+    for f in failures:
+        assert set(f) == {"key", "receipt", "reason"} and f["receipt"] and f["reason"]
+    if case in ("wrong_output_digest", "missing_commit", "edited_field", "unresolved_prepared"):
+        # Only the broken receipt is named (a lost ledger line may also orphan a receipt's state).
+        assert {f["receipt"] for f in failures} == {str(broken)}, failures
+
+
+def test_failure_after_recover_is_gone(repo: Repo) -> None:
+    """The unresolved prepared receipt fails verify until ``recover`` settles it."""
+    _, reason = unresolved_prepared(repo)
+    assert run_cli("verify", "--repo", str(repo.path), "--grace", "0").code == 6
+    assert run_cli("recover", "--repo", str(repo.path)).code == 0
+    assert run_cli("verify", "--repo", str(repo.path), "--grace", "0").code == 0
