@@ -43,6 +43,11 @@ KEY_REF_PREFIX = "refs/oncepatch/keys/"
 _FSYNC_ON = False
 
 
+def _oid(hex_or_oid: str | pygit2.Oid) -> pygit2.Oid:
+    """A full hex id as an ``Oid``: looked up directly, not as a prefix (libgit2's slow path)."""
+    return hex_or_oid if isinstance(hex_or_oid, pygit2.Oid) else pygit2.Oid(hex=hex_or_oid)
+
+
 def _enable_fsync() -> None:
     global _FSYNC_ON
     if not _FSYNC_ON:
@@ -105,7 +110,7 @@ class GitStore:
 
     def commit_tree(self, commit_oid: str) -> str:
         try:
-            return str(self.repo[commit_oid].peel(pygit2.Commit).tree_id)
+            return str(self.repo[_oid(commit_oid)].peel(pygit2.Commit).tree_id)
         except (KeyError, ValueError, pygit2.GitError) as exc:
             raise GitStoreError(f"cannot read commit '{commit_oid}': {exc}") from exc
 
@@ -117,7 +122,15 @@ class GitStore:
 
     def lookup_path(self, tree_oid: str, path: str) -> PathLookup:
         """Walk ``path`` down from ``tree_oid`` without reading anything off the path."""
-        tree = self.repo[tree_oid]
+        tree = self.repo[_oid(tree_oid)]
+        if "/" in path:
+            # Usual case first: libgit2 walks the whole path in one call.
+            try:
+                found = tree[path]  # type: ignore[index]
+            except KeyError:
+                pass  # absent, or blocked by a file or symlink on the way: walk to tell which
+            else:
+                return PathLookup(TreeEntry(str(found.id), int(found.filemode)))
         parts = path.split("/")
         walked: list[str] = []
         for i, part in enumerate(parts):
@@ -148,7 +161,7 @@ class GitStore:
         stack: list[tuple[str, str]] = [("", tree_oid)]
         while stack:
             prefix, oid = stack.pop()
-            for entry in self.repo[oid]:  # type: ignore[attr-defined]
+            for entry in self.repo[_oid(oid)]:  # type: ignore[attr-defined]
                 name = f"{prefix}{entry.name}"
                 if int(entry.filemode) == pygit2.enums.FileMode.TREE:
                     stack.append((name + "/", str(entry.id)))
@@ -158,8 +171,8 @@ class GitStore:
 
     def read_blob(self, oid: str) -> bytes:
         try:
-            return bytes(self.repo[oid].read_raw())
-        except (KeyError, pygit2.GitError) as exc:
+            return bytes(self.repo[_oid(oid)].read_raw())
+        except (KeyError, ValueError, pygit2.GitError) as exc:
             raise GitStoreError(f"cannot read blob '{oid}': {exc}") from exc
 
     # -- writing immutable objects ------------------------------------------------
@@ -359,7 +372,7 @@ class GitStore:
         return False
 
     def commit_message(self, oid: str) -> str:
-        return str(self.repo[oid].peel(pygit2.Commit).message)
+        return str(self.repo[_oid(oid)].peel(pygit2.Commit).message)
 
     def commit_parents(self, oid: str) -> list[str]:
-        return [str(p) for p in self.repo[oid].peel(pygit2.Commit).parent_ids]
+        return [str(p) for p in self.repo[_oid(oid)].peel(pygit2.Commit).parent_ids]

@@ -22,9 +22,14 @@ __all__ = ["register", "HANDLERS"]
 
 
 def _adapters(rstore: Any, *, read_only: bool = False) -> dict[str, Any]:
-    from patcher.git_adapter import GitAdapter
+    import pygit2
 
+    from patcher.git_adapter import GitAdapter
     from receipts.adapters import builtin_adapters
+
+    # A scan reads each commit and blob once: libgit2's object cache would only
+    # grow (to hundreds of MiB over 100k receipts) without ever being hit.
+    pygit2.settings.enable_caching(False)
 
     git = GitAdapter(rstore, {}, read_only=read_only)
     return {**builtin_adapters(), git.tool: git}
