@@ -192,6 +192,7 @@ def recover(
             isinstance(head, dict)
             and head.get("status") in ("committed", "rejected")
             and head.get("receipt_sha256") in ledger_digests
+            and not head.get("warnings")
         ):
             continue
         try:
@@ -201,7 +202,9 @@ def recover(
             continue
         if needs_resolution(receipt.status):
             _resolve_one(store, receipt, adapters, report, dry_run)
-        elif receipt.digest not in ledger_digests:
+        elif receipt.status == "committed" and receipt.extra.get("warnings") and not dry_run:
+            _settle_again(store, receipt, adapters, report)
+        if not needs_resolution(receipt.status) and receipt.digest not in ledger_digests:
             report.ledger_repaired.append(receipt.key)
             if not dry_run:
                 store.ledger.append_receipt_event("recovered", receipt, reason="ledger_gap")
@@ -244,6 +247,32 @@ def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, E
                                        tuple(str(n) for n in new.extra.get("recovery_notes", []))))
     finally:
         lock.release()
+
+
+def _settle_again(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, EffectAdapter],
+                  report: RecoveryReport) -> None:
+    """A committed call whose follow-up failed (e.g. its worktree was locked): settle it now.
+
+    Nothing is rewritten: the adapter brings what is still stale along (git: the
+    touched paths that still show the base) and a row reports it; once done, a
+    second run finds nothing to do.
+    """
+    adapter = adapters.get(receipt.tool)
+    if adapter is None:
+        return
+    lock = store.try_lock(receipt.key)
+    if lock is None:
+        return
+    try:
+        try:
+            notes = adapter.settle(receipt)
+        except OncepatchError as exc:
+            notes = [f"follow-up not done: {exc.message}"]
+    finally:
+        lock.release()
+    if any(n.startswith(("materialised", "created", "follow-up")) for n in notes):
+        report.rows.append(RecoveryRow(receipt.key, receipt.call_id, "committed", "committed",
+                                       "follow_up_settled", receipt.commit, tuple(notes)))
 
 
 def _ledger_tail_torn(path: str) -> bool:
