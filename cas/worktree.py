@@ -281,7 +281,10 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
     lock = IndexLock(index_lock, git_dir, (st.st_dev, st.st_ino), None)
     if lock_marker is not None:
         try:
-            write_durable(lock_marker, index_lock.encode() + b"\n", sync_dir=False)
+            # Proof for recovery after a *process* crash: it must outlive the process,
+            # not the machine (a reboot ends every lock's owner), so it is not fsynced.
+            with open(lock_marker, "wb") as fh:
+                fh.write(index_lock.encode() + b"\n")
         except BaseException:
             lock.release()
             raise
