@@ -55,6 +55,8 @@ def register(sub: Any) -> None:
     p.add_argument("--grace", type=float, default=_env_seconds("ONCEPATCH_VERIFY_GRACE", 300.0),
                    help="a prepared receipt fails at once when its call is gone, and after this many "
                         "seconds while its call still holds the key (default $ONCEPATCH_VERIFY_GRACE or 300)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes for large stores (default: one per CPU; 1 = no workers)")
 
     p = sub.add_parser("watch", help="flag orphaned prepared receipts as they appear")
     add_common(p)
@@ -111,7 +113,8 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from receipts.verifier import verify
 
     rstore = ReceiptStore(store_root(args))
-    report = verify(rstore, _adapters(rstore), grace=args.grace, progress=_progress)
+    report = verify(rstore, _adapters(rstore), grace=args.grace, progress=_progress,
+                    jobs=args.jobs or (os.cpu_count() or 1), verifiers_factory="patcher.cli_recovery:_adapters")
     doc = report.to_json()
     if report.ok:
         text = f"ok: {report.receipts} receipt(s), {report.ledger_events} ledger event(s) verified\n"

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from receipts.errors import CorruptReceipt
 from receipts.receipt import Receipt
 from receipts.recovery import receipt_age
-from receipts.store import ReceiptStore
+from receipts.store import ReceiptStore, StoredReceipt
 
 __all__ = ["Failure", "VerifyReport", "CommitVerifier", "verify", "DEFAULT_GRACE"]
 
@@ -67,7 +67,17 @@ def verify(
     *,
     grace: float = DEFAULT_GRACE,
     progress: Callable[[int], None] | None = None,
+    jobs: int = 1,
+    verifiers_factory: str | None = None,
+    parallel_min: int | None = None,
 ) -> VerifyReport:
+    """Verify the whole store (checks in the module docstring).
+
+    With ``jobs > 1`` and ``verifiers_factory`` (``"module:function"`` taking
+    the store and returning the verifiers), the receipt files are split over
+    that many worker processes; the ledger is checked here.  Results are the
+    same as with one process, in file order.
+    """
     report = VerifyReport()
     digests: set[str] = set()
     for problem in store.ledger.verify_chain():
@@ -77,30 +87,114 @@ def verify(
         d = event.get("receipt_sha256")
         if isinstance(d, str):
             digests.add(d)
+    if jobs > 1 and verifiers_factory is not None:
+        paths = [p for p, _h, _d in _file_names(store)]
+        if len(paths) >= (PARALLEL_MIN if parallel_min is None else parallel_min):
+            return _verify_parallel(store, paths, digests, report, grace, jobs, verifiers_factory)
     now = time.time()
     for item in store.scan():
         report.receipts += 1
         if progress is not None and report.receipts % 10000 == 0:
             progress(report.receipts)
-        if item.receipt is None:
-            assert item.error is not None
-            report.failures.append(Failure(None, item.path, f"corrupt: {item.error.reason}"))
+        for f in _check_one(store, item, verifiers, digests, grace, now):
+            report.failures.append(f)
+    return report
+
+
+#: Below this many receipts a single process is faster than starting workers.
+PARALLEL_MIN = 2000
+
+
+def _file_names(store: ReceiptStore) -> list[tuple[str, str, None]]:
+    import os
+
+    out: list[tuple[str, str, None]] = []
+    try:
+        shards = sorted(os.listdir(store.receipts_dir))
+    except FileNotFoundError:
+        return out
+    for shard in shards:
+        folder = os.path.join(store.receipts_dir, shard)
+        if len(shard) != 2 or not os.path.isdir(folder):
             continue
-        r = item.receipt
-        if r.digest not in digests:
-            report.failures.append(Failure(r.key, item.path, f"latest state '{r.status}' is not in the ledger"))
-        if r.status == "prepared":
-            unresolved = _unresolved_prepared(store, r, grace, now)
-            if unresolved is not None:
-                report.failures.append(Failure(r.key, item.path, unresolved))
-        elif r.status == "unknown":
-            report.failures.append(Failure(r.key, item.path, "outcome unknown: resolve it by hand ('oncepatch resolve')"))
-        elif r.status == "committed":
-            v = verifiers.get(r.tool)
-            if v is None:
-                continue
-            for reason in v.verify_committed(r):
-                report.failures.append(Failure(r.key, item.path, reason))
+        out += [(os.path.join(folder, n), n[:-5], None) for n in sorted(os.listdir(folder))
+                if n.endswith(".json") and not n.startswith(".")]
+    return out
+
+
+def _check_one(store: ReceiptStore, item: StoredReceipt, verifiers: Mapping[str, CommitVerifier],
+               digests: set[str] | None, grace: float, now: float) -> list[Failure]:
+    """The failures of one receipt file (``digests``: the ledger's, or ``None`` to skip that check)."""
+    if item.receipt is None:
+        assert item.error is not None
+        return [Failure(None, item.path, f"corrupt: {item.error.reason}")]
+    r = item.receipt
+    out: list[Failure] = []
+    if digests is not None and r.digest not in digests:
+        out.append(Failure(r.key, item.path, f"latest state '{r.status}' is not in the ledger"))
+    if r.status == "prepared":
+        unresolved = _unresolved_prepared(store, r, grace, now)
+        if unresolved is not None:
+            out.append(Failure(r.key, item.path, unresolved))
+    elif r.status == "unknown":
+        out.append(Failure(r.key, item.path, "outcome unknown: resolve it by hand ('oncepatch resolve')"))
+    elif r.status == "committed":
+        v = verifiers.get(r.tool)
+        if v is not None:
+            out += [Failure(r.key, item.path, reason) for reason in v.verify_committed(r)]
+    return out
+
+
+def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
+                  ) -> tuple[list[tuple[str | None, str | None, str]], list[tuple[int, str, str, str]]]:
+    """Worker: verify these receipt files; return failures and (index, digest) of each parsed receipt."""
+    import importlib
+    import os
+
+    from receipts.errors import CorruptReceipt
+    from receipts.receipt import parse_receipt
+
+    module, _, func = factory.partition(":")
+    store = ReceiptStore(root)
+    verifiers = getattr(importlib.import_module(module), func)(store)
+    now = time.time()
+    failures: list[tuple[str | None, str | None, str]] = []
+    seen: list[tuple[int, str, str, str]] = []  # (index, digest, key, status) of each intact receipt
+    for i, path in enumerate(paths):
+        h = os.path.basename(path)[:-5]
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            continue
+        try:
+            item = StoredReceipt(path, h, parse_receipt(data, path=path, expected_key_hash=h), None)
+        except CorruptReceipt as exc:
+            item = StoredReceipt(path, h, None, exc)
+        if item.receipt is not None:
+            seen.append((i, item.receipt.digest, item.receipt.key, item.receipt.status))
+        failures += [(f.key, f.path, f.reason) for f in _check_one(store, item, verifiers, None, grace, now)]
+    return failures, seen
+
+
+def _verify_parallel(store: ReceiptStore, paths: list[str], digests: set[str], report: VerifyReport,
+                     grace: float, jobs: int, factory: str) -> VerifyReport:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    size = -(-len(paths) // jobs)
+    chunks = [paths[i:i + size] for i in range(0, len(paths), size)]
+    # spawn, not fork: the parent may hold libgit2 state and locks a fork would copy.
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=ctx) as pool:
+        results = list(pool.map(_verify_chunk, [store.root] * len(chunks), chunks,
+                                [factory] * len(chunks), [grace] * len(chunks)))
+    for chunk, (failures, seen) in zip(chunks, results):
+        report.receipts += len(chunk)
+        for i, digest, key, status in seen:
+            if digest not in digests:
+                report.failures.append(Failure(key, chunk[i], f"latest state '{status}' is not in the ledger"))
+        report.failures += [Failure(k, p, reason) for k, p, reason in failures]
     return report
 
 
