@@ -26,8 +26,12 @@ FIXTURES = Path(__file__).resolve().parent.parent / "formats"
 CASES = sorted(p for p in FIXTURES.iterdir() if p.is_dir())
 
 
+FIXTURE_SUFFIX = ".fixture"  # stored as 'x.py.fixture' so no tool takes fixture data for a test module
+
+
 def read_tree(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {p.relative_to(root).as_posix().removesuffix(FIXTURE_SUFFIX): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def committed_tree(repo: Repo, rev: str = "HEAD") -> dict[str, bytes]:
