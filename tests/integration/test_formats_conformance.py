@@ -3,7 +3,9 @@
 A case is a folder: ``before/`` (the files of the first commit), ``patch`` (the
 bytes sent), ``case.json`` (``format``, ``expect`` = ``ok`` or an error type,
 optional ``already_applied`` and ``grades``), and for ``ok`` cases ``after/``: the
-whole expected tree.  An ``ok`` case must commit exactly that tree (or, when
+whole expected tree.  A file whose name ends in ``.fixture`` in ``before/`` or
+``after/`` stands for the same name without it (``util.py.fixture`` is
+``util.py``), so fixture data is never taken for a test module.  An ``ok`` case must commit exactly that tree (or, when
 already applied, commit nothing and name the base commit), materialise it in
 the worktree, and record the grades in the receipt.  An error case must raise
 that error type and leave refs, index, worktree and store byte for byte as
