@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cas.crash import crash_hook, crash_point
-from cas.errors import OncepatchError, RefLockedError, RefMovedError, RefUpdateUnknown
+from cas.errors import OncepatchError, RefLockedError, RefMovedError, RefUpdateUnknown, UsageError
+from cas.gitdir import read_head
 from receipts.errors import FencedOff, IdempotencyConflict
 from receipts.identity import check_key, compute_args_sha256, compute_call_id, key_hash, make_identity
 from receipts.receipt import Receipt, now_iso
@@ -285,9 +286,22 @@ def _precheck(args: CallArgs, stores: dict[str, Any] | None) -> _PreCheck:
 
     parsed = parse_patch(args.patch, args.format)
     gstore = open_store(args.repo, stores)
-    plan = plan_stage(gstore, gstore.resolve(args.branch), parsed)
+    plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
     worktrees = check_worktrees(gstore, args.branch, touched_paths(parsed)) if not plan.already_applied else []
     return _PreCheck(parsed, plan, worktrees)
+
+
+def _branch_head(gstore: GitStore, args: CallArgs) -> str | None:
+    """The branch's commit; ``None`` only for the unborn branch HEAD names (a repository with no commit yet).
+
+    Raises:
+        UsageError: the branch does not exist (a patch is never applied as a new root commit by accident).
+    """
+    head = gstore.resolve(args.branch)
+    if head is None and read_head(args.layout.git_dir) != args.branch:
+        raise UsageError(f"branch '{args.branch}' does not exist: create it first (e.g. 'git branch "
+                         f"{args.branch.removeprefix('refs/heads/')}')")
+    return head
 
 
 def _check_same_intent(existing: Receipt, args_sha: str, key: str) -> None:
@@ -330,7 +344,7 @@ def _execute(
     gstore = open_store(args.repo, stores)
     message = _commit_message(args, parsed, call_id, key)
     paths = touched_paths(parsed)
-    base = gstore.resolve(args.branch)
+    base = _branch_head(gstore, args)
     if pre is not None and pre.plan.base_commit == base:
         plan, worktrees = pre.plan, pre.worktrees
     else:

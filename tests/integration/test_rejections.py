@@ -308,6 +308,16 @@ def test_detached_head_needs_branch(repo: Repo) -> None:
     assert repo.git("status", "--porcelain") == ""  # a detached HEAD is not 'main' checked out
 
 
+def test_missing_branch_is_refused_not_made_a_root_commit(repo: Repo) -> None:
+    before = snapshot(repo)
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--branch", "no-such-branch", "--json", input=MODIFY_UTIL)
+    assert r.code == 2, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "usage" and err["effect_status"] == "not_started" and err["next_action"] == "fix_input"
+    assert "does not exist" in err["message"] and "no-such-branch" in err["message"]
+    assert snapshot(repo) == before
+
+
 def test_bad_branch_name_and_attempt(repo: Repo) -> None:
     usage(repo, "-", "--repo", str(repo.path), "--branch", "bad..name", input=MODIFY_UTIL)
     usage(repo, "-", "--repo", str(repo.path), "--attempt", "0", input=MODIFY_UTIL)
