@@ -186,11 +186,17 @@ def materialise(
     """
     deletes = sorted((p for p, e in changes.items() if e is None), reverse=True)
     writes = sorted((p, e) for p, e in changes.items() if e is not None)
+    wt_repo: pygit2.Repository | None = None
     try:
         for path in deletes:
             _remove_path(workdir, path)
         for path, entry in writes:
-            _write_path(workdir, path, store.read_blob(entry.oid), entry.mode)
+            data = store.read_blob(entry.oid)
+            if entry.mode != _MODE_LINK:
+                if wt_repo is None:
+                    wt_repo = pygit2.Repository(workdir)
+                data = smudged(workdir, path, data, wt_repo)  # '*.bat eol=crlf': written as git would
+            _write_path(workdir, path, data, entry.mode)
     except UnsafeWorktreePath:
         raise
     except OSError as exc:
@@ -435,9 +441,29 @@ def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, Tr
         if bool(st.st_mode & 0o100) != (entry.mode == _MODE_EXEC):
             return False
         with open(full, "rb") as fh:
-            if git_blob_oid(fh.read()) != entry.oid:
-                return False
+            data = fh.read()
+        if git_blob_oid(data) != entry.oid and data != smudged(workdir, path, store.read_blob(entry.oid)):
+            return False
     return True
+
+
+def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None = None) -> bytes:
+    """``blob`` as git would write it into ``workdir`` at ``path`` (``.gitattributes`` eol/ident filters).
+
+    Without filters for the path (the usual case) the bytes come back as they are.
+    ``repo``: the worktree's repository, when the caller has it open.
+    """
+    try:
+        wt = repo if repo is not None else pygit2.Repository(workdir)
+        filters = wt.load_filter_list(path, pygit2.enums.FilterMode.TO_WORKTREE)
+    except (pygit2.GitError, KeyError, ValueError):
+        return blob
+    if filters is None:
+        return blob
+    try:
+        return bytes(filters.apply_to_buffer(blob))
+    except pygit2.GitError:
+        return blob
 
 
 def index_matches(workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:
