@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from cas.errors import EXIT_OK, EXIT_VERIFY, UsageError
+from cas.errors import EXIT_IN_PROGRESS, EXIT_OK, EXIT_VERIFY, UsageError
 from patcher.cli_common import add_common, store_root
 
 __all__ = ["register", "HANDLERS"]
@@ -105,7 +105,10 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         lines.append(f"  {'would remove' if args.dry_run else 'removed'} {path}")
     if not report.changed and not report.skipped and not report.corrupt:
         lines.append("  nothing to do")
-    return (EXIT_VERIFY if report.corrupt else EXIT_OK), doc, "\n".join(lines) + "\n"
+    # Exit 5 when a receipt is left unresolved (its call is alive, or its adapter
+    # cannot tell right now): a script must not read "recovered" as "all settled".
+    code = EXIT_VERIFY if report.corrupt else EXIT_IN_PROGRESS if report.skipped else EXIT_OK
+    return code, doc, "\n".join(lines) + "\n"
 
 
 def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:

@@ -228,7 +228,12 @@ def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, E
         current = store.read(receipt.key)
         if current is None or not needs_resolution(current.status):
             return
-        result = adapter.query(current)
+        try:
+            result = adapter.query(current)
+        except OncepatchError as exc:
+            # E.g. its repository is gone: this receipt waits; the others are still settled.
+            report.skipped.append({"key": current.key, "reason": f"cannot query: {exc.message}"})
+            return
         to = {"applied": "committed", "not_applied": "rejected"}.get(result.status, "unknown")
         reason = result.reason
         commit = current.candidate if to == "committed" else None

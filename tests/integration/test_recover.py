@@ -218,7 +218,7 @@ def test_key_locked_by_a_live_process_is_skipped_untouched(tmp_path: Path) -> No
         before = snapshot(repo)
         for extra in ((), ("--dry-run",)):
             r = recover(repo, *extra)
-            assert r.code == 0, r.err
+            assert r.code == 5, r.err  # something is left unresolved: in progress
             assert r.json["rows"] == []
             assert r.json["skipped"] == [{"key": KEY, "reason": "locked by a live process"}]
             assert snapshot(repo) == before
