@@ -340,14 +340,6 @@ class GitStore:
             raise RefLockedError(self._lock_path(ref)) from exc
         return True
 
-    def delete_ref(self, ref: str) -> None:
-        try:
-            self.repo.references.delete(ref)
-        except KeyError:
-            pass
-        except pygit2.GitError as exc:
-            raise GitStoreError(f"cannot delete ref '{ref}': {exc}") from exc
-
     def is_ancestor(self, ancestor: str, tip: str) -> bool:
         """``ancestor`` is ``tip`` or reachable from it."""
         if ancestor == tip:
@@ -370,9 +362,3 @@ class GitStore:
         except FileNotFoundError:
             return False
         return False
-
-    def commit_message(self, oid: str) -> str:
-        return str(self.repo[_oid(oid)].peel(pygit2.Commit).message)
-
-    def commit_parents(self, oid: str) -> list[str]:
-        return [str(p) for p in self.repo[_oid(oid)].peel(pygit2.Commit).parent_ids]

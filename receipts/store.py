@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from cas.durable import fsync_dir, write_durable
 from receipts.errors import CorruptReceipt, InProgress
-from receipts.identity import KeyHash, key_hash
+from receipts.identity import key_hash
 from receipts.ledger import Ledger
 from receipts.receipt import Receipt, parse_receipt, receipt_bytes
 
@@ -198,6 +198,3 @@ class ReceiptStore:
             if item.receipt is not None and item.receipt.call_id == key_or_call_id:
                 return item.receipt
         return None
-
-    def hash_of(self, key: str) -> KeyHash:
-        return key_hash(key)
