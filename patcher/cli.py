@@ -15,8 +15,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-import orjson
-
 from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, UsageError
 from patcher.cli_common import add_common, store_root
 
@@ -65,6 +63,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class _NullParser:
+    """Stands in for the subparsers of commands not invoked: every call does nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kw: self
+
+
 class _OnlySubparsers:
     """Wraps argparse's subparsers action: ``add_parser`` builds the named command only."""
 
@@ -75,7 +80,7 @@ class _OnlySubparsers:
     def add_parser(self, name: str, **kw: Any) -> argparse.ArgumentParser:
         if name == self._only:
             return self._sub.add_parser(name, **kw)  # type: ignore[no-any-return]
-        return _Parser(add_help=False, conflict_handler="resolve")  # filled in, then dropped
+        return _NullParser()  # type: ignore[return-value]  # filled in, then dropped
 
 
 #: Commands defined in other modules (recover, verify, watch, ...): each module has
@@ -166,7 +171,9 @@ def _load_extra_commands() -> None:
 
 def _emit(doc: dict[str, Any], text: str, as_json: bool) -> None:
     if as_json:
-        sys.stdout.buffer.write(orjson.dumps(doc) + b"\n")
+        from receipts import jsonio
+
+        sys.stdout.buffer.write(jsonio.dumps(doc) + b"\n")
     else:
         sys.stdout.write(text)
     sys.stdout.flush()

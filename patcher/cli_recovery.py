@@ -13,10 +13,9 @@ import sys
 import threading
 from typing import Any
 
-import orjson
-
 from cas.errors import EXIT_IN_PROGRESS, EXIT_OK, EXIT_VERIFY, UsageError
 from patcher.cli_common import add_common, store_root
+from receipts import jsonio
 
 __all__ = ["register", "HANDLERS"]
 
@@ -144,7 +143,7 @@ def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     def emit(obj: dict[str, Any]) -> None:
         with out_lock:
             if args.json:
-                sys.stdout.buffer.write(orjson.dumps(obj) + b"\n")
+                sys.stdout.buffer.write(jsonio.dumps(obj) + b"\n")
             elif "flag" in obj:
                 sys.stdout.write(f"orphan: {obj['key']} prepared {obj['age_s']:.1f}s ago; run 'oncepatch recover'\n")
             else:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import orjson
+from receipts import jsonio
 
 __all__ = [
     "DETECTORS",
@@ -41,8 +41,8 @@ def json_items(data: bytes) -> list[Any] | None:
     if data.lstrip()[:1] not in (b"[", b"{"):
         return None
     try:
-        doc = orjson.loads(data)
-    except orjson.JSONDecodeError:
+        doc = jsonio.loads(data)
+    except jsonio.JsonError:
         return None
     items = doc if isinstance(doc, list) else [doc]
     if not items or not all(isinstance(x, dict) for x in items):

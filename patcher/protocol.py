@@ -34,6 +34,7 @@ from cas.crash import crash_hook, crash_point
 from cas.errors import OncepatchError, RefLockedError, RefMovedError, RefUpdateUnknown, UsageError
 from cas.gitdir import read_head
 from receipts.errors import FencedOff, IdempotencyConflict
+from receipts.jsonio import use_fast as use_fast_json
 from receipts.identity import check_key, compute_args_sha256, compute_call_id, key_hash, make_identity
 from receipts.receipt import Receipt, now_iso
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
@@ -281,6 +282,7 @@ class _PreCheck:
 
 def _precheck(args: CallArgs, stores: dict[str, Any] | None) -> _PreCheck:
     """Parse, plan against the branch's current head and check worktrees; write nothing."""
+    use_fast_json()  # this process executes: JSON speed now matters more than start-up
     from patcher.stage import plan_stage, touched_paths
     from patcher.worktrees import check_worktrees
 
@@ -340,6 +342,7 @@ def _execute(
     from patcher.stage import plan_stage, touched_paths, write_stage
     from patcher.worktrees import check_worktrees, hold_index_locks, materialise_all, release_index_locks
 
+    use_fast_json()
     parsed = pre.patch if pre is not None else parse_patch(args.patch, args.format)
     gstore = open_store(args.repo, stores)
     message = _commit_message(args, parsed, call_id, key)

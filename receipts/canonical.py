@@ -5,15 +5,16 @@ section 3.2.3); no insignificant whitespace; integers within ±(2**53 - 1);
 no floats at all (a tool's schema normalises them or refuses); no NaN or
 infinities (orjson would silently write ``null``: they are refused first);
 values are ``None``, ``bool``, ``int``, ``str``, ``list``/``tuple``, ``dict``.
-String escaping is orjson's, which matches RFC 8785's (short escapes for
-``\\b \\t \\n \\f \\r``, ``\\u00xx`` for other controls, everything else as is).
+String escaping matches RFC 8785's (short escapes for ``\\b \\t \\n \\f \\r``,
+``\\u00xx`` for other controls, everything else as is); the bytes come from
+:mod:`receipts.jsonio` (orjson or the stdlib: the same bytes).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import orjson
+from receipts import jsonio
 
 from receipts.errors import CanonicalJsonError
 
@@ -112,7 +113,7 @@ def canonical_json(value: Any) -> bytes:
         CanonicalJsonError: the value is outside the profile.
     """
     try:
-        return orjson.dumps(normalise(value))
-    except orjson.JSONEncodeError:
+        return jsonio.dumps(normalise(value))
+    except jsonio.JsonError:
         _checked(value)  # names the value orjson refused (a lone surrogate)
         raise

@@ -19,9 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from cas.durable import append_durable
+from receipts import jsonio
 from receipts.canonical import canonical_json
 from receipts.errors import CorruptLedger
 from receipts.flock import flocked
@@ -72,7 +71,7 @@ class Ledger:
                     continue
                 line = head[begin + 1:]
                 try:
-                    seq = int(orjson.loads(line)["seq"])
+                    seq = int(jsonio.loads(line)["seq"])
                 except Exception as exc:
                     raise CorruptLedger(f"ledger '{self.path}': last line is unreadable") from exc
                 return seq, hashlib.sha256(line).hexdigest(), start + end + 1
@@ -134,8 +133,8 @@ class Ledger:
                 if not raw.endswith(b"\n"):
                     return
                 try:
-                    obj = orjson.loads(raw)
-                except orjson.JSONDecodeError as exc:
+                    obj = jsonio.loads(raw)
+                except jsonio.JsonError as exc:
                     raise CorruptLedger(f"ledger '{self.path}' line {n} is not JSON") from exc
                 if not isinstance(obj, dict):
                     raise CorruptLedger(f"ledger '{self.path}' line {n} is not an object")
@@ -157,8 +156,8 @@ class Ledger:
                     break
                 line = raw[:-1]
                 try:
-                    obj = orjson.loads(line)
-                except orjson.JSONDecodeError:
+                    obj = jsonio.loads(line)
+                except jsonio.JsonError:
                     problems.append(LedgerProblem(n, "not JSON"))
                     prev = hashlib.sha256(line).hexdigest()
                     expected_seq += 1

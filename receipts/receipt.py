@@ -26,7 +26,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
+from receipts import jsonio
 
 from receipts.canonical import canonical_json, normalise
 from receipts.errors import CorruptReceipt
@@ -148,6 +148,8 @@ class Receipt:
 
 def receipt_bytes(receipt: Receipt) -> bytes:
     """The file bytes of a receipt: indented, sorted keys, trailing newline (readable, stable)."""
+    import orjson  # the write path: a process that writes receipts has the time
+
     return orjson.dumps(receipt.to_doc(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
 
 
@@ -158,8 +160,8 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
         CorruptReceipt: any check fails; the reason names the first failure.
     """
     try:
-        doc = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
+        doc = jsonio.loads(data)
+    except jsonio.JsonError as exc:
         raise CorruptReceipt(path, f"not JSON ({exc})") from exc
     if not isinstance(doc, dict):
         raise CorruptReceipt(path, "not a JSON object")
@@ -181,14 +183,14 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
     body = {k: v for k, v in doc.items() if k != _DIGEST_FIELD}
     try:
         # One validating walk (normalise) gives key-sorted copies; the three hashes
-        # are then plain orjson dumps of its parts, identical to canonical_json().
+        # are then plain compact dumps of its parts, identical to canonical_json().
         canon = normalise(body)
-        actual_digest = hashlib.sha256(orjson.dumps(canon)).hexdigest()
+        actual_digest = hashlib.sha256(jsonio.dumps(canon)).hexdigest()
         identity = canon["identity"]
-        call_id = CALL_ID_TAG + hashlib.sha256(orjson.dumps(identity)).hexdigest()
+        call_id = CALL_ID_TAG + hashlib.sha256(jsonio.dumps(identity)).hexdigest()
         args_doc = {"args": identity.get("args", {}), "tool": identity.get("tool", ""),
                     "tool_version": identity.get("tool_version", "")}
-        args_sha = hashlib.sha256(orjson.dumps(args_doc)).hexdigest()
+        args_sha = hashlib.sha256(jsonio.dumps(args_doc)).hexdigest()
     except Exception as exc:  # CanonicalJsonError, odd identity shapes
         raise CorruptReceipt(path, f"cannot recompute hashes ({exc})") from exc
     if actual_digest != stored_digest:

@@ -38,6 +38,7 @@ from cas.durable import is_own_tmp
 from cas.errors import OncepatchError
 from receipts.adapter import EffectAdapter, QueryResult
 from receipts.errors import CorruptReceipt, StillUnknown
+from receipts.jsonio import use_fast as use_fast_json
 from receipts.receipt import Receipt, parse_receipt
 from receipts.states import needs_resolution
 from receipts.store import ReceiptStore
@@ -165,6 +166,7 @@ def recover(
     extra_cleanup: Callable[[ReceiptStore, bool, float], list[str]] | None = None,
 ) -> RecoveryReport:
     """Resolve every unresolved receipt and tidy the store (see the module docstring)."""
+    use_fast_json()  # a scan: JSON speed matters
     report = RecoveryReport(dry_run=dry_run)
     if _ledger_tail_torn(store.ledger.path):
         # A crash mid-append left a torn last line: not an event, and only the next

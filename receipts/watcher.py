@@ -29,6 +29,7 @@ from typing import Any
 
 from receipts.adapter import EffectAdapter
 from receipts.errors import CorruptReceipt
+from receipts.jsonio import use_fast as use_fast_json
 from receipts.receipt import Receipt, parse_receipt
 from receipts.recovery import receipt_age, resolve_receipt
 from receipts.store import ReceiptStore
@@ -60,6 +61,7 @@ class Watcher:
         self._pending: dict[str, float] = {}  # path -> when to look again
         self._flagged: set[tuple[str, int]] = set()
         self.flags = 0
+        use_fast_json()  # long-lived and scanning: JSON speed matters
 
     # -- feeding -------------------------------------------------------------------
 

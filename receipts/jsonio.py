@@ -1,0 +1,61 @@
+"""Compact JSON bytes in and out, through orjson when it is loaded, else the stdlib (no I/O).
+
+A cold ``oncepatch apply`` that replays, or ``status``, reads one receipt and
+appends one ledger line: importing orjson costs more there (≈ 15 ms) than all
+the JSON work.  Long scans (``verify``, ``recover``, the watcher) and every
+process that applies import orjson first and get its speed.  Both backends
+give the same bytes for the values receipts hold — key order as given, no
+whitespace, UTF-8, RFC 8785's escapes — which ``tests/unit/test_jsonio.py``
+checks over generated values; NaN and infinities are refused by both.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+__all__ = ["JsonError", "loads", "dumps", "use_fast"]
+
+
+class JsonError(ValueError):
+    """Not JSON (on load), or not encodable (on dump)."""
+
+
+def _no_constant(name: str) -> Any:
+    raise JsonError(f"{name} is not allowed")
+
+
+def use_fast() -> None:
+    """Load orjson now: the caller is about to do a lot of JSON work."""
+    import orjson  # noqa: F401
+
+
+def loads(data: bytes | str) -> Any:
+    """Parse JSON.
+
+    Raises:
+        JsonError: not JSON, or NaN/Infinity literals.
+    """
+    fast = sys.modules.get("orjson")
+    try:
+        if fast is not None:
+            return fast.loads(data)
+        return json.loads(data, parse_constant=_no_constant)
+    except ValueError as exc:  # orjson.JSONDecodeError and json.JSONDecodeError are ValueErrors
+        raise JsonError(str(exc)) from exc
+
+
+def dumps(value: Any) -> bytes:
+    """Compact JSON bytes of ``value`` (keys in their given order).
+
+    Raises:
+        JsonError: a value JSON cannot carry (NaN, a lone surrogate, an odd type).
+    """
+    fast = sys.modules.get("orjson")
+    try:
+        if fast is not None:
+            return bytes(fast.dumps(value))
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError, UnicodeEncodeError) as exc:  # orjson.JSONEncodeError is a TypeError
+        raise JsonError(str(exc)) from exc

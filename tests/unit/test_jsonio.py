@@ -1,0 +1,60 @@
+"""Both JSON backends give the same bytes for receipt values (so a replay may skip orjson)."""
+
+from __future__ import annotations
+
+import sys
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from receipts import jsonio
+from receipts.canonical import MAX_SAFE_INT, canonical_json
+
+text = st.text(st.characters(exclude_categories=["Cs"]), max_size=20)
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-MAX_SAFE_INT, MAX_SAFE_INT) | text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values)
+def test_stdlib_backend_gives_orjsons_bytes(value: object) -> None:
+    expected = orjson.dumps(value)
+    saved = sys.modules.pop("orjson")
+    try:
+        assert jsonio.dumps(value) == expected
+        assert jsonio.loads(expected) == orjson.loads(expected)
+    finally:
+        sys.modules["orjson"] = saved
+
+
+def test_control_characters_escape_the_same() -> None:
+    s = "".join(chr(c) for c in range(0x20)) + '"\\\x7f\u2028\ue000\U0001f600'
+    saved = sys.modules.pop("orjson")
+    try:
+        slow = jsonio.dumps(s)
+        slow_canonical = canonical_json({"k": s})
+    finally:
+        sys.modules["orjson"] = saved
+    assert slow == orjson.dumps(s)
+    assert slow_canonical == canonical_json({"k": s})
+
+
+@pytest.mark.parametrize("with_orjson", [True, False])
+def test_both_refuse_what_json_cannot_carry(  # NaN is refused earlier, by canonical.normalise
+    with_orjson: bool) -> None:
+    saved = None if with_orjson else sys.modules.pop("orjson")
+    try:
+        with pytest.raises(jsonio.JsonError):
+            jsonio.dumps("\ud800")
+        with pytest.raises(jsonio.JsonError):
+            jsonio.loads(b'{"x": NaN}')
+        with pytest.raises(jsonio.JsonError):
+            jsonio.loads(b"{not json")
+    finally:
+        if saved is not None:
+            sys.modules["orjson"] = saved
