@@ -30,7 +30,7 @@ from difflib import SequenceMatcher
 
 from patcher.envelope import parse_envelope
 from patcher.errors import AmbiguousMatch, UnsupportedPatch
-from patcher.matching import apply_hunks, split_lines
+from patcher.matching import apply_hunks, chomp, eol_of, split_lines
 from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Hunk
 from patcher.unified import parse_unified
 
@@ -48,18 +48,6 @@ class Conversion:
     unified: bytes
     skipped: tuple[tuple[str, str], ...]
     files: int
-
-
-def _chomp(line: bytes) -> bytes:
-    if line.endswith(b"\r\n"):
-        return line[:-2]
-    if line.endswith(b"\n"):
-        return line[:-1]
-    return line
-
-
-def _eol_of(line: bytes) -> bytes:
-    return b"\r\n" if line.endswith(b"\r\n") else b"\n" if line.endswith(b"\n") else b""
 
 
 def _dominant(data: bytes) -> bytes:
@@ -87,7 +75,7 @@ def _path_bytes(path: str) -> bytes:
 
 def _exact_needed(old: Sequence[bytes], new: Sequence[bytes]) -> bool:
     """True when an eol-agnostic hunk would lose bytes: an unterminated line, or a content ending in CR."""
-    return any(not line.endswith(b"\n") or _chomp(line).endswith(b"\r") for line in (*old, *new))
+    return any(not line.endswith(b"\n") or chomp(line).endswith(b"\r") for line in (*old, *new))
 
 
 def _hunk_body(old: Sequence[bytes], new: Sequence[bytes]) -> list[bytes]:
@@ -95,7 +83,7 @@ def _hunk_body(old: Sequence[bytes], new: Sequence[bytes]) -> list[bytes]:
     exact = _exact_needed(old, new)
 
     def text(line: bytes) -> bytes:
-        return line[:-1] if exact and line.endswith(b"\n") else line if exact else _chomp(line)
+        return line[:-1] if exact and line.endswith(b"\n") else line if exact else chomp(line)
 
     def emit(prefix: bytes, line: bytes) -> list[bytes]:
         out = [prefix + text(line) + b"\n"]
@@ -103,8 +91,8 @@ def _hunk_body(old: Sequence[bytes], new: Sequence[bytes]) -> list[bytes]:
             out.append(_NO_NEWLINE)
         return out
 
-    keys_old = list(old) if exact else [_chomp(x) for x in old]
-    keys_new = list(new) if exact else [_chomp(x) for x in new]
+    keys_old = list(old) if exact else [chomp(x) for x in old]
+    keys_new = list(new) if exact else [chomp(x) for x in new]
     body: list[bytes] = []
     for tag, a0, a1, b0, b1 in SequenceMatcher(None, keys_old, keys_new, autojunk=False).get_opcodes():
         if tag == "equal":
@@ -189,7 +177,7 @@ def _fit(edit: FileEdit, old_content: bytes) -> list[bytes]:
         for line in h.new_lines:
             if line in old_set:
                 old_set.remove(line)
-            elif file and _eol_of(line) not in (b"", eol):
+            elif file and eol_of(line) not in (b"", eol):
                 raise UnsupportedPatch(
                     f"'{edit.path}' has mixed line endings: an added line ends differently from the file",
                     details={"path": edit.path, "reason": "mixed line endings"})

@@ -69,7 +69,7 @@ import orjson
 from patcher.detection import WHOLE_KEYS, json_items, looks_search_replace, looks_str_replace
 from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied
 from patcher.formats import Format
-from patcher.matching import apply_hunks, split_lines
+from patcher.matching import apply_hunks, chomp, split_lines
 from patcher.model import AppliedFile, FileEdit, Hunk, Patch
 
 __all__ = [
@@ -98,14 +98,6 @@ _WHOLE_KEYS = WHOLE_KEYS
 # --------------------------------------------------------------------------- search/replace blocks
 
 
-def _chomp(line: bytes) -> bytes:
-    if line.endswith(b"\r\n"):
-        return line[:-2]
-    if line.endswith(b"\n"):
-        return line[:-1]
-    return line
-
-
 def _error(message: str, **details: Any) -> ParseError:
     if "line" in details:
         message = f"{message} (line {details['line']})"
@@ -115,7 +107,7 @@ def _error(message: str, **details: Any) -> ParseError:
 def _file_name(lines: list[bytes], lo: int, hi: int) -> str | None:
     """The file name on the last meaningful line in ``lines[lo:hi]`` (``None``: none there)."""
     for k in range(hi - 1, lo - 1, -1):
-        text = _chomp(lines[k]).strip()
+        text = chomp(lines[k]).strip()
         if not text or _FENCE.fullmatch(text):
             continue
         name = text.strip(b"`*#").strip()
@@ -195,8 +187,8 @@ def _group(blocks: list[tuple[str, int, list[bytes], list[bytes]]], kind: str) -
             continue
         hunks = []
         for n, (line, search, replace) in enumerate(items, 1):
-            old = tuple(_chomp(x) for x in search)
-            new = tuple(_chomp(x) for x in replace)
+            old = tuple(chomp(x) for x in search)
+            new = tuple(chomp(x) for x in replace)
             if old == new:
                 raise _error(f"edit {n} of '{path}' changes nothing", line=line, path=path)
             label = "block" if kind == SEARCH_REPLACE else "edit"

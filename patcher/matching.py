@@ -88,7 +88,7 @@ from typing import Any, Literal
 from patcher.errors import AmbiguousMatch, ContextNotFound, PartiallyApplied
 from patcher.model import AppliedFile, Hunk
 
-__all__ = ["GRADES", "apply_hunks", "split_lines"]
+__all__ = ["GRADES", "apply_hunks", "split_lines", "chomp", "eol_of"]
 
 GRADES: tuple[str, ...] = ("exact", "rstrip", "strip", "punct")
 
@@ -115,7 +115,8 @@ def split_lines(data: bytes) -> list[bytes]:
     return lines
 
 
-def _chomp(line: bytes) -> bytes:
+def chomp(line: bytes) -> bytes:
+    """``line`` without its terminator (``\\r\\n`` or ``\\n``)."""
     if line.endswith(b"\r\n"):
         return line[:-2]
     if line.endswith(b"\n"):
@@ -123,7 +124,8 @@ def _chomp(line: bytes) -> bytes:
     return line
 
 
-def _eol_of(line: bytes) -> bytes:
+def eol_of(line: bytes) -> bytes:
+    """The terminator ``line`` ends with (``b""`` for none)."""
     if line.endswith(b"\r\n"):
         return b"\r\n"
     if line.endswith(b"\n"):
@@ -141,7 +143,7 @@ def _identity(line: bytes) -> bytes:
 
 def _key_fn(grade: str, agnostic: bool) -> Callable[[bytes], object]:
     if grade == "exact":
-        return _chomp if agnostic else _identity
+        return chomp if agnostic else _identity
     if grade == "rstrip":
         return bytes.rstrip
     if grade == "strip":
@@ -347,7 +349,7 @@ def _judge(f: _File, hunk: Hunk, lo: int, carry: int) -> _Verdict:
     if hunk.scopes:
         starts, missing_scope = _resolve_scopes(f, hunk.scopes, lo)
         if missing_scope is not None or not starts:
-            shown = _chomp(missing_scope or b"").decode("utf-8", "replace")
+            shown = chomp(missing_scope or b"").decode("utf-8", "replace")
             raise _Failure(
                 ContextNotFound,
                 f"scope '{shown}' not found (tried {', '.join(GRADES)})",
@@ -417,7 +419,7 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str) -> list[bytes]:
         return list(hunk.new_lines)
     m = len(hunk.old_lines)
     matched = f.lines[pos : pos + m]
-    norm: Callable[[bytes], bytes] = _chomp if hunk.eol_agnostic else _identity
+    norm: Callable[[bytes], bytes] = chomp if hunk.eol_agnostic else _identity
     pairs = SequenceMatcher(
         None, [norm(x) for x in hunk.old_lines], [norm(x) for x in hunk.new_lines], autojunk=False
     )
@@ -434,8 +436,8 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str) -> list[bytes]:
         if j in kept:
             out.append(matched[kept[j]])
         elif hunk.eol_agnostic:
-            out.append(_chomp(line) + eol)
-        elif patch_eol and region_eol and patch_eol != region_eol and _eol_of(line) == patch_eol:
+            out.append(chomp(line) + eol)
+        elif patch_eol and region_eol and patch_eol != region_eol and eol_of(line) == patch_eol:
             out.append(line[: -len(patch_eol)] + region_eol)
         else:
             out.append(line)
@@ -444,7 +446,7 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str) -> list[bytes]:
             out[k] += eol
     n = len(f.lines)
     if hunk.eol_agnostic and out and pos + m == n and n and not f.lines[-1].endswith(b"\n"):
-        out[-1] = _chomp(out[-1])
+        out[-1] = chomp(out[-1])
     return out
 
 
@@ -467,7 +469,7 @@ def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict]]) -> bytes:
 
 
 def _text(line: bytes) -> str:
-    return _chomp(line).decode("utf-8", "replace")
+    return chomp(line).decode("utf-8", "replace")
 
 
 def _closest(f: _File, seq: Sequence[bytes], ref: int) -> dict[str, Any] | None:

@@ -69,7 +69,7 @@ from datetime import datetime
 
 from patcher.detection import looks_unified
 from patcher.errors import ParseError, UnsupportedPatch
-from patcher.matching import split_lines
+from patcher.matching import chomp, split_lines
 from patcher.model import MODE_EXEC, MODE_FILE, MODE_LINK, FileEdit, Hunk, Patch
 from patcher.paths import check_path
 
@@ -106,14 +106,6 @@ _ESCAPES = {
 
 # ---------------------------------------------------------------------------
 # names
-
-
-def _chomp(line: bytes) -> bytes:
-    if line.endswith(b"\r\n"):
-        return line[:-2]
-    if line.endswith(b"\n"):
-        return line[:-1]
-    return line
 
 
 def _show(name: bytes) -> str:
@@ -171,7 +163,7 @@ def _is_epoch(date: bytes, zone: bytes | None) -> bool:
 
 def _name_field(raw: bytes, lineno: int) -> tuple[bytes, bool]:
     """The name on a ``---``/``+++`` line (after the marker); whether its timestamp is the epoch."""
-    raw = _chomp(raw)
+    raw = chomp(raw)
     if raw.startswith(b'"'):
         return _unquote(raw, 0, lineno)[0], False
     name, tab, stamp = raw.partition(b"\t")
@@ -340,7 +332,7 @@ def _excess(lines: list[bytes], j: int) -> bool:
         return True
     if line[:1] != b"-":
         return False
-    if _chomp(line) in (b"-- ", b"--"):  # format-patch signature
+    if chomp(line) in (b"-- ", b"--"):  # format-patch signature
         return False
     return not (
         line.startswith(b"--- ") and j + 1 < len(lines) and lines[j + 1].startswith(b"+++ ")
@@ -357,10 +349,10 @@ def _read_hunks(lines: list[bytes], i: int, block: _Block) -> int:
 def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
     """Read the hunk whose header is ``lines[i]`` into ``block``; return the index after it."""
     n = len(lines)
-    head = _HUNK.fullmatch(_chomp(lines[i]))
+    head = _HUNK.fullmatch(chomp(lines[i]))
     if head is None:
         raise ParseError(
-            f"malformed hunk header at line {i + 1}: '{_show(_chomp(lines[i]))}'",
+            f"malformed hunk header at line {i + 1}: '{_show(chomp(lines[i]))}'",
             details={"line": i + 1, "path": block.display()},
         )
     old_count = 1 if head[2] is None else int(head[2])
@@ -424,7 +416,7 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
             old_lines=tuple(old),
             new_lines=tuple(new),
             old_start=int(head[1]),
-            header=_chomp(lines[i]).decode("utf-8", "replace"),
+            header=chomp(lines[i]).decode("utf-8", "replace"),
         )
     )
     return j
@@ -432,11 +424,11 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
 
 def _read_git_block(lines: list[bytes], i: int) -> tuple[_Block, int]:
     block = _Block(line=i + 1, git=True)
-    block.header = _header_names(_chomp(lines[i])[len(b"diff --git ") :], i + 1)
+    block.header = _header_names(chomp(lines[i])[len(b"diff --git ") :], i + 1)
     if block.header is not None:
         block.prefix = _prefix_pair(*block.header)
     i += 1
-    while i < len(lines) and _extended(block, _chomp(lines[i]), i + 1):
+    while i < len(lines) and _extended(block, chomp(lines[i]), i + 1):
         i += 1
     if i + 1 < len(lines) and lines[i].startswith(b"--- ") and lines[i + 1].startswith(b"+++ "):
         block.minus, block.minus_epoch = _name_field(lines[i][4:], i + 1)
@@ -619,7 +611,7 @@ def parse_unified(data: bytes) -> Patch:
             raise UnsupportedPatch(
                 f"combined diffs are not supported at line {i + 1}", details={"line": i + 1}
             )
-        elif (binary := _BINARY.fullmatch(_chomp(line))) is not None:
+        elif (binary := _BINARY.fullmatch(chomp(line))) is not None:
             target = binary[2] if binary[2] != _DEV_NULL else binary[1]
             shown = _show(target[2:] if target.startswith((b"a/", b"b/")) else target)
             raise UnsupportedPatch(
