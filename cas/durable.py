@@ -15,6 +15,16 @@
 
 ``append_durable(path, line)`` appends one record and fsyncs it (the ledger).
 
+:class:`DurableBatch` is the same sequence for several files that must be
+durable together (a transaction's git objects and its receipt): every tmp file
+is written first, then all are fsynced *at once* (one thread each, so the
+filesystem commits them as one group instead of one journal commit after
+another), then renamed in the order they were added, then every folder
+touched is fsynced at once.  Step for step it keeps the single-file
+guarantees: no file is renamed before its data is synced, the batch is
+durable before ``commit`` returns, a failure before the renames leaves no tmp
+file and no target changed.
+
 Both take an optional ``dir_fd``: the path is then relative to that open
 folder, which is how worktree writes avoid following symlinked folders.
 :func:`open_dir_nofollow` opens such a folder one component at a time with
@@ -27,12 +37,16 @@ import contextlib
 import os
 import secrets
 import stat
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from cas.errors import DurableWriteError, UnsafeWorktreePath
 
 __all__ = [
     "TMP_MARK",
+    "DurableBatch",
+    "fsync_all",
     "write_durable",
     "append_durable",
     "fsync_dir",
@@ -123,10 +137,13 @@ def write_durable(
             raise DurableWriteError(path, exc, effect_status="unknown") from exc
 
 
-def append_durable(path: str, data: bytes) -> None:
+def append_durable(path: str, data: bytes, *, sync: bool = True) -> None:
     """Append ``data`` to ``path`` (created if missing) and fsync it.
 
     A new file's folder is synced too.  Callers serialise appends with a lock.
+    ``sync=False``: the append is written but not fsynced; the caller fsyncs
+    ``path`` before it relies on the record (:meth:`DurableBatch.commit`'s
+    ``after_renames`` does, in the batch's last round).
 
     Raises:
         DurableWriteError: the append failed (a partial line may remain; readers
@@ -137,7 +154,8 @@ def append_durable(path: str, data: bytes) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_CLOEXEC, 0o644)
         try:
             _write_all(fd, data)
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         if created:
@@ -181,3 +199,200 @@ def open_dir_nofollow(root: str, rel_dir: str, *, create: bool = False) -> Itera
         yield fd
     finally:
         os.close(fd)
+
+
+# -- several files at once ------------------------------------------------------
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_PID = 0
+_POOL_GUARD = threading.Lock()
+_POOL_THREADS = 8
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The fsync threads (re-made in a forked child, where the parent's threads do not exist)."""
+    global _POOL, _POOL_PID
+    with _POOL_GUARD:
+        if _POOL is None or _POOL_PID != os.getpid():
+            _POOL = ThreadPoolExecutor(max_workers=_POOL_THREADS, thread_name_prefix="oncepatch-fsync")
+            _POOL_PID = os.getpid()
+        return _POOL
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_all(paths: Iterable[str]) -> None:
+    """fsync every path (files or folders) concurrently; return when all are synced.
+
+    Concurrent fsyncs of one filesystem are committed together (ext4 and xfs
+    group them into one journal commit), so n files cost about one flush, not n.
+
+    Raises:
+        DurableWriteError: a sync failed (the first failure; all were attempted).
+    """
+    todo = list(dict.fromkeys(paths))
+    if not todo:
+        return
+    if len(todo) == 1:
+        try:
+            _fsync_path(todo[0])
+        except OSError as exc:
+            raise DurableWriteError(todo[0], exc) from exc
+        return
+    futures = [(p, _pool().submit(_fsync_path, p)) for p in todo]
+    first: tuple[str, OSError] | None = None
+    for p, fut in futures:
+        err = fut.exception()
+        if err is not None and first is None:
+            if not isinstance(err, OSError):
+                raise err
+            first = (p, err)
+    if first is not None:
+        raise DurableWriteError(first[0], first[1]) from first[1]
+
+
+class _Item:
+    __slots__ = ("path", "data", "writer", "mode", "tmp_prefix", "tmp", "existing")
+
+    def __init__(self, path: str, data: bytes | memoryview | None, writer: Callable[[int], None] | None,
+                 mode: int, tmp_prefix: str | None) -> None:
+        self.path = path
+        self.data = data
+        self.writer = writer
+        self.mode = mode
+        self.tmp_prefix = tmp_prefix
+        self.tmp: str | None = None
+        self.existing = False
+
+
+class DurableBatch:
+    """Files made durable together, with two rounds of concurrent fsyncs (module docstring).
+
+    ``add`` queues a file; ``commit`` writes, syncs and renames them all.  A
+    *content-addressed* file (``content_addressed=True``: its name is the hash
+    of its bytes, like a git loose object) that already exists is not written
+    again, only synced.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[_Item] = []
+        self._paths: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, path: str, data: bytes | memoryview | None = None, *, writer: Callable[[int], None] | None = None,
+            mode: int = 0o644, content_addressed: bool = False, tmp_prefix: str | None = None) -> None:
+        """Queue ``path`` with ``data`` (or ``writer(fd)``, which writes the bytes itself: for streaming).
+
+        ``tmp_prefix`` names the tmp file (default ``.<name>``; it always carries
+        :data:`TMP_MARK`).  A path queued twice keeps its first entry only when
+        ``content_addressed`` (same name, same bytes); otherwise it is an error.
+        """
+        if (data is None) == (writer is None):
+            raise ValueError("give exactly one of data and writer")
+        if path in self._paths:
+            if content_addressed:
+                return
+            raise ValueError(f"'{path}' is already in this batch")
+        item = _Item(path, data, writer, mode, tmp_prefix)
+        if content_addressed and os.path.exists(path):
+            item.existing = True
+        self._paths.add(path)
+        self._items.append(item)
+
+    def commit(self, *, before_replace: Callable[[], None] | None = None,
+               after_renames: Callable[[], Iterable[str]] | None = None) -> None:
+        """Write, sync and rename every queued file; then sync their folders.
+
+        ``before_replace`` runs when every tmp file is written and synced, before
+        the first rename (a crash point).  ``after_renames`` runs after the last
+        rename and returns more paths to sync in the last round (a log the
+        caller appended to without syncing).
+
+        Raises:
+            DurableWriteError: nothing was renamed (no tmp file left, every
+                target unchanged) — or, with ``effect_status="unknown"``, the
+                renames happened and only the last round's syncs failed.
+        """
+        folders: dict[str, None] = {}
+        try:
+            for item in self._items:
+                folder = os.path.dirname(item.path)
+                for made in _make_dirs(folder):
+                    folders[os.path.dirname(made)] = None  # a new folder's entry lives in its parent
+                folders[folder] = None
+                if item.existing:
+                    continue
+                self._write_tmp(item)
+            fsync_all(item.path if item.existing else item.tmp for item in self._items)  # type: ignore[misc]
+            if before_replace is not None:
+                before_replace()
+        except BaseException as exc:
+            self._discard()
+            if isinstance(exc, OSError) and not isinstance(exc, DurableWriteError):
+                raise DurableWriteError(self._items[0].path if self._items else "", exc) from exc
+            raise
+        for n, item in enumerate(self._items):
+            if item.existing:
+                continue
+            assert item.tmp is not None
+            try:
+                os.replace(item.tmp, item.path)
+            except OSError as exc:
+                self._discard(start=n)
+                raise DurableWriteError(item.path, exc) from exc
+            item.tmp = None
+        extra = list(after_renames()) if after_renames is not None else []
+        try:
+            fsync_all([*folders, *extra])
+        except DurableWriteError as exc:
+            raise DurableWriteError(exc.path, exc.cause, effect_status="unknown") from exc.cause
+
+    def _write_tmp(self, item: _Item) -> None:
+        folder, name = os.path.split(item.path)
+        prefix = item.tmp_prefix if item.tmp_prefix is not None else "." + name
+        item.tmp = os.path.join(folder, f"{prefix}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        fd = os.open(item.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_BINARY | _O_CLOEXEC, 0o600)
+        try:
+            if item.writer is not None:
+                item.writer(fd)
+            else:
+                assert item.data is not None
+                _write_all(fd, item.data)
+            os.fchmod(fd, item.mode)
+        finally:
+            os.close(fd)
+
+    def _discard(self, start: int = 0) -> None:
+        for item in self._items[start:]:
+            if item.tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(item.tmp)
+                item.tmp = None
+
+
+def _make_dirs(folder: str) -> list[str]:
+    """Create ``folder`` and its missing parents; return the folders created (outermost first)."""
+    if os.path.isdir(folder):
+        return []
+    made: list[str] = []
+    parent = os.path.dirname(folder)
+    if parent and parent != folder:
+        made += _make_dirs(parent)
+    try:
+        os.mkdir(folder, 0o755)
+    except FileExistsError:
+        return made
+    return [*made, folder]
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write every byte of ``data`` to ``fd`` (looping on short writes)."""
+    _write_all(fd, data)

@@ -15,8 +15,15 @@ What it offers the apply protocol:
   against the expected old value, then set (with a reflog entry);
 * :meth:`GitStore.create_key_ref`: the create-only ``refs/oncepatch/keys/<h>``.
 
+Objects are hashed and serialised here, in Python (blobs, trees, commits are
+simple formats), and *staged*: held until the protocol writes them, as loose
+objects, in the same :class:`cas.durable.DurableBatch` as the receipt that
+names them — all synced in one round instead of one fsync per object and one
+per folder, one after another.  Anything that reads through libgit2 or moves a
+ref writes the staged objects first (:meth:`GitStore.flush_objects`).
+
 Durability: ``enable_fsync_gitdir`` is switched on when the first store opens,
-so libgit2 fsyncs loose objects, their folders, refs and reflogs.
+so libgit2 fsyncs refs and reflogs (and any object it writes itself).
 
 Why the key ref is not in the branch's transaction: libgit2 commits a
 transaction's refs one lock-file rename at a time, so a crash between them can
@@ -27,13 +34,16 @@ its key ref is found by recovery through reachability and the reflog.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import pygit2
 
+from cas.durable import DurableBatch, write_all
 from cas.gitdir import common_dir_of
 from cas.errors import GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown, UsageError
 
@@ -41,6 +51,35 @@ __all__ = ["GitStore", "TreeEntry", "PathLookup", "Signature", "KEY_REF_PREFIX"]
 
 KEY_REF_PREFIX = "refs/oncepatch/keys/"
 _FSYNC_ON = False
+_TREE_MODE = 0o40000
+_OBJECT_TYPES = {b"commit": 1, b"tree": 2, b"blob": 3}
+#: zlib level of loose objects: git's default ``core.looseCompression`` (best speed).
+_LOOSE_LEVEL = 1
+_CHUNK = 1 << 20
+
+
+def _canon_mode(mode: int) -> int:
+    """git's canonical tree-entry mode (``canon_mode``): old 100664-style modes become 100644."""
+    kind = mode & 0o170000
+    if kind == 0o100000:
+        return 0o100755 if mode & 0o111 else 0o100644
+    if kind in (0o040000, 0o120000, 0o160000):
+        return kind
+    return mode
+
+
+def _deflate_writer(header: bytes, data: bytes | memoryview) -> Callable[[int], None]:
+    """Writes a loose object's zlib stream to an fd, a chunk at a time (a big blob is never copied whole)."""
+    def write(fd: int) -> None:
+        z = zlib.compressobj(_LOOSE_LEVEL)
+        view = memoryview(data)
+        write_all(fd, z.compress(header))
+        for start in range(0, len(view), _CHUNK):
+            out = z.compress(view[start:start + _CHUNK])
+            if out:
+                write_all(fd, out)
+        write_all(fd, z.flush())
+    return write
 
 
 def _oid(hex_or_oid: str | pygit2.Oid) -> pygit2.Oid:
@@ -92,8 +131,15 @@ class GitStore:
             raise UsageError(f"not a git repository: '{path}'") from exc
         self.git_dir = os.path.realpath(self.repo.path)
         self.common_dir = common_dir_of(self.git_dir)
+        # Objects staged by this store and not yet written: {hex id: (header, bytes)}.
+        self._pending: dict[str, tuple[bytes, bytes | memoryview]] = {}
 
     # -- reading ------------------------------------------------------------------
+
+    def _written(self) -> None:
+        """Reads through libgit2 see only written objects: write the staged ones first."""
+        if self._pending:
+            self.flush_objects()
 
     def resolve(self, ref: str) -> str | None:
         """The oid a ref points at now (peeled through symbolic refs), ``None`` if absent."""
@@ -109,12 +155,14 @@ class GitStore:
             return None
 
     def commit_tree(self, commit_oid: str) -> str:
+        self._written()
         try:
             return str(self.repo[_oid(commit_oid)].peel(pygit2.Commit).tree_id)
         except (KeyError, ValueError, pygit2.GitError) as exc:
             raise GitStoreError(f"cannot read commit '{commit_oid}': {exc}") from exc
 
     def has_object(self, oid: str) -> bool:
+        self._written()
         try:
             return pygit2.Oid(hex=oid) in self.repo.odb
         except ValueError:
@@ -122,6 +170,7 @@ class GitStore:
 
     def lookup_path(self, tree_oid: str, path: str) -> PathLookup:
         """Walk ``path`` down from ``tree_oid`` without reading anything off the path."""
+        self._written()
         tree = self.repo[_oid(tree_oid)]
         if "/" in path:
             # Usual case first: libgit2 walks the whole path in one call.
@@ -157,6 +206,7 @@ class GitStore:
 
     def list_files(self, tree_oid: str) -> list[str]:
         """Every non-folder path below ``tree_oid``, relative to it (reads that subtree only)."""
+        self._written()
         out: list[str] = []
         stack: list[tuple[str, str]] = [("", tree_oid)]
         while stack:
@@ -170,6 +220,7 @@ class GitStore:
         return out
 
     def read_blob(self, oid: str) -> bytes:
+        self._written()
         try:
             return bytes(self.repo[_oid(oid)].read_raw())
         except (KeyError, ValueError, pygit2.GitError) as exc:
@@ -178,60 +229,129 @@ class GitStore:
     # -- writing immutable objects ------------------------------------------------
 
     def write_blob(self, data: bytes) -> str:
-        try:
-            return str(self.repo.create_blob(data))
-        except pygit2.GitError as exc:
-            raise GitStoreError(f"cannot write blob: {exc}") from exc
+        """Stage a blob of ``data``; return its id (written by :meth:`add_pending_to`)."""
+        header = b"blob %d\0" % len(data)
+        h = hashlib.sha1(header)
+        h.update(data)
+        oid = h.hexdigest()
+        self._stage_object(oid, header, data)
+        return oid
 
     def edit_tree(self, base_tree: str | None, changes: Mapping[str, TreeEntry | None]) -> str:
         """A new tree: ``base_tree`` with each path set to its entry (``None`` removes it).
 
         Only the trees on the changed paths are read and rewritten.  A folder
-        left empty disappears (git stores no empty trees).
+        left empty disappears (git stores no empty trees).  The trees are staged,
+        not yet written (see :meth:`add_pending_to`).
         """
         try:
             oid = self._edit(base_tree, {tuple(p.split("/")): e for p, e in changes.items()})
-        except pygit2.GitError as exc:
+        except (KeyError, ValueError, pygit2.GitError) as exc:
             raise GitStoreError(f"cannot write tree: {exc}") from exc
         if oid is None:
-            return str(self.repo.TreeBuilder().write())
+            return self._write_tree({})
         return oid
 
+    def _tree_entries(self, oid: str) -> dict[bytes, tuple[int, bytes]]:
+        """``{name: (mode, raw oid)}`` of a tree, parsed from its raw bytes."""
+        raw = self._raw(oid, b"tree")
+        out: dict[bytes, tuple[int, bytes]] = {}
+        i, n = 0, len(raw)
+        while i < n:
+            sp = raw.index(b" ", i)
+            nul = raw.index(b"\0", sp)
+            out[raw[sp + 1:nul]] = (_canon_mode(int(raw[i:sp], 8)), raw[nul + 1:nul + 21])
+            i = nul + 21
+        return out
+
+    def _raw(self, oid: str, kind: bytes) -> bytes:
+        staged = self._pending.get(oid)
+        if staged is not None:
+            return bytes(staged[1])
+        otype, data = self.repo.odb.read(_oid(oid))
+        if otype != _OBJECT_TYPES[kind]:
+            raise GitStoreError(f"object '{oid}' is not a {kind.decode()}")
+        return bytes(data)
+
     def _edit(self, tree_oid: str | None, changes: dict[tuple[str, ...], TreeEntry | None]) -> str | None:
-        builder = self.repo.TreeBuilder(tree_oid) if tree_oid else self.repo.TreeBuilder()
-        here: dict[str, TreeEntry | None] = {}
-        below: dict[str, dict[tuple[str, ...], TreeEntry | None]] = {}
+        entries = self._tree_entries(tree_oid) if tree_oid else {}
+        here: dict[bytes, TreeEntry | None] = {}
+        below: dict[bytes, dict[tuple[str, ...], TreeEntry | None]] = {}
         for parts, entry in changes.items():
+            name = parts[0].encode("utf-8", "surrogateescape")
             if len(parts) == 1:
-                here[parts[0]] = entry
+                here[name] = entry
             else:
-                below.setdefault(parts[0], {})[parts[1:]] = entry
+                below.setdefault(name, {})[parts[1:]] = entry
         # A name may be both a file and a folder in one change (a file giving way
         # to a folder, or back): the side that survives is the one with content.
         for name, sub in below.items():
             if here.get(name) is not None:
                 continue  # a file replaces the folder: its contents go with it
-            existing = builder.get(name)
-            sub_oid = None
-            if existing is not None and int(existing.filemode) == pygit2.enums.FileMode.TREE:
-                sub_oid = str(existing.id)
+            existing = entries.get(name)
+            sub_oid = existing[1].hex() if existing is not None and existing[0] == _TREE_MODE else None
             new_sub = self._edit(sub_oid, sub)
             if new_sub is None:
-                if builder.get(name) is not None:
-                    builder.remove(name)
+                entries.pop(name, None)
             else:
-                builder.insert(name, pygit2.Oid(hex=new_sub), pygit2.enums.FileMode.TREE)
+                entries[name] = (_TREE_MODE, bytes.fromhex(new_sub))
         for name, entry in here.items():
             if entry is None:
                 if name in below:
                     continue  # the file gave way to a folder, written above
-                if builder.get(name) is not None:
-                    builder.remove(name)
+                entries.pop(name, None)
             else:
-                builder.insert(name, pygit2.Oid(hex=entry.oid), entry.mode)
-        if len(builder) == 0:
+                entries[name] = (_canon_mode(entry.mode), bytes.fromhex(entry.oid))
+        if not entries:
             return None
-        return str(builder.write())
+        return self._write_tree(entries)
+
+    def _write_tree(self, entries: dict[bytes, tuple[int, bytes]]) -> str:
+        # git's order: names compared bytewise, a folder's name as if it ended in '/'.
+        items = sorted(entries.items(), key=lambda kv: kv[0] + b"/" if kv[1][0] == _TREE_MODE else kv[0])
+        body = b"".join(b"%o %s\0%s" % (mode, name, oid) for name, (mode, oid) in items)
+        header = b"tree %d\0" % len(body)
+        oid = hashlib.sha1(header + body).hexdigest()
+        self._stage_object(oid, header, body)
+        return oid
+
+    def _stage_object(self, oid: str, header: bytes, data: bytes | memoryview) -> None:
+        if oid not in self._pending:
+            self._pending[oid] = (header, data)
+
+    def add_pending_to(self, batch: DurableBatch) -> None:
+        """Queue every staged object in ``batch`` as a loose object; they count as written after its commit.
+
+        An object the repository already has is not written again (one already
+        loose is synced with the batch).  The tmp files follow git's
+        ``tmp_obj_`` naming, which ``git prune`` removes if a crash leaves one.
+        """
+        objects = os.path.join(self.common_dir, "objects")
+        for oid, (header, data) in self._pending.items():
+            path = os.path.join(objects, oid[:2], oid[2:])
+            if not os.path.exists(path) and self._packed(oid):
+                continue
+            batch.add(path, writer=_deflate_writer(header, data), mode=0o444, content_addressed=True,
+                      tmp_prefix="tmp_obj_")
+        self._pending.clear()
+
+    def _packed(self, oid: str) -> bool:
+        try:
+            return _oid(oid) in self.repo.odb
+        except (ValueError, pygit2.GitError):
+            return False
+
+    def flush_objects(self) -> None:
+        """Write every staged object durably now (before anything outside this store reads them)."""
+        if not self._pending:
+            return
+        batch = DurableBatch()
+        self.add_pending_to(batch)
+        batch.commit()
+
+    def discard_pending(self) -> None:
+        """Forget staged objects that were never written (a call that stopped before preparing)."""
+        self._pending.clear()
 
     def default_signature(self) -> Signature:
         try:
@@ -241,14 +361,22 @@ class GitStore:
             return Signature("oncepatch", "oncepatch@localhost")
 
     def create_commit(self, tree: str, parents: list[str], message: str, author: Signature | None = None) -> str:
+        """Stage a commit of ``tree`` (author = committer, now, local time zone); return its id."""
         sig = author or self.default_signature()
-        s = pygit2.Signature(sig.name, sig.email)
         try:
-            return str(
-                self.repo.create_commit(None, s, s, message, pygit2.Oid(hex=tree), [pygit2.Oid(hex=p) for p in parents])
-            )
-        except pygit2.GitError as exc:
+            s = pygit2.Signature(sig.name, sig.email)  # libgit2's checks and trimming of name and email
+        except (ValueError, pygit2.GitError) as exc:
             raise GitStoreError(f"cannot write commit: {exc}") from exc
+        offset = s.offset
+        stamp = b"%s <%s> %d %c%02d%02d" % (s.raw_name, s.raw_email, s.time, b"-"[0] if offset < 0 else b"+"[0],
+                                            abs(offset) // 60, abs(offset) % 60)
+        body = b"tree %s\n" % tree.encode()
+        body += b"".join(b"parent %s\n" % p.encode() for p in parents)
+        body += b"author %s\ncommitter %s\n\n%s" % (stamp, stamp, message.encode("utf-8"))
+        header = b"commit %d\0" % len(body)
+        oid = hashlib.sha1(header + body).hexdigest()
+        self._stage_object(oid, header, body)
+        return oid
 
     # -- refs ---------------------------------------------------------------------
 
@@ -274,6 +402,7 @@ class GitStore:
             RefMovedError: under the lock, the ref is not at ``expected``.
             RefUpdateUnknown: the commit of the transaction failed; the ref may have moved.
         """
+        self.flush_objects()  # the objects a ref will name are durable before it moves
         deadline = time.monotonic() + lock_timeout
         delay = 0.001
         while True:
@@ -342,6 +471,7 @@ class GitStore:
 
     def is_ancestor(self, ancestor: str, tip: str) -> bool:
         """``ancestor`` is ``tip`` or reachable from it."""
+        self._written()
         if ancestor == tip:
             return True
         try:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cas.crash import crash_hook, crash_point
+from cas.durable import DurableBatch
 from cas.errors import OncepatchError, RefLockedError, RefMovedError, RefUpdateUnknown, UsageError
 from cas.gitdir import read_head
 from receipts.errors import FencedOff, IdempotencyConflict
@@ -345,6 +346,7 @@ def _execute(
     use_fast_json()
     parsed = pre.patch if pre is not None else parse_patch(args.patch, args.format)
     gstore = open_store(args.repo, stores)
+    gstore.discard_pending()  # whatever an earlier call staged and never wrote
     message = _commit_message(args, parsed, call_id, key)
     paths = touched_paths(parsed)
     base = _branch_head(gstore, args)
@@ -359,6 +361,7 @@ def _execute(
     if args.check is not None:
         from patcher.check import run_check
 
+        gstore.flush_objects()  # git checks the candidate out: its objects must be on disk
         run_check(rstore, gstore, candidate, args.check, key=key, timeout=check_timeout,
                   on_fail=lambda err: _reject(rstore, identity, call_id, key, args_sha, previous, args, err,
                                               base, candidate))
@@ -383,7 +386,10 @@ def _execute(
         outputs=staged.outputs,
         extra={"touched": paths, "grades": {k: list(v) for k, v in staged.grades.items()}},
     )
-    rstore.record(receipt, "prepared")
+    # The staged objects and the receipt naming them: one batch, synced together.
+    batch = DurableBatch()
+    gstore.add_pending_to(batch)
+    rstore.record(receipt, "prepared", batch=batch)
     crash_point("after-prepare")
     _pause_point("after-prepare")
 
@@ -421,8 +427,7 @@ def _execute(
     final = receipt.evolve(status="committed", commit=candidate, tree=staged.tree, error=None)
     if warnings:
         final = final.evolve(extra={**final.extra, "warnings": warnings})
-    path = rstore.write(final, before_replace=crash_hook("before-receipt-replace"))
-    rstore.ledger.append_receipt_event("committed", final)
+    path = rstore.record(final, "committed", before_replace=crash_hook("before-receipt-replace"))
     return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
                        warnings=tuple(warnings))
 
@@ -497,7 +502,9 @@ def _move_refs(
             receipt = receipt.evolve(base={"ref": args.branch, "commit": base}, candidate=candidate,
                                      outputs=staged.outputs)
             _fence(rstore, key, token)
-            rstore.record(receipt, "restaged")
+            batch = DurableBatch()
+            gstore.add_pending_to(batch)
+            rstore.record(receipt, "restaged", batch=batch)
         except RefLockedError as exc:
             _reject(rstore, receipt.identity, call_id, key, receipt.args_sha256, receipt, args, exc, base,
                     candidate, retryable=True)

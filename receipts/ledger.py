@@ -76,8 +76,11 @@ class Ledger:
                     raise CorruptLedger(f"ledger '{self.path}': last line is unreadable") from exc
                 return seq, hashlib.sha256(line).hexdigest(), start + end + 1
 
-    def append(self, event: dict[str, Any]) -> dict[str, Any]:
+    def append(self, event: dict[str, Any], *, sync: bool = True) -> dict[str, Any]:
         """Append ``event`` (seq and prev filled in) durably; return the stored object.
+
+        ``sync=False``: not fsynced here; the caller syncs :attr:`path` before
+        relying on the event (a batch's last round).
 
         Raises:
             InProgress: the ledger lock could not be taken in time.
@@ -98,10 +101,11 @@ class Ledger:
             stored = dict(event)
             stored["seq"] = seq + 1
             stored["prev"] = prev
-            append_durable(self.path, canonical_json(stored) + b"\n")
+            append_durable(self.path, canonical_json(stored) + b"\n", sync=sync)
             return stored
 
-    def append_receipt_event(self, event: str, receipt: Receipt, **fields: Any) -> dict[str, Any]:
+    def append_receipt_event(self, event: str, receipt: Receipt, *, sync: bool = True,
+                             **fields: Any) -> dict[str, Any]:
         from receipts.receipt import now_iso
 
         doc: dict[str, Any] = {
@@ -116,7 +120,7 @@ class Ledger:
             "receipt_sha256": receipt.digest,
         }
         doc.update(fields)
-        return self.append(doc)
+        return self.append(doc, sync=sync)
 
     def events(self) -> Iterator[dict[str, Any]]:
         """Every complete event, in order (a torn last line is skipped).

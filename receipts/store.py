@@ -8,7 +8,7 @@ Layout under the store root::
     events.jsonl                  the hash-chained event ledger
     tmp/                          scratch (check worktrees, outputs)
 
-Every write goes through :func:`cas.durable.write_durable`.  Reads verify
+Every write goes through :class:`cas.durable.DurableBatch`.  Reads verify
 (:func:`receipts.receipt.parse_receipt`); a corrupt receipt raises, it is never
 skipped or overwritten silently.
 """
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cas.durable import fsync_dir, write_durable
+from cas.durable import DurableBatch, fsync_dir
 from receipts.errors import CorruptReceipt, InProgress
 from receipts.identity import key_hash
 from receipts.ledger import Ledger
@@ -145,19 +145,35 @@ class ReceiptStore:
             return None
         return parse_receipt(data, path=path, expected_key_hash=h)
 
-    def write(self, receipt: Receipt, *, before_replace: Callable[[], None] | None = None) -> str:
-        """Write ``receipt`` durably (then append its state to the ledger); return its path."""
-        h = key_hash(receipt.key)
-        path = self.path_for_hash(h)
-        self._ensure_dir(os.path.dirname(path))
-        write_durable(path, receipt_bytes(receipt), before_replace=before_replace)
+    def write(self, receipt: Receipt, *, before_replace: Callable[[], None] | None = None,
+              batch: DurableBatch | None = None) -> str:
+        """Write ``receipt`` durably; return its path.
+
+        ``batch``: files that become durable with it (the git objects it names),
+        synced in the same rounds and renamed before it.
+        """
+        path = self.path_for_hash(key_hash(receipt.key))
+        batch = batch if batch is not None else DurableBatch()
+        batch.add(path, receipt_bytes(receipt))
+        batch.commit(before_replace=before_replace)
         return path
 
     def record(self, receipt: Receipt, event: str, *, before_replace: Callable[[], None] | None = None,
-               **fields: object) -> str:
-        """Write ``receipt`` and append ``event`` for it to the ledger (the usual pairing)."""
-        path = self.write(receipt, before_replace=before_replace)
-        self.ledger.append_receipt_event(event, receipt, **fields)
+               batch: DurableBatch | None = None, **fields: object) -> str:
+        """Write ``receipt`` and append ``event`` for it to the ledger (the usual pairing).
+
+        The append follows the receipt's rename and is synced in the batch's
+        last round, with the receipt's folder.
+        """
+        path = self.path_for_hash(key_hash(receipt.key))
+        batch = batch if batch is not None else DurableBatch()
+        batch.add(path, receipt_bytes(receipt))
+
+        def append() -> list[str]:
+            self.ledger.append_receipt_event(event, receipt, sync=False, **fields)
+            return [self.ledger.path]
+
+        batch.commit(before_replace=before_replace, after_renames=append)
         return path
 
     def files(self) -> Iterator[tuple[str, str, bytes]]:

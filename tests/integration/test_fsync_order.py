@@ -239,13 +239,17 @@ def _landings(calls: list[Call]) -> list[tuple[Call, str, str]]:
 
 
 def _synced_before(calls: list[Call], path: str, before: int) -> bool:
-    """Some fd opened on ``path`` was fsynced before call number ``before`` (and before it was closed)."""
+    """Some fd opened on ``path`` was fsynced before call number ``before`` (and before it was closed).
+
+    The apply is one process; its fsyncs may run on other threads (strace -f
+    shows thread ids), so the fd is matched by number, not by thread.
+    """
     for c in calls:
         if c.n >= before:
             break
         if c.name == "openat" and c.ret >= 0 and c.path_arg(1) == path:
             for s in _fd_calls(calls, c.ret, c.n, {"fsync", "fdatasync"}):
-                if s.n < before and s.pid == c.pid:
+                if s.n < before:
                     return True
     return False
 
@@ -289,7 +293,7 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path) -> 
     receipt_moves = [(c, src) for c, src, dst in landings if dst == receipt]
     branch_moves = [(c, src) for c, src, dst in landings if dst == branch]
     key_moves = [c for c, _, dst in landings if dst == key_ref]
-    obj_moves = [c for c, _, dst in landings if dst == commit_obj]
+    obj_moves = [(c, src) for c, src, dst in landings if dst == commit_obj]
     assert len(receipt_moves) == 2, [c.args for c, _ in receipt_moves]  # prepared, then committed
     assert len(branch_moves) == 1 and branch_moves[0][1] == branch + ".lock"
     assert len(key_moves) == 1 and len(obj_moves) == 1
@@ -297,7 +301,8 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path) -> 
     branch_move = branch_moves[0][0]
 
     # the protocol's order: object → prepared receipt → branch ref → key ref → committed receipt
-    assert obj_moves[0].n < prepared.n < branch_move.n < key_moves[0].n < committed.n
+    obj_move, obj_tmp = obj_moves[0]
+    assert obj_move.n < prepared.n < branch_move.n < key_moves[0].n < committed.n
 
     # every receipt rename: its tmp file was fsynced before, its folder after
     for move, src in receipt_moves:
@@ -305,9 +310,12 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path) -> 
         assert _synced_before(calls, src, move.n), f"receipt tmp {src} renamed without fsync"
     assert _folder_synced_between(calls, os.path.dirname(receipt), prepared.n, branch_move.n), \
         "receipts folder not synced between the prepared receipt and the ref move"
-    # the branch's lock file is fsynced before it becomes the ref; the commit object before the ref moves
+    # the branch's lock file is fsynced before it becomes the ref; the commit object, and its
+    # folder, before the ref moves (synced with the prepared receipt, in one batch)
     assert _synced_before(calls, branch + ".lock", branch_move.n)
-    assert _folder_synced_between(calls, os.path.dirname(commit_obj), obj_moves[0].n, prepared.n)
+    assert os.path.basename(obj_tmp).startswith("tmp_obj_" + TMP_MARK)  # git prune's name for its own tmp files
+    assert _synced_before(calls, obj_tmp, obj_move.n), "commit object renamed without fsync"
+    assert _folder_synced_between(calls, os.path.dirname(commit_obj), obj_move.n, branch_move.n)
 
     fsyncs = [c for c in calls if c.name in ("fsync", "fdatasync")]
     print(f"full apply: {len(fsyncs)} fsync/fdatasync calls, {len(landings)} renames/links")

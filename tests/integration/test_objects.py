@@ -64,6 +64,7 @@ def edit_both(repo: Repo, gs: GitStore, base_tree: str | None, changes: dict[str
     for path, ch in changes.items():
         oids[path] = None if ch is None else (ch[0], gs.write_blob(ch[1]))
     ours = gs.edit_tree(base_tree, {p: None if e is None else TreeEntry(e[1], e[0]) for p, e in oids.items()})
+    gs.flush_objects()  # staged until now: git reads them from disk
     theirs = git_tree_after(repo, base_tree, oids, tmp_path / "scratch-index")
     return ours, theirs
 
@@ -137,6 +138,24 @@ def test_edit_tree_matches_a_commit_made_by_git(repo: Repo, gs: GitStore) -> Non
     assert ours == gs.commit_tree(theirs)
 
 
+class _CountingOdb:
+    """``repo.odb`` of a :class:`CountingRepo`: raw reads counted too."""
+
+    def __init__(self, real: Any, reads: list[str]) -> None:
+        self._real = real
+        self._reads = reads
+
+    def read(self, key: Any) -> Any:
+        self._reads.append(str(key))
+        return self._real.read(key)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._real
+
+
 class CountingRepo:
     """A thin stand-in for ``GitStore.repo`` that records every object read and every tree handed
     to a TreeBuilder (libgit2 reads that one itself), and forwards everything else."""
@@ -156,6 +175,10 @@ class CountingRepo:
     def git_object_lookup_prefix(self, key: Any) -> Any:
         self.reads.append(str(key))
         return self._real.git_object_lookup_prefix(key)
+
+    @property
+    def odb(self) -> Any:
+        return _CountingOdb(self._real.odb, self.reads)
 
     def TreeBuilder(self, *args: Any) -> Any:  # noqa: N802 - pygit2's name
         if args:
@@ -210,6 +233,7 @@ def test_edit_tree_reads_only_trees_on_the_changed_path(
     assert counter.reads, "nothing counted: the wrapper no longer sees the reads"
     assert set(counter.reads) <= on_path, counter.reads
     assert len(counter.reads) <= len(on_path) + 1, counter.reads
+    gs.flush_objects()
     theirs = git_tree_after(wide_repo, base_tree, {path: None if entry is None else (BLOB, entry.oid)},
                             tmp_path / "idx")
     assert ours == theirs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -496,3 +497,153 @@ def test_append_durable_fsync_failure_raises(tmp_path: Path, monkeypatch: pytest
 )
 def test_is_own_tmp(name: str, ours: bool) -> None:
     assert is_own_tmp(name) is ours
+
+
+# -- DurableBatch: several files, two rounds of concurrent fsyncs -------------------------------
+
+
+def _record_syncs_and_renames(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def rec_fsync(fd: int) -> None:
+        events.append(("fsync", _fd_path(fd)))
+        real_fsync(fd)
+
+    def rec_replace(src: str, dst: str, **kw: object) -> None:
+        events.append(("replace", str(dst)))
+        real_replace(src, dst, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "fsync", rec_fsync)
+    monkeypatch.setattr(os, "replace", rec_replace)
+    return events
+
+
+def test_batch_syncs_every_tmp_before_any_rename_and_every_folder_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "old").mkdir()
+    targets = [tmp_path / "old" / "a", tmp_path / "new" / "deeper" / "b", tmp_path / "c"]
+    events = _record_syncs_and_renames(monkeypatch)
+    batch = durable.DurableBatch()
+    for i, t in enumerate(targets):
+        batch.add(str(t), b"payload %d" % i)
+    seen: list[str] = []
+    batch.commit(after_renames=lambda: seen.append("after") or [str(tmp_path / "c")])
+    monkeypatch.undo()
+    assert [t.read_bytes() for t in targets] == [b"payload 0", b"payload 1", b"payload 2"]
+    assert seen == ["after"]
+    kinds = [k for k, _ in events]
+    first_rename, last_rename = kinds.index("replace"), len(kinds) - 1 - kinds[::-1].index("replace")
+    round1 = {p for k, p in events[:first_rename] if k == "fsync"}
+    round2 = {p for k, p in events[last_rename + 1:] if k == "fsync"}
+    assert all(k == "replace" for k in kinds[first_rename:last_rename + 1])
+    assert [p for k, p in events if k == "replace"] == [str(t) for t in targets]  # in the order added
+    assert len(round1) == 3 and all(TMP_MARK in os.path.basename(p) for p in round1)
+    # every folder a file landed in, the parents of the folders made, and the extra path
+    assert round2 == {str(tmp_path / "old"), str(tmp_path / "new" / "deeper"), str(tmp_path / "new"),
+                      str(tmp_path), str(tmp_path / "c")}
+    assert _residue(tmp_path) == [] and _residue(tmp_path / "old") == []
+
+
+def test_batch_failure_before_renames_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(OLD)
+    real_fsync = os.fsync
+
+    def failing_fsync(fd: int) -> None:
+        if os.path.basename(_fd_path(fd)).startswith(".b"):
+            raise OSError(errno.EIO, "injected")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    batch = durable.DurableBatch()
+    batch.add(str(a), NEW)
+    batch.add(str(b), NEW)
+    with pytest.raises(DurableWriteError) as info:
+        batch.commit()
+    monkeypatch.undo()
+    assert info.value.cause.errno == errno.EIO
+    assert a.read_bytes() == OLD and not b.exists()
+    assert _residue(tmp_path) == []
+
+
+def test_batch_failed_rename_leaves_no_tmp_of_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_replace = os.replace
+
+    def failing_replace(src: str, dst: str, **kw: object) -> None:
+        if os.path.basename(dst) == "second":
+            raise OSError(errno.EIO, "injected")
+        real_replace(src, dst, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    batch = durable.DurableBatch()
+    for name in ("first", "second", "third"):
+        batch.add(str(tmp_path / name), name.encode())
+    with pytest.raises(DurableWriteError):
+        batch.commit()
+    monkeypatch.undo()
+    assert (tmp_path / "first").read_bytes() == b"first"  # renamed before the failure
+    assert not (tmp_path / "second").exists() and not (tmp_path / "third").exists()
+    assert _residue(tmp_path) == []
+
+
+def test_batch_last_round_failure_is_unknown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_fsync = os.fsync
+
+    def failing_dir_fsync(fd: int) -> None:
+        if os.path.isdir(_fd_path(fd)):
+            raise OSError(errno.EIO, "injected")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_dir_fsync)
+    batch = durable.DurableBatch()
+    batch.add(str(tmp_path / "x"), NEW)
+    with pytest.raises(DurableWriteError) as info:
+        batch.commit()
+    monkeypatch.undo()
+    assert (tmp_path / "x").read_bytes() == NEW  # renamed: only its durability is in doubt
+    assert info.value.envelope()["effect_status"] == "unknown"
+
+
+def test_batch_content_addressed_existing_file_is_synced_not_rewritten(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    obj = tmp_path / "ab" / "cdef"
+    obj.parent.mkdir()
+    obj.write_bytes(b"same bytes")
+    inode = obj.stat().st_ino
+    events = _record_syncs_and_renames(monkeypatch)
+    batch = durable.DurableBatch()
+    batch.add(str(obj), b"same bytes", content_addressed=True, mode=0o444, tmp_prefix="tmp_obj_")
+    batch.add(str(obj), b"same bytes", content_addressed=True)  # queued twice: kept once
+    batch.add(str(tmp_path / "ab" / "new"), b"n", content_addressed=True, mode=0o444, tmp_prefix="tmp_obj_")
+    batch.commit()
+    monkeypatch.undo()
+    assert obj.stat().st_ino == inode
+    assert str(obj) in [p for k, p in events if k == "fsync"]
+    assert [os.path.basename(p) for k, p in events if k == "replace"] == ["new"]
+    assert stat.S_IMODE((tmp_path / "ab" / "new").stat().st_mode) == 0o444
+    with pytest.raises(ValueError):
+        batch.add(str(tmp_path / "ab" / "new"), b"other")  # not content-addressed: a second entry is a bug
+
+
+def test_batch_streaming_writer(tmp_path: Path) -> None:
+    batch = durable.DurableBatch()
+    batch.add(str(tmp_path / "s"), writer=lambda fd: [durable.write_all(fd, b"%d," % i) for i in range(5)] and None)
+    batch.commit()
+    assert (tmp_path / "s").read_bytes() == b"0,1,2,3,4,"
+
+
+def test_fsync_pool_is_remade_in_a_forked_child(tmp_path: Path) -> None:
+    durable.fsync_all([str(tmp_path), str(tmp_path)])  # one path: inline
+    (tmp_path / "f").write_bytes(b"x")
+    durable.fsync_all([str(tmp_path), str(tmp_path / "f")])  # starts the pool in this process
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        signal.alarm(10)  # the parent's pool threads do not exist here: reusing them would hang
+        try:
+            durable.fsync_all([str(tmp_path), str(tmp_path / "f")])
+        except BaseException:
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
