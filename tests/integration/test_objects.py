@@ -451,3 +451,50 @@ def test_store_of_a_second_repo_is_independent(tmp_path: Path) -> None:
     ga, gb = GitStore(str(a.path)), GitStore(str(b.path))
     assert ga.resolve("refs/heads/main") == a.head() != gb.resolve("refs/heads/main")
     assert not gb.has_object(a.head()) and ga.has_object(a.head())
+
+
+# -- objects serialised here, read back by libgit2 and git --------------------------------------
+
+_COMMIT_PROBE = r"""
+import json, sys
+import pygit2
+from cas.objects import GitStore, Signature
+gs = GitStore(sys.argv[1])
+tree = gs.commit_tree(gs.resolve("refs/heads/main"))
+parent = gs.resolve("refs/heads/main")
+oid = gs.create_commit(tree, [parent], sys.argv[2], Signature(sys.argv[3], sys.argv[4]))
+gs.flush_objects()
+c = gs.repo[pygit2.Oid(hex=oid)]
+sig = pygit2.Signature(sys.argv[3], sys.argv[4], c.author.time, c.author.offset)
+same = gs.repo.create_commit_string(sig, sig, sys.argv[2], pygit2.Oid(hex=tree), [pygit2.Oid(hex=parent)])
+print(json.dumps({"oid": oid, "offset": c.author.offset, "name": c.author.name, "email": c.author.email,
+                  "raw": gs.repo.odb.read(pygit2.Oid(hex=oid))[1].decode(), "libgit2": same}))
+"""
+
+
+@pytest.mark.parametrize("tz", ["UTC", "Asia/Kolkata", "America/St_Johns", "Pacific/Kiritimati"])
+def test_commit_bytes_equal_libgit2s_in_any_time_zone(repo: Repo, tz: str) -> None:
+    import json
+    import sys
+
+    env = dict(os.environ, TZ=tz, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    msg = "subject ünïcode\n\nbody\n\nOncepatch-Call: opc1:x\n"
+    res = subprocess.run([sys.executable, "-c", _COMMIT_PROBE, str(repo.path), msg, "  Ann Ö. Author ", "ann@ex.org"],
+                         env=env, capture_output=True, text=True, check=True)
+    out = json.loads(res.stdout)
+    assert out["raw"] == out["libgit2"]  # byte for byte what libgit2 would have written
+    assert out["name"] == "Ann Ö. Author" and out["email"] == "ann@ex.org"
+    repo.git("fsck", "--strict", "--no-dangling")
+    assert repo.git("cat-file", "-t", out["oid"]).strip() == "commit"
+
+
+def test_unusual_modes_are_written_canonical_like_git(repo: Repo, gs: GitStore) -> None:
+    """An old tree with a 100664 entry: rewriting its tree writes git's canonical 100644 (as git commit would)."""
+    blob = gs.write_blob(b"x\n")
+    gs.flush_objects()
+    odd = subprocess.run(["git", "mktree"], cwd=repo.path, input=f"100664 blob {blob}\tgroup-writable\n",
+                         capture_output=True, text=True, check=True).stdout.strip()
+    new = gs.edit_tree(odd, {"added": TreeEntry(blob, BLOB)})
+    gs.flush_objects()
+    listing = repo.git("ls-tree", new)
+    assert listing.splitlines() == [f"100644 blob {blob}\tadded", f"100644 blob {blob}\tgroup-writable"]
