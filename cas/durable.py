@@ -258,15 +258,18 @@ def fsync_all(paths: Iterable[str]) -> None:
 
 
 class _Item:
-    __slots__ = ("path", "data", "writer", "mode", "tmp_prefix", "tmp", "existing")
+    __slots__ = ("path", "data", "writer", "mode", "tmp_prefix", "lock", "locked", "tmp", "existing")
 
     def __init__(self, path: str, data: bytes | memoryview | None, writer: Callable[[int], None] | None,
-                 mode: int, tmp_prefix: str | None) -> None:
+                 mode: int, tmp_prefix: str | None, lock: str | None,
+                 locked: Callable[[], BaseException] | None) -> None:
         self.path = path
         self.data = data
         self.writer = writer
         self.mode = mode
         self.tmp_prefix = tmp_prefix
+        self.lock = lock
+        self.locked = locked
         self.tmp: str | None = None
         self.existing = False
 
@@ -283,17 +286,21 @@ class DurableBatch:
     def __init__(self) -> None:
         self._items: list[_Item] = []
         self._paths: set[str] = set()
+        self._appends: list[tuple[str, bytes]] = []
 
     def __len__(self) -> int:
         return len(self._items)
 
     def add(self, path: str, data: bytes | memoryview | None = None, *, writer: Callable[[int], None] | None = None,
-            mode: int = 0o644, content_addressed: bool = False, tmp_prefix: str | None = None) -> None:
+            mode: int = 0o644, content_addressed: bool = False, tmp_prefix: str | None = None,
+            lock: str | None = None, locked: Callable[[], BaseException] | None = None) -> None:
         """Queue ``path`` with ``data`` (or ``writer(fd)``, which writes the bytes itself: for streaming).
 
         ``tmp_prefix`` names the tmp file (default ``.<name>``; it always carries
-        :data:`TMP_MARK`).  A path queued twice keeps its first entry only when
-        ``content_addressed`` (same name, same bytes); otherwise it is an error.
+        :data:`TMP_MARK`).  ``lock``: the tmp file is exactly this path instead
+        (git's ``<ref>.lock``: creating it takes the lock); if it exists,
+        ``locked()`` is raised.  A path queued twice keeps its first entry only
+        when ``content_addressed`` (same name, same bytes); otherwise it is an error.
         """
         if (data is None) == (writer is None):
             raise ValueError("give exactly one of data and writer")
@@ -301,20 +308,30 @@ class DurableBatch:
             if content_addressed:
                 return
             raise ValueError(f"'{path}' is already in this batch")
-        item = _Item(path, data, writer, mode, tmp_prefix)
+        item = _Item(path, data, writer, mode, tmp_prefix, lock, locked)
         if content_addressed and os.path.exists(path):
             item.existing = True
         self._paths.add(path)
         self._items.append(item)
 
+    def append(self, path: str, data: bytes) -> None:
+        """Queue an append to ``path`` (created if missing): written after the tmp files, synced with them.
+
+        An append cannot be taken back: if the batch fails after writing it, it
+        stays (a log line for a change that did not land; readers of such logs
+        must not take a line as proof on its own).
+        """
+        self._appends.append((path, data))
+
     def commit(self, *, before_replace: Callable[[], None] | None = None,
                after_renames: Callable[[], Iterable[str]] | None = None) -> None:
         """Write, sync and rename every queued file; then sync their folders.
 
-        ``before_replace`` runs when every tmp file is written and synced, before
-        the first rename (a crash point).  ``after_renames`` runs after the last
-        rename and returns more paths to sync in the last round (a log the
-        caller appended to without syncing).
+        ``before_replace`` runs when every tmp file is written and synced and
+        every file but the last is renamed, just before the last rename (a
+        crash point: the last file is the one a caller cares about).
+        ``after_renames`` runs after the last rename and returns more paths to
+        sync in the last round (a log the caller appended to without syncing).
 
         Raises:
             DurableWriteError: nothing was renamed (no tmp file left, every
@@ -331,15 +348,31 @@ class DurableBatch:
                 if item.existing:
                     continue
                 self._write_tmp(item)
-            fsync_all(item.path if item.existing else item.tmp for item in self._items)  # type: ignore[misc]
-            if before_replace is not None:
-                before_replace()
+            for path, data in self._appends:
+                folder = os.path.dirname(path)
+                for made in _make_dirs(folder):
+                    folders[os.path.dirname(made)] = None
+                folders[folder] = None
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_BINARY | _O_CLOEXEC, 0o644)
+                try:
+                    _write_all(fd, data)
+                finally:
+                    os.close(fd)
+            fsync_all([*(item.path if item.existing else str(item.tmp) for item in self._items),
+                       *(p for p, _ in self._appends)])
         except BaseException as exc:
             self._discard()
             if isinstance(exc, OSError) and not isinstance(exc, DurableWriteError):
                 raise DurableWriteError(self._items[0].path if self._items else "", exc) from exc
             raise
+        last = len(self._items) - 1
         for n, item in enumerate(self._items):
+            if n == last and before_replace is not None:
+                try:
+                    before_replace()
+                except BaseException:
+                    self._discard(start=n)
+                    raise
             if item.existing:
                 continue
             assert item.tmp is not None
@@ -357,9 +390,18 @@ class DurableBatch:
 
     def _write_tmp(self, item: _Item) -> None:
         folder, name = os.path.split(item.path)
-        prefix = item.tmp_prefix if item.tmp_prefix is not None else "." + name
-        item.tmp = os.path.join(folder, f"{prefix}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-        fd = os.open(item.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_BINARY | _O_CLOEXEC, 0o600)
+        if item.lock is not None:
+            tmp = item.lock
+        else:
+            prefix = item.tmp_prefix if item.tmp_prefix is not None else "." + name
+            tmp = os.path.join(folder, f"{prefix}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_BINARY | _O_CLOEXEC, 0o600)
+        except FileExistsError:
+            if item.locked is not None:
+                raise item.locked() from None
+            raise
+        item.tmp = tmp
         try:
             if item.writer is not None:
                 item.writer(fd)

@@ -440,34 +440,45 @@ class GitStore:
             # (libgit2 fsyncs the folder after renaming): only a query can tell.
             raise RefUpdateUnknown(f"update of ref '{ref}' failed after locking: {exc}") from exc
 
-    def create_key_ref(self, ref: str, target: str, message: str) -> bool:
+    def create_key_ref(self, ref: str, target: str, message: str, *, batch: DurableBatch | None = None) -> bool:
         """Create ``ref`` → ``target`` if it does not exist; ``False`` if it already points there.
+
+        Written the way git writes a loose ref: ``<ref>.lock`` created
+        exclusively (the lock), filled, synced, renamed to ``<ref>``; its reflog
+        entry appended while the lock is held.  With ``batch`` this joins the
+        caller's batch (synced with the receipt, renamed before it); without,
+        it is written at once.
 
         Raises:
             RefMovedError: it exists and points elsewhere.
+            RefLockedError: ``<ref>.lock`` exists (a crashed or live writer).
         """
         current = self.resolve(ref)
         if current == target:
             return False
         if current is not None:
             raise RefMovedError(ref, current, None)
-        # libgit2 logs refs outside refs/heads only when their reflog exists: make it,
-        # so the key ref gets its reflog entry (DESIGN.md section 4, step 5).
-        log = os.path.join(self.common_dir, "logs", ref)
-        os.makedirs(os.path.dirname(log), exist_ok=True)
-        with open(log, "ab"):
-            pass
-        try:
-            self.repo.create_reference_direct(ref, pygit2.Oid(hex=target), False, message=message)
-        except pygit2.AlreadyExistsError:
-            current = self.resolve(ref)
-            if current != target:
-                raise RefMovedError(ref, current, None) from None
-            return False
-        except (pygit2.GitError, OSError) as exc:
-            # libgit2 reports a held '<ref>.lock' as GitError or, through pygit2, OSError.
-            raise RefLockedError(self._lock_path(ref)) from exc
+        path = os.path.join(self.common_dir, ref)
+        own = batch is None
+        batch = batch if batch is not None else DurableBatch()
+        batch.add(path, target.encode() + b"\n", lock=path + ".lock",
+                  locked=lambda: RefLockedError(path + ".lock"))
+        batch.append(os.path.join(self.common_dir, "logs", ref), self._reflog_line(None, target, message))
+        if own:
+            batch.commit()
         return True
+
+    def _reflog_line(self, old: str | None, new: str, message: str) -> bytes:
+        sig = self.default_signature()
+        try:
+            s = pygit2.Signature(sig.name, sig.email)
+        except (ValueError, pygit2.GitError):
+            s = pygit2.Signature("oncepatch", "oncepatch@localhost")
+        offset = s.offset
+        one_line = " ".join(message.split())
+        return b"%s %s %s <%s> %d %c%02d%02d\t%s\n" % (
+            (old or "0" * 40).encode(), new.encode(), s.raw_name, s.raw_email, s.time,
+            b"-"[0] if offset < 0 else b"+"[0], abs(offset) // 60, abs(offset) % 60, one_line.encode("utf-8"))
 
     def is_ancestor(self, ancestor: str, tip: str) -> bool:
         """``ancestor`` is ``tip`` or reachable from it."""

@@ -427,7 +427,11 @@ def _execute(
     final = receipt.evolve(status="committed", commit=candidate, tree=staged.tree, error=None)
     if warnings:
         final = final.evolve(extra={**final.extra, "warnings": warnings})
-    path = rstore.record(final, "committed", before_replace=crash_hook("before-receipt-replace"))
+    # The key ref and the committed receipt: one batch, the key ref renamed first
+    # (a committed receipt always has its key ref).
+    batch = DurableBatch()
+    gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}", batch=batch)
+    path = rstore.record(final, "committed", before_replace=crash_hook("before-receipt-replace"), batch=batch)
     return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
                        warnings=tuple(warnings))
 
@@ -443,7 +447,7 @@ def _move_refs(
     token: int,
     args: CallArgs,
 ) -> tuple[Receipt, Staged]:
-    """Compare-and-swap the branch to the candidate (re-staging onto a moved head), then the key ref.
+    """Compare-and-swap the branch to the candidate (re-staging onto a moved head).
 
     Returns the receipt as last recorded (its base and candidate may have been
     re-staged) and the staged change that landed.
@@ -512,7 +516,6 @@ def _move_refs(
         except RefUpdateUnknown as exc:
             rstore.record(receipt.evolve(status="unknown", error=exc.envelope()), "unknown")
             raise
-    gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}")
     return receipt, staged
 
 

@@ -390,6 +390,12 @@ def test_create_key_ref_is_create_only(repo: Repo, gs: GitStore) -> None:
         gs.create_key_ref(ref, c2, "elsewhere")
     assert ei.value.actual == c1 and ei.value.expected is None
     assert gs.resolve(ref) == c1
+    # written as git writes a loose ref, with its reflog entry: git reads both
+    assert (repo.path / ".git" / ref).read_text() == c1 + "\n"
+    assert not (repo.path / ".git" / (ref + ".lock")).exists()
+    log = repo.git("reflog", "show", "--format=%H %gs", ref).splitlines()
+    assert log == [f"{c1} oncepatch: key"]
+    repo.git("fsck", "--strict", "--no-dangling")
 
 
 def _held_key_ref_lock(repo: Repo) -> tuple[str, Path]:
