@@ -87,23 +87,22 @@ def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str) -> Iterato
     its holder dies, and a call that cannot get it within
     :data:`WRITER_TURN_TIMEOUT` (its holder is stopped, say) goes ahead without it.
     """
-    import filelock
-
     from cas.hashing import sha256_hex
+    from receipts.errors import InProgress
+    from receipts.flock import flocked
 
     os.makedirs(rstore.locks_dir, exist_ok=True)
     name = "branch-" + sha256_hex(f"{gstore.common_dir}\0{branch}".encode()) + ".lock"
-    lk = filelock.FileLock(os.path.join(rstore.locks_dir, name), timeout=WRITER_TURN_TIMEOUT, is_singleton=False,
-                          thread_local=False, preserve_lock_file=True, poll_interval=0.002)
+    turn = flocked(os.path.join(rstore.locks_dir, name), WRITER_TURN_TIMEOUT)
     try:
-        lk.acquire()
-    except filelock.Timeout:
+        turn.__enter__()
+    except InProgress:
         yield
         return
     try:
         yield
     finally:
-        lk.release()
+        turn.__exit__(None, None, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,6 +526,8 @@ def _fence(rstore: ReceiptStore, key: str, token: int) -> None:
     token, or by settling this attempt's receipt (``recover`` and the takeover in
     :func:`apply` keep the token and change the status).
     """
+    if rstore.unchanged_since_written(key):
+        return  # the bytes this process wrote last: its own prepared receipt
     current = rstore.read(key)
     if current is None:
         return

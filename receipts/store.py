@@ -57,6 +57,7 @@ class ReceiptStore:
         self.locks_dir = os.path.join(self.root, "locks")
         self.tmp_dir = os.path.join(self.root, "tmp")
         self.ledger = Ledger(os.path.join(self.root, "events.jsonl"), self._ledger_lock_path())
+        self._written: dict[str, bytes] = {}  # path -> bytes of the prepared receipt this object wrote last
 
     # -- paths -----------------------------------------------------------------
 
@@ -153,9 +154,11 @@ class ReceiptStore:
         synced in the same rounds and renamed before it.
         """
         path = self.path_for_hash(key_hash(receipt.key))
+        data = receipt_bytes(receipt)
         batch = batch if batch is not None else DurableBatch()
-        batch.add(path, receipt_bytes(receipt))
+        batch.add(path, data)
         batch.commit(before_replace=before_replace)
+        self._remember(path, receipt, data)
         return path
 
     def record(self, receipt: Receipt, event: str, *, before_replace: Callable[[], None] | None = None,
@@ -166,15 +169,41 @@ class ReceiptStore:
         last round, with the receipt's folder.
         """
         path = self.path_for_hash(key_hash(receipt.key))
+        data = receipt_bytes(receipt)
         batch = batch if batch is not None else DurableBatch()
-        batch.add(path, receipt_bytes(receipt))
+        batch.add(path, data)
 
         def append() -> list[str]:
+            self._remember(path, receipt, data)
             self.ledger.append_receipt_event(event, receipt, sync=False, **fields)
             return [self.ledger.path]
 
         batch.commit(before_replace=before_replace, after_renames=append)
         return path
+
+    def _remember(self, path: str, receipt: Receipt, data: bytes) -> None:
+        # Only a prepared receipt is fenced against; a final one is forgotten (bounded memory).
+        if receipt.status == "prepared":
+            self._written[path] = data
+        else:
+            self._written.pop(path, None)
+
+    def unchanged_since_written(self, key: str) -> bool:
+        """Whether ``key``'s receipt file still holds exactly the bytes this store object last wrote there.
+
+        A cheap check for the fencing path: equal bytes are this process's own
+        receipt, already verified when it was written; anything else must be
+        read and verified.
+        """
+        path = self.path_for_hash(key_hash(key))
+        mine = self._written.get(path)
+        if mine is None:
+            return False
+        try:
+            with open(path, "rb") as fh:
+                return fh.read(len(mine) + 1) == mine
+        except FileNotFoundError:
+            return False
 
     def files(self) -> Iterator[tuple[str, str, bytes]]:
         """``(path, key hash, bytes)`` of every receipt file, unparsed (a scan's raw input)."""
