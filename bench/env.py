@@ -44,6 +44,14 @@ def setup_env(out: str) -> Env:
     for name in list(os.environ):
         if name.startswith(("GIT_", "ONCEPATCH_")):
             del os.environ[name]
+    # Measure the product as installed: its modules compiled once (pip does this on
+    # install), not recompiled by every cold process when the shell forbids
+    # writing bytecode (PYTHONDONTWRITEBYTECODE).
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    import compileall
+
+    for pkg in ("cas", "receipts", "patcher"):
+        compileall.compile_dir(os.path.join(ROOT, pkg), quiet=1)
     os.environ.update({
         "HOME": home,
         "XDG_CONFIG_HOME": os.path.join(home, ".config"),

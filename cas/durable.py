@@ -35,13 +35,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from cas.errors import DurableWriteError, UnsafeWorktreePath
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
     "TMP_MARK",
@@ -62,6 +64,11 @@ _O_BINARY = getattr(os, "O_BINARY", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _token() -> str:
+    """Eight random hex digits for tmp names (``secrets.token_hex(4)`` without importing secrets)."""
+    return os.urandom(4).hex()
 
 
 def is_own_tmp(name: str) -> bool:
@@ -105,7 +112,7 @@ def write_durable(
         DurableWriteError: the write failed; the target is unchanged, no tmp remains.
     """
     folder, name = os.path.split(path)
-    tmp_name = f".{name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    tmp_name = f".{name}{TMP_MARK}{os.getpid()}-{_token()}"
     tmp = os.path.join(folder, tmp_name)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_BINARY | _O_CLOEXEC
     try:
@@ -209,9 +216,22 @@ _POOL_GUARD = threading.Lock()
 _POOL_THREADS = 8
 
 
+def _forget_pool_in_child() -> None:
+    # A forked child has none of the parent's threads, and a guard a parent thread
+    # held at the fork would stay held for ever: start afresh.
+    global _POOL, _POOL_PID, _POOL_GUARD
+    _POOL, _POOL_PID, _POOL_GUARD = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def _pool() -> ThreadPoolExecutor:
     """The fsync threads (re-made in a forked child, where the parent's threads do not exist)."""
     global _POOL, _POOL_PID
+    from concurrent.futures import ThreadPoolExecutor  # only a call that syncs several files needs it
+
     with _POOL_GUARD:
         if _POOL is None or _POOL_PID != os.getpid():
             _POOL = ThreadPoolExecutor(max_workers=_POOL_THREADS, thread_name_prefix="oncepatch-fsync")
@@ -258,10 +278,11 @@ def fsync_all(paths: Iterable[str]) -> None:
 
 
 class _Item:
-    __slots__ = ("path", "data", "writer", "mode", "tmp_prefix", "lock", "locked", "tmp", "existing")
+    __slots__ = ("path", "data", "writer", "mode", "tmp_prefix", "lock", "lock_tmp_dir", "locked", "tmp",
+                 "existing")
 
     def __init__(self, path: str, data: bytes | memoryview | None, writer: Callable[[int], None] | None,
-                 mode: int, tmp_prefix: str | None, lock: str | None,
+                 mode: int, tmp_prefix: str | None, lock: str | None, lock_tmp_dir: str | None,
                  locked: Callable[[], BaseException] | None) -> None:
         self.path = path
         self.data = data
@@ -269,6 +290,7 @@ class _Item:
         self.mode = mode
         self.tmp_prefix = tmp_prefix
         self.lock = lock
+        self.lock_tmp_dir = lock_tmp_dir
         self.locked = locked
         self.tmp: str | None = None
         self.existing = False
@@ -293,13 +315,17 @@ class DurableBatch:
 
     def add(self, path: str, data: bytes | memoryview | None = None, *, writer: Callable[[int], None] | None = None,
             mode: int = 0o644, content_addressed: bool = False, tmp_prefix: str | None = None,
-            lock: str | None = None, locked: Callable[[], BaseException] | None = None) -> None:
+            lock: str | None = None, lock_tmp_dir: str | None = None,
+            locked: Callable[[], BaseException] | None = None) -> None:
         """Queue ``path`` with ``data`` (or ``writer(fd)``, which writes the bytes itself: for streaming).
 
         ``tmp_prefix`` names the tmp file (default ``.<name>``; it always carries
-        :data:`TMP_MARK`).  ``lock``: the tmp file is exactly this path instead
-        (git's ``<ref>.lock``: creating it takes the lock); if it exists,
-        ``locked()`` is raised.  A path queued twice keeps its first entry only
+        :data:`TMP_MARK`).  ``lock``: the file renamed to ``path`` is exactly
+        this one instead (git's ``<ref>.lock``: creating it takes the lock); if
+        it exists, ``locked()`` is raised.  The lock is born complete: the bytes
+        go to a tmp file in ``lock_tmp_dir`` (default: the lock's folder), which
+        is then hard-linked to the lock name — exclusive like ``O_EXCL``, and a
+        crash can never leave an empty lock that nobody could prove was ours.  A path queued twice keeps its first entry only
         when ``content_addressed`` (same name, same bytes); otherwise it is an error.
         """
         if (data is None) == (writer is None):
@@ -308,7 +334,7 @@ class DurableBatch:
             if content_addressed:
                 return
             raise ValueError(f"'{path}' is already in this batch")
-        item = _Item(path, data, writer, mode, tmp_prefix, lock, locked)
+        item = _Item(path, data, writer, mode, tmp_prefix, lock, lock_tmp_dir, locked)
         if content_addressed and os.path.exists(path):
             item.existing = True
         self._paths.add(path)
@@ -390,17 +416,10 @@ class DurableBatch:
 
     def _write_tmp(self, item: _Item) -> None:
         folder, name = os.path.split(item.path)
-        if item.lock is not None:
-            tmp = item.lock
-        else:
-            prefix = item.tmp_prefix if item.tmp_prefix is not None else "." + name
-            tmp = os.path.join(folder, f"{prefix}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_BINARY | _O_CLOEXEC, 0o600)
-        except FileExistsError:
-            if item.locked is not None:
-                raise item.locked() from None
-            raise
+        prefix = item.tmp_prefix if item.tmp_prefix is not None else "." + name
+        tmp = os.path.join(item.lock_tmp_dir or folder if item.lock else folder,
+                           f"{prefix}{TMP_MARK}{os.getpid()}-{_token()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_BINARY | _O_CLOEXEC, 0o600)
         item.tmp = tmp
         try:
             if item.writer is not None:
@@ -411,6 +430,17 @@ class DurableBatch:
             os.fchmod(fd, item.mode)
         finally:
             os.close(fd)
+        if item.lock is not None:
+            try:
+                os.link(tmp, item.lock)  # takes the lock, with its content
+            except FileExistsError:
+                if item.locked is not None:
+                    raise item.locked() from None
+                raise
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            item.tmp = item.lock
 
     def _discard(self, start: int = 0) -> None:
         for item in self._items[start:]:

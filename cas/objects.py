@@ -50,6 +50,9 @@ from cas.errors import GitStoreError, RefLockedError, RefMovedError, RefUpdateUn
 __all__ = ["GitStore", "TreeEntry", "PathLookup", "Signature", "KEY_REF_PREFIX"]
 
 KEY_REF_PREFIX = "refs/oncepatch/keys/"
+#: A key ref's content is written here (in the common git dir, outside refs/) before
+#: it is linked to ``<ref>.lock``; a crash in between leaves ``.keyref<TMP_MARK><pid>-…``.
+KEY_REF_TMP_PREFIX = ".keyref"
 _FSYNC_ON = False
 _TREE_MODE = 0o40000
 _OBJECT_TYPES = {b"commit": 1, b"tree": 2, b"blob": 3}
@@ -131,8 +134,28 @@ class GitStore:
             raise UsageError(f"not a git repository: '{path}'") from exc
         self.git_dir = os.path.realpath(self.repo.path)
         self.common_dir = common_dir_of(self.git_dir)
+        self._worktrees: dict[str, pygit2.Repository] = {}
         # Objects staged by this store and not yet written: {hex id: (header, bytes)}.
         self._pending: dict[str, tuple[bytes, bytes | memoryview]] = {}
+
+    def worktree_repo(self, workdir: str) -> pygit2.Repository:
+        """The repository opened at a worktree (its attributes, filters, git dir), kept open while this store is.
+
+        Raises:
+            GitStoreError: ``workdir`` is not a worktree libgit2 can open.
+        """
+        real = os.path.realpath(workdir)
+        found = self._worktrees.get(real)
+        if found is None:
+            if self.repo.workdir and os.path.realpath(self.repo.workdir) == real:
+                found = self.repo
+            else:
+                try:
+                    found = pygit2.Repository(real)
+                except (pygit2.GitError, KeyError) as exc:
+                    raise GitStoreError(f"cannot open worktree '{workdir}': {exc}") from exc
+            self._worktrees[real] = found
+        return found
 
     # -- reading ------------------------------------------------------------------
 
@@ -461,8 +484,8 @@ class GitStore:
         path = os.path.join(self.common_dir, ref)
         own = batch is None
         batch = batch if batch is not None else DurableBatch()
-        batch.add(path, target.encode() + b"\n", lock=path + ".lock",
-                  locked=lambda: RefLockedError(path + ".lock"))
+        batch.add(path, target.encode() + b"\n", lock=path + ".lock", lock_tmp_dir=self.common_dir,
+                  tmp_prefix=KEY_REF_TMP_PREFIX, locked=lambda: RefLockedError(path + ".lock"))
         batch.append(os.path.join(self.common_dir, "logs", ref), self._reflog_line(None, target, message))
         if own:
             batch.commit()

@@ -71,10 +71,7 @@ def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str 
     """
     from cas.index_cache import snapshot_for
 
-    try:
-        git_dir = os.path.realpath(pygit2.Repository(workdir).path)
-    except (pygit2.GitError, KeyError) as exc:
-        raise GitStoreError(f"cannot open worktree '{workdir}': {exc}") from exc
+    git_dir = os.path.realpath(store.worktree_repo(workdir).path)
     snap = snapshot_for(git_dir)
     touched = set(paths)
     dirty = []
@@ -194,7 +191,7 @@ def materialise(
             data = store.read_blob(entry.oid)
             if entry.mode != _MODE_LINK:
                 if wt_repo is None:
-                    wt_repo = pygit2.Repository(workdir)
+                    wt_repo = store.worktree_repo(workdir)
                 data = smudged(workdir, path, data, wt_repo)  # '*.bat eol=crlf': written as git would
             _write_path(workdir, path, data, entry.mode)
     except UnsafeWorktreePath:
@@ -442,7 +439,8 @@ def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, Tr
             return False
         with open(full, "rb") as fh:
             data = fh.read()
-        if git_blob_oid(data) != entry.oid and data != smudged(workdir, path, store.read_blob(entry.oid)):
+        if git_blob_oid(data) != entry.oid and data != smudged(workdir, path, store.read_blob(entry.oid),
+                                                               store.worktree_repo(workdir)):
             return False
     return True
 

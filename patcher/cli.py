@@ -21,7 +21,32 @@ from patcher.cli_common import add_common, store_root
 __all__ = ["main", "build_parser"]
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's formatter with the terminal width found without importing shutil.
+
+    argparse makes a formatter for every ``add_argument`` (to check it), and the
+    stock one imports shutil for the width: 1.5 ms of every short command.
+    """
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                 width: int | None = None) -> None:
+        if width is None:
+            try:
+                width = int(os.environ["COLUMNS"])
+            except (KeyError, ValueError):
+                try:
+                    width = os.get_terminal_size(sys.__stdout__.fileno()).columns if sys.__stdout__ else 80
+                except (AttributeError, ValueError, OSError):
+                    width = 80
+            width -= 2
+        super().__init__(prog, indent_increment, max_help_position, width)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        kw.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kw)
+
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
 
@@ -182,9 +207,10 @@ def _emit(doc: dict[str, Any], text: str, as_json: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
-    _load_extra_commands()
     try:
         command = next((a for a in argv if not a.startswith("-")), None)
+        if command not in _HANDLERS:
+            _load_extra_commands()  # apply/status/log never need the other commands' modules
         known = command in _HANDLERS
         args = build_parser(command if known else None).parse_args(argv)
         code, doc, text = _HANDLERS[args.command](args)

@@ -355,11 +355,16 @@ def _pid_dead(pid: int) -> bool:
 
 
 def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:
-    """Where cas's index update leaves tmp files: ``index.optmp-<pid>…``, ``.index.lock.optmp-<pid>``."""
+    """Where cas leaves tmp files beside the index (``index.optmp-<pid>…``, ``.index.lock.optmp-<pid>``) and
+    in the common git dir (a key ref's ``.keyref.optmp-<pid>-…``)."""
     from cas.durable import TMP_MARK
 
+    from cas.gitdir import common_dir_of
+    from cas.objects import KEY_REF_TMP_PREFIX
+
     real = os.path.realpath(git_dir)
-    return [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}")]
+    common = os.path.realpath(common_dir_of(real))
+    return [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}"), (common, f"{KEY_REF_TMP_PREFIX}{TMP_MARK}")]
 
 
 def _remove_dead_tmp_files(workdir: str | None, git_dir: str, touched: list[str]) -> list[str]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -154,7 +153,7 @@ def _proc_start_time() -> str | None:
 
 
 def owner_info() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start_time": _proc_start_time(), "since": now_iso()}
+    return {"host": os.uname().nodename, "pid": os.getpid(), "start_time": _proc_start_time(), "since": now_iso()}
 
 
 def _replay(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResult:

@@ -300,7 +300,7 @@ def test_planted_symlink_at_tmp_name_is_never_followed(
     victim = tmp_path / "elsewhere" / "victim"
     victim.parent.mkdir()
     victim.write_bytes(b"precious\n")
-    monkeypatch.setattr(durable.secrets, "token_hex", lambda n=None: "deadbeef")
+    monkeypatch.setattr(durable, "_token", lambda: "deadbeef")
     planted = target.parent / f".{target.name}{TMP_MARK}{os.getpid()}-deadbeef"
     planted.symlink_to(victim)
 
@@ -316,7 +316,7 @@ def test_planted_dangling_symlink_is_not_created_through(
     target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ghost = tmp_path / "ghost"
-    monkeypatch.setattr(durable.secrets, "token_hex", lambda n=None: "0badf00d")
+    monkeypatch.setattr(durable, "_token", lambda: "0badf00d")
     planted = target.parent / f".{target.name}{TMP_MARK}{os.getpid()}-0badf00d"
     planted.symlink_to(ghost)
     with pytest.raises(DurableWriteError):
@@ -326,7 +326,7 @@ def test_planted_dangling_symlink_is_not_created_through(
 
 
 def test_planted_regular_file_at_tmp_name_is_not_reused(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(durable.secrets, "token_hex", lambda n=None: "cafebabe")
+    monkeypatch.setattr(durable, "_token", lambda: "cafebabe")
     planted = target.parent / f".{target.name}{TMP_MARK}{os.getpid()}-cafebabe"
     planted.write_bytes(b"someone else's\n")
     with pytest.raises(DurableWriteError):
@@ -647,3 +647,47 @@ def test_fsync_pool_is_remade_in_a_forked_child(tmp_path: Path) -> None:
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+class _Crash(BaseException):
+    pass
+
+
+def test_batch_lock_is_born_with_its_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ref-style lock: taken by link(), so the moment it exists it holds the whole value."""
+    refs, scratch = tmp_path / "refs", tmp_path / "scratch"
+    refs.mkdir()
+    scratch.mkdir()
+    ref = refs / "k"
+    seen: list[bytes] = []
+    real_link = os.link
+
+    def watching_link(src: str, dst: str, **kw: object) -> None:
+        real_link(src, dst, **kw)  # type: ignore[arg-type]
+        seen.append(Path(dst).read_bytes())  # the lock's content the instant it appears
+
+    def crash(src: str, dst: str, **kw: object) -> None:
+        raise _Crash  # a kill before the rename
+
+    monkeypatch.setattr(os, "link", watching_link)
+    monkeypatch.setattr(os, "replace", crash)
+    batch = durable.DurableBatch()
+    batch.add(str(ref), b"c" * 40 + b"\n", lock=str(ref) + ".lock", lock_tmp_dir=str(scratch), tmp_prefix=".kr")
+    with pytest.raises(_Crash):
+        batch.commit()
+    monkeypatch.undo()
+    assert seen == [b"c" * 40 + b"\n"]
+    assert (refs / "k.lock").read_bytes() == b"c" * 40 + b"\n" and not ref.exists()
+    assert os.listdir(scratch) == []  # the tmp was unlinked once linked
+
+
+def test_batch_held_lock_raises_the_callers_error(tmp_path: Path) -> None:
+    lock = tmp_path / "k.lock"
+    lock.write_bytes(b"")
+    batch = durable.DurableBatch()
+    batch.add(str(tmp_path / "other"), b"o")
+    batch.add(str(tmp_path / "k"), b"v\n", lock=str(lock), locked=lambda: RuntimeError("held"))
+    with pytest.raises(RuntimeError, match="held"):
+        batch.commit()
+    assert lock.read_bytes() == b"" and not (tmp_path / "k").exists() and not (tmp_path / "other").exists()
+    assert _residue(tmp_path) == []
