@@ -5,7 +5,10 @@ Two measurements:
 * **strace** — ``strace -f -T -y -e trace=fsync,fdatasync,sync_file_range,syncfs``
   around one cold process (``oncepatch apply``, a replay, the git pair):
   the count, the summed time inside the calls (``-T``), and what was synced
-  (``-y`` names the file behind each fd), grouped by kind;
+  (``-y`` names the file behind each fd), grouped by kind; and the *flush
+  rounds*: fsyncs that overlap in time (``-ttt`` start stamps plus ``-T``
+  durations) are one round, so n files synced at once count once — the
+  figure to hold against the protocol's floor of two flush points;
 * **A/B in process** — the API with durability on, interleaved with the API
   with ``os.fsync`` stubbed and libgit2's ``enable_fsync_gitdir`` off: the
   difference of the medians is what the flushes cost, untouched by strace's
@@ -71,7 +74,7 @@ def _kind(path: str, repo: str) -> str:
 def strace_once(cmd: list[str], cwd: str, repo: str, out: str) -> dict[str, Any]:
     """Run ``cmd`` under strace; return the count, summed fsync seconds and kinds."""
     t0 = time.perf_counter()
-    res = subprocess.run(["strace", "-f", "-T", "-y", "-qq", "-e", f"trace={_SYNCS}", "-o", out, *cmd],
+    res = subprocess.run(["strace", "-f", "-ttt", "-T", "-y", "-qq", "-e", f"trace={_SYNCS}", "-o", out, *cmd],
                          cwd=cwd, capture_output=True)
     wall = time.perf_counter() - t0
     if res.returncode != 0:
@@ -82,11 +85,20 @@ def strace_once(cmd: list[str], cwd: str, repo: str, out: str) -> dict[str, Any]
     kinds: Counter[str] = Counter()
     dirs = 0
     paths: list[str] = []
-    pending: dict[str, str] = {}
+    pending: dict[str, float] = {}
+    spans: list[tuple[float, float]] = []
     with open(out, errors="replace") as fh:
         for line in fh:
-            pid = line.split(None, 1)[0]
+            fields = line.split(None, 2)
+            if len(fields) < 3:
+                continue
+            pid = fields[0]
+            try:
+                stamp = float(fields[1])
+            except ValueError:
+                continue
             m = _CALL.search(line)
+            start = stamp
             if m:
                 count += 1
                 path = m.group(3) or ""
@@ -95,16 +107,31 @@ def strace_once(cmd: list[str], cwd: str, repo: str, out: str) -> dict[str, Any]
                 if path and os.path.isdir(path):
                     dirs += 1
                 if "<unfinished" in line:
-                    pending[pid] = path
+                    pending[pid] = stamp
                     continue
             elif "resumed>" in line:
-                pending.pop(pid, None)
+                start = pending.pop(pid, stamp)
             else:
                 continue
             t = _TIME.search(line)
             if t:
                 total += float(t.group(1))
-    return {"count": count, "fsync_s": total, "wall_s": wall, "kinds": dict(kinds), "dirs": dirs, "paths": paths}
+                spans.append((start, start + float(t.group(1))))
+    return {"count": count, "fsync_s": total, "wall_s": wall, "kinds": dict(kinds), "dirs": dirs, "paths": paths,
+            "rounds": flush_rounds(spans)}
+
+
+def flush_rounds(spans: list[tuple[float, float]]) -> int:
+    """How many groups of time-overlapping syncs: syncs issued together count as one flush round."""
+    rounds = 0
+    end = float("-inf")
+    for start, stop in sorted(spans):
+        if start > end:
+            rounds += 1
+            end = stop
+        else:
+            end = max(end, stop)
+    return rounds
 
 
 _HEX = re.compile(r"[0-9a-f]{16,64}")
@@ -159,6 +186,7 @@ def section_fsync(env: Env, repos: dict[str, BenchRepo], rounds: int, ab_rounds:
                 med = sorted(runs, key=lambda r: r["fsync_s"])[len(runs) // 2]
                 out["strace"].append({
                     "size": size, "name": name, "count": statistics.median(r["count"] for r in runs),
+                    "rounds": statistics.median(r["rounds"] for r in runs),
                     "fsync_ms": statistics.median(r["fsync_s"] for r in runs) * 1000,
                     "wall_ms": statistics.median(r["wall_s"] for r in runs) * 1000,
                     "kinds": med["kinds"], "dirs": med["dirs"], "paths": med["paths"],

@@ -279,7 +279,7 @@ def fsync_all(paths: Iterable[str]) -> None:
 
 class _Item:
     __slots__ = ("path", "data", "writer", "mode", "tmp_prefix", "lock", "lock_tmp_dir", "locked", "tmp",
-                 "existing")
+                 "existing", "dir_mode")
 
     def __init__(self, path: str, data: bytes | memoryview | None, writer: Callable[[int], None] | None,
                  mode: int, tmp_prefix: str | None, lock: str | None, lock_tmp_dir: str | None,
@@ -294,6 +294,7 @@ class _Item:
         self.locked = locked
         self.tmp: str | None = None
         self.existing = False
+        self.dir_mode = 0o755
 
 
 class DurableBatch:
@@ -316,7 +317,7 @@ class DurableBatch:
     def add(self, path: str, data: bytes | memoryview | None = None, *, writer: Callable[[int], None] | None = None,
             mode: int = 0o644, content_addressed: bool = False, tmp_prefix: str | None = None,
             lock: str | None = None, lock_tmp_dir: str | None = None,
-            locked: Callable[[], BaseException] | None = None) -> None:
+            locked: Callable[[], BaseException] | None = None, dir_mode: int = 0o755) -> None:
         """Queue ``path`` with ``data`` (or ``writer(fd)``, which writes the bytes itself: for streaming).
 
         ``tmp_prefix`` names the tmp file (default ``.<name>``; it always carries
@@ -327,6 +328,7 @@ class DurableBatch:
         is then hard-linked to the lock name — exclusive like ``O_EXCL``, and a
         crash can never leave an empty lock that nobody could prove was ours.  A path queued twice keeps its first entry only
         when ``content_addressed`` (same name, same bytes); otherwise it is an error.
+        ``dir_mode``: for folders made on the way (the umask applies).
         """
         if (data is None) == (writer is None):
             raise ValueError("give exactly one of data and writer")
@@ -335,6 +337,7 @@ class DurableBatch:
                 return
             raise ValueError(f"'{path}' is already in this batch")
         item = _Item(path, data, writer, mode, tmp_prefix, lock, lock_tmp_dir, locked)
+        item.dir_mode = dir_mode
         if content_addressed and os.path.exists(path):
             item.existing = True
         self._paths.add(path)
@@ -368,7 +371,7 @@ class DurableBatch:
         try:
             for item in self._items:
                 folder = os.path.dirname(item.path)
-                for made in _make_dirs(folder):
+                for made in _make_dirs(folder, item.dir_mode):
                     folders[os.path.dirname(made)] = None  # a new folder's entry lives in its parent
                 folders[folder] = None
                 if item.existing:
@@ -450,16 +453,16 @@ class DurableBatch:
                 item.tmp = None
 
 
-def _make_dirs(folder: str) -> list[str]:
+def _make_dirs(folder: str, mode: int = 0o755) -> list[str]:
     """Create ``folder`` and its missing parents; return the folders created (outermost first)."""
     if os.path.isdir(folder):
         return []
     made: list[str] = []
     parent = os.path.dirname(folder)
     if parent and parent != folder:
-        made += _make_dirs(parent)
+        made += _make_dirs(parent, mode)
     try:
-        os.mkdir(folder, 0o755)
+        os.mkdir(folder, mode)
     except FileExistsError:
         return made
     return [*made, folder]

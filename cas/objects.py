@@ -354,8 +354,10 @@ class GitStore:
             path = os.path.join(objects, oid[:2], oid[2:])
             if not os.path.exists(path) and self._packed(oid):
                 continue
+            # Folders as git and libgit2 make them: 0777 less the umask (a shared
+            # repository's umask keeps them group-writable).
             batch.add(path, writer=_deflate_writer(header, data), mode=0o444, content_addressed=True,
-                      tmp_prefix="tmp_obj_")
+                      tmp_prefix="tmp_obj_", dir_mode=0o777)
         self._pending.clear()
 
     def _packed(self, oid: str) -> bool:

@@ -126,3 +126,21 @@ def test_public_api_is_exported_from_patcher(repo: Repo) -> None:
     assert patcher.apply is apply
     res = patcher.apply(str(repo.path), P2)
     assert res.status == "committed" and (repo.path / "README").read_text() == "hello, world\n"
+
+
+def test_packed_repository_objects_already_packed_are_not_written_again(repo: Repo) -> None:
+    """A clone-like repository (everything packed): a change back to content the pack holds writes no blob."""
+    first = apply(str(repo.path), P2)
+    repo.git("gc", "-q", "--prune=now")  # every object packed, no loose ones left
+    objects = repo.path / ".git" / "objects"
+    assert not [p for p in objects.glob("??/*")]
+    back = b"--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello, world\n+hello\n"
+    res = apply(str(repo.path), back, key="back")
+    loose = sorted(p.parent.name + p.name for p in objects.glob("??/*"))
+    old_blob = repo.git("rev-parse", f"{first.commit}~1:README").strip()
+    assert res.outputs[0]["blob"] == old_blob and old_blob not in loose  # in the pack already
+    assert res.tree == repo.git("rev-parse", f"{first.commit}~1^{{tree}}").strip()  # the old tree: packed too
+    assert loose == [res.commit]  # only the new commit was written
+    assert not [p for p in objects.rglob("tmp_obj_*")]
+    repo.git("fsck", "--strict", "--no-dangling")
+    assert repo.git("cat-file", "-p", f"{res.commit}:README") == "hello\n"
