@@ -5,10 +5,13 @@ Two measurements:
 * **strace** — ``strace -f -T -y -e trace=fsync,fdatasync,sync_file_range,syncfs``
   around one cold process (``oncepatch apply``, a replay, the git pair):
   the count, the summed time inside the calls (``-T``), and what was synced
-  (``-y`` names the file behind each fd), grouped by kind; and the *flush
-  rounds*: fsyncs that overlap in time (``-ttt`` start stamps plus ``-T``
-  durations) are one round, so n files synced at once count once — the
-  figure to hold against the protocol's floor of two flush points;
+  (``-y`` names the file behind each fd), grouped by kind;
+* **flush points** — in process, the sync calls counted at their seams: each
+  :func:`cas.durable.fsync_all` round (n files synced at once, counted once),
+  each ``os.fsync`` made on its own, and libgit2's own syncs of the branch
+  (ref and reflog, one after another: taken from the strace kinds).  strace
+  cannot tell concurrency (it serialises the threads it stops), so the
+  rounds are counted here;
 * **A/B in process** — the API with durability on, interleaved with the API
   with ``os.fsync`` stubbed and libgit2's ``enable_fsync_gitdir`` off: the
   difference of the medians is what the flushes cost, untouched by strace's
@@ -74,7 +77,7 @@ def _kind(path: str, repo: str) -> str:
 def strace_once(cmd: list[str], cwd: str, repo: str, out: str) -> dict[str, Any]:
     """Run ``cmd`` under strace; return the count, summed fsync seconds and kinds."""
     t0 = time.perf_counter()
-    res = subprocess.run(["strace", "-f", "-ttt", "-T", "-y", "-qq", "-e", f"trace={_SYNCS}", "-o", out, *cmd],
+    res = subprocess.run(["strace", "-f", "-T", "-y", "-qq", "-e", f"trace={_SYNCS}", "-o", out, *cmd],
                          cwd=cwd, capture_output=True)
     wall = time.perf_counter() - t0
     if res.returncode != 0:
@@ -85,20 +88,11 @@ def strace_once(cmd: list[str], cwd: str, repo: str, out: str) -> dict[str, Any]
     kinds: Counter[str] = Counter()
     dirs = 0
     paths: list[str] = []
-    pending: dict[str, float] = {}
-    spans: list[tuple[float, float]] = []
+    pending: dict[str, str] = {}
     with open(out, errors="replace") as fh:
         for line in fh:
-            fields = line.split(None, 2)
-            if len(fields) < 3:
-                continue
-            pid = fields[0]
-            try:
-                stamp = float(fields[1])
-            except ValueError:
-                continue
+            pid = line.split(None, 1)[0]
             m = _CALL.search(line)
-            start = stamp
             if m:
                 count += 1
                 path = m.group(3) or ""
@@ -107,31 +101,56 @@ def strace_once(cmd: list[str], cwd: str, repo: str, out: str) -> dict[str, Any]
                 if path and os.path.isdir(path):
                     dirs += 1
                 if "<unfinished" in line:
-                    pending[pid] = stamp
+                    pending[pid] = path
                     continue
             elif "resumed>" in line:
-                start = pending.pop(pid, stamp)
+                pending.pop(pid, None)
             else:
                 continue
             t = _TIME.search(line)
             if t:
                 total += float(t.group(1))
-                spans.append((start, start + float(t.group(1))))
-    return {"count": count, "fsync_s": total, "wall_s": wall, "kinds": dict(kinds), "dirs": dirs, "paths": paths,
-            "rounds": flush_rounds(spans)}
+    return {"count": count, "fsync_s": total, "wall_s": wall, "kinds": dict(kinds), "dirs": dirs, "paths": paths}
 
 
-def flush_rounds(spans: list[tuple[float, float]]) -> int:
-    """How many groups of time-overlapping syncs: syncs issued together count as one flush round."""
-    rounds = 0
-    end = float("-inf")
-    for start, stop in sorted(spans):
-        if start > end:
-            rounds += 1
-            end = stop
-        else:
-            end = max(end, stop)
-    return rounds
+def count_flush_points(op: Callable[[int], Any], runs: int) -> dict[str, float]:
+    """Median per call of: batched rounds (and the files in them) and single ``os.fsync`` calls from Python."""
+    import threading
+
+    import cas.durable as durable
+
+    real_all, real_fsync = durable.fsync_all, os.fsync
+    inside = threading.local()
+    cur = {"rounds": 0, "batched": 0, "single": 0}
+
+    def counting_all(paths: Any) -> None:
+        todo = list(dict.fromkeys(paths))
+        if todo:
+            cur["rounds"] += 1
+            cur["batched"] += len(todo)
+        inside.on = True
+        try:
+            real_all(todo)
+        finally:
+            inside.on = False
+
+    def counting_fsync(fd: int) -> None:
+        if not getattr(inside, "on", False) and not threading.current_thread().name.startswith("oncepatch-fsync"):
+            cur["single"] += 1
+        real_fsync(fd)
+
+    per: list[dict[str, int]] = []
+    durable.fsync_all = counting_all  # type: ignore[assignment]
+    os.fsync = counting_fsync  # type: ignore[assignment]
+    try:
+        for r in range(runs):
+            cur.update(rounds=0, batched=0, single=0)
+            op(r)
+            per.append(dict(cur))
+    finally:
+        durable.fsync_all = real_all  # type: ignore[assignment]
+        os.fsync = real_fsync  # type: ignore[assignment]
+    return {k: statistics.median(p[k] for p in per) for k in ("rounds", "batched", "single")}
 
 
 _HEX = re.compile(r"[0-9a-f]{16,64}")
@@ -186,11 +205,14 @@ def section_fsync(env: Env, repos: dict[str, BenchRepo], rounds: int, ab_rounds:
                 med = sorted(runs, key=lambda r: r["fsync_s"])[len(runs) // 2]
                 out["strace"].append({
                     "size": size, "name": name, "count": statistics.median(r["count"] for r in runs),
-                    "rounds": statistics.median(r["rounds"] for r in runs),
                     "fsync_ms": statistics.median(r["fsync_s"] for r in runs) * 1000,
                     "wall_ms": statistics.median(r["wall_s"] for r in runs) * 1000,
                     "kinds": med["kinds"], "dirs": med["dirs"], "paths": med["paths"],
                 })
+        log(f"[6] flush points in process, {size} files")
+        for where, branch in (("not checked out", "side"), ("checked out", "main")):
+            out.setdefault("points", []).append({"size": size, "where": where,
+                                                 **count_flush_points(c.api(branch), 5)})
         log(f"[6] in-process A/B durable vs fsync stubbed, {size} files: {ab_rounds} rounds")
         res = interleave([
             ("API durable, not checked out", c.api("side")),

@@ -214,17 +214,31 @@ def render(res: dict[str, Any]) -> str:
                              "peak RSS MiB"], rows))
     fs = res.get("fsync")
     if fs:
-        parts.append("\n### 6. fsync per transaction\n\n**strace** (`strace -f -ttt -T -y`, one cold process each; "
-                     "median of the runs; *flush rounds*: groups of fsyncs that overlap in time, i.e. were "
-                     "issued together — the figure to compare with the protocol's floor of two flush points; "
-                     "*ms in fsync* sums the time inside every call, so concurrent ones count each)\n\n")
-        rows = [[r["size"], r["name"], f"{r['count']:g}", f"{r.get('rounds', r['count']):g}", str(r["dirs"]),
-                 f"{r['fsync_ms']:.1f}",
+        parts.append("\n### 6. fsync per transaction\n\n**strace** (`strace -f -T -y`, one cold process each; "
+                     "median of the runs; *ms in fsync* sums the time inside every call, so calls made at once "
+                     "count each)\n\n")
+        rows = [[r["size"], r["name"], f"{r['count']:g}", str(r["dirs"]), f"{r['fsync_ms']:.1f}",
                  f"{r['wall_ms']:.0f}", ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items(),
                                                                                key=lambda kv: -kv[1]))]
                 for r in fs["strace"]]
-        parts.append(_table(["files", "process", "fsyncs", "flush rounds", "of which folders", "ms in fsync",
-                             "wall ms (traced)", "what was synced"], rows))
+        parts.append(_table(["files", "process", "fsyncs", "of which folders", "ms in fsync", "wall ms (traced)",
+                             "what was synced"], rows))
+        if fs.get("points"):
+            parts.append("\n**Flush points per apply** (in process, counted at the seams; median of 5 calls): a "
+                         "*round* is one `fsync_all` — its files synced at once, on threads — and counts once; "
+                         "*single* are `os.fsync` calls made alone; libgit2's own are its ref and reflog syncs for "
+                         "the branch, one after another (from the strace kinds above). The protocol's floor is "
+                         "two flush points (before and after the branch moves).\n\n")
+            prow = []
+            for p in fs["points"]:
+                st = next((r for r in fs["strace"] if r["size"] == p["size"]
+                           and r["name"] == f"oncepatch apply, branch {p['where']}"), None)
+                lg = sum(1 for q in (st["paths"] if st else [])
+                         if q.startswith((".git/refs/heads", ".git/logs")) and "oncepatch" not in q)
+                prow.append([p["size"], p["where"], f"{p['rounds']:g} ({p['batched']:g} files)", f"{p['single']:g}",
+                             f"{lg:g}", f"{p['rounds'] + p['single'] + lg:g}"])
+            parts.append(_table(["files", "branch", "batched rounds (files)", "single fsyncs", "libgit2 (branch)",
+                                 "sequential flush points"], prow))
         first = next((r for r in fs["strace"] if r["name"] == "oncepatch apply, branch checked out"), None)
         if first and first.get("paths"):
             runs: list[list[Any]] = []
