@@ -10,14 +10,14 @@ This module reads git's on-disk layout directly: a ``.git`` folder, or a
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
+from cas.record import record
 from cas.errors import UsageError
 
 __all__ = ["GitLayout", "discover", "read_head", "common_dir_of", "worktrees_on"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class GitLayout:
     """``workdir`` is ``None`` for a bare repository; paths are absolute and real."""
 

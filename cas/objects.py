@@ -39,10 +39,10 @@ import os
 import time
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import pygit2
 
+from cas.record import record
 from cas.durable import DurableBatch, write_all
 from cas.gitdir import common_dir_of
 from cas.errors import GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown, UsageError
@@ -97,13 +97,13 @@ def _enable_fsync() -> None:
         _FSYNC_ON = True
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TreeEntry:
     oid: str
     mode: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PathLookup:
     """Result of looking a path up in a tree.
 
@@ -117,7 +117,7 @@ class PathLookup:
     blocked_mode: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Signature:
     name: str
     email: str

@@ -21,9 +21,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from dataclasses import dataclass
 from typing import Any
 
+from cas.record import record
 from cas.errors import UsageError
 from cas.gitdir import GitLayout, discover, read_head
 from patcher.errors import TooLarge
@@ -37,7 +37,7 @@ MAX_PATCH_BYTES = int(os.environ.get("ONCEPATCH_MAX_PATCH_BYTES", str(64 << 20))
 _BAD_REF = re.compile(r"(^|/)\.|\.\.|[\x00-\x20~^:?*\[\\\x7f]|@\{|\.lock(/|$)|/$|//|^$")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class CallArgs:
     layout: GitLayout
     repo: str

@@ -18,10 +18,9 @@ A format may also say how its edits apply (read by :mod:`patcher.stage`):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from cas.record import record, replace as replace_record
 from patcher.detection import DETECTORS
 from patcher.errors import ParseError
 from patcher.model import AppliedFile, Patch
@@ -32,7 +31,7 @@ __all__ = ["Format", "FileApplier", "FORMATS", "register", "detect", "parse_patc
 FileApplier = Callable[..., AppliedFile]  # (original: bytes, hunks: Sequence[Hunk], *, path: str)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Format:
     name: str
     looks: Callable[[bytes], bool]
@@ -102,7 +101,7 @@ def parse_patch(data: bytes, fmt: str) -> Patch:
         raise ParseError(f"unknown patch format '{fmt}'", details={"formats": format_names()})
     parsed = FORMATS[fmt].parse(data)
     edits = tuple(
-        dataclasses.replace(
+        replace_record(
             e,
             path=check_path(e.path),
             new_path=None if e.new_path is None else check_path(e.new_path),

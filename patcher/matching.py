@@ -81,10 +81,10 @@ no line is shared) and, when ambiguous, ``candidates`` (1-based lines).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any, Literal
 
+from cas.record import record
 from patcher.errors import AmbiguousMatch, ContextNotFound, PartiallyApplied
 from patcher.model import AppliedFile, Hunk
 
@@ -220,7 +220,7 @@ class _File:
         return found
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Loc:
     """Where a line sequence was found: one position, or several (ambiguous) at ``grade``."""
 
@@ -315,7 +315,7 @@ def _resolve_scopes(f: _File, scopes: Sequence[bytes], lo: int) -> tuple[list[in
     return starts, (missing if not starts else None)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Verdict:
     """How one hunk relates to the file: ``applies`` / ``present`` at ``pos``, or ``missing``."""
 

@@ -12,8 +12,8 @@ ending, so a CRLF file stays CRLF.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Literal
+from cas.record import record, field
 
 __all__ = [
     "MODE_FILE",
@@ -33,7 +33,7 @@ MODE_LINK = 0o120000
 Op = Literal["add", "modify", "delete", "rename"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Hunk:
     """One hunk: the old lines (context + removed) become the new lines (context + added).
 
@@ -52,7 +52,7 @@ class Hunk:
     header: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FileEdit:
     """An edit of one path.
 
@@ -93,13 +93,13 @@ class FileEdit:
         return (self.path,)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Patch:
     format: str
     edits: tuple[FileEdit, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AppliedFile:
     """Result of applying hunks to one file's bytes; ``grades`` names, per hunk, the grade that matched."""
 

@@ -26,9 +26,9 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from cas.record import record
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch
 from cas.errors import OncepatchError, RefLockedError, RefMovedError, RefUpdateUnknown, UsageError
@@ -104,7 +104,7 @@ def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str) -> Iterato
         turn.__exit__(None, None, None)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ApplyResult:
     key: str
     call_id: str
@@ -272,7 +272,7 @@ def apply(
             raise exc.with_key(the_key)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _PreCheck:
     patch: Patch
     plan: StagePlan

@@ -24,11 +24,10 @@ default :func:`patcher.matching.apply_hunks`).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-from dataclasses import dataclass, field
 from typing import Any
 
+from cas.record import record, field, replace as replace_record
 from cas.objects import GitStore, TreeEntry
 from patcher.errors import ContextNotFound, PartiallyApplied, UnsafePath
 from patcher.formats import FileApplier, get_format
@@ -40,7 +39,7 @@ __all__ = ["Staged", "StagePlan", "plan_stage", "write_stage", "stage", "touched
 _MODE_TREE = 0o040000
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Staged:
     base_commit: str | None
     base_tree: str | None
@@ -51,7 +50,7 @@ class Staged:
     already_applied: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class StagePlan:
     """What the patch does to ``base_commit``, computed without writing anything."""
 
@@ -150,7 +149,7 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
     for edit in patch.edits:
         current = _lookup(store, base_tree, edit.path, deleted)
         if edit.op == "modify" and current is None and writes_create and edit.content is not None:
-            edit = dataclasses.replace(edit, op="add")
+            edit = replace_record(edit, op="add")
         if edit.op == "delete":
             if current is None:
                 raise ContextNotFound(f"cannot delete '{edit.path}': it does not exist",

@@ -66,10 +66,10 @@ import inspect
 import os
 import socket
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
+from cas.record import record
 from cas.crash import crash_point
 from cas.errors import EXIT_REJECTED, EffectStatus, NextAction, OncepatchError, UsageError
 from receipts.adapter import QueryResult
@@ -147,7 +147,7 @@ class EffectUnknown(StillUnknown):
 # -- classification (pure) -------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Classification:
     """How a tool's failure is recorded."""
 
@@ -245,7 +245,7 @@ def _owner() -> dict[str, Any]:
 # -- the call ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class EffectResult:
     """The outcome of one effect call (fresh or replayed)."""
 

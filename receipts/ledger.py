@@ -16,9 +16,9 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cas.record import record
 from cas.durable import append_durable
 from receipts import jsonio
 from receipts.canonical import canonical_json
@@ -34,7 +34,7 @@ GENESIS = "0" * 64
 _TAIL = 1 << 16
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LedgerProblem:
     line: int
     reason: str

@@ -20,12 +20,11 @@ States: ``prepared`` → ``committed`` | ``rejected`` | ``unknown``
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import hashlib
-from dataclasses import dataclass, field
 from typing import Any
 
+from cas.record import record, field, replace as replace_record
 from receipts import jsonio
 
 from receipts.canonical import canonical_json, normalise
@@ -68,7 +67,7 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Receipt:
     key: str
     call_id: str
@@ -109,7 +108,7 @@ class Receipt:
         """A copy with ``changes`` and a fresh ``updated_at``."""
         changes.setdefault("updated_at", now_iso())
         changes.setdefault("parsed_digest", None)
-        return dataclasses.replace(self, **changes)
+        return replace_record(self, **changes)
 
     def to_doc(self) -> dict[str, Any]:
         doc: dict[str, Any] = dict(self.extra)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cas.record import record
 from cas.durable import DurableBatch, fsync_dir
 from receipts.errors import CorruptReceipt, InProgress
 from receipts.identity import key_hash
@@ -35,7 +35,7 @@ __all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT"]
 DEFAULT_LOCK_TIMEOUT = 30.0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class StoredReceipt:
     """A receipt file found by a scan: either a verified receipt or the error that file gave."""
 

@@ -4,14 +4,13 @@ Two real calls commit two receipts (and four ledger lines); then one thing is
 broken per case and ``verify`` must exit 6 with a line naming that receipt (or
 the ledger) and the reason, and the same failure in ``--json``'s list.
 Tampered receipts that should still *parse* are rewritten through the
-receipt helpers (``parse_receipt`` → ``dataclasses.replace`` →
+receipt helpers (``parse_receipt`` → ``cas.record.replace`` →
 ``receipt_bytes``), which recompute ``receipt_sha256``: only the deeper
 checks (commit, blobs, ledger) can catch them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 
 from conftest import Repo, make_repo, run_cli
 
+from cas.record import replace
 from receipts.receipt import parse_receipt, receipt_bytes
 from receipts.store import ReceiptStore
 
@@ -49,7 +49,7 @@ def rewrite(repo: Repo, key: str, **changes: Any) -> Path:
     """Rewrite ``key``'s receipt with ``changes``; it still parses (digest recomputed)."""
     path = receipt_path(repo, key)
     r = parse_receipt(path.read_bytes(), path=str(path))
-    path.write_bytes(receipt_bytes(dataclasses.replace(r, **changes)))
+    path.write_bytes(receipt_bytes(replace(r, **changes)))
     parse_receipt(path.read_bytes(), path=str(path))  # still verifies on read
     return path
 
