@@ -22,7 +22,10 @@ git's style: lowercase, no trailing period, subjects in quotes.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    from typing import Any, ClassVar, Literal
+
 
 __all__ = [
     "EffectStatus",
@@ -46,8 +49,9 @@ __all__ = [
     "EXIT_VERIFY",
 ]
 
-EffectStatus = Literal["not_started", "not_applied", "applied", "unknown"]
-NextAction = Literal["fix_input", "retry", "query_before_retry", "recover", "none"]
+if TYPE_CHECKING:
+    EffectStatus = Literal["not_started", "not_applied", "applied", "unknown"]
+    NextAction = Literal["fix_input", "retry", "query_before_retry", "recover", "none"]
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1

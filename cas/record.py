@@ -18,13 +18,21 @@ Mutable classes stay dataclasses.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar, dataclass_transform
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    from typing import Any, TypeVar, dataclass_transform
 
 __all__ = ["record", "field", "replace", "fields", "FrozenRecordError"]
 
+if TYPE_CHECKING:
+    _T = TypeVar("_T", bound=type)
+    _R = TypeVar("_R")
+else:
+    def dataclass_transform(**_kw: object) -> Callable[[_F], _F]:
+        return lambda f: f  # only type checkers read it
+
 _MISSING: Any = object()
-_T = TypeVar("_T", bound=type)
-_R = TypeVar("_R")
 
 
 class FrozenRecordError(AttributeError):

@@ -21,12 +21,15 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from typing import Any
 
 from cas.record import record
 from cas.errors import UsageError
 from cas.gitdir import GitLayout, discover, read_head
 from patcher.errors import TooLarge
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["TOOL", "TOOL_VERSION", "MAX_PATCH_BYTES", "CallArgs", "normalise_args", "normalise_branch"]
 

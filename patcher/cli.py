@@ -13,10 +13,13 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
 
 from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, UsageError
 from patcher.cli_common import add_common, store_root
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
 
 __all__ = ["main", "build_parser"]
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
 
 from receipts import jsonio
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "DETECTORS",

@@ -12,8 +12,11 @@ ending, so a CRLF file stays CRLF.
 
 from __future__ import annotations
 
-from typing import Literal
 from cas.record import record, field
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    from typing import Literal
 
 __all__ = [
     "MODE_FILE",
@@ -30,7 +33,8 @@ MODE_FILE = 0o100644
 MODE_EXEC = 0o100755
 MODE_LINK = 0o120000
 
-Op = Literal["add", "modify", "delete", "rename"]
+if TYPE_CHECKING:
+    Op = Literal["add", "modify", "delete", "rename"]
 
 
 @record

@@ -26,7 +26,6 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
 
 from cas.record import record
 from cas.crash import crash_hook, crash_point
@@ -44,7 +43,9 @@ from patcher.formats import detect, parse_patch
 from patcher.markers import ref_lock_marker
 from patcher.model import Patch
 
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
+    from typing import Any
     from cas.objects import GitStore
     from patcher.stage import Staged, StagePlan
 

@@ -67,11 +67,11 @@ import os
 import socket
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from cas.record import record
 from cas.crash import crash_point
-from cas.errors import EXIT_REJECTED, EffectStatus, NextAction, OncepatchError, UsageError
+from cas.errors import EXIT_REJECTED, OncepatchError, UsageError
 from receipts.adapter import QueryResult
 from receipts.canonical import canonical_json
 from receipts.errors import FencedOff, IdempotencyConflict, ReceiptError, StillUnknown
@@ -80,6 +80,9 @@ from receipts.receipt import Receipt, now_iso
 from receipts.recovery import resolve_receipt
 from receipts.states import needs_resolution
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
+
+if TYPE_CHECKING:
+    from cas.errors import EffectStatus, NextAction
 
 __all__ = [
     "GenericAdapter",

@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from cas.errors import (
     EXIT_CONFLICT,
@@ -29,6 +28,10 @@ from cas.errors import (
     EXIT_VERIFY,
     OncepatchError,
 )
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "ReceiptError",

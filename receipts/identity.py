@@ -16,10 +16,13 @@ stay fixed-width and safe whatever the key contains.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, NewType
 
 from receipts.canonical import canonical_json
 from receipts.errors import InvalidKey
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    from typing import Any, NewType
 
 __all__ = [
     "CALL_ID_TAG",
@@ -36,8 +39,11 @@ __all__ = [
 CALL_ID_TAG = "opc1:"
 MAX_KEY_LEN = 512
 
-CallId = NewType("CallId", str)
-KeyHash = NewType("KeyHash", str)
+if TYPE_CHECKING:
+    CallId = NewType("CallId", str)
+    KeyHash = NewType("KeyHash", str)
+else:
+    CallId = KeyHash = str  # NewType is the identity at run time
 
 
 def make_identity(

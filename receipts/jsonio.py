@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["JsonError", "loads", "dumps", "use_fast"]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
 
 from cas.record import record
 from cas.durable import append_durable
@@ -25,7 +24,9 @@ from receipts.canonical import canonical_json
 from receipts.errors import CorruptLedger
 from receipts.flock import flocked
 
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
+    from typing import Any
     from receipts.receipt import Receipt
 
 __all__ = ["Ledger", "LedgerProblem", "GENESIS"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from cas.record import record
 from cas.durable import DurableBatch, fsync_dir
@@ -27,6 +26,7 @@ from receipts.identity import key_hash
 from receipts.ledger import Ledger
 from receipts.receipt import Receipt, parse_receipt, receipt_bytes
 
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
     import filelock
 

@@ -324,3 +324,16 @@ def test_can_move_table_is_complete() -> None:
 
 def test_needs_resolution() -> None:
     assert {s for s in STATUSES if needs_resolution(s)} == {"prepared", "unknown"}
+
+
+def test_now_iso_is_datetimes_utc_isoformat_with_z() -> None:
+    import datetime
+    import re
+
+    from receipts.receipt import now_iso
+
+    before = datetime.datetime.now(datetime.timezone.utc)
+    stamp = now_iso()
+    after = datetime.datetime.now(datetime.timezone.utc)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", stamp)
+    assert before - datetime.timedelta(seconds=1) <= datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")) <= after
