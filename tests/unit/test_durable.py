@@ -98,7 +98,7 @@ def test_short_writes_are_looped(target: Path, monkeypatch: pytest.MonkeyPatch) 
     assert len(calls) == -(-len(NEW) // 7)
 
 
-def test_fsyncs_tmp_before_replace_and_folder_after(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _record_syncs_and_renames(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     events: list[tuple[str, str]] = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -107,18 +107,23 @@ def test_fsyncs_tmp_before_replace_and_folder_after(target: Path, monkeypatch: p
         real_fsync(fd)
 
     def rec_replace(src: str, dst: str, **kw: object) -> None:
-        events.append(("replace", os.path.basename(src)))
+        events.append(("replace", str(dst)))
         real_replace(src, dst, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "fsync", rec_fsync)
     monkeypatch.setattr(os, "replace", rec_replace)
+    return events
+
+
+def test_fsyncs_tmp_before_replace_and_folder_after(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events = _record_syncs_and_renames(monkeypatch)
     write_durable(str(target), NEW)
     monkeypatch.undo()
     kinds = [k for k, _ in events]
     assert kinds == ["fsync", "replace", "fsync"]
-    tmp_name = events[1][1]
+    tmp_name = os.path.basename(events[0][1])  # the tmp file's data was synced
     assert is_own_tmp(tmp_name) and tmp_name.startswith(".data.json" + TMP_MARK)
-    assert os.path.basename(events[0][1]) == tmp_name  # the tmp file's data was synced
+    assert events[1][1] == str(target)  # then renamed over the target
     assert events[2][1] == str(target.parent)  # then the folder holding the rename
 
 
@@ -500,23 +505,6 @@ def test_is_own_tmp(name: str, ours: bool) -> None:
 
 
 # -- DurableBatch: several files, two rounds of concurrent fsyncs -------------------------------
-
-
-def _record_syncs_and_renames(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    events: list[tuple[str, str]] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def rec_fsync(fd: int) -> None:
-        events.append(("fsync", _fd_path(fd)))
-        real_fsync(fd)
-
-    def rec_replace(src: str, dst: str, **kw: object) -> None:
-        events.append(("replace", str(dst)))
-        real_replace(src, dst, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(os, "fsync", rec_fsync)
-    monkeypatch.setattr(os, "replace", rec_replace)
-    return events
 
 
 def test_batch_syncs_every_tmp_before_any_rename_and_every_folder_after(
