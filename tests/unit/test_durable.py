@@ -623,13 +623,16 @@ def test_batch_streaming_writer(tmp_path: Path) -> None:
 
 def test_fsync_pool_is_remade_in_a_forked_child(tmp_path: Path) -> None:
     durable.fsync_all([str(tmp_path), str(tmp_path)])  # one path: inline
-    (tmp_path / "f").write_bytes(b"x")
-    durable.fsync_all([str(tmp_path), str(tmp_path / "f")])  # starts the pool in this process
+    files = [str(tmp_path / f"f{i}") for i in range(4)]
+    for f in files:
+        Path(f).write_bytes(b"x")
+    durable.fsync_all(files)  # more than two: starts the pool in this process
+    assert durable._POOL is not None and durable._POOL_PID == os.getpid()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through its exit status
         signal.alarm(10)  # the parent's pool threads do not exist here: reusing them would hang
         try:
-            durable.fsync_all([str(tmp_path), str(tmp_path / "f")])
+            durable.fsync_all(files)
         except BaseException:
             os._exit(1)
         os._exit(0)
@@ -679,3 +682,27 @@ def test_batch_held_lock_raises_the_callers_error(tmp_path: Path) -> None:
         batch.commit()
     assert lock.read_bytes() == b"" and not (tmp_path / "k").exists() and not (tmp_path / "other").exists()
     assert _residue(tmp_path) == []
+
+
+@pytest.mark.parametrize("n", [2, 5])  # inline, and on the threads
+def test_fsync_all_reports_a_failure_after_trying_every_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             n: int) -> None:
+    files = [tmp_path / f"f{i}" for i in range(n)]
+    for f in files:
+        f.write_bytes(b"x")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync_failing_on_f1(fd: int) -> None:
+        path = _fd_path(fd)
+        synced.append(path)
+        if path.endswith("/f1"):
+            raise OSError(errno.EIO, "injected")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_failing_on_f1)
+    with pytest.raises(DurableWriteError) as info:
+        durable.fsync_all(str(f) for f in files)
+    monkeypatch.undo()
+    assert info.value.path == str(files[1]) and info.value.cause.errno == errno.EIO
+    assert sorted(synced) == sorted(str(f) for f in files)
