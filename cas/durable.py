@@ -240,16 +240,32 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+def _fsync_path(target: str | int | tuple[int, str]) -> None:
+    if isinstance(target, int):
+        os.fsync(target)
+        return
+    if isinstance(target, tuple):
+        fd = os.open(target[1], os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW, dir_fd=target[0])
+    else:
+        fd = os.open(target, os.O_RDONLY | _O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def fsync_all(paths: Iterable[str]) -> None:
+def _shown(target: str | int | tuple[int, str]) -> str:
+    if isinstance(target, int):
+        return f"<folder fd {target}>"
+    if isinstance(target, tuple):
+        return target[1]
+    return target
+
+
+def fsync_all(paths: Iterable[str | int | tuple[int, str]]) -> None:
     """fsync every path (files or folders) concurrently; return when all are synced.
+
+    A path may also be given as an open folder's fd, or as ``(folder fd, name)``.
 
     Concurrent fsyncs of one filesystem are committed together (ext4 and xfs
     group them into one journal commit), so n files cost about one flush, not n.
@@ -260,7 +276,7 @@ def fsync_all(paths: Iterable[str]) -> None:
     todo = list(dict.fromkeys(paths))
     if not todo:
         return
-    first: tuple[str, OSError] | None = None
+    first: tuple[str | int | tuple[int, str], OSError] | None = None
     if len(todo) <= _INLINE_MAX:
         # A thread hand-off costs ~50-100 µs; for one or two files it buys nothing.
         for p in todo:
@@ -281,12 +297,12 @@ def fsync_all(paths: Iterable[str]) -> None:
                     raise err
                 first = (p, err)
     if first is not None:
-        raise DurableWriteError(first[0], first[1]) from first[1]
+        raise DurableWriteError(_shown(first[0]), first[1]) from first[1]
 
 
 class _Item:
     __slots__ = ("path", "data", "writer", "mode", "tmp_prefix", "lock", "lock_tmp_dir", "locked", "tmp",
-                 "existing", "dir_mode")
+                 "existing", "dir_mode", "dir_fd", "symlink")
 
     def __init__(self, path: str, data: bytes | memoryview | None, writer: Callable[[int], None] | None,
                  mode: int, tmp_prefix: str | None, lock: str | None, lock_tmp_dir: str | None,
@@ -302,6 +318,8 @@ class _Item:
         self.tmp: str | None = None
         self.existing = False
         self.dir_mode = 0o755
+        self.dir_fd: int | None = None
+        self.symlink: str | None = None
 
 
 class DurableBatch:
@@ -350,6 +368,25 @@ class DurableBatch:
         self._paths.add(path)
         self._items.append(item)
 
+    def add_in_dir(self, dir_fd: int, name: str, data: bytes | memoryview | None = None, *, mode: int = 0o644,
+                   symlink: str | None = None) -> None:
+        """Queue ``name`` in the open folder ``dir_fd`` (reached without following links by the caller).
+
+        With ``symlink``, the entry becomes a symbolic link to it (made as a tmp
+        link, renamed like a file; only its folder is synced).  The caller keeps
+        ``dir_fd`` open until :meth:`commit` returns.
+        """
+        if (data is None) == (symlink is None):
+            raise ValueError("give exactly one of data and symlink")
+        key = f"{dir_fd}\0{name}"
+        if key in self._paths:
+            raise ValueError(f"'{name}' is already in this batch")
+        item = _Item(name, data, None, mode, None, None, None, None)
+        item.dir_fd = dir_fd
+        item.symlink = symlink
+        self._paths.add(key)
+        self._items.append(item)
+
     def append(self, path: str, data: bytes) -> None:
         """Queue an append to ``path`` (created if missing): written after the tmp files, synced with them.
 
@@ -374,9 +411,13 @@ class DurableBatch:
                 target unchanged) — or, with ``effect_status="unknown"``, the
                 renames happened and only the last round's syncs failed.
         """
-        folders: dict[str, None] = {}
+        folders: dict[str | int, None] = {}
         try:
             for item in self._items:
+                if item.dir_fd is not None:
+                    folders[item.dir_fd] = None
+                    self._write_tmp(item)
+                    continue
                 folder = os.path.dirname(item.path)
                 for made in _make_dirs(folder, item.dir_mode):
                     folders[os.path.dirname(made)] = None  # a new folder's entry lives in its parent
@@ -394,7 +435,7 @@ class DurableBatch:
                     _write_all(fd, data)
                 finally:
                     os.close(fd)
-            fsync_all([*(item.path if item.existing else str(item.tmp) for item in self._items),
+            fsync_all([*(_synced_file(item) for item in self._items if item.symlink is None),
                        *(p for p, _ in self._appends)])
         except BaseException as exc:
             self._discard()
@@ -413,7 +454,7 @@ class DurableBatch:
                 continue
             assert item.tmp is not None
             try:
-                os.replace(item.tmp, item.path)
+                os.replace(item.tmp, item.path, src_dir_fd=item.dir_fd, dst_dir_fd=item.dir_fd)
             except OSError as exc:
                 self._discard(start=n)
                 raise DurableWriteError(item.path, exc) from exc
@@ -429,7 +470,12 @@ class DurableBatch:
         prefix = item.tmp_prefix if item.tmp_prefix is not None else "." + name
         tmp = os.path.join(item.lock_tmp_dir or folder if item.lock else folder,
                            f"{prefix}{TMP_MARK}{os.getpid()}-{_token()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_BINARY | _O_CLOEXEC, 0o600)
+        if item.symlink is not None:
+            os.symlink(item.symlink, tmp, dir_fd=item.dir_fd)
+            item.tmp = tmp
+            return
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_BINARY | _O_CLOEXEC, 0o600,
+                     dir_fd=item.dir_fd)
         item.tmp = tmp
         try:
             if item.writer is not None:
@@ -456,8 +502,15 @@ class DurableBatch:
         for item in self._items[start:]:
             if item.tmp is not None:
                 with contextlib.suppress(OSError):
-                    os.unlink(item.tmp)
+                    os.unlink(item.tmp, dir_fd=item.dir_fd)
                 item.tmp = None
+
+
+def _synced_file(item: _Item) -> str | tuple[int, str]:
+    if item.existing:
+        return item.path
+    assert item.tmp is not None
+    return (item.dir_fd, item.tmp) if item.dir_fd is not None else item.tmp
 
 
 def _make_dirs(folder: str, mode: int = 0o755) -> list[str]:

@@ -706,3 +706,43 @@ def test_fsync_all_reports_a_failure_after_trying_every_path(tmp_path: Path, mon
     monkeypatch.undo()
     assert info.value.path == str(files[1]) and info.value.cause.errno == errno.EIO
     assert sorted(synced) == sorted(str(f) for f in files)
+
+
+def test_batch_in_open_folders_writes_files_and_symlinks_and_syncs_by_fd(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "old").write_bytes(OLD)
+    events = _record_syncs_and_renames(monkeypatch)
+    with open_dir_nofollow(str(tmp_path), "a") as dfd:
+        batch = durable.DurableBatch()
+        batch.add_in_dir(dfd, "old", NEW, mode=0o755)
+        batch.add_in_dir(dfd, "link", symlink="old")
+        batch.add_in_dir(dfd, "third", b"3")
+        batch.commit()
+    monkeypatch.undo()
+    assert (tmp_path / "a" / "old").read_bytes() == NEW
+    assert stat.S_IMODE((tmp_path / "a" / "old").stat().st_mode) == 0o755
+    assert os.readlink(tmp_path / "a" / "link") == "old"
+    assert (tmp_path / "a" / "third").read_bytes() == b"3"
+    kinds = [k for k, _ in events]
+    assert kinds.count("replace") == 3 and kinds.index("replace") >= 2  # both files' tmps synced first
+    assert events[-1] == ("fsync", str(tmp_path / "a"))  # then the folder, through its fd
+    assert _residue(tmp_path / "a") == []
+
+
+def test_batch_in_open_folder_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "keep").write_bytes(OLD)
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with open_dir_nofollow(str(tmp_path), "a") as dfd:
+        batch = durable.DurableBatch()
+        batch.add_in_dir(dfd, "keep", NEW)
+        batch.add_in_dir(dfd, "link", symlink="keep")
+        with pytest.raises(DurableWriteError):
+            batch.commit()
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "a")) == ["keep"] and (tmp_path / "a" / "keep").read_bytes() == OLD
