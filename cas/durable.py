@@ -304,10 +304,12 @@ class _Item:
     __slots__ = ("path", "data", "writer", "mode", "tmp_prefix", "lock", "lock_tmp_dir", "locked", "tmp",
                  "existing", "dir_mode", "dir_fd", "symlink")
 
-    def __init__(self, path: str, data: bytes | memoryview | None, writer: Callable[[int], None] | None,
-                 mode: int, tmp_prefix: str | None, lock: str | None, lock_tmp_dir: str | None,
-                 locked: Callable[[], BaseException] | None) -> None:
-        self.path = path
+    def __init__(self, path: str, data: bytes | memoryview | None, mode: int, *,
+                 writer: Callable[[int], None] | None = None, tmp_prefix: str | None = None,
+                 lock: str | None = None, lock_tmp_dir: str | None = None,
+                 locked: Callable[[], BaseException] | None = None, existing: bool = False,
+                 dir_mode: int = 0o755, dir_fd: int | None = None, symlink: str | None = None) -> None:
+        self.path = path  # a name in ``dir_fd`` when that is given
         self.data = data
         self.writer = writer
         self.mode = mode
@@ -315,11 +317,11 @@ class _Item:
         self.lock = lock
         self.lock_tmp_dir = lock_tmp_dir
         self.locked = locked
+        self.existing = existing  # content-addressed and already there: only synced
+        self.dir_mode = dir_mode
+        self.dir_fd = dir_fd
+        self.symlink = symlink
         self.tmp: str | None = None
-        self.existing = False
-        self.dir_mode = 0o755
-        self.dir_fd: int | None = None
-        self.symlink: str | None = None
 
 
 class DurableBatch:
@@ -361,12 +363,10 @@ class DurableBatch:
             if content_addressed:
                 return
             raise ValueError(f"'{path}' is already in this batch")
-        item = _Item(path, data, writer, mode, tmp_prefix, lock, lock_tmp_dir, locked)
-        item.dir_mode = dir_mode
-        if content_addressed and os.path.exists(path):
-            item.existing = True
         self._paths.add(path)
-        self._items.append(item)
+        self._items.append(_Item(path, data, mode, writer=writer, tmp_prefix=tmp_prefix, lock=lock,
+                                 lock_tmp_dir=lock_tmp_dir, locked=locked, dir_mode=dir_mode,
+                                 existing=content_addressed and os.path.exists(path)))
 
     def add_in_dir(self, dir_fd: int, name: str, data: bytes | memoryview | None = None, *, mode: int = 0o644,
                    symlink: str | None = None) -> None:
@@ -381,11 +381,8 @@ class DurableBatch:
         key = f"{dir_fd}\0{name}"
         if key in self._paths:
             raise ValueError(f"'{name}' is already in this batch")
-        item = _Item(name, data, None, mode, None, None, None, None)
-        item.dir_fd = dir_fd
-        item.symlink = symlink
         self._paths.add(key)
-        self._items.append(item)
+        self._items.append(_Item(name, data, mode, dir_fd=dir_fd, symlink=symlink))
 
     def append(self, path: str, data: bytes) -> None:
         """Queue an append to ``path`` (created if missing): written after the tmp files, synced with them.

@@ -71,6 +71,20 @@ def _canon_mode(mode: int) -> int:
     return mode
 
 
+def _signature_line(sig: Signature) -> bytes:
+    """``Name <email> <seconds> <+hhmm>`` now, in the local time zone, as git writes it in commits and reflogs.
+
+    pygit2's ``Signature`` applies libgit2's checks and trimming of name and email.
+
+    Raises:
+        ValueError, pygit2.GitError: a name or email libgit2 refuses.
+    """
+    s = pygit2.Signature(sig.name, sig.email)
+    offset = s.offset
+    return b"%s <%s> %d %c%02d%02d" % (s.raw_name, s.raw_email, s.time, b"-"[0] if offset < 0 else b"+"[0],
+                                      abs(offset) // 60, abs(offset) % 60)
+
+
 def _deflate_writer(header: bytes, data: bytes | memoryview) -> Callable[[int], None]:
     """Writes a loose object's zlib stream to an fd, a chunk at a time (a big blob is never copied whole)."""
     def write(fd: int) -> None:
@@ -159,7 +173,7 @@ class GitStore:
 
     # -- reading ------------------------------------------------------------------
 
-    def _written(self) -> None:
+    def _write_staged_first(self) -> None:
         """Reads through libgit2 see only written objects: write the staged ones first."""
         if self._pending:
             self.flush_objects()
@@ -178,14 +192,14 @@ class GitStore:
             return None
 
     def commit_tree(self, commit_oid: str) -> str:
-        self._written()
+        self._write_staged_first()
         try:
             return str(self.repo[_oid(commit_oid)].peel(pygit2.Commit).tree_id)
         except (KeyError, ValueError, pygit2.GitError) as exc:
             raise GitStoreError(f"cannot read commit '{commit_oid}': {exc}") from exc
 
     def has_object(self, oid: str) -> bool:
-        self._written()
+        self._write_staged_first()
         try:
             return pygit2.Oid(hex=oid) in self.repo.odb
         except ValueError:
@@ -193,7 +207,7 @@ class GitStore:
 
     def lookup_path(self, tree_oid: str, path: str) -> PathLookup:
         """Walk ``path`` down from ``tree_oid`` without reading anything off the path."""
-        self._written()
+        self._write_staged_first()
         tree = self.repo[_oid(tree_oid)]
         if "/" in path:
             # Usual case first: libgit2 walks the whole path in one call.
@@ -229,7 +243,7 @@ class GitStore:
 
     def list_files(self, tree_oid: str) -> list[str]:
         """Every non-folder path below ``tree_oid``, relative to it (reads that subtree only)."""
-        self._written()
+        self._write_staged_first()
         out: list[str] = []
         stack: list[tuple[str, str]] = [("", tree_oid)]
         while stack:
@@ -243,7 +257,7 @@ class GitStore:
         return out
 
     def read_blob(self, oid: str) -> bytes:
-        self._written()
+        self._write_staged_first()
         try:
             return bytes(self.repo[_oid(oid)].read_raw())
         except (KeyError, ValueError, pygit2.GitError) as exc:
@@ -387,14 +401,10 @@ class GitStore:
 
     def create_commit(self, tree: str, parents: list[str], message: str, author: Signature | None = None) -> str:
         """Stage a commit of ``tree`` (author = committer, now, local time zone); return its id."""
-        sig = author or self.default_signature()
         try:
-            s = pygit2.Signature(sig.name, sig.email)  # libgit2's checks and trimming of name and email
+            stamp = _signature_line(author or self.default_signature())
         except (ValueError, pygit2.GitError) as exc:
             raise GitStoreError(f"cannot write commit: {exc}") from exc
-        offset = s.offset
-        stamp = b"%s <%s> %d %c%02d%02d" % (s.raw_name, s.raw_email, s.time, b"-"[0] if offset < 0 else b"+"[0],
-                                            abs(offset) // 60, abs(offset) % 60)
         body = b"tree %s\n" % tree.encode()
         body += b"".join(b"parent %s\n" % p.encode() for p in parents)
         body += b"author %s\ncommitter %s\n\n%s" % (stamp, stamp, message.encode("utf-8"))
@@ -494,20 +504,16 @@ class GitStore:
         return True
 
     def _reflog_line(self, old: str | None, new: str, message: str) -> bytes:
-        sig = self.default_signature()
         try:
-            s = pygit2.Signature(sig.name, sig.email)
+            who = _signature_line(self.default_signature())
         except (ValueError, pygit2.GitError):
-            s = pygit2.Signature("oncepatch", "oncepatch@localhost")
-        offset = s.offset
+            who = _signature_line(Signature("oncepatch", "oncepatch@localhost"))
         one_line = " ".join(message.split())
-        return b"%s %s %s <%s> %d %c%02d%02d\t%s\n" % (
-            (old or "0" * 40).encode(), new.encode(), s.raw_name, s.raw_email, s.time,
-            b"-"[0] if offset < 0 else b"+"[0], abs(offset) // 60, abs(offset) % 60, one_line.encode("utf-8"))
+        return b"%s %s %s\t%s\n" % ((old or "0" * 40).encode(), new.encode(), who, one_line.encode("utf-8"))
 
     def is_ancestor(self, ancestor: str, tip: str) -> bool:
         """``ancestor`` is ``tip`` or reachable from it."""
-        self._written()
+        self._write_staged_first()
         if ancestor == tip:
             return True
         try:

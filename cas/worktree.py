@@ -138,7 +138,7 @@ _WRITE_CHUNK = 128
 
 
 def _queue_path(batch: DurableBatch, stack: contextlib.ExitStack, folders: dict[str, int], workdir: str,
-                path: str, data: bytes, mode: int) -> None:
+                path: str, data: bytes, mode: int, umask: int) -> None:
     """Queue ``path``'s new content in ``batch``, its folder reached without following symlinks."""
     folder, name = os.path.split(path)
     dfd = folders.get(folder)
@@ -152,8 +152,6 @@ def _queue_path(batch: DurableBatch, stack: contextlib.ExitStack, folders: dict[
     if mode == _MODE_LINK:
         batch.add_in_dir(dfd, name, symlink=os.fsdecode(data))
     else:
-        umask = os.umask(0)
-        os.umask(umask)
         batch.add_in_dir(dfd, name, data, mode=(0o755 if mode == _MODE_EXEC else 0o644) & ~umask)
 
 
@@ -185,6 +183,8 @@ def materialise(
             _remove_path(workdir, path)
         # Written in durable batches: tmp files synced together, renamed in path
         # order, their folders synced together (not two fsyncs per file in turn).
+        umask = os.umask(0)  # files get git's modes less the umask, as git checks them out
+        os.umask(umask)
         for start in range(0, len(writes), _WRITE_CHUNK):
             batch = DurableBatch()
             with contextlib.ExitStack() as stack:
@@ -195,7 +195,7 @@ def materialise(
                         if wt_repo is None:
                             wt_repo = store.worktree_repo(workdir)
                         data = smudged(workdir, path, data, wt_repo)  # '*.bat eol=crlf': written as git would
-                    _queue_path(batch, stack, folders, workdir, path, data, entry.mode)
+                    _queue_path(batch, stack, folders, workdir, path, data, entry.mode, umask)
                 batch.commit()
     except UnsafeWorktreePath:
         raise

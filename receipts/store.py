@@ -153,13 +153,7 @@ class ReceiptStore:
         ``batch``: files that become durable with it (the git objects it names),
         synced in the same rounds and renamed before it.
         """
-        path = self.path_for_hash(key_hash(receipt.key))
-        data = receipt_bytes(receipt)
-        batch = batch if batch is not None else DurableBatch()
-        batch.add(path, data)
-        batch.commit(before_replace=before_replace)
-        self._remember(path, receipt, data)
-        return path
+        return self._write(receipt, None, before_replace, batch, {})
 
     def record(self, receipt: Receipt, event: str, *, before_replace: Callable[[], None] | None = None,
                batch: DurableBatch | None = None, **fields: object) -> str:
@@ -168,17 +162,23 @@ class ReceiptStore:
         The append follows the receipt's rename and is synced in the batch's
         last round, with the receipt's folder.
         """
+        return self._write(receipt, event, before_replace, batch, fields)
+
+    def _write(self, receipt: Receipt, event: str | None, before_replace: Callable[[], None] | None,
+               batch: DurableBatch | None, fields: dict[str, object]) -> str:
         path = self.path_for_hash(key_hash(receipt.key))
         data = receipt_bytes(receipt)
         batch = batch if batch is not None else DurableBatch()
         batch.add(path, data)
 
-        def append() -> list[str]:
+        def after_renames() -> list[str]:
             self._remember(path, receipt, data)
+            if event is None:
+                return []
             self.ledger.append_receipt_event(event, receipt, sync=False, **fields)
             return [self.ledger.path]
 
-        batch.commit(before_replace=before_replace, after_renames=append)
+        batch.commit(before_replace=before_replace, after_renames=after_renames)
         return path
 
     def _remember(self, path: str, receipt: Receipt, data: bytes) -> None:
