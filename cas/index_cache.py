@@ -21,19 +21,21 @@ re-hashing them and no second index (for ``git_index_add_bypath``) is read.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import threading
 
 import pygit2
 
-from cas.durable import TMP_MARK, fsync_dir
+from cas.durable import TMP_MARK, fsync_dir, write_all
 from cas.errors import GitStoreError
 from cas.objects import TreeEntry
 
-__all__ = ["IndexSnapshot", "snapshot_for"]
+__all__ = ["IndexSnapshot", "snapshot_for", "prefetch"]
 
 _MODE_TREE = 0o040000
 _cache: dict[str, IndexSnapshot] = {}
+_loading: dict[str, threading.Thread] = {}
 _cache_lock = threading.Lock()
 
 
@@ -45,8 +47,8 @@ def _identity(path: str) -> tuple[int, int, int, int] | None:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-class IndexSnapshot:
-    """A parsed copy of ``<git_dir>/index``; see the module docstring."""
+class _ParsedIndex:
+    """A copy of ``<git_dir>/index`` parsed by libgit2; see the module docstring."""
 
     def __init__(self, git_dir: str) -> None:
         self.git_dir = git_dir
@@ -122,9 +124,195 @@ class IndexSnapshot:
         self.identity = _identity(self.index_path)
 
 
+class IndexSnapshot:
+    """``<git_dir>/index`` as raw bytes while :mod:`cas.index_raw` can handle it, else parsed by libgit2.
+
+    Lookups and the update of entries a patch modifies go through the bytes;
+    the first lookup or change the raw form cannot prove (a new or removed
+    path, a conflict, an extension it does not know, more than
+    :data:`cas.index_raw.MAX_PATHS` paths) switches this snapshot to libgit2's
+    parse for the rest of its life.
+    """
+
+    def __init__(self, git_dir: str) -> None:
+        from cas.index_raw import RawIndex, Unsupported
+
+        self.git_dir = git_dir
+        self.index_path = os.path.join(git_dir, "index")
+        self._raw: RawIndex | None = None
+        self._parsed: _ParsedIndex | None = None
+        self._looked_up: set[str] = set()
+        self._pending: tuple[list[bytes | memoryview], hashlib._Hash, int] | None = None
+        try:
+            self._raw = RawIndex(self.index_path)
+            self.identity: tuple[int, int, int, int] | None = self._raw.identity
+        except (Unsupported, FileNotFoundError):
+            self._use_parsed()
+        except OSError as exc:
+            raise GitStoreError(f"cannot read index '{self.index_path}': {exc}") from exc
+
+    @property
+    def raw(self) -> bool:
+        """Whether this snapshot still works on the raw bytes."""
+        return self._raw is not None
+
+    def _use_parsed(self) -> _ParsedIndex:
+        if self._parsed is None:
+            self._raw = None
+            self._pending = None
+            self._parsed = _ParsedIndex(self.git_dir)
+            self.identity = self._parsed.identity
+        return self._parsed
+
+    def current(self) -> bool:
+        """Whether the real index is still the file this copy was read from (or last wrote)."""
+        return self.identity is not None and _identity(self.index_path) == self.identity
+
+    def entry(self, path: str) -> TreeEntry | None:
+        from cas.index_raw import MAX_PATHS, Unsupported
+
+        if self._raw is not None:
+            self._looked_up.add(path)
+            if len(self._looked_up) <= MAX_PATHS:
+                try:
+                    return self._raw.entry(path)
+                except Unsupported:
+                    pass
+        return self._use_parsed().entry(path)
+
+    def confirm(self) -> bool:
+        """Whether what :meth:`entry` answered stands: ``False`` when the raw form's checksum failed.
+
+        After ``False`` this snapshot is libgit2's parse, and the lookups must be
+        asked again.
+
+        Raises:
+            GitStoreError: the index is corrupt (reported by libgit2's parse).
+        """
+        from cas.index_raw import Unsupported
+
+        if self._raw is not None:
+            try:
+                self._raw.verified()
+            except Unsupported:
+                self._use_parsed()
+                return False
+        return True
+
+    def stage(self, workdir: str, removed: list[str], added: list[tuple[str, TreeEntry]]) -> None:
+        """Set the entries of these paths: removed, or added with the stat data of the files now on disk."""
+        from cas.index_raw import MAX_PATHS, Unsupported
+
+        if self._raw is not None and not removed and len(added) <= MAX_PATHS:
+            try:
+                changes = []
+                for path, te in added:
+                    e = self._raw.locate(path)
+                    if e is None:
+                        raise Unsupported("a path new to the index")
+                    changes.append((e, te, os.lstat(os.path.join(workdir, path))))
+                self._pending = self._raw.updated(changes)
+                return
+            except Unsupported:
+                pass
+        self._use_parsed().stage(workdir, removed, added)
+
+    def install(self) -> None:
+        """Write the new index and rename it over ``index`` (caller holds ``index.lock``); durable."""
+        if self._parsed is not None:
+            self._parsed.install()
+            self.identity = self._parsed.identity
+            return
+        if self._pending is None:
+            return
+        parts, state, hashed = self._pending
+        self._pending = None
+        tmp = os.path.join(self.git_dir, f"index{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
+        try:
+            _write_with_checksum(tmp, parts, state, hashed)
+            os.replace(tmp, self.index_path)
+            fsync_dir(self.git_dir)
+        except OSError as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            self.identity = None
+            raise GitStoreError(f"cannot write index '{self.index_path}': {exc}") from exc
+        # The next call reads the file again (its bytes are not kept).
+        self.identity = None
+        self._raw = None
+
+
+def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hashlib._Hash, hashed: int) -> None:
+    """Write ``parts`` and their SHA-1 to a new file ``path`` and fsync it; hashed while written.
+
+    ``state`` is the SHA-1 state over the first ``hashed`` bytes of ``parts``.
+    """
+    digest: list[bytes] = []
+
+    def hash_parts() -> None:
+        skip = hashed
+        for part in parts:
+            if skip >= len(part):
+                skip -= len(part)
+                continue
+            state.update(part[skip:] if skip else part)
+            skip = 0
+        digest.append(state.digest())
+
+    hasher = threading.Thread(target=hash_parts, daemon=True)
+    hasher.start()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        for part in parts:
+            write_all(fd, part)
+        hasher.join()
+        write_all(fd, digest[0])
+        os.fsync(fd)
+    finally:
+        hasher.join()
+        os.close(fd)
+
+
+def _key(git_dir: str) -> str:
+    return f"{git_dir}\0{threading.get_ident()}"
+
+
+def prefetch(git_dir: str) -> None:
+    """Start reading ``git_dir``'s index in a thread, for this thread's next :func:`snapshot_for`.
+
+    An apply calls this before it parses the patch, so that reading the index
+    and verifying its checksum overlap the parsing and planning.  Whatever the
+    thread fails on is left for :func:`snapshot_for` to meet again and report.
+    """
+    key = _key(git_dir)
+    with _cache_lock:
+        if key in _loading:
+            return
+        snap = _cache.get(key)
+    if snap is not None and snap.current():
+        return
+
+    def load() -> None:
+        try:
+            fresh = IndexSnapshot(git_dir)
+        except Exception:  # noqa: BLE001 - read again, and reported, by snapshot_for
+            return
+        with _cache_lock:
+            _cache[key] = fresh
+
+    thread = threading.Thread(target=load, name="oncepatch-index-read", daemon=True)
+    with _cache_lock:
+        _loading[key] = thread
+    thread.start()
+
+
 def snapshot_for(git_dir: str) -> IndexSnapshot:
-    """The current parsed copy of ``git_dir``'s index (reused when the file is unchanged)."""
-    key = f"{git_dir}\0{threading.get_ident()}"
+    """The current copy of ``git_dir``'s index (reused when the file is unchanged)."""
+    key = _key(git_dir)
+    with _cache_lock:
+        loading = _loading.pop(key, None)
+    if loading is not None:
+        loading.join()
     with _cache_lock:
         snap = _cache.get(key)
     if snap is None or not snap.current():

@@ -74,19 +74,26 @@ def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str 
     git_dir = os.path.realpath(store.worktree_repo(workdir).path)
     snap = snapshot_for(git_dir)
     touched = set(paths)
-    dirty = []
-    for path in paths:
-        full = os.path.join(workdir, path)
-        if os.path.isdir(full) and not os.path.islink(full):
-            for folder, _dirs, files in os.walk(full):
-                rel = os.path.relpath(folder, workdir).replace(os.sep, "/")
-                if any(f"{rel}/{name}" not in touched for name in files):
-                    dirty.append(path)
-                    break
-            continue
-        want = store.lookup_file(head_tree, path)
-        if snap.entry(path) != want or not worktree_files_match(store, workdir, {path: want}):
-            dirty.append(path)
+
+    def check() -> list[str]:
+        dirty = []
+        for path in paths:
+            full = os.path.join(workdir, path)
+            if os.path.isdir(full) and not os.path.islink(full):
+                for folder, _dirs, files in os.walk(full):
+                    rel = os.path.relpath(folder, workdir).replace(os.sep, "/")
+                    if any(f"{rel}/{name}" not in touched for name in files):
+                        dirty.append(path)
+                        break
+                continue
+            want = store.lookup_file(head_tree, path)
+            if snap.entry(path) != want or not worktree_files_match(store, workdir, {path: want}):
+                dirty.append(path)
+        return dirty
+
+    dirty = check()
+    if not snap.confirm():  # the raw index's checksum, verified meanwhile, failed: ask libgit2
+        dirty = check()
     return dirty
 
 

@@ -284,10 +284,11 @@ def _precheck(args: CallArgs, stores: dict[str, Any] | None) -> _PreCheck:
     """Parse, plan against the branch's current head and check worktrees; write nothing."""
     use_fast_json()  # this process executes: JSON speed now matters more than start-up
     from patcher.stage import plan_stage, touched_paths
-    from patcher.worktrees import check_worktrees
+    from patcher.worktrees import check_worktrees, prefetch_indexes
 
     parsed = parse_patch(args.patch, args.format)
     gstore = open_store(args.repo, stores)
+    prefetch_indexes(gstore, args.branch)  # read while the patch is planned
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
     worktrees = check_worktrees(gstore, args.branch, touched_paths(parsed)) if not plan.already_applied else []
     return _PreCheck(parsed, plan, worktrees)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from cas.errors import OncepatchError
+from cas.errors import GitStoreError, OncepatchError
 from cas.gitdir import worktrees_on
 from cas.hashing import sha256_hex
 from cas.objects import GitStore, TreeEntry
@@ -14,7 +14,18 @@ from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath, UnsafePath
 from patcher.markers import index_marker
 
-__all__ = ["check_worktrees", "hold_index_locks", "release_index_locks", "materialise_all"]
+__all__ = ["prefetch_indexes", "check_worktrees", "hold_index_locks", "release_index_locks", "materialise_all"]
+
+
+def prefetch_indexes(gstore: GitStore, branch: str) -> None:
+    """Start reading the index of every worktree on ``branch`` in the background (:func:`cas.index_cache.prefetch`)."""
+    from cas.index_cache import prefetch
+
+    for workdir, _git_dir in worktrees_on(gstore.common_dir, branch):
+        try:
+            prefetch(os.path.realpath(gstore.worktree_repo(workdir).path))
+        except GitStoreError:
+            continue  # check_worktrees meets it again
 
 
 def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tuple[str, str]]:

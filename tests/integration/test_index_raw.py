@@ -1,0 +1,343 @@
+"""The index updated as bytes (cas/index_raw.py) against git's own view of the result.
+
+Every update here is checked by git: ``git ls-files -s`` (object ids and
+modes), the stat data ``git ls-files --debug`` reads, ``git write-tree`` (which
+trusts every cached tree still marked valid, so a stale one would show up as a
+wrong tree) and ``git fsck``.  A reference copy of each repository is brought
+to the same content with ``git add``.  Indexes the raw form does not handle
+must go to libgit2 and still come out right.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cas.errors import GitStoreError
+from cas.hashing import git_blob_oid
+from cas.index_cache import IndexSnapshot
+from cas.index_raw import RawIndex, Unsupported
+from cas.objects import TreeEntry
+from conftest import Repo, git, make_repo, snapshot
+
+
+def _files(n: int = 40) -> dict[str, str]:
+    files: dict[str, str] = {}
+    for i in range(n):
+        # Every name length from 1 to 16 (every padding), nested folders, suffix twins.
+        name = ("abcdefghijklmnop"[: 1 + i % 16]) + f"{i}"
+        folder = ["", "a/", "a/b/", "c/", "TREE/", "a/TREE/"][i % 6]
+        files[f"{folder}{name}"] = f"content {i}\n"
+    files["b.txt"] = "top b\n"
+    files["a/b.txt"] = "nested b\n"  # "b.txt\0" occurs inside "a/b.txt\0" before the real entry
+    files["xb.txt"] = "xb\n"
+    files["x/TREE"] = "a file named TREE\n"
+    return files
+
+
+def _reference(repo: Repo, tmp: Path, changes: dict[str, bytes]) -> Repo:
+    ref = Repo(tmp / "reference")
+    shutil.copytree(repo.path, ref.path, symlinks=True)
+    for path, data in changes.items():
+        (ref.path / path).write_bytes(data)
+    ref.git("add", "--sparse", "--", *changes)
+    return ref
+
+
+def _raw_update(repo: Repo, changes: dict[str, bytes], modes: dict[str, int] | None = None) -> bool:
+    """Write ``changes`` to the worktree and set their entries through IndexSnapshot; whether it stayed raw."""
+    snap = IndexSnapshot(str(repo.path / ".git"))
+    added = []
+    for path, data in changes.items():
+        full = repo.path / path
+        full.write_bytes(data)
+        mode = (modes or {}).get(path, 0o100644)
+        full.chmod(0o755 if mode == 0o100755 else 0o644)
+        repo.git("hash-object", "-w", "--", path)  # the object a commit would have written
+        added.append((path, TreeEntry(git_blob_oid(data), mode)))
+    snap.stage(str(repo.path), [], added)
+    stayed = snap.raw
+    snap.install()
+    return stayed
+
+
+def _debug_stat(repo: Repo, path: str) -> dict[str, str]:
+    out = repo.git("ls-files", "--debug", "--", path)
+    fields: dict[str, str] = {}
+    for line in out.splitlines()[1:]:
+        for part in line.strip().replace(":\t", ": ").split("\t"):
+            if ":" in part:
+                k, v = part.split(":", 1)
+                fields[k.strip()] = v.strip()
+    return fields
+
+
+def _assert_like_git(repo: Repo, ref: Repo, changes: dict[str, bytes]) -> None:
+    assert repo.git("ls-files", "-s") == ref.git("ls-files", "-s")
+    assert repo.git("write-tree") == ref.git("write-tree")
+    assert repo.git("diff-files", "--name-only") == ""
+    for path in changes:
+        st = os.lstat(repo.path / path)
+        f = _debug_stat(repo, path)
+        assert f["mtime"] == f"{int(st.st_mtime)}:{st.st_mtime_ns % 1_000_000_000}"
+        assert f["ctime"] == f"{int(st.st_ctime)}:{st.st_ctime_ns % 1_000_000_000}"
+        assert int(f["ino"]) == st.st_ino & 0xFFFFFFFF and int(f["size"]) == st.st_size
+        assert int(f["uid"]) == st.st_uid and int(f["gid"]) == st.st_gid
+    assert subprocess.run(["git", "fsck", "--no-dangling"], cwd=repo.path, capture_output=True).returncode == 0
+
+
+def _tree_nodes(index: Path) -> dict[str, int]:
+    """folder -> entry count of the cached trees (``-1``: invalid), read with git's own layout rules."""
+    raw = RawIndex(str(index))
+    start, chain = raw.extensions()
+    off, size = next((o, s) for sig, o, s in chain if sig == b"TREE")
+    data = raw.data[off + 8: off + 8 + size]
+    nodes: dict[str, int] = {}
+    pos = 0
+    stack: list[list[object]] = []
+    while pos < len(data):
+        nul = data.index(b"\0", pos)
+        nl = data.index(b"\n", nul)
+        name = data[pos:nul].decode()
+        count, subs = (int(x) for x in data[nul + 1:nl].split(b" "))
+        if stack:
+            stack[-1][1] = int(stack[-1][1]) - 1  # type: ignore[call-overload]
+            folder = f"{stack[-1][0]}/{name}" if stack[-1][0] else name
+        else:
+            folder = ""
+        nodes[folder] = count
+        pos = nl + 1 + (20 if count >= 0 else 0)
+        if subs:
+            stack.append([folder, subs])
+        while stack and stack[-1][1] == 0:
+            stack.pop()
+    return nodes
+
+
+def test_modified_entries_are_rewritten_in_place_as_git_would_see_them(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", _files())
+    assert _tree_nodes(repo.path / ".git" / "index")["c"] >= 0
+    changes = {"a/b/abc2": b"changed\n", "b.txt": b"changed top b\n", "x/TREE": b"tree file changed\n"}
+    ref = _reference(repo, tmp_path, changes)
+    assert _raw_update(repo, changes)
+    nodes = _tree_nodes(repo.path / ".git" / "index")
+    assert nodes[""] == -1 and nodes["a"] == -1 and nodes["a/b"] == -1 and nodes["x"] == -1
+    # Folders the change did not touch keep their cached trees (git write-tree trusts them below).
+    assert nodes["c"] >= 0 and nodes["a/TREE"] >= 0 and nodes["TREE"] >= 0
+    _assert_like_git(repo, ref, changes)
+
+
+def test_every_name_length_and_folder_in_turn(tmp_path: Path) -> None:
+    files = _files()
+    repo = make_repo(tmp_path / "repo", files)
+    for i, path in enumerate(sorted(files)):
+        changes = {path: f"edit {i}\n".encode()}
+        ref = _reference(repo, tmp_path / str(i), changes)
+        assert _raw_update(repo, changes), path
+        _assert_like_git(repo, ref, changes)
+        repo.git("commit", "-q", "-m", f"edit {i}")  # git rebuilds the cached trees it needs
+
+
+def test_mode_change_and_symlink_target_in_place(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", {"run.sh": "echo hi\n", "lib/x.py": "x = 1\n"})
+    os.symlink("lib/x.py", repo.path / "link")
+    repo.commit_all("link")
+    snap = IndexSnapshot(str(repo.path / ".git"))
+    os.chmod(repo.path / "run.sh", 0o755)
+    os.unlink(repo.path / "link")
+    os.symlink("run.sh", repo.path / "link")
+    repo.git("hash-object", "-w", "--stdin", input=b"run.sh")
+    snap.stage(str(repo.path), [], [("run.sh", TreeEntry(git_blob_oid(b"echo hi\n"), 0o100755)),
+                                     ("link", TreeEntry(git_blob_oid(b"run.sh"), 0o120000))])
+    assert snap.raw
+    snap.install()
+    assert repo.git("diff-files", "--name-only") == ""
+    assert "100755" in repo.git("ls-files", "-s", "run.sh")
+    repo.git("add", "-A")  # git agrees: nothing to stage
+    assert repo.git("diff", "--cached", "--name-status") == "M\tlink\nM\trun.sh\n"
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_repositories_match_libgit2s_update(tmp_path: Path, seed: int) -> None:
+    rnd = random.Random(seed)
+    alphabet = "ab-_.xyzZ0"
+    files: dict[str, str] = {}
+    while len(files) < 120:
+        depth = rnd.randint(0, 3)
+        parts = ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 9))) for _ in range(depth + 1)]
+        path = "/".join(parts)
+        if parts[-1] in (".", "..") or any(p in (".", "..", ".git") for p in parts):
+            continue
+        if any(path.startswith(f + "/") or f.startswith(path + "/") for f in files):
+            continue
+        files[path] = f"{path}\n"
+    repo = make_repo(tmp_path / "repo", files)
+    for round_ in range(4):
+        chosen = rnd.sample(sorted(files), rnd.randint(1, 5))
+        changes = {p: f"round {round_} {p}\n".encode() for p in chosen}
+        ref = _reference(repo, tmp_path / f"ref{round_}", changes)
+        assert _raw_update(repo, changes)
+        _assert_like_git(repo, ref, changes)
+
+
+def test_eoie_and_ieot_are_kept_valid(tmp_path: Path) -> None:
+    files = {f"d{i % 7}/f{i:04d}": f"{i}\n" for i in range(2500)}
+    repo = make_repo(tmp_path / "repo", files)
+    cfg = ["-c", "index.threads=4", "-c", "index.recordEndOfIndexEntries=true", "-c", "index.recordOffsetTable=true"]
+    repo.git(*cfg, "read-tree", "HEAD")
+    repo.git(*cfg, "update-index", "--refresh")
+    raw = RawIndex(str(repo.path / ".git" / "index"))
+    sigs = [sig for sig, _o, _s in raw.extensions()[1]]
+    assert b"EOIE" in sigs and b"IEOT" in sigs and b"TREE" in sigs
+    changes = {"d3/f0003": b"new three\n", "d5/f0005": b"new five\n"}
+    ref = _reference(repo, tmp_path, changes)
+    assert _raw_update(repo, changes)
+    again = RawIndex(str(repo.path / ".git" / "index"))
+    again.verified()
+    assert [sig for sig, _o, _s in again.extensions()[1]] == sigs  # EOIE's hash is checked on reading
+    assert repo.git(*cfg, "status", "--porcelain") == "M  d3/f0003\nM  d5/f0005\n"  # staged, files clean
+    _assert_like_git(repo, ref, changes)
+
+
+def _index_prepared(repo: Repo, how: str) -> list[str]:
+    """Bring the index to a form the raw update leaves to libgit2; the paths to change."""
+    if how == "v4":
+        repo.git("update-index", "--index-version", "4")
+    elif how == "untracked-cache":
+        repo.git("config", "core.untrackedCache", "true")
+        repo.git("update-index", "--untracked-cache")
+        repo.git("status", "--porcelain")
+    elif how == "skip-worktree":
+        repo.git("update-index", "--skip-worktree", "c/abcd3")
+        return ["c/abcd3"]
+    elif how == "assume-unchanged":
+        repo.git("update-index", "--assume-unchanged", "c/abcd3")
+        return ["c/abcd3"]
+    elif how == "no-cache-tree":
+        (repo.path / ".git" / "index").unlink()  # entries added one by one: no cached trees
+        repo.git("update-index", "--add", "--", *repo.git("ls-tree", "-r", "--name-only", "HEAD").splitlines())
+        data = (repo.path / ".git" / "index").read_bytes()
+        assert data[-30:-20] == b"xb.txt\0\0\0\0"  # the last entry, then the checksum: no extensions,
+        with pytest.raises(Unsupported):  # though "TREE" occurs in paths
+            RawIndex(str(repo.path / ".git" / "index")).extensions()
+    return ["c/abcd3", "a/b.txt"]
+
+
+@pytest.mark.parametrize("how", ["v4", "untracked-cache", "skip-worktree", "assume-unchanged", "no-cache-tree"])
+def test_forms_left_to_libgit2_still_update_correctly(tmp_path: Path, how: str) -> None:
+    repo = make_repo(tmp_path / "repo", _files())
+    paths = _index_prepared(repo, how)
+    changes = {p: f"changed under {how}\n".encode() for p in paths}
+    before = {line.split("\t")[1]: line for line in repo.git("ls-files", "-s").splitlines()}
+    assert not _raw_update(repo, changes)
+    after = {line.split("\t")[1]: line for line in repo.git("ls-files", "-s").splitlines()}
+    for path, data in changes.items():
+        assert after.pop(path) == f"100644 {git_blob_oid(data)} 0\t{path}"
+        before.pop(path)
+    assert after == before
+    tree = repo.git("write-tree").strip()
+    for path, data in changes.items():
+        assert git(repo.path, "cat-file", "blob", f"{tree}:{path}").encode() == data
+
+
+def test_split_index_is_left_to_libgit2(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", _files())
+    repo.git("update-index", "--split-index")
+    with pytest.raises(Unsupported):
+        RawIndex(str(repo.path / ".git" / "index"))
+
+
+def test_new_and_removed_paths_switch_to_libgit2(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", _files())
+    snap = IndexSnapshot(str(repo.path / ".git"))
+    assert snap.entry("no/such/file") is None and snap.raw  # absent: proven by the bytes
+    (repo.path / "new.txt").write_bytes(b"new\n")
+    snap.stage(str(repo.path), [], [("new.txt", TreeEntry(git_blob_oid(b"new\n"), 0o100644))])
+    assert not snap.raw
+    snap.install()
+    assert repo.git("ls-files", "-s", "new.txt").split()[1] == git_blob_oid(b"new\n")
+    snap = IndexSnapshot(str(repo.path / ".git"))
+    os.unlink(repo.path / "b.txt")
+    snap.stage(str(repo.path), ["b.txt"], [])
+    assert not snap.raw
+    snap.install()
+    assert repo.git("ls-files", "b.txt") == ""
+
+
+def test_a_conflicted_path_is_answered_by_libgit2(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", {"f.txt": "base\n"})
+    repo.git("checkout", "-q", "-b", "other")
+    repo.write("f.txt", "other\n")
+    repo.commit_all("other")
+    repo.git("checkout", "-q", "main")
+    repo.write("f.txt", "main\n")
+    repo.commit_all("main")
+    repo.git("merge", "-q", "other", check=False)
+    assert "UU f.txt" in repo.git("status", "--porcelain")
+    snap = IndexSnapshot(str(repo.path / ".git"))
+    assert snap.entry("f.txt") is None  # no stage-0 entry
+    assert not snap.raw
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # pygit2's Index.__del__ after a failed open
+def test_corrupt_index_is_reported_before_anything_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              threaded: bool) -> None:
+    import cas.index_raw
+
+    if threaded:  # the checksum verified in a thread, as for big indexes
+        monkeypatch.setattr(cas.index_raw, "_THREADED_HASH", 0)
+    repo = make_repo(tmp_path / "repo", {"src/app.py": "".join(f"line {i}\n" for i in range(1, 9))})
+    index = repo.path / ".git" / "index"
+    data = bytearray(index.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside the entries; the checksum no longer matches
+    index.write_bytes(bytes(data))
+    snap = IndexSnapshot(str(repo.path / ".git"))
+    with pytest.raises(GitStoreError):
+        snap.entry("src/app.py")
+        snap.confirm()
+    del snap
+    gc.collect()
+    before = snapshot(repo)
+    patch = b"--- a/src/app.py\n+++ b/src/app.py\n@@ -1,3 +1,3 @@\n-line 1\n+line one\n line 2\n line 3\n"
+    res = subprocess.run([sys.executable, "-m", "patcher.cli", "apply", "-"], cwd=repo.path, input=patch,
+                         capture_output=True, check=False)
+    assert res.returncode != 0, res.stdout
+    assert b"index" in res.stderr
+    assert snapshot(repo) == before
+
+
+def test_apply_on_a_checked_out_branch_goes_through_the_bytes(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import cas.index_cache as index_cache
+    from patcher.protocol import apply
+
+    parsed: list[str] = []
+    real = index_cache._ParsedIndex.__init__
+
+    def spy(self: index_cache._ParsedIndex, git_dir: str) -> None:
+        parsed.append(git_dir)
+        real(self, git_dir)
+
+    monkeypatch.setattr(index_cache._ParsedIndex, "__init__", spy)
+    repo = make_repo(tmp_path / "repo", {"src/app.py": "".join(f"line {i}\n" for i in range(1, 9)),
+                                         "src/b.py": "b\n", "docs/x.md": "x\n"})
+    patch = b"--- a/src/app.py\n+++ b/src/app.py\n@@ -1,3 +1,3 @@\n-line 1\n+line one\n line 2\n line 3\n"
+    res = apply(str(repo.path), patch)
+    assert res.status == "committed"
+    assert parsed == []  # neither the dirty check nor the update parsed the index
+    nodes = _tree_nodes(repo.path / ".git" / "index")
+    assert nodes["src"] == -1 and nodes["docs"] >= 0
+    assert repo.git("status", "--porcelain") == ""
+    assert repo.git("write-tree") == repo.git("rev-parse", "HEAD^{tree}")
+    # git commits on top from the updated index as usual.
+    repo.write("docs/x.md", "y\n")
+    repo.git("commit", "-qam", "git on top")
+    assert git(repo.path, "show", "HEAD~1:src/app.py").startswith("line one\n")
