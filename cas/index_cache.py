@@ -1,21 +1,24 @@
-"""One parsed copy of a worktree's index per process, reused while the file is unchanged.
+"""One copy of a worktree's index per process, reused while the file is unchanged.
 
-git's index is one file rewritten whole; at 100k entries parsing it costs
-tens of milliseconds, and a call needs it twice (the dirty check before
-prepare, the update after the branch moved) — more in a long-lived caller.
-:class:`IndexSnapshot` parses it once through a hard link (``index`` linked to
-``index<TMP_MARK><pid>``, which libgit2 may rewrite without touching the real
-file) and remembers the file's identity (inode, size, mtime): while the real
-index still has that identity the parsed copy is current and is reused.
+git's index is one file rewritten whole; at 100k entries libgit2 takes tens of
+milliseconds to parse it and as long to write it, and a call needs it twice
+(the dirty check before prepare, the update after the branch moved).
+
+:class:`IndexSnapshot` first maps the file as bytes (:mod:`cas.index_raw`):
+lookups and the update of entries a patch modifies go through the bytes,
+the rest passes through unparsed.  Whatever the raw form cannot prove
+switches the snapshot to libgit2 (:class:`_ParsedIndex`), which parses a hard
+link of the index (``index`` linked to ``index<TMP_MARK><pid>``, which
+libgit2 may rewrite without touching the real file).  Either way the file's
+identity (inode, size, mtime) is remembered: while the real index still has
+it, the copy is current and is reused.  :func:`prefetch` starts the read in a
+thread before the patch is planned.
 
 Writing (:meth:`IndexSnapshot.install`) happens while the caller holds
-``index.lock``: libgit2 writes the linked copy, which is fsynced and renamed
-over ``index``; the snapshot then describes the new file and stays valid for
-the next call.
-
-Entries are added with full stat data built here (libgit2's
-``git_index_add``), so ``git diff-files`` sees the files clean without
-re-hashing them and no second index (for ``git_index_add_bypath``) is read.
+``index.lock``: the new file is written beside the index, fsynced and renamed
+over it.  Entries get full stat data, so ``git diff-files`` sees the files
+clean without re-hashing them; racily clean entries whose files changed are
+smudged first, as git's writer does (see docs/DECISIONS.md).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class _ParsedIndex:
         from pygit2.errors import check_error
         from pygit2.ffi import C, ffi
 
+        self._smudge_racy(workdir)
         for path in removed:
             with contextlib.suppress(OSError, KeyError, pygit2.GitError):
                 self.index.remove(path)
@@ -104,6 +108,29 @@ class _ParsedIndex:
             c_path = ffi.new("char[]", os.fsencode(path))
             e.path = c_path
             check_error(C.git_index_add(self.index._index, e))
+
+    def _smudge_racy(self, workdir: str) -> None:
+        """Smudge racily clean entries whose files changed (size 0), as git's writer does.
+
+        libgit2 does this only for an index opened through its repository; this
+        one is opened from a path.  Seconds are compared, as git without
+        nanosecond timestamps does: a superset of what git calls racy.
+        """
+        from pygit2.ffi import C, ffi
+
+        from cas.index_raw import racy_file_changed
+
+        if self.identity is None:
+            return
+        stamp = self.identity[3] // 1_000_000_000
+        raw = self.index._index
+        for i in range(C.git_index_entrycount(raw)):
+            e = C.git_index_get_byindex(raw, i)
+            if (e.mtime.seconds & 0xFFFFFFFF) < (stamp & 0xFFFFFFFF) or e.file_size == 0:
+                continue
+            if racy_file_changed(workdir, ffi.string(e.path), e.mode, e.file_size, e.mtime.seconds & 0xFFFFFFFF,
+                                 e.mtime.nanoseconds, bytes(ffi.buffer(ffi.addressof(e, "id"))[:20]).hex()):
+                ffi.cast("git_index_entry *", e).file_size = 0
 
     def install(self) -> None:
         """Write the copy and rename it over ``index`` (caller holds ``index.lock``); durable."""
@@ -197,6 +224,7 @@ class IndexSnapshot:
             except Unsupported:
                 self._use_parsed()
                 return False
+            self._raw.start_prefix()
         return True
 
     def stage(self, workdir: str, removed: list[str], added: list[tuple[str, TreeEntry]]) -> None:
@@ -211,7 +239,7 @@ class IndexSnapshot:
                     if e is None:
                         raise Unsupported("a path new to the index")
                     changes.append((e, te, os.lstat(os.path.join(workdir, path))))
-                self._pending = self._raw.updated(changes)
+                self._pending = self._raw.updated(workdir, changes)
                 return
             except Unsupported:
                 pass

@@ -34,23 +34,29 @@ What this module handles, and how it proves it (anything else raises
   stays valid.
 * **The checksum** of the file read is verified (in a thread, while the
   caller looks its paths up), and the new file's is computed while it is
-  written.
+  written, from the state over the unchanged bytes before the first entry
+  found (hashed in another thread while the call prepares).
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import re
 import struct
 import threading
+import time
 
+from cas.hashing import git_blob_oid
 from cas.objects import TreeEntry
 
-__all__ = ["Unsupported", "RawIndex", "MAX_PATHS"]
+__all__ = ["Unsupported", "RawIndex", "MAX_PATHS", "MAX_RACY", "racy_file_changed"]
 
 #: Lookups beyond this many paths parse the index instead (each costs a scan).
 MAX_PATHS = 8
+#: More racily clean entries than this leave the update to libgit2.
+MAX_RACY = 1024
 
 _ENTRY_MODES = frozenset({0o100644, 0o100755, 0o120000})
 _OTHER_MODES = frozenset({0o160000, 0o040000})  # gitlinks, sparse-index folders: libgit2's
@@ -58,15 +64,49 @@ _HANDLED_EXT = frozenset({b"TREE", b"REUC", b"IEOT", b"EOIE"})
 _NODE = re.compile(rb"([^\0]*)\0(-?[0-9]+) ([0-9]+)\n")
 _HEAD = struct.Struct(">10I20sH")  # an entry up to its flags: 62 bytes
 _THREADED_HASH = 1 << 18  # below this the checksum is verified inline
-_STATE_STEP = 1 << 16
+_SCAN_STEP = 1 << 18
 
 
 class Unsupported(Exception):
     """This index, or this change to it, needs the full parser."""
 
 
-def _be32(data: bytes, off: int) -> int:
+#: The index's bytes: mapped from the file.
+_Bytes = bytes | mmap.mmap
+
+
+def _be32(data: _Bytes, off: int) -> int:
     return int.from_bytes(data[off:off + 4], "big")
+
+
+def racy_file_changed(workdir: str, path: bytes, mode: int, size: int, mtime_sec: int, mtime_nsec: int,
+                      oid: str) -> bool:
+    """Whether a racily clean entry hides a change to its file: git's ``ce_smudge_racily_clean_entry``.
+
+    A file whose size or mtime differs from the entry shows its change by
+    itself (``False``); otherwise its bytes are hashed and compared with the
+    entry's object id.  Content that filters or end-of-line conversion would
+    change counts as changed, which only makes git look at it again.
+    """
+    if mode == 0o160000:
+        return False  # gitlinks: git always looks at their contents
+    full = os.path.join(workdir, os.fsdecode(path))
+    try:
+        st = os.lstat(full)
+    except OSError:
+        return False  # gone: git sees that
+    if ((st.st_size & 0xFFFFFFFF) != size or (int(st.st_mtime) & 0xFFFFFFFF) != mtime_sec
+            or st.st_mtime_ns % 1_000_000_000 != mtime_nsec):
+        return False
+    try:
+        if mode == 0o120000:
+            content = os.fsencode(os.readlink(full))
+        else:
+            with open(full, "rb") as fh:
+                content = fh.read()
+    except OSError:
+        return True
+    return git_blob_oid(content) != oid
 
 
 class RawIndex:
@@ -76,11 +116,19 @@ class RawIndex:
         folder = os.path.dirname(path)
         if any(name.startswith("sharedindex.") for name in os.listdir(folder)):
             raise Unsupported("split index")
-        with open(path, "rb", buffering=0) as fh:
-            st = os.fstat(fh.fileno())
-            data = fh.readall()
+        # Mapped, not read: nothing is copied, and the checksum thread starts at
+        # once.  git and libgit2 replace an index by renaming a new file over
+        # it, never by rewriting it in place, so the mapping stays whole.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            if st.st_size < 32:
+                raise Unsupported("not an index this module reads")
+            data = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
         self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        if len(data) != st.st_size or len(data) < 32 or data[:4] != b"DIRC":
+        if len(data) != st.st_size or data[:4] != b"DIRC":
             raise Unsupported("not an index this module reads")
         self.version = _be32(data, 4)
         if self.version not in (2, 3):
@@ -88,10 +136,15 @@ class RawIndex:
         self.count = _be32(data, 8)
         self.data = data
         self._verified: bool | None = None
-        self._states: list[hashlib._Hash] = []
+        self._hashed = threading.Event()
+        self._prefix: tuple[int, list[hashlib._Hash], threading.Thread] | None = None
         self._verifier: threading.Thread | None = None
         self._ext: tuple[int, list[tuple[bytes, int, int]]] | None = None
         self._found: dict[str, int | None] = {}
+        # git's racy-clean rule: an entry whose mtime is not older than the index
+        # file may hide a change made in the same instant (see _racy_entries).
+        self._index_sec = (st.st_mtime_ns // 1_000_000_000) & 0xFFFFFFFF
+        self._stamped: list[int] = []  # offsets of the index's own mtime second
         if len(data) < _THREADED_HASH:
             self._verify()
         else:
@@ -101,23 +154,43 @@ class RawIndex:
     # -- reading -------------------------------------------------------------
 
     def _verify(self) -> None:
-        # The state is kept every _STATE_STEP bytes: the new file's checksum
-        # starts from the last one before its first changed byte.
-        view = memoryview(self.data)
-        end = len(self.data) - 20
-        h = hashlib.sha1()
-        states = []
-        for off in range(0, end, _STATE_STEP):
-            states.append(h.copy())
-            h.update(view[off:min(off + _STATE_STEP, end)])
-        self._states = states
-        self._verified = h.digest() == self.data[-20:]
+        # One update: the GIL is released for the whole hash.
+        data = self.data
+        end = len(data) - 20
+        self._verified = hashlib.sha1(memoryview(data)[:end]).digest() == data[-20:]
+        self._hashed.set()
+        # Then where the index's mtime second occurs (for _racy_entries), a
+        # window at a time: bytes.find holds the GIL, so it is handed back
+        # after each window (a waiting thread would otherwise wait for the
+        # interpreter's switch interval).
+        stamp = self._index_sec.to_bytes(4, "big")
+        stamped = self._stamped
+        for off in range(0, end, _SCAN_STEP):
+            stop = min(off + _SCAN_STEP, end)
+            q = data.find(stamp, off, stop + 3)
+            while q != -1 and q < stop:
+                stamped.append(q)
+                q = data.find(stamp, q + 1, stop + 3)
+            time.sleep(0)
+
+    def start_prefix(self) -> None:
+        """Start hashing the bytes before the first entry found, for the new file's checksum.
+
+        The new file's checksum then starts from that state (see :meth:`updated`);
+        called once the lookups are done, it runs while the call prepares.
+        """
+        found = [e for e in self._found.values() if e is not None]
+        if not found or self._prefix is not None or len(self.data) < _THREADED_HASH:
+            return
+        upto = min(found)
+        box: list[hashlib._Hash] = []
+        thread = threading.Thread(target=lambda: box.append(hashlib.sha1(memoryview(self.data)[:upto])), daemon=True)
+        self._prefix = (upto, box, thread)
+        thread.start()
 
     def verified(self) -> None:
         """Wait for the checksum check; a mismatch is left to libgit2 to report."""
-        if self._verifier is not None:
-            self._verifier.join()
-            self._verifier = None
+        self._hashed.wait()
         if not self._verified:
             raise Unsupported("index checksum does not match")
 
@@ -187,6 +260,57 @@ class RawIndex:
         if e is None:
             return None
         return TreeEntry(self.data[e + 40:e + 60].hex(), _be32(self.data, e + 24))
+
+    def _racy_entries(self) -> list[int]:
+        """Offsets of the entries git would call racily clean against this file (mtime second >= the file's).
+
+        git's writer checks each such entry's file and smudges the entry (size 0,
+        which makes git compare contents) when it changed: a new index with a
+        later mtime would otherwise make a change from the index's own instant
+        look clean (see :meth:`_changed_file`).  Every entry whose mtime second equals the file's holds
+        those 4 bytes at its offset 8, and each occurrence is proven an entry
+        as in :meth:`_entry_at`.  Entries with mtimes later than their index
+        (clocks set back, files stamped in the future) are not looked for.
+
+        Raises:
+            Unsupported: more than :data:`MAX_RACY` of them, or a path too long to prove.
+        """
+        start = self.extensions()[0]
+        if self._verifier is not None:
+            self._verifier.join()
+            self._verifier = None
+        data = self.data
+        found = []
+        for q in self._stamped:
+            e = q - 8
+            if e < 12 or (e - 12) % 8 or e + 62 > start:
+                continue
+            mode = _be32(data, e + 24)
+            if mode not in _ENTRY_MODES and mode not in _OTHER_MODES:
+                continue
+            flags = int.from_bytes(data[e + 60:e + 62], "big")
+            extended = bool(flags & 0x4000)
+            if extended and self.version < 3:
+                continue
+            length = flags & 0xFFF
+            if length == 0xFFF:
+                raise Unsupported("a long path beside a racy timestamp")
+            p = e + 62 + (2 if extended else 0)
+            stop = e + ((62 + (2 if extended else 0) + length + 8) & ~7)
+            if not length or stop > start or b"\0" in data[p:p + length] or data[p + length:stop].strip(b"\0"):
+                continue
+            found.append(e)
+        if len(found) > MAX_RACY:
+            raise Unsupported("many racily clean entries")
+        return found
+
+    def _changed_file(self, workdir: str, e: int) -> bool:
+        """Whether the racily clean entry at ``e`` hides a change (:func:`racy_file_changed`)."""
+        data = self.data
+        flags = int.from_bytes(data[e + 60:e + 62], "big")
+        p = e + 62 + (2 if flags & 0x4000 else 0)
+        return racy_file_changed(workdir, data[p:p + (flags & 0xFFF)], _be32(data, e + 24), _be32(data, e + 36),
+                                 _be32(data, e + 8), _be32(data, e + 12), data[e + 40:e + 60].hex())
 
     def extensions(self) -> tuple[int, list[tuple[bytes, int, int]]]:
         """Where the entries end, and each extension as (signature, offset, size of its data)."""
@@ -295,11 +419,13 @@ class RawIndex:
 
     # -- writing -------------------------------------------------------------
 
-    def updated(self, changes: list[tuple[int, TreeEntry, os.stat_result]]) -> tuple[list[bytes | memoryview], hashlib._Hash, int]:
+    def updated(self, workdir: str, changes: list[tuple[int, TreeEntry, os.stat_result]],
+                ) -> tuple[list[bytes | memoryview], hashlib._Hash, int]:
         """The new index: each (entry offset, new entry, file's stat) set; see the module docstring.
 
         The entries keep their paths and flags; their folders' cached trees are
-        invalidated.  Returns the file as parts (without its checksum), and the
+        invalidated; racily clean entries of ``workdir`` whose files changed
+        are smudged (:meth:`_racy_entries`).  Returns the file as parts (without its checksum), and the
         checksum's state over the parts' first ``n`` bytes, which are the old
         file's: ``(parts, state, n)``.
         """
@@ -311,26 +437,38 @@ class RawIndex:
         last = 0
         folders: set[bytes] = set()
         changes = sorted(changes, key=lambda c: c[0])
-        first = changes[0][0] if changes else start
-        state = self._states[first // _STATE_STEP].copy()
+        ours = {e for e, _te, _st in changes}
+        edits: list[tuple[int, int, bytes]] = []  # (offset, bytes replaced, new bytes)
         for e, te, st in changes:
             if te.mode not in _ENTRY_MODES or len(te.oid) != 40:
                 raise Unsupported("mode or object format")
             flags = int.from_bytes(data[e + 60:e + 62], "big")
             path = data[e + 62:e + 62 + (flags & 0xFFF)]
-            parts.append(view[last:e])
-            parts.append(_HEAD.pack(
+            edits.append((e, 62, _HEAD.pack(
                 int(st.st_ctime) & 0xFFFFFFFF, st.st_ctime_ns % 1_000_000_000,
                 int(st.st_mtime) & 0xFFFFFFFF, st.st_mtime_ns % 1_000_000_000,
                 st.st_dev & 0xFFFFFFFF, st.st_ino & 0xFFFFFFFF, te.mode,
                 st.st_uid & 0xFFFFFFFF, st.st_gid & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF,
-                bytes.fromhex(te.oid), flags))
-            last = e + 62
+                bytes.fromhex(te.oid), flags)))
             folders.add(b"")
             cut = path.rfind(b"/")
             while cut > 0:
                 folders.add(path[:cut])
                 cut = path.rfind(b"/", 0, cut)
+        edits.extend((e + 36, 4, b"\0\0\0\0") for e in self._racy_entries()
+                     if e not in ours and self._changed_file(workdir, e))
+        edits.sort()
+        first = edits[0][0] if edits else start
+        state, hashed = hashlib.sha1(), 0
+        if self._prefix is not None:
+            upto, box, thread = self._prefix
+            thread.join()
+            if upto <= first and box:
+                state, hashed = box[0].copy(), upto
+        for off, size, new in edits:
+            parts.append(view[last:off])
+            parts.append(new)
+            last = off + size
         parts.append(view[last:start])
         headers: list[tuple[bytes, int]] = []
         for sig, off, size in chain:
@@ -347,4 +485,4 @@ class RawIndex:
             else:
                 parts.append(view[off:off + 8 + size])
                 headers.append((sig, size))
-        return parts, state, first // _STATE_STEP * _STATE_STEP
+        return parts, state, hashed

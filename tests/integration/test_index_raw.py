@@ -190,6 +190,10 @@ def test_random_repositories_match_libgit2s_update(tmp_path: Path, seed: int) ->
 def test_eoie_and_ieot_are_kept_valid(tmp_path: Path) -> None:
     files = {f"d{i % 7}/f{i:04d}": f"{i}\n" for i in range(2500)}
     repo = make_repo(tmp_path / "repo", files)
+    # Files older than the index: not racily clean (2,500 of those would leave it to libgit2).
+    old = (os.stat(repo.path / "d0").st_mtime_ns // 10**9 - 3600) * 10**9
+    for path in files:
+        os.utime(repo.path / path, ns=(old, old))
     cfg = ["-c", "index.threads=4", "-c", "index.recordEndOfIndexEntries=true", "-c", "index.recordOffsetTable=true"]
     repo.git(*cfg, "read-tree", "HEAD")
     repo.git(*cfg, "update-index", "--refresh")
@@ -245,6 +249,27 @@ def test_forms_left_to_libgit2_still_update_correctly(tmp_path: Path, how: str) 
     tree = repo.git("write-tree").strip()
     for path, data in changes.items():
         assert git(repo.path, "cat-file", "blob", f"{tree}:{path}").encode() == data
+
+
+def test_many_racily_clean_entries_are_left_to_libgit2(tmp_path: Path) -> None:
+    import cas.index_raw
+
+    files = {f"f{i:03d}": f"{i}\n" for i in range(cas.index_raw.MAX_RACY + 5)}
+    repo = make_repo(tmp_path / "repo", files)
+    index = repo.path / ".git" / "index"
+    m = os.stat(repo.path / "f000").st_mtime_ns - 10 * 10**9  # seconds before the new index is written
+    for path in files:
+        os.utime(repo.path / path, ns=(m, m))
+    repo.git("update-index", "--really-refresh")
+    os.utime(index, ns=(m, m))  # every entry racily clean
+    (repo.path / "f001").write_bytes(b"x\n")  # a changed file git must keep seeing
+    os.utime(repo.path / "f001", ns=(m, m))
+    changes = {"f000": b"changed\n"}
+    assert not _raw_update(repo, changes)
+    minimal = ["-c", "core.checkStat=minimal", "-c", "core.trustctime=false"]  # stat equal but for ctime
+    assert repo.git(*minimal, "diff", "--name-only") == "f001\n"
+    assert _debug_stat(repo, "f001")["size"] == "0"  # smudged by libgit2's path too
+    assert repo.git("ls-files", "-s", "f000").split()[1] == git_blob_oid(b"changed\n")
 
 
 def test_split_index_is_left_to_libgit2(tmp_path: Path) -> None:
@@ -341,3 +366,30 @@ def test_apply_on_a_checked_out_branch_goes_through_the_bytes(tmp_path: Path,
     repo.write("docs/x.md", "y\n")
     repo.git("commit", "-qam", "git on top")
     assert git(repo.path, "show", "HEAD~1:src/app.py").startswith("line one\n")
+
+
+def test_racily_clean_entries_are_smudged_so_a_same_instant_change_still_shows(tmp_path: Path) -> None:
+    """git's racy-git case: a file changed in the same second its entry and the index were written.
+
+    While the index's mtime is that second, git compares the file's contents
+    and sees the change.  A new index written later would make the stale stat
+    data look current; the raw update smudges such entries (size 0), as git's
+    own writer does, so git keeps comparing contents.
+    """
+    repo = make_repo(tmp_path / "repo", {"e.txt": "aaaa\n", "f.txt": "ffff\n", "g.txt": "gggg\n"})
+    minimal = ["-c", "core.checkStat=minimal", "-c", "core.trustctime=false"]
+    index = repo.path / ".git" / "index"
+    e = repo.path / "e.txt"
+    m = e.stat().st_mtime_ns - 10 * 10**9  # seconds before the new index is written
+    os.utime(e, ns=(m, m))
+    os.utime(repo.path / "g.txt", ns=(m - 5 * 10**9, m - 5 * 10**9))
+    repo.git("update-index", "--really-refresh")
+    os.utime(index, ns=(m, m))  # the index written in e.txt's second: e.txt is racily clean
+    e.write_bytes(b"bbbb\n")  # same size, same mtime: only a content check sees it
+    os.utime(e, ns=(m, m))
+    assert repo.git(*minimal, "diff-files", "--name-only") == "e.txt\n"
+    assert _raw_update(repo, {"f.txt": b"FFFF\n"})
+    assert _debug_stat(repo, "e.txt")["size"] == "0"  # smudged
+    assert _debug_stat(repo, "g.txt")["size"] == "5"  # an older entry is left as it was
+    assert repo.git(*minimal, "diff-files", "--name-only") == "e.txt\n"
+    assert repo.git("diff", "--name-only") == "e.txt\n"
