@@ -169,13 +169,16 @@ def materialise(
     *,
     lock_marker: str | None = None,
     held: IndexLock | None = None,
+    tree: str | None = None,
 ) -> None:
     """Write the touched paths of ``workdir`` and its index to match ``changes``.
 
     Deletions go first (a file may give way to a folder of the same name), then
     writes in path order.  ``lock_marker``: a file to hold while the index lock
     is ours (see the module docstring).  ``held``: the worktree's index lock,
-    already taken by the caller (and left held).
+    already taken by the caller (and left held).  ``tree``: the commit's tree
+    the changes come from; given, :func:`plain_checkout` may skip libgit2's
+    filters.
 
     Raises:
         UnsafeWorktreePath: a folder on a path is a symlink.
@@ -185,6 +188,7 @@ def materialise(
     deletes = sorted((p for p, e in changes.items() if e is None), reverse=True)
     writes = sorted((p, e) for p, e in changes.items() if e is not None)
     wt_repo: pygit2.Repository | None = None
+    plain = tree is not None and plain_checkout(store, workdir, [p for p, _ in writes], tree)
     try:
         for path in deletes:
             _remove_path(workdir, path)
@@ -198,7 +202,7 @@ def materialise(
                 folders: dict[str, int] = {}
                 for path, entry in writes[start:start + _WRITE_CHUNK]:
                     data = store.read_blob(entry.oid)
-                    if entry.mode != _MODE_LINK:
+                    if entry.mode != _MODE_LINK and not plain:
                         if wt_repo is None:
                             wt_repo = store.worktree_repo(workdir)
                         data = smudged(workdir, path, data, wt_repo)  # '*.bat eol=crlf': written as git would
@@ -451,6 +455,58 @@ def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, Tr
             data = fh.read()
         if git_blob_oid(data) != entry.oid and data != smudged(workdir, path, store.read_blob(entry.oid),
                                                                store.worktree_repo(workdir)):
+            return False
+    return True
+
+
+def _attribute_files(repo: pygit2.Repository, common_dir: str) -> bool:
+    """Whether any attributes file outside the worktree's folders exists or is configured (libgit2's sources)."""
+    cfg = repo.config
+    for name in ("core.attributesFile", "core.autocrlf"):
+        try:
+            value = cfg[name]
+        except KeyError:
+            continue
+        if name == "core.autocrlf" and str(value).strip().lower() in ("false", "no", "off", "0", ""):
+            continue
+        return True
+    places = [os.path.join(common_dir, "info", "attributes")]
+    for level, name in ((pygit2.enums.ConfigLevel.SYSTEM, "gitattributes"), (pygit2.enums.ConfigLevel.XDG, "attributes")):
+        try:
+            dirs = pygit2.settings.search_path[level]
+        except (pygit2.GitError, ValueError):
+            return True
+        places += [os.path.join(d, name) for d in (dirs or "").split(os.pathsep) if d]
+    return any(os.path.lexists(p) for p in places)
+
+
+def plain_checkout(store: GitStore, workdir: str, paths: list[str], tree: str | None) -> bool:
+    """Whether no attribute (nor ``core.autocrlf``) can filter these paths on checkout: blobs go to disk as they are.
+
+    libgit2 decides that by reading ``.gitattributes`` from the working folders
+    and, where there is none, from the index — at 100k entries a cold process
+    parses the index for it (about 60 ms).  This answers from the files
+    themselves: no ``.gitattributes`` on disk or in ``tree`` in any folder on
+    the paths, none among the paths, no ``info/attributes``, no configured,
+    global or system attributes file, ``core.autocrlf`` unset or false.  (An
+    index holding a ``.gitattributes`` that is neither on disk nor in the
+    commit is not looked for.)  When this says ``False`` libgit2 decides, as
+    before.
+    """
+    repo = store.worktree_repo(workdir)
+    if _attribute_files(repo, store.common_dir):
+        return False
+    folders = {""}
+    for path in paths:
+        if path.rsplit("/", 1)[-1] == ".gitattributes":
+            return False
+        parts = path.split("/")[:-1]
+        folders.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for folder in folders:
+        rel = f"{folder}/.gitattributes" if folder else ".gitattributes"
+        if os.path.lexists(os.path.join(workdir, rel)):
+            return False
+        if tree is not None and store.lookup_file(tree, rel) is not None:
             return False
     return True
 

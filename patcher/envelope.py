@@ -58,7 +58,6 @@ converter :mod:`patcher.convert` emits it).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
 from patcher.detection import looks_envelope
 from patcher.errors import ParseError
@@ -80,10 +79,12 @@ END_OF_FILE = b"*** End of File"
 _KNOWN = (ADD, DELETE, UPDATE, MOVE, END_OF_FILE, BEGIN, END)
 _HEREDOC = re.compile(rb"(?:(?:apply_patch|applypatch)\s+)?<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
 _UNIFIED_HEADER = re.compile(rb"@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@.*")
-@dataclass(slots=True)
 class _Line:
-    no: int  # 1-based line number in the patch as sent
-    raw: bytes  # without its "\n" (a "\r" before it is kept)
+    __slots__ = ("no", "raw")
+
+    def __init__(self, no: int, raw: bytes) -> None:
+        self.no = no  # 1-based line number in the patch as sent
+        self.raw = raw  # without its "\n" (a "\r" before it is kept)
 
     @property
     def text(self) -> bytes:
@@ -155,14 +156,16 @@ def _path(line: _Line, marker: bytes) -> str:
         return raw.decode("utf-8", "surrogateescape")
 
 
-@dataclass(slots=True)
 class _HunkBuf:
-    line: int
-    header: str
-    scopes: list[bytes] = field(default_factory=list)
-    body: list[tuple[str, _Line]] = field(default_factory=list)  # (' ' | '-' | '+', line)
-    no_newline: set[int] = field(default_factory=set)  # indexes into body
-    at_eof: bool = False
+    __slots__ = ("line", "header", "scopes", "body", "no_newline", "at_eof")
+
+    def __init__(self, line: int, header: str) -> None:
+        self.line = line
+        self.header = header
+        self.scopes: list[bytes] = []
+        self.body: list[tuple[str, _Line]] = []  # (' ' | '-' | '+', line)
+        self.no_newline: set[int] = set()  # indexes into body
+        self.at_eof = False
 
 
 def _hunk(buf: _HunkBuf, path: str, index: int) -> Hunk:

@@ -500,16 +500,11 @@ def _index_lock_is_ours(index_lock: str) -> bool:
 
 
 def _try_lock_hash(rstore: ReceiptStore, h: str) -> Any:
-    import filelock
+    from receipts.flock import FileLock
 
     os.makedirs(rstore.locks_dir, exist_ok=True)
-    lk = filelock.FileLock(os.path.join(rstore.locks_dir, f"{h}.lock"), timeout=0, thread_local=False,
-                           preserve_lock_file=True)
-    try:
-        lk.acquire(timeout=0)
-    except filelock.Timeout:
-        return None
-    return lk
+    lk = FileLock(os.path.join(rstore.locks_dir, f"{h}.lock"))
+    return lk if lk.acquire(0) else None
 
 
 def _matches(gstore: GitStore, workdir: str, path: str, entry: TreeEntry | None) -> bool:

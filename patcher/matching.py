@@ -81,7 +81,6 @@ no line is shared) and, when ambiguous, ``candidates`` (1-based lines).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from difflib import SequenceMatcher
 from typing import Any, Literal
 
 from cas.record import record
@@ -420,6 +419,8 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str) -> list[bytes]:
     m = len(hunk.old_lines)
     matched = f.lines[pos : pos + m]
     norm: Callable[[bytes], bytes] = chomp if hunk.eol_agnostic else _identity
+    from difflib import SequenceMatcher  # only inexact matches need it
+
     pairs = SequenceMatcher(
         None, [norm(x) for x in hunk.old_lines], [norm(x) for x in hunk.new_lines], autojunk=False
     )
@@ -493,6 +494,8 @@ def _closest(f: _File, seq: Sequence[bytes], ref: int) -> dict[str, Any] | None:
     expected_text = [_text(x) for x in seq]
     found_text = [_text(x) for x in found]
     diff: list[str] = []
+    from difflib import SequenceMatcher
+
     matcher = SequenceMatcher(None, expected_text, found_text, autojunk=False)
     for tag, a0, a1, b0, b1 in matcher.get_opcodes():
         if tag == "equal":

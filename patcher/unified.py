@@ -64,8 +64,6 @@ caller's.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from datetime import datetime
 
 from patcher.detection import looks_unified
 from patcher.errors import ParseError, UnsupportedPatch
@@ -149,6 +147,8 @@ def _unquote(text: bytes, start: int, lineno: int) -> tuple[bytes, int]:
 
 
 def _is_epoch(date: bytes, zone: bytes | None) -> bool:
+    from datetime import datetime  # only patches with dated headers need it
+
     try:
         stamp = datetime.fromisoformat(date.decode("ascii").replace(" ", "T")[:19])
     except ValueError:
@@ -234,30 +234,38 @@ def _strip(name: bytes, prefix: bytes) -> bytes:
 # blocks
 
 
-@dataclass
 class _Block:
-    """One file's section of the patch while it is being read."""
+    """One file's section of the patch while it is being read.
 
-    line: int
-    git: bool
-    header: tuple[bytes, bytes] | None = None
-    prefix: tuple[bytes, bytes] | None = None
-    minus: bytes | None = None
-    plus: bytes | None = None
-    minus_epoch: bool = False
-    plus_epoch: bool = False
-    rename_from: bytes | None = None
-    rename_to: bytes | None = None
-    copy: tuple[bytes | None, bytes | None] | None = None
-    old_mode: int | None = None
-    new_mode: int | None = None
-    new_file_mode: int | None = None
-    deleted_mode: int | None = None
-    index_mode: int | None = None
-    old_blob: str | None = None
-    new_blob: str | None = None
-    binary: bool = False
-    hunks: list[Hunk] = field(default_factory=list)
+    A plain slotted class, not a dataclass: importing ``dataclasses`` costs a
+    cold ``apply`` several milliseconds (docs/DECISIONS.md, start-up).
+    """
+
+    __slots__ = ("line", "git", "header", "prefix", "minus", "plus", "minus_epoch", "plus_epoch", "rename_from",
+                 "rename_to", "copy", "old_mode", "new_mode", "new_file_mode", "deleted_mode", "index_mode",
+                 "old_blob", "new_blob", "binary", "hunks")
+
+    def __init__(self, line: int, git: bool) -> None:
+        self.line = line
+        self.git = git
+        self.header: tuple[bytes, bytes] | None = None
+        self.prefix: tuple[bytes, bytes] | None = None
+        self.minus: bytes | None = None
+        self.plus: bytes | None = None
+        self.minus_epoch = False
+        self.plus_epoch = False
+        self.rename_from: bytes | None = None
+        self.rename_to: bytes | None = None
+        self.copy: tuple[bytes | None, bytes | None] | None = None
+        self.old_mode: int | None = None
+        self.new_mode: int | None = None
+        self.new_file_mode: int | None = None
+        self.deleted_mode: int | None = None
+        self.index_mode: int | None = None
+        self.old_blob: str | None = None
+        self.new_blob: str | None = None
+        self.binary = False
+        self.hunks: list[Hunk] = []
 
     def display(self) -> str:
         """The block's path as far as it is known yet, for messages."""

@@ -116,7 +116,7 @@ def materialise_all(
     The commit has landed when this runs, so a failure here does not undo it:
     it becomes a warning in the receipt, and ``recover`` materialises again.
     """
-    import filelock
+    from receipts.flock import FileLock
 
     warnings: list[str] = []
     if not worktrees:
@@ -125,19 +125,21 @@ def materialise_all(
     os.makedirs(rstore.locks_dir, exist_ok=True)
     for workdir, _git_dir in worktrees:
         wt_lock = os.path.join(rstore.locks_dir, "worktree-" + sha256_hex(workdir.encode()) + ".lock")
+        lk = FileLock(wt_lock)
+        if not lk.acquire(60, poll=0.005):
+            warnings.append(f"worktree '{workdir}' not updated: its materialise lock '{wt_lock}' stayed held")
+            continue
         try:
-            with filelock.FileLock(wt_lock, timeout=60, thread_local=False, preserve_lock_file=True,
-                                   poll_interval=0.005):
-                tip = gstore.resolve(branch)
-                tree = gstore.commit_tree(tip) if tip else None
-                # A touched path that is a folder at the head (a file gave way to it)
-                # is "no file here": its own files are touched paths too.
-                changes: dict[str, TreeEntry | None] = {p: gstore.lookup_file(tree, p) for p in paths}
-                lock = (held or {}).get(workdir)
-                materialise(gstore, workdir, changes, lock_marker=None if lock else index_marker(rstore, key),
-                            held=lock)
+            tip = gstore.resolve(branch)
+            tree = gstore.commit_tree(tip) if tip else None
+            # A touched path that is a folder at the head (a file gave way to it)
+            # is "no file here": its own files are touched paths too.
+            changes: dict[str, TreeEntry | None] = {p: gstore.lookup_file(tree, p) for p in paths}
+            lock = (held or {}).get(workdir)
+            materialise(gstore, workdir, changes, lock_marker=None if lock else index_marker(rstore, key),
+                        held=lock, tree=tree)
         except OncepatchError as exc:
             warnings.append(f"worktree '{workdir}' not updated: {exc.message}")
-        except filelock.Timeout:
-            warnings.append(f"worktree '{workdir}' not updated: its materialise lock '{wt_lock}' stayed held")
+        finally:
+            lk.release()
     return warnings

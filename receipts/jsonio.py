@@ -2,8 +2,9 @@
 
 A cold ``oncepatch apply`` that replays, or ``status``, reads one receipt and
 appends one ledger line: importing orjson costs more there (≈ 15 ms) than all
-the JSON work.  Long scans (``verify``, ``recover``, the watcher) and every
-process that applies import orjson first and get its speed.  Both backends
+the JSON work, and so it does for a cold ``apply`` (:func:`keep_lean`).  Long
+scans (``verify``, ``recover``, the watcher) and long-lived callers that apply
+import orjson first and get its speed.  Both backends
 give the same bytes for the values receipts hold — key order as given, no
 whitespace, UTF-8, RFC 8785's escapes — which ``tests/unit/test_jsonio.py``
 checks over generated values; NaN and infinities are refused by both.
@@ -18,7 +19,7 @@ TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECI
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["JsonError", "loads", "dumps", "use_fast"]
+__all__ = ["JsonError", "loads", "dumps", "use_fast", "keep_lean"]
 
 
 class JsonError(ValueError):
@@ -29,9 +30,24 @@ def _no_constant(name: str) -> Any:
     raise JsonError(f"{name} is not allowed")
 
 
+_fast_allowed = True
+
+
 def use_fast() -> None:
-    """Load orjson now: the caller is about to do a lot of JSON work."""
-    import orjson  # noqa: F401
+    """Load orjson now: the caller is about to do a lot of JSON work (not after :func:`keep_lean`)."""
+    if _fast_allowed:
+        import orjson  # noqa: F401
+
+
+def keep_lean() -> None:
+    """This process does one call and exits (the CLI's ``apply``): :func:`use_fast` stays a no-op.
+
+    Importing orjson costs a cold process about 12 ms (it imports
+    ``dataclasses``, ``inspect``, ``uuid``, ``datetime``), more than the JSON
+    of one apply.
+    """
+    global _fast_allowed
+    _fast_allowed = False
 
 
 def loads(data: bytes | str) -> Any:

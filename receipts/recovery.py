@@ -38,6 +38,7 @@ from cas.durable import is_own_tmp
 from cas.errors import OncepatchError
 from receipts.adapter import EffectAdapter, QueryResult
 from receipts.errors import CorruptReceipt, StillUnknown
+from receipts.flock import FileLock
 from receipts.jsonio import use_fast as use_fast_json
 from receipts.receipt import Receipt, parse_receipt
 from receipts.states import needs_resolution
@@ -324,12 +325,8 @@ def _cleanup(store: ReceiptStore, dry_run: bool, tmp_age: float, now: float) -> 
         path = os.path.join(store.locks_dir, name)
         if os.path.exists(store.path_for_hash(h)) or not _old_enough(path, tmp_age, now):
             continue
-        import filelock
-
-        lk = filelock.FileLock(path, timeout=0, thread_local=False, preserve_lock_file=True)
-        try:
-            lk.acquire(timeout=0)
-        except filelock.Timeout:
+        lk = FileLock(path)
+        if not lk.acquire(0):
             continue
         try:
             removed.append(path)

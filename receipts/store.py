@@ -3,7 +3,7 @@
 Layout under the store root::
 
     receipts/<h[:2]>/<h>.json     one receipt per key, h = sha256(key)
-    locks/<h>.lock                the key's lock (filelock, flock-based)
+    locks/<h>.lock                the key's lock (an flock: receipts/flock.py)
     locks/ledger.lock             serialises ledger appends
     events.jsonl                  the hash-chained event ledger
     tmp/                          scratch (check worktrees, outputs)
@@ -22,13 +22,10 @@ from collections.abc import Callable, Iterator
 from cas.record import record
 from cas.durable import DurableBatch, fsync_dir
 from receipts.errors import CorruptReceipt, InProgress
+from receipts.flock import FileLock
 from receipts.identity import key_hash
 from receipts.ledger import Ledger
 from receipts.receipt import Receipt, parse_receipt, receipt_bytes
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    import filelock
 
 __all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT"]
 
@@ -95,36 +92,24 @@ class ReceiptStore:
         The lock is an flock on ``locks/<h>.lock``: the kernel drops it when the
         holder dies, so a crashed owner never leaves the key stuck.
         """
-        import filelock
-
         self._ensure_dir(self.locks_dir)
-        lk = filelock.FileLock(self.lock_path(key), timeout=timeout, is_singleton=False, thread_local=False,
-                              preserve_lock_file=True, poll_interval=0.01)
-        try:
-            lk.acquire()
-        except filelock.Timeout as exc:
+        lk = FileLock(self.lock_path(key))
+        if not lk.acquire(timeout, poll=0.01):
             raise InProgress(
                 f"another call holds the lock of key '{key}' (waited {timeout:g}s)",
                 key=key,
                 details={"lock_path": self.lock_path(key)},
-            ) from exc
+            )
         try:
             yield
         finally:
             lk.release()
 
-    def try_lock(self, key: str) -> filelock.BaseFileLock | None:
+    def try_lock(self, key: str) -> FileLock | None:
         """Take the key's lock without waiting; ``None`` if a live process holds it."""
-        import filelock
-
         self._ensure_dir(self.locks_dir)
-        lk = filelock.FileLock(self.lock_path(key), timeout=0, is_singleton=False, thread_local=False,
-                              preserve_lock_file=True, poll_interval=0.01)
-        try:
-            lk.acquire(timeout=0)
-        except filelock.Timeout:
-            return None
-        return lk
+        lk = FileLock(self.lock_path(key))
+        return lk if lk.acquire(0) else None
 
     # -- receipts --------------------------------------------------------------
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import pytest
 
 from conftest import make_repo, run_cli
 
@@ -25,3 +28,55 @@ def test_eol_crlf_file_is_clean_and_written_with_crlf(tmp_path: Path) -> None:
     assert repo.git("status", "--porcelain") == ""
     assert repo.git("diff-files") == ""
     assert run_cli("verify", "--repo", str(repo.path)).code == 0
+
+
+@pytest.mark.parametrize("where", ["xdg", "info", "autocrlf", "committed-only"])
+def test_attributes_outside_the_worktree_folders_still_filter(tmp_path: Path, where: str) -> None:
+    """Without a .gitattributes beside the file, other sources still make git write CRLF (libgit2 decides)."""
+    files = {"sub/run.bat": "echo a\necho b\n"}
+    if where == "committed-only":
+        files["sub/.gitattributes"] = "*.bat eol=crlf\n"
+    repo = make_repo(tmp_path / "repo", files)
+    if where == "xdg":
+        xdg = Path(os.environ["XDG_CONFIG_HOME"]) / "git"
+        xdg.mkdir(parents=True, exist_ok=True)
+        (xdg / "attributes").write_text("*.bat eol=crlf\n")
+    elif where == "info":
+        (repo.path / ".git" / "info").mkdir(exist_ok=True)
+        (repo.path / ".git" / "info" / "attributes").write_text("*.bat eol=crlf\n")
+    elif where == "autocrlf":
+        repo.git("config", "core.autocrlf", "true")
+    (repo.path / "sub" / "run.bat").unlink()
+    repo.git("checkout", "--", "sub/run.bat")
+    if where == "committed-only":
+        (repo.path / "sub" / ".gitattributes").unlink()  # in the index and the commit, not on disk
+    assert (repo.path / "sub" / "run.bat").read_bytes() == b"echo a\r\necho b\r\n"
+
+    pf = tmp_path / "p.diff"
+    pf.write_bytes(PATCH.replace(b"run.bat", b"sub/run.bat"))
+    r = run_cli("apply", str(pf), "--repo", str(repo.path), "--json")
+    assert r.code == 0, r.out + r.err
+    assert (repo.path / "sub" / "run.bat").read_bytes() == b"echo a\r\necho c\r\n"
+    assert repo.git("diff-files", "--", "sub/run.bat") == ""
+
+
+def test_without_attributes_blobs_are_written_without_asking_libgit2(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import pygit2
+
+    from patcher.protocol import apply
+
+    calls: list[str] = []
+    real = pygit2.Repository.load_filter_list
+
+    def spy(self: pygit2.Repository, path: str, *args: object, **kwargs: object) -> object:
+        calls.append(path)
+        return real(self, path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pygit2.Repository, "load_filter_list", spy)
+    repo = make_repo(tmp_path / "repo", {"sub/run.bat": "echo a\necho b\n"})
+    res = apply(str(repo.path), PATCH.replace(b"run.bat", b"sub/run.bat"))
+    assert res.status == "committed"
+    assert calls == []
+    assert (repo.path / "sub" / "run.bat").read_bytes() == b"echo a\necho c\n"
+    assert repo.git("status", "--porcelain") == ""
