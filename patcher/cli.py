@@ -10,9 +10,10 @@ progress go to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, UsageError
 from patcher.cli_common import add_common, store_root
@@ -43,6 +44,24 @@ class _Formatter(argparse.HelpFormatter):
                     width = 80
             width -= 2
         super().__init__(prog, indent_increment, max_help_position, width)
+
+
+@contextlib.contextmanager
+def _untranslated() -> Iterator[None]:
+    """argparse's own words in English, without gettext.
+
+    Every ``_()`` of argparse looks for message catalogues (importing
+    ``locale`` and trying a file per language): about 3 ms of a 40 ms replay.
+    oncepatch's own messages are English, so argparse's ("usage:", "the
+    following arguments are required") are kept in English with them.
+    """
+    saved = argparse._, argparse.ngettext  # type: ignore[attr-defined]
+    argparse._ = lambda message: message  # type: ignore[attr-defined]
+    argparse.ngettext = lambda singular, plural, n: singular if n == 1 else plural  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        argparse._, argparse.ngettext = saved  # type: ignore[attr-defined]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -219,7 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from receipts.jsonio import keep_lean
 
             keep_lean()  # one call, then exit: start-up counts more than JSON speed
-        args = build_parser(command if known else None).parse_args(argv)
+        with _untranslated():
+            args = build_parser(command if known else None).parse_args(argv)
         code, doc, text = _HANDLERS[args.command](args)
     except OncepatchError as exc:
         doc = {"ok": False, "error": exc.envelope()}

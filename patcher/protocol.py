@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from collections.abc import Iterator
 
 from cas.record import record
@@ -69,6 +68,8 @@ PAUSE_ENV = "ONCEPATCH_PAUSE_AT"
 
 def _pause_point(name: str) -> None:
     if os.environ.get(PAUSE_ENV) == name:
+        import signal
+
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
