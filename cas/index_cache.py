@@ -255,9 +255,10 @@ class IndexSnapshot:
             return
         parts, state, hashed = self._pending
         self._pending = None
+        mode = self._raw.mode if self._raw is not None else 0o644
         tmp = os.path.join(self.git_dir, f"index{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
         try:
-            _write_with_checksum(tmp, parts, state, hashed)
+            _write_with_checksum(tmp, parts, state, hashed, mode)
             os.replace(tmp, self.index_path)
             fsync_dir(self.git_dir)
         except OSError as exc:
@@ -270,8 +271,9 @@ class IndexSnapshot:
         self._raw = None
 
 
-def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hashlib._Hash, hashed: int) -> None:
-    """Write ``parts`` and their SHA-1 to a new file ``path`` and fsync it; hashed while written.
+def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hashlib._Hash, hashed: int,
+                         mode: int) -> None:
+    """Write ``parts`` and their SHA-1 to a new file ``path`` (permissions ``mode``) and fsync it; hashed while written.
 
     ``state`` is the SHA-1 state over the first ``hashed`` bytes of ``parts``.
     """
@@ -289,8 +291,9 @@ def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hash
 
     hasher = threading.Thread(target=hash_parts, daemon=True)
     hasher.start()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
+        os.fchmod(fd, mode)
         for part in parts:
             write_all(fd, part)
         hasher.join()

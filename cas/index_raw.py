@@ -128,6 +128,7 @@ class RawIndex:
         finally:
             os.close(fd)
         self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self.mode = st.st_mode & 0o7777  # the new file keeps it (core.sharedRepository)
         if len(data) != st.st_size or data[:4] != b"DIRC":
             raise Unsupported("not an index this module reads")
         self.version = _be32(data, 4)

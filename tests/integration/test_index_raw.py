@@ -393,3 +393,11 @@ def test_racily_clean_entries_are_smudged_so_a_same_instant_change_still_shows(t
     assert _debug_stat(repo, "g.txt")["size"] == "5"  # an older entry is left as it was
     assert repo.git(*minimal, "diff-files", "--name-only") == "e.txt\n"
     assert repo.git("diff", "--name-only") == "e.txt\n"
+
+
+def test_the_new_index_keeps_the_old_ones_permissions(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", {"a.txt": "a\n", "b.txt": "b\n"})
+    index = repo.path / ".git" / "index"
+    os.chmod(index, 0o640)  # as core.sharedRepository=group leaves it
+    assert _raw_update(repo, {"a.txt": b"A\n"})
+    assert os.stat(index).st_mode & 0o7777 == 0o640
