@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from cas.record import record
 from cas.durable import append_durable
@@ -145,8 +145,12 @@ class Ledger:
                     raise CorruptLedger(f"ledger '{self.path}' line {n} is not an object")
                 yield obj
 
-    def verify_chain(self) -> list[LedgerProblem]:
-        """Check seq and prev of every line; return the problems (empty: the chain holds)."""
+    def verify_chain(self, each: Callable[[dict[str, Any]], None] | None = None) -> list[LedgerProblem]:
+        """Check seq and prev of every line; return the problems (empty: the chain holds).
+
+        ``each`` is given every complete line that is a JSON object, in order
+        (one pass for a caller that also reads the events).
+        """
         problems: list[LedgerProblem] = []
         prev = GENESIS
         expected_seq = 1
@@ -167,6 +171,8 @@ class Ledger:
                     prev = hashlib.sha256(line).hexdigest()
                     expected_seq += 1
                     continue
+                if isinstance(obj, dict) and each is not None:
+                    each(obj)
                 if not isinstance(obj, dict):
                     problems.append(LedgerProblem(n, "not an object"))
                 elif obj.get("prev") != prev:

@@ -81,18 +81,12 @@ def verify(
     """
     use_fast_json()  # a scan: JSON speed matters
     report = VerifyReport()
-    digests: set[str] = set()
-    for problem in store.ledger.verify_chain():
-        report.failures.append(Failure(None, store.ledger.path, f"ledger line {problem.line}: {problem.reason}"))
-    for event in store.ledger.events():
-        report.ledger_events += 1
-        d = event.get("receipt_sha256")
-        if isinstance(d, str):
-            digests.add(d)
     if jobs > 1 and verifiers_factory is not None:
         paths = [p for p, _h, _d in _file_names(store)]
         if len(paths) >= (PARALLEL_MIN if parallel_min is None else parallel_min):
-            return _verify_parallel(store, paths, digests, report, grace, jobs, verifiers_factory)
+            # The workers start first; the ledger is read here meanwhile.
+            return _verify_parallel(store, paths, report, grace, jobs, verifiers_factory)
+    digests = _read_ledger(store, report)
     now = time.time()
     for item in store.scan():
         report.receipts += 1
@@ -179,7 +173,22 @@ def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
     return failures, seen
 
 
-def _verify_parallel(store: ReceiptStore, paths: list[str], digests: set[str], report: VerifyReport,
+def _read_ledger(store: ReceiptStore, report: VerifyReport) -> set[str]:
+    """Check the ledger's chain into ``report``; return the receipt digests its events name (one pass)."""
+    digests: set[str] = set()
+
+    def each(event: dict[str, Any]) -> None:
+        report.ledger_events += 1
+        d = event.get("receipt_sha256")
+        if isinstance(d, str):
+            digests.add(d)
+
+    for problem in store.ledger.verify_chain(each):
+        report.failures.append(Failure(None, store.ledger.path, f"ledger line {problem.line}: {problem.reason}"))
+    return digests
+
+
+def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport,
                      grace: float, jobs: int, factory: str) -> VerifyReport:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -189,8 +198,9 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], digests: set[str], r
     # spawn, not fork: the parent may hold libgit2 state and locks a fork would copy.
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=len(chunks), mp_context=ctx) as pool:
-        results = list(pool.map(_verify_chunk, [store.root] * len(chunks), chunks,
-                                [factory] * len(chunks), [grace] * len(chunks)))
+        futures = [pool.submit(_verify_chunk, store.root, chunk, factory, grace) for chunk in chunks]
+        digests = _read_ledger(store, report)  # while the workers verify the receipts
+        results = [f.result() for f in futures]
     for chunk, (failures, seen) in zip(chunks, results):
         report.receipts += len(chunk)
         for i, digest, key, status in seen:
