@@ -219,6 +219,7 @@ class IndexSnapshot:
         from cas.index_raw import Unsupported
 
         if self._raw is not None:
+            self._raw.scan_stamps()  # while the checksum thread hashes
             try:
                 self._raw.verified()
             except Unsupported:
@@ -296,7 +297,11 @@ def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hash
         os.fchmod(fd, mode)
         for part in parts:
             write_all(fd, part)
-        hasher.join()
+        if hasher.is_alive():
+            # The checksum covers what follows the first change (up to all of a
+            # 9.6 MB index): sync the bulk while it is computed, then its 20 bytes.
+            os.fsync(fd)
+            hasher.join()
         write_all(fd, digest[0])
         os.fsync(fd)
     finally:

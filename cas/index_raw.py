@@ -46,7 +46,6 @@ import os
 import re
 import struct
 import threading
-import time
 
 from cas.hashing import git_blob_oid
 from cas.objects import TreeEntry
@@ -64,7 +63,6 @@ _HANDLED_EXT = frozenset({b"TREE", b"REUC", b"IEOT", b"EOIE"})
 _NODE = re.compile(rb"([^\0]*)\0(-?[0-9]+) ([0-9]+)\n")
 _HEAD = struct.Struct(">10I20sH")  # an entry up to its flags: 62 bytes
 _THREADED_HASH = 1 << 18  # below this the checksum is verified inline
-_SCAN_STEP = 1 << 18
 
 
 class Unsupported(Exception):
@@ -146,6 +144,7 @@ class RawIndex:
         # file may hide a change made in the same instant (see _racy_entries).
         self._index_sec = (st.st_mtime_ns // 1_000_000_000) & 0xFFFFFFFF
         self._stamped: list[int] = []  # offsets of the index's own mtime second
+        self._scanned = False
         if len(data) < _THREADED_HASH:
             self._verify()
         else:
@@ -157,22 +156,26 @@ class RawIndex:
     def _verify(self) -> None:
         # One update: the GIL is released for the whole hash.
         data = self.data
-        end = len(data) - 20
-        self._verified = hashlib.sha1(memoryview(data)[:end]).digest() == data[-20:]
+        self._verified = hashlib.sha1(memoryview(data)[:len(data) - 20]).digest() == data[-20:]
         self._hashed.set()
-        # Then where the index's mtime second occurs (for _racy_entries), a
-        # window at a time: bytes.find holds the GIL, so it is handed back
-        # after each window (a waiting thread would otherwise wait for the
-        # interpreter's switch interval).
+
+    def scan_stamps(self) -> None:
+        """Find where the index's mtime second occurs (for :meth:`_racy_entries`); once.
+
+        ``bytes.find`` holds the GIL, so the caller runs this while it would
+        wait anyway: for the checksum thread, which hashes meanwhile.
+        """
+        if self._scanned:
+            return
+        self._scanned = True
+        data = self.data
         stamp = self._index_sec.to_bytes(4, "big")
         stamped = self._stamped
-        for off in range(0, end, _SCAN_STEP):
-            stop = min(off + _SCAN_STEP, end)
-            q = data.find(stamp, off, stop + 3)
-            while q != -1 and q < stop:
-                stamped.append(q)
-                q = data.find(stamp, q + 1, stop + 3)
-            time.sleep(0)
+        end = len(data) - 20
+        q = data.find(stamp, 0, end)
+        while q != -1:
+            stamped.append(q)
+            q = data.find(stamp, q + 1, end)
 
     def start_prefix(self) -> None:
         """Start hashing the bytes before the first entry found, for the new file's checksum.
@@ -277,9 +280,7 @@ class RawIndex:
             Unsupported: more than :data:`MAX_RACY` of them, or a path too long to prove.
         """
         start = self.extensions()[0]
-        if self._verifier is not None:
-            self._verifier.join()
-            self._verifier = None
+        self.scan_stamps()
         data = self.data
         found = []
         for q in self._stamped:
