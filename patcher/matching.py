@@ -80,7 +80,9 @@ no line is shared) and, when ambiguous, ``candidates`` (1-based lines).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
+from itertools import islice
 from typing import Any, Literal
 
 from cas.record import record
@@ -103,15 +105,16 @@ _CLOSEST_LINES = 6
 _DIFF_LIMIT = 40
 
 
+_LINE = re.compile(rb"[^\n]*\n|[^\n]+\Z")
+
+
 def split_lines(data: bytes) -> list[bytes]:
-    """Split ``data`` into lines, each keeping its ``\\n``; a lone ``\\r`` does not break a line."""
-    if not data:
-        return []
-    parts = data.split(b"\n")
-    lines = [part + b"\n" for part in parts[:-1]]
-    if parts[-1]:
-        lines.append(parts[-1])
-    return lines
+    """Split ``data`` into lines, each keeping its ``\\n``; a lone ``\\r`` does not break a line.
+
+    One pass that makes each line once (``split`` and then appending the
+    ``\\n`` held two copies of every line at the peak).
+    """
+    return _LINE.findall(data)
 
 
 def chomp(line: bytes) -> bytes:
@@ -452,21 +455,39 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str) -> list[bytes]:
 
 
 def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict]]) -> bytes:
-    out: list[bytes] = []
+    """The new content: the file's unchanged runs as byte ranges of ``f.data``, the new blocks between.
 
-    def extend(piece: Sequence[bytes]) -> None:
+    Memory is what bounds a big file here: joining a list of every line costs
+    a buffer record per line (≈ 80 bytes each, more than the lines of a
+    100 MiB file hold), so unchanged runs are sliced from the file's bytes by
+    their lengths, and ``f``'s lines are dropped before the one join.
+    """
+    view = memoryview(f.data)
+    pieces: list[bytes | memoryview] = []
+    ends_line = True  # what is emitted so far ends with "\n" (or is nothing)
+
+    def emit(piece: bytes | memoryview) -> None:
         # Only the old last line can lack '\n'; if anything now follows it, terminate it.
-        if piece and out and not out[-1].endswith(b"\n"):
-            out[-1] += f.eol
-        out.extend(piece)
+        nonlocal ends_line
+        if not piece:
+            return
+        if not ends_line:
+            pieces.append(f.eol)
+        pieces.append(piece)
+        ends_line = piece[-1:] == b"\n"
 
-    prev = 0
+    lines = f.lines
+    prev = off = 0
     for hunk, verdict in plan:
-        extend(f.lines[prev : verdict.pos])
-        extend(_new_block(f, hunk, verdict.pos, verdict.grade))
+        run = sum(map(len, islice(lines, prev, verdict.pos)))
+        emit(view[off:off + run])
+        emit(b"".join(_new_block(f, hunk, verdict.pos, verdict.grade)))
         prev = verdict.pos + len(hunk.old_lines)
-    extend(f.lines[prev:])
-    return b"".join(out)
+        off += run + sum(map(len, islice(lines, verdict.pos, prev)))
+    emit(view[off:])
+    del lines
+    f.lines, f._keys = [], {}  # the caller is done with them: freed before the join
+    return b"".join(pieces)
 
 
 def _text(line: bytes) -> str:
