@@ -151,6 +151,7 @@ class GitStore:
         self._worktrees: dict[str, pygit2.Repository] = {}
         # Objects staged by this store and not yet written: {hex id: (header, bytes)}.
         self._pending: dict[str, tuple[bytes, bytes | memoryview]] = {}
+        self._recent: dict[str, bytes] = {}
 
     def worktree_repo(self, workdir: str) -> pygit2.Repository:
         """The repository opened at a worktree (its attributes, filters, git dir), kept open while this store is.
@@ -257,9 +258,14 @@ class GitStore:
         return out
 
     def read_blob(self, oid: str) -> bytes:
+        recent = self._recent.get(oid)
+        if recent is not None:
+            return recent  # this call wrote it: the bytes it was made from
         self._write_staged_first()
         try:
-            return bytes(self.repo[_oid(oid)].read_raw())
+            # Through the object database: looking the object up first (then
+            # read_raw) held a second inflated copy, 3× a big blob at the peak.
+            return bytes(self.repo.odb.read(_oid(oid))[1])
         except (KeyError, ValueError, pygit2.GitError) as exc:
             raise GitStoreError(f"cannot read blob '{oid}': {exc}") from exc
 
@@ -364,6 +370,11 @@ class GitStore:
         ``tmp_obj_`` naming, which ``git prune`` removes if a crash leaves one.
         """
         objects = os.path.join(self.common_dir, "objects")
+        # Blobs stay at hand until the call ends (forget_recent): materialising a
+        # worktree reads them back, and a 100 MiB blob would be inflated again
+        # beside the bytes it was made from.
+        self._recent = {oid: data for oid, (header, data) in self._pending.items()
+                        if isinstance(data, bytes) and header.startswith(b"blob ")}
         for oid, (header, data) in self._pending.items():
             path = os.path.join(objects, oid[:2], oid[2:])
             if not os.path.exists(path) and self._packed(oid):
@@ -391,6 +402,11 @@ class GitStore:
     def discard_pending(self) -> None:
         """Forget staged objects that were never written (a call that stopped before preparing)."""
         self._pending.clear()
+        self._recent = {}
+
+    def forget_recent(self) -> None:
+        """Drop the blobs the last :meth:`add_pending_to` kept at hand (the call is over)."""
+        self._recent = {}
 
     def default_signature(self) -> Signature:
         try:

@@ -421,6 +421,7 @@ def _execute(
             warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key, held)
         finally:
             release_index_locks(held)
+            gstore.forget_recent()  # the worktrees were the last readers of this call's blobs
     crash_point("after-materialise")
 
     _pause_point("before-finalise")
