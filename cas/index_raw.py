@@ -32,6 +32,9 @@ What this module handles, and how it proves it (anything else raises
   becomes ``-1`` and their object id goes.  ``EOIE``'s hash over the
   extension headers is recomputed.  Entry offsets do not move, so ``IEOT``
   stays valid.
+* **Racily clean entries** (mtime second not older than the index file's)
+  whose files changed are smudged, as git's writer does
+  (:meth:`RawIndex._racy_entries`).
 * **The checksum** of the file read is verified (in a thread, while the
   caller looks its paths up), and the new file's is computed while it is
   written, from the state over the unchanged bytes before the first entry
@@ -132,12 +135,10 @@ class RawIndex:
         self.version = _be32(data, 4)
         if self.version not in (2, 3):
             raise Unsupported(f"index version {self.version}")
-        self.count = _be32(data, 8)
         self.data = data
         self._verified: bool | None = None
         self._hashed = threading.Event()
         self._prefix: tuple[int, list[hashlib._Hash], threading.Thread] | None = None
-        self._verifier: threading.Thread | None = None
         self._ext: tuple[int, list[tuple[bytes, int, int]]] | None = None
         self._found: dict[str, int | None] = {}
         # git's racy-clean rule: an entry whose mtime is not older than the index
@@ -148,8 +149,7 @@ class RawIndex:
         if len(data) < _THREADED_HASH:
             self._verify()
         else:
-            self._verifier = threading.Thread(target=self._verify, daemon=True)
-            self._verifier.start()
+            threading.Thread(target=self._verify, name="oncepatch-index-checksum", daemon=True).start()
 
     # -- reading -------------------------------------------------------------
 
