@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 
 import pygit2
 
@@ -56,7 +57,7 @@ class _ParsedIndex:
     def __init__(self, git_dir: str) -> None:
         self.git_dir = git_dir
         self.index_path = os.path.join(git_dir, "index")
-        self.tmp = os.path.join(git_dir, f"index{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
+        self.tmp = _tmp_path(git_dir)
         self.identity = _identity(self.index_path)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp)
@@ -134,20 +135,16 @@ class _ParsedIndex:
 
     def install(self) -> None:
         """Write the copy and rename it over ``index`` (caller holds ``index.lock``); durable."""
-        try:
+        def write() -> None:
             self.index.write()
             fd = os.open(self.tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)  # libgit2 syncs only files of a repository it opened
             finally:
                 os.close(fd)
-            os.replace(self.tmp, self.index_path)
-            fsync_dir(self.git_dir)
-        except (OSError, pygit2.GitError) as exc:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.tmp)
-            self.identity = None
-            raise GitStoreError(f"cannot write index '{self.index_path}': {exc}") from exc
+
+        self.identity = None
+        _replace_index(self.git_dir, self.tmp, write)
         self.identity = _identity(self.index_path)
 
 
@@ -257,19 +254,33 @@ class IndexSnapshot:
         parts, state, hashed = self._pending
         self._pending = None
         mode = self._raw.mode if self._raw is not None else 0o644
-        tmp = os.path.join(self.git_dir, f"index{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
-        try:
-            _write_with_checksum(tmp, parts, state, hashed, mode)
-            os.replace(tmp, self.index_path)
-            fsync_dir(self.git_dir)
-        except OSError as exc:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            self.identity = None
-            raise GitStoreError(f"cannot write index '{self.index_path}': {exc}") from exc
         # The next call reads the file again (its bytes are not kept).
         self.identity = None
+        tmp = _tmp_path(self.git_dir)
+        _replace_index(self.git_dir, tmp, lambda: _write_with_checksum(tmp, parts, state, hashed, mode))
         self._raw = None
+
+
+def _tmp_path(git_dir: str) -> str:
+    """Where a new index is written beside ``index`` (recovery removes it for a dead pid)."""
+    return os.path.join(git_dir, f"index{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
+
+
+def _replace_index(git_dir: str, tmp: str, write: Callable[[], None]) -> None:
+    """``write`` the synced new index to ``tmp``, rename it over ``index``, sync the folder.
+
+    Raises:
+        GitStoreError: nothing was renamed (``tmp`` removed), or the folder's sync failed.
+    """
+    index_path = os.path.join(git_dir, "index")
+    try:
+        write()
+        os.replace(tmp, index_path)
+        fsync_dir(git_dir)
+    except (OSError, pygit2.GitError) as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise GitStoreError(f"cannot write index '{index_path}': {exc}") from exc
 
 
 def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hashlib._Hash, hashed: int,

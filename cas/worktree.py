@@ -462,13 +462,9 @@ def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, Tr
 def _attribute_files(repo: pygit2.Repository, common_dir: str) -> bool:
     """Whether any attributes file outside the worktree's folders exists or is configured (libgit2's sources)."""
     cfg = repo.config
-    for name in ("core.attributesFile", "core.autocrlf"):
-        try:
-            value = cfg[name]
-        except KeyError:
-            continue
-        if name == "core.autocrlf" and str(value).strip().lower() in ("false", "no", "off", "0", ""):
-            continue
+    if "core.attributesFile" in cfg:
+        return True
+    if "core.autocrlf" in cfg and str(cfg["core.autocrlf"]).strip().lower() not in ("false", "no", "off", "0", ""):
         return True
     places = [os.path.join(common_dir, "info", "attributes")]
     for level, name in ((pygit2.enums.ConfigLevel.SYSTEM, "gitattributes"), (pygit2.enums.ConfigLevel.XDG, "attributes")):
@@ -480,7 +476,7 @@ def _attribute_files(repo: pygit2.Repository, common_dir: str) -> bool:
     return any(os.path.lexists(p) for p in places)
 
 
-def plain_checkout(store: GitStore, workdir: str, paths: list[str], tree: str | None) -> bool:
+def plain_checkout(store: GitStore, workdir: str, paths: list[str], tree: str) -> bool:
     """Whether no attribute (nor ``core.autocrlf``) can filter these paths on checkout: blobs go to disk as they are.
 
     libgit2 decides that by reading ``.gitattributes`` from the working folders
@@ -506,7 +502,7 @@ def plain_checkout(store: GitStore, workdir: str, paths: list[str], tree: str | 
         rel = f"{folder}/.gitattributes" if folder else ".gitattributes"
         if os.path.lexists(os.path.join(workdir, rel)):
             return False
-        if tree is not None and store.lookup_file(tree, rel) is not None:
+        if store.lookup_file(tree, rel) is not None:
             return False
     return True
 
