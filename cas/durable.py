@@ -60,6 +60,11 @@ __all__ = [
 #: deletes names containing it (git's prune rule: only what is provably ours).
 TMP_MARK = ".optmp-"
 
+#: A batch syncs its first this-many tmp files through the descriptors that
+#: wrote them (an open by name costs a path walk); larger batches reopen the
+#: rest by name when syncing, so a batch never holds more descriptors.
+_KEEP_OPEN_MAX = 64
+
 _O_BINARY = getattr(os, "O_BINARY", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -256,7 +261,7 @@ def _fsync_path(target: str | int | tuple[int, str]) -> None:
 
 def _shown(target: str | int | tuple[int, str]) -> str:
     if isinstance(target, int):
-        return f"<folder fd {target}>"
+        return f"<fd {target}>"
     if isinstance(target, tuple):
         return target[1]
     return target
@@ -297,12 +302,14 @@ def fsync_all(paths: Iterable[str | int | tuple[int, str]]) -> None:
                     raise err
                 first = (p, err)
     if first is not None:
-        raise DurableWriteError(_shown(first[0]), first[1]) from first[1]
+        err = DurableWriteError(_shown(first[0]), first[1])
+        err.target = first[0]
+        raise err from first[1]
 
 
 class _Item:
     __slots__ = ("path", "data", "writer", "mode", "tmp_prefix", "lock", "lock_tmp_dir", "locked", "tmp",
-                 "existing", "dir_mode", "dir_fd", "symlink")
+                 "existing", "dir_mode", "dir_fd", "symlink", "fd")
 
     def __init__(self, path: str, data: bytes | memoryview | None, mode: int, *,
                  writer: Callable[[int], None] | None = None, tmp_prefix: str | None = None,
@@ -322,6 +329,7 @@ class _Item:
         self.dir_fd = dir_fd
         self.symlink = symlink
         self.tmp: str | None = None
+        self.fd: int | None = None  # the tmp file, kept open from its write to its sync
 
 
 class DurableBatch:
@@ -337,6 +345,9 @@ class DurableBatch:
         self._items: list[_Item] = []
         self._paths: set[str] = set()
         self._appends: list[tuple[str, bytes]] = []
+        self._open: dict[int, str] = {}  # descriptors to sync, and the file each is
+        self._kept = 0  # tmp files still open from their write
+        self._also: list[str] = []  # synced in the first round, written by someone else
 
     def __len__(self) -> int:
         return len(self._items)
@@ -384,6 +395,13 @@ class DurableBatch:
         self._paths.add(key)
         self._items.append(_Item(name, data, mode, dir_fd=dir_fd, symlink=symlink))
 
+    def sync_first(self, paths: list[str]) -> None:
+        """Sync ``paths`` (written earlier, e.g. a moved ref's folder) in this batch's first round.
+
+        So they are durable before any of this batch's files is renamed.
+        """
+        self._also.extend(paths)
+
     def append(self, path: str, data: bytes) -> None:
         """Queue an append to ``path`` (created if missing): written after the tmp files, synced with them.
 
@@ -430,10 +448,30 @@ class DurableBatch:
                 fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_BINARY | _O_CLOEXEC, 0o644)
                 try:
                     _write_all(fd, data)
-                finally:
+                except BaseException:
                     os.close(fd)
-            fsync_all([*(_synced_file(item) for item in self._items if item.symlink is None),
-                       *(p for p, _ in self._appends)])
+                    raise
+                self._open[fd] = path
+            targets: list[str | int | tuple[int, str]] = []
+            for item in self._items:
+                if item.symlink is not None:
+                    continue
+                if item.fd is not None:
+                    targets.append(item.fd)
+                    self._open[item.fd] = item.path
+                    item.fd = None
+                else:
+                    targets.append(_synced_file(item))
+            targets += self._open.keys() - set(targets)  # the appends
+            targets += self._also
+            try:
+                fsync_all(targets)
+            except DurableWriteError as err:  # name the file, not its descriptor
+                if isinstance(err.target, int) and err.target in self._open:
+                    raise DurableWriteError(self._open[err.target], err.cause) from err.cause
+                raise
+            finally:
+                self._close_open()
         except BaseException as exc:
             self._discard()
             if isinstance(exc, OSError) and not isinstance(exc, DurableWriteError):
@@ -474,6 +512,7 @@ class DurableBatch:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_BINARY | _O_CLOEXEC, 0o600,
                      dir_fd=item.dir_fd)
         item.tmp = tmp
+        keep = len(self._open) + self._kept < _KEEP_OPEN_MAX
         try:
             if item.writer is not None:
                 item.writer(fd)
@@ -481,7 +520,13 @@ class DurableBatch:
                 assert item.data is not None
                 _write_all(fd, item.data)
             os.fchmod(fd, item.mode)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        if keep:  # synced through this descriptor: no second open by name
+            item.fd = fd
+            self._kept += 1
+        else:
             os.close(fd)
         if item.lock is not None:
             try:
@@ -495,7 +540,20 @@ class DurableBatch:
                     os.unlink(tmp)
             item.tmp = item.lock
 
+    def _close_open(self) -> None:
+        for fd in self._open:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._open.clear()
+        for item in self._items:
+            if item.fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(item.fd)
+                item.fd = None
+        self._kept = 0
+
     def _discard(self, start: int = 0) -> None:
+        self._close_open()
         for item in self._items[start:]:
             if item.tmp is not None:
                 with contextlib.suppress(OSError):

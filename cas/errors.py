@@ -154,6 +154,7 @@ class DurableWriteError(CasError):
         super().__init__(f"cannot write '{path}': {cause.strerror or cause}", **kw)
         self.path = path
         self.cause = cause
+        self.target: object = None  # what failed to sync, as given to fsync_all (a path or a descriptor)
 
 
 class RefLockedError(CasError):

@@ -12,7 +12,8 @@ What it offers the apply protocol:
   repository), commits with trailers;
 * :meth:`GitStore.compare_and_swap`: one reference transaction — git's
   ``.lock`` protocol on the branch, the value re-read *under the lock*, checked
-  against the expected old value, then set (with a reflog entry);
+  against the expected old value, then set (with a reflog entry); written here
+  (:mod:`cas.loose_refs`) for a plain loose or packed branch, else by libgit2;
 * :meth:`GitStore.create_key_ref`: the create-only ``refs/oncepatch/keys/<h>``.
 
 Objects are hashed and serialised here, in Python (blobs, trees, commits are
@@ -23,7 +24,8 @@ per folder, one after another.  Anything that reads through libgit2 or moves a
 ref writes the staged objects first (:meth:`GitStore.flush_objects`).
 
 Durability: ``enable_fsync_gitdir`` is switched on when the first store opens,
-so libgit2 fsyncs refs and reflogs (and any object it writes itself).
+so libgit2 fsyncs the refs and reflogs it writes (a branch it moves when
+:mod:`cas.loose_refs` leaves it to libgit2) and any object it writes itself.
 
 Why the key ref is not in the branch's transaction: libgit2 commits a
 transaction's refs one lock-file rename at a time, so a crash between them can
@@ -43,9 +45,11 @@ from collections.abc import Callable, Mapping
 import pygit2
 
 from cas.record import record
-from cas.durable import DurableBatch, write_all
+from cas.durable import DurableBatch, fsync_all, write_all
 from cas.gitdir import common_dir_of
-from cas.errors import GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown, UsageError
+from cas.errors import (DurableWriteError, GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown,
+                        UsageError)
+from cas.loose_refs import Unsupported, reflogs_for, swap
 
 __all__ = ["GitStore", "TreeEntry", "PathLookup", "Signature", "KEY_REF_PREFIX"]
 
@@ -152,6 +156,9 @@ class GitStore:
         # Objects staged by this store and not yet written: {hex id: (header, bytes)}.
         self._pending: dict[str, tuple[bytes, bytes | memoryview]] = {}
         self._recent: dict[str, bytes] = {}
+        self._files_refs: bool | None = None
+        # Folders and reflogs of refs moved with defer_sync, which a later batch syncs.
+        self._unsynced: dict[str, None] = {}
 
     def worktree_repo(self, workdir: str) -> pygit2.Repository:
         """The repository opened at a worktree (its attributes, filters, git dir), kept open while this store is.
@@ -436,8 +443,15 @@ class GitStore:
         return os.path.join(folder, ref + ".lock")
 
     def compare_and_swap(self, ref: str, expected: str | None, new: str, message: str,
-                         *, lock_timeout: float = 1.0, precondition: Callable[[], None] | None = None) -> None:
+                         *, lock_timeout: float = 1.0, precondition: Callable[[], None] | None = None,
+                         defer_sync: bool = False) -> None:
         """Move ``ref`` from ``expected`` to ``new`` atomically, or not at all.
+
+        A branch held as a loose or packed oid is moved here, the way git's files
+        backend moves it (:mod:`cas.loose_refs`); anything else through a libgit2
+        transaction.  With ``defer_sync`` the syncs that make the rename (and the
+        reflog line) durable are left to the caller's next batch (:meth:`take_unsynced`);
+        :meth:`sync_refs` makes them at once.
 
         A held ``<ref>.lock`` is waited for up to ``lock_timeout`` seconds (git
         holds its ref locks for milliseconds; like git's
@@ -456,8 +470,15 @@ class GitStore:
         self.flush_objects()  # the objects a ref will name are durable before it moves
         deadline = time.monotonic() + lock_timeout
         delay = 0.001
+        files = self._files_backend() and expected is not None and ref.startswith("refs/")
         while True:
             try:
+                if files and expected is not None:
+                    try:
+                        self._swap_loose(ref, expected, new, message, precondition, defer_sync)
+                        return
+                    except Unsupported:
+                        files = False
                 self._compare_and_swap_once(ref, expected, new, message, precondition)
                 return
             except RefLockedError:
@@ -465,6 +486,55 @@ class GitStore:
                     raise
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
+
+    def _files_backend(self) -> bool:
+        """Refs in files and SHA-1 ids: what :mod:`cas.loose_refs` writes (read once per store)."""
+        if self._files_refs is None:
+            cfg = self.repo.config
+            plain = True
+            for name, ok in (("extensions.refstorage", ("files",)), ("extensions.objectformat", ("sha1",))):
+                try:
+                    value = cfg[name]
+                except KeyError:
+                    continue
+                plain = plain and str(value).strip().lower() in ok
+            self._files_refs = plain
+        return self._files_refs
+
+    def _swap_loose(self, ref: str, expected: str, new: str, message: str,
+                    precondition: Callable[[], None] | None, defer_sync: bool) -> None:
+        cfg = self.repo.config
+        try:
+            log_all: str | None = str(cfg["core.logAllRefUpdates"])
+        except KeyError:
+            log_all = None
+        logs = reflogs_for(self.git_dir, self.common_dir, ref, log_all, self.repo.is_bare)
+        folders = swap(self.common_dir, ref, expected, new, self._reflog_line(expected, new, message), logs,
+                       precondition)
+        self._unsynced.update(dict.fromkeys(folders))
+        if not defer_sync:
+            self.sync_refs()
+
+    def sync_refs(self) -> None:
+        """Sync the folders and reflogs of refs moved with ``defer_sync`` that no batch has synced yet.
+
+        Raises:
+            RefUpdateUnknown: a sync failed: the ref moved, its durability is unknown.
+        """
+        if not self._unsynced:
+            return
+        todo = list(self._unsynced)
+        self._unsynced.clear()
+        try:
+            fsync_all(todo)
+        except DurableWriteError as exc:
+            raise RefUpdateUnknown(f"ref moved but '{exc.path}' could not be synced: {exc.cause}") from exc
+
+    def take_unsynced(self) -> list[str]:
+        """The folders and reflogs of refs moved with ``defer_sync``, not yet synced; the caller now syncs them."""
+        todo = list(self._unsynced)
+        self._unsynced.clear()
+        return todo
 
     def _compare_and_swap_once(self, ref: str, expected: str | None, new: str, message: str,
                                precondition: Callable[[], None] | None) -> None:

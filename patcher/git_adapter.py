@@ -105,7 +105,7 @@ class GitAdapter:
             tip = gstore.resolve(branch)
             if tip is not None and gstore.is_ancestor(candidate, tip):
                 return QueryResult("applied", "reachable_from_branch", self._fields(gstore, candidate, notes))
-            # Not reflog_names(): libgit2 appends the reflog entry (base -> candidate) *before*
+            # Not reflog_names(): the reflog entry (base -> candidate) is appended *before*
             # renaming <branch>.lock, so a crash between the two leaves the candidate named
             # in the reflog of a branch that never moved.  Only an entry that moves the
             # branch *from* the candidate (a reset or a later move) proves it was there.
@@ -356,15 +356,18 @@ def _pid_dead(pid: int) -> bool:
 
 def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:
     """Where cas leaves tmp files beside the index (``index.optmp-<pid>…``, ``.index.lock.optmp-<pid>``) and
-    in the common git dir (a key ref's ``.keyref.optmp-<pid>-…``)."""
+    in the common git dir (a ref lock's content before its link: ``.ref.optmp-<pid>-…``, a key ref's
+    ``.keyref.optmp-<pid>-…``)."""
     from cas.durable import TMP_MARK
 
     from cas.gitdir import common_dir_of
+    from cas.loose_refs import REF_TMP_PREFIX
     from cas.objects import KEY_REF_TMP_PREFIX
 
     real = os.path.realpath(git_dir)
     common = os.path.realpath(common_dir_of(real))
-    return [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}"), (common, f"{KEY_REF_TMP_PREFIX}{TMP_MARK}")]
+    return [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}"),
+            (common, f"{KEY_REF_TMP_PREFIX}{TMP_MARK}"), (common, f"{REF_TMP_PREFIX}{TMP_MARK}")]
 
 
 def _remove_dead_tmp_files(workdir: str | None, git_dir: str, touched: list[str]) -> list[str]:

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 from cas.record import record
 from cas.crash import crash_hook, crash_point
-from cas.durable import DurableBatch
+from cas.durable import DurableBatch, fsync_all
 from cas.errors import OncepatchError, RefLockedError, RefMovedError, RefUpdateUnknown, UsageError
 from cas.gitdir import read_head
 from receipts.errors import FencedOff, IdempotencyConflict
@@ -409,7 +409,11 @@ def _execute(
             with open(ref_marker, "wb") as fh:
                 fh.write(args.branch.encode() + b"\n")
             try:
-                receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args)
+                # Where no worktree follows, the branch's folder syncs join the finalise batch:
+                # they end before the committed receipt is renamed.  A worktree's files are
+                # written only after the move is durable.
+                receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args,
+                                             defer_sync=not worktrees)
             finally:
                 # Reached on every outcome but a crash: our ref locks are released by now.
                 with contextlib.suppress(FileNotFoundError):
@@ -425,15 +429,23 @@ def _execute(
     crash_point("after-materialise")
 
     _pause_point("before-finalise")
-    _fence(rstore, key, token)
-    final = receipt.evolve(status="committed", commit=candidate, tree=staged.tree, error=None)
-    if warnings:
-        final = final.evolve(extra={**final.extra, "warnings": warnings})
-    # The key ref and the committed receipt: one batch, the key ref renamed first
-    # (a committed receipt always has its key ref).
-    batch = DurableBatch()
-    gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}", batch=batch)
-    path = rstore.record(final, "committed", before_replace=crash_hook("before-receipt-replace"), batch=batch)
+    ref_folders = gstore.take_unsynced()
+    try:
+        _fence(rstore, key, token)
+        final = receipt.evolve(status="committed", commit=candidate, tree=staged.tree, error=None)
+        if warnings:
+            final = final.evolve(extra={**final.extra, "warnings": warnings})
+        # The key ref and the committed receipt: one batch, the key ref renamed first
+        # (a committed receipt always has its key ref); its first round also syncs
+        # the branch's folder when the move left that to it.
+        batch = DurableBatch()
+        batch.sync_first(ref_folders)
+        gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}", batch=batch)
+        path = rstore.record(final, "committed", before_replace=crash_hook("before-receipt-replace"), batch=batch)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fsync_all(ref_folders)  # the move is made durable even when finalising failed
+        raise
     return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
                        warnings=tuple(warnings))
 
@@ -448,8 +460,13 @@ def _move_refs(
     paths: list[str],
     token: int,
     args: CallArgs,
+    *,
+    defer_sync: bool = False,
 ) -> tuple[Receipt, Staged]:
     """Compare-and-swap the branch to the candidate (re-staging onto a moved head).
+
+    ``defer_sync``: the move's folder syncs are left to the next batch
+    (:meth:`GitStore.take_unsynced`).
 
     Returns the receipt as last recorded (its base and candidate may have been
     re-staged) and the staged change that landed.
@@ -473,7 +490,7 @@ def _move_refs(
             # caller's check and the swap this process may have been paused, its key
             # lock broken and the key taken over (then the ref must not move).
             gstore.compare_and_swap(args.branch, base, candidate, f"oncepatch: {call_id}",
-                                    precondition=lambda: _fence(rstore, key, token))
+                                    precondition=lambda: _fence(rstore, key, token), defer_sync=defer_sync)
             break
         except RefMovedError as moved:
             rounds += 1

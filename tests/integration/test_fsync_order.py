@@ -241,13 +241,17 @@ def _landings(calls: list[Call]) -> list[tuple[Call, str, str]]:
 def _synced_before(calls: list[Call], path: str, before: int) -> bool:
     """Some fd opened on ``path`` was fsynced before call number ``before`` (and before it was closed).
 
+    A file that became ``path`` by a hard link (a lock born complete) counts
+    through the name it was written under.
+
     The apply is one process; its fsyncs may run on other threads (strace -f
     shows thread ids), so the fd is matched by number, not by thread.
     """
+    names = {path} | {src for c, src, dst in _landings(calls) if dst == path and c.name.startswith("link")}
     for c in calls:
         if c.n >= before:
             break
-        if c.name == "openat" and c.ret >= 0 and c.path_arg(1) == path:
+        if c.name == "openat" and c.ret >= 0 and c.path_arg(1) in names:
             for s in _fd_calls(calls, c.ret, c.n, {"fsync", "fdatasync"}):
                 if s.n < before:
                     return True
@@ -262,8 +266,10 @@ def _folder_synced_between(calls: list[Call], folder: str, start: int, end: int)
     return False
 
 
-def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["main", "side"], ids=["checked-out", "not-checked-out"])
+def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, name: str) -> None:
     repo: Repo = make_repo(tmp_path / "repo", {"README": "hello\n", "src/a.txt": "a\n"})
+    repo.git("branch", "side")
     repo.write("README", "hello\nworld\n")
     diff = repo.git("diff").encode()
     repo.git("checkout", "-q", "README")
@@ -271,13 +277,13 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path) -> 
     patch.write_bytes(diff)
     base = repo.head()
 
-    res, calls = run_traced(strace, tmp_path, [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--json"],
-                            APPLY_TRACE, cwd=repo.path)
+    res, calls = run_traced(strace, tmp_path, [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--json",
+                                               "--branch", name], APPLY_TRACE, cwd=repo.path)
     assert res.returncode == 0, res.stdout + res.stderr
     out = json.loads(res.stdout)
     assert out["ok"] and out["status"] == "committed"
     commit = out["commit"]
-    assert repo.head("refs/heads/main") == commit and repo.git("rev-parse", f"{commit}~1").strip() == base
+    assert repo.head(f"refs/heads/{name}") == commit and repo.git("rev-parse", f"{commit}~1").strip() == base
     assert f"Oncepatch-Call: {out['call_id']}" in repo.git("log", "-1", "--format=%B", commit)
     repo.git("fsck", "--strict")  # git agrees with what the receipt says
 
@@ -285,7 +291,7 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path) -> 
     h = key_hash(out["key"])
     receipt = os.path.join(git_dir, "oncepatch", "receipts", h[:2], f"{h}.json")
     assert os.path.realpath(out["receipt"]) == receipt
-    branch = os.path.join(git_dir, "refs", "heads", "main")
+    branch = os.path.join(git_dir, "refs", "heads", name)
     key_ref = os.path.join(git_dir, "refs", "oncepatch", "keys", h)
     commit_obj = os.path.join(git_dir, "objects", commit[:2], commit[2:])
 
@@ -310,9 +316,15 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path) -> 
         assert _synced_before(calls, src, move.n), f"receipt tmp {src} renamed without fsync"
     assert _folder_synced_between(calls, os.path.dirname(receipt), prepared.n, branch_move.n), \
         "receipts folder not synced between the prepared receipt and the ref move"
-    # the branch's lock file is fsynced before it becomes the ref; the commit object, and its
-    # folder, before the ref moves (synced with the prepared receipt, in one batch)
+    # the branch's lock file is fsynced before it becomes the ref; the ref's folder after,
+    # with the reflog, and both before the committed receipt lands (without a worktree to
+    # follow: in the finalise batch's first round); the commit object, and its folder,
+    # before the ref moves (synced with the prepared receipt, in one batch)
     assert _synced_before(calls, branch + ".lock", branch_move.n)
+    reflog = os.path.join(git_dir, "logs", "refs", "heads", name)
+    assert _synced_before(calls, reflog, committed.n), "reflog not synced before the committed receipt"
+    assert _folder_synced_between(calls, os.path.dirname(branch), branch_move.n, committed.n), \
+        "the branch's folder not synced between its move and the committed receipt"
     assert os.path.basename(obj_tmp).startswith("tmp_obj_" + TMP_MARK)  # git prune's name for its own tmp files
     assert _synced_before(calls, obj_tmp, obj_move.n), "commit object renamed without fsync"
     assert _folder_synced_between(calls, os.path.dirname(commit_obj), obj_move.n, branch_move.n)

@@ -379,8 +379,8 @@ def test_kill_while_taking_the_index_lock_leaves_no_lock(tmp_path: Path) -> None
 
 def test_dead_calls_tmp_files_in_the_worktree_are_removed(tmp_path: Path) -> None:
     """A call killed while writing a touched file leaves ``.<name>.optmp-<pid>-<rand>`` beside it
-    (found by the torture: an untracked file in the user's worktree), or ``index.optmp-<pid>``
-    beside the index.  Settling removes those of dead pids — never a live process's."""
+    (found by the torture: an untracked file in the user's worktree), ``index.optmp-<pid>``
+    beside the index, or ``.ref.optmp-<pid>-<rand>`` (a ref lock's content) in the git dir.  Settling removes those of dead pids — never a live process's."""
     repo, _pf = crashed(tmp_path, "after-ref")  # touches src/app.py and pkg/added.txt
     dead = dead_pid()
     (repo.path / "pkg").mkdir(exist_ok=True)
@@ -390,12 +390,17 @@ def test_dead_calls_tmp_files_in_the_worktree_are_removed(tmp_path: Path) -> Non
     index_tmp.write_bytes(b"DIRC")
     lock_tmp = repo.path / ".git" / f".index.lock.optmp-{dead}"  # a mark not yet linked to index.lock
     lock_tmp.write_bytes(b"oncepatch-index-lock %d\n" % dead)
+    ref_tmp = repo.path / ".git" / f".ref.optmp-{dead}-0badf00d"  # a ref lock's content not yet linked
+    ref_tmp.write_bytes(b"%s\n" % repo.head("main").encode())
+    live_ref_tmp = repo.path / ".git" / f".ref.optmp-{os.getpid()}-0badf00d"
+    live_ref_tmp.write_bytes(b"%s\n" % repo.head("main").encode())
     live = repo.path / "src" / f".app.py.optmp-{os.getpid()}-12345678"
     live.write_bytes(b"being written")
     rec = recover(repo)
     assert rec.code == 0, rec.err
-    assert not stray.exists() and not index_tmp.exists() and not lock_tmp.exists()
-    assert live.exists()
+    assert not stray.exists() and not index_tmp.exists() and not lock_tmp.exists() and not ref_tmp.exists()
+    assert live.exists() and live_ref_tmp.exists()
+    live_ref_tmp.unlink()
     notes = rec.json["rows"][0]["notes"]
     assert any(str(stray) in n for n in notes) and any(str(index_tmp) in n for n in notes), notes
     live.unlink()

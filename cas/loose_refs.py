@@ -1,0 +1,225 @@
+"""A branch moved the way git's files backend moves it (stdlib only).
+
+git keeps a branch as a loose file ``<common>/refs/heads/<b>`` (or a line of
+``packed-refs``) and moves it under ``<ref>.lock``: the lock is created
+exclusively, filled with the new oid, the reflog lines are appended while it
+is held, then the lock is renamed over the ref.  :func:`swap` does exactly
+that, as a compare-and-swap, with oncepatch's flush rounds:
+
+1. the lock is *born complete*: the new oid goes to a tmp file in the common
+   git dir, which is hard-linked to ``<ref>.lock`` (exclusive like
+   ``O_EXCL``; a crash never leaves an empty lock nobody could prove was
+   ours — a stale lock holding the candidate oid is the dead call's);
+2. under the lock the current value is read (loose file, else
+   ``packed-refs``) and compared with the expected one; the caller's
+   ``precondition`` runs (its fencing check);
+3. the reflog lines (the ref's; ``HEAD``'s when ``HEAD`` names the branch) are
+   appended, and the lock is synced;
+4. the lock is renamed over the ref;
+5. the folders whose entries changed (the ref's, and a reflog's when it was
+   created) and the reflogs are returned, not synced: the caller syncs them
+   with its next round, which must end before anything that relies on the
+   move is renamed (the committed receipt).  So a move costs one flush of its
+   own where libgit2 made four, one after another.  A crash before that round
+   can lose the reflog line of a move that survived (git itself does not sync
+   reflogs unless ``core.fsync`` says so); nothing in oncepatch takes a reflog
+   line as proof of a move (recovery reads only lines that move the branch
+   *away* from a candidate).
+
+What :func:`swap` does not handle it reports with :class:`Unsupported`
+*before* taking the lock or after releasing it, and the caller moves the ref
+through libgit2 instead: a symbolic or unreadable ref, a ref to be created, a
+repository whose refs or object ids are not the classic files backend and
+SHA-1.  Which reflogs are written follows git's ``core.logAllRefUpdates``: an
+existing reflog is always appended to; a missing one is created for
+``refs/heads/``, ``refs/remotes/``, ``refs/notes/`` and ``HEAD`` when the
+setting is true (the default outside bare repositories), for every ref when it
+is ``always``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Callable
+
+from cas.durable import TMP_MARK, write_all
+from cas.errors import GitStoreError, RefLockedError, RefMovedError
+
+__all__ = ["REF_TMP_PREFIX", "Unsupported", "read_ref", "swap", "reflogs_for"]
+
+#: The lock's content is written here (in the common git dir, outside refs/)
+#: before it is linked to ``<ref>.lock``; a crash in between leaves
+#: ``.ref<TMP_MARK><pid>-…``, which recovery removes once that pid is gone.
+REF_TMP_PREFIX = ".ref"
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_LOOSE = re.compile(rb"([0-9a-f]{40})\s*")
+_AUTO_LOG_PREFIXES = ("refs/heads/", "refs/remotes/", "refs/notes/")
+
+
+class Unsupported(Exception):
+    """This ref or repository is left to libgit2 (nothing was changed)."""
+
+
+def read_ref(common_dir: str, ref: str) -> str | None:
+    """The oid ``ref`` holds on disk (loose file first, then ``packed-refs``); ``None`` if absent.
+
+    Raises:
+        Unsupported: a symbolic ref, or content that is not one SHA-1 oid.
+    """
+    try:
+        with open(os.path.join(common_dir, ref), "rb") as fh:
+            data = fh.read(256)
+    except FileNotFoundError:
+        return _read_packed(common_dir, ref)
+    except (IsADirectoryError, NotADirectoryError) as exc:
+        raise Unsupported(f"'{ref}' is not a file: {exc}") from exc
+    m = _LOOSE.fullmatch(data)
+    if m is None:
+        raise Unsupported(f"'{ref}' holds {data[:60]!r}, not an oid")
+    return m.group(1).decode()
+
+
+def _read_packed(common_dir: str, ref: str) -> str | None:
+    try:
+        with open(os.path.join(common_dir, "packed-refs"), "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        return None
+    needle = b" " + ref.encode() + b"\n"
+    at = data.find(needle)
+    while at != -1:
+        start = at - 40
+        if start >= 0 and (start == 0 or data[start - 1:start] == b"\n"):
+            oid = data[start:at]
+            if _LOOSE.fullmatch(oid):
+                return oid.decode()
+            raise Unsupported(f"packed-refs line of '{ref}' holds {oid!r}")
+        at = data.find(needle, at + 1)
+    if not data.endswith(b"\n") and data.endswith(needle[:-1]):
+        tail = data[-(len(needle) - 1) - 40:-(len(needle) - 1)]
+        if _LOOSE.fullmatch(tail):
+            return tail.decode()
+    return None
+
+
+def reflogs_for(git_dir: str, common_dir: str, ref: str, log_all: str | None, bare: bool) -> list[str]:
+    """The reflog files a move of ``ref`` appends to (git's rule; module docstring).
+
+    ``log_all`` is ``core.logAllRefUpdates`` as written (``None``: unset).
+    """
+    names = [(ref, os.path.join(common_dir, "logs", ref))]
+    try:
+        with open(os.path.join(git_dir, "HEAD"), "rb") as fh:
+            head = fh.read(1024)
+    except OSError:
+        head = b""
+    if head.startswith(b"ref:") and head[4:].strip().decode("utf-8", "replace") == ref:
+        names.append(("HEAD", os.path.join(git_dir, "logs", "HEAD")))
+    setting = (log_all or "").strip().lower()
+    if setting == "always":
+        create_any, create_std = True, True
+    elif log_all is None:
+        create_any, create_std = False, not bare
+    else:
+        create_any, create_std = False, setting in ("true", "yes", "on", "1", "")
+    out = []
+    for name, path in names:
+        if os.path.isfile(path):
+            out.append(path)
+        elif create_any or (create_std and (name == "HEAD" or name.startswith(_AUTO_LOG_PREFIXES))):
+            out.append(path)
+    return out
+
+
+def swap(common_dir: str, ref: str, expected: str, new: str, reflog_line: bytes, reflogs: list[str],
+         precondition: Callable[[], None] | None = None) -> list[str]:
+    """Move ``ref`` from ``expected`` to ``new`` (module docstring); return the paths left to sync.
+
+    Raises:
+        RefLockedError: ``<ref>.lock`` exists (a live git, or a stale lock).
+        RefMovedError: under the lock, the ref is not at ``expected`` (nothing written).
+        Unsupported: the ref is not a plain loose or packed oid (nothing written).
+        GitStoreError: a write or sync failed before the rename (the ref is unchanged).
+        Whatever ``precondition`` raises (the ref is unchanged).
+    """
+    path = os.path.join(common_dir, ref)
+    lock = path + ".lock"
+    folders: dict[str, None] = {}
+    logs: list[str] = []  # the reflogs appended to: synced with the folders
+    fds: list[int] = []
+    locked = False
+    try:
+        fds.append(_take_lock(common_dir, lock, new.encode() + b"\n", folders))
+        locked = True
+        actual = read_ref(common_dir, ref)
+        if actual != expected:
+            raise RefMovedError(ref, actual, expected)
+        if precondition is not None:
+            precondition()
+        for log in reflogs:
+            folder = os.path.dirname(log)
+            if not os.path.isdir(folder):
+                for made in _make_dirs(folder):
+                    folders[os.path.dirname(made)] = None
+            fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_CLOEXEC, 0o666)
+            fds.append(fd)
+            if os.fstat(fd).st_size == 0:
+                folders[folder] = None  # created now (or empty): its entry must be made durable
+            write_all(fd, reflog_line)
+            logs.append(log)
+        os.fsync(fds[0])  # the lock's content, before it becomes the ref
+        os.replace(lock, path)
+        locked = False
+    except OSError as exc:
+        raise GitStoreError(f"cannot update ref '{ref}': {exc.strerror or exc}") from exc
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if locked:
+            with contextlib.suppress(OSError):
+                os.unlink(lock)
+    folders[os.path.dirname(path)] = None
+    return [*folders, *logs]
+
+
+def _take_lock(common_dir: str, lock: str, content: bytes, folders: dict[str, None]) -> int:
+    """Create ``lock`` holding ``content`` (hard link of a complete tmp file); return its open descriptor."""
+    tmp = os.path.join(common_dir, f"{REF_TMP_PREFIX}{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o666)
+    try:
+        write_all(fd, content)
+        try:
+            os.link(tmp, lock)
+        except FileNotFoundError:
+            # A packed ref whose folder has no loose ref yet: make it, as git does.
+            for made in _make_dirs(os.path.dirname(lock)):
+                folders[os.path.dirname(made)] = None
+            os.link(tmp, lock)
+    except FileExistsError:
+        os.close(fd)
+        raise RefLockedError(lock) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return fd
+
+
+def _make_dirs(folder: str) -> list[str]:
+    """Create ``folder`` and its missing parents (git's modes: 0777 less the umask); return those created."""
+    made: list[str] = []
+    parent = os.path.dirname(folder)
+    if parent and parent != folder and not os.path.isdir(parent):
+        made += _make_dirs(parent)
+    try:
+        os.mkdir(folder, 0o777)
+    except FileExistsError:
+        return made
+    return [*made, folder]
