@@ -157,6 +157,7 @@ class GitStore:
         self._pending: dict[str, tuple[bytes, bytes | memoryview]] = {}
         self._recent: dict[str, bytes] = {}
         self._files_refs: bool | None = None
+        self._signature: Signature | None = None
         # Folders and reflogs of refs moved with defer_sync, which a later batch syncs.
         self._unsynced: dict[str, None] = {}
 
@@ -407,20 +408,28 @@ class GitStore:
         batch.commit()
 
     def discard_pending(self) -> None:
-        """Forget staged objects that were never written (a call that stopped before preparing)."""
+        """Forget staged objects that were never written (a call that stopped before preparing).
+
+        Called as each call starts: the identity read from the configuration
+        is read again too (a long-lived caller sees configuration changes).
+        """
         self._pending.clear()
         self._recent = {}
+        self._signature = None
 
     def forget_recent(self) -> None:
         """Drop the blobs the last :meth:`add_pending_to` kept at hand (the call is over)."""
         self._recent = {}
 
     def default_signature(self) -> Signature:
-        try:
-            sig = self.repo.default_signature
-            return Signature(sig.name, sig.email)
-        except (KeyError, pygit2.GitError):
-            return Signature("oncepatch", "oncepatch@localhost")
+        """user.name and user.email (or git's environment), read once per call (:meth:`discard_pending`)."""
+        if self._signature is None:
+            try:
+                sig = self.repo.default_signature
+                self._signature = Signature(sig.name, sig.email)
+            except (KeyError, pygit2.GitError):
+                self._signature = Signature("oncepatch", "oncepatch@localhost")
+        return self._signature
 
     def create_commit(self, tree: str, parents: list[str], message: str, author: Signature | None = None) -> str:
         """Stage a commit of ``tree`` (author = committer, now, local time zone); return its id."""
