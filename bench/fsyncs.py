@@ -8,8 +8,9 @@ Two measurements:
   (``-y`` names the file behind each fd), grouped by kind;
 * **flush points** — in process, the sync calls counted at their seams: each
   :func:`cas.durable.fsync_all` round (n files synced at once, counted once),
-  each ``os.fsync`` made on its own, and libgit2's own syncs of the branch
-  (ref and reflog, one after another: taken from the strace kinds).  strace
+  each ``os.fsync`` made on its own, and — only when the branch was moved
+  by a libgit2 transaction — libgit2's own syncs of the branch (ref and
+  reflog, one after another: taken from the strace kinds).  strace
   cannot tell concurrency (it serialises the threads it stops), so the
   rounds are counted here;
 * **A/B in process** — the API with durability on, interleaved with the API
@@ -119,9 +120,16 @@ def count_flush_points(op: Callable[[int], Any], runs: int) -> dict[str, float]:
 
     import cas.durable as durable
 
+    import cas.objects as objects
+
     real_all, real_fsync = durable.fsync_all, os.fsync
+    real_txn = objects.GitStore._compare_and_swap_once
     inside = threading.local()
-    cur = {"rounds": 0, "batched": 0, "single": 0}
+    cur = {"rounds": 0, "batched": 0, "single": 0, "libgit2_moves": 0}
+
+    def counting_txn(self: Any, *a: Any, **kw: Any) -> Any:
+        cur["libgit2_moves"] += 1  # the branch moved by a libgit2 transaction (its own syncs)
+        return real_txn(self, *a, **kw)
 
     def counting_all(paths: Any) -> None:
         todo = list(dict.fromkeys(paths))
@@ -142,15 +150,17 @@ def count_flush_points(op: Callable[[int], Any], runs: int) -> dict[str, float]:
     per: list[dict[str, int]] = []
     durable.fsync_all = counting_all  # type: ignore[assignment]
     os.fsync = counting_fsync  # type: ignore[assignment]
+    objects.GitStore._compare_and_swap_once = counting_txn  # type: ignore[method-assign]
     try:
         for r in range(runs):
-            cur.update(rounds=0, batched=0, single=0)
+            cur.update(rounds=0, batched=0, single=0, libgit2_moves=0)
             op(r)
             per.append(dict(cur))
     finally:
         durable.fsync_all = real_all  # type: ignore[assignment]
         os.fsync = real_fsync  # type: ignore[assignment]
-    return {k: statistics.median(p[k] for p in per) for k in ("rounds", "batched", "single")}
+        objects.GitStore._compare_and_swap_once = real_txn  # type: ignore[method-assign]
+    return {k: statistics.median(p[k] for p in per) for k in ("rounds", "batched", "single", "libgit2_moves")}
 
 
 _HEX = re.compile(r"[0-9a-f]{16,64}")

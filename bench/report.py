@@ -227,14 +227,17 @@ def render(res: dict[str, Any]) -> str:
             parts.append("\n**Flush points per apply** (in process, counted at the seams; median of 5 calls): a "
                          "*round* is one `fsync_all` — its files synced at once, on threads — and counts once; "
                          "*single* are `os.fsync` calls made alone; libgit2's own are its ref and reflog syncs for "
-                         "the branch, one after another (from the strace kinds above). The protocol's floor is "
-                         "two flush points (before and after the branch moves).\n\n")
+                         "the branch, one after another (from the strace kinds above), counted only when a libgit2 "
+                         "transaction moved the branch (`cas/loose_refs.py` moves a plain branch itself, its syncs "
+                         "are in the first two columns). The protocol's floor is two flush points (before and "
+                         "after the branch moves).\n\n")
             prow = []
             for p in fs["points"]:
                 st = next((r for r in fs["strace"] if r["size"] == p["size"]
                            and r["name"] == f"oncepatch apply, branch {p['where']}"), None)
                 lg = sum(1 for q in (st["paths"] if st else [])
-                         if q.startswith((".git/refs/heads", ".git/logs")) and "oncepatch" not in q)
+                         if q.startswith((".git/refs/heads", ".git/logs")) and "oncepatch" not in q
+                         ) if p.get("libgit2_moves", 1) else 0
                 prow.append([p["size"], p["where"], f"{p['rounds']:g} ({p['batched']:g} files)", f"{p['single']:g}",
                              f"{lg:g}", f"{p['rounds'] + p['single'] + lg:g}"])
             parts.append(_table(["files", "branch", "batched rounds (files)", "single fsyncs", "libgit2 (branch)",

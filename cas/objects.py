@@ -539,6 +539,15 @@ class GitStore:
         except DurableWriteError as exc:
             raise RefUpdateUnknown(f"ref moved but '{exc.path}' could not be synced: {exc.cause}") from exc
 
+    def unsynced(self) -> list[str]:
+        """The folders and reflogs of refs moved with ``defer_sync`` not yet synced (they stay listed)."""
+        return list(self._unsynced)
+
+    def mark_synced(self, paths: list[str]) -> None:
+        """``paths`` (from :meth:`unsynced`) were synced by the caller: not listed any more."""
+        for p in paths:
+            self._unsynced.pop(p, None)
+
     def take_unsynced(self) -> list[str]:
         """The folders and reflogs of refs moved with ``defer_sync``, not yet synced; the caller now syncs them."""
         todo = list(self._unsynced)

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 
 import pygit2
 
-from cas.durable import TMP_MARK, DurableBatch, fsync_dir, open_dir_nofollow
+from cas.durable import TMP_MARK, DurableBatch, fsync_all, fsync_dir, open_dir_nofollow
 from cas.hashing import git_blob_oid
 from cas.errors import GitStoreError, RefLockedError, UnsafeWorktreePath
 from cas.objects import GitStore, TreeEntry
@@ -170,8 +170,13 @@ def materialise(
     lock_marker: str | None = None,
     held: IndexLock | None = None,
     tree: str | None = None,
+    sync_first: list[str] | None = None,
 ) -> None:
     """Write the touched paths of ``workdir`` and its index to match ``changes``.
+
+    ``sync_first``: paths made durable before any file of the worktree changes
+    (a moved branch's folder and reflogs): synced in the first batch's first
+    round, or at once when a deletion comes first or nothing is written.
 
     Deletions go first (a file may give way to a folder of the same name), then
     writes in path order.  ``lock_marker``: a file to hold while the index lock
@@ -190,6 +195,10 @@ def materialise(
     wt_repo: pygit2.Repository | None = None
     plain = tree is not None and plain_checkout(store, workdir, [p for p, _ in writes], tree)
     try:
+        if sync_first and (deletes or not writes):
+            fsync_all(sync_first)
+            store.mark_synced(sync_first)
+            sync_first = None
         for path in deletes:
             _remove_path(workdir, path)
         # Written in durable batches: tmp files synced together, renamed in path
@@ -198,6 +207,9 @@ def materialise(
         os.umask(umask)
         for start in range(0, len(writes), _WRITE_CHUNK):
             batch = DurableBatch()
+            synced, sync_first = sync_first, None
+            if synced:
+                batch.sync_first(synced)
             with contextlib.ExitStack() as stack:
                 folders: dict[str, int] = {}
                 for path, entry in writes[start:start + _WRITE_CHUNK]:
@@ -208,6 +220,8 @@ def materialise(
                         data = smudged(workdir, path, data, wt_repo)  # '*.bat eol=crlf': written as git would
                     _queue_path(batch, stack, folders, workdir, path, data, entry.mode, umask)
                 batch.commit()
+            if synced:
+                store.mark_synced(synced)
     except UnsafeWorktreePath:
         raise
     except OSError as exc:

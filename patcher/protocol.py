@@ -409,11 +409,11 @@ def _execute(
             with open(ref_marker, "wb") as fh:
                 fh.write(args.branch.encode() + b"\n")
             try:
-                # Where no worktree follows, the branch's folder syncs join the finalise batch:
-                # they end before the committed receipt is renamed.  A worktree's files are
-                # written only after the move is durable.
+                # The move's syncs join the next round: a worktree's first (its files change
+                # only after the move is durable), and in any case the finalise batch's
+                # first (they end before the committed receipt is renamed).
                 receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args,
-                                             defer_sync=not worktrees)
+                                             defer_sync=True)
             finally:
                 # Reached on every outcome but a crash: our ref locks are released by now.
                 with contextlib.suppress(FileNotFoundError):
@@ -422,7 +422,12 @@ def _execute(
             assert candidate is not None
             crash_point("after-ref")
 
-            warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key, held)
+            try:
+                warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key, held)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    gstore.sync_refs()  # the move is made durable even when this fails
+                raise
         finally:
             release_index_locks(held)
             gstore.forget_recent()  # the worktrees were the last readers of this call's blobs

@@ -136,8 +136,9 @@ def materialise_all(
             # is "no file here": its own files are touched paths too.
             changes: dict[str, TreeEntry | None] = {p: gstore.lookup_file(tree, p) for p in paths}
             lock = (held or {}).get(workdir)
+            # The branch's move is made durable before the worktree changes (in its first round).
             materialise(gstore, workdir, changes, lock_marker=None if lock else index_marker(rstore, key),
-                        held=lock, tree=tree)
+                        held=lock, tree=tree, sync_first=gstore.unsynced())
         except OncepatchError as exc:
             warnings.append(f"worktree '{workdir}' not updated: {exc.message}")
         finally:

@@ -325,6 +325,14 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
     assert _synced_before(calls, reflog, committed.n), "reflog not synced before the committed receipt"
     assert _folder_synced_between(calls, os.path.dirname(branch), branch_move.n, committed.n), \
         "the branch's folder not synced between its move and the committed receipt"
+    # worktree files are renamed inside a folder opened without following links: renameat(fd, name, fd, name)
+    worktree_moves = [c for c, _, dst in landings if dst in (str(repo.path / "README"), "README")]
+    if name == "main":  # checked out: the move is durable before the worktree's file changes
+        assert len(worktree_moves) == 1 and branch_move.n < worktree_moves[0].n < committed.n
+        assert _folder_synced_between(calls, os.path.dirname(branch), branch_move.n, worktree_moves[0].n)
+        assert _synced_before(calls, reflog, worktree_moves[0].n)
+    else:
+        assert worktree_moves == []
     assert os.path.basename(obj_tmp).startswith("tmp_obj_" + TMP_MARK)  # git prune's name for its own tmp files
     assert _synced_before(calls, obj_tmp, obj_move.n), "commit object renamed without fsync"
     assert _folder_synced_between(calls, os.path.dirname(commit_obj), obj_move.n, branch_move.n)
