@@ -412,7 +412,8 @@ class DurableBatch:
         self._appends.append((path, data))
 
     def commit(self, *, before_replace: Callable[[], None] | None = None,
-               after_renames: Callable[[], Iterable[str]] | None = None) -> None:
+               after_renames: Callable[[], Iterable[str]] | None = None,
+               defer_folders: list[str | int] | None = None) -> None:
         """Write, sync and rename every queued file; then sync their folders.
 
         ``before_replace`` runs when every tmp file is written and synced and
@@ -420,6 +421,9 @@ class DurableBatch:
         crash point: the last file is the one a caller cares about).
         ``after_renames`` runs after the last rename and returns more paths to
         sync in the last round (a log the caller appended to without syncing).
+        ``defer_folders``: the last round is not made here; its folders (paths,
+        or descriptors the caller keeps open) are appended to this list, and
+        the caller syncs them with its next round.
 
         Raises:
             DurableWriteError: nothing was renamed (no tmp file left, every
@@ -495,6 +499,9 @@ class DurableBatch:
                 raise DurableWriteError(item.path, exc) from exc
             item.tmp = None
         extra = list(after_renames()) if after_renames is not None else []
+        if defer_folders is not None:
+            defer_folders.extend([*folders, *extra])
+            return
         try:
             fsync_all([*folders, *extra])
         except DurableWriteError as exc:

@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import pygit2
 
-from cas.durable import TMP_MARK, fsync_dir, write_all
-from cas.errors import GitStoreError
+from cas.durable import TMP_MARK, fsync_all, fsync_dir, write_all
+from cas.errors import DurableWriteError, GitStoreError
 from cas.objects import TreeEntry
 
 __all__ = ["IndexSnapshot", "snapshot_for", "prefetch"]
@@ -133,13 +133,16 @@ class _ParsedIndex:
                                  e.mtime.nanoseconds, bytes(ffi.buffer(ffi.addressof(e, "id"))[:20]).hex()):
                 ffi.cast("git_index_entry *", e).file_size = 0
 
-    def install(self) -> None:
-        """Write the copy and rename it over ``index`` (caller holds ``index.lock``); durable."""
+    def install(self, also_sync: list[str | int] | None = None) -> None:
+        """Write the copy and rename it over ``index`` (caller holds ``index.lock``); durable.
+
+        ``also_sync``: synced with the new file, before its rename; emptied once synced.
+        """
         def write() -> None:
             self.index.write()
             fd = os.open(self.tmp, os.O_RDONLY)
             try:
-                os.fsync(fd)  # libgit2 syncs only files of a repository it opened
+                _sync_with(fd, also_sync)  # libgit2 syncs only files of a repository it opened
             finally:
                 os.close(fd)
 
@@ -243,10 +246,15 @@ class IndexSnapshot:
                 pass
         self._use_parsed().stage(workdir, removed, added)
 
-    def install(self) -> None:
-        """Write the new index and rename it over ``index`` (caller holds ``index.lock``); durable."""
+    def install(self, also_sync: list[str | int] | None = None) -> None:
+        """Write the new index and rename it over ``index`` (caller holds ``index.lock``); durable.
+
+        ``also_sync``: paths (or open descriptors) synced in the same round as
+        the new file, before its rename — the folders of the worktree files the
+        index describes; the list is emptied once they are synced.
+        """
         if self._parsed is not None:
-            self._parsed.install()
+            self._parsed.install(also_sync)
             self.identity = self._parsed.identity
             return
         if self._pending is None:
@@ -257,7 +265,7 @@ class IndexSnapshot:
         # The next call reads the file again (its bytes are not kept).
         self.identity = None
         tmp = _tmp_path(self.git_dir)
-        _replace_index(self.git_dir, tmp, lambda: _write_with_checksum(tmp, parts, state, hashed, mode))
+        _replace_index(self.git_dir, tmp, lambda: _write_with_checksum(tmp, parts, state, hashed, mode, also_sync))
         self._raw = None
 
 
@@ -277,17 +285,27 @@ def _replace_index(git_dir: str, tmp: str, write: Callable[[], None]) -> None:
         write()
         os.replace(tmp, index_path)
         fsync_dir(git_dir)
-    except (OSError, pygit2.GitError) as exc:
+    except (OSError, pygit2.GitError, DurableWriteError) as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise GitStoreError(f"cannot write index '{index_path}': {exc}") from exc
 
 
+def _sync_with(fd: int, also: list[str | int] | None) -> None:
+    """fsync ``fd``, with ``also`` in the same round (then emptied)."""
+    if not also:
+        os.fsync(fd)
+        return
+    fsync_all([fd, *also])
+    also.clear()
+
+
 def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hashlib._Hash, hashed: int,
-                         mode: int) -> None:
+                         mode: int, also_sync: list[str | int] | None = None) -> None:
     """Write ``parts`` and their SHA-1 to a new file ``path`` (permissions ``mode``) and fsync it; hashed while written.
 
     ``state`` is the SHA-1 state over the first ``hashed`` bytes of ``parts``.
+    ``also_sync``: synced with the file's last sync (then emptied).
     """
     digest: list[bytes] = []
 
@@ -314,7 +332,7 @@ def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hash
             os.fsync(fd)
             hasher.join()
         write_all(fd, digest[0])
-        os.fsync(fd)
+        _sync_with(fd, also_sync)
     finally:
         hasher.join()
         os.close(fd)

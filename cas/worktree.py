@@ -194,40 +194,52 @@ def materialise(
     writes = sorted((p, e) for p, e in changes.items() if e is not None)
     wt_repo: pygit2.Repository | None = None
     plain = tree is not None and plain_checkout(store, workdir, [p for p, _ in writes], tree)
-    try:
-        if sync_first and (deletes or not writes):
-            fsync_all(sync_first)
-            store.mark_synced(sync_first)
-            sync_first = None
-        for path in deletes:
-            _remove_path(workdir, path)
-        # Written in durable batches: tmp files synced together, renamed in path
-        # order, their folders synced together (not two fsyncs per file in turn).
-        umask = os.umask(0)  # files get git's modes less the umask, as git checks them out
-        os.umask(umask)
-        for start in range(0, len(writes), _WRITE_CHUNK):
-            batch = DurableBatch()
-            synced, sync_first = sync_first, None
-            if synced:
-                batch.sync_first(synced)
-            with contextlib.ExitStack() as stack:
-                folders: dict[str, int] = {}
-                for path, entry in writes[start:start + _WRITE_CHUNK]:
-                    data = store.read_blob(entry.oid)
-                    if entry.mode != _MODE_LINK and not plain:
-                        if wt_repo is None:
-                            wt_repo = store.worktree_repo(workdir)
-                        data = smudged(workdir, path, data, wt_repo)  # '*.bat eol=crlf': written as git would
-                    _queue_path(batch, stack, folders, workdir, path, data, entry.mode, umask)
-                batch.commit()
-            if synced:
-                store.mark_synced(synced)
-    except UnsafeWorktreePath:
-        raise
-    except OSError as exc:
-        raise GitStoreError(f"cannot write worktree '{workdir}': {exc}") from exc
-    update_index(workdir, [p for p in deletes], [p for p, _ in writes], lock_marker=lock_marker, held=held,
-                 known=dict(writes))
+    # The last batch's folders are synced with the new index file, before its
+    # rename (the index names those files): their descriptors stay open until then.
+    last_folders: list[str | int] = []
+    with contextlib.ExitStack() as keep:
+        try:
+            if sync_first and (deletes or not writes):
+                fsync_all(sync_first)
+                store.mark_synced(sync_first)
+                sync_first = None
+            for path in deletes:
+                _remove_path(workdir, path)
+            # Written in durable batches: tmp files synced together, renamed in path
+            # order, their folders synced together (not two fsyncs per file in turn).
+            umask = os.umask(0)  # files get git's modes less the umask, as git checks them out
+            os.umask(umask)
+            for start in range(0, len(writes), _WRITE_CHUNK):
+                batch = DurableBatch()
+                synced, sync_first = sync_first, None
+                if synced:
+                    batch.sync_first(synced)
+                last = start + _WRITE_CHUNK >= len(writes)
+                with contextlib.ExitStack() as stack:
+                    folders: dict[str, int] = {}
+                    for path, entry in writes[start:start + _WRITE_CHUNK]:
+                        data = store.read_blob(entry.oid)
+                        if entry.mode != _MODE_LINK and not plain:
+                            if wt_repo is None:
+                                wt_repo = store.worktree_repo(workdir)
+                            data = smudged(workdir, path, data, wt_repo)  # '*.bat eol=crlf': written as git would
+                        _queue_path(batch, keep if last else stack, folders, workdir, path, data, entry.mode, umask)
+                    batch.commit(defer_folders=last_folders if last else None)
+                if synced:
+                    store.mark_synced(synced)
+        except UnsafeWorktreePath:
+            raise
+        except OSError as exc:
+            raise GitStoreError(f"cannot write worktree '{workdir}': {exc}") from exc
+        try:
+            update_index(workdir, [p for p in deletes], [p for p, _ in writes], lock_marker=lock_marker, held=held,
+                         known=dict(writes), also_sync=last_folders)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                fsync_all(last_folders)  # the index failed; the files it would name are made durable anyway
+            raise
+        if last_folders:  # no index was written (nothing to change in it)
+            fsync_all(last_folders)
 
 
 #: Content of an index.lock held by oncepatch (git's own locks hold index data).
@@ -377,8 +389,11 @@ def update_index(
     timeout: float = 10.0,
     held: IndexLock | None = None,
     known: Mapping[str, TreeEntry | None] | None = None,
+    also_sync: list[str | int] | None = None,
 ) -> None:
     """Update just these entries of ``workdir``'s index (stat data from the files), safely against git.
+
+    ``also_sync``: synced with the new index file before its rename (emptied once synced).
 
     The read-modify-write happens while we hold ``index.lock`` (``held``, or
     taken here and released after), so a concurrent ``git add``/``git commit``
@@ -397,14 +412,15 @@ def update_index(
     """
     lock = held if held is not None else hold_index_lock(workdir, timeout=timeout, lock_marker=lock_marker)
     try:
-        _write_index(workdir, lock, removed, added, known)
+        _write_index(workdir, lock, removed, added, known, also_sync)
     finally:
         if held is None:
             lock.release()
 
 
 def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[str],
-                 known: Mapping[str, TreeEntry | None] | None = None) -> None:
+                 known: Mapping[str, TreeEntry | None] | None = None,
+                 also_sync: list[str | int] | None = None) -> None:
     """Set these entries in the parsed copy of the index and install it (``index.lock`` is held).
 
     ``known``: the entries just written for these paths (their files are not re-hashed).
@@ -435,7 +451,7 @@ def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[
         snap.stage(workdir, removed, entries)
     except pygit2.GitError as exc:
         raise GitStoreError(f"cannot stage in '{workdir}': {exc}") from exc
-    snap.install()
+    snap.install(also_sync)
 
 
 def worktree_matches(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:

@@ -331,6 +331,11 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
         assert len(worktree_moves) == 1 and branch_move.n < worktree_moves[0].n < committed.n
         assert _folder_synced_between(calls, os.path.dirname(branch), branch_move.n, worktree_moves[0].n)
         assert _synced_before(calls, reflog, worktree_moves[0].n)
+        # the worktree file's folder is synced (with the new index) before the index names it
+        index_moves = [c for c, _, dst in landings if dst == os.path.join(git_dir, "index")]
+        assert len(index_moves) == 1 and worktree_moves[0].n < index_moves[0].n < committed.n
+        folder_fd = int(worktree_moves[0].arg(0))  # renameat(dirfd, …): the folder, opened without following links
+        assert any(c.n < index_moves[0].n for c in _fd_calls(calls, folder_fd, worktree_moves[0].n, {"fsync"}))
     else:
         assert worktree_moves == []
     assert os.path.basename(obj_tmp).startswith("tmp_obj_" + TMP_MARK)  # git prune's name for its own tmp files
