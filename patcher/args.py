@@ -18,10 +18,10 @@ executes again).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 
+from cas.hashing import sha256_hex
 from cas.record import record
 from cas.errors import UsageError
 from cas.gitdir import GitLayout, discover, read_head
@@ -109,7 +109,7 @@ def normalise_args(
         repo=layout.workdir or layout.git_dir,
         branch=normalise_branch(branch, layout),
         patch=data,
-        patch_sha256=hashlib.sha256(data).hexdigest(),
+        patch_sha256=sha256_hex(data),
         format=fmt,
         check=check,
         message=message,

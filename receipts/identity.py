@@ -15,8 +15,8 @@ stay fixed-width and safe whatever the key contains.
 
 from __future__ import annotations
 
-import hashlib
 
+from cas.hashing import sha256_hex
 from receipts.canonical import canonical_json
 from receipts.errors import InvalidKey
 
@@ -71,12 +71,12 @@ def make_identity(
 
 
 def compute_call_id(identity: dict[str, Any]) -> CallId:
-    return CallId(CALL_ID_TAG + hashlib.sha256(canonical_json(identity)).hexdigest())
+    return CallId(CALL_ID_TAG + sha256_hex(canonical_json(identity)))
 
 
 def compute_args_sha256(tool: str, tool_version: str, args: dict[str, Any]) -> str:
     doc = {"tool": tool, "tool_version": tool_version, "args": args}
-    return hashlib.sha256(canonical_json(doc)).hexdigest()
+    return sha256_hex(canonical_json(doc))
 
 
 def check_key(key: str) -> str:
@@ -99,4 +99,4 @@ def check_key(key: str) -> str:
 
 
 def key_hash(key: str) -> KeyHash:
-    return KeyHash(hashlib.sha256(key.encode("utf-8")).hexdigest())
+    return KeyHash(sha256_hex(key.encode("utf-8")))

@@ -13,10 +13,10 @@ under the lock truncates it away before writing, and readers skip it.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Iterator
 
+from cas.hashing import sha256_hex
 from cas.record import record
 from cas.durable import append_durable
 from receipts import jsonio
@@ -75,7 +75,7 @@ class Ledger:
                     seq = int(jsonio.loads(line)["seq"])
                 except Exception as exc:
                     raise CorruptLedger(f"ledger '{self.path}': last line is unreadable") from exc
-                return seq, hashlib.sha256(line).hexdigest(), start + end + 1
+                return seq, sha256_hex(line), start + end + 1
 
     def append(self, event: dict[str, Any], *, sync: bool = True) -> dict[str, Any]:
         """Append ``event`` (seq and prev filled in) durably; return the stored object.
@@ -168,7 +168,7 @@ class Ledger:
                     obj = jsonio.loads(line)
                 except jsonio.JsonError:
                     problems.append(LedgerProblem(n, "not JSON"))
-                    prev = hashlib.sha256(line).hexdigest()
+                    prev = sha256_hex(line)
                     expected_seq += 1
                     continue
                 if isinstance(obj, dict) and each is not None:
@@ -179,7 +179,7 @@ class Ledger:
                     problems.append(LedgerProblem(n, "hash chain broken: prev does not match the line before"))
                 elif obj.get("seq") != expected_seq:
                     problems.append(LedgerProblem(n, f"seq is {obj.get('seq')!r}, expected {expected_seq}"))
-                prev = hashlib.sha256(line).hexdigest()
+                prev = sha256_hex(line)
                 seq = obj.get("seq") if isinstance(obj, dict) else None
                 expected_seq = (seq if isinstance(seq, int) else expected_seq) + 1
         return problems

@@ -21,8 +21,8 @@ States: ``prepared`` → ``committed`` | ``rejected`` | ``unknown``
 from __future__ import annotations
 
 import time as _time
-import hashlib
 
+from cas.hashing import sha256_hex
 from cas.record import record, field, replace as replace_record
 from receipts import jsonio
 
@@ -141,7 +141,7 @@ class Receipt:
             updated_at=self.updated_at,
         )
         doc.pop(_DIGEST_FIELD, None)
-        doc[_DIGEST_FIELD] = hashlib.sha256(canonical_json(doc)).hexdigest()
+        doc[_DIGEST_FIELD] = sha256_hex(canonical_json(doc))
         return doc
 
     @property
@@ -190,12 +190,12 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
         # One validating walk (normalise) gives key-sorted copies; the three hashes
         # are then plain compact dumps of its parts, identical to canonical_json().
         canon = normalise(body)
-        actual_digest = hashlib.sha256(jsonio.dumps(canon)).hexdigest()
+        actual_digest = sha256_hex(jsonio.dumps(canon))
         identity = canon["identity"]
-        call_id = CALL_ID_TAG + hashlib.sha256(jsonio.dumps(identity)).hexdigest()
+        call_id = CALL_ID_TAG + sha256_hex(jsonio.dumps(identity))
         args_doc = {"args": identity.get("args", {}), "tool": identity.get("tool", ""),
                     "tool_version": identity.get("tool_version", "")}
-        args_sha = hashlib.sha256(jsonio.dumps(args_doc)).hexdigest()
+        args_sha = sha256_hex(jsonio.dumps(args_doc))
     except Exception as exc:  # CanonicalJsonError, odd identity shapes
         raise CorruptReceipt(path, f"cannot recompute hashes ({exc})") from exc
     if actual_digest != stored_digest:
