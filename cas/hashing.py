@@ -1,15 +1,18 @@
 """sha256 helpers (stdlib only).
 
-Small inputs (keys, identities, receipts, ledger lines) are hashed with the
-interpreter's built-in ``_sha256``: ``hashlib`` loads OpenSSL when imported,
-≈ 5 ms (up to 14 ms measured) of a cold process that only replays a receipt.
-Large inputs go to ``hashlib`` (OpenSSL's sha256 is several times faster on
-bulk data).  Both give the same digests.
+Until something in the process imports ``hashlib``, small inputs (keys,
+identities, receipts, ledger lines) are hashed with the interpreter's
+built-in ``_sha256``: importing ``hashlib`` loads OpenSSL, ≈ 5 ms (up to 14 ms
+measured) of a cold process that only replays a receipt.  Large inputs, and
+every input once ``hashlib`` is loaded anyway (a process that applies or
+scans), go to OpenSSL, which is 3–5× faster from 500 bytes on.  Both give the
+same digests.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
@@ -39,7 +42,7 @@ _sha256_small = _small_sha256()
 
 
 def sha256_hex(data: bytes | memoryview) -> str:
-    if len(data) <= SMALL:
+    if len(data) <= SMALL and "hashlib" not in sys.modules:
         return _sha256_small(data).hexdigest()
     import hashlib
 

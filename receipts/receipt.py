@@ -20,6 +20,8 @@ States: ``prepared`` → ``committed`` | ``rejected`` | ``unknown``
 
 from __future__ import annotations
 
+import re
+import sys
 import time as _time
 
 from cas.hashing import sha256_hex
@@ -186,6 +188,64 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
     if not isinstance(stored_digest, str):
         raise CorruptReceipt(path, f"missing field '{_DIGEST_FIELD}'")
     body = {k: v for k, v in doc.items() if k != _DIGEST_FIELD}
+    fast = _fast_hashes(body)
+    if fast is not None and fast[0] == stored_digest and fast[1] == doc["call_id"] and fast[2] == doc["args_sha256"]:
+        identity = body["identity"]
+    else:
+        identity = _checked_hashes(body, stored_digest, doc, path)
+    if identity.get("tool") != doc["tool"] or identity.get("tool_version") != doc["tool_version"]:
+        raise CorruptReceipt(path, "tool or tool_version differs from identity")
+    if expected_key_hash is not None and key_hash(doc["key"]) != expected_key_hash:
+        raise CorruptReceipt(path, "key does not match the file name")
+    known = set(_REQUIRED) | set(_OPTIONAL) | {_DIGEST_FIELD}
+    extra = {k: v for k, v in doc.items() if k not in known}
+    return _build(doc, extra, identity, stored_digest)
+
+
+def _fast_hashes(body: dict[str, Any]) -> tuple[str, str, str] | None:
+    """The receipt's three hashes from orjson's key-sorted dumps, when orjson is loaded (scans load it).
+
+    A match proves the same as the checked walk: the sorted dump of the parsed
+    document is then byte for byte the canonical text the digest was made of,
+    so the document is the one written.  Anything else (a mismatch, keys whose
+    code-point order is not RFC 8785's UTF-16 order) goes to the checked walk,
+    which decides and names the problem.
+    """
+    orjson = sys.modules.get("orjson")
+    if orjson is None:
+        return None
+    try:
+        # Integers beyond ±(2^53-1) and lone surrogates make orjson raise.
+        opt = orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER
+        text = orjson.dumps(body, option=opt)
+        if _OUTSIDE_FAST.search(text) or _FLOAT.search(_outside_strings(text)):
+            return None  # characters at or above U+E000 anywhere, or a float: the checked walk decides
+        identity = body["identity"]
+        args_doc = {"args": identity.get("args", {}), "tool": identity.get("tool", ""),
+                    "tool_version": identity.get("tool_version", "")}
+        return (sha256_hex(text),
+                CALL_ID_TAG + sha256_hex(orjson.dumps(identity, option=opt)),
+                sha256_hex(orjson.dumps(args_doc, option=opt)))
+    except Exception:  # noqa: BLE001 - odd shapes and values: the checked walk reports them
+        return None
+
+
+#: UTF-8 lead bytes of U+E000 and above (where code-point order may differ from UTF-16 order).
+_OUTSIDE_FAST = re.compile(rb"[\xee-\xf4]")
+#: A JSON string in compact text (escapes included), and a float once strings are emptied.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_FLOAT = re.compile(rb"[0-9][.eE]")
+
+
+def _outside_strings(text: bytes) -> bytes:
+    """``text`` (compact JSON) without the contents of its strings."""
+    if b"\\" not in text:  # no escapes, so every '"' delimits a string: a split is enough
+        return b"".join(text.split(b'"')[0::2])
+    return _STRING.sub(b'""', text)
+
+
+def _checked_hashes(body: dict[str, Any], stored_digest: str, doc: dict[str, Any], path: str) -> dict[str, Any]:
+    """Recompute the three hashes through the validating walk; return the identity, or raise CorruptReceipt."""
     try:
         # One validating walk (normalise) gives key-sorted copies; the three hashes
         # are then plain compact dumps of its parts, identical to canonical_json().
@@ -204,12 +264,11 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
         raise CorruptReceipt(path, "call_id does not match identity")
     if args_sha != doc["args_sha256"]:
         raise CorruptReceipt(path, "args_sha256 does not match identity")
-    if identity.get("tool") != doc["tool"] or identity.get("tool_version") != doc["tool_version"]:
-        raise CorruptReceipt(path, "tool or tool_version differs from identity")
-    if expected_key_hash is not None and key_hash(doc["key"]) != expected_key_hash:
-        raise CorruptReceipt(path, "key does not match the file name")
-    known = set(_REQUIRED) | set(_OPTIONAL) | {_DIGEST_FIELD}
-    extra = {k: v for k, v in doc.items() if k not in known}
+    checked: dict[str, Any] = identity
+    return checked
+
+
+def _build(doc: dict[str, Any], extra: dict[str, Any], identity: dict[str, Any], digest: str) -> Receipt:
     return Receipt(
         key=doc["key"],
         call_id=doc["call_id"],
@@ -232,5 +291,5 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
         result=doc.get("result"),
         extra=extra,
         schema=doc["schema"],
-        parsed_digest=actual_digest,
+        parsed_digest=digest,
     )

@@ -150,6 +150,7 @@ def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
     from receipts.errors import CorruptReceipt
     from receipts.receipt import parse_receipt
 
+    use_fast_json()  # a worker process: JSON and hashing speed matter
     module, _, func = factory.partition(":")
     store = ReceiptStore(root)
     verifiers = getattr(importlib.import_module(module), func)(store)

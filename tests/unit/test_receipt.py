@@ -337,3 +337,75 @@ def test_now_iso_is_datetimes_utc_isoformat_with_z() -> None:
     after = datetime.datetime.now(datetime.timezone.utc)
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", stamp)
     assert before - datetime.timedelta(seconds=1) <= datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")) <= after
+
+
+# -- the fast check (orjson's sorted dumps) and the checked walk agree -------------------------------
+
+
+def sorted_digest(doc: dict[str, Any]) -> dict[str, Any]:
+    """A digest made the way the fast check makes it (orjson, keys sorted): honest only inside the profile."""
+    body = {k: v for k, v in doc.items() if k != "receipt_sha256"}
+    doc["receipt_sha256"] = hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return doc
+
+
+def test_plain_receipts_take_the_fast_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    import receipts.receipt as receipt_mod
+
+    r = make_receipt()
+
+    def no_walk(value: Any) -> Any:
+        raise AssertionError("the checked walk ran")
+
+    monkeypatch.setattr(receipt_mod, "normalise", no_walk)
+    assert parse(receipt_bytes(r)) == r
+
+
+def test_keys_whose_order_differs_in_utf16_go_to_the_checked_walk() -> None:
+    # U+1F600 sorts before U+E000 in UTF-16 (RFC 8785) and after it by code point.
+    identity = make_identity("apply_patch", "1", {**ARGS, "x": {"\U0001F600": 1, "\ue000": 2, "a": 3}})
+    r = make_receipt(identity=identity, call_id=compute_call_id(identity),
+                     args_sha256=compute_args_sha256("apply_patch", "1", identity["args"]))
+    assert parse(receipt_bytes(r)) == r
+
+
+@pytest.mark.parametrize("value", [1.5, 2**53, -(2**60), 1e16], ids=["float", "2^53", "-2^60", "1e16"])
+def test_values_outside_the_profile_are_refused_even_with_a_matching_sorted_digest(value: Any) -> None:
+    doc = doc_of(make_receipt())
+    doc["result"] = {"n": value}
+    with pytest.raises(CorruptReceipt, match="cannot recompute hashes"):
+        parse(sorted_digest(doc))
+
+
+def test_hand_edits_are_caught_without_orjson(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    doc = doc_of(make_receipt())
+    data = orjson.dumps(doc)
+    monkeypatch.delitem(sys.modules, "orjson")  # the stdlib backend, no fast check
+    back = parse(data)
+    assert (back.key, back.status, back.identity) == (doc["key"], "committed", doc["identity"])
+    doc["status"] = "rejected"
+    assert reason_of(doc) == DIGEST_REASON
+    doc = doc_of(make_receipt())
+    doc["identity"]["args"]["patch_sha256"] = "b" * 64
+    assert reason_of(redigest(doc)) == "call_id does not match identity"
+
+
+@pytest.mark.parametrize("escaped", [False, True], ids=["plain", "with-escapes"])
+def test_numbers_inside_strings_are_not_floats(monkeypatch: pytest.MonkeyPatch, escaped: bool) -> None:
+    import receipts.receipt as receipt_mod
+
+    note = 'version "1.5" said 2e3\n' if escaped else "version 1.5 said 2e3"
+    r = make_receipt(result={"note": note, "n": 3})
+
+    def no_walk(value: Any) -> Any:
+        raise AssertionError("the checked walk ran")
+
+    monkeypatch.setattr(receipt_mod, "normalise", no_walk)
+    assert parse(receipt_bytes(r)) == r  # the fast check accepted it
+    doc = doc_of(r)
+    doc["result"]["n"] = 3.5
+    monkeypatch.undo()
+    with pytest.raises(CorruptReceipt, match="cannot recompute hashes"):
+        parse(sorted_digest(doc))
