@@ -54,6 +54,9 @@ __all__ = [
     "fsync_dir",
     "open_dir_nofollow",
     "is_own_tmp",
+    "link_as_lock",
+    "make_dirs",
+    "write_all",
 ]
 
 #: Every tmp file this module creates has this in its name; cleanup only ever
@@ -438,7 +441,7 @@ class DurableBatch:
                     self._write_tmp(item)
                     continue
                 folder = os.path.dirname(item.path)
-                for made in _make_dirs(folder, item.dir_mode):
+                for made in make_dirs(folder, item.dir_mode):
                     folders[os.path.dirname(made)] = None  # a new folder's entry lives in its parent
                 folders[folder] = None
                 if item.existing:
@@ -446,7 +449,7 @@ class DurableBatch:
                 self._write_tmp(item)
             for path, data in self._appends:
                 folder = os.path.dirname(path)
-                for made in _make_dirs(folder):
+                for made in make_dirs(folder):
                     folders[os.path.dirname(made)] = None
                 folders[folder] = None
                 fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_BINARY | _O_CLOEXEC, 0o644)
@@ -537,14 +540,11 @@ class DurableBatch:
             os.close(fd)
         if item.lock is not None:
             try:
-                os.link(tmp, item.lock)  # takes the lock, with its content
+                link_as_lock(tmp, item.lock)
             except FileExistsError:
                 if item.locked is not None:
                     raise item.locked() from None
                 raise
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
             item.tmp = item.lock
 
     def _close_open(self) -> None:
@@ -575,19 +575,35 @@ def _synced_file(item: _Item) -> str | tuple[int, str]:
     return (item.dir_fd, item.tmp) if item.dir_fd is not None else item.tmp
 
 
-def _make_dirs(folder: str, mode: int = 0o755) -> list[str]:
+def make_dirs(folder: str, mode: int = 0o755) -> list[str]:
     """Create ``folder`` and its missing parents; return the folders created (outermost first)."""
     if os.path.isdir(folder):
         return []
     made: list[str] = []
     parent = os.path.dirname(folder)
     if parent and parent != folder:
-        made += _make_dirs(parent, mode)
+        made += make_dirs(parent, mode)
     try:
         os.mkdir(folder, mode)
     except FileExistsError:
         return made
     return [*made, folder]
+
+
+def link_as_lock(tmp: str, lock: str) -> None:
+    """Take git's ``lock`` file by hard-linking the complete ``tmp`` to it (exclusive, like ``O_EXCL``).
+
+    The lock is born holding its content: a crash never leaves an empty lock
+    nobody could prove was ours.  ``tmp`` is removed either way.
+
+    Raises:
+        FileExistsError: the lock is held.
+    """
+    try:
+        os.link(tmp, lock)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:

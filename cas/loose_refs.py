@@ -44,7 +44,7 @@ import os
 import re
 from collections.abc import Callable
 
-from cas.durable import TMP_MARK, write_all
+from cas.durable import TMP_MARK, link_as_lock, make_dirs, write_all
 from cas.errors import GitStoreError, RefLockedError, RefMovedError
 
 __all__ = ["REF_TMP_PREFIX", "Unsupported", "read_ref", "swap", "reflogs_for"]
@@ -162,9 +162,8 @@ def swap(common_dir: str, ref: str, expected: str, new: str, reflog_line: bytes,
             precondition()
         for log in reflogs:
             folder = os.path.dirname(log)
-            if not os.path.isdir(folder):
-                for made in _make_dirs(folder):
-                    folders[os.path.dirname(made)] = None
+            for made in make_dirs(folder, 0o777):  # git's modes: 0777 less the umask
+                folders[os.path.dirname(made)] = None
             fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_CLOEXEC, 0o666)
             fds.append(fd)
             if os.fstat(fd).st_size == 0:
@@ -193,33 +192,16 @@ def _take_lock(common_dir: str, lock: str, content: bytes, folders: dict[str, No
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o666)
     try:
         write_all(fd, content)
-        try:
-            os.link(tmp, lock)
-        except FileNotFoundError:
-            # A packed ref whose folder has no loose ref yet: make it, as git does.
-            for made in _make_dirs(os.path.dirname(lock)):
-                folders[os.path.dirname(made)] = None
-            os.link(tmp, lock)
+        # A packed ref whose folder has no loose ref yet: the folder is made first, as git does.
+        for made in make_dirs(os.path.dirname(lock), 0o777):
+            folders[os.path.dirname(made)] = None
+        link_as_lock(tmp, lock)
     except FileExistsError:
         os.close(fd)
         raise RefLockedError(lock) from None
     except BaseException:
         os.close(fd)
-        raise
-    finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        raise
     return fd
-
-
-def _make_dirs(folder: str) -> list[str]:
-    """Create ``folder`` and its missing parents (git's modes: 0777 less the umask); return those created."""
-    made: list[str] = []
-    parent = os.path.dirname(folder)
-    if parent and parent != folder and not os.path.isdir(parent):
-        made += _make_dirs(parent)
-    try:
-        os.mkdir(folder, 0o777)
-    except FileExistsError:
-        return made
-    return [*made, folder]
