@@ -279,12 +279,14 @@ def fsync_all(paths: Iterable[str | int | tuple[int, str]]) -> None:
     group them into one journal commit), so n files cost about one flush, not n.
 
     Raises:
-        DurableWriteError: a sync failed (the first failure; all were attempted).
+        DurableWriteError: a sync failed (the first failure named; all were
+            attempted, and ``failed`` lists every path that failed).
     """
     todo = list(dict.fromkeys(paths))
     if not todo:
         return
     first: tuple[str | int | tuple[int, str], OSError] | None = None
+    failed: list[object] = []
     if len(todo) <= _INLINE_MAX:
         # A thread hand-off costs ~50-100 µs; for one or two files it buys nothing.
         for p in todo:
@@ -292,21 +294,27 @@ def fsync_all(paths: Iterable[str | int | tuple[int, str]]) -> None:
                 _fsync_path(p)
             except OSError as exc:
                 first = first or (p, exc)
+                failed.append(p)
     else:
         futures = [(p, _pool().submit(_fsync_path, p)) for p in todo[1:]]
         try:
             _fsync_path(todo[0])  # this thread syncs one too instead of only waiting
         except OSError as exc:
             first = (todo[0], exc)
+            failed.append(todo[0])
         for p, fut in futures:
             err = fut.exception()
-            if err is not None and first is None:
-                if not isinstance(err, OSError):
-                    raise err
+            if err is None:
+                continue
+            if not isinstance(err, OSError):
+                raise err
+            failed.append(p)
+            if first is None:
                 first = (p, err)
     if first is not None:
         err = DurableWriteError(_shown(first[0]), first[1])
         err.target = first[0]
+        err.failed = list(failed)
         raise err from first[1]
 
 
@@ -473,9 +481,13 @@ class DurableBatch:
             targets += self._also
             try:
                 fsync_all(targets)
-            except DurableWriteError as err:  # name the file, not its descriptor
+            except DurableWriteError as err:  # name the files, not their descriptors
+                named: list[object] = [self._open.get(t, t) if isinstance(t, int) else t for t in err.failed]
                 if isinstance(err.target, int) and err.target in self._open:
-                    raise DurableWriteError(self._open[err.target], err.cause) from err.cause
+                    again = DurableWriteError(self._open[err.target], err.cause)
+                    again.target, again.failed = self._open[err.target], named
+                    raise again from err.cause
+                err.failed = named
                 raise
             finally:
                 self._close_open()

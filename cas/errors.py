@@ -155,6 +155,7 @@ class DurableWriteError(CasError):
         self.path = path
         self.cause = cause
         self.target: object = None  # what failed to sync, as given to fsync_all (a path or a descriptor)
+        self.failed: list[object] = []  # from fsync_all: everything in its round that failed to sync
 
 
 class RefLockedError(CasError):

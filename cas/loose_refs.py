@@ -40,6 +40,7 @@ is ``always``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 from collections.abc import Callable
@@ -58,6 +59,8 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _LOOSE = re.compile(rb"([0-9a-f]{40})\s*")
 _AUTO_LOG_PREFIXES = ("refs/heads/", "refs/remotes/", "refs/notes/")
+#: link() failures that mean "no hard link here", not "locked".
+_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.EOPNOTSUPP}
 
 
 class Unsupported(Exception):
@@ -71,12 +74,17 @@ def read_ref(common_dir: str, ref: str) -> str | None:
         Unsupported: a symbolic ref, or content that is not one SHA-1 oid.
     """
     try:
-        with open(os.path.join(common_dir, ref), "rb") as fh:
-            data = fh.read(256)
+        fd = os.open(os.path.join(common_dir, ref), os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
     except FileNotFoundError:
         return _read_packed(common_dir, ref)
-    except (IsADirectoryError, NotADirectoryError) as exc:
-        raise Unsupported(f"'{ref}' is not a file: {exc}") from exc
+    except OSError as exc:  # a symlink (git's old symbolic refs: ELOOP), a folder, …
+        raise Unsupported(f"'{ref}' is not a plain file: {exc}") from exc
+    try:
+        data = os.read(fd, 256)
+    except OSError as exc:  # EISDIR
+        raise Unsupported(f"'{ref}' is not a plain file: {exc}") from exc
+    finally:
+        os.close(fd)
     m = _LOOSE.fullmatch(data)
     if m is None:
         raise Unsupported(f"'{ref}' holds {data[:60]!r}, not an oid")
@@ -99,35 +107,43 @@ def _read_packed(common_dir: str, ref: str) -> str | None:
                 return oid.decode()
             raise Unsupported(f"packed-refs line of '{ref}' holds {oid!r}")
         at = data.find(needle, at + 1)
-    if not data.endswith(b"\n") and data.endswith(needle[:-1]):
-        tail = data[-(len(needle) - 1) - 40:-(len(needle) - 1)]
-        if _LOOSE.fullmatch(tail):
-            return tail.decode()
+    if data and not data.endswith(b"\n"):
+        raise Unsupported("packed-refs ends in an unterminated line")  # git refuses it too
     return None
 
 
-def reflogs_for(git_dir: str, common_dir: str, ref: str, log_all: str | None, bare: bool) -> list[str]:
+def reflogs_for(git_dir: str, common_dir: str, ref: str, log_all: bool | str | None, bare: bool) -> list[str]:
     """The reflog files a move of ``ref`` appends to (git's rule; module docstring).
 
-    ``log_all`` is ``core.logAllRefUpdates`` as written (``None``: unset).
+    ``log_all`` is ``core.logAllRefUpdates``: ``"always"``, its value as git's
+    boolean, or ``None`` when unset.
+
+    Raises:
+        Unsupported: a reflog path is a folder (git would clear it first).
     """
     names = [(ref, os.path.join(common_dir, "logs", ref))]
-    try:
-        with open(os.path.join(git_dir, "HEAD"), "rb") as fh:
-            head = fh.read(1024)
-    except OSError:
-        head = b""
-    if head.startswith(b"ref:") and head[4:].strip().decode("utf-8", "replace") == ref:
-        names.append(("HEAD", os.path.join(git_dir, "logs", "HEAD")))
-    setting = (log_all or "").strip().lower()
-    if setting == "always":
+    head_path = os.path.join(git_dir, "HEAD")
+    if os.path.islink(head_path):  # core.preferSymlinkRefs
+        if os.readlink(head_path) == ref:
+            names.append(("HEAD", os.path.join(git_dir, "logs", "HEAD")))
+    else:
+        try:
+            with open(head_path, "rb") as fh:
+                head = fh.read(1024)
+        except OSError:
+            head = b""
+        if head.startswith(b"ref:") and head[4:].strip().decode("utf-8", "replace") == ref:
+            names.append(("HEAD", os.path.join(git_dir, "logs", "HEAD")))
+    if log_all == "always":
         create_any, create_std = True, True
     elif log_all is None:
         create_any, create_std = False, not bare
     else:
-        create_any, create_std = False, setting in ("true", "yes", "on", "1", "")
+        create_any, create_std = False, bool(log_all)
     out = []
     for name, path in names:
+        if os.path.isdir(path):
+            raise Unsupported(f"reflog '{path}' is a folder")
         if os.path.isfile(path):
             out.append(path)
         elif create_any or (create_std and (name == "HEAD" or name.startswith(_AUTO_LOG_PREFIXES))):
@@ -146,6 +162,8 @@ def swap(common_dir: str, ref: str, expected: str, new: str, reflog_line: bytes,
         GitStoreError: a write or sync failed before the rename (the ref is unchanged).
         Whatever ``precondition`` raises (the ref is unchanged).
     """
+    if not _LOOSE.fullmatch(new.encode()):
+        raise Unsupported(f"'{new}' is not an object id")
     path = os.path.join(common_dir, ref)
     lock = path + ".lock"
     folders: dict[str, None] = {}
@@ -199,6 +217,13 @@ def _take_lock(common_dir: str, lock: str, content: bytes, folders: dict[str, No
     except FileExistsError:
         os.close(fd)
         raise RefLockedError(lock) from None
+    except OSError as exc:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if exc.errno in _NO_LINK:  # refs/ on another file system, or one without hard links
+            raise Unsupported(f"cannot link a lock into '{os.path.dirname(lock)}': {exc}") from exc
+        raise
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):

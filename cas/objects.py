@@ -160,6 +160,7 @@ class GitStore:
         self._signature: Signature | None = None
         # Folders and reflogs of refs moved with defer_sync, which a later batch syncs.
         self._unsynced: dict[str, None] = {}
+        self._sync_failure: DurableWriteError | None = None
 
     def worktree_repo(self, workdir: str) -> pygit2.Repository:
         """The repository opened at a worktree (its attributes, filters, git dir), kept open while this store is.
@@ -416,6 +417,7 @@ class GitStore:
         self._pending.clear()
         self._recent = {}
         self._signature = None
+        self._sync_failure = None
 
     def forget_recent(self) -> None:
         """Drop the blobs the last :meth:`add_pending_to` kept at hand (the call is over)."""
@@ -513,10 +515,19 @@ class GitStore:
     def _swap_loose(self, ref: str, expected: str, new: str, message: str,
                     precondition: Callable[[], None] | None, defer_sync: bool) -> None:
         cfg = self.repo.config
+        log_all: bool | str | None
         try:
-            log_all: str | None = str(cfg["core.logAllRefUpdates"])
+            raw = cfg["core.logAllRefUpdates"]
         except KeyError:
-            log_all = None
+            log_all = None  # unset
+        else:
+            if raw is not None and str(raw).strip().lower() == "always":
+                log_all = "always"
+            else:
+                try:  # git's boolean: a key without a value is true, an empty value false
+                    log_all = cfg.get_bool("core.logAllRefUpdates")
+                except (pygit2.GitError, ValueError) as exc:
+                    raise Unsupported(f"core.logAllRefUpdates: {exc}") from exc
         logs = reflogs_for(self.git_dir, self.common_dir, ref, log_all, self.repo.is_bare)
         folders = swap(self.common_dir, ref, expected, new, self._reflog_line(expected, new, message), logs,
                        precondition)
@@ -542,6 +553,23 @@ class GitStore:
     def unsynced(self) -> list[str]:
         """The folders and reflogs of refs moved with ``defer_sync`` not yet synced (they stay listed)."""
         return list(self._unsynced)
+
+    def sync_failed(self, exc: DurableWriteError, paths: list[str]) -> None:
+        """A round that synced ``paths`` (from :meth:`unsynced`) failed: note it if one of them failed.
+
+        A sync is not retried as if nothing happened (a second fsync after a
+        failed one can succeed with the data lost): the move's durability is
+        unknown from here on (:meth:`take_sync_failure`).
+        """
+        if any(p in exc.failed for p in paths) and self._sync_failure is None:
+            self._sync_failure = exc
+
+    def take_sync_failure(self) -> RefUpdateUnknown | None:
+        """The failed sync of a moved ref's folder or reflog since the last call, as the error to report."""
+        exc, self._sync_failure = self._sync_failure, None
+        if exc is None:
+            return None
+        return RefUpdateUnknown(f"the branch moved but '{exc.path}' could not be synced: {exc.cause}")
 
     def mark_synced(self, paths: list[str]) -> None:
         """``paths`` (from :meth:`unsynced`) were synced by the caller: not listed any more."""

@@ -38,7 +38,7 @@ import pygit2
 
 from cas.durable import TMP_MARK, DurableBatch, fsync_all, fsync_dir, open_dir_nofollow
 from cas.hashing import git_blob_oid
-from cas.errors import GitStoreError, RefLockedError, UnsafeWorktreePath
+from cas.errors import DurableWriteError, GitStoreError, RefLockedError, UnsafeWorktreePath
 from cas.objects import GitStore, TreeEntry
 
 __all__ = [
@@ -200,7 +200,11 @@ def materialise(
     with contextlib.ExitStack() as keep:
         try:
             if sync_first and (deletes or not writes):
-                fsync_all(sync_first)
+                try:
+                    fsync_all(sync_first)
+                except DurableWriteError as exc:
+                    store.sync_failed(exc, sync_first)
+                    raise
                 store.mark_synced(sync_first)
                 sync_first = None
             for path in deletes:
@@ -224,7 +228,12 @@ def materialise(
                                 wt_repo = store.worktree_repo(workdir)
                             data = smudged(workdir, path, data, wt_repo)  # '*.bat eol=crlf': written as git would
                         _queue_path(batch, keep if last else stack, folders, workdir, path, data, entry.mode, umask)
-                    batch.commit(defer_folders=last_folders if last else None)
+                    try:
+                        batch.commit(defer_folders=last_folders if last else None)
+                    except DurableWriteError as exc:
+                        if synced:
+                            store.sync_failed(exc, synced)
+                        raise
                 if synced:
                     store.mark_synced(synced)
         except UnsafeWorktreePath:

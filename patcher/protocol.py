@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from cas.record import record
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
-from cas.errors import OncepatchError, RefLockedError, RefMovedError, RefUpdateUnknown, UsageError
+from cas.errors import DurableWriteError, OncepatchError, RefLockedError, RefMovedError, RefUpdateUnknown, UsageError
 from cas.gitdir import read_head
 from receipts.errors import FencedOff, IdempotencyConflict
 from receipts.jsonio import use_fast as use_fast_json
@@ -428,6 +428,10 @@ def _execute(
                 with contextlib.suppress(Exception):
                     gstore.sync_refs()  # the move is made durable even when this fails
                 raise
+            failed_sync = gstore.take_sync_failure()
+            if failed_sync is not None:  # the move's own sync failed in a worktree's round
+                rstore.record(receipt.evolve(status="unknown", error=failed_sync.envelope()), "unknown")
+                raise failed_sync
         finally:
             release_index_locks(held)
             gstore.forget_recent()  # the worktrees were the last readers of this call's blobs
@@ -447,6 +451,16 @@ def _execute(
         batch.sync_first(ref_folders)
         gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}", batch=batch)
         path = rstore.record(final, "committed", before_replace=crash_hook("before-receipt-replace"), batch=batch)
+    except DurableWriteError as exc:
+        if any(p in exc.failed for p in ref_folders):
+            # The branch moved and its own sync failed: never retried as if nothing
+            # happened (a second fsync may succeed with the data lost).
+            unknown = RefUpdateUnknown(f"the branch moved but '{exc.path}' could not be synced: {exc.cause}")
+            rstore.record(receipt.evolve(status="unknown", error=unknown.envelope()), "unknown")
+            raise unknown from exc
+        with contextlib.suppress(Exception):
+            fsync_all(ref_folders)  # the move is made durable even when finalising failed
+        raise
     except BaseException:
         with contextlib.suppress(Exception):
             fsync_all(ref_folders)  # the move is made durable even when finalising failed

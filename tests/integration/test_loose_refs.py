@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -239,3 +240,105 @@ def test_git_and_oncepatch_alternate_on_one_branch(tmp_path: Path) -> None:
     log = reflog(repo, "main")
     assert [s.split(" ", 1)[1] for s in log[:6:2]] == ["commit: git 2", "commit: git 1", "commit: git 0"]
     assert subprocess.run(["git", "fsck", "--strict"], cwd=repo.path, capture_output=True).returncode == 0
+
+
+# -- what git would read differently, or where the files backend cannot be used ---------------------
+
+
+@pytest.mark.parametrize(("line", "made"), [("logAllRefUpdates", True), ("logAllRefUpdates =", False),
+                                            ("logAllRefUpdates = 2", True)],
+                         ids=["no-value", "empty", "two"])
+def test_log_all_ref_updates_is_read_as_git_reads_a_boolean(repo: Repo, line: str, made: bool) -> None:
+    with open(repo.path / ".git/config", "a") as fh:
+        fh.write(f"[core]\n\t{line}\n")
+    repo.git("branch", "fresh")
+    (repo.path / ".git/logs/refs/heads/fresh").unlink(missing_ok=True)
+    gs = GitStore(str(repo.path))
+    base = repo.head("fresh")
+    gs.compare_and_swap("refs/heads/fresh", base, new_commit(gs, base), "m")
+    assert (repo.path / ".git/logs/refs/heads/fresh").exists() is made
+
+
+def test_a_symlinked_ref_is_left_to_libgit2(repo: Repo) -> None:
+    git_dir = repo.path / ".git"
+    os.symlink("main", git_dir / "refs/heads/link")  # git's old way of writing a symbolic ref
+    with pytest.raises(Unsupported):
+        read_ref(str(git_dir), "refs/heads/link")
+
+
+def test_packed_refs_without_a_final_newline_is_left_to_libgit2(repo: Repo) -> None:
+    repo.git("pack-refs", "--all", "--prune")
+    packed = repo.path / ".git/packed-refs"
+    packed.write_bytes(packed.read_bytes().rstrip(b"\n"))
+    with pytest.raises(Unsupported):
+        read_ref(str(repo.path / ".git"), "refs/heads/absent")
+
+
+def test_a_value_that_is_not_an_object_id_is_never_written(repo: Repo) -> None:
+    gs = GitStore(str(repo.path))
+    base = repo.head()
+    before = (repo.path / ".git/refs/heads/main").read_bytes()
+    with pytest.raises(Exception):
+        gs.compare_and_swap("refs/heads/main", base, "main~1", "m")
+    assert (repo.path / ".git/refs/heads/main").read_bytes() == before
+    assert not list((repo.path / ".git").rglob("*.lock"))
+
+
+def test_an_empty_folder_where_the_reflog_goes_is_left_to_libgit2(repo: Repo) -> None:
+    repo.git("branch", "odd")
+    log = repo.path / ".git/logs/refs/heads/odd"
+    log.unlink()
+    log.mkdir()
+    gs = GitStore(str(repo.path))
+    base = repo.head("odd")
+    cand = new_commit(gs, base)
+    gs.compare_and_swap("refs/heads/odd", base, cand, "m")  # libgit2 clears the empty folder, as git does
+    assert repo.head("odd") == cand
+    assert not list((repo.path / ".git").rglob("*.lock"))
+
+
+def test_no_hard_links_falls_back_to_libgit2(repo: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    def no_link(src: str, dst: str) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    gs = GitStore(str(repo.path))
+    base = repo.head()
+    cand = new_commit(gs, base)
+    gs.flush_objects()
+    monkeypatch.setattr(os, "link", no_link)  # refs/ on another file system
+    gs.compare_and_swap("refs/heads/main", base, cand, "m")
+    assert repo.head("main") == cand
+    assert not [n for n in os.listdir(repo.path / ".git") if ".optmp-" in n]
+
+
+@pytest.mark.parametrize("branch", ["main", "side"], ids=["checked-out", "not-checked-out"])
+def test_a_failed_sync_of_the_moved_branch_ends_unknown(repo: Repo, monkeypatch: pytest.MonkeyPatch,
+                                                       branch: str) -> None:
+    """The branch's folder sync is made in a later round (a worktree's, or the finalise batch's).
+    If it fails there, the call never retries it as if nothing happened (a second fsync after a
+    failed one can succeed with the data lost): the receipt says unknown."""
+    import errno
+
+    import cas.durable
+    from cas.errors import RefUpdateUnknown
+    from patcher.protocol import apply
+    from receipts.store import ReceiptStore
+
+    repo.git("branch", "side")
+    heads = os.path.realpath(repo.path / ".git/refs/heads")
+    real = cas.durable._fsync_path
+    failures = [OSError(errno.EIO, "Input/output error")]  # once, as Linux reports a lost write-back once
+
+    def failing(target: Any) -> None:
+        if target == heads and failures:
+            raise failures.pop()
+        real(target)
+
+    monkeypatch.setattr(cas.durable, "_fsync_path", failing)
+    patch = b"--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hello there\n"
+    with pytest.raises(RefUpdateUnknown):
+        apply(str(repo.path), patch, key="k1", branch=branch)
+    receipt = ReceiptStore(str(repo.path / ".git" / "oncepatch")).read("k1")
+    assert receipt is not None and receipt.status == "unknown"
