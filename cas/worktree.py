@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import socket
 import stat
 import time
@@ -306,7 +305,7 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
     # link()ed to 'index.lock' (exclusive like O_CREAT|O_EXCL).  Race guarded: a
     # call killed between creating an empty lock and writing its mark would leave
     # a lock nothing could prove ours, blocking every later call.
-    tmp = os.path.join(git_dir, f".index.lock{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")  # per thread
+    tmp = os.path.join(git_dir, f".index.lock{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")  # per thread
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

@@ -64,7 +64,6 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-import orjson
 
 from patcher.detection import WHOLE_KEYS, json_items, looks_search_replace, looks_str_replace
 from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied

@@ -32,7 +32,6 @@ import base64
 import binascii
 from typing import Any
 
-import orjson
 
 from patcher.detection import EDIT_KEYS, json_items, looks_whole_file
 from patcher.errors import ParseError

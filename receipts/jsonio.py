@@ -19,7 +19,7 @@ TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECI
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["JsonError", "loads", "dumps", "use_fast", "keep_lean"]
+__all__ = ["JsonError", "loads", "dumps", "dumps_pretty", "use_fast", "keep_lean"]
 
 
 class JsonError(ValueError):
@@ -67,6 +67,21 @@ def loads(data: bytes | str) -> Any:
             return fast.loads(data)
         return json.loads(data, parse_constant=_no_constant)
     except ValueError as exc:  # orjson.JSONDecodeError and json.JSONDecodeError are ValueErrors
+        raise JsonError(str(exc)) from exc
+
+
+def dumps_pretty(value: Any) -> bytes:
+    """``value`` indented by two spaces, keys sorted (a receipt file's bytes, without its newline).
+
+    Raises:
+        JsonError: a value JSON cannot carry.
+    """
+    fast = sys.modules.get("orjson")
+    try:
+        if fast is not None:
+            return bytes(fast.dumps(value, option=fast.OPT_INDENT_2 | fast.OPT_SORT_KEYS))
+        return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError, UnicodeEncodeError) as exc:
         raise JsonError(str(exc)) from exc
 
 

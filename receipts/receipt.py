@@ -155,9 +155,7 @@ class Receipt:
 
 def receipt_bytes(receipt: Receipt) -> bytes:
     """The file bytes of a receipt: indented, sorted keys, trailing newline (readable, stable)."""
-    import orjson  # the write path: a process that writes receipts has the time
-
-    return orjson.dumps(receipt.to_doc(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
+    return jsonio.dumps_pretty(receipt.to_doc()) + b"\n"
 
 
 def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = None) -> Receipt:

@@ -31,13 +31,14 @@ def loaded(repo: Path, patch: Path) -> tuple[dict[str, object], list[str]]:
     return json.loads(res.stdout), mods
 
 
-def test_replay_loads_neither_libgit2_nor_openssl(tmp_path: Path) -> None:
+def test_apply_loads_no_orjson_and_a_replay_neither_libgit2_nor_openssl(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"})
     patch = tmp_path / "p.diff"
     patch.write_bytes(b"--- a/f.txt\n+++ b/f.txt\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n")
     first, mods = loaded(repo.path, patch)
     assert first["status"] == "committed" and first["replayed"] is False
     assert "pygit2" in mods  # the first call executes
+    assert "orjson" not in mods and "filelock" not in mods  # one call, then exit: the stdlib does its JSON
     again, mods = loaded(repo.path, patch)
     assert again["replayed"] is True and again["commit"] == first["commit"]
     assert mods == [], mods  # the receipt is read, checked and printed with the interpreter alone

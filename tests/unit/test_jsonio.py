@@ -32,6 +32,18 @@ def test_stdlib_backend_gives_orjsons_bytes(value: object) -> None:
         sys.modules["orjson"] = saved
 
 
+@settings(max_examples=300, deadline=None)
+@given(values)
+def test_stdlib_backend_gives_orjsons_indented_bytes(value: object) -> None:
+    expected = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+    assert jsonio.dumps_pretty(value) == expected
+    saved = sys.modules.pop("orjson")
+    try:
+        assert jsonio.dumps_pretty(value) == expected  # a receipt file is the same bytes without orjson
+    finally:
+        sys.modules["orjson"] = saved
+
+
 def test_control_characters_escape_the_same() -> None:
     s = "".join(chr(c) for c in range(0x20)) + '"\\\x7f\u2028\ue000\U0001f600'
     saved = sys.modules.pop("orjson")
