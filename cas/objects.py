@@ -141,6 +141,10 @@ class Signature:
     email: str
 
 
+def _sync_unknown(exc: DurableWriteError) -> RefUpdateUnknown:
+    return RefUpdateUnknown(f"the branch moved but '{exc.path}' could not be synced: {exc.cause}")
+
+
 class GitStore:
     """An open repository.  Long-lived callers keep one per repository."""
 
@@ -548,7 +552,7 @@ class GitStore:
         try:
             fsync_all(todo)
         except DurableWriteError as exc:
-            raise RefUpdateUnknown(f"ref moved but '{exc.path}' could not be synced: {exc.cause}") from exc
+            raise _sync_unknown(exc) from exc
 
     def unsynced(self) -> list[str]:
         """The folders and reflogs of refs moved with ``defer_sync`` not yet synced (they stay listed)."""
@@ -567,9 +571,7 @@ class GitStore:
     def take_sync_failure(self) -> RefUpdateUnknown | None:
         """The failed sync of a moved ref's folder or reflog since the last call, as the error to report."""
         exc, self._sync_failure = self._sync_failure, None
-        if exc is None:
-            return None
-        return RefUpdateUnknown(f"the branch moved but '{exc.path}' could not be synced: {exc.cause}")
+        return None if exc is None else _sync_unknown(exc)
 
     def mark_synced(self, paths: list[str]) -> None:
         """``paths`` (from :meth:`unsynced`) were synced by the caller: not listed any more."""

@@ -430,7 +430,7 @@ def _execute(
                 raise
             failed_sync = gstore.take_sync_failure()
             if failed_sync is not None:  # the move's own sync failed in a worktree's round
-                rstore.record(receipt.evolve(status="unknown", error=failed_sync.envelope()), "unknown")
+                _record_unknown(rstore, receipt, failed_sync)
                 raise failed_sync
         finally:
             release_index_locks(held)
@@ -452,11 +452,12 @@ def _execute(
         gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}", batch=batch)
         path = rstore.record(final, "committed", before_replace=crash_hook("before-receipt-replace"), batch=batch)
     except DurableWriteError as exc:
-        if any(p in exc.failed for p in ref_folders):
+        gstore.sync_failed(exc, ref_folders)
+        unknown = gstore.take_sync_failure()
+        if unknown is not None:
             # The branch moved and its own sync failed: never retried as if nothing
             # happened (a second fsync may succeed with the data lost).
-            unknown = RefUpdateUnknown(f"the branch moved but '{exc.path}' could not be synced: {exc.cause}")
-            rstore.record(receipt.evolve(status="unknown", error=unknown.envelope()), "unknown")
+            _record_unknown(rstore, receipt, unknown)
             raise unknown from exc
         with contextlib.suppress(Exception):
             fsync_all(ref_folders)  # the move is made durable even when finalising failed
@@ -552,9 +553,14 @@ def _move_refs(
                     candidate, retryable=True)
             raise
         except RefUpdateUnknown as exc:
-            rstore.record(receipt.evolve(status="unknown", error=exc.envelope()), "unknown")
+            _record_unknown(rstore, receipt, exc)
             raise
     return receipt, staged
+
+
+def _record_unknown(rstore: ReceiptStore, receipt: Receipt, exc: RefUpdateUnknown) -> None:
+    """The branch may have moved and no one can tell yet: the receipt says ``unknown``."""
+    rstore.record(receipt.evolve(status="unknown", error=exc.envelope()), "unknown")
 
 
 def _fence(rstore: ReceiptStore, key: str, token: int) -> None:

@@ -200,6 +200,12 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
     return _build(doc, extra, identity, stored_digest)
 
 
+def _args_doc(identity: dict[str, Any]) -> dict[str, Any]:
+    """The part of an identity ``args_sha256`` covers (keys already in canonical order)."""
+    return {"args": identity.get("args", {}), "tool": identity.get("tool", ""),
+            "tool_version": identity.get("tool_version", "")}
+
+
 def _fast_hashes(body: dict[str, Any]) -> tuple[str, str, str] | None:
     """The receipt's three hashes from orjson's key-sorted dumps, when orjson is loaded (scans load it).
 
@@ -219,11 +225,9 @@ def _fast_hashes(body: dict[str, Any]) -> tuple[str, str, str] | None:
         if _OUTSIDE_FAST.search(text) or _FLOAT.search(_outside_strings(text)):
             return None  # characters at or above U+E000 anywhere, or a float: the checked walk decides
         identity = body["identity"]
-        args_doc = {"args": identity.get("args", {}), "tool": identity.get("tool", ""),
-                    "tool_version": identity.get("tool_version", "")}
         return (sha256_hex(text),
                 CALL_ID_TAG + sha256_hex(orjson.dumps(identity, option=opt)),
-                sha256_hex(orjson.dumps(args_doc, option=opt)))
+                sha256_hex(orjson.dumps(_args_doc(identity), option=opt)))
     except Exception:  # noqa: BLE001 - odd shapes and values: the checked walk reports them
         return None
 
@@ -251,9 +255,7 @@ def _checked_hashes(body: dict[str, Any], stored_digest: str, doc: dict[str, Any
         actual_digest = sha256_hex(jsonio.dumps(canon))
         identity = canon["identity"]
         call_id = CALL_ID_TAG + sha256_hex(jsonio.dumps(identity))
-        args_doc = {"args": identity.get("args", {}), "tool": identity.get("tool", ""),
-                    "tool_version": identity.get("tool_version", "")}
-        args_sha = sha256_hex(jsonio.dumps(args_doc))
+        args_sha = sha256_hex(jsonio.dumps(_args_doc(identity)))
     except Exception as exc:  # CanonicalJsonError, odd identity shapes
         raise CorruptReceipt(path, f"cannot recompute hashes ({exc})") from exc
     if actual_digest != stored_digest:
