@@ -359,6 +359,7 @@ class DurableBatch:
         self._open: dict[int, str] = {}  # descriptors to sync, and the file each is
         self._kept = 0  # tmp files still open from their write
         self._also: list[str] = []  # synced in the first round, written by someone else
+        self._when_durable: list[Callable[[], None]] = []
 
     def __len__(self) -> int:
         return len(self._items)
@@ -413,6 +414,14 @@ class DurableBatch:
         """
         self._also.extend(paths)
 
+    def when_durable(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once :meth:`commit` has made the whole batch durable (never on failure).
+
+        For clean-up that the batch's files make safe (removing what they
+        replace).  Not with ``defer_folders``: the batch is durable only later.
+        """
+        self._when_durable.append(action)
+
     def append(self, path: str, data: bytes) -> None:
         """Queue an append to ``path`` (created if missing): written after the tmp files, synced with them.
 
@@ -441,6 +450,8 @@ class DurableBatch:
                 target unchanged) — or, with ``effect_status="unknown"``, the
                 renames happened and only the last round's syncs failed.
         """
+        if defer_folders is not None and self._when_durable:
+            raise ValueError("when_durable actions need the batch's own last round")
         folders: dict[str | int, None] = {}
         try:
             for item in self._items:
@@ -521,6 +532,8 @@ class DurableBatch:
             fsync_all([*folders, *extra])
         except DurableWriteError as exc:
             raise DurableWriteError(exc.path, exc.cause, effect_status="unknown") from exc.cause
+        for action in self._when_durable:
+            action()
 
     def _write_tmp(self, item: _Item) -> None:
         folder, name = os.path.split(item.path)

@@ -17,10 +17,12 @@ What it offers the apply protocol:
 * :meth:`GitStore.create_key_ref`: the create-only ``refs/oncepatch/keys/<h>``.
 
 Objects are hashed and serialised here, in Python (blobs, trees, commits are
-simple formats), and *staged*: held until the protocol writes them, as loose
-objects, in the same :class:`cas.durable.DurableBatch` as the receipt that
-names them — all synced in one round instead of one fsync per object and one
-per folder, one after another.  Anything that reads through libgit2 or moves a
+simple formats), and *staged*: held until the protocol writes them, in the same
+:class:`cas.durable.DurableBatch` as the receipt that names them — all synced
+in one round instead of one fsync per object and one per folder, one after
+another.  A call's objects go into one pack (:mod:`cas.packs`: two files in
+one folder, whatever the number of objects); a lone object, or one too big to
+hold twice, is written loose.  Anything that reads through libgit2 or moves a
 ref writes the staged objects first (:meth:`GitStore.flush_objects`).
 
 Durability: ``enable_fsync_gitdir`` is switched on when the first store opens,
@@ -49,6 +51,7 @@ from cas.durable import DurableBatch, fsync_all, write_all
 from cas.gitdir import common_dir_of
 from cas.errors import (DurableWriteError, GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown,
                         UsageError)
+from cas import packs
 from cas.loose_refs import Unsupported, reflogs_for, swap
 
 __all__ = ["GitStore", "TreeEntry", "PathLookup", "Signature", "KEY_REF_PREFIX"]
@@ -376,11 +379,15 @@ class GitStore:
             self._pending[oid] = (header, data)
 
     def add_pending_to(self, batch: DurableBatch) -> None:
-        """Queue every staged object in ``batch`` as a loose object; they count as written after its commit.
+        """Queue every staged object in ``batch``; they count as written after its commit.
 
-        An object the repository already has is not written again (one already
-        loose is synced with the batch).  The tmp files follow git's
-        ``tmp_obj_`` naming, which ``git prune`` removes if a crash leaves one.
+        Two or more go into one pack (:mod:`cas.packs`), which may also take in
+        small packs found beside it: they are removed once the batch is durable.
+        A single object, or one bigger than :data:`cas.packs.OBJECT_MAX`
+        (streamed, never held twice), is written loose, unless the repository
+        already has it (one already loose is synced with the batch).  The tmp
+        files follow git's ``tmp_obj_`` / ``tmp_pack_`` / ``tmp_idx_`` naming,
+        which ``git prune`` removes if a crash leaves one.
         """
         objects = os.path.join(self.common_dir, "objects")
         # Blobs stay at hand until the call ends (forget_recent): materialising a
@@ -388,7 +395,18 @@ class GitStore:
         # beside the bytes it was made from.
         self._recent = {oid: data for oid, (header, data) in self._pending.items()
                         if isinstance(data, bytes) and header.startswith(b"blob ")}
+        loose: list[tuple[str, bytes, bytes | memoryview]] = []
+        packable: list[tuple[str, bytes, bytes | memoryview]] = []
         for oid, (header, data) in self._pending.items():
+            (packable if len(data) <= packs.OBJECT_MAX else loose).append((oid, header, data))
+        self._pending.clear()
+        if len(packable) >= 2:
+            # Not looked up first: a lookup that misses (the usual case) makes libgit2
+            # rescan the pack folder, and a copy of an object git has is harmless.
+            self._add_pack(batch, os.path.join(objects, "pack"), packable)
+        else:
+            loose += packable
+        for oid, header, data in loose:
             path = os.path.join(objects, oid[:2], oid[2:])
             if not os.path.exists(path) and self._packed(oid):
                 continue
@@ -396,7 +414,29 @@ class GitStore:
             # repository's umask keeps them group-writable).
             batch.add(path, writer=_deflate_writer(header, data), mode=0o444, content_addressed=True,
                       tmp_prefix="tmp_obj_", dir_mode=0o777)
-        self._pending.clear()
+
+    def _add_pack(self, batch: DurableBatch, pack_dir: str,
+                  objects: list[tuple[str, bytes, bytes | memoryview]]) -> None:
+        builder = packs.PackBuilder()
+        for oid, header, data in objects:
+            builder.add_object(oid, header, data)
+        merged: list[packs.SmallPack] = []
+        for pack in packs.choose_merge(len(builder), packs.small_packs(pack_dir)):
+            entries = packs.read_entries(pack.stem)
+            if entries is None:
+                continue  # gone, or not one a merge may copy: left as it is
+            for oid_raw, entry, crc in entries:
+                builder.add_entry(oid_raw, entry, crc)
+            merged.append(pack)
+        checksum, pack_bytes, idx_bytes = builder.build()
+        stem = os.path.join(pack_dir, f"pack-{checksum}")
+        # The pack before its idx: readers find packs by their idx.
+        batch.add(stem + ".pack", pack_bytes, mode=0o444, content_addressed=True, tmp_prefix="tmp_pack_",
+                  dir_mode=0o777)
+        batch.add(stem + ".idx", idx_bytes, mode=0o444, content_addressed=True, tmp_prefix="tmp_idx_",
+                  dir_mode=0o777)
+        if merged:
+            batch.when_durable(lambda: packs.retire(merged))
 
     def _packed(self, oid: str) -> bool:
         try:
@@ -459,7 +499,7 @@ class GitStore:
 
     def compare_and_swap(self, ref: str, expected: str | None, new: str, message: str,
                          *, lock_timeout: float = 1.0, precondition: Callable[[], None] | None = None,
-                         defer_sync: bool = False) -> None:
+                         defer_sync: bool = False, before_libgit2: Callable[[], None] | None = None) -> None:
         """Move ``ref`` from ``expected`` to ``new`` atomically, or not at all.
 
         A branch held as a loose or packed oid is moved here, the way git's files
@@ -471,6 +511,11 @@ class GitStore:
         A held ``<ref>.lock`` is waited for up to ``lock_timeout`` seconds (git
         holds its ref locks for milliseconds; like git's
         ``core.filesRefLockTimeout``), then reported.
+
+        ``before_libgit2`` runs once before libgit2's transaction takes the lock
+        (libgit2 creates ``<ref>.lock`` empty and fills it only when committing;
+        the files-backend path's lock is born complete): the apply protocol
+        writes the marker that proves such an empty lock its own.
 
         ``precondition`` runs while ``<ref>.lock`` is held, after the compare and
         before the swap; whatever it raises aborts the transaction (the ref is
@@ -494,6 +539,9 @@ class GitStore:
                         return
                     except Unsupported:
                         files = False
+                if before_libgit2 is not None:
+                    before_libgit2()
+                    before_libgit2 = None
                 self._compare_and_swap_once(ref, expected, new, message, precondition)
                 return
             except RefLockedError:

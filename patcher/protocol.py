@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from cas.record import record
 from cas.crash import crash_hook, crash_point
@@ -403,21 +403,28 @@ def _execute(
             _reject(rstore, identity, call_id, key, args_sha, receipt, args, exc, base, candidate, retryable=True)
             raise
         try:
-            # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter).
+            # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter):
+            # written only when libgit2 moves the branch (its lock is born empty).
             ref_marker = ref_lock_marker(rstore, key)
-            os.makedirs(rstore.tmp_dir, exist_ok=True)
-            with open(ref_marker, "wb") as fh:
-                fh.write(args.branch.encode() + b"\n")
+            marked: list[str] = []
+
+            def write_marker() -> None:
+                os.makedirs(rstore.tmp_dir, exist_ok=True)
+                with open(ref_marker, "wb") as fh:
+                    fh.write(args.branch.encode() + b"\n")
+                marked.append(ref_marker)
+
             try:
                 # The move's syncs join the next round: a worktree's first (its files change
                 # only after the move is durable), and in any case the finalise batch's
                 # first (they end before the committed receipt is renamed).
                 receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args,
-                                             defer_sync=True)
+                                             defer_sync=True, before_libgit2=write_marker)
             finally:
                 # Reached on every outcome but a crash: our ref locks are released by now.
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(ref_marker)
+                if marked:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(ref_marker)
             candidate = receipt.candidate
             assert candidate is not None
             crash_point("after-ref")
@@ -482,11 +489,13 @@ def _move_refs(
     args: CallArgs,
     *,
     defer_sync: bool = False,
+    before_libgit2: Callable[[], None] | None = None,
 ) -> tuple[Receipt, Staged]:
     """Compare-and-swap the branch to the candidate (re-staging onto a moved head).
 
     ``defer_sync``: the move's folder syncs are left to the next batch
-    (:meth:`GitStore.take_unsynced`).
+    (:meth:`GitStore.take_unsynced`).  ``before_libgit2``: see
+    :meth:`GitStore.compare_and_swap`.
 
     Returns the receipt as last recorded (its base and candidate may have been
     re-staged) and the staged change that landed.
@@ -510,7 +519,8 @@ def _move_refs(
             # caller's check and the swap this process may have been paused, its key
             # lock broken and the key taken over (then the ref must not move).
             gstore.compare_and_swap(args.branch, base, candidate, f"oncepatch: {call_id}",
-                                    precondition=lambda: _fence(rstore, key, token), defer_sync=defer_sync)
+                                    precondition=lambda: _fence(rstore, key, token), defer_sync=defer_sync,
+                                    before_libgit2=before_libgit2)
             break
         except RefMovedError as moved:
             rounds += 1

@@ -293,22 +293,27 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
     assert os.path.realpath(out["receipt"]) == receipt
     branch = os.path.join(git_dir, "refs", "heads", name)
     key_ref = os.path.join(git_dir, "refs", "oncepatch", "keys", h)
-    commit_obj = os.path.join(git_dir, "objects", commit[:2], commit[2:])
+    pack_dir = os.path.join(git_dir, "objects", "pack")
 
     landings = _landings(calls)
     receipt_moves = [(c, src) for c, src, dst in landings if dst == receipt]
     branch_moves = [(c, src) for c, src, dst in landings if dst == branch]
     key_moves = [c for c, _, dst in landings if dst == key_ref]
-    obj_moves = [(c, src) for c, src, dst in landings if dst == commit_obj]
+    # the call's objects (blob, trees, commit): one pack, its idx renamed after it
+    pack_moves = [(c, src, dst) for c, src, dst in landings if os.path.dirname(dst) == pack_dir]
+    assert [os.path.splitext(dst)[1] for _, _, dst in pack_moves] == [".pack", ".idx"], pack_moves
+    assert os.path.splitext(pack_moves[0][2])[0] == os.path.splitext(pack_moves[1][2])[0]
+    assert commit in repo.git("verify-pack", "-v", pack_moves[1][2])  # the commit is in it
+    assert not [dst for _, _, dst in landings if dst.startswith(os.path.join(git_dir, "objects", commit[:2]))]
     assert len(receipt_moves) == 2, [c.args for c, _ in receipt_moves]  # prepared, then committed
     assert len(branch_moves) == 1 and branch_moves[0][1] == branch + ".lock"
-    assert len(key_moves) == 1 and len(obj_moves) == 1
+    assert len(key_moves) == 1
     prepared, committed = receipt_moves[0][0], receipt_moves[1][0]
     branch_move = branch_moves[0][0]
 
-    # the protocol's order: object → prepared receipt → branch ref → key ref → committed receipt
-    obj_move, obj_tmp = obj_moves[0]
-    assert obj_move.n < prepared.n < branch_move.n < key_moves[0].n < committed.n
+    # the protocol's order: objects → prepared receipt → branch ref → key ref → committed receipt
+    idx_move = pack_moves[1][0]
+    assert pack_moves[0][0].n < idx_move.n < prepared.n < branch_move.n < key_moves[0].n < committed.n
 
     # every receipt rename: its tmp file was fsynced before, its folder after
     for move, src in receipt_moves:
@@ -338,9 +343,10 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
         assert any(c.n < index_moves[0].n for c in _fd_calls(calls, folder_fd, worktree_moves[0].n, {"fsync"}))
     else:
         assert worktree_moves == []
-    assert os.path.basename(obj_tmp).startswith("tmp_obj_" + TMP_MARK)  # git prune's name for its own tmp files
-    assert _synced_before(calls, obj_tmp, obj_move.n), "commit object renamed without fsync"
-    assert _folder_synced_between(calls, os.path.dirname(commit_obj), obj_move.n, branch_move.n)
+    for (move, src, _dst), prefix in zip(pack_moves, ("tmp_pack_", "tmp_idx_")):
+        assert os.path.basename(src).startswith(prefix + TMP_MARK)  # git prune's names for its own tmp files
+        assert _synced_before(calls, src, move.n), f"{src} renamed without fsync"
+    assert _folder_synced_between(calls, pack_dir, idx_move.n, branch_move.n)
 
     fsyncs = [c for c in calls if c.name in ("fsync", "fdatasync")]
     print(f"full apply: {len(fsyncs)} fsync/fdatasync calls, {len(landings)} renames/links")

@@ -286,6 +286,31 @@ def test_kill_between_reflog_and_ref_rename_is_not_applied(tmp_path: Path) -> No
     assert fsck(repo.path)[0]
 
 
+@needs_strace
+def test_kill_holding_libgit2s_empty_branch_lock(tmp_path: Path) -> None:
+    """When libgit2 moves the branch (here: a folder where its reflog goes), its ``main.lock`` is
+    created empty and filled only at commit.  Killed in between, the lock is empty: the marker
+    the call wrote just before libgit2 locked proves it ours, so recover removes it."""
+    repo, pf = make_patch(tmp_path)
+    base = repo.head("main")
+    log = repo.path / ".git/logs/refs/heads/main"
+    log.unlink()
+    log.mkdir()  # the files-backend path leaves this branch to libgit2
+    lock = repo.path / ".git/refs/heads/main.lock"
+    apply_killed_at(repo, pf, lock, "write,pwrite64")
+    assert lock.exists() and lock.read_bytes() == b"" and repo.head("main") == base
+    markers = [p for p in (repo.store / "tmp").iterdir() if p.name.startswith("ref-lock-")]
+    assert len(markers) == 1
+
+    rec = recover(repo)
+    assert rec.code == 0, rec.err
+    assert [(x["to"], x["reason"]) for x in rec.json["rows"]] == [("rejected", "crashed_before_commit")]
+    assert not lock.exists() and not markers[0].exists()
+    again = apply(repo, pf)
+    assert again.code == 0, again.out + again.err
+    assert repo.head("main") == again.json["commit"] and repo.head("main~1") == base
+
+
 def dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()

@@ -1,0 +1,222 @@
+"""One pack per transaction: a call's objects in one ``.pack`` and its ``.idx`` (stdlib only).
+
+A call writes five to eight small objects (a blob, the trees on its path, a
+commit).  As loose objects that is one file per object, each created, synced
+and renamed, and up to one folder sync per object (``objects/xx/``): the
+biggest share of the prepare round.  Written as one pack it is two files in one
+folder, whatever the number of objects.
+
+The formats are git's (``Documentation/gitformat-pack.txt``): pack version 2,
+whole objects only (no deltas), zlib at git's loose-object level; index
+version 2.  The pack is named by its checksum, as git names the packs it writes.
+
+Packs must not pile up: git's ``gc --auto`` repacks the whole repository once it
+holds more than ``gc.autoPackLimit`` (50) packs, and every reader looks an
+object up pack by pack.  So a call that finds :data:`MERGE_TRIGGER` or more
+*small* packs (at most :data:`SMALL_MAX` objects, no delta, no ``.keep``,
+``.promisor``, ``.mtimes``, ``.bitmap`` or ``.rev`` beside them) folds some of them into
+the pack it writes anyway — geometrically, as ``git repack --geometric=2`` does:
+the smallest packs in turn, while each is smaller than twice what is merged so
+far, so that every object is copied O(log n) times.  Their entries are copied
+byte for byte (checked against the idx's CRC and the pack's checksum first),
+and the packs merged are removed only once the new pack is durable
+(:func:`retire`).  A concurrent reader that had listed a removed pack finds its
+objects in the new one, as when git repacks.  Nothing is merged in a repository
+with a ``multi-pack-index``: it may name the small packs, and only git's own
+repack rewrites it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import zlib
+from collections.abc import Iterable
+
+__all__ = ["PackBuilder", "SmallPack", "small_packs", "choose_merge", "retire", "MERGE_TRIGGER", "SMALL_MAX"]
+
+#: A call merges packs once it finds this many small ones.
+MERGE_TRIGGER = 8
+#: A pack of at most this many objects is small (a merge never makes a pack bigger than this).
+SMALL_MAX = 4096
+#: Objects bigger than this stay loose: they are streamed to disk, never held twice in memory.
+OBJECT_MAX = 1 << 20
+#: zlib level: git's default ``core.looseCompression`` (best speed); any level reads the same.
+LEVEL = 1
+_IDX_MAGIC = b"\377tOc"
+_TYPES = {b"commit": 1, b"tree": 2, b"blob": 3, b"tag": 4}
+_COMPANIONS = (".keep", ".promisor", ".mtimes", ".bitmap", ".rev")
+
+
+def _entry_header(kind: int, size: int) -> bytes:
+    """A pack entry's header: type and size, 4 bits then 7 per byte, little-endian groups."""
+    out = bytearray()
+    byte = (kind << 4) | (size & 0x0F)
+    size >>= 4
+    while size:
+        out.append(byte | 0x80)
+        byte = size & 0x7F
+        size >>= 7
+    out.append(byte)
+    return bytes(out)
+
+
+class PackBuilder:
+    """Objects gathered into one pack (built in memory: they are small)."""
+
+    def __init__(self) -> None:
+        # {raw oid: (entry bytes, crc32)}, in the order added
+        self._entries: dict[bytes, tuple[bytes, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add_object(self, oid_hex: str, header: bytes, body: bytes | memoryview) -> None:
+        """Add a whole object; ``header`` is its loose header (``b"blob 12\\0"``)."""
+        oid = bytes.fromhex(oid_hex)
+        if oid in self._entries:
+            return
+        kind = _TYPES[header[:header.index(b" ")]]
+        entry = _entry_header(kind, len(body)) + zlib.compress(body, LEVEL)
+        self._entries[oid] = (entry, zlib.crc32(entry))
+
+    def add_entry(self, oid: bytes, entry: bytes, crc: int) -> None:
+        """Add an entry copied from another pack (checked by the caller)."""
+        self._entries.setdefault(oid, (entry, crc))
+
+    def build(self) -> tuple[str, bytes, bytes]:
+        """``(checksum hex, pack bytes, idx bytes)``."""
+        parts = [b"PACK", struct.pack(">II", 2, len(self._entries))]
+        offsets: dict[bytes, int] = {}
+        at = 12
+        for oid, (entry, _crc) in self._entries.items():
+            offsets[oid] = at
+            parts.append(entry)
+            at += len(entry)
+        if at >= 1 << 31:
+            raise ValueError("pack too big for 31-bit offsets")
+        body = b"".join(parts)
+        checksum = hashlib.sha1(body).digest()
+        pack = body + checksum
+        oids = sorted(self._entries)
+        fanout = [0] * 256
+        for oid in oids:
+            fanout[oid[0]] += 1
+        total = 0
+        for i in range(256):
+            total += fanout[i]
+            fanout[i] = total
+        idx = b"".join([
+            _IDX_MAGIC, struct.pack(">I", 2), struct.pack(">256I", *fanout), *oids,
+            struct.pack(f">{len(oids)}I", *(self._entries[o][1] for o in oids)),
+            struct.pack(f">{len(oids)}I", *(offsets[o] for o in oids)),
+            checksum,
+        ])
+        idx += hashlib.sha1(idx).digest()
+        return checksum.hex(), pack, idx
+
+
+class SmallPack:
+    """A pack in ``objects/pack`` that a merge may take: its name stem and object count."""
+
+    __slots__ = ("stem", "count")
+
+    def __init__(self, stem: str, count: int) -> None:
+        self.stem = stem  # full path without the extension
+        self.count = count
+
+    def __repr__(self) -> str:
+        return f"SmallPack({os.path.basename(self.stem)!r}, {self.count})"
+
+
+def small_packs(pack_dir: str) -> list[SmallPack]:
+    """The small packs of ``pack_dir``, smallest first (a count read from the idx's size)."""
+    try:
+        entries = {e.name: e for e in os.scandir(pack_dir)}
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    if "multi-pack-index" in entries:
+        return []
+    out: list[SmallPack] = []
+    for name, entry in entries.items():
+        if not (name.startswith("pack-") and name.endswith(".idx")):
+            continue
+        base = name[:-4]
+        if base + ".pack" not in entries or any(base + ext in entries for ext in _COMPANIONS):
+            continue
+        try:
+            size = entry.stat().st_size
+        except OSError:
+            continue
+        # idx v2: 8 + 1024, 28 per object, 40 (no large offsets in a small pack)
+        count, rest = divmod(size - 1072, 28)
+        if rest or not 0 < count <= SMALL_MAX:
+            continue
+        out.append(SmallPack(os.path.join(pack_dir, base), count))
+    out.sort(key=lambda p: (p.count, p.stem))
+    return out
+
+
+def choose_merge(new_count: int, packs: list[SmallPack]) -> list[SmallPack]:
+    """Which of ``packs`` (smallest first) to fold into a new pack of ``new_count`` objects."""
+    if len(packs) < MERGE_TRIGGER:
+        return []
+    chosen: list[SmallPack] = []
+    merged = new_count
+    for pack in packs:
+        if pack.count >= 2 * merged or merged + pack.count > SMALL_MAX:
+            break
+        chosen.append(pack)
+        merged += pack.count
+    return chosen
+
+
+def read_entries(stem: str) -> list[tuple[bytes, bytes, int]] | None:
+    """``(oid, entry bytes, crc32)`` of every object of a small pack, or ``None`` if it cannot be taken whole.
+
+    ``None``: gone (another process merged it), not the format written here, a
+    delta entry, or a checksum or CRC that does not match.
+    """
+    try:
+        with open(stem + ".idx", "rb") as fh:
+            idx = fh.read()
+        with open(stem + ".pack", "rb") as fh:
+            pack = fh.read()
+    except OSError:
+        return None
+    if len(idx) < 1072 or idx[:8] != _IDX_MAGIC + struct.pack(">I", 2) or len(pack) < 32:
+        return None
+    if hashlib.sha1(idx[:-20]).digest() != idx[-20:] or hashlib.sha1(pack[:-20]).digest() != pack[-20:]:
+        return None
+    if idx[-40:-20] != pack[-20:] or pack[:4] != b"PACK":
+        return None
+    n = struct.unpack(">I", idx[8 + 1020:8 + 1024])[0]
+    version, count = struct.unpack(">II", pack[4:12])
+    if version != 2 or count != n or len(idx) != 1072 + 28 * n:
+        return None
+    base = 1032
+    oids = [idx[base + 20 * i:base + 20 * i + 20] for i in range(n)]
+    crcs = struct.unpack(f">{n}I", idx[base + 20 * n:base + 24 * n])
+    offsets = struct.unpack(f">{n}I", idx[base + 24 * n:base + 28 * n])
+    if any(off & 0x80000000 for off in offsets):
+        return None
+    order = sorted(range(n), key=lambda i: offsets[i])
+    ends = [offsets[order[k + 1]] for k in range(n - 1)] + [len(pack) - 20]
+    out: list[tuple[bytes, bytes, int]] = []
+    for k, i in enumerate(order):
+        entry = pack[offsets[i]:ends[k]]
+        if not entry or (entry[0] >> 4) & 7 not in (1, 2, 3, 4) or zlib.crc32(entry) != crcs[i]:
+            return None  # a delta (6, 7), or not what the idx says
+        out.append((oids[i], entry, crcs[i]))
+    return out
+
+
+def retire(packs: Iterable[SmallPack]) -> None:
+    """Remove merged packs (their objects are durable in the new pack): the idx first, so no reader lists a pack without its file."""
+    for pack in packs:
+        for ext in (".idx", ".pack"):
+            try:
+                os.unlink(pack.stem + ext)
+            except OSError:
+                pass  # gone already (another merge), or not ours to remove: duplicates are harmless

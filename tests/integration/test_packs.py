@@ -1,0 +1,240 @@
+"""cas.packs and one pack per call, against git itself: format, merging, readers while packs go."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pygit2
+import pytest
+
+from cas import packs
+from cas.durable import DurableBatch
+from cas.errors import DurableWriteError
+from cas.objects import GitStore
+from patcher.protocol import apply
+from tests.conftest import Repo, make_repo
+
+
+def blob(data: bytes) -> tuple[str, bytes, bytes]:
+    header = b"blob %d\0" % len(data)
+    return hashlib.sha1(header + data).hexdigest(), header, data
+
+
+def write_pack(pack_dir: Path, objects: list[tuple[str, bytes, bytes]]) -> Path:
+    b = packs.PackBuilder()
+    for oid, header, data in objects:
+        b.add_object(oid, header, data)
+    checksum, pack, idx = b.build()
+    pack_dir.mkdir(parents=True, exist_ok=True)
+    stem = pack_dir / f"pack-{checksum}"
+    stem.with_suffix(".pack").write_bytes(pack)
+    stem.with_suffix(".idx").write_bytes(idx)
+    return stem
+
+
+def pack_names(repo: Repo) -> list[str]:
+    return sorted(p.name for p in (repo.path / ".git/objects/pack").glob("pack-*.idx"))
+
+
+def test_a_built_pack_is_read_by_git(repo: Repo) -> None:
+    objects = [blob(b"x" * n + b"\n") for n in range(0, 300, 7)] + [blob(os.urandom(70_000))]
+    stem = write_pack(repo.path / ".git/objects/pack", objects)
+    out = repo.git("verify-pack", "-v", str(stem.with_suffix(".idx")))
+    assert f"non delta: {len(objects)} objects" in out
+    for oid, _header, data in objects:
+        assert subprocess.run(["git", "cat-file", "blob", oid], cwd=repo.path, capture_output=True,
+                              check=True).stdout == data
+    assert pygit2.Repository(str(repo.path)).odb.read(objects[-1][0])[1] == objects[-1][2]
+
+
+def test_entries_read_back_are_the_ones_written(tmp_path: Path) -> None:
+    objects = [blob(b"%d\n" % i) for i in range(40)]
+    stem = write_pack(tmp_path, objects)
+    entries = packs.read_entries(str(stem))
+    assert entries is not None
+    assert sorted(e[0].hex() for e in entries) == sorted(o[0] for o in objects)
+    again = packs.PackBuilder()
+    for oid, entry, crc in entries:
+        again.add_entry(oid, entry, crc)
+    assert again.build()[0] == stem.name[len("pack-"):]  # same entries, same order: the same pack
+
+
+@pytest.mark.parametrize("damage", ["pack-byte", "idx-byte", "truncated", "no-pack", "crc"])
+def test_a_pack_that_is_not_whole_is_never_taken(tmp_path: Path, damage: str) -> None:
+    stem = write_pack(tmp_path, [blob(b"a\n"), blob(b"b\n"), blob(b"c\n")])
+    pack, idx = stem.with_suffix(".pack"), stem.with_suffix(".idx")
+    if damage == "pack-byte":
+        data = bytearray(pack.read_bytes())
+        data[20] ^= 1
+        pack.write_bytes(bytes(data))
+    elif damage == "idx-byte":
+        data = bytearray(idx.read_bytes())
+        data[1040] ^= 1
+        idx.write_bytes(bytes(data))
+    elif damage == "truncated":
+        pack.write_bytes(pack.read_bytes()[:-1])
+    elif damage == "no-pack":
+        pack.unlink()
+    else:  # a CRC that does not match its entry, with both checksums made good again
+        data = bytearray(idx.read_bytes())
+        n = 3
+        data[1032 + 20 * n] ^= 1
+        body = bytes(data[:-20])
+        idx.write_bytes(body + hashlib.sha1(body).digest())
+    assert packs.read_entries(str(stem)) is None
+
+
+def test_a_pack_with_deltas_is_never_copied(repo: Repo) -> None:
+    text = "".join(f"line {i}\n" for i in range(2000))
+    for i in range(4):
+        repo.write("big.txt", text + f"change {i}\n")
+        repo.commit_all(f"c{i}")
+    repo.git("repack", "-adq", "--window=10")
+    (idx,) = (repo.path / ".git/objects/pack").glob("pack-*.idx")
+    assert "delta" in repo.git("verify-pack", "-v", str(idx)).split("non delta")[1]  # it has deltas
+    assert packs.read_entries(str(idx.with_suffix(""))) is None
+
+
+def test_small_packs_leaves_out_what_a_merge_must_not_take(tmp_path: Path) -> None:
+    stems = [write_pack(tmp_path, [blob(b"%d-%d\n" % (i, j)) for j in range(i + 1)]) for i in range(8)]
+    for stem, ext in zip(stems[1:], (".keep", ".promisor", ".mtimes", ".bitmap", ".rev")):
+        stem.with_suffix(ext).write_bytes(b"")
+    stems[6].with_suffix(".pack").unlink()
+    (tmp_path / "pack-0000.idx").write_bytes(b"x" * 10)  # not an idx v2 size
+    (tmp_path / "other.idx").write_bytes(b"")
+    found = packs.small_packs(str(tmp_path))
+    assert [(os.path.basename(p.stem), p.count) for p in found] == [(stems[0].name, 1), (stems[7].name, 8)]
+    assert packs.small_packs(str(tmp_path / "missing")) == []
+    (tmp_path / "multi-pack-index").write_bytes(b"")  # it may name them: only git's repack rewrites it
+    assert packs.small_packs(str(tmp_path)) == []
+
+
+def test_choose_merge_is_geometric_and_bounded() -> None:
+    def sp(*counts: int) -> list[packs.SmallPack]:
+        return [packs.SmallPack(f"p{i}", c) for i, c in enumerate(counts)]
+
+    assert packs.choose_merge(7, sp(*[7] * (packs.MERGE_TRIGGER - 1))) == []  # too few to bother
+    assert [p.count for p in packs.choose_merge(7, sp(*[7] * 8))] == [7] * 8
+    # the smallest in turn, while each is smaller than twice what is merged so far
+    assert [p.count for p in packs.choose_merge(7, sp(7, 7, 7, 7, 7, 7, 7, 300))] == [7] * 7
+    assert [p.count for p in packs.choose_merge(7, sp(7, 7, 7, 7, 7, 7, 7, 60))] == [7] * 7 + [60]
+    # never past SMALL_MAX
+    assert packs.SMALL_MAX == 4096
+    chosen = packs.choose_merge(7, sp(*[7] * 7, 40, 100, 300, 700, 1500, 3000))
+    assert [p.count for p in chosen] == [7] * 7 + [40, 100, 300, 700, 1500]
+
+
+def test_when_durable_runs_after_the_last_round_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[int] = []
+    b = DurableBatch()
+    b.add(str(tmp_path / "a"), b"a")
+    b.when_durable(lambda: ran.append(1))
+    b.commit()
+    assert ran == [1]
+    b = DurableBatch()
+    b.add(str(tmp_path / "b"), b"b")
+    b.when_durable(lambda: ran.append(2))
+    with pytest.raises(ValueError):
+        b.commit(defer_folders=[])
+    assert not (tmp_path / "b").exists() and ran == [1]
+
+    def fail(fd: int) -> None:
+        raise OSError(5, "EIO")
+
+    monkeypatch.setattr(os, "fsync", fail)
+    b = DurableBatch()
+    b.add(str(tmp_path / "c"), b"c")
+    b.when_durable(lambda: ran.append(3))
+    with pytest.raises(DurableWriteError):
+        b.commit()
+    assert ran == [1]
+
+
+def one_patch(repo: Repo, i: int, branch: str = "side") -> bytes:
+    return (f"--- a/f{i % 5}.txt\n+++ b/f{i % 5}.txt\n@@ -1 +1 @@\n-{'v' + str(i // 5) if i >= 5 else 'base'}\n"
+            f"+v{i // 5 + 1}\n").encode()
+
+
+@pytest.fixture
+def five(tmp_path: Path) -> Repo:
+    repo = make_repo(tmp_path / "repo", {f"f{i}.txt": "base\n" for i in range(5)} | {"d/e/g.txt": "deep\n"})
+    repo.git("branch", "side")
+    return repo
+
+
+def test_calls_write_one_pack_each_and_merge_them(five: Repo) -> None:
+    """Each call's objects land in one pack; the packs are merged as they pile up, and git finds every object."""
+    stores: dict[str, object] = {}
+    old = pygit2.Repository(str(five.path))  # a long-lived reader opened before any pack came or went
+    reader = subprocess.Popen(["git", "cat-file", "--batch-check"], cwd=five.path, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    assert reader.stdin is not None and reader.stdout is not None
+    loose = set((five.path / ".git/objects").glob("[0-9a-f][0-9a-f]/*"))  # git's own, from the set-up
+    commits = []
+    most = 0
+    try:
+        for i in range(60):
+            res = apply(str(five.path), one_patch(five, i), branch="side", _stores=stores)
+            assert res.status == "committed"
+            commits.append(res.commit)
+            most = max(most, len(pack_names(five)))
+            for c in commits:  # everything written so far is found, by git and by libgit2, while packs go
+                reader.stdin.write(f"{c}\n".encode())
+                reader.stdin.flush()
+                assert reader.stdout.readline().split()[1] == b"commit"
+                assert old[c].type == pygit2.enums.ObjectType.COMMIT
+    finally:
+        reader.stdin.close()
+        reader.wait()
+    assert set((five.path / ".git/objects").glob("[0-9a-f][0-9a-f]/*")) == loose  # no call wrote a loose object
+    assert most <= packs.MERGE_TRIGGER + 3, most  # bounded: merged as they pile up
+    five.git("fsck", "--strict", "--no-dangling")
+    assert five.git("rev-parse", "side") == commits[-1] + "\n"
+    assert five.git("show", "side:f4.txt") == "v12\n"
+    five.git("gc", "-q")  # and git repacks them as its own
+    assert len(pack_names(five)) == 1 and five.git("rev-parse", "side") == commits[-1] + "\n"
+
+
+def test_a_single_object_and_a_big_one_stay_loose(five: Repo) -> None:
+    gs = GitStore(str(five.path))
+    before = pack_names(five)
+    oid = gs.write_blob(b"only one\n")
+    gs.flush_objects()
+    assert (five.path / ".git/objects" / oid[:2] / oid[2:]).exists() and pack_names(five) == before
+    big = os.urandom(packs.OBJECT_MAX + 1)
+    small = [gs.write_blob(b"small %d\n" % i) for i in range(3)]
+    big_oid = gs.write_blob(big)
+    gs.flush_objects()
+    assert (five.path / ".git/objects" / big_oid[:2] / big_oid[2:]).exists()
+    (new,) = set(pack_names(five)) - set(before)
+    listed = five.git("verify-pack", "-v", str(five.path / ".git/objects/pack" / new))
+    assert all(o in listed for o in small) and big_oid not in listed
+    assert five.git("cat-file", "-s", big_oid).strip() == str(len(big))
+
+
+def test_a_failed_batch_removes_no_merged_pack(five: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
+    pack_dir = five.path / ".git/objects/pack"
+    small = [write_pack(pack_dir, [blob(b"p%d-%d\n" % (i, j)) for j in range(2)]) for i in range(packs.MERGE_TRIGGER)]
+    gs = GitStore(str(five.path))
+    for i in range(3):
+        gs.write_blob(b"new %d\n" % i)
+
+    def fail(fd: int) -> None:
+        raise OSError(28, "ENOSPC")
+
+    monkeypatch.setattr(os, "fsync", fail)
+    with pytest.raises(DurableWriteError):
+        gs.flush_objects()
+    assert all(s.with_suffix(".idx").exists() and s.with_suffix(".pack").exists() for s in small)
+    assert not [p for p in pack_dir.iterdir() if p.name.startswith("tmp_")]
+    monkeypatch.undo()
+    for i in range(3):
+        gs.write_blob(b"new %d\n" % i)
+    gs.flush_objects()
+    assert not any(s.with_suffix(".idx").exists() for s in small)  # merged, then removed
+    for i in range(packs.MERGE_TRIGGER):
+        assert five.git("cat-file", "-p", blob(b"p%d-1\n" % i)[0]) == f"p{i}-1\n"
+    five.git("fsck", "--strict")
