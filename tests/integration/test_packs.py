@@ -160,7 +160,8 @@ def one_patch(repo: Repo, i: int, branch: str = "side") -> bytes:
 
 @pytest.fixture
 def five(tmp_path: Path) -> Repo:
-    repo = make_repo(tmp_path / "repo", {f"f{i}.txt": "base\n" for i in range(5)} | {"d/e/g.txt": "deep\n"})
+    files: dict[str, str | bytes] = {f"f{i}.txt": "base\n" for i in range(5)}
+    repo = make_repo(tmp_path / "repo", files | {"d/e/g.txt": "deep\n"})
     repo.git("branch", "side")
     return repo
 
@@ -173,12 +174,12 @@ def test_calls_write_one_pack_each_and_merge_them(five: Repo) -> None:
                               stdout=subprocess.PIPE)
     assert reader.stdin is not None and reader.stdout is not None
     loose = set((five.path / ".git/objects").glob("[0-9a-f][0-9a-f]/*"))  # git's own, from the set-up
-    commits = []
+    commits: list[str] = []
     most = 0
     try:
         for i in range(60):
             res = apply(str(five.path), one_patch(five, i), branch="side", _stores=stores)
-            assert res.status == "committed"
+            assert res.status == "committed" and res.commit is not None
             commits.append(res.commit)
             most = max(most, len(pack_names(five)))
             for c in commits:  # everything written so far is found, by git and by libgit2, while packs go
