@@ -164,6 +164,7 @@ class GitStore:
         self._pending: dict[str, tuple[bytes, bytes | memoryview]] = {}
         self._recent: dict[str, bytes] = {}
         self._files_refs: bool | None = None
+        self._backends: list[pygit2.OdbBackend] | None = None
         self._signature: Signature | None = None
         # Folders and reflogs of refs moved with defer_sync, which a later batch syncs.
         self._unsynced: dict[str, None] = {}
@@ -398,11 +399,14 @@ class GitStore:
         loose: list[tuple[str, bytes, bytes | memoryview]] = []
         packable: list[tuple[str, bytes, bytes | memoryview]] = []
         for oid, (header, data) in self._pending.items():
-            (packable if len(data) <= packs.OBJECT_MAX else loose).append((oid, header, data))
+            if len(data) > packs.OBJECT_MAX:
+                loose.append((oid, header, data))
+            elif not self._known(oid):
+                packable.append((oid, header, data))
+            elif os.path.exists(os.path.join(objects, oid[:2], oid[2:])):
+                loose.append((oid, header, data))  # synced with the batch, as it is
         self._pending.clear()
         if len(packable) >= 2:
-            # Not looked up first: a lookup that misses (the usual case) makes libgit2
-            # rescan the pack folder, and a copy of an object git has is harmless.
             self._add_pack(batch, os.path.join(objects, "pack"), packable)
         else:
             loose += packable
@@ -437,6 +441,21 @@ class GitStore:
                   dir_mode=0o777)
         if merged:
             batch.when_durable(lambda: packs.retire(merged))
+
+    def _known(self, oid: str) -> bool:
+        """Whether a backend of the object database has ``oid`` *as last listed*.
+
+        Asked of each backend, not of the database: a miss there (the usual case
+        for a new object) makes libgit2 rescan the pack folder.  A pack another
+        process added since is not seen, and a second copy of an object is harmless.
+        """
+        if self._backends is None:
+            self._backends = list(self.repo.odb.backends)
+        try:
+            found = _oid(oid)
+            return any(backend.exists(found) for backend in self._backends)
+        except (ValueError, pygit2.GitError):
+            return False
 
     def _packed(self, oid: str) -> bool:
         try:

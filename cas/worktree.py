@@ -30,6 +30,7 @@ import contextlib
 import os
 import socket
 import stat
+import threading
 import time
 from collections.abc import Mapping
 
@@ -44,6 +45,7 @@ __all__ = [
     "INDEX_LOCK_MARK",
     "IndexLock",
     "hold_index_lock",
+    "drop_lock_marks",
     "break_dead_own_index_lock",
     "update_index",
     "dirty_paths",
@@ -282,7 +284,50 @@ class IndexLock:
             self._marker = None
 
 
-def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | None = None) -> IndexLock:
+# Mark files kept for a thread's next index lock: {(git dir, pid, thread): path} (hold_index_lock's keep_mark).
+_KEPT_MARKS: dict[tuple[str, int, int], str] = {}
+_KEPT_MARKS_LOCK = threading.Lock()
+
+
+def _lock_mark(git_dir: str, keep: bool, *, fresh: bool) -> str:
+    """A tmp file beside ``index.lock`` holding this process's mark (the kept one, unless ``fresh``)."""
+    key = (git_dir, os.getpid(), threading.get_ident())
+    if keep and not fresh:
+        with _KEPT_MARKS_LOCK:
+            found = _KEPT_MARKS.get(key)
+        if found is not None:
+            return found
+    tmp = os.path.join(git_dir, f".index.lock{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")  # per thread
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, INDEX_LOCK_MARK + f"{os.getpid()} {socket.gethostname()}\n".encode())
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    if keep:
+        with _KEPT_MARKS_LOCK:
+            old, _KEPT_MARKS[key] = _KEPT_MARKS.get(key), tmp
+        if old is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old)
+    return tmp
+
+
+def drop_lock_marks() -> None:
+    """Remove the mark files this thread kept for its next index lock (see :func:`hold_index_lock`)."""
+    me = (os.getpid(), threading.get_ident())
+    with _KEPT_MARKS_LOCK:
+        paths = [_KEPT_MARKS.pop(k) for k in [k for k in _KEPT_MARKS if k[1:] == me]]
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | None = None,
+                    git_dir: str | None = None, keep_mark: bool = False) -> IndexLock:
     """Take ``workdir``'s ``index.lock``, waiting up to ``timeout`` seconds while someone else holds it.
 
     The file holds ``oncepatch-index-lock <pid> <host>``; ``lock_marker`` (a
@@ -290,14 +335,20 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
     that oncepatch left on this host and whose process is gone is removed
     (:func:`break_dead_own_index_lock`); any other is waited for, never removed.
 
+    ``git_dir``: the worktree's git dir (real path), when the caller knows it.
+    ``keep_mark``: the tmp file the lock is linked from is kept for this
+    thread's next lock of the same worktree, until :func:`drop_lock_marks`
+    (the apply protocol takes two locks per call, and drops them as it ends).
+
     Raises:
         RefLockedError: ``index.lock`` stayed held (a live git, or a stale lock of git's).
         GitStoreError: ``workdir`` is not a worktree libgit2 can open.
     """
-    try:
-        git_dir = os.path.realpath(pygit2.Repository(workdir).path)
-    except (pygit2.GitError, KeyError) as exc:
-        raise GitStoreError(f"cannot open worktree '{workdir}': {exc}") from exc
+    if git_dir is None:
+        try:
+            git_dir = os.path.realpath(pygit2.Repository(workdir).path)
+        except (pygit2.GitError, KeyError) as exc:
+            raise GitStoreError(f"cannot open worktree '{workdir}': {exc}") from exc
     index_lock = os.path.join(git_dir, "index.lock")
     deadline = time.monotonic() + timeout
     delay = 0.002
@@ -305,19 +356,18 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
     # link()ed to 'index.lock' (exclusive like O_CREAT|O_EXCL).  Race guarded: a
     # call killed between creating an empty lock and writing its mark would leave
     # a lock nothing could prove ours, blocking every later call.
-    tmp = os.path.join(git_dir, f".index.lock{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")  # per thread
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    tmp = _lock_mark(git_dir, keep_mark, fresh=False)
     try:
-        os.write(fd, INDEX_LOCK_MARK + f"{os.getpid()} {socket.gethostname()}\n".encode())
-    finally:
-        os.close(fd)
-    try:
+        remade = False
         while True:
             try:
                 os.link(tmp, index_lock)
                 break
+            except FileNotFoundError:
+                if remade or not keep_mark:
+                    raise
+                # The kept mark was removed (by hand, or by a recovery that took this pid for dead).
+                tmp, remade = _lock_mark(git_dir, keep_mark, fresh=True), True
             except FileExistsError:
                 if break_dead_own_index_lock(index_lock):
                     continue
@@ -326,8 +376,9 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        if not keep_mark:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
     st = os.lstat(index_lock)
     lock = IndexLock(index_lock, git_dir, (st.st_dev, st.st_ino), None)
     if lock_marker is not None:

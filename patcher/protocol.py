@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 
 from cas.record import record
@@ -246,6 +247,19 @@ def apply(
         if existing.is_final:
             return _replay(existing, path, rstore)
 
+    try:
+        return _locked_apply(rstore, args, identity, call_id, the_key, args_sha, existing, path, lock_timeout,
+                             check_timeout, _stores)
+    finally:
+        # The index locks' mark files kept between this call's two locks (cas.worktree).
+        worktree = sys.modules.get("cas.worktree")
+        if worktree is not None:
+            worktree.drop_lock_marks()
+
+
+def _locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any], call_id: str, the_key: str,
+                  args_sha: str, existing: Receipt | None, path: str, lock_timeout: float, check_timeout: float,
+                  _stores: dict[str, Any]) -> ApplyResult:
     pre: _PreCheck | None = None
     if existing is None:
         # First call: every input error is found before the lock is taken, so a

@@ -47,7 +47,7 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tup
         # Race guarded: another call moves the branch (holding index.lock) and only
         # then brings the index along; read in between, HEAD and the index disagree
         # and a clean path looks dirty.  Under index.lock both are read as one state.
-        lock = hold_index_lock(workdir)
+        lock = hold_index_lock(workdir, git_dir=_git_dir, keep_mark=True)
         try:
             tip = gstore.resolve(branch)
             dirty = dirty_paths(gstore, workdir, paths, gstore.commit_tree(tip) if tip else None)
@@ -79,11 +79,12 @@ def hold_index_locks(rstore: ReceiptStore, worktrees: list[tuple[str, str]], key
     """
     held: dict[str, IndexLock] = {}
     try:
-        for workdir, _git_dir in sorted(worktrees):
+        for workdir, git_dir in sorted(worktrees):
             marker = index_marker(rstore, key) if not held else None
             if marker is not None:
                 os.makedirs(rstore.tmp_dir, exist_ok=True)
-            held[workdir] = hold_index_lock(workdir, timeout=timeout, lock_marker=marker)
+            held[workdir] = hold_index_lock(workdir, timeout=timeout, lock_marker=marker, git_dir=git_dir,
+                                            keep_mark=True)
     except BaseException:
         release_index_locks(held)
         raise

@@ -151,3 +151,52 @@ def test_stale_index_lock_of_a_branch_not_checked_out_does_not_matter(repo: Repo
     r = run_cli("apply", str(patch), "--repo", str(repo.path), "--json", "--key", "K", "--branch", "side")
     assert r.code == 0, r.out + r.err
     assert repo.head("side") == r.json["commit"] and lock.read_bytes() == b""
+
+
+# -- the mark an index lock is linked from ---------------------------------------------------------
+
+
+def lock_tmp_files(repo: Repo) -> list[str]:
+    return sorted(p.name for p in (repo.path / ".git").iterdir() if p.name.startswith(".index.lock.optmp-"))
+
+
+def test_a_kept_mark_serves_the_next_lock_and_is_dropped(repo: Repo) -> None:
+    """The apply protocol takes a worktree's index lock twice per call: both are linked from one
+    mark file, which is removed as the call ends (even when the kept one was removed meanwhile)."""
+    from cas.worktree import drop_lock_marks, hold_index_lock
+
+    git_dir = os.path.realpath(repo.path / ".git")
+    lock_path = repo.path / ".git/index.lock"
+    first = hold_index_lock(str(repo.path), git_dir=git_dir, keep_mark=True)
+    ino = lock_path.stat().st_ino
+    assert lock_path.read_bytes().startswith(b"oncepatch-index-lock %d " % os.getpid())
+    first.release()
+    assert not lock_path.exists() and len(lock_tmp_files(repo)) == 1  # kept
+    second = hold_index_lock(str(repo.path), git_dir=git_dir, keep_mark=True)
+    assert lock_path.stat().st_ino == ino  # the same mark: no second file made
+    second.release()
+    (kept,) = lock_tmp_files(repo)
+    os.unlink(repo.path / ".git" / kept)  # removed behind the thread's back
+    third = hold_index_lock(str(repo.path), git_dir=git_dir, keep_mark=True)
+    (remade,) = lock_tmp_files(repo)
+    assert remade != kept and lock_path.read_bytes() == (repo.path / ".git" / remade).read_bytes()
+    third.release()
+    drop_lock_marks()
+    assert lock_tmp_files(repo) == [] and not lock_path.exists()
+    plain = hold_index_lock(str(repo.path))  # without keep_mark: nothing stays
+    plain.release()
+    assert lock_tmp_files(repo) == []
+
+
+def test_calls_leave_no_mark_behind(repo: Repo) -> None:
+    from patcher.errors import DirtyPath
+    from patcher.protocol import apply as api_apply
+
+    stores: dict[str, object] = {}
+    res = api_apply(str(repo.path), PATCH, key="k1", _stores=stores)
+    assert res.status == "committed" and lock_tmp_files(repo) == []
+    (repo.path / "README").write_text("dirty\n")
+    with pytest.raises(DirtyPath):
+        api_apply(str(repo.path), b"--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+x\n", key="k2",
+                  _stores=stores)
+    assert lock_tmp_files(repo) == [] and not (repo.path / ".git/index.lock").exists()
