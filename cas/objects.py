@@ -165,6 +165,8 @@ class GitStore:
         self._recent: dict[str, bytes] = {}
         self._files_refs: bool | None = None
         self._backends: list[pygit2.OdbBackend] | None = None
+        self._pack_names: frozenset[str] | None = None  # the idx files last seen in objects/pack
+        self._unmergeable: set[str] = set()  # small packs a merge may not copy (read once)
         self._signature: Signature | None = None
         # Folders and reflogs of refs moved with defer_sync, which a later batch syncs.
         self._unsynced: dict[str, None] = {}
@@ -396,18 +398,34 @@ class GitStore:
         # beside the bytes it was made from.
         self._recent = {oid: data for oid, (header, data) in self._pending.items()
                         if isinstance(data, bytes) and header.startswith(b"blob ")}
+        pack_dir = os.path.join(objects, "pack")
+        self._forget_removed_packs(pack_dir)
         loose: list[tuple[str, bytes, bytes | memoryview]] = []
         packable: list[tuple[str, bytes, bytes | memoryview]] = []
+        in_packs = fresh = False
         for oid, (header, data) in self._pending.items():
             if len(data) > packs.OBJECT_MAX:
                 loose.append((oid, header, data))
-            elif not self._known(oid):
+                continue
+            known = self._known(oid)
+            if known and not fresh:
+                # Trusted only as the folder is now: a pack libgit2 still holds open may
+                # have been removed since (git gc --prune=now of unreferenced objects).
+                self.reopen_objects()
+                known, fresh = self._known(oid), True
+            if not known:
                 packable.append((oid, header, data))
             elif os.path.exists(os.path.join(objects, oid[:2], oid[2:])):
                 loose.append((oid, header, data))  # synced with the batch, as it is
+            else:
+                in_packs = True
         self._pending.clear()
-        if len(packable) >= 2:
-            self._add_pack(batch, os.path.join(objects, "pack"), packable)
+        if in_packs:
+            # A pack is trusted for an object it holds: its folder is synced with this
+            # batch (it may be the pack of an earlier batch whose last round failed).
+            batch.sync_first([pack_dir])
+        if len(packable) >= 2 and sum(len(data) for _o, _h, data in packable) <= packs.PACK_BYTES_MAX:
+            self._add_pack(batch, pack_dir, packable)
         else:
             loose += packable
         for oid, header, data in loose:
@@ -425,15 +443,21 @@ class GitStore:
         for oid, header, data in objects:
             builder.add_object(oid, header, data)
         merged: list[packs.SmallPack] = []
-        for pack in packs.choose_merge(len(builder), packs.small_packs(pack_dir)):
+        candidates = [p for p in packs.small_packs(pack_dir) if p.stem not in self._unmergeable]
+        for pack in packs.choose_merge(len(builder), candidates):
             entries = packs.read_entries(pack.stem)
             if entries is None:
-                continue  # gone, or not one a merge may copy: left as it is
+                self._unmergeable.add(pack.stem)  # gone, or not one a merge may copy: left as it is
+                continue
             for oid_raw, entry, crc in entries:
                 builder.add_entry(oid_raw, entry, crc)
             merged.append(pack)
         checksum, pack_bytes, idx_bytes = builder.build()
         stem = os.path.join(pack_dir, f"pack-{checksum}")
+        if self._pack_names is not None:  # libgit2 may open it: its removal must be noticed too
+            self._pack_names |= {f"pack-{checksum}.idx"}
+        # The new pack may be one of those merged (same objects, same name): never removed.
+        merged = [p for p in merged if p.stem != stem]
         # The pack before its idx: readers find packs by their idx.
         batch.add(stem + ".pack", pack_bytes, mode=0o444, content_addressed=True, tmp_prefix="tmp_pack_",
                   dir_mode=0o777)
@@ -441,6 +465,31 @@ class GitStore:
                   dir_mode=0o777)
         if merged:
             batch.when_durable(lambda: packs.retire(merged))
+
+    def _forget_removed_packs(self, pack_dir: str) -> None:
+        """Reopen the object database when a pack it may hold open was removed (by a merge, or by git).
+
+        libgit2 keeps every pack it has read open and mapped, and answers from
+        it, until its database is reopened: a long-lived store would hold the
+        removed packs' descriptors and disk space, and take objects pruned
+        since for present.
+        """
+        try:
+            names = frozenset(n for n in os.listdir(pack_dir) if n.endswith(".idx"))
+        except OSError:
+            names = frozenset()
+        if self._pack_names is not None and not self._pack_names <= names:
+            self.reopen_objects()
+        self._pack_names = names
+
+    def reopen_objects(self) -> None:
+        """Open the object database afresh (worktrees' repositories are opened again when asked for)."""
+        try:
+            self.repo.set_odb(pygit2.Odb(os.path.join(self.common_dir, "objects")))
+        except pygit2.GitError as exc:
+            raise GitStoreError(f"cannot open the object database: {exc}") from exc
+        self._backends = None
+        self._worktrees = {}
 
     def _known(self, oid: str) -> bool:
         """Whether a backend of the object database has ``oid`` *as last listed*.

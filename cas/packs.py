@@ -13,17 +13,19 @@ version 2.  The pack is named by its checksum, as git names the packs it writes.
 Packs must not pile up: git's ``gc --auto`` repacks the whole repository once it
 holds more than ``gc.autoPackLimit`` (50) packs, and every reader looks an
 object up pack by pack.  So a call that finds :data:`MERGE_TRIGGER` or more
-*small* packs (at most :data:`SMALL_MAX` objects, no delta, no ``.keep``,
-``.promisor``, ``.mtimes``, ``.bitmap`` or ``.rev`` beside them) folds some of them into
-the pack it writes anyway — geometrically, as ``git repack --geometric=2`` does:
-the smallest packs in turn, while each is smaller than twice what is merged so
-far, so that every object is copied O(log n) times.  Their entries are copied
-byte for byte (checked against the idx's CRC and the pack's checksum first),
-and the packs merged are removed only once the new pack is durable
-(:func:`retire`).  A concurrent reader that had listed a removed pack finds its
-objects in the new one, as when git repacks.  Nothing is merged in a repository
-with a ``multi-pack-index``: it may name the small packs, and only git's own
-repack rewrites it.
+*small* packs (at most :data:`SMALL_MAX` objects and :data:`MERGE_BYTES_MAX`
+bytes, no ``.keep``, ``.promisor``, ``.mtimes``, ``.bitmap`` or ``.rev`` beside
+them) folds some of them into the pack it writes anyway — geometrically, as
+``git repack --geometric=2`` does: the smallest packs in turn, while each is
+smaller than twice what is merged so far, so that every object is copied
+O(log n) times.  Their entries are copied byte for byte, once the pack's
+checksum, each entry's CRC and each object's id (inflated and hashed) check
+out; a pack with a delta or anything else is left as it is.  The packs merged
+are removed only once the new pack is durable (:func:`retire`).  A concurrent
+reader that had listed a removed pack finds its objects in the new one, as
+when git repacks.  Nothing is merged in a repository with a
+``multi-pack-index``: it may name the small packs, and only git's own repack
+rewrites it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ MERGE_TRIGGER = 8
 SMALL_MAX = 4096
 #: Objects bigger than this stay loose: they are streamed to disk, never held twice in memory.
 OBJECT_MAX = 1 << 20
+#: A call whose objects add up to more than this writes them loose (a pack is built in memory).
+PACK_BYTES_MAX = 256 << 20
+#: A pack file bigger than this is never read for a merge (nor is a merge made bigger).
+MERGE_BYTES_MAX = 8 << 20
 #: zlib level: git's default ``core.looseCompression`` (best speed); any level reads the same.
 LEVEL = 1
 _IDX_MAGIC = b"\377tOc"
@@ -120,11 +126,12 @@ class PackBuilder:
 class SmallPack:
     """A pack in ``objects/pack`` that a merge may take: its name stem and object count."""
 
-    __slots__ = ("stem", "count")
+    __slots__ = ("stem", "count", "size")
 
-    def __init__(self, stem: str, count: int) -> None:
+    def __init__(self, stem: str, count: int, size: int = 0) -> None:
         self.stem = stem  # full path without the extension
         self.count = count
+        self.size = size  # of the .pack file
 
     def __repr__(self) -> str:
         return f"SmallPack({os.path.basename(self.stem)!r}, {self.count})"
@@ -147,13 +154,14 @@ def small_packs(pack_dir: str) -> list[SmallPack]:
             continue
         try:
             size = entry.stat().st_size
+            pack_size = entries[base + ".pack"].stat().st_size
         except OSError:
             continue
         # idx v2: 8 + 1024, 28 per object, 40 (no large offsets in a small pack)
         count, rest = divmod(size - 1072, 28)
-        if rest or not 0 < count <= SMALL_MAX:
+        if rest or not 0 < count <= SMALL_MAX or pack_size > MERGE_BYTES_MAX:
             continue
-        out.append(SmallPack(os.path.join(pack_dir, base), count))
+        out.append(SmallPack(os.path.join(pack_dir, base), count, pack_size))
     out.sort(key=lambda p: (p.count, p.stem))
     return out
 
@@ -163,12 +171,13 @@ def choose_merge(new_count: int, packs: list[SmallPack]) -> list[SmallPack]:
     if len(packs) < MERGE_TRIGGER:
         return []
     chosen: list[SmallPack] = []
-    merged = new_count
+    merged, size = new_count, 0
     for pack in packs:
-        if pack.count >= 2 * merged or merged + pack.count > SMALL_MAX:
+        if pack.count >= 2 * merged or merged + pack.count > SMALL_MAX or size + pack.size > MERGE_BYTES_MAX:
             break
         chosen.append(pack)
         merged += pack.count
+        size += pack.size
     return chosen
 
 
@@ -202,14 +211,41 @@ def read_entries(stem: str) -> list[tuple[bytes, bytes, int]] | None:
     if any(off & 0x80000000 for off in offsets):
         return None
     order = sorted(range(n), key=lambda i: offsets[i])
+    if offsets[order[0]] != 12:
+        return None  # bytes before the first entry: not a pack written as git writes them
     ends = [offsets[order[k + 1]] for k in range(n - 1)] + [len(pack) - 20]
     out: list[tuple[bytes, bytes, int]] = []
     for k, i in enumerate(order):
         entry = pack[offsets[i]:ends[k]]
-        if not entry or (entry[0] >> 4) & 7 not in (1, 2, 3, 4) or zlib.crc32(entry) != crcs[i]:
-            return None  # a delta (6, 7), or not what the idx says
+        if not entry or zlib.crc32(entry) != crcs[i] or _object_id(entry) != oids[i]:
+            return None  # a delta, or not the object the idx says
         out.append((oids[i], entry, crcs[i]))
     return out
+
+
+def _object_id(entry: bytes) -> bytes | None:
+    """The id of the whole object a pack entry holds, if its zlib stream fills the entry exactly."""
+    kind = (entry[0] >> 4) & 7
+    names = {1: b"commit", 2: b"tree", 3: b"blob", 4: b"tag"}
+    if kind not in names:
+        return None  # 6, 7: deltas
+    size, shift, at = entry[0] & 0x0F, 4, 1
+    byte = entry[0]
+    while byte & 0x80:
+        if at >= len(entry):
+            return None
+        byte = entry[at]
+        size |= (byte & 0x7F) << shift
+        shift += 7
+        at += 1
+    z = zlib.decompressobj()
+    try:
+        body = z.decompress(entry[at:], size + 1)
+    except zlib.error:
+        return None
+    if len(body) != size or not z.eof or z.unused_data or z.unconsumed_tail:
+        return None
+    return hashlib.sha1(b"%s %d\0" % (names[kind], size) + body).digest()
 
 
 def retire(packs: Iterable[SmallPack]) -> None:

@@ -289,6 +289,16 @@ _KEPT_MARKS: dict[tuple[str, int, int], str] = {}
 _KEPT_MARKS_LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    global _KEPT_MARKS_LOCK
+    _KEPT_MARKS_LOCK = threading.Lock()  # a thread of the parent may have held it
+    _KEPT_MARKS.clear()  # the parent's (keyed by its pid): never the child's to use or remove
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _lock_mark(git_dir: str, keep: bool, *, fresh: bool) -> str:
     """A tmp file beside ``index.lock`` holding this process's mark (the kept one, unless ``fresh``)."""
     key = (git_dir, os.getpid(), threading.get_ident())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import subprocess
 from pathlib import Path
 
@@ -239,3 +240,125 @@ def test_a_failed_batch_removes_no_merged_pack(five: Repo, monkeypatch: pytest.M
     for i in range(packs.MERGE_TRIGGER):
         assert five.git("cat-file", "-p", blob(b"p%d-1\n" % i)[0]) == f"p{i}-1\n"
     five.git("fsck", "--strict")
+
+
+def deleted_fds() -> int:
+    out = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out += os.readlink(f"/proc/self/fd/{fd}").endswith("(deleted)")
+        except OSError:
+            pass
+    return out
+
+
+def test_a_long_lived_store_lets_go_of_removed_packs(five: Repo) -> None:
+    """libgit2 keeps every pack it read open until its database is reopened: after merges
+    removed them, a long-lived store would run out of descriptors (one per call)."""
+    stores: dict[str, object] = {}
+    before = deleted_fds()
+    for i in range(80):
+        assert apply(str(five.path), one_patch(five, i), branch="side", _stores=stores).status == "committed"
+    assert deleted_fds() - before <= packs.MERGE_TRIGGER + 2
+
+
+def test_a_merge_never_removes_the_pack_it_writes(tmp_path: Path) -> None:
+    """A store that has not seen another process's pack stages exactly its objects: the new pack
+    has that pack's name, and the merge that takes that pack must not remove it."""
+    repo = make_repo(tmp_path / "repo")
+    slow = GitStore(str(repo.path))
+    slow._known("0" * 40)  # its backends list the packs of this moment
+    for i in range(packs.MERGE_TRIGGER - 1):
+        other = GitStore(str(repo.path))
+        for j in range(8):
+            other.write_blob(b"filler %d %d\n" % (i, j))
+        other.flush_objects()
+    other = GitStore(str(repo.path))
+    x, y = other.write_blob(b"both stage this\n"), other.write_blob(b"and this\n")
+    other.flush_objects()
+    slow.write_blob(b"both stage this\n")
+    slow.write_blob(b"and this\n")
+    slow.flush_objects()
+    assert repo.git("cat-file", "-p", x) == "both stage this\n" and repo.git("cat-file", "-p", y) == "and this\n"
+
+
+def test_objects_pruned_since_are_written_again(tmp_path: Path) -> None:
+    """A pack libgit2 still holds open is not proof: objects git pruned since are written again."""
+    repo = make_repo(tmp_path / "repo")
+    gs = GitStore(str(repo.path))
+    x, y = gs.write_blob(b"payload\n"), gs.write_blob(b"payload 2\n")
+    gs.flush_objects()
+    gs.forget_recent()
+    assert gs.read_blob(x) == b"payload\n"  # libgit2 opened the pack
+    repo.git("gc", "-q", "--prune=now")  # nothing names them: pruned
+    assert repo.git("cat-file", "-e", x, check=False) == ""
+    gs.discard_pending()
+    gs.write_blob(b"payload\n")
+    gs.write_blob(b"payload 2\n")
+    gs.flush_objects()
+    assert repo.git("cat-file", "-p", x) == "payload\n" and repo.git("cat-file", "-p", y) == "payload 2\n"
+
+
+def test_a_known_packed_object_has_its_folder_synced(five: Repo) -> None:
+    gs = GitStore(str(five.path))
+    x = gs.write_blob(b"one\n")
+    gs.write_blob(b"two\n")
+    gs.flush_objects()
+    gs.discard_pending()
+    assert gs.read_blob(x) == b"one\n"  # read back through libgit2: the pack is listed
+    gs.write_blob(b"one\n")  # in that pack (whose folder may not be durable yet)
+    gs.write_blob(b"three\n")
+    batch = DurableBatch()
+    gs.add_pending_to(batch)
+    assert os.path.realpath(five.path / ".git/objects/pack") in batch._also
+    batch.commit()
+    assert five.git("cat-file", "-p", x) == "one\n"
+
+
+def test_a_pack_whose_idx_names_other_objects_is_never_copied(tmp_path: Path) -> None:
+    """A self-consistent idx (its checksum made good) naming an object the entry does not hold."""
+    stem = write_pack(tmp_path, [blob(b"a\n"), blob(b"b\n")])
+    idx = stem.with_suffix(".idx")
+    data = bytearray(idx.read_bytes())
+    data[1032 + 19] ^= 1  # the first object's id, last byte: the sort order holds
+    body = bytes(data[:-20])
+    idx.write_bytes(body + hashlib.sha1(body).digest())
+    assert packs.read_entries(str(stem)) is None
+
+
+def test_bytes_before_the_first_entry_are_never_copied(tmp_path: Path) -> None:
+    stem = write_pack(tmp_path, [blob(b"a\n"), blob(b"b\n")])
+    pack, idx = stem.with_suffix(".pack"), stem.with_suffix(".idx")
+    raw = pack.read_bytes()
+    body = raw[:12] + b"\0" + raw[12:-20]  # one junk byte: every offset moves by one
+    checksum = hashlib.sha1(body).digest()
+    pack.write_bytes(body + checksum)
+    data = bytearray(idx.read_bytes())
+    n = 2
+    at = 1032 + 24 * n
+    offsets = struct.unpack(f">{n}I", data[at:at + 4 * n])
+    data[at:at + 4 * n] = struct.pack(f">{n}I", *(o + 1 for o in offsets))
+    data[-40:-20] = checksum
+    body_idx = bytes(data[:-20])
+    idx.write_bytes(body_idx + hashlib.sha1(body_idx).digest())
+    assert packs.read_entries(str(stem)) is None
+
+
+def test_big_packs_and_big_calls_are_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stems = [write_pack(tmp_path, [blob(b"%d\n" % i), blob(os.urandom(2000))]) for i in range(3)]
+    monkeypatch.setattr(packs, "MERGE_BYTES_MAX", 1000)
+    assert packs.small_packs(str(tmp_path)) == []  # over the byte limit: never read for a merge
+    monkeypatch.setattr(packs, "MERGE_BYTES_MAX", 5000)
+    found = packs.small_packs(str(tmp_path))
+    assert len(found) == 3 and all(p.size > 2000 for p in found)
+    monkeypatch.setattr(packs, "MERGE_TRIGGER", 3)
+    assert len(packs.choose_merge(2, found)) == 2  # a third would pass the byte limit
+    repo = make_repo(tmp_path / "repo")
+    monkeypatch.setattr(packs, "PACK_BYTES_MAX", 100)
+    gs = GitStore(str(repo.path))
+    oids = [gs.write_blob(b"%d" % i * 60) for i in range(3)]
+    before = pack_names(repo)
+    gs.flush_objects()
+    assert pack_names(repo) == before  # over the call's byte limit: written loose
+    assert all((repo.path / ".git/objects" / o[:2] / o[2:]).exists() for o in oids)
+    assert stems
