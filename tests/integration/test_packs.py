@@ -262,6 +262,13 @@ def test_a_long_lived_store_lets_go_of_removed_packs(five: Repo) -> None:
     assert deleted_fds() - before <= packs.MERGE_TRIGGER + 2
 
 
+def flushed(gs: GitStore, *contents: bytes) -> list[str]:
+    """Stage a blob of each of ``contents`` and write them (one pack for two or more)."""
+    oids = [gs.write_blob(c) for c in contents]
+    gs.flush_objects()
+    return oids
+
+
 def test_a_merge_never_removes_the_pack_it_writes(tmp_path: Path) -> None:
     """A store that has not seen another process's pack stages exactly its objects: the new pack
     has that pack's name, and the merge that takes that pack must not remove it."""
@@ -269,16 +276,9 @@ def test_a_merge_never_removes_the_pack_it_writes(tmp_path: Path) -> None:
     slow = GitStore(str(repo.path))
     slow._known("0" * 40)  # its backends list the packs of this moment
     for i in range(packs.MERGE_TRIGGER - 1):
-        other = GitStore(str(repo.path))
-        for j in range(8):
-            other.write_blob(b"filler %d %d\n" % (i, j))
-        other.flush_objects()
-    other = GitStore(str(repo.path))
-    x, y = other.write_blob(b"both stage this\n"), other.write_blob(b"and this\n")
-    other.flush_objects()
-    slow.write_blob(b"both stage this\n")
-    slow.write_blob(b"and this\n")
-    slow.flush_objects()
+        flushed(GitStore(str(repo.path)), *(b"filler %d %d\n" % (i, j) for j in range(8)))
+    x, y = flushed(GitStore(str(repo.path)), b"both stage this\n", b"and this\n")
+    flushed(slow, b"both stage this\n", b"and this\n")
     assert repo.git("cat-file", "-p", x) == "both stage this\n" and repo.git("cat-file", "-p", y) == "and this\n"
 
 
@@ -286,16 +286,13 @@ def test_objects_pruned_since_are_written_again(tmp_path: Path) -> None:
     """A pack libgit2 still holds open is not proof: objects git pruned since are written again."""
     repo = make_repo(tmp_path / "repo")
     gs = GitStore(str(repo.path))
-    x, y = gs.write_blob(b"payload\n"), gs.write_blob(b"payload 2\n")
-    gs.flush_objects()
+    x, y = flushed(gs, b"payload\n", b"payload 2\n")
     gs.forget_recent()
     assert gs.read_blob(x) == b"payload\n"  # libgit2 opened the pack
     repo.git("gc", "-q", "--prune=now")  # nothing names them: pruned
     assert repo.git("cat-file", "-e", x, check=False) == ""
     gs.discard_pending()
-    gs.write_blob(b"payload\n")
-    gs.write_blob(b"payload 2\n")
-    gs.flush_objects()
+    flushed(gs, b"payload\n", b"payload 2\n")
     assert repo.git("cat-file", "-p", x) == "payload\n" and repo.git("cat-file", "-p", y) == "payload 2\n"
 
 
