@@ -443,7 +443,10 @@ class GitStore:
         for oid, header, data in objects:
             builder.add_object(oid, header, data)
         merged: list[packs.SmallPack] = []
-        candidates = [p for p in packs.small_packs(pack_dir) if p.stem not in self._unmergeable]
+        if self._pack_names is not None and len(self._pack_names) < packs.MERGE_TRIGGER:
+            candidates = []  # too few packs of any size for a merge: not even looked at
+        else:
+            candidates = [p for p in packs.small_packs(pack_dir) if p.stem not in self._unmergeable]
         for pack in packs.choose_merge(len(builder), candidates):
             entries = packs.read_entries(pack.stem)
             if entries is None:
