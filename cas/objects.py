@@ -443,10 +443,13 @@ class GitStore:
         for oid, header, data in objects:
             builder.add_object(oid, header, data)
         merged: list[packs.SmallPack] = []
+        retired_list = os.path.join(self.common_dir, "objects", "info", "oncepatch-retired")
         if self._pack_names is not None and len(self._pack_names) < packs.MERGE_TRIGGER:
             candidates = []  # too few packs of any size for a merge: not even looked at
         else:
-            candidates = [p for p in packs.small_packs(pack_dir) if p.stem not in self._unmergeable]
+            waiting = packs.sweep(pack_dir, retired_list, time.time())  # merged before: not again
+            candidates = [p for p in packs.small_packs(pack_dir)
+                          if p.stem not in self._unmergeable and p.stem not in waiting]
         for pack in packs.choose_merge(len(builder), candidates):
             entries = packs.read_entries(pack.stem)
             if entries is None:
@@ -467,7 +470,7 @@ class GitStore:
         batch.add(stem + ".idx", idx_bytes, mode=0o444, content_addressed=True, tmp_prefix="tmp_idx_",
                   dir_mode=0o777)
         if merged:
-            batch.when_durable(lambda: packs.retire(merged))
+            batch.when_durable(lambda: packs.retire(retired_list, merged, time.time()))
 
     def _forget_removed_packs(self, pack_dir: str) -> None:
         """Reopen the object database when a pack it may hold open was removed (by a merge, or by git).

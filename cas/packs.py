@@ -21,22 +21,24 @@ smaller than twice what is merged so far, so that every object is copied
 O(log n) times.  Their entries are copied byte for byte, once the pack's
 checksum, each entry's CRC and each object's id (inflated and hashed) check
 out; a pack with a delta or anything else is left as it is.  The packs merged
-are removed only once the new pack is durable (:func:`retire`).  A concurrent
-reader that had listed a removed pack finds its objects in the new one, as
-when git repacks.  Nothing is merged in a repository with a
+are noted once the new pack is durable, and removed by a later call once
+:data:`RETIRE_GRACE` has passed (:func:`retire`, :func:`sweep`; the note is
+``objects/info/oncepatch-retired``).  A reader that had listed a removed pack
+finds its objects in the new one when it rescans, as when git repacks.  Nothing is merged in a repository with a
 ``multi-pack-index``: it may name the small packs, and only git's own repack
 rewrites it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
 import zlib
 from collections.abc import Iterable
 
-__all__ = ["PackBuilder", "SmallPack", "small_packs", "choose_merge", "retire", "MERGE_TRIGGER", "SMALL_MAX"]
+__all__ = ["PackBuilder", "SmallPack", "small_packs", "choose_merge", "retire", "sweep", "MERGE_TRIGGER", "SMALL_MAX"]
 
 #: A call merges packs once it finds this many small ones.
 MERGE_TRIGGER = 8
@@ -248,11 +250,78 @@ def _object_id(entry: bytes) -> bytes | None:
     return hashlib.sha1(b"%s %d\0" % (names[kind], size) + body).digest()
 
 
-def retire(packs: Iterable[SmallPack]) -> None:
-    """Remove merged packs (their objects are durable in the new pack): the idx first, so no reader lists a pack without its file."""
-    for pack in packs:
-        for ext in (".idx", ".pack"):
-            try:
-                os.unlink(pack.stem + ext)
-            except OSError:
-                pass  # gone already (another merge), or not ours to remove: duplicates are harmless
+#: Merged packs stay this many seconds before they are removed (see :func:`retire`) ...
+RETIRE_GRACE = 1.0
+#: ... unless more than this many wait: the oldest go first (calls many times a second).
+RETIRE_MAX = 16
+
+
+def retire(list_path: str, packs: Iterable[SmallPack], now: float) -> None:
+    """Note that ``packs`` are merged into a durable pack: :func:`sweep` removes them after :data:`RETIRE_GRACE`
+    (sooner when more than :data:`RETIRE_MAX` wait).
+
+    Not at once: a reader (git, libgit2) lists the pack folder and opens the
+    packs it listed a moment later.  A pack removed in between, whose objects
+    went to a pack created after the listing, is a miss the reader's one
+    rescan could not repair.  The list is advisory and not synced: a pack
+    it forgets is an ordinary small pack again, merged once more (its objects
+    copied twice, which git tolerates).
+    """
+    lines = "".join(f"{now:.3f} {os.path.basename(p.stem)}\n" for p in packs)
+    if not lines:
+        return
+    try:
+        os.makedirs(os.path.dirname(list_path), exist_ok=True)
+        fd = os.open(list_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            os.write(fd, lines.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # not noted: merged again later
+
+
+def sweep(pack_dir: str, list_path: str, now: float) -> set[str]:
+    """Remove the noted packs whose grace has passed (idx first); return the stems still waiting.
+
+    Two sweeps at once remove the same files (a missing one is fine) and may
+    drop a note made meanwhile from the list: that pack is merged again later.
+    """
+    try:
+        with open(list_path, "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return set()
+    waiting: list[tuple[str, str]] = []
+    due: list[str] = []
+    for line in raw.decode("utf-8", "replace").splitlines():
+        stamp, _, name = line.partition(" ")
+        try:
+            when = float(stamp)
+        except ValueError:
+            continue
+        if not (name.startswith("pack-") and "/" not in name and name.isascii()):
+            continue
+        if when <= now - RETIRE_GRACE:
+            due.append(name)
+        else:
+            waiting.append((stamp, name))
+    if len(waiting) > RETIRE_MAX:  # in the order noted: the oldest first
+        due += [name for _stamp, name in waiting[:len(waiting) - RETIRE_MAX]]
+        waiting = waiting[len(waiting) - RETIRE_MAX:]
+    if due:
+        for name in due:
+            for ext in (".idx", ".pack"):
+                try:
+                    os.unlink(os.path.join(pack_dir, name + ext))
+                except OSError:
+                    pass  # gone already (another sweep), or not ours to remove: duplicates are harmless
+        tmp = f"{list_path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="ascii") as fh:
+                fh.write("".join(f"{stamp} {name}\n" for stamp, name in waiting))
+            os.replace(tmp, list_path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return {os.path.join(pack_dir, name) for _stamp, name in waiting}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 import struct
 import subprocess
 from pathlib import Path
@@ -192,10 +193,16 @@ def test_calls_write_one_pack_each_and_merge_them(five: Repo) -> None:
         reader.stdin.close()
         reader.wait()
     assert set((five.path / ".git/objects").glob("[0-9a-f][0-9a-f]/*")) == loose  # no call wrote a loose object
-    assert most <= packs.MERGE_TRIGGER + 3, most  # bounded: merged as they pile up
+    # bounded: merged as they pile up, the merged ones kept a while for readers (never near git's 50)
+    assert most <= packs.MERGE_TRIGGER + packs.RETIRE_MAX + 3, most
     five.git("fsck", "--strict", "--no-dangling")
     assert five.git("rev-parse", "side") == commits[-1] + "\n"
     assert five.git("show", "side:f4.txt") == "v12\n"
+    time.sleep(packs.RETIRE_GRACE + 0.1)
+    last = apply(str(five.path), one_patch(five, 60), branch="side", _stores=stores)
+    assert last.status == "committed" and last.commit is not None
+    commits.append(last.commit)
+    assert len(pack_names(five)) <= packs.MERGE_TRIGGER + 3  # once their grace passed, the merged ones went
     five.git("gc", "-q")  # and git repacks them as its own
     assert len(pack_names(five)) == 1 and five.git("rev-parse", "side") == commits[-1] + "\n"
 
@@ -236,7 +243,12 @@ def test_a_failed_batch_removes_no_merged_pack(five: Repo, monkeypatch: pytest.M
     for i in range(3):
         gs.write_blob(b"new %d\n" % i)
     gs.flush_objects()
-    assert not any(s.with_suffix(".idx").exists() for s in small)  # merged, then removed
+    retired = five.path / ".git/objects/info/oncepatch-retired"
+    assert all(s.with_suffix(".idx").exists() for s in small)  # merged: noted, kept for readers a while
+    assert sorted(line.split()[1] for line in retired.read_text().splitlines()) == sorted(s.name for s in small)
+    assert packs.sweep(str(pack_dir), str(retired), time.time() + packs.RETIRE_GRACE + 1) == set()
+    assert not any(s.with_suffix(".idx").exists() or s.with_suffix(".pack").exists() for s in small)  # removed
+    assert retired.read_text() == ""
     for i in range(packs.MERGE_TRIGGER):
         assert five.git("cat-file", "-p", blob(b"p%d-1\n" % i)[0]) == f"p{i}-1\n"
     five.git("fsck", "--strict")
@@ -359,3 +371,73 @@ def test_big_packs_and_big_calls_are_left_alone(tmp_path: Path, monkeypatch: pyt
     assert pack_names(repo) == before  # over the call's byte limit: written loose
     assert all((repo.path / ".git/objects" / o[:2] / o[2:]).exists() for o in oids)
     assert stems
+
+
+WRITER = """
+import sys
+from patcher.protocol import apply
+repo, branch, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+stores = {}
+for i in range(n):
+    patch = (f"--- a/{branch}.txt\\n+++ b/{branch}.txt\\n@@ -1 +1 @@\\n-{branch} {i}\\n+{branch} {i + 1}\\n").encode()
+    res = apply(repo, patch, branch=branch, _stores=stores)
+    print(res.commit, flush=True)
+"""
+
+
+def test_writers_merging_at_once_lose_nothing(tmp_path: Path) -> None:
+    """Four processes write and merge packs at once, each on its own branch, while git reads."""
+    import sys
+
+    branches = [f"b{i}" for i in range(4)]
+    repo = make_repo(tmp_path / "repo", {f"{b}.txt": f"{b} 0\n" for b in branches})
+    for b in branches:
+        repo.git("branch", b)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=root)
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(repo.path), b, "25"], stdout=subprocess.PIPE,
+                              env=env) for b in branches]
+    reader = subprocess.Popen(["git", "cat-file", "--batch-check"], cwd=repo.path, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    assert reader.stdin is not None and reader.stdout is not None
+    seen: list[str] = []
+    try:
+        while any(p.poll() is None for p in procs):
+            for c in [*seen, *(repo.head(b) for b in branches)]:  # everything so far, while packs go
+                reader.stdin.write(f"{c}\n".encode())
+                reader.stdin.flush()
+                assert reader.stdout.readline().split()[1] == b"commit", c
+            seen = [repo.head(b) for b in branches]
+    finally:
+        reader.stdin.close()
+        reader.wait()
+    commits = []
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0
+        commits += out.decode().split()
+    assert len(commits) == 100
+    for c in commits:
+        assert repo.git("cat-file", "-t", c) == "commit\n"
+    for b in branches:
+        assert repo.git("show", f"{b}:{b}.txt") == f"{b} 25\n"
+    repo.git("fsck", "--strict", "--no-dangling")
+    assert len(pack_names(repo)) < 50  # git's gc.autoPackLimit
+
+
+def test_sweep_waits_for_the_grace_but_never_lets_many_wait(tmp_path: Path) -> None:
+    pack_dir = tmp_path / "pack"
+    stems = [write_pack(pack_dir, [blob(b"s%d\n" % i), blob(b"t%d\n" % i)]) for i in range(packs.RETIRE_MAX + 3)]
+    listed = tmp_path / "info" / "oncepatch-retired"
+    now = 1000.0
+    packs.retire(str(listed), [packs.SmallPack(str(stems[0]), 2)], now - packs.RETIRE_GRACE - 1)  # due
+    packs.retire(str(listed), [packs.SmallPack(str(s), 2) for s in stems[1:]], now)  # not yet
+    with open(listed, "a") as fh:
+        fh.write("junk\nnot-a-time pack-x\n1.0 ../escape\n")
+    waiting = packs.sweep(str(pack_dir), str(listed), now)
+    # the due one, and the oldest beyond RETIRE_MAX, are removed; the rest wait and are not merged again
+    gone = [s for s in stems if not s.with_suffix(".idx").exists()]
+    assert gone == stems[:3] and not any(s.with_suffix(".pack").exists() for s in gone)
+    assert waiting == {str(s) for s in stems[3:]} and len(waiting) == packs.RETIRE_MAX
+    assert len(listed.read_text().splitlines()) == packs.RETIRE_MAX
+    assert packs.sweep(str(pack_dir), str(tmp_path / "none"), now) == set()
