@@ -66,6 +66,8 @@ _OBJECT_TYPES = {b"commit": 1, b"tree": 2, b"blob": 3}
 #: zlib level of loose objects: git's default ``core.looseCompression`` (best speed).
 _LOOSE_LEVEL = 1
 _CHUNK = 1 << 20
+#: The object database is reopened once this many packs it may hold open are gone (descriptors, disk space).
+_REOPEN_AFTER = 32
 
 
 def _canon_mode(mode: int) -> int:
@@ -167,6 +169,8 @@ class GitStore:
         self._backends: list[pygit2.OdbBackend] | None = None
         self._pack_names: frozenset[str] | None = None  # the idx files last seen in objects/pack
         self._unmergeable: set[str] = set()  # small packs a merge may not copy (read once)
+        self._pack_sizes: dict[str, tuple[int, int] | None] = {}  # cas.packs.small_packs's cache
+        self._packs_gone = 0  # packs removed since the object database was opened
         self._signature: Signature | None = None
         # Folders and reflogs of refs moved with defer_sync, which a later batch syncs.
         self._unsynced: dict[str, None] = {}
@@ -448,7 +452,7 @@ class GitStore:
             candidates = []  # too few packs of any size for a merge: not even looked at
         else:
             waiting = packs.sweep(pack_dir, retired_list, time.time())  # merged before: not again
-            candidates = [p for p in packs.small_packs(pack_dir)
+            candidates = [p for p in packs.small_packs(pack_dir, self._pack_sizes)
                           if p.stem not in self._unmergeable and p.stem not in waiting]
         for pack in packs.choose_merge(len(builder), candidates):
             entries = packs.read_entries(pack.stem)
@@ -473,19 +477,21 @@ class GitStore:
             batch.when_durable(lambda: packs.retire(retired_list, merged, time.time()))
 
     def _forget_removed_packs(self, pack_dir: str) -> None:
-        """Reopen the object database when a pack it may hold open was removed (by a merge, or by git).
+        """Reopen the object database once :data:`_REOPEN_AFTER` packs it may hold open were removed.
 
-        libgit2 keeps every pack it has read open and mapped, and answers from
-        it, until its database is reopened: a long-lived store would hold the
-        removed packs' descriptors and disk space, and take objects pruned
-        since for present.
+        libgit2 keeps every pack it has read open and mapped until its database
+        is reopened: a long-lived store would hold every removed pack's
+        descriptor and disk space.  (A hit it answers from such a pack is
+        checked after a reopen anyway: see :meth:`add_pending_to`.)
         """
         try:
             names = frozenset(n for n in os.listdir(pack_dir) if n.endswith(".idx"))
         except OSError:
             names = frozenset()
-        if self._pack_names is not None and not self._pack_names <= names:
-            self.reopen_objects()
+        if self._pack_names is not None:
+            self._packs_gone += len(self._pack_names - names)
+            if self._packs_gone >= _REOPEN_AFTER:
+                self.reopen_objects()
         self._pack_names = names
 
     def reopen_objects(self) -> None:
@@ -496,6 +502,7 @@ class GitStore:
             raise GitStoreError(f"cannot open the object database: {exc}") from exc
         self._backends = None
         self._worktrees = {}
+        self._packs_gone = 0
 
     def _known(self, oid: str) -> bool:
         """Whether a backend of the object database has ``oid`` *as last listed*.

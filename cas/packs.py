@@ -12,19 +12,20 @@ version 2.  The pack is named by its checksum, as git names the packs it writes.
 
 Packs must not pile up: git's ``gc --auto`` repacks the whole repository once it
 holds more than ``gc.autoPackLimit`` (50) packs, and every reader looks an
-object up pack by pack.  So a call that finds :data:`MERGE_TRIGGER` or more
-*small* packs (at most :data:`SMALL_MAX` objects and :data:`MERGE_BYTES_MAX`
-bytes, no ``.keep``, ``.promisor``, ``.mtimes``, ``.bitmap`` or ``.rev`` beside
-them) folds some of them into the pack it writes anyway — geometrically, as
-``git repack --geometric=2`` does: the smallest packs in turn, while each is
-smaller than twice what is merged so far, so that every object is copied
-O(log n) times.  Their entries are copied byte for byte, once the pack's
-checksum, each entry's CRC and each object's id (inflated and hashed) check
-out; a pack with a delta or anything else is left as it is.  The packs merged
-are noted once the new pack is durable, and removed by a later call once
-:data:`RETIRE_GRACE` has passed (:func:`retire`, :func:`sweep`; the note is
-``objects/info/oncepatch-retired``).  A reader that had listed a removed pack
-finds its objects in the new one when it rescans, as when git repacks.  Nothing is merged in a repository with a
+object up pack by pack.  So a call folds *small* packs (at most
+:data:`SMALL_MAX` objects and :data:`MERGE_BYTES_MAX` bytes, no ``.keep``,
+``.promisor``, ``.mtimes``, ``.bitmap`` or ``.rev`` beside them) into the pack
+it writes anyway — geometrically, as ``git repack --geometric=2`` does: the
+smallest packs in turn, while each is smaller than twice what is merged so
+far, so that every object is copied O(log n) times — once that choice makes
+:data:`MERGE_TRIGGER` packs one, its own among them.  Their entries are
+copied byte for byte, once the pack's checksum, each entry's CRC and each
+object's id (inflated and hashed) check out; a pack with a delta or anything
+else is left as it is.  The packs merged are noted once the new pack is
+durable, and removed by a later call once :data:`RETIRE_GRACE` has passed
+(:func:`retire`, :func:`sweep`; the note is ``objects/info/oncepatch-retired``).
+A reader that had listed a removed pack finds its objects in the new one when
+it rescans, as when git repacks.  Nothing is merged in a repository with a
 ``multi-pack-index``: it may name the small packs, and only git's own repack
 rewrites it.
 """
@@ -40,7 +41,7 @@ from collections.abc import Iterable
 
 __all__ = ["PackBuilder", "SmallPack", "small_packs", "choose_merge", "retire", "sweep", "MERGE_TRIGGER", "SMALL_MAX"]
 
-#: A call merges packs once it finds this many small ones.
+#: A call merges packs once the geometric rule would make this many one, its own among them.
 MERGE_TRIGGER = 8
 #: A pack of at most this many objects is small (a merge never makes a pack bigger than this).
 SMALL_MAX = 4096
@@ -139,39 +140,62 @@ class SmallPack:
         return f"SmallPack({os.path.basename(self.stem)!r}, {self.count})"
 
 
-def small_packs(pack_dir: str) -> list[SmallPack]:
-    """The small packs of ``pack_dir``, smallest first (a count read from the idx's size)."""
+def small_packs(pack_dir: str, cache: dict[str, tuple[int, int] | None] | None = None) -> list[SmallPack]:
+    """The small packs of ``pack_dir``, smallest first (a count read from the idx's size).
+
+    ``cache``: ``{idx name: (objects, pack bytes) or None}`` kept by the caller
+    between calls; a pack never changes under its name, so only new names are
+    looked at.
+    """
     try:
-        entries = {e.name: e for e in os.scandir(pack_dir)}
+        names = set(os.listdir(pack_dir))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    if "multi-pack-index" in entries:
+    if "multi-pack-index" in names:
         return []
+    if cache is None:
+        cache = {}
+    else:
+        for gone in [n for n in cache if n not in names]:
+            del cache[gone]
     out: list[SmallPack] = []
-    for name, entry in entries.items():
+    accompanied = {n.rpartition(".")[0] for n in names if n.endswith(_COMPANIONS)}
+    for name in names:
         if not (name.startswith("pack-") and name.endswith(".idx")):
             continue
         base = name[:-4]
-        if base + ".pack" not in entries or any(base + ext in entries for ext in _COMPANIONS):
+        if base + ".pack" not in names or base in accompanied:
             continue
-        try:
-            size = entry.stat().st_size
-            pack_size = entries[base + ".pack"].stat().st_size
-        except OSError:
-            continue
-        # idx v2: 8 + 1024, 28 per object, 40 (no large offsets in a small pack)
-        count, rest = divmod(size - 1072, 28)
-        if rest or not 0 < count <= SMALL_MAX or pack_size > MERGE_BYTES_MAX:
-            continue
-        out.append(SmallPack(os.path.join(pack_dir, base), count, pack_size))
+        if name not in cache:
+            cache[name] = _measure(os.path.join(pack_dir, base))
+        found = cache[name]
+        if found is not None:
+            out.append(SmallPack(os.path.join(pack_dir, base), *found))
     out.sort(key=lambda p: (p.count, p.stem))
     return out
 
 
+def _measure(stem: str) -> tuple[int, int] | None:
+    """``(objects, pack bytes)`` of a small pack, ``None`` for any other."""
+    try:
+        size = os.stat(stem + ".idx").st_size
+        pack_size = os.stat(stem + ".pack").st_size
+    except OSError:
+        return None
+    # idx v2: 8 + 1024, 28 per object, 40 (no large offsets in a small pack)
+    count, rest = divmod(size - 1072, 28)
+    if rest or not 0 < count <= SMALL_MAX or pack_size > MERGE_BYTES_MAX:
+        return None
+    return count, pack_size
+
+
 def choose_merge(new_count: int, packs: list[SmallPack]) -> list[SmallPack]:
-    """Which of ``packs`` (smallest first) to fold into a new pack of ``new_count`` objects."""
-    if len(packs) < MERGE_TRIGGER:
-        return []
+    """Which of ``packs`` (smallest first) to fold into a new pack of ``new_count`` objects.
+
+    The geometric rule's choice, once it makes :data:`MERGE_TRIGGER` packs one
+    with the new pack; none before (a merge every call would copy the same
+    small packs again and again).
+    """
     chosen: list[SmallPack] = []
     merged, size = new_count, 0
     for pack in packs:
@@ -180,7 +204,7 @@ def choose_merge(new_count: int, packs: list[SmallPack]) -> list[SmallPack]:
         chosen.append(pack)
         merged += pack.count
         size += pack.size
-    return chosen
+    return chosen if len(chosen) + 1 >= MERGE_TRIGGER else []
 
 
 def read_entries(stem: str) -> list[tuple[bytes, bytes, int]] | None:

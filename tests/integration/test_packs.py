@@ -118,8 +118,11 @@ def test_choose_merge_is_geometric_and_bounded() -> None:
     def sp(*counts: int) -> list[packs.SmallPack]:
         return [packs.SmallPack(f"p{i}", c) for i, c in enumerate(counts)]
 
-    assert packs.choose_merge(7, sp(*[7] * (packs.MERGE_TRIGGER - 1))) == []  # too few to bother
+    assert packs.choose_merge(7, sp(*[7] * (packs.MERGE_TRIGGER - 2))) == []  # too few to bother
+    assert [p.count for p in packs.choose_merge(7, sp(*[7] * 7))] == [7] * 7
     assert [p.count for p in packs.choose_merge(7, sp(*[7] * 8))] == [7] * 8
+    # many packs, but few the rule would take: no merge (it would copy the same packs every call)
+    assert packs.choose_merge(7, sp(7, 30, 80, 250, 700, 2000, 3000, 3500)) == []
     # the smallest in turn, while each is smaller than twice what is merged so far
     assert [p.count for p in packs.choose_merge(7, sp(7, 7, 7, 7, 7, 7, 7, 300))] == [7] * 7
     assert [p.count for p in packs.choose_merge(7, sp(7, 7, 7, 7, 7, 7, 7, 60))] == [7] * 7 + [60]
@@ -269,9 +272,11 @@ def test_a_long_lived_store_lets_go_of_removed_packs(five: Repo) -> None:
     removed them, a long-lived store would run out of descriptors (one per call)."""
     stores: dict[str, object] = {}
     before = deleted_fds()
-    for i in range(80):
+    for i in range(150):
         assert apply(str(five.path), one_patch(five, i), branch="side", _stores=stores).status == "committed"
-    assert deleted_fds() - before <= packs.MERGE_TRIGGER + 2
+    from cas.objects import _REOPEN_AFTER
+
+    assert deleted_fds() - before <= _REOPEN_AFTER + packs.MERGE_TRIGGER
 
 
 def flushed(gs: GitStore, *contents: bytes) -> list[str]:
