@@ -6,7 +6,10 @@ repository (``bench.repos.make_repo``) and applies one-file patches through
 the in-process API, one per request.  The driver alternates the two (A B,
 then B A) for ``--rounds`` rounds and prints both medians and their ratio —
 the A/B figures quoted in docs/BENCHMARKS.md and docs/DECISIONS.md.  With
-``--no-fsync`` both processes stub ``os.fsync`` and libgit2's fsync.
+``--no-fsync`` both processes stub ``os.fsync`` and libgit2's fsync; with
+``--dirty MB`` the driver writes that much, unsynced, before each call (the
+benchmark's git pair leaves its new index so, and on ext4's ordered mode the
+next fsync writes such blocks out first).
 
 A freshly generated repository's index holds the files' mtime second, so
 every entry is racily clean and the index goes through libgit2 until a
@@ -73,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--branch", default="side", help="side: not checked out; main: checked out")
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--no-fsync", action="store_true")
+    ap.add_argument("--dirty", type=float, default=0.0, metavar="MB",
+                    help="before each call, write MB unsynced to a scratch file, as the git pair leaves "
+                         "its index (section 1 of the benchmark interleaves the two)")
     ap.add_argument("--out", default=os.path.join(HERE, "bench-out", "pair"))
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -94,11 +100,15 @@ def main(argv: list[str] | None = None) -> int:
 
     a, b = start(args.a_src), start(args.b_src)
     times: dict[str, list[float]] = {"A": [], "B": []}
+    dirt = os.urandom(int(args.dirty * (1 << 20))) if args.dirty else b""
     try:
         for r in range(args.rounds):
             order = (("A", a), ("B", b)) if r % 2 == 0 else (("B", b), ("A", a))
             for name, p in order:
                 assert p.stdin is not None and p.stdout is not None
+                if dirt:
+                    with open(os.path.join(args.out, "dirty.bin"), "wb") as fh:
+                        fh.write(dirt)
                 p.stdin.write("go\n")
                 p.stdin.flush()
                 times[name].append(float(p.stdout.readline()) * 1000)
@@ -109,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             p.wait()
     med = {k: statistics.median(v) for k, v in times.items()}
     p90 = {k: statistics.quantiles(v, n=10)[-1] for k, v in times.items()}
-    print(f"{args.files} files, branch {args.branch}{' (fsync stubbed)' if args.no_fsync else ''}, "
+    print(f"{args.files} files, branch {args.branch}{' (fsync stubbed)' if args.no_fsync else ''}"
+          f"{f', {args.dirty:g} MB unsynced before each call' if args.dirty else ''}, "
           f"{args.rounds} calls each: A median {med['A']:.2f} ms (p90 {p90['A']:.2f}), "
           f"B median {med['B']:.2f} ms (p90 {p90['B']:.2f}), B/A {med['B'] / med['A']:.3f}")
     return 0
