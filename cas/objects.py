@@ -389,7 +389,8 @@ class GitStore:
         """Queue every staged object in ``batch``; they count as written after its commit.
 
         Two or more go into one pack (:mod:`cas.packs`), which may also take in
-        small packs found beside it: they are removed once the batch is durable.
+        small packs found beside it: noted once the batch is durable, they are
+        removed by a later call (:func:`cas.packs.sweep`).
         A single object, or one bigger than :data:`cas.packs.OBJECT_MAX`
         (streamed, never held twice), is written loose, unless the repository
         already has it (one already loose is synced with the batch).  The tmp
@@ -448,9 +449,11 @@ class GitStore:
             builder.add_object(oid, header, data)
         merged: list[packs.SmallPack] = []
         retired_list = os.path.join(self.common_dir, "objects", "info", "oncepatch-retired")
-        if self._pack_names is not None and len(self._pack_names) < packs.MERGE_TRIGGER:
+        if self._pack_names is not None and len(self._pack_names) < packs.MERGE_TRIGGER - 1:
             candidates = []  # too few packs of any size for a merge: not even looked at
         else:
+            if self._unmergeable and self._pack_names is not None:  # forget the ones gone since
+                self._unmergeable &= {os.path.join(pack_dir, n[:-4]) for n in self._pack_names}
             waiting = packs.sweep(pack_dir, retired_list, time.time())  # merged before: not again
             candidates = [p for p in packs.small_packs(pack_dir, self._pack_sizes)
                           if p.stem not in self._unmergeable and p.stem not in waiting]

@@ -55,6 +55,7 @@ MERGE_BYTES_MAX = 8 << 20
 LEVEL = 1
 _IDX_MAGIC = b"\377tOc"
 _TYPES = {b"commit": 1, b"tree": 2, b"blob": 3, b"tag": 4}
+_NAMES = {code: name for name, code in _TYPES.items()}
 _COMPANIONS = (".keep", ".promisor", ".mtimes", ".bitmap", ".rev")
 
 
@@ -210,8 +211,8 @@ def choose_merge(new_count: int, packs: list[SmallPack]) -> list[SmallPack]:
 def read_entries(stem: str) -> list[tuple[bytes, bytes, int]] | None:
     """``(oid, entry bytes, crc32)`` of every object of a small pack, or ``None`` if it cannot be taken whole.
 
-    ``None``: gone (another process merged it), not the format written here, a
-    delta entry, or a checksum or CRC that does not match.
+    ``None``: gone (another process merged it), empty, not the format written
+    here, a delta entry, or a checksum, CRC or object id that does not match.
     """
     try:
         with open(stem + ".idx", "rb") as fh:
@@ -228,7 +229,7 @@ def read_entries(stem: str) -> list[tuple[bytes, bytes, int]] | None:
         return None
     n = struct.unpack(">I", idx[8 + 1020:8 + 1024])[0]
     version, count = struct.unpack(">II", pack[4:12])
-    if version != 2 or count != n or len(idx) != 1072 + 28 * n:
+    if version != 2 or count != n or not n or len(idx) != 1072 + 28 * n:
         return None
     base = 1032
     oids = [idx[base + 20 * i:base + 20 * i + 20] for i in range(n)]
@@ -252,8 +253,7 @@ def read_entries(stem: str) -> list[tuple[bytes, bytes, int]] | None:
 def _object_id(entry: bytes) -> bytes | None:
     """The id of the whole object a pack entry holds, if its zlib stream fills the entry exactly."""
     kind = (entry[0] >> 4) & 7
-    names = {1: b"commit", 2: b"tree", 3: b"blob", 4: b"tag"}
-    if kind not in names:
+    if kind not in _NAMES:
         return None  # 6, 7: deltas
     size, shift, at = entry[0] & 0x0F, 4, 1
     byte = entry[0]
@@ -271,7 +271,7 @@ def _object_id(entry: bytes) -> bytes | None:
         return None
     if len(body) != size or not z.eof or z.unused_data or z.unconsumed_tail:
         return None
-    return hashlib.sha1(b"%s %d\0" % (names[kind], size) + body).digest()
+    return hashlib.sha1(b"%s %d\0" % (_NAMES[kind], size) + body).digest()
 
 
 #: Merged packs stay this many seconds before they are removed (see :func:`retire`) ...
