@@ -189,16 +189,16 @@ class GitAdapter:
             gstore = self._store(receipt)
         except Exception as exc:  # noqa: BLE001 - a missing repository is a verification failure
             return [f"repository '{receipt.args.get('repo')}' cannot be opened: {exc}"]
-        if not gstore.has_object(commit):
-            return [f"commit {commit} does not exist"]
+        try:
+            tree = gstore.commit_tree(commit)
+        except Exception as exc:  # noqa: BLE001
+            if not gstore.has_object(commit):  # asked only now: one lookup less per receipt
+                return [f"commit {commit} does not exist"]
+            return [f"commit {commit} is unreadable: {exc}"]
         already = bool(receipt.extra.get("already_applied"))
         key_ref = KEY_REF_PREFIX + key_hash(receipt.key)
         if not already and gstore.resolve(key_ref) != commit:
             problems.append(f"key ref '{key_ref}' does not point at {commit[:12]}")
-        try:
-            tree = gstore.commit_tree(commit)
-        except Exception as exc:  # noqa: BLE001
-            return [f"commit {commit} is unreadable: {exc}"]
         if receipt.tree and receipt.tree != tree:
             problems.append(f"tree {receipt.tree[:12]} differs from commit's tree {tree[:12]}")
         for out in receipt.outputs:
