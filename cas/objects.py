@@ -404,14 +404,11 @@ class GitStore:
         self._recent = {oid: data for oid, (header, data) in self._pending.items()
                         if isinstance(data, bytes) and header.startswith(b"blob ")}
         pack_dir = os.path.join(objects, "pack")
-        self._forget_removed_packs(pack_dir)
+        listing = self._forget_removed_packs(pack_dir)
         loose: list[tuple[str, bytes, bytes | memoryview]] = []
         packable: list[tuple[str, bytes, bytes | memoryview]] = []
         in_packs = fresh = False
         for oid, (header, data) in self._pending.items():
-            if len(data) > packs.OBJECT_MAX:
-                loose.append((oid, header, data))
-                continue
             known = self._known(oid)
             if known and not fresh:
                 # Trusted only as the folder is now: a pack libgit2 still holds open may
@@ -419,7 +416,7 @@ class GitStore:
                 self.reopen_objects()
                 known, fresh = self._known(oid), True
             if not known:
-                packable.append((oid, header, data))
+                (packable if len(data) <= packs.OBJECT_MAX else loose).append((oid, header, data))
             elif os.path.exists(os.path.join(objects, oid[:2], oid[2:])):
                 loose.append((oid, header, data))  # synced with the batch, as it is
             else:
@@ -430,20 +427,18 @@ class GitStore:
             # batch (it may be the pack of an earlier batch whose last round failed).
             batch.sync_first([pack_dir])
         if len(packable) >= 2 and sum(len(data) for _o, _h, data in packable) <= packs.PACK_BYTES_MAX:
-            self._add_pack(batch, pack_dir, packable)
+            self._add_pack(batch, pack_dir, packable, listing)
         else:
             loose += packable
         for oid, header, data in loose:
             path = os.path.join(objects, oid[:2], oid[2:])
-            if not os.path.exists(path) and self._packed(oid):
-                continue
             # Folders as git and libgit2 make them: 0777 less the umask (a shared
             # repository's umask keeps them group-writable).
             batch.add(path, writer=_deflate_writer(header, data), mode=0o444, content_addressed=True,
                       tmp_prefix="tmp_obj_", dir_mode=0o777)
 
-    def _add_pack(self, batch: DurableBatch, pack_dir: str,
-                  objects: list[tuple[str, bytes, bytes | memoryview]]) -> None:
+    def _add_pack(self, batch: DurableBatch, pack_dir: str, objects: list[tuple[str, bytes, bytes | memoryview]],
+                  listing: frozenset[str]) -> None:
         builder = packs.PackBuilder()
         for oid, header, data in objects:
             builder.add_object(oid, header, data)
@@ -455,7 +450,7 @@ class GitStore:
             if self._unmergeable and self._pack_names is not None:  # forget the ones gone since
                 self._unmergeable &= {os.path.join(pack_dir, n[:-4]) for n in self._pack_names}
             waiting = packs.sweep(pack_dir, retired_list, time.time())  # merged before: not again
-            candidates = [p for p in packs.small_packs(pack_dir, self._pack_sizes)
+            candidates = [p for p in packs.small_packs(pack_dir, listing, self._pack_sizes)
                           if p.stem not in self._unmergeable and p.stem not in waiting]
         for pack in packs.choose_merge(len(builder), candidates):
             entries = packs.read_entries(pack.stem)
@@ -479,23 +474,26 @@ class GitStore:
         if merged:
             batch.when_durable(lambda: packs.retire(retired_list, merged, time.time()))
 
-    def _forget_removed_packs(self, pack_dir: str) -> None:
+    def _forget_removed_packs(self, pack_dir: str) -> frozenset[str]:
         """Reopen the object database once :data:`_REOPEN_AFTER` packs it may hold open were removed.
 
         libgit2 keeps every pack it has read open and mapped until its database
         is reopened: a long-lived store would hold every removed pack's
         descriptor and disk space.  (A hit it answers from such a pack is
-        checked after a reopen anyway: see :meth:`add_pending_to`.)
+        checked after a reopen anyway: see :meth:`add_pending_to`.)  Returns the
+        folder's listing, for the merge to choose from.
         """
         try:
-            names = frozenset(n for n in os.listdir(pack_dir) if n.endswith(".idx"))
+            listing = frozenset(os.listdir(pack_dir))
         except OSError:
-            names = frozenset()
+            listing = frozenset()
+        names = frozenset(n for n in listing if n.endswith(".idx"))
         if self._pack_names is not None:
             self._packs_gone += len(self._pack_names - names)
             if self._packs_gone >= _REOPEN_AFTER:
                 self.reopen_objects()
         self._pack_names = names
+        return listing
 
     def reopen_objects(self) -> None:
         """Open the object database afresh (worktrees' repositories are opened again when asked for)."""
@@ -519,12 +517,6 @@ class GitStore:
         try:
             found = _oid(oid)
             return any(backend.exists(found) for backend in self._backends)
-        except (ValueError, pygit2.GitError):
-            return False
-
-    def _packed(self, oid: str) -> bool:
-        try:
-            return _oid(oid) in self.repo.odb
         except (ValueError, pygit2.GitError):
             return False
 

@@ -37,7 +37,10 @@ import hashlib
 import os
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+
+from cas.durable import TMP_MARK, append_durable
+from cas.errors import DurableWriteError
 
 __all__ = ["PackBuilder", "SmallPack", "small_packs", "choose_merge", "retire", "sweep", "MERGE_TRIGGER", "SMALL_MAX"]
 
@@ -141,17 +144,20 @@ class SmallPack:
         return f"SmallPack({os.path.basename(self.stem)!r}, {self.count})"
 
 
-def small_packs(pack_dir: str, cache: dict[str, tuple[int, int] | None] | None = None) -> list[SmallPack]:
+def small_packs(pack_dir: str, names: Collection[str] | None = None,
+                cache: dict[str, tuple[int, int] | None] | None = None) -> list[SmallPack]:
     """The small packs of ``pack_dir``, smallest first (a count read from the idx's size).
 
+    ``names``: the folder's listing when the caller has just made it.
     ``cache``: ``{idx name: (objects, pack bytes) or None}`` kept by the caller
     between calls; a pack never changes under its name, so only new names are
     looked at.
     """
-    try:
-        names = set(os.listdir(pack_dir))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    if names is None:
+        try:
+            names = set(os.listdir(pack_dir))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
     if "multi-pack-index" in names:
         return []
     if cache is None:
@@ -296,12 +302,8 @@ def retire(list_path: str, packs: Iterable[SmallPack], now: float) -> None:
         return
     try:
         os.makedirs(os.path.dirname(list_path), exist_ok=True)
-        fd = os.open(list_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            os.write(fd, lines.encode())
-        finally:
-            os.close(fd)
-    except OSError:
+        append_durable(list_path, lines.encode(), sync=False)
+    except (OSError, DurableWriteError):
         pass  # not noted: merged again later
 
 
@@ -340,7 +342,7 @@ def sweep(pack_dir: str, list_path: str, now: float) -> set[str]:
                     os.unlink(os.path.join(pack_dir, name + ext))
                 except OSError:
                     pass  # gone already (another sweep), or not ours to remove: duplicates are harmless
-        tmp = f"{list_path}.{os.getpid()}.tmp"
+        tmp = f"{list_path}{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}"  # per thread
         try:
             with open(tmp, "w", encoding="ascii") as fh:
                 fh.write("".join(f"{stamp} {name}\n" for stamp, name in waiting))
