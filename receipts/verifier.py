@@ -17,6 +17,7 @@ The watcher is never needed for any of this: verify reads the store itself.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any, Protocol
 
 from receipts.errors import CorruptReceipt
 from receipts.jsonio import use_fast as use_fast_json
-from receipts.receipt import Receipt
+from receipts.receipt import Receipt, parse_receipt
 from receipts.recovery import receipt_age
 from receipts.store import ReceiptStore, StoredReceipt
 
@@ -81,20 +82,55 @@ def verify(
     """
     use_fast_json()  # a scan: JSON speed matters
     report = VerifyReport()
-    if jobs > 1 and verifiers_factory is not None:
-        paths = [p for p, _h, _d in _file_names(store)]
-        if len(paths) >= (PARALLEL_MIN if parallel_min is None else parallel_min):
-            # The workers start first; the ledger is read here meanwhile.
-            return _verify_parallel(store, paths, report, grace, jobs, verifiers_factory)
-    digests = _read_ledger(store, report)
+    paths = [p for p, _h, _d in _file_names(store)]
+    if jobs > 1 and verifiers_factory is not None \
+            and len(paths) >= (PARALLEL_MIN if parallel_min is None else parallel_min):
+        # The workers start first; the ledger is read here meanwhile.
+        return _verify_parallel(store, paths, report, grace, jobs, verifiers_factory)
+    latest: dict[str, int] = {}
+    digests = _read_ledger(store, report, latest)
+    position = {p: i for i, p in enumerate(paths)}
     now = time.time()
-    for item in store.scan():
+    found: list[tuple[int, Failure]] = []
+    for path in _in_call_order(paths, latest, report.ledger_events):
+        item = _read_stored(path)
+        if item is None:
+            continue  # removed since the listing
         report.receipts += 1
         if progress is not None and report.receipts % 10000 == 0:
             progress(report.receipts)
-        for f in _check_one(store, item, verifiers, digests, grace, now):
-            report.failures.append(f)
+        found += [(position[path], f) for f in _check_one(store, item, verifiers, digests, grace, now)]
+    found.sort(key=lambda t: t[0])  # stable: a receipt's own failures keep their order
+    report.failures += [f for _pos, f in found]
     return report
+
+
+def _in_call_order(paths: list[str], latest: dict[str, int], events: int) -> list[str]:
+    """``paths`` in the order their calls last wrote the ledger; those it does not name last.
+
+    Verified in this order, receipts made one after another read commits that
+    sit side by side in the packs and share delta bases; file order (by key
+    hash) jumps across the whole history at every receipt, about twice the git
+    reading per receipt.
+    """
+    from receipts.identity import key_hash
+
+    rank: dict[str, int] = {key_hash(k): n for k, n in latest.items()}
+    return sorted(paths, key=lambda p: rank.get(os.path.basename(p)[:-5], events + 1))
+
+
+def _read_stored(path: str) -> StoredReceipt | None:
+    """One receipt file, verified (a corrupt one with its error); ``None`` if it is gone."""
+    h = os.path.basename(path)[:-5]
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        return None
+    try:
+        return StoredReceipt(path, h, parse_receipt(data, path=path, expected_key_hash=h), None)
+    except CorruptReceipt as exc:
+        return StoredReceipt(path, h, None, exc)
 
 
 #: Below this many receipts a single process is faster than starting workers.
@@ -102,8 +138,6 @@ PARALLEL_MIN = 2000
 
 
 def _file_names(store: ReceiptStore) -> list[tuple[str, str, None]]:
-    import os
-
     out: list[tuple[str, str, None]] = []
     try:
         shards = sorted(os.listdir(store.receipts_dir))
@@ -145,10 +179,6 @@ def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
                   ) -> tuple[list[tuple[str | None, str | None, str]], list[tuple[int, str, str, str]]]:
     """Worker: verify these receipt files; return failures and (index, digest) of each parsed receipt."""
     import importlib
-    import os
-
-    from receipts.errors import CorruptReceipt
-    from receipts.receipt import parse_receipt
 
     use_fast_json()  # a worker process: JSON and hashing speed matter
     module, _, func = factory.partition(":")
@@ -158,24 +188,22 @@ def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
     failures: list[tuple[str | None, str | None, str]] = []
     seen: list[tuple[int, str, str, str]] = []  # (index, digest, key, status) of each intact receipt
     for i, path in enumerate(paths):
-        h = os.path.basename(path)[:-5]
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read()
-        except FileNotFoundError:
+        item = _read_stored(path)
+        if item is None:
             continue
-        try:
-            item = StoredReceipt(path, h, parse_receipt(data, path=path, expected_key_hash=h), None)
-        except CorruptReceipt as exc:
-            item = StoredReceipt(path, h, None, exc)
         if item.receipt is not None:
             seen.append((i, item.receipt.digest, item.receipt.key, item.receipt.status))
         failures += [(f.key, f.path, f.reason) for f in _check_one(store, item, verifiers, None, grace, now)]
     return failures, seen
 
 
-def _read_ledger(store: ReceiptStore, report: VerifyReport) -> set[str]:
-    """Check the ledger's chain into ``report``; return the receipt digests its events name (one pass)."""
+def _read_ledger(store: ReceiptStore, report: VerifyReport,
+                 latest: dict[str, int] | None = None) -> set[str]:
+    """Check the ledger's chain into ``report``; return the receipt digests its events name (one pass).
+
+    With ``latest``, also fill it with each key's last event number (the order
+    the calls wrote in).
+    """
     digests: set[str] = set()
 
     def each(event: dict[str, Any]) -> None:
@@ -183,31 +211,59 @@ def _read_ledger(store: ReceiptStore, report: VerifyReport) -> set[str]:
         d = event.get("receipt_sha256")
         if isinstance(d, str):
             digests.add(d)
+        if latest is not None:
+            k = event.get("key")
+            if isinstance(k, str):
+                latest[k] = report.ledger_events
 
     for problem in store.ledger.verify_chain(each):
         report.failures.append(Failure(None, store.ledger.path, f"ledger line {problem.line}: {problem.reason}"))
     return digests
 
 
+def _warm_up(factory: str) -> None:
+    """Worker: import the verifiers' module while the parent reads the ledger."""
+    import importlib
+
+    importlib.import_module(factory.partition(":")[0])
+
+
 def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport,
                      grace: float, jobs: int, factory: str) -> VerifyReport:
+    """Verify ``paths`` over ``jobs`` worker processes, each a run of calls made one after another.
+
+    The receipts are handed out in ledger order (:func:`_in_call_order`).
+    Failures are reported in file order, as with one process.
+    """
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    size = -(-len(paths) // jobs)
-    chunks = [paths[i:i + size] for i in range(0, len(paths), size)]
     # spawn, not fork: the parent may hold libgit2 state and locks a fork would copy.
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        # The workers start and import while the ledger is read here.
+        warm = [pool.submit(_warm_up, factory) for _ in range(jobs)]
+        latest: dict[str, int] = {}
+        digests = _read_ledger(store, report, latest)
+        ordered = _in_call_order(paths, latest, report.ledger_events)
+        del latest
+        size = -(-len(ordered) // jobs)
+        chunks = [ordered[i:i + size] for i in range(0, len(ordered), size)]
         futures = [pool.submit(_verify_chunk, store.root, chunk, factory, grace) for chunk in chunks]
-        digests = _read_ledger(store, report)  # while the workers verify the receipts
+        for f in warm:
+            f.result()
         results = [f.result() for f in futures]
+    position = {p: i for i, p in enumerate(paths)}
+    found: list[tuple[int, int, Failure]] = []
     for chunk, (failures, seen) in zip(chunks, results):
         report.receipts += len(chunk)
         for i, digest, key, status in seen:
             if digest not in digests:
-                report.failures.append(Failure(key, chunk[i], f"latest state '{status}' is not in the ledger"))
-        report.failures += [Failure(k, p, reason) for k, p, reason in failures]
+                found.append((position[chunk[i]], 0, Failure(key, chunk[i], f"latest state '{status}' is not in the ledger")))
+        found += [(position.get(p, len(paths)) if p is not None else len(paths), 1, Failure(k, p, reason))
+                  for k, p, reason in failures]
+    found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
+    report.failures += [f for _pos, _kind, f in found]
     return report
 
 
