@@ -39,6 +39,10 @@ What this module handles, and how it proves it (anything else raises
   caller looks its paths up), and the new file's is computed while it is
   written, from the state over the unchanged bytes before the first entry
   found (hashed in another thread while the call prepares).
+* **The file written is kept** (``RawIndex(..., written=...)``): mapped from
+  the descriptor that wrote it, its checksum not verified again, the paths
+  found and, within the same second, the offsets of the index's mtime
+  second carried over, looked for again only where bytes were replaced.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ __all__ = ["Unsupported", "RawIndex", "MAX_PATHS", "MAX_RACY", "racy_file_change
 MAX_PATHS = 8
 #: More racily clean entries than this leave the update to libgit2.
 MAX_RACY = 1024
+#: Paths found in one file carried to the next it is written as (their offsets hold).
+_CARRIED_PATHS = 4096
 
 _ENTRY_MODES = frozenset({0o100644, 0o100755, 0o120000})
 _OTHER_MODES = frozenset({0o160000, 0o040000})  # gitlinks, sparse-index folders: libgit2's
@@ -113,21 +119,31 @@ def racy_file_changed(workdir: str, path: bytes, mode: int, size: int, mtime_sec
 class RawIndex:
     """One read of an index file; see the module docstring."""
 
-    def __init__(self, path: str) -> None:
-        folder = os.path.dirname(path)
-        if any(name.startswith("sharedindex.") for name in os.listdir(folder)):
-            raise Unsupported("split index")
+    def __init__(self, path: str, *, written: tuple[int, RawIndex, list[tuple[int, int]]] | None = None) -> None:
+        """Map the index at ``path`` and start verifying its checksum.
+
+        ``written``: ``(fd, previous, edits)`` for the file this process has just
+        written from ``previous`` with these ``(offset, size)`` edits and
+        installed (``fd`` still open on it, ``index.lock`` held): its checksum
+        was computed here and is not verified again, and what ``previous`` had
+        found carries over (entries keep their offsets: see :meth:`updated`).
+        """
+        if written is None:
+            folder = os.path.dirname(path)
+            if any(name.startswith("sharedindex.") for name in os.listdir(folder)):
+                raise Unsupported("split index")
         # Mapped, not read: nothing is copied, and the checksum thread starts at
         # once.  git and libgit2 replace an index by renaming a new file over
         # it, never by rewriting it in place, so the mapping stays whole.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) if written is None else written[0]
         try:
             st = os.fstat(fd)
             if st.st_size < 32:
                 raise Unsupported("not an index this module reads")
             data = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
         finally:
-            os.close(fd)
+            if written is None:
+                os.close(fd)
         self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         self.mode = st.st_mode & 0o7777  # the new file keeps it (core.sharedRepository)
         if len(data) != st.st_size or data[:4] != b"DIRC":
@@ -146,10 +162,36 @@ class RawIndex:
         self._index_sec = (st.st_mtime_ns // 1_000_000_000) & 0xFFFFFFFF
         self._stamped: list[int] = []  # offsets of the index's own mtime second
         self._scanned = False
-        if len(data) < _THREADED_HASH:
+        self.edits: list[tuple[int, int]] = []  # (offset, size) of what :meth:`updated` replaced
+        if written is not None:
+            self._carry_over(*written[1:])
+        elif len(data) < _THREADED_HASH:
             self._verify()
         else:
             threading.Thread(target=self._verify, name="oncepatch-index-checksum", daemon=True).start()
+
+    def _carry_over(self, previous: RawIndex, edits: list[tuple[int, int]]) -> None:
+        """Take what ``previous`` knew that still holds for this file, written from it with ``edits``."""
+        self._verified = True
+        self._hashed.set()
+        if len(previous._found) <= _CARRIED_PATHS:
+            self._found = dict(previous._found)  # the entries did not move
+        if not (previous._scanned and previous._index_sec == self._index_sec):
+            return  # scanned again if needed: the file's second is a new one
+        # Same second: the stamps among the entries are where they were, but
+        # where 4 bytes overlap what was replaced (looked for again).
+        data, stamp = self.data, self._index_sec.to_bytes(4, "big")
+        limit = previous.extensions()[0]
+        near = [(max(0, off - 3), off + size) for off, size in edits]
+        stamped = [q for q in previous._stamped if q < limit and not any(lo <= q < hi for lo, hi in near)]
+        for lo, hi in near:
+            hi += 3
+            q = data.find(stamp, lo, hi)
+            while q != -1:
+                stamped.append(q)
+                q = data.find(stamp, q + 1, hi)
+        self._stamped = sorted(set(stamped))
+        self._scanned = True
 
     # -- reading -------------------------------------------------------------
 
@@ -460,6 +502,7 @@ class RawIndex:
         edits.extend((e + 36, 4, b"\0\0\0\0") for e in self._racy_entries()
                      if e not in ours and self._changed_file(workdir, e))
         edits.sort()
+        self.edits = [(off, size) for off, size, _new in edits]
         first = edits[0][0] if edits else start
         state, hashed = hashlib.sha1(), 0
         if self._prefix is not None:

@@ -401,3 +401,70 @@ def test_the_new_index_keeps_the_old_ones_permissions(tmp_path: Path) -> None:
     os.chmod(index, 0o640)  # as core.sharedRepository=group leaves it
     assert _raw_update(repo, {"a.txt": b"A\n"})
     assert os.stat(index).st_mode & 0o7777 == 0o640
+
+
+def test_the_written_index_is_kept_and_reused_as_git_reads_it(tmp_path: Path) -> None:
+    """After an install the snapshot maps the file it wrote: the next update starts from it, no re-read."""
+    files = _files()
+    repo = make_repo(tmp_path / "repo", files)
+    index = repo.path / ".git" / "index"
+    snap = IndexSnapshot(str(repo.path / ".git"))
+    changes: dict[str, bytes] = {}
+    for i, path in enumerate(["a/b.txt", "b.txt", "x/TREE", "a/b.txt"]):
+        data = f"round {i} of {path}\n".encode()
+        changes[path] = data
+        (repo.path / path).write_bytes(data)
+        repo.git("hash-object", "-w", "--", path)
+        assert snap.current()
+        snap.stage(str(repo.path), [], [(path, TreeEntry(git_blob_oid(data), 0o100644))])
+        assert snap.raw
+        snap.install()
+        assert snap.raw and snap.current()  # kept: the next call in this process starts from it
+        raw = snap._raw
+        assert raw is not None and raw._hashed.is_set()  # its checksum was computed, not re-verified
+        assert bytes(raw.data) == index.read_bytes()
+        assert snap.entry(path) == TreeEntry(git_blob_oid(data), 0o100644)
+    _assert_like_git(repo, _reference(make_repo(tmp_path / "base", files), tmp_path, changes), changes)
+
+
+def test_a_kept_index_still_smudges_an_entry_it_wrote_in_the_same_second(tmp_path: Path) -> None:
+    """The stamps carried to the kept file are found again where its entries were rewritten.
+
+    Three updates in one second: the second's entry (b.txt) is then changed
+    behind the index with its size and mtime kept, which only a content check
+    sees; the third update must smudge it, from the stamps carried over.
+    """
+    import time
+
+    repo = make_repo(tmp_path / "repo", {"a.txt": "a0\n", "b.txt": "b0\n", "c.txt": "c0\n", "d.txt": "d0\n"})
+    carried = False
+    for _attempt in range(20):
+        time.sleep(1 - time.time() % 1 + 0.01)  # just after a second starts
+        snap = IndexSnapshot(str(repo.path / ".git"))
+
+        def update(path: str, data: bytes) -> None:
+            (repo.path / path).write_bytes(data)
+            repo.git("hash-object", "-w", "--", path)
+            snap.stage(str(repo.path), [], [(path, TreeEntry(git_blob_oid(data), 0o100644))])
+            snap.install()
+
+        update("a.txt", b"a1\n")
+        first = snap._raw
+        assert first is not None
+        update("b.txt", b"b1\n")
+        kept = snap._raw
+        assert kept is not None and first.identity is not None and kept.identity is not None
+        if first.identity[3] // 10**9 != kept.identity[3] // 10**9:
+            continue  # a second boundary fell between the writes: try again
+        carried = kept._scanned  # the stamps came over, not scanned
+        b = repo.path / "b.txt"
+        st = b.stat()
+        assert st.st_mtime_ns // 10**9 == kept.identity[3] // 10**9  # racily clean against its index
+        b.write_bytes(b"B1\n")
+        os.utime(b, ns=(st.st_atime_ns, st.st_mtime_ns))
+        update("c.txt", b"c1\n")
+        assert _debug_stat(repo, "b.txt")["size"] == "0"  # smudged
+        assert _debug_stat(repo, "d.txt")["size"] == "3"
+        assert repo.git("diff", "--name-only") == "b.txt\n"
+        break
+    assert carried
