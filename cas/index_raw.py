@@ -16,7 +16,9 @@ What this module handles, and how it proves it (anything else raises
   length and no extended bit where there is none, the entry starts a multiple
   of 8 bytes after the header (every entry's length is), its mode is one git
   writes, and its padding is NULs up to the next 8-byte boundary.  The caller
-  also compares the entry's object id with the base commit's.  Entries with a
+  also compares the entry's object id with the base commit's.  Entries are
+  sorted by path, so the search runs only between the entries of the nearest
+  paths already found in the file (and in those it was written from).  Entries with a
   merge stage, ``assume-valid``, or version 3's extended flags
   (``skip-worktree``, ``intent-to-add``) are left to libgit2.  A path whose
   bytes appear but not as a provable entry is left to libgit2 too; a path whose
@@ -47,6 +49,7 @@ What this module handles, and how it proves it (anything else raises
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import mmap
 import os
@@ -157,6 +160,7 @@ class RawIndex:
         self._prefix: tuple[int, list[hashlib._Hash], threading.Thread] | None = None
         self._ext: tuple[int, list[tuple[bytes, int, int]]] | None = None
         self._found: dict[str, int | None] = {}
+        self._sorted: list[tuple[bytes, int]] = []  # (path, offset) of the entries found, by path
         # git's racy-clean rule: an entry whose mtime is not older than the index
         # file may hide a change made in the same instant (see _racy_entries).
         self._index_sec = (st.st_mtime_ns // 1_000_000_000) & 0xFFFFFFFF
@@ -176,6 +180,7 @@ class RawIndex:
         self._hashed.set()
         if len(previous._found) <= _CARRIED_PATHS:
             self._found = dict(previous._found)  # the entries did not move
+            self._sorted = list(previous._sorted)
         if not (previous._scanned and previous._index_sec == self._index_sec):
             return  # scanned again if needed: the file's second is a new one
         # Same second: the stamps among the entries are where they were, but
@@ -271,6 +276,8 @@ class RawIndex:
         if path in self._found:
             return self._found[path]
         found = self._found[path] = self._locate(path)
+        if found is not None:
+            bisect.insort(self._sorted, (os.fsencode(path), found))
         return found
 
     def _locate(self, path: str) -> int | None:
@@ -279,7 +286,15 @@ class RawIndex:
             raise Unsupported("path length")
         needle = raw + b"\0"
         data = self.data
-        pos = data.find(needle, 12)
+        # Entries are sorted by path (git refuses an index that is not): the
+        # entry, if any, lies between those of the nearest paths found before.
+        lo, hi = 12, len(data)
+        i = bisect.bisect_left(self._sorted, (raw,))
+        if i:
+            lo = self._sorted[i - 1][1] + 62
+        if i < len(self._sorted):
+            hi = self._sorted[i][1]
+        pos = data.find(needle, lo, hi)
         seen = False
         while pos != -1:
             seen = True
@@ -291,7 +306,7 @@ class RawIndex:
                 if e + 62 + len(needle) > self.extensions()[0]:
                     raise Unsupported("found past the entries")
                 return e
-            pos = data.find(needle, pos + 1)
+            pos = data.find(needle, pos + 1, hi)
         if seen:
             raise Unsupported("path bytes occur outside a provable entry")
         return None

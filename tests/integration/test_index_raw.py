@@ -10,6 +10,7 @@ must go to libgit2 and still come out right.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -468,3 +469,28 @@ def test_a_kept_index_still_smudges_an_entry_it_wrote_in_the_same_second(tmp_pat
         assert repo.git("diff", "--name-only") == "b.txt\n"
         break
     assert carried
+
+
+def test_lookups_between_paths_found_before_match_a_whole_scan(tmp_path: Path) -> None:
+    """Each lookup searches only between the entries of the nearest paths already found: same answers."""
+    files = _files(120)
+    repo = make_repo(tmp_path / "repo", files)
+    index = str(repo.path / ".git" / "index")
+    paths = sorted(files)
+    absent = ["a/b.tx", "b.txt0", "a/TREE/zz", "0", "~", "a/", "a/b/", "TRE", "x/TREE/y", "b"]
+    rng = random.Random(7)
+    asked = paths + absent
+    rng.shuffle(asked)
+    raw = RawIndex(index)
+    for path in asked:
+        alone = RawIndex(index)  # nothing found before: the whole file is searched
+        try:
+            whole: int | None = alone.locate(path)
+        except Unsupported:  # its bytes occur elsewhere: the narrower search may prove it absent
+            assert path in absent
+            with contextlib.suppress(Unsupported):
+                assert raw.locate(path) is None
+            continue
+        assert raw.locate(path) == whole, path
+        assert (whole is None) == (path in absent)
+    assert len(raw._sorted) == len(paths)
