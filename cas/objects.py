@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -80,15 +81,21 @@ def _canon_mode(mode: int) -> int:
     return mode
 
 
-def _signature_line(sig: Signature) -> bytes:
-    """``Name <email> <seconds> <+hhmm>`` now, in the local time zone, as git writes it in commits and reflogs.
+def _signature_line(sig: Signature, now: int | None = None) -> bytes:
+    """``Name <email> <seconds> <+hhmm>`` as git writes it in commits and reflogs.
 
-    pygit2's ``Signature`` applies libgit2's checks and trimming of name and email.
+    The time is the signature's own (``GIT_<KIND>_DATE``), else ``now`` (or the
+    current second) in the local time zone.  pygit2's ``Signature`` applies
+    libgit2's checks and trimming of name and email.
 
     Raises:
         ValueError, pygit2.GitError: a name or email libgit2 refuses.
     """
-    s = pygit2.Signature(sig.name, sig.email)
+    if sig.when is not None:
+        s = pygit2.Signature(sig.name, sig.email, sig.when[0], sig.when[1])
+    else:
+        t = int(time.time()) if now is None else now
+        s = pygit2.Signature(sig.name, sig.email, t, _local_offset(t))
     offset = s.offset
     return b"%s <%s> %d %c%02d%02d" % (s.raw_name, s.raw_email, s.time, b"-"[0] if offset < 0 else b"+"[0],
                                       abs(offset) // 60, abs(offset) % 60)
@@ -144,6 +151,78 @@ class PathLookup:
 class Signature:
     name: str
     email: str
+    #: (seconds since the epoch, offset from UTC in minutes); ``None``: the moment it is written.
+    when: tuple[int, int] | None = None
+
+
+def _local_offset(t: int) -> int:
+    """The local time zone's offset from UTC at ``t``, in minutes."""
+    return time.localtime(t).tm_gmtoff // 60
+
+
+_RAW_DATE = re.compile(r"@?([0-9]+)(?:\s+([+-])([0-9]{2}):?([0-9]{2}))?")
+
+
+def parse_git_date(text: str) -> tuple[int, int]:
+    """``GIT_AUTHOR_DATE`` / ``GIT_COMMITTER_DATE`` as (seconds, offset in minutes).
+
+    The forms git documents for these variables: its internal ``<seconds>
+    <+hhmm>`` (``@`` allowed before the seconds), RFC 2822 and ISO 8601 (a
+    date without a zone is local time).  git's looser "approxidate" forms
+    (``yesterday``, ``3 days ago``) are refused rather than guessed.
+
+    Raises:
+        ValueError: none of those forms.
+    """
+    t = text.strip()
+    m = _RAW_DATE.fullmatch(t)
+    if m:
+        secs = int(m.group(1))
+        if m.group(2) is None:
+            return secs, _local_offset(secs)
+        minutes = int(m.group(3)) * 60 + int(m.group(4))
+        return secs, -minutes if m.group(2) == "-" else minutes
+    from email.utils import mktime_tz, parsedate_tz
+
+    parsed = parsedate_tz(t)
+    if parsed is not None:
+        if parsed[9] is None:
+            secs = int(time.mktime((*parsed[:8], -1)))
+            return secs, _local_offset(secs)
+        return int(mktime_tz(parsed)), parsed[9] // 60
+    import datetime
+
+    try:
+        dt = datetime.datetime.fromisoformat(t)
+    except ValueError:
+        raise ValueError(f"cannot read the date {text!r}: give '<seconds> <+hhmm>', RFC 2822 or ISO 8601") from None
+    if dt.tzinfo is None:
+        dt = dt.astimezone()  # local time
+    offset = dt.utcoffset()
+    return int(dt.timestamp()), int(offset.total_seconds()) // 60 if offset is not None else 0
+
+
+def git_identity(kind: str, config: Callable[[str], str | None], env: Mapping[str, str]) -> Signature:
+    """The ``author`` or ``committer`` identity as git reads it.
+
+    ``GIT_<KIND>_NAME`` / ``_EMAIL`` / ``_DATE`` first, then ``<kind>.name`` /
+    ``.email``, then ``user.name`` / ``.email`` (the email then ``$EMAIL``).
+    What is still missing is ``oncepatch`` / ``oncepatch@localhost``, where git
+    would refuse to commit.
+
+    Raises:
+        ValueError: ``GIT_<KIND>_DATE`` is set in a form :func:`parse_git_date` refuses.
+    """
+    up = kind.upper()
+    name = env.get(f"GIT_{up}_NAME") or config(f"{kind}.name") or config("user.name") or "oncepatch"
+    email = (env.get(f"GIT_{up}_EMAIL") or config(f"{kind}.email") or config("user.email") or env.get("EMAIL")
+             or "oncepatch@localhost")
+    date = env.get(f"GIT_{up}_DATE")
+    try:
+        when = parse_git_date(date) if date else None
+    except ValueError as exc:
+        raise ValueError(f"GIT_{up}_DATE: {exc}") from None
+    return Signature(name, email, when)
 
 
 def _sync_unknown(exc: DurableWriteError) -> RefUpdateUnknown:
@@ -171,7 +250,7 @@ class GitStore:
         self._unmergeable: set[str] = set()  # small packs a merge may not copy (read once)
         self._pack_sizes: dict[str, tuple[int, int] | None] = {}  # cas.packs.small_packs's cache
         self._packs_gone = 0  # packs removed since the object database was opened
-        self._signature: Signature | None = None
+        self._signature: dict[str, Signature] = {}  # by kind: author, committer
         # Folders and reflogs of refs moved with defer_sync, which a later batch syncs.
         self._unsynced: dict[str, None] = {}
         self._sync_failure: DurableWriteError | None = None
@@ -536,32 +615,61 @@ class GitStore:
         """
         self._pending.clear()
         self._recent = {}
-        self._signature = None
+        self._signature = {}
         self._sync_failure = None
 
     def forget_recent(self) -> None:
         """Drop the blobs the last :meth:`add_pending_to` kept at hand (the call is over)."""
         self._recent = {}
 
-    def default_signature(self) -> Signature:
-        """user.name and user.email (or git's environment), read once per call (:meth:`discard_pending`)."""
-        if self._signature is None:
-            try:
-                sig = self.repo.default_signature
-                self._signature = Signature(sig.name, sig.email)
-            except (KeyError, pygit2.GitError):
-                self._signature = Signature("oncepatch", "oncepatch@localhost")
-        return self._signature
+    def default_signature(self, kind: str = "committer") -> Signature:
+        """The ``author`` or ``committer`` identity (:func:`git_identity`), read once per call (:meth:`discard_pending`).
+
+        Raises:
+            ValueError: ``GIT_<KIND>_DATE`` is in a form git's documentation does not name.
+        """
+        sig = self._signature.get(kind)
+        if sig is None:
+            cfg: pygit2.Config | None = None
+
+            def config(name: str) -> str | None:
+                nonlocal cfg
+                try:
+                    if cfg is None:
+                        cfg = self.repo.config
+                    value = cfg[name]
+                except (KeyError, pygit2.GitError):
+                    return None
+                return str(value) if value else None
+
+            sig = self._signature[kind] = git_identity(kind, config, os.environ)
+        return sig
+
+    def read_identities(self) -> None:
+        """Read the author and committer identities afresh (as a call starts).
+
+        Raises:
+            ValueError: a ``GIT_<KIND>_DATE`` in a form :func:`parse_git_date` refuses.
+        """
+        self._signature = {}
+        self.default_signature("author")
+        self.default_signature("committer")
 
     def create_commit(self, tree: str, parents: list[str], message: str, author: Signature | None = None) -> str:
-        """Stage a commit of ``tree`` (author = committer, now, local time zone); return its id."""
+        """Stage a commit of ``tree`` (author and committer as git reads them, now unless set); return its id.
+
+        Raises:
+            GitStoreError: an identity libgit2 refuses, or a ``GIT_<KIND>_DATE`` it cannot read.
+        """
+        now = int(time.time())
         try:
-            stamp = _signature_line(author or self.default_signature())
+            author_line = _signature_line(author or self.default_signature("author"), now)
+            committer_line = _signature_line(self.default_signature("committer"), now)
         except (ValueError, pygit2.GitError) as exc:
             raise GitStoreError(f"cannot write commit: {exc}") from exc
         body = b"tree %s\n" % tree.encode()
         body += b"".join(b"parent %s\n" % p.encode() for p in parents)
-        body += b"author %s\ncommitter %s\n\n%s" % (stamp, stamp, message.encode("utf-8"))
+        body += b"author %s\ncommitter %s\n\n%s" % (author_line, committer_line, message.encode("utf-8"))
         header = b"commit %d\0" % len(body)
         oid = hashlib.sha1(header + body).hexdigest()
         self._stage_object(oid, header, body)

@@ -11,11 +11,14 @@ import os
 import stat
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cas.errors import EXIT_IN_PROGRESS, EXIT_OK, EXIT_VERIFY, UsageError
 from patcher.cli_common import add_common, store_root
 from receipts import jsonio
+
+if TYPE_CHECKING:
+    from cas.gitdir import GitLayout
 
 __all__ = ["register", "HANDLERS"]
 
@@ -180,13 +183,32 @@ def _cmd_resolve(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 HOOK_MARK = "# installed by oncepatch install-hook"
 
 
+def _hooks_dir(layout: GitLayout) -> tuple[str, bool]:
+    """The folder git runs hooks from, and whether ``core.hooksPath`` (any config level) chose it.
+
+    A relative ``core.hooksPath`` is taken from the top of the worktree (the
+    git folder in a bare repository), ``~`` from the home folder, as git does.
+    """
+    import pygit2
+
+    try:
+        value = pygit2.Repository(layout.git_dir).config["core.hooksPath"]
+    except (KeyError, pygit2.GitError):
+        value = None
+    if not value:
+        return os.path.join(layout.common_dir, "hooks"), False
+    path = os.path.expanduser(str(value))
+    if not os.path.isabs(path):
+        path = os.path.join(layout.workdir or layout.git_dir, path)
+    return os.path.normpath(path), True
+
+
 def _cmd_install_hook(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from cas.durable import write_durable
     from cas.gitdir import discover
 
     layout = discover(args.repo)
-    hooks = os.path.join(layout.common_dir, "hooks")
-    os.makedirs(hooks, exist_ok=True)
+    hooks, configured = _hooks_dir(layout)
     hook = os.path.join(hooks, "pre-commit")
     chained = os.path.join(hooks, "pre-commit.before-oncepatch")
     if os.path.exists(hook):
@@ -195,9 +217,16 @@ def _cmd_install_hook(args: argparse.Namespace) -> tuple[int, dict[str, Any], st
         if HOOK_MARK.encode() in current:
             return EXIT_OK, {"ok": True, "hook": hook, "chained": os.path.exists(chained), "changed": False}, \
                 f"hook already installed: {hook}\n"
+        if configured:
+            # A hooks folder another tool manages (husky and the like find the
+            # user's hook by the name it runs under): not renamed under it.
+            raise UsageError(f"core.hooksPath is '{hooks}', whose pre-commit is not oncepatch's: add "
+                             "'oncepatch verify' to it, or use the 'oncepatch-verify' hook of "
+                             ".pre-commit-hooks.yaml (nothing was changed)")
         if os.path.exists(chained):
             raise UsageError(f"'{chained}' already exists: move it away first")
         os.rename(hook, chained)  # moved aside, never lost
+    os.makedirs(hooks, exist_ok=True)
     import shlex
 
     exe = shlex.quote(sys.executable)

@@ -303,6 +303,10 @@ def _precheck(args: CallArgs, stores: dict[str, Any] | None) -> _PreCheck:
 
     parsed = parse_patch(args.patch, args.format)
     gstore = open_store(args.repo, stores)
+    try:
+        gstore.read_identities()  # a GIT_<KIND>_DATE git documents no form for is refused here
+    except ValueError as exc:
+        raise UsageError(f"commit identity: {exc}") from None
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
     worktrees = check_worktrees(gstore, args.branch, touched_paths(parsed)) if not plan.already_applied else []

@@ -200,3 +200,33 @@ def test_installing_twice_is_idempotent(repo: Repo) -> None:
     assert names - {"pre-commit.sample"} == {"pre-commit", "pre-commit.before-oncepatch"}
     text = run_cli("install-hook", "--repo", str(repo.path))
     assert text.code == 0 and "already installed" in text.out
+
+
+def test_core_hookspath_is_where_the_hook_goes(repo: Repo, tmp_path: Path) -> None:
+    """git runs hooks from core.hooksPath (relative: from the worktree's top): the hook goes there."""
+    repo.git("config", "core.hooksPath", ".githooks")
+    doc = install(repo)
+    assert doc["hook"] == str(repo.path / ".githooks" / "pre-commit") and doc["changed"]
+    assert not hook_path(repo).exists()
+    orphan(repo, tmp_path)
+    head = repo.head()
+    blocked = git_commit(repo, "second.txt")
+    assert blocked.returncode != 0 and "oncepatch recover" in blocked.stdout + blocked.stderr
+    assert repo.head() == head
+    assert install(repo)["changed"] is False
+
+
+def test_a_foreign_hook_under_core_hookspath_is_refused_and_left_alone(repo: Repo) -> None:
+    hooks = repo.path / "tools" / "hooks"
+    hooks.mkdir(parents=True)
+    theirs = hooks / "pre-commit"
+    theirs.write_text("#!/bin/sh\n. \"$(dirname \"$0\")/h\"\n")
+    theirs.chmod(0o755)
+    repo.git("config", "core.hooksPath", str(hooks))
+    before = sorted(p.name for p in hooks.iterdir())
+    r = run_cli("install-hook", "--repo", str(repo.path), "--json")
+    assert r.code == 2
+    assert "core.hooksPath" in r.json["error"]["message"] and "oncepatch verify" in r.json["error"]["message"]
+    assert theirs.read_text() == "#!/bin/sh\n. \"$(dirname \"$0\")/h\"\n"
+    assert sorted(p.name for p in hooks.iterdir()) == before
+    assert not hook_path(repo).exists()

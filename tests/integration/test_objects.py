@@ -461,9 +461,10 @@ def test_store_of_a_second_repo_is_independent(tmp_path: Path) -> None:
 # -- objects serialised here, read back by libgit2 and git --------------------------------------
 
 _COMMIT_PROBE = r"""
-import json, sys
+import json, os, sys
 import pygit2
 from cas.objects import GitStore, Signature
+os.environ["GIT_COMMITTER_NAME"], os.environ["GIT_COMMITTER_EMAIL"] = sys.argv[3], sys.argv[4]
 gs = GitStore(sys.argv[1])
 tree = gs.commit_tree(gs.resolve("refs/heads/main"))
 parent = gs.resolve("refs/heads/main")

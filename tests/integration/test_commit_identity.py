@@ -1,0 +1,88 @@
+"""Commits and reflog lines carry the identity git would use (environment, then configuration)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cas.objects import git_identity, parse_git_date
+from conftest import Repo, make_repo, run_cli, snapshot
+from patcher.protocol import apply
+
+PATCH = b"--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hello there\n"
+FORMAT = "%an|%ae|%at|%ad|%cn|%ce|%ct|%cd"
+
+
+def _log(repo: Repo) -> list[str]:
+    return repo.git("log", "-1", f"--format={FORMAT}", "--date=raw").strip().split("|")
+
+
+def test_environment_identities_and_dates_as_git_uses_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "repo")
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "Ann Author")
+    monkeypatch.setenv("GIT_AUTHOR_EMAIL", "ann@example.com")
+    monkeypatch.setenv("GIT_AUTHOR_DATE", "1700000000 +0200")
+    monkeypatch.setenv("GIT_COMMITTER_NAME", "Cy Committer")
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "cy@example.com")
+    monkeypatch.setenv("GIT_COMMITTER_DATE", "@1700000100 -0130")
+    res = apply(str(repo.path), PATCH, key="k1")
+    assert res.status == "committed"
+    an, ae, at, ad, cn, ce, ct, cd = _log(repo)
+    assert (an, ae, at, ad) == ("Ann Author", "ann@example.com", "1700000000", "1700000000 +0200")
+    assert (cn, ce, ct, cd) == ("Cy Committer", "cy@example.com", "1700000100", "1700000100 -0130")
+    # The same commit git would have made from the same tree, parent, identities and message.
+    env_commit = repo.git("commit-tree", repo.git("rev-parse", "HEAD^{tree}").strip(), "-p", "HEAD~1",
+                          input=repo.git("log", "-1", "--format=%B").encode()[:-1]).strip()
+    assert env_commit == repo.head()
+    reflog = (repo.path / ".git" / "logs" / "refs" / "heads" / "main").read_text().splitlines()[-1]
+    assert " Cy Committer <cy@example.com> " in reflog
+
+
+def test_configuration_by_kind_then_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "repo")
+    for name in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"):
+        monkeypatch.delenv(name, raising=False)
+    repo.git("config", "user.name", "Una User")
+    repo.git("config", "user.email", "una@example.com")
+    repo.git("config", "author.name", "Ada Config")
+    repo.git("config", "committer.email", "committer@example.com")
+    assert apply(str(repo.path), PATCH, key="k1").status == "committed"
+    an, ae, _at, _ad, cn, ce, _ct, _cd = _log(repo)
+    assert (an, ae, cn, ce) == ("Ada Config", "una@example.com", "Una User", "committer@example.com")
+
+
+def test_a_date_git_documents_no_form_for_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo")
+    (repo.path / "p.diff").write_bytes(PATCH)
+    before = snapshot(repo)
+    r = run_cli("apply", "p.diff", "--key", "k1", "--json", cwd=repo.path, env={"GIT_COMMITTER_DATE": "yesterday"})
+    assert r.code == 2, r.err
+    assert r.json["error"]["type"] == "usage" and "GIT_COMMITTER_DATE" in r.json["error"]["message"]
+    assert snapshot(repo) == before
+    assert not repo.store.exists() or not any(repo.store.rglob("*.json"))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("1700000000 +0200", (1700000000, 120)),
+    ("@1700000000 -0130", (1700000000, -90)),
+    ("1700000000 +02:00", (1700000000, 120)),
+    ("Mon, 3 Jul 2006 17:18:43 +0200", (1151939923, 120)),
+    ("2006-07-03T17:18:43+02:00", (1151939923, 120)),
+    ("2006-07-03 15:18:43Z", (1151939923, 0)),
+])
+def test_git_date_forms(text: str, expected: tuple[int, int]) -> None:
+    assert parse_git_date(text) == expected
+
+
+@pytest.mark.parametrize("text", ["yesterday", "3 days ago", "", "17000 +02", "2006-13-40"])
+def test_git_date_forms_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_git_date(text)
+
+
+def test_identity_falls_back_where_git_would_refuse() -> None:
+    sig = git_identity("author", lambda _name: None, {})
+    assert (sig.name, sig.email, sig.when) == ("oncepatch", "oncepatch@localhost", None)
+    sig = git_identity("committer", lambda _name: None, {"EMAIL": "e@example.com"})
+    assert sig.email == "e@example.com"
