@@ -38,6 +38,7 @@ its key ref is found by recovery through reachability and the reflog.
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import os
 import re
@@ -85,17 +86,19 @@ def _signature_line(sig: Signature, now: int | None = None) -> bytes:
     """``Name <email> <seconds> <+hhmm>`` as git writes it in commits and reflogs.
 
     The time is the signature's own (``GIT_<KIND>_DATE``), else ``now`` (or the
-    current second) in the local time zone.  pygit2's ``Signature`` applies
-    libgit2's checks and trimming of name and email.
+    current second) in the local time zone.  Name and email are cleaned as git
+    cleans them (:func:`git_clean`); pygit2's ``Signature`` applies libgit2's
+    checks.
 
     Raises:
         ValueError, pygit2.GitError: a name or email libgit2 refuses.
     """
+    name, email = git_clean(sig.name), git_clean(sig.email)
     if sig.when is not None:
-        s = pygit2.Signature(sig.name, sig.email, sig.when[0], sig.when[1])
+        s = pygit2.Signature(name, email, sig.when[0], sig.when[1])
     else:
         t = int(time.time()) if now is None else now
-        s = pygit2.Signature(sig.name, sig.email, t, _local_offset(t))
+        s = pygit2.Signature(name, email, t, _local_offset(t))
     offset = s.offset
     return b"%s <%s> %d %c%02d%02d" % (s.raw_name, s.raw_email, s.time, b"-"[0] if offset < 0 else b"+"[0],
                                       abs(offset) // 60, abs(offset) % 60)
@@ -160,7 +163,15 @@ def _local_offset(t: int) -> int:
     return time.localtime(t).tm_gmtoff // 60
 
 
-_RAW_DATE = re.compile(r"@?([0-9]+)(?:\s+([+-])([0-9]{2}):?([0-9]{2}))?")
+# git reads a bare number as seconds since the epoch only from nine digits on, or after "@".
+_RAW_DATE = re.compile(r"(?:@([0-9]+)|([0-9]{9,}))(?:\s+([+-])([0-9]{2}):?([0-9]{2}))?")
+#: What git strips from both ends of a name or email (``crud()`` in git's ident.c).
+_CRUD = "".join(chr(c) for c in range(33)) + ".,:;<>\"\\'"
+
+
+def git_clean(text: str) -> str:
+    """A name or email as git writes it: crud stripped from both ends, ``<``, ``>`` and newlines dropped."""
+    return text.strip(_CRUD).replace("\n", "").replace("<", "").replace(">", "")
 
 
 def parse_git_date(text: str) -> tuple[int, int]:
@@ -177,19 +188,23 @@ def parse_git_date(text: str) -> tuple[int, int]:
     t = text.strip()
     m = _RAW_DATE.fullmatch(t)
     if m:
-        secs = int(m.group(1))
-        if m.group(2) is None:
+        secs = int(m.group(1) or m.group(2))
+        if m.group(3) is None:
             return secs, _local_offset(secs)
-        minutes = int(m.group(3)) * 60 + int(m.group(4))
-        return secs, -minutes if m.group(2) == "-" else minutes
-    from email.utils import mktime_tz, parsedate_tz
+        hours, minutes = int(m.group(4)), int(m.group(5))
+        if hours > 14 or minutes >= 60:
+            raise ValueError(f"cannot read the date {text!r}: no time zone is {m.group(3)}{m.group(4)}{m.group(5)}")
+        minutes += hours * 60
+        return secs, -minutes if m.group(3) == "-" else minutes
+    import importlib
 
-    parsed = parsedate_tz(t)
+    # email.utils.parsedate_tz() makes a missing zone UTC; git takes local time: the function under it tells.
+    parsed = importlib.import_module("email._parseaddr")._parsedate_tz(t)
     if parsed is not None:
         if parsed[9] is None:
             secs = int(time.mktime((*parsed[:8], -1)))
             return secs, _local_offset(secs)
-        return int(mktime_tz(parsed)), parsed[9] // 60
+        return int(calendar.timegm(tuple(parsed[:6]) + (0, 1, 0))) - parsed[9], parsed[9] // 60
     import datetime
 
     try:
@@ -206,17 +221,26 @@ def git_identity(kind: str, config: Callable[[str], str | None], env: Mapping[st
     """The ``author`` or ``committer`` identity as git reads it.
 
     ``GIT_<KIND>_NAME`` / ``_EMAIL`` / ``_DATE`` first, then ``<kind>.name`` /
-    ``.email``, then ``user.name`` / ``.email`` (the email then ``$EMAIL``).
-    What is still missing is ``oncepatch`` / ``oncepatch@localhost``, where git
-    would refuse to commit.
+    ``.email``, then ``user.name`` / ``.email`` (the email then ``$EMAIL``),
+    each cleaned as git cleans it (:func:`git_clean`); one empty once cleaned
+    is passed over.  What is still missing is ``oncepatch`` /
+    ``oncepatch@localhost``, where git would refuse to commit.
 
     Raises:
         ValueError: ``GIT_<KIND>_DATE`` is set in a form :func:`parse_git_date` refuses.
     """
     up = kind.upper()
-    name = env.get(f"GIT_{up}_NAME") or config(f"{kind}.name") or config("user.name") or "oncepatch"
-    email = (env.get(f"GIT_{up}_EMAIL") or config(f"{kind}.email") or config("user.email") or env.get("EMAIL")
-             or "oncepatch@localhost")
+
+    def first(*values: str | None) -> str | None:
+        for value in values:
+            cleaned = git_clean(value) if value else ""
+            if cleaned:
+                return cleaned
+        return None
+
+    name = first(env.get(f"GIT_{up}_NAME"), config(f"{kind}.name"), config("user.name")) or "oncepatch"
+    email = first(env.get(f"GIT_{up}_EMAIL"), config(f"{kind}.email"), config("user.email"),
+                  env.get("EMAIL")) or "oncepatch@localhost"
     date = env.get(f"GIT_{up}_DATE")
     try:
         when = parse_git_date(date) if date else None
@@ -649,11 +673,15 @@ class GitStore:
         """Read the author and committer identities afresh (as a call starts).
 
         Raises:
-            ValueError: a ``GIT_<KIND>_DATE`` in a form :func:`parse_git_date` refuses.
+            ValueError: a ``GIT_<KIND>_DATE`` in a form :func:`parse_git_date` refuses, or a
+                name or email libgit2 refuses.
         """
         self._signature = {}
-        self.default_signature("author")
-        self.default_signature("committer")
+        for kind in ("author", "committer"):
+            try:
+                _signature_line(self.default_signature(kind))  # what libgit2 would refuse, refused now
+            except pygit2.GitError as exc:
+                raise ValueError(f"{kind}: {exc}") from None
 
     def create_commit(self, tree: str, parents: list[str], message: str, author: Signature | None = None) -> str:
         """Stage a commit of ``tree`` (author and committer as git reads them, now unless set); return its id.

@@ -84,7 +84,7 @@ def verify(
     report = VerifyReport()
     paths = [p for p, _h, _d in _file_names(store)]
     if jobs > 1 and verifiers_factory is not None \
-            and len(paths) >= (PARALLEL_MIN if parallel_min is None else parallel_min):
+            and len(paths) >= max(1, PARALLEL_MIN if parallel_min is None else parallel_min):
         # The workers start first; the ledger is read here meanwhile.
         return _verify_parallel(store, paths, report, grace, jobs, verifiers_factory)
     latest: dict[str, int] = {}
@@ -176,8 +176,8 @@ def _check_one(store: ReceiptStore, item: StoredReceipt, verifiers: Mapping[str,
 
 
 def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
-                  ) -> tuple[list[tuple[str | None, str | None, str]], list[tuple[int, str, str, str]]]:
-    """Worker: verify these receipt files; return failures and (index, digest) of each parsed receipt."""
+                  ) -> tuple[list[tuple[str | None, str | None, str]], list[tuple[int, str, str, str]], int]:
+    """Worker: verify these receipt files; return failures, (index, digest, ...) of each parsed receipt, files read."""
     import importlib
 
     use_fast_json()  # a worker process: JSON and hashing speed matter
@@ -187,14 +187,16 @@ def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
     now = time.time()
     failures: list[tuple[str | None, str | None, str]] = []
     seen: list[tuple[int, str, str, str]] = []  # (index, digest, key, status) of each intact receipt
+    read = 0
     for i, path in enumerate(paths):
         item = _read_stored(path)
         if item is None:
-            continue
+            continue  # removed since the listing: not counted, as with one process
+        read += 1
         if item.receipt is not None:
             seen.append((i, item.receipt.digest, item.receipt.key, item.receipt.status))
         failures += [(f.key, f.path, f.reason) for f in _check_one(store, item, verifiers, None, grace, now)]
-    return failures, seen
+    return failures, seen, read
 
 
 def _read_ledger(store: ReceiptStore, report: VerifyReport,
@@ -255,8 +257,8 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
         results = [f.result() for f in futures]
     position = {p: i for i, p in enumerate(paths)}
     found: list[tuple[int, int, Failure]] = []
-    for chunk, (failures, seen) in zip(chunks, results):
-        report.receipts += len(chunk)
+    for chunk, (failures, seen, read) in zip(chunks, results):
+        report.receipts += read
         for i, digest, key, status in seen:
             if digest not in digests:
                 found.append((position[chunk[i]], 0, Failure(key, chunk[i], f"latest state '{status}' is not in the ledger")))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from cas.objects import git_identity, parse_git_date
+from cas.objects import Signature, _signature_line, git_identity, parse_git_date
 from conftest import Repo, make_repo, run_cli, snapshot
 from patcher.protocol import apply
 
@@ -75,7 +79,8 @@ def test_git_date_forms(text: str, expected: tuple[int, int]) -> None:
     assert parse_git_date(text) == expected
 
 
-@pytest.mark.parametrize("text", ["yesterday", "3 days ago", "", "17000 +02", "2006-13-40"])
+@pytest.mark.parametrize("text", ["yesterday", "3 days ago", "", "17000 +02", "2006-13-40", "12345",
+                                  "1700000000 +2500", "1700000000 +0099"])
 def test_git_date_forms_refused(text: str) -> None:
     with pytest.raises(ValueError):
         parse_git_date(text)
@@ -86,3 +91,45 @@ def test_identity_falls_back_where_git_would_refuse() -> None:
     assert (sig.name, sig.email, sig.when) == ("oncepatch", "oncepatch@localhost", None)
     sig = git_identity("committer", lambda _name: None, {"EMAIL": "e@example.com"})
     assert sig.email == "e@example.com"
+
+
+@pytest.fixture(params=["Europe/Berlin", "America/St_Johns", "UTC"])
+def zone(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    monkeypatch.setenv("TZ", request.param)
+    time.tzset()
+    yield request.param
+    monkeypatch.delenv("TZ")
+    time.tzset()
+
+
+def _git_ident(env: dict[str, str]) -> str:
+    e = {**os.environ, "GIT_COMMITTER_NAME": "n", "GIT_COMMITTER_EMAIL": "e", **env}
+    return subprocess.run(["git", "var", "GIT_COMMITTER_IDENT"], env=e, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@pytest.mark.parametrize("date", ["1700000000 +0200", "@1700000000", "Mon, 3 Jul 2006 17:18:43 +0200",
+                                  "Mon, 3 Jul 2006 17:18:43", "Jul 3, 2006 17:18", "2006-07-03T17:18:43",
+                                  "2006-07-03 17:18:43 -0330"])
+def test_dates_read_as_git_reads_them(zone: str, date: str) -> None:
+    """Against git's own reading (``git var GIT_COMMITTER_IDENT``): a date without a zone is local time."""
+    ours = _signature_line(Signature("n", "e", parse_git_date(date))).decode()
+    assert ours == _git_ident({"GIT_COMMITTER_DATE": date}), (zone, date)
+
+
+@pytest.mark.parametrize("name, email", [("John Doe Jr.", "jd@example.com."), ("Ann <ann>", "<ann@example.com>"),
+                                         (" 'Quoted' ", "q@example.com;"), ("Line\nBreak", "lb@example.com")])
+def test_names_and_emails_cleaned_as_git_cleans_them(name: str, email: str) -> None:
+    env = {"GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": "1700000000 +0000"}
+    sig = git_identity("committer", lambda _name: None, env)
+    assert _signature_line(sig).decode() == _git_ident(env)
+
+
+def test_a_configured_name_with_angle_brackets_commits_as_git_would(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "repo")
+    for name in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    repo.git("config", "user.name", "Ann <ann>")
+    assert apply(str(repo.path), PATCH, key="k1").status == "committed"
+    assert _log(repo)[0] == "Ann ann" == _log(repo)[4]

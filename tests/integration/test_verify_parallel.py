@@ -95,3 +95,26 @@ def test_workers_verify_runs_of_calls_in_ledger_order(tmp_path: Path, monkeypatc
     assert report.ok, report.failures
     runs = sorted((p.read_text().split() for p in logs.iterdir()), key=lambda ks: ks[0])
     assert runs == [keys[:6], keys[6:]]
+
+
+def test_a_receipt_gone_between_listing_and_reading_is_not_counted(tmp_path: Path,
+                                                                   monkeypatch: Any) -> None:
+    from receipts import verifier
+
+    repo = make_repo(tmp_path / "repo")
+    for i in range(3):
+        apply(str(repo.path), _patch(i), key=f"k{i}")
+    store = ReceiptStore(str(repo.store))
+    real = verifier._file_names
+    ghost = os.path.join(store.receipts_dir, "00", "0" * 64 + ".json")
+    monkeypatch.setattr(verifier, "_file_names", lambda s: [(ghost, "0" * 64, None), *real(s)])
+    serial = verify(store, _adapters(store))
+    parallel = verify(store, _adapters(store), jobs=2, verifiers_factory=FACTORY, parallel_min=1)
+    assert serial.receipts == parallel.receipts == 3 and serial.ok and parallel.ok
+
+
+def test_an_empty_store_verifies_with_any_threshold(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo")
+    store = ReceiptStore(str(repo.store))
+    report = verify(store, _adapters(store), jobs=2, verifiers_factory=FACTORY, parallel_min=0)
+    assert report.ok and report.receipts == 0
