@@ -48,7 +48,7 @@ from collections.abc import Callable
 from cas.durable import TMP_MARK, link_as_lock, make_dirs, write_all
 from cas.errors import GitStoreError, RefLockedError, RefMovedError
 
-__all__ = ["REF_TMP_PREFIX", "Unsupported", "read_ref", "swap", "reflogs_for"]
+__all__ = ["REF_TMP_PREFIX", "Unsupported", "read_ref", "swap", "reflogs_for", "write_lock_content"]
 
 #: The lock's content is written here (in the common git dir, outside refs/)
 #: before it is linked to ``<ref>.lock``; a crash in between leaves
@@ -151,9 +151,34 @@ def reflogs_for(git_dir: str, common_dir: str, ref: str, log_all: bool | str | N
     return out
 
 
+def write_lock_content(common_dir: str, new: str) -> str:
+    """A tmp file holding what a ref lock for ``new`` holds (not synced); its path, for :func:`swap`'s ``synced``.
+
+    Named as :func:`swap`'s own tmp files (recovery removes them for a dead pid).
+    """
+    if not _LOOSE.fullmatch(new.encode()):
+        raise Unsupported(f"'{new}' is not an object id")
+    tmp = os.path.join(common_dir, f"{REF_TMP_PREFIX}{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o666)
+    try:
+        write_all(fd, new.encode() + b"\n")
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    return tmp
+
+
 def swap(common_dir: str, ref: str, expected: str, new: str, reflog_line: bytes, reflogs: list[str],
-         precondition: Callable[[], None] | None = None) -> list[str]:
+         precondition: Callable[[], None] | None = None, synced: str | None = None) -> list[str]:
     """Move ``ref`` from ``expected`` to ``new`` (module docstring); return the paths left to sync.
+
+    ``synced``: a file from :func:`write_lock_content` for ``new`` that the
+    caller has synced since: the lock is taken by linking it, and its content
+    needs no sync of its own before the rename (one flush point less).  It is
+    gone when this returns or raises.
 
     Raises:
         RefLockedError: ``<ref>.lock`` exists (a live git, or a stale lock).
@@ -163,6 +188,9 @@ def swap(common_dir: str, ref: str, expected: str, new: str, reflog_line: bytes,
         Whatever ``precondition`` raises (the ref is unchanged).
     """
     if not _LOOSE.fullmatch(new.encode()):
+        if synced is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(synced)
         raise Unsupported(f"'{new}' is not an object id")
     path = os.path.join(common_dir, ref)
     lock = path + ".lock"
@@ -170,8 +198,11 @@ def swap(common_dir: str, ref: str, expected: str, new: str, reflog_line: bytes,
     logs: list[str] = []  # the reflogs appended to: synced with the folders
     fds: list[int] = []
     locked = False
+    lock_fd: int | None = None
     try:
-        fds.append(_take_lock(common_dir, lock, new.encode() + b"\n", folders))
+        lock_fd = _take_lock(common_dir, lock, new.encode() + b"\n", folders, synced)
+        if lock_fd is not None:
+            fds.append(lock_fd)
         locked = True
         actual = read_ref(common_dir, ref)
         if actual != expected:
@@ -188,7 +219,8 @@ def swap(common_dir: str, ref: str, expected: str, new: str, reflog_line: bytes,
                 folders[folder] = None  # created now (or empty): its entry must be made durable
             write_all(fd, reflog_line)
             logs.append(log)
-        os.fsync(fds[0])  # the lock's content, before it becomes the ref
+        if lock_fd is not None:
+            os.fsync(lock_fd)  # the lock's content, before it becomes the ref (else synced by the caller)
         os.replace(lock, path)
         locked = False
     except OSError as exc:
@@ -204,8 +236,27 @@ def swap(common_dir: str, ref: str, expected: str, new: str, reflog_line: bytes,
     return [*folders, *logs]
 
 
-def _take_lock(common_dir: str, lock: str, content: bytes, folders: dict[str, None]) -> int:
-    """Create ``lock`` holding ``content`` (hard link of a complete tmp file); return its open descriptor."""
+def _take_lock(common_dir: str, lock: str, content: bytes, folders: dict[str, None],
+               synced: str | None = None) -> int | None:
+    """Create ``lock`` holding ``content`` (hard link of a complete tmp file); return its open descriptor.
+
+    ``synced``: that tmp file, already written and synced by the caller (``None`` is returned).
+    """
+    if synced is not None:
+        try:
+            for made in make_dirs(os.path.dirname(lock), 0o777):
+                folders[os.path.dirname(made)] = None
+            link_as_lock(synced, lock)
+        except FileExistsError:
+            raise RefLockedError(lock) from None
+        except OSError as exc:
+            if exc.errno in _NO_LINK:
+                raise Unsupported(f"cannot link a lock into '{os.path.dirname(lock)}': {exc}") from exc
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(synced)  # gone either way (make_dirs may have failed first)
+        return None
     tmp = os.path.join(common_dir, f"{REF_TMP_PREFIX}{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o666)
     try:

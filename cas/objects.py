@@ -39,6 +39,7 @@ its key ref is found by recovery through reachability and the reflog.
 from __future__ import annotations
 
 import calendar
+import contextlib
 import hashlib
 import os
 import re
@@ -54,7 +55,7 @@ from cas.gitdir import common_dir_of
 from cas.errors import (DurableWriteError, GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown,
                         UsageError)
 from cas import packs
-from cas.loose_refs import Unsupported, reflogs_for, swap
+from cas.loose_refs import Unsupported, reflogs_for, swap, write_lock_content
 
 __all__ = ["GitStore", "TreeEntry", "PathLookup", "Signature", "KEY_REF_PREFIX"]
 
@@ -275,6 +276,8 @@ class GitStore:
         self._pack_sizes: dict[str, tuple[int, int] | None] = {}  # cas.packs.small_packs's cache
         self._packs_gone = 0  # packs removed since the object database was opened
         self._signature: dict[str, Signature] = {}  # by kind: author, committer
+        # (ref, new oid, tmp file): a ref lock's content written and synced ahead (stage_ref_content).
+        self._ref_content: tuple[str, str, str] | None = None
         # Folders and reflogs of refs moved with defer_sync, which a later batch syncs.
         self._unsynced: dict[str, None] = {}
         self._sync_failure: DurableWriteError | None = None
@@ -641,6 +644,34 @@ class GitStore:
         self._recent = {}
         self._signature = {}
         self._sync_failure = None
+        self.drop_ref_content()
+
+    def stage_ref_content(self, ref: str, new: str, batch: DurableBatch) -> None:
+        """Write what ``ref``'s lock will hold to move to ``new``, synced in ``batch``'s first round.
+
+        The move (:meth:`compare_and_swap`, when :mod:`cas.loose_refs` makes it)
+        then links that file as the lock and makes no sync of its own before
+        the rename: the apply protocol syncs it with the objects and the
+        ``prepared`` receipt, one flush point less per call.  A move to another
+        oid (re-staged on a moved branch), or through libgit2, does without it;
+        :meth:`drop_ref_content` removes it if it was never used.
+        """
+        self.drop_ref_content()
+        if not (ref.startswith("refs/") and self._files_backend()):
+            return
+        try:
+            tmp = write_lock_content(self.common_dir, new)
+        except (OSError, Unsupported):
+            return  # the move writes its lock as usual
+        self._ref_content = (ref, new, tmp)
+        batch.sync_first([tmp])
+
+    def drop_ref_content(self) -> None:
+        """Remove the file :meth:`stage_ref_content` wrote if no move used it."""
+        if self._ref_content is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._ref_content[2])
+            self._ref_content = None
 
     def forget_recent(self) -> None:
         """Drop the blobs the last :meth:`add_pending_to` kept at hand (the call is over)."""
@@ -793,8 +824,12 @@ class GitStore:
                 except (pygit2.GitError, ValueError) as exc:
                     raise Unsupported(f"core.logAllRefUpdates: {exc}") from exc
         logs = reflogs_for(self.git_dir, self.common_dir, ref, log_all, self.repo.is_bare)
+        synced: str | None = None
+        if self._ref_content is not None and self._ref_content[:2] == (ref, new):
+            synced = self._ref_content[2]
+            self._ref_content = None  # swap consumes it, whatever happens
         folders = swap(self.common_dir, ref, expected, new, self._reflog_line(expected, new, message), logs,
-                       precondition)
+                       precondition, synced)
         self._unsynced.update(dict.fromkeys(folders))
         if not defer_sync:
             self.sync_refs()

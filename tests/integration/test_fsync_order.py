@@ -326,6 +326,10 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
     # follow: in the finalise batch's first round); the commit object, and its folder,
     # before the ref moves (synced with the prepared receipt, in one batch)
     assert _synced_before(calls, branch + ".lock", branch_move.n)
+    # ... in fact with the prepared receipt: the lock is then linked and renamed with no sync between
+    lock_links = [(c, src) for c, src, dst in landings if dst == branch + ".lock"]
+    assert len(lock_links) == 1 and _synced_before(calls, lock_links[0][1], prepared.n)
+    assert not [c for c in calls if c.name in ("fsync", "fdatasync") and lock_links[0][0].n < c.n < branch_move.n]
     reflog = os.path.join(git_dir, "logs", "refs", "heads", name)
     assert _synced_before(calls, reflog, committed.n), "reflog not synced before the committed receipt"
     assert _folder_synced_between(calls, os.path.dirname(branch), branch_move.n, committed.n), \
