@@ -57,6 +57,7 @@ __all__ = [
     "link_as_lock",
     "make_dirs",
     "write_all",
+    "write_new",
 ]
 
 #: Every tmp file this module creates has this in its name; cleanup only ever
@@ -613,6 +614,25 @@ def make_dirs(folder: str, mode: int = 0o755) -> list[str]:
     except FileExistsError:
         return made
     return [*made, folder]
+
+
+def write_new(path: str, data: bytes, mode: int = 0o666) -> None:
+    """Create ``path`` exclusively (not following a symlink) holding ``data``; not synced.
+
+    For the tmp files locks are linked from: on any failure nothing is left.
+
+    Raises:
+        FileExistsError: ``path`` exists.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode)
+    try:
+        _write_all(fd, data)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
 
 
 def link_as_lock(tmp: str, lock: str) -> None:

@@ -45,7 +45,7 @@ import os
 import re
 from collections.abc import Callable
 
-from cas.durable import TMP_MARK, link_as_lock, make_dirs, write_all
+from cas.durable import TMP_MARK, link_as_lock, make_dirs, write_all, write_new
 from cas.errors import GitStoreError, RefLockedError, RefMovedError
 
 __all__ = ["REF_TMP_PREFIX", "Unsupported", "read_ref", "swap", "reflogs_for", "write_lock_content"]
@@ -159,15 +159,7 @@ def write_lock_content(common_dir: str, new: str) -> str:
     if not _LOOSE.fullmatch(new.encode()):
         raise Unsupported(f"'{new}' is not an object id")
     tmp = os.path.join(common_dir, f"{REF_TMP_PREFIX}{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o666)
-    try:
-        write_all(fd, new.encode() + b"\n")
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    os.close(fd)
+    write_new(tmp, new.encode() + b"\n")
     return tmp
 
 

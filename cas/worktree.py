@@ -36,7 +36,7 @@ from collections.abc import Mapping
 
 import pygit2
 
-from cas.durable import TMP_MARK, DurableBatch, fsync_all, fsync_dir, open_dir_nofollow
+from cas.durable import TMP_MARK, DurableBatch, fsync_all, fsync_dir, open_dir_nofollow, write_new
 from cas.hashing import git_blob_oid
 from cas.errors import DurableWriteError, GitStoreError, RefLockedError, UnsafeWorktreePath
 from cas.objects import GitStore, TreeEntry
@@ -308,15 +308,7 @@ def _lock_mark(git_dir: str, keep: bool, *, fresh: bool) -> str:
         if found is not None:
             return found
     tmp = os.path.join(git_dir, f".index.lock{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")  # per thread
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, INDEX_LOCK_MARK + f"{os.getpid()} {socket.gethostname()}\n".encode())
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    os.close(fd)
+    write_new(tmp, INDEX_LOCK_MARK + f"{os.getpid()} {socket.gethostname()}\n".encode(), 0o644)
     if keep:
         with _KEPT_MARKS_LOCK:
             old, _KEPT_MARKS[key] = _KEPT_MARKS.get(key), tmp
