@@ -190,34 +190,52 @@ class ReceiptStore:
         except FileNotFoundError:
             return False
 
-    def files(self) -> Iterator[tuple[str, str, bytes]]:
-        """``(path, key hash, bytes)`` of every receipt file, unparsed (a scan's raw input)."""
+    def receipt_paths(self) -> list[str]:
+        """Every receipt file's path, in file order (shard, then name), unread."""
         try:
             shards = sorted(os.listdir(self.receipts_dir))
         except FileNotFoundError:
-            return
+            return []
+        out: list[str] = []
         for shard in shards:
             folder = os.path.join(self.receipts_dir, shard)
             if len(shard) != 2 or not os.path.isdir(folder):
                 continue
-            for name in sorted(os.listdir(folder)):
-                if not name.endswith(".json") or name.startswith("."):
-                    continue
-                path = os.path.join(folder, name)
-                try:
-                    with open(path, "rb") as fh:
-                        data = fh.read()
-                except FileNotFoundError:
-                    continue
-                yield path, name[:-5], data
+            out += [os.path.join(folder, name) for name in sorted(os.listdir(folder))
+                    if name.endswith(".json") and not name.startswith(".")]
+        return out
+
+    def files(self) -> Iterator[tuple[str, str, bytes]]:
+        """``(path, key hash, bytes)`` of every receipt file, unparsed (a scan's raw input)."""
+        for path in self.receipt_paths():
+            try:
+                with open(path, "rb") as fh:
+                    data = fh.read()
+            except FileNotFoundError:
+                continue
+            yield path, os.path.basename(path)[:-5], data
+
+    @staticmethod
+    def parse_stored(path: str, h: str, data: bytes) -> StoredReceipt:
+        """The receipt file ``path`` (key hash ``h``) from its bytes, verified; a corrupt one with its error."""
+        try:
+            return StoredReceipt(path, h, parse_receipt(data, path=path, expected_key_hash=h), None)
+        except CorruptReceipt as exc:
+            return StoredReceipt(path, h, None, exc)
+
+    def read_stored(self, path: str) -> StoredReceipt | None:
+        """One receipt file by path (:meth:`parse_stored`); ``None`` if it is gone."""
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            return None
+        return self.parse_stored(path, os.path.basename(path)[:-5], data)
 
     def scan(self) -> Iterator[StoredReceipt]:
         """Every receipt file in the store, verified; corrupt ones are yielded with their error."""
         for path, h, data in self.files():
-            try:
-                yield StoredReceipt(path, h, parse_receipt(data, path=path, expected_key_hash=h), None)
-            except CorruptReceipt as exc:
-                yield StoredReceipt(path, h, None, exc)
+            yield self.parse_stored(path, h, data)
 
     def find(self, key_or_call_id: str) -> Receipt | None:
         """Look up by key, else by call_id (a scan: call_ids are not indexed)."""

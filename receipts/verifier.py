@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from receipts.errors import CorruptReceipt
 from receipts.jsonio import use_fast as use_fast_json
-from receipts.receipt import Receipt, parse_receipt
+from receipts.receipt import Receipt
 from receipts.recovery import receipt_age
 from receipts.store import ReceiptStore, StoredReceipt
 
@@ -82,7 +82,7 @@ def verify(
     """
     use_fast_json()  # a scan: JSON speed matters
     report = VerifyReport()
-    paths = [p for p, _h, _d in _file_names(store)]
+    paths = store.receipt_paths()
     if jobs > 1 and verifiers_factory is not None \
             and len(paths) >= max(1, PARALLEL_MIN if parallel_min is None else parallel_min):
         # The workers start first; the ledger is read here meanwhile.
@@ -93,7 +93,7 @@ def verify(
     now = time.time()
     found: list[tuple[int, Failure]] = []
     for path in _in_call_order(paths, latest, report.ledger_events):
-        item = _read_stored(path)
+        item = store.read_stored(path)
         if item is None:
             continue  # removed since the listing
         report.receipts += 1
@@ -119,37 +119,8 @@ def _in_call_order(paths: list[str], latest: dict[str, int], events: int) -> lis
     return sorted(paths, key=lambda p: rank.get(os.path.basename(p)[:-5], events + 1))
 
 
-def _read_stored(path: str) -> StoredReceipt | None:
-    """One receipt file, verified (a corrupt one with its error); ``None`` if it is gone."""
-    h = os.path.basename(path)[:-5]
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
-        return None
-    try:
-        return StoredReceipt(path, h, parse_receipt(data, path=path, expected_key_hash=h), None)
-    except CorruptReceipt as exc:
-        return StoredReceipt(path, h, None, exc)
-
-
 #: Below this many receipts a single process is faster than starting workers.
 PARALLEL_MIN = 2000
-
-
-def _file_names(store: ReceiptStore) -> list[tuple[str, str, None]]:
-    out: list[tuple[str, str, None]] = []
-    try:
-        shards = sorted(os.listdir(store.receipts_dir))
-    except FileNotFoundError:
-        return out
-    for shard in shards:
-        folder = os.path.join(store.receipts_dir, shard)
-        if len(shard) != 2 or not os.path.isdir(folder):
-            continue
-        out += [(os.path.join(folder, n), n[:-5], None) for n in sorted(os.listdir(folder))
-                if n.endswith(".json") and not n.startswith(".")]
-    return out
 
 
 def _check_one(store: ReceiptStore, item: StoredReceipt, verifiers: Mapping[str, CommitVerifier],
@@ -189,7 +160,7 @@ def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
     seen: list[tuple[int, str, str, str]] = []  # (index, digest, key, status) of each intact receipt
     read = 0
     for i, path in enumerate(paths):
-        item = _read_stored(path)
+        item = store.read_stored(path)
         if item is None:
             continue  # removed since the listing: not counted, as with one process
         read += 1

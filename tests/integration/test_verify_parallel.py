@@ -74,14 +74,17 @@ class _Recording:
 
 
 def recording_adapters(rstore: Any) -> dict[str, Any]:
-    """A verifiers factory that logs, per worker, the keys in the order it verifies them."""
+    """A verifiers factory that logs, per run handed to a worker, the keys in the order it verifies them.
+
+    (Called once per run: a worker process may be handed both runs.)
+    """
     out = _adapters(rstore)
-    log = os.path.join(os.environ["OPC_TEST_VERIFY_LOG"], f"{os.getpid()}.txt")
+    log = os.path.join(os.environ["OPC_TEST_VERIFY_LOG"], f"{os.getpid()}-{os.urandom(4).hex()}.txt")
     return {tool: _Recording(v, log) if tool == "apply_patch" else v for tool, v in out.items()}
 
 
 def test_workers_verify_runs_of_calls_in_ledger_order(tmp_path: Path, monkeypatch: Any) -> None:
-    """Each worker gets calls made one after another, oldest first (their commits share packs and bases)."""
+    """Each run handed to a worker is calls made one after another, oldest first (their commits share packs)."""
     repo = make_repo(tmp_path / "repo")
     keys = [f"k{i:02d}" for i in range(12)]
     for i, k in enumerate(keys):
@@ -99,15 +102,13 @@ def test_workers_verify_runs_of_calls_in_ledger_order(tmp_path: Path, monkeypatc
 
 def test_a_receipt_gone_between_listing_and_reading_is_not_counted(tmp_path: Path,
                                                                    monkeypatch: Any) -> None:
-    from receipts import verifier
-
     repo = make_repo(tmp_path / "repo")
     for i in range(3):
         apply(str(repo.path), _patch(i), key=f"k{i}")
     store = ReceiptStore(str(repo.store))
-    real = verifier._file_names
+    real = ReceiptStore.receipt_paths
     ghost = os.path.join(store.receipts_dir, "00", "0" * 64 + ".json")
-    monkeypatch.setattr(verifier, "_file_names", lambda s: [(ghost, "0" * 64, None), *real(s)])
+    monkeypatch.setattr(ReceiptStore, "receipt_paths", lambda s: [ghost, *real(s)])
     serial = verify(store, _adapters(store))
     parallel = verify(store, _adapters(store), jobs=2, verifiers_factory=FACTORY, parallel_min=1)
     assert serial.receipts == parallel.receipts == 3 and serial.ok and parallel.ok
