@@ -637,12 +637,11 @@ class GitStore:
     def discard_pending(self) -> None:
         """Forget staged objects that were never written (a call that stopped before preparing).
 
-        Called as each call starts: the identity read from the configuration
-        is read again too (a long-lived caller sees configuration changes).
+        Called as each call starts (which reads the identities afresh with
+        :meth:`read_identities`: a long-lived caller sees configuration changes).
         """
         self._pending.clear()
         self._recent = {}
-        self._signature = {}
         self._sync_failure = None
         self.drop_ref_content()
 

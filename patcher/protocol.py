@@ -303,14 +303,23 @@ def _precheck(args: CallArgs, stores: dict[str, Any] | None) -> _PreCheck:
 
     parsed = parse_patch(args.patch, args.format)
     gstore = open_store(args.repo, stores)
-    try:
-        gstore.read_identities()  # a GIT_<KIND>_DATE git documents no form for is refused here
-    except ValueError as exc:
-        raise UsageError(f"commit identity: {exc}") from None
+    _read_identities(gstore)
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
     worktrees = check_worktrees(gstore, args.branch, touched_paths(parsed)) if not plan.already_applied else []
     return _PreCheck(parsed, plan, worktrees)
+
+
+def _read_identities(gstore: GitStore) -> None:
+    """Author and committer, read afresh for this call (once); what git would not take is refused here.
+
+    Raises:
+        UsageError: a ``GIT_<KIND>_DATE`` git documents no form for, or a name libgit2 refuses.
+    """
+    try:
+        gstore.read_identities()
+    except ValueError as exc:
+        raise UsageError(f"commit identity: {exc}") from None
 
 
 def _branch_head(gstore: GitStore, args: CallArgs) -> str | None:
@@ -366,6 +375,8 @@ def _execute(
     parsed = pre.patch if pre is not None else parse_patch(args.patch, args.format)
     gstore = open_store(args.repo, stores)
     gstore.discard_pending()  # whatever an earlier call staged and never wrote
+    if pre is None:
+        _read_identities(gstore)  # (read by the pre-check otherwise)
     message = _commit_message(args, parsed, call_id, key)
     paths = touched_paths(parsed)
     base = _branch_head(gstore, args)

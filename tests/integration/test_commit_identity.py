@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cas.errors import UsageError
 from cas.objects import Signature, _signature_line, git_identity, parse_git_date
 from conftest import Repo, make_repo, run_cli, snapshot
 from patcher.protocol import apply
@@ -133,3 +134,19 @@ def test_a_configured_name_with_angle_brackets_commits_as_git_would(tmp_path: Pa
     repo.git("config", "user.name", "Ann <ann>")
     assert apply(str(repo.path), PATCH, key="k1").status == "committed"
     assert _log(repo)[0] == "Ann ann" == _log(repo)[4]
+
+
+def test_a_long_lived_caller_reads_the_identity_at_every_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "repo")
+    stores: dict[str, object] = {}
+    names = []
+    for i, who in enumerate(["First Agent", "Second Agent"]):
+        monkeypatch.setenv("GIT_AUTHOR_NAME", who)
+        monkeypatch.setenv("GIT_COMMITTER_NAME", who)
+        patch = f"--- /dev/null\n+++ b/n{i}.txt\n@@ -0,0 +1 @@\n+{i}\n".encode()
+        assert apply(str(repo.path), patch, key=f"k{i}", _stores=stores).status == "committed"
+        names.append(_log(repo)[0] + "/" + _log(repo)[4])
+    assert names == ["First Agent/First Agent", "Second Agent/Second Agent"]
+    monkeypatch.setenv("GIT_AUTHOR_DATE", "yesterday")
+    with pytest.raises(UsageError):
+        apply(str(repo.path), b"--- /dev/null\n+++ b/n9.txt\n@@ -0,0 +1 @@\n+9\n", key="k9", _stores=stores)
