@@ -140,10 +140,11 @@ class _ParsedIndex:
                                  e.mtime.nanoseconds, bytes(ffi.buffer(ffi.addressof(e, "id"))[:20]).hex()):
                 ffi.cast("git_index_entry *", e).file_size = 0
 
-    def install(self, also_sync: list[str | int] | None = None) -> None:
+    def install(self, also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None) -> None:
         """Write the copy and rename it over ``index`` (caller holds ``index.lock``); durable.
 
         ``also_sync``: synced with the new file, before its rename; emptied once synced.
+        ``defer_dir``: see :func:`_replace_index`.
         """
         def write() -> None:
             self.index.write()
@@ -154,7 +155,7 @@ class _ParsedIndex:
                 os.close(fd)
 
         self.identity = None
-        _replace_index(self.git_dir, self.tmp, write)
+        _replace_index(self.git_dir, self.tmp, write, defer_dir)
         self.identity = _identity(self.index_path)
 
 
@@ -253,15 +254,16 @@ class IndexSnapshot:
                 pass
         self._use_parsed().stage(workdir, removed, added)
 
-    def install(self, also_sync: list[str | int] | None = None) -> None:
+    def install(self, also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None) -> None:
         """Write the new index and rename it over ``index`` (caller holds ``index.lock``); durable.
 
         ``also_sync``: paths (or open descriptors) synced in the same round as
         the new file, before its rename — the folders of the worktree files the
         index describes; the list is emptied once they are synced.
+        ``defer_dir``: see :func:`_replace_index`.
         """
         if self._parsed is not None:
-            self._parsed.install(also_sync)
+            self._parsed.install(also_sync, defer_dir)
             self.identity = self._parsed.identity
             return
         if self._pending is None:
@@ -284,7 +286,8 @@ class IndexSnapshot:
                 kept.append(RawIndex(tmp, written=(fd, previous, previous.edits)))
 
         _replace_index(self.git_dir, tmp,
-                       lambda: _write_with_checksum(tmp, parts, state, hashed, previous.mode, also_sync, keep))
+                       lambda: _write_with_checksum(tmp, parts, state, hashed, previous.mode, also_sync, keep),
+                       defer_dir)
         if kept:  # renamed over the index under index.lock: that file is ours
             self._raw = kept[0]
             self.identity = kept[0].identity
@@ -296,8 +299,12 @@ def _tmp_path(git_dir: str) -> str:
     return os.path.join(git_dir, f"index{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
 
 
-def _replace_index(git_dir: str, tmp: str, write: Callable[[], None]) -> None:
+def _replace_index(git_dir: str, tmp: str, write: Callable[[], None], defer_dir: list[str] | None = None) -> None:
     """``write`` the synced new index to ``tmp``, rename it over ``index``, sync the folder.
+
+    ``defer_dir``: the folder is appended to it instead of synced here; the
+    caller syncs it in a round it makes anyway, before anything relies on the
+    rename (the apply protocol: before the committed receipt).
 
     Raises:
         GitStoreError: nothing was renamed (``tmp`` removed), or the folder's sync failed.
@@ -306,7 +313,10 @@ def _replace_index(git_dir: str, tmp: str, write: Callable[[], None]) -> None:
     try:
         write()
         os.replace(tmp, index_path)
-        fsync_dir(git_dir)
+        if defer_dir is not None:
+            defer_dir.append(git_dir)
+        else:
+            fsync_dir(git_dir)
     except (OSError, pygit2.GitError, DurableWriteError) as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -872,6 +872,10 @@ class GitStore:
         for p in paths:
             self._unsynced.pop(p, None)
 
+    def defer_sync(self, paths: list[str]) -> None:
+        """Folders whose renames the caller left unsynced (a worktree's new index): synced with the moved refs'."""
+        self._unsynced.update(dict.fromkeys(paths))
+
     def take_unsynced(self) -> list[str]:
         """The folders and reflogs of refs moved with ``defer_sync``, not yet synced; the caller now syncs them."""
         todo = list(self._unsynced)

@@ -172,12 +172,15 @@ def materialise(
     held: IndexLock | None = None,
     tree: str | None = None,
     sync_first: list[str] | None = None,
+    defer_dir: list[str] | None = None,
 ) -> None:
     """Write the touched paths of ``workdir`` and its index to match ``changes``.
 
     ``sync_first``: paths made durable before any file of the worktree changes
     (a moved branch's folder and reflogs): synced in the first batch's first
     round, or at once when a deletion comes first or nothing is written.
+    ``defer_dir``: the index's folder, once the new index is renamed into it,
+    is appended here for the caller to sync, instead of synced at once.
 
     Deletions go first (a file may give way to a folder of the same name), then
     writes in path order.  ``lock_marker``: a file to hold while the index lock
@@ -243,7 +246,7 @@ def materialise(
             raise GitStoreError(f"cannot write worktree '{workdir}': {exc}") from exc
         try:
             update_index(workdir, [p for p in deletes], [p for p, _ in writes], lock_marker=lock_marker, held=held,
-                         known=dict(writes), also_sync=last_folders)
+                         known=dict(writes), also_sync=last_folders, defer_dir=defer_dir)
         except BaseException:
             with contextlib.suppress(Exception):
                 fsync_all(last_folders)  # the index failed; the files it would name are made durable anyway
@@ -451,10 +454,12 @@ def update_index(
     held: IndexLock | None = None,
     known: Mapping[str, TreeEntry | None] | None = None,
     also_sync: list[str | int] | None = None,
+    defer_dir: list[str] | None = None,
 ) -> None:
     """Update just these entries of ``workdir``'s index (stat data from the files), safely against git.
 
     ``also_sync``: synced with the new index file before its rename (emptied once synced).
+    ``defer_dir``: the index's folder is appended here, not synced (the caller syncs it).
 
     The read-modify-write happens while we hold ``index.lock`` (``held``, or
     taken here and released after), so a concurrent ``git add``/``git commit``
@@ -473,7 +478,7 @@ def update_index(
     """
     lock = held if held is not None else hold_index_lock(workdir, timeout=timeout, lock_marker=lock_marker)
     try:
-        _write_index(workdir, lock, removed, added, known, also_sync)
+        _write_index(workdir, lock, removed, added, known, also_sync, defer_dir)
     finally:
         if held is None:
             lock.release()
@@ -481,7 +486,7 @@ def update_index(
 
 def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[str],
                  known: Mapping[str, TreeEntry | None] | None = None,
-                 also_sync: list[str | int] | None = None) -> None:
+                 also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None) -> None:
     """Set these entries in the parsed copy of the index and install it (``index.lock`` is held).
 
     ``known``: the entries just written for these paths (their files are not re-hashed).
@@ -512,7 +517,7 @@ def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[
         snap.stage(workdir, removed, entries)
     except pygit2.GitError as exc:
         raise GitStoreError(f"cannot stage in '{workdir}': {exc}") from exc
-    snap.install(also_sync)
+    snap.install(also_sync, defer_dir)
 
 
 def worktree_matches(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:

@@ -138,8 +138,14 @@ def materialise_all(
             changes: dict[str, TreeEntry | None] = {p: gstore.lookup_file(tree, p) for p in paths}
             lock = (held or {}).get(workdir)
             # The branch's move is made durable before the worktree changes (in its first round).
-            materialise(gstore, workdir, changes, lock_marker=None if lock else index_marker(rstore, key),
-                        held=lock, tree=tree, sync_first=gstore.unsynced())
+            # The index's folder joins the moved branch's: synced in the finalise batch's
+            # first round, before the committed receipt (one flush point less).
+            renamed: list[str] = []
+            try:
+                materialise(gstore, workdir, changes, lock_marker=None if lock else index_marker(rstore, key),
+                            held=lock, tree=tree, sync_first=gstore.unsynced(), defer_dir=renamed)
+            finally:
+                gstore.defer_sync(renamed)
         except OncepatchError as exc:
             warnings.append(f"worktree '{workdir}' not updated: {exc.message}")
         finally:

@@ -343,6 +343,13 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
         # the worktree file's folder is synced (with the new index) before the index names it
         index_moves = [c for c, _, dst in landings if dst == os.path.join(git_dir, "index")]
         assert len(index_moves) == 1 and worktree_moves[0].n < index_moves[0].n < committed.n
+        # the index's folder after its rename, in the finalise batch's first round (with the key
+        # ref's tmp file, before its rename), not in a flush point of its own
+        keyref_tmp = next(c for c in calls if c.name == "openat" and c.ret >= 0
+                          and os.path.basename(c.path_arg(1)).startswith(".keyref" + TMP_MARK))
+        assert index_moves[0].n < keyref_tmp.n
+        assert _folder_synced_between(calls, git_dir, keyref_tmp.n, key_moves[0].n)
+        assert not _folder_synced_between(calls, git_dir, index_moves[0].n, keyref_tmp.n)
         folder_fd = int(worktree_moves[0].arg(0))  # renameat(dirfd, …): the folder, opened without following links
         assert any(c.n < index_moves[0].n for c in _fd_calls(calls, folder_fd, worktree_moves[0].n, {"fsync"}))
     else:
