@@ -225,7 +225,8 @@ def render(res: dict[str, Any]) -> str:
                              "what was synced"], rows))
         if fs.get("points"):
             parts.append("\n**Flush points per apply** (in process, counted at the seams; median of 5 calls): a "
-                         "*round* is one `fsync_all` — its files synced at once, on threads — and counts once; "
+                         "*round* is one `fsync_all` — its files synced at once, on threads (one or two files: "
+                         "one after the other on the calling thread) — and counts once, whichever module calls it; "
                          "*single* are `os.fsync` calls made alone; libgit2's own are its ref and reflog syncs for "
                          "the branch, one after another (from the strace kinds above), counted only when a libgit2 "
                          "transaction moved the branch (`cas/loose_refs.py` moves a plain branch itself, its syncs "
