@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import pygit2
 
 from cas.durable import TMP_MARK, fsync_all, fsync_dir, write_all
-from cas.errors import DurableWriteError, GitStoreError
+from cas.errors import DurableWriteError, GitStoreError, UsageError
 from cas.objects import TreeEntry
 
 if TYPE_CHECKING:
@@ -68,6 +68,14 @@ class _ParsedIndex:
         self.identity = _identity(self.index_path)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp)
+        if any(n.startswith("sharedindex.") for n in os.listdir(git_dir)):
+            from cas.index_raw import extension_names
+
+            if b"link" in (extension_names(self.index_path) or []):
+                raise UsageError(
+                    f"'{self.index_path}' is a split index (core.splitIndex), which oncepatch cannot update: "
+                    "run 'git update-index --no-split-index' there (or 'git config core.splitIndex false'), "
+                    "or apply to a branch that is not checked out")
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.link(self.index_path, self.tmp)  # no index yet: an empty one is written
