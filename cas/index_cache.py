@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -58,6 +59,29 @@ def _identity(path: str) -> tuple[int, int, int, int] | None:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def _open_index(path: str) -> pygit2.Index:
+    """``pygit2.Index(path)``, without the half-made object whose ``__del__`` fails when the open fails."""
+    from pygit2.errors import check_error
+    from pygit2.ffi import C, ffi
+
+    cindex = ffi.new("git_index **")
+    check_error(C.git_index_open(cindex, os.fsencode(path)))
+    index: pygit2.Index = pygit2.Index.from_c(None, cindex)  # type: ignore[no-untyped-call]
+    return index
+
+
+def _mandatory_extension_refused(index_path: str, name: str) -> str:
+    """Why an index with git's mandatory extension ``name`` is refused, and what to run."""
+    how = {
+        "link": ("a split index (core.splitIndex)",
+                 "run 'git update-index --no-split-index' there (and 'git config core.splitIndex false')"),
+        "sdir": ("a sparse index (index.sparse)",
+                 "run 'git sparse-checkout init --no-sparse-index' there"),
+    }.get(name, (f"an index with git's mandatory extension '{name}'", "let git rewrite it without that extension"))
+    return (f"'{index_path}' is {how[0]}, which oncepatch cannot update: {how[1]}, "
+            "or apply to a branch that is not checked out (nothing was changed)")
+
+
 class _ParsedIndex:
     """A copy of ``<git_dir>/index`` parsed by libgit2; see the module docstring."""
 
@@ -68,19 +92,14 @@ class _ParsedIndex:
         self.identity = _identity(self.index_path)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp)
-        if any(n.startswith("sharedindex.") for n in os.listdir(git_dir)):
-            from cas.index_raw import extension_names
-
-            if b"link" in (extension_names(self.index_path) or []):
-                raise UsageError(
-                    f"'{self.index_path}' is a split index (core.splitIndex), which oncepatch cannot update: "
-                    "run 'git update-index --no-split-index' there (or 'git config core.splitIndex false'), "
-                    "or apply to a branch that is not checked out")
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.link(self.index_path, self.tmp)  # no index yet: an empty one is written
-            self.index = pygit2.Index(self.tmp)
+            self.index = _open_index(self.tmp)
         except (OSError, pygit2.GitError) as exc:
+            found = re.search(r"mandatory extension: '([^']*)'", str(exc))
+            if found:
+                raise UsageError(_mandatory_extension_refused(self.index_path, found.group(1))) from exc
             raise GitStoreError(f"cannot read index '{self.index_path}': {exc}") from exc
         finally:
             # The parsed copy lives in memory; the link is only needed to read it.

@@ -28,8 +28,8 @@ What this module handles, and how it proves it (anything else raises
   extensions reaches the checksum exactly.  Only ``TREE``, ``REUC``, ``IEOT``
   and ``EOIE`` are handled: ``UNTR``, ``FSMN``, ``sdir``, ``link`` and any
   other go to libgit2.  A split index (``sharedindex.*`` beside the index) is
-  refused, as libgit2 refuses it (and the apply refuses one whose extensions
-  name ``link``: :func:`extension_names`).
+  refused, as libgit2 refuses it (and the apply then refuses it with a usage
+  error: ``cas.index_cache``).
 * **Cached trees** (``TREE``) of the changed files' folders are invalidated,
   as ``git add`` does (``cache_tree_invalidate_path``): their entry count
   becomes ``-1`` and their object id goes.  ``EOIE``'s hash over the
@@ -61,7 +61,7 @@ import threading
 from cas.hashing import git_blob_oid
 from cas.objects import TreeEntry
 
-__all__ = ["Unsupported", "RawIndex", "MAX_PATHS", "MAX_RACY", "racy_file_changed", "extension_names"]
+__all__ = ["Unsupported", "RawIndex", "MAX_PATHS", "MAX_RACY", "racy_file_changed"]
 
 #: Lookups beyond this many paths parse the index instead (each costs a scan).
 MAX_PATHS = 8
@@ -88,49 +88,6 @@ _Bytes = bytes | mmap.mmap
 
 def _be32(data: _Bytes, off: int) -> int:
     return int.from_bytes(data[off:off + 4], "big")
-
-
-def extension_names(path: str) -> list[bytes] | None:
-    """The signatures of the extensions of the index at ``path`` (versions 2–4), ``None`` if unreadable.
-
-    Walks the entries (each one's length from its flags, or its NUL for long
-    and version-4 paths), then the chain of extensions up to the checksum.
-    For telling a split index (``link``) before libgit2, which cannot read one.
-    """
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    if len(data) < 32 or data[:4] != b"DIRC":
-        return None
-    version, count = _be32(data, 4), _be32(data, 8)
-    if version not in (2, 3, 4):
-        return None
-    pos, end = 12, len(data) - 20
-    try:
-        for _ in range(count):
-            flags = int.from_bytes(data[pos + 60:pos + 62], "big")
-            head = 62 + (2 if version >= 3 and flags & 0x4000 else 0)
-            if version == 4:
-                p = pos + head
-                while data[p] & 0x80:  # the varint of bytes dropped from the previous path
-                    p += 1
-                pos = data.index(b"\0", p + 1) + 1
-            else:
-                length = flags & 0xFFF
-                if length == 0xFFF:
-                    length = data.index(b"\0", pos + head) - (pos + head)
-                pos += (head + length + 8) & ~7
-            if pos > end:
-                return None
-    except (ValueError, IndexError):
-        return None
-    names = []
-    while pos + 8 <= end:
-        names.append(data[pos:pos + 4])
-        pos += 8 + _be32(data, pos + 4)
-    return names if pos == end else None
 
 
 def racy_file_changed(workdir: str, path: bytes, mode: int, size: int, mtime_sec: int, mtime_nsec: int,

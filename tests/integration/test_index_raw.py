@@ -496,45 +496,34 @@ def test_lookups_between_paths_found_before_match_a_whole_scan(tmp_path: Path) -
     assert len(raw._sorted) == len(paths)
 
 
-@pytest.mark.parametrize("version", ["2", "3", "4"])
-def test_extension_names_walks_every_index_version(tmp_path: Path, version: str) -> None:
-    from cas.index_raw import extension_names
-
-    repo = make_repo(tmp_path / "repo", _files(60))
-    # A path longer than the flags can hold (0xFFF): only in the index, no file needed.
-    blob = repo.git("hash-object", "-w", "--stdin", input=b"long\n").strip()
-    long_path = "/".join(["y" * 1000] * 5)
-    repo.git("update-index", "--add", "--cacheinfo", f"100644,{blob},{long_path}")
-    if version == "3":
-        repo.git("update-index", "--skip-worktree", "b.txt")  # an extended entry: version 3
-    repo.git("update-index", "--index-version", version)
-    repo.git("write-tree")  # a cached tree: the TREE extension
-    index = str(repo.path / ".git" / "index")
-    assert open(index, "rb").read()[4:8] == int(version).to_bytes(4, "big")
-    names = extension_names(index)
-    assert names is not None and b"TREE" in names and b"link" not in names
-    repo.git("update-index", "--split-index")
-    split = extension_names(index)
-    assert split is not None and b"link" in split
-
-
-def test_a_split_index_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["split", "sparse"])
+def test_an_index_libgit2_cannot_read_is_refused_before_anything_is_written(tmp_path: Path, kind: str) -> None:
+    """A split index (``link``) or a sparse index (``sdir``): a usage error naming the fix, nothing changed."""
     from conftest import run_cli
 
-    repo = make_repo(tmp_path / "repo", {"a.txt": "a\n", "b.txt": "b\n"})
-    repo.git("config", "core.splitIndex", "true")
-    repo.git("update-index", "--split-index")
+    repo = make_repo(tmp_path / "repo", {"a/a.txt": "a\n", "b/b.txt": "b\n"})
+    if kind == "split":
+        repo.git("config", "core.splitIndex", "true")
+        repo.git("update-index", "--split-index")
+    else:
+        repo.git("sparse-checkout", "init", "--cone", "--sparse-index")
+        repo.git("sparse-checkout", "set", "a")
     patch = tmp_path / "p.diff"
-    patch.write_bytes(b"--- a/a.txt\n+++ b/a.txt\n@@ -1 +1 @@\n-a\n+A\n")
+    patch.write_bytes(b"--- a/a/a.txt\n+++ b/a/a.txt\n@@ -1 +1 @@\n-a\n+A\n")
     before = snapshot(repo)
     r = run_cli("apply", str(patch), "--key", "k1", "--json", cwd=repo.path)
     assert r.code == 2, r.out + r.err
-    assert "split index" in r.json["error"]["message"] and "Exception ignored" not in r.err
+    message = r.json["error"]["message"]
+    assert (f"{kind} index" in message and "nothing was changed" in message), message
+    assert "Exception ignored" not in r.err and "Traceback" not in r.err, r.err
     assert snapshot(repo) == before
-    # Split index switched off (its shared file still there): the apply goes through.
-    repo.git("config", "core.splitIndex", "false")
-    repo.git("update-index", "--no-split-index")
-    assert any(p.name.startswith("sharedindex.") for p in (repo.path / ".git").iterdir())
+    # Switched off (a split index's shared file still there): the apply goes through.
+    if kind == "split":
+        repo.git("config", "core.splitIndex", "false")
+        repo.git("update-index", "--no-split-index")
+        assert any(p.name.startswith("sharedindex.") for p in (repo.path / ".git").iterdir())
+    else:
+        repo.git("sparse-checkout", "init", "--cone", "--no-sparse-index")
     r = run_cli("apply", str(patch), "--key", "k1", "--json", cwd=repo.path)
     assert r.code == 0, r.out + r.err
-    assert repo.git("status", "--porcelain") == "" and (repo.path / "a.txt").read_text() == "A\n"
+    assert repo.git("status", "--porcelain") == "" and (repo.path / "a/a.txt").read_text() == "A\n"
