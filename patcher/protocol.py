@@ -286,6 +286,10 @@ def _locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any]
                             _stores, pre)
         except OncepatchError as exc:
             raise exc.with_key(the_key)
+        finally:
+            gstore = _stores.get(args.repo)
+            if gstore is not None:
+                gstore.drop_ref_content()  # unused: a re-staged or libgit2 move, or no move at all
 
 
 @record
@@ -420,62 +424,59 @@ def _execute(
     # with them, the branch lock's content (the move then needs no sync of its own).
     batch = DurableBatch()
     gstore.add_pending_to(batch)
-    gstore.stage_ref_content(args.branch, candidate, batch)
-    try:
-        rstore.record(receipt, "prepared", batch=batch)
-        crash_point("after-prepare")
-        _pause_point("after-prepare")
+    gstore.stage_ref_content(args.branch, candidate, batch)  # removed if unused: _locked_apply
+    rstore.record(receipt, "prepared", batch=batch)
+    crash_point("after-prepare")
+    _pause_point("after-prepare")
 
-        _fence(rstore, key, token)
-        _pause_point("before-ref")
-        with _writer_turn(rstore, gstore, args.branch):
+    _fence(rstore, key, token)
+    _pause_point("before-ref")
+    with _writer_turn(rstore, gstore, args.branch):
+        try:
+            held = hold_index_locks(rstore, worktrees, key)
+        except RefLockedError as exc:
+            _reject(rstore, identity, call_id, key, args_sha, receipt, args, exc, base, candidate, retryable=True)
+            raise
+        try:
+            # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter):
+            # written only when libgit2 moves the branch (its lock is born empty).
+            ref_marker = ref_lock_marker(rstore, key)
+            marked: list[str] = []
+
+            def write_marker() -> None:
+                os.makedirs(rstore.tmp_dir, exist_ok=True)
+                with open(ref_marker, "wb") as fh:
+                    fh.write(args.branch.encode() + b"\n")
+                marked.append(ref_marker)
+
             try:
-                held = hold_index_locks(rstore, worktrees, key)
-            except RefLockedError as exc:
-                _reject(rstore, identity, call_id, key, args_sha, receipt, args, exc, base, candidate, retryable=True)
-                raise
-            try:
-                # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter):
-                # written only when libgit2 moves the branch (its lock is born empty).
-                ref_marker = ref_lock_marker(rstore, key)
-                marked: list[str] = []
-
-                def write_marker() -> None:
-                    os.makedirs(rstore.tmp_dir, exist_ok=True)
-                    with open(ref_marker, "wb") as fh:
-                        fh.write(args.branch.encode() + b"\n")
-                    marked.append(ref_marker)
-
-                try:
-                    # The move's syncs join the next round: a worktree's first (its files change
-                    # only after the move is durable), and in any case the finalise batch's
-                    # first (they end before the committed receipt is renamed).
-                    receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args,
-                                                 defer_sync=True, before_libgit2=write_marker)
-                finally:
-                    # Reached on every outcome but a crash: our ref locks are released by now.
-                    if marked:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(ref_marker)
-                candidate = receipt.candidate
-                assert candidate is not None
-                crash_point("after-ref")
-
-                try:
-                    warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key, held)
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        gstore.sync_refs()  # the move is made durable even when this fails
-                    raise
-                failed_sync = gstore.take_sync_failure()
-                if failed_sync is not None:  # the move's own sync failed in a worktree's round
-                    _record_unknown(rstore, receipt, failed_sync)
-                    raise failed_sync
+                # The move's syncs join the next round: a worktree's first (its files change
+                # only after the move is durable), and in any case the finalise batch's
+                # first (they end before the committed receipt is renamed).
+                receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args,
+                                             defer_sync=True, before_libgit2=write_marker)
             finally:
-                release_index_locks(held)
-                gstore.forget_recent()  # the worktrees were the last readers of this call's blobs
-    finally:
-        gstore.drop_ref_content()  # unused: a re-staged or libgit2 move, or no move
+                # Reached on every outcome but a crash: our ref locks are released by now.
+                if marked:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(ref_marker)
+            candidate = receipt.candidate
+            assert candidate is not None
+            crash_point("after-ref")
+
+            try:
+                warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key, held)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    gstore.sync_refs()  # the move is made durable even when this fails
+                raise
+            failed_sync = gstore.take_sync_failure()
+            if failed_sync is not None:  # the move's own sync failed in a worktree's round
+                _record_unknown(rstore, receipt, failed_sync)
+                raise failed_sync
+        finally:
+            release_index_locks(held)
+            gstore.forget_recent()  # the worktrees were the last readers of this call's blobs
     crash_point("after-materialise")
 
     _pause_point("before-finalise")
