@@ -212,6 +212,11 @@ def edit_to_envelope(edit: FileEdit, old_content: bytes | None = None) -> bytes:
     Raises:
         UnsupportedPatch: the envelope cannot express it (module docstring).
     """
+    if edit.binary is not None:
+        raise UnsupportedPatch(f"'{edit.target}' is a binary file", details={"path": edit.target, "reason": "binary"})
+    if edit.op == "copy":
+        raise UnsupportedPatch(f"'{edit.target}' is a copy of '{edit.path}'",
+                               details={"path": edit.target, "reason": "copy"})
     if edit.op == "add":
         if edit.new_mode == MODE_LINK:
             raise UnsupportedPatch(f"'{edit.path}' is a symlink", details={"path": edit.path, "reason": "symlink"})

@@ -12,7 +12,7 @@
     ├── DirtyPath             touched path has uncommitted changes   exit 4 dirty_path
     ├── Conflict              branch moved; edit no longer applies   exit 4 conflict
     ├── CheckFailed           --check command failed                 exit 4 check_failed
-    └── UnsupportedPatch      e.g. binary git patches                exit 4 parse_error
+    └── UnsupportedPatch      e.g. submodules, binary without data   exit 4 parse_error
 
 All of them are rejections that happen before anything is written (effect
 ``not_started``) unless the raiser says otherwise.

@@ -34,7 +34,7 @@ MODE_EXEC = 0o100755
 MODE_LINK = 0o120000
 
 if TYPE_CHECKING:
-    Op = Literal["add", "modify", "delete", "rename"]
+    Op = Literal["add", "modify", "delete", "rename", "copy"]
 
 
 @record
@@ -68,6 +68,14 @@ class FileEdit:
       alone has neither.
     * ``rename``: as ``modify``, and the result lands at ``new_path`` (which must
       not exist); ``path`` disappears.
+    * ``copy``: as ``rename``, but ``path`` stays as it is (it is read, not
+      touched); the copy's content is ``path``'s content in the base commit.
+
+    ``binary`` marks a git binary patch: ``"literal"`` (``content`` is the whole
+    new file), ``"delta"`` (``delta`` is git's delta against the old content) or
+    ``"blob"`` (no data: the new content is the object ``new_blob``, which must
+    be in the repository).  Binary edits are checked against ``old_blob`` and
+    ``new_blob`` as ``git apply`` checks them.
 
     ``new_mode`` is the git file mode after the edit (``None``: keep the old one;
     for ``add``, ``None`` means :data:`MODE_FILE`).  ``old_mode`` is what the
@@ -83,6 +91,8 @@ class FileEdit:
     new_mode: int | None = None
     old_blob: str | None = None  # git 'index' line: abbreviated or full old blob oid
     new_blob: str | None = None
+    binary: str | None = None
+    delta: bytes | None = None
 
     @property
     def target(self) -> str:
@@ -91,7 +101,9 @@ class FileEdit:
 
     @property
     def touched(self) -> tuple[str, ...]:
-        """Every path this edit changes in the tree."""
+        """Every path this edit changes in the tree (a copy's source is only read)."""
+        if self.op == "copy" and self.new_path is not None:
+            return (self.new_path,)
         if self.new_path is not None and self.new_path != self.path:
             return (self.path, self.new_path)
         return (self.path,)

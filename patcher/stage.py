@@ -16,7 +16,16 @@ Rules per operation (every format; docs/FORMATS.md):
   renames that path away; a rename whose source is gone and whose target
   already holds the result is already applied;
 * ``modify`` of a missing path: an error, except for formats registered with
-  ``writes_create`` (whole-file writes), where it is an ``add``.
+  ``writes_create`` (whole-file writes), where it is an ``add``;
+* ``copy``: the source must exist (it is read from the base, whatever else the
+  patch does to it); a target that exists is an error unless it already holds
+  the result (already applied).  The output is an ``add`` of the target with
+  ``from`` naming the source.
+
+Binary edits (``FileEdit.binary``) are checked as ``git apply`` checks them:
+the file must be the blob the patch names as its old side (``old_blob``, in
+full or abbreviated), and the result must hash to the new side
+(``new_blob``); a file that already is the new blob is already applied.
 
 Hunks apply with the format's ``apply_file`` (:class:`patcher.formats.Format`;
 default :func:`patcher.matching.apply_hunks`).
@@ -29,7 +38,8 @@ from typing import Any
 
 from cas.record import record, field, replace as replace_record
 from cas.objects import GitStore, TreeEntry
-from patcher.errors import ContextNotFound, PartiallyApplied, UnsafePath
+from patcher.binary import apply_delta, blob_id
+from patcher.errors import ContextNotFound, PartiallyApplied, UnsafePath, UnsupportedPatch
 from patcher.formats import FileApplier, get_format
 from patcher.matching import apply_hunks
 from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Patch
@@ -94,9 +104,60 @@ def _lookup(store: GitStore, tree: str | None, path: str, deleted: set[str]) -> 
     return found.entry
 
 
+def _is_blob(oid: str, named: str | None) -> bool:
+    """Whether object ``oid`` is the one ``named`` (a full or abbreviated oid) names."""
+    return named is not None and len(named) >= 4 and oid.startswith(named)
+
+
+def _binary_result(store: GitStore, edit: FileEdit, old: bytes) -> bytes:
+    """The new bytes of a binary edit, checked against the patch's new blob."""
+    if edit.binary == "delta":
+        assert edit.delta is not None
+        content = apply_delta(old, edit.delta, edit.target)
+    elif edit.binary == "blob":
+        assert edit.new_blob is not None
+        if not store.has_object(edit.new_blob):
+            raise UnsupportedPatch(
+                f"binary file '{edit.target}' changed, but the patch carries no data and this repository "
+                f"does not have its new blob {edit.new_blob}: make the patch with 'git diff --binary'",
+                details={"path": edit.target, "blob": edit.new_blob, "reason": "binary"},
+            )
+        content = store.read_blob(edit.new_blob)
+    else:
+        content = edit.content if edit.content is not None else b""
+    if edit.new_blob is not None:
+        got = blob_id(content, len(edit.new_blob) if len(edit.new_blob) == 64 else 40)
+        if not got.startswith(edit.new_blob):
+            raise ContextNotFound(
+                f"binary patch for '{edit.target}' gives blob {got}, the patch says {edit.new_blob}",
+                details={"path": edit.target, "blob": got, "expected_blob": edit.new_blob},
+            )
+    return content
+
+
+def _apply_binary(store: GitStore, edit: FileEdit, current: TreeEntry) -> tuple[bytes, int, bool]:
+    """New content, new mode, already-applied flag of a binary modify/rename/copy of ``current``."""
+    mode = edit.new_mode or current.mode
+    old = store.read_blob(current.oid)
+    if _is_blob(current.oid, edit.new_blob) and not _is_blob(current.oid, edit.old_blob):
+        return old, mode, mode == current.mode
+    if edit.old_blob is not None and not _is_blob(current.oid, edit.old_blob):
+        if edit.binary == "literal" and edit.content == old:
+            return old, mode, mode == current.mode
+        raise ContextNotFound(
+            f"'{edit.path}' is blob {current.oid}, the binary patch was made against {edit.old_blob}",
+            details={"path": edit.path, "blob": current.oid, "expected_blob": edit.old_blob},
+        )
+    content = _binary_result(store, edit, old)
+    return content, mode, content == old and mode == current.mode
+
+
 def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None,
                applier: FileApplier = apply_hunks) -> tuple[bytes, int, tuple[str, ...], bool]:
-    """New content, new mode, per-hunk grades, already-applied flag for a modify/rename/add."""
+    """New content, new mode, per-hunk grades, already-applied flag for a modify/rename/copy/add."""
+    if edit.op == "add" and edit.binary is not None:
+        content = _binary_result(store, edit, b"")
+        edit = replace_record(edit, content=content)
     if edit.op == "add":
         content = edit.content if edit.content is not None else b""
         mode = edit.new_mode or MODE_FILE
@@ -112,6 +173,9 @@ def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None,
             f"'{edit.path}' has mode {current.mode:o}, the patch expects {edit.old_mode:o}",
             details={"path": edit.path, "mode": oct(current.mode), "expected_mode": oct(edit.old_mode)},
         )
+    if edit.binary is not None:
+        content, mode, done = _apply_binary(store, edit, current)
+        return content, mode, (), done
     old = store.read_blob(current.oid)
     mode = edit.new_mode or current.mode
     if edit.hunks:
@@ -154,6 +218,11 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
             if current is None:
                 raise ContextNotFound(f"cannot delete '{edit.path}': it does not exist",
                                       details={"path": edit.path})
+            if edit.binary is not None and edit.old_blob is not None and not _is_blob(current.oid, edit.old_blob):
+                raise ContextNotFound(
+                    f"cannot delete '{edit.path}': it is blob {current.oid}, the patch deletes {edit.old_blob}",
+                    details={"path": edit.path, "blob": current.oid, "expected_blob": edit.old_blob},
+                )
             if edit.hunks:
                 applied = apply_hunks(store.read_blob(current.oid), edit.hunks, path=edit.path)
                 if applied.content != b"":
@@ -164,6 +233,27 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
             changes[edit.path] = None
             outputs.append({"path": edit.path, "op": "delete", "sha256": None, "blob": None, "mode": None})
             missing.append(edit.path)
+            continue
+        if edit.op == "copy":
+            if current is None:
+                raise ContextNotFound(f"cannot copy '{edit.path}': it does not exist", details={"path": edit.path})
+            content, mode, g, _same = _apply_one(store, edit, current, applier)
+            target_now = _lookup(store, base_tree, edit.target, deleted)
+            if target_now is not None and edit.target not in deleted:
+                if target_now.mode == mode and store.read_blob(target_now.oid) == content:
+                    present.append(edit.target)
+                    continue
+                raise ContextNotFound(
+                    f"cannot copy '{edit.path}' to '{edit.target}': the target exists",
+                    details={"path": edit.target},
+                )
+            if g:
+                grades[edit.target] = g
+            missing.append(edit.target)
+            copied: dict[str, Any] = {"path": edit.target, "op": "add", "sha256": hashlib.sha256(content).hexdigest(),
+                                      "blob": None, "mode": mode, "from": edit.path}
+            outputs.append(copied)
+            blobs.append((edit.target, content, mode, copied))
             continue
         if edit.op == "rename":
             target_now = _lookup(store, base_tree, edit.target, deleted)
@@ -234,7 +324,8 @@ def write_stage(store: GitStore, plan: StagePlan, message: str, patch: Patch) ->
 
 def _as_modify(edit: FileEdit) -> FileEdit:
     return FileEdit(op="modify", path=edit.target, hunks=edit.hunks, content=edit.content,
-                    new_mode=edit.new_mode)
+                    new_mode=edit.new_mode, binary=edit.binary, delta=edit.delta, old_blob=edit.old_blob,
+                    new_blob=edit.new_blob)
 
 
 def _present_outputs(store: GitStore, tree: str | None, patch: Patch) -> list[dict[str, Any]]:
@@ -247,6 +338,9 @@ def _present_outputs(store: GitStore, tree: str | None, patch: Patch) -> list[di
         if found is None:
             continue
         data = store.read_blob(found.oid)
-        out.append({"path": edit.target, "op": edit.op, "sha256": hashlib.sha256(data).hexdigest(),
-                    "blob": found.oid, "mode": found.mode})
+        doc = {"path": edit.target, "op": "add" if edit.op == "copy" else edit.op,
+               "sha256": hashlib.sha256(data).hexdigest(), "blob": found.oid, "mode": found.mode}
+        if edit.op == "copy":
+            doc["from"] = edit.path
+        out.append(doc)
     return out

@@ -10,8 +10,10 @@ What is read:
 * **Git blocks**: ``diff --git <old> <new>`` and its extended header lines
   (``old mode``/``new mode``, ``new file mode``, ``deleted file mode``,
   ``rename from``/``rename to`` (also the old ``rename old``/``rename new``),
-  ``similarity index``, ``dissimilarity index``, ``index <old>..<new> [mode]``),
-  then ``---``/``+++`` and hunks.  Names come from ``rename from/to`` first,
+  ``copy from``/``copy to``, ``similarity index``, ``dissimilarity index``,
+  ``index <old>..<new> [mode]``), then ``---``/``+++`` and hunks, or a binary
+  payload: ``GIT binary patch`` and its hunks (:mod:`patcher.binary`), or
+  ``Binary files ... differ`` (no data).  Names come from ``rename from/to`` first,
   then ``---``/``+++``, then the ``diff --git`` line.  The prefixes are those
   of the ``diff --git`` line: ``a/``/``b/``, the mnemonic pairs (``c/``,
   ``i/``, ``w/``, ``o/``, ``1/``/``2/``) or any other pair of differing first
@@ -45,6 +47,7 @@ What it builds, per file: ``add`` (``content`` = the added lines, ``new_mode``
 from ``new file mode``; no hunks), ``delete`` (the removed lines kept in
 ``hunks`` so the caller can check them; ``old_mode`` from ``deleted file
 mode``), ``rename`` (``path`` = old, ``new_path`` = new, hunks if any),
+``copy`` (``path`` = source, ``new_path`` = the copy, hunks if any),
 ``modify`` (hunks and/or a mode change: ``old_mode``/``new_mode``).  The mode
 on an ``index`` line is what the file's mode was and stays: it fills
 ``old_mode`` (``new_mode`` stays ``None`` = keep).  ``old_blob``/``new_blob``
@@ -52,10 +55,16 @@ come from the ``index`` line; the all-zero oid of an absent side becomes
 ``None``.  Modes are canonicalised as git does (any regular file is
 ``100644`` or ``100755``).
 
-Refused with :class:`UnsupportedPatch`: binary patches (``GIT binary patch``,
-``Binary files ... differ``), copies (``copy from``/``copy to``: the copy's
-content would depend on the source file, which the parser cannot see),
-submodules (mode ``160000``) and combined diffs (``diff --cc``).
+Binary blocks become edits with ``binary`` set (``literal``: ``content``;
+``delta``: ``delta``; ``blob``: a ``Binary files ... differ`` block whose
+``index`` line names the full new oid, applied only if the repository has that
+object, as ``git apply`` does); staging checks them against ``old_blob`` and
+``new_blob`` (:mod:`patcher.stage`).
+
+Refused with :class:`UnsupportedPatch`: a binary change with no data and no
+full new oid (``git diff`` without ``--binary``; ``Binary files ... differ``
+outside a git block), submodules (mode ``160000``) and combined diffs
+(``diff --cc``).
 :class:`ParseError`: malformed hunks, a block with no change at all, the same
 path changed twice, or nothing recognisable at all.  Size limits are the
 caller's.
@@ -65,6 +74,7 @@ from __future__ import annotations
 
 import re
 
+from patcher.binary import BinaryHunk, read_binary_hunks
 from patcher.detection import looks_unified
 from patcher.errors import ParseError, UnsupportedPatch
 from patcher.matching import chomp, split_lines
@@ -243,7 +253,7 @@ class _Block:
 
     __slots__ = ("line", "git", "header", "prefix", "minus", "plus", "minus_epoch", "plus_epoch", "rename_from",
                  "rename_to", "copy", "old_mode", "new_mode", "new_file_mode", "deleted_mode", "index_mode",
-                 "old_blob", "new_blob", "binary", "hunks")
+                 "old_blob", "new_blob", "binary", "binary_data", "hunks")
 
     def __init__(self, line: int, git: bool) -> None:
         self.line = line
@@ -264,7 +274,8 @@ class _Block:
         self.index_mode: int | None = None
         self.old_blob: str | None = None
         self.new_blob: str | None = None
-        self.binary = False
+        self.binary: str | None = None  # "patch" (GIT binary patch) or "differ" (no data)
+        self.binary_data: BinaryHunk | None = None
         self.hunks: list[Hunk] = []
 
     def display(self) -> str:
@@ -326,8 +337,10 @@ def _extended(block: _Block, line: bytes, lineno: int) -> bool:
         block.old_blob, block.new_blob = _blob(index[1]), _blob(index[2])
         if index[3] is not None:
             block.index_mode = _mode(index[3], lineno)
-    elif line == b"GIT binary patch" or _BINARY.fullmatch(line):
-        block.binary = True
+    elif line == b"GIT binary patch":
+        block.binary = "patch"
+    elif _BINARY.fullmatch(line):
+        block.binary = "differ"
     else:
         return False
     return True
@@ -438,6 +451,9 @@ def _read_git_block(lines: list[bytes], i: int) -> tuple[_Block, int]:
     i += 1
     while i < len(lines) and _extended(block, chomp(lines[i]), i + 1):
         i += 1
+        if block.binary == "patch":
+            block.binary_data, _reverse, i = read_binary_hunks(lines, i, block.display())
+            return block, i
     if i + 1 < len(lines) and lines[i].startswith(b"--- ") and lines[i + 1].startswith(b"+++ "):
         block.minus, block.minus_epoch = _name_field(lines[i][4:], i + 1)
         block.plus, block.plus_epoch = _name_field(lines[i + 1][4:], i + 2)
@@ -502,6 +518,9 @@ def _names(block: _Block) -> tuple[bytes | None, bytes | None]:
         old = block.rename_from
     if block.rename_to is not None:
         new = block.rename_to
+    if block.copy is not None:
+        old = block.copy[0] if block.copy[0] is not None else old
+        new = block.copy[1] if block.copy[1] is not None else new
     if block.new_file_mode is not None:
         old = None
     if block.deleted_mode is not None:
@@ -509,19 +528,54 @@ def _names(block: _Block) -> tuple[bytes | None, bytes | None]:
     return old, new
 
 
+_FULL_OID = (40, 64)
+
+
+def _binary_edit(block: _Block, old: bytes | None, new: bytes | None, op: str) -> FileEdit:
+    """The edit of a binary block (``GIT binary patch``, or ``Binary files ... differ``)."""
+    lineno = block.line
+    shown = block.display()
+    if block.binary_data is not None:
+        method, data = block.binary_data
+        kind = method
+    elif new is None:
+        kind, data = "blob", b""  # a delete needs no data
+    elif block.new_blob is not None and len(block.new_blob) in _FULL_OID:
+        kind, data = "blob", b""  # the new content is an object the repository may have
+    else:
+        raise UnsupportedPatch(
+            f"binary file '{shown}' changed, but the patch carries no data: make it with "
+            "'git diff --binary' (or --full-index, when the new blob is in the repository)",
+            details={"path": shown, "line": lineno, "reason": "binary"},
+        )
+    old_mode = block.old_mode if block.old_mode is not None else block.index_mode
+    if old is None:
+        assert new is not None
+        if kind == "delta":
+            raise ParseError(f"new binary file '{_show(new)}' at line {lineno} is a delta, not a literal",
+                             details={"line": lineno, "path": _show(new)})
+        return FileEdit(op="add", path=_decode(new), content=data if kind == "literal" else None,
+                        new_mode=block.new_file_mode, new_blob=block.new_blob, binary=kind)
+    if new is None:
+        return FileEdit(op="delete", path=_decode(old),
+                        old_mode=block.deleted_mode if block.deleted_mode is not None else old_mode,
+                        old_blob=block.old_blob, binary=kind)
+    return FileEdit(
+        op=op,  # type: ignore[arg-type]
+        path=_decode(old),
+        new_path=_decode(new) if op in ("rename", "copy") else None,
+        content=data if kind == "literal" else None,
+        delta=data if kind == "delta" else None,
+        old_mode=old_mode,
+        new_mode=block.new_mode,
+        old_blob=block.old_blob,
+        new_blob=block.new_blob,
+        binary=kind,
+    )
+
+
 def _to_edit(block: _Block) -> FileEdit:
     lineno = block.line
-    if block.binary:
-        raise UnsupportedPatch(
-            f"binary patches are not supported yet: '{block.display()}'",
-            details={"path": block.display(), "line": lineno},
-        )
-    if block.copy is not None:
-        src, dst = (_show(x) if x is not None else "?" for x in block.copy)
-        raise UnsupportedPatch(
-            f"copies are not supported yet: '{src}' to '{dst}'",
-            details={"path": dst, "line": lineno},
-        )
     modes = (
         block.old_mode,
         block.new_mode,
@@ -540,6 +594,22 @@ def _to_edit(block: _Block) -> FileEdit:
             f"cannot tell which file the patch at line {lineno} changes",
             details={"line": lineno},
         )
+    renamed = block.rename_from is not None or block.rename_to is not None
+    copied = block.copy is not None
+    if block.copy is not None and (None in block.copy or renamed):
+        raise ParseError(f"copy at line {lineno} needs one 'copy from' and one 'copy to' line",
+                         details={"line": lineno})
+    op = "copy" if copied else "rename" if renamed else "modify"
+    if (renamed or copied) and old == new:
+        raise ParseError(
+            f"{op} of '{_show(old or b'')}' onto itself at line {lineno}",
+            details={"line": lineno, "path": _show(old or b"")},
+        )
+    if block.binary is not None:
+        if block.hunks:
+            raise ParseError(f"binary patch for '{block.display()}' at line {lineno} also has text hunks",
+                             details={"line": lineno, "path": block.display()})
+        return _binary_edit(block, old, new, op)
     hunks = tuple(block.hunks)
     if old is None and new is not None:
         if any(h.old_lines for h in hunks):
@@ -569,21 +639,15 @@ def _to_edit(block: _Block) -> FileEdit:
             old_mode=block.deleted_mode if block.deleted_mode is not None else old_mode,
             old_blob=block.old_blob,
         )
-    renamed = block.rename_from is not None or block.rename_to is not None
-    if renamed and old == new:
-        raise ParseError(
-            f"rename of '{_show(old)}' onto itself at line {lineno}",
-            details={"line": lineno, "path": _show(old)},
-        )
-    if not hunks and not renamed and block.new_mode is None:
+    if not hunks and op == "modify" and block.new_mode is None:
         raise ParseError(
             f"patch for '{_show(new)}' at line {lineno} changes nothing",
             details={"line": lineno, "path": _show(new)},
         )
     return FileEdit(
-        op="rename" if renamed else "modify",
+        op=op,  # type: ignore[arg-type]
         path=_decode(old),
-        new_path=_decode(new) if renamed else None,
+        new_path=_decode(new) if op != "modify" else None,
         hunks=hunks,
         old_mode=old_mode,
         new_mode=block.new_mode,
@@ -597,7 +661,7 @@ def parse_unified(data: bytes) -> Patch:
 
     Raises:
         ParseError: malformed hunk or header, a path changed twice, or no file change found.
-        UnsupportedPatch: binary, copy, submodule or combined-diff content.
+        UnsupportedPatch: a binary change without data, submodule or combined-diff content.
         UnsafePath: a path that :func:`patcher.paths.check_path` refuses.
     """
     if data and not data.endswith(b"\n"):
@@ -623,8 +687,9 @@ def parse_unified(data: bytes) -> Patch:
             target = binary[2] if binary[2] != _DEV_NULL else binary[1]
             shown = _show(target[2:] if target.startswith((b"a/", b"b/")) else target)
             raise UnsupportedPatch(
-                f"binary patches are not supported yet: '{shown}'",
-                details={"path": shown, "line": i + 1},
+                f"binary file '{shown}' changed, but the patch carries no data: "
+                "make it with 'git diff --binary'",
+                details={"path": shown, "line": i + 1, "reason": "binary"},
             )
         else:
             i += 1

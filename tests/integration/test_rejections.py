@@ -233,18 +233,21 @@ def test_not_a_patch_at_all(repo: Repo) -> None:
     assert "format" in err["message"]
 
 
-def test_binary_patch(repo: Repo) -> None:
+def test_binary_patch_made_against_other_bytes(repo: Repo) -> None:
     repo.write("blob.bin", bytes(range(256)))
     repo.commit_all("binary file")
     patch = patch_of(repo, lambda r: r.write("blob.bin", bytes(reversed(range(256)))))
     assert b"GIT binary patch" in patch
-    err = refuse(repo, patch, code=4, type="parse_error")
+    repo.write("blob.bin", bytes(range(255)))
+    repo.commit_all("changed since")
+    err = refuse(repo, patch, code=4, type="context_not_found")
     assert err["path"] == "blob.bin"
 
 
 def test_binary_files_differ_line(repo: Repo) -> None:
     patch = b"diff --git a/blob.bin b/blob.bin\nindex 1111111..2222222 100644\nBinary files a/blob.bin and b/blob.bin differ\n"
-    refuse(repo, patch, code=4, type="parse_error")
+    err = refuse(repo, patch, code=4, type="parse_error")
+    assert "git diff --binary" in err["message"]
 
 
 def test_too_large(repo: Repo) -> None:

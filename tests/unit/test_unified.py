@@ -210,24 +210,118 @@ def test_symlink_is_a_file_whose_content_is_the_target() -> None:
     assert (edit.op, edit.new_mode, edit.content) == ("add", MODE_LINK, b"target/file")
 
 
-def test_copy_is_refused() -> None:
-    with pytest.raises(UnsupportedPatch, match="copies are not supported yet: 'a' to 'b'"):
-        parse_unified(_p("diff --git a/a b/b", "similarity index 100%", "copy from a", "copy to b"))
+def test_copy_is_an_edit_that_reads_its_source() -> None:
+    edit = _one(_p("diff --git a/a b/b", "similarity index 100%", "copy from a", "copy to b"))
+    assert (edit.op, edit.path, edit.new_path, edit.hunks) == ("copy", "a", "b", ())
+    assert edit.touched == ("b",), "the source is read, not changed"
+    edited = _one(_p("diff --git a/src/a b/src/c", "similarity index 80%", "copy from src/a", "copy to src/c",
+                     "--- a/src/a", "+++ b/src/c", "@@ -1 +1 @@", "-x", "+y"))
+    assert (edited.op, edited.target, len(edited.hunks)) == ("copy", "src/c", 1)
 
 
-@pytest.mark.parametrize(
-    "marker",
-    [
-        ["GIT binary patch", "literal 5", "McmZQzWMT#Z00961"],
-        ["Binary files a/img.png and b/img.png differ"],
-    ],
+def test_a_copy_and_an_edit_of_its_source_are_two_edits() -> None:
+    patch = parse_unified(_p("diff --git a/a b/a", "--- a/a", "+++ b/a", "@@ -1 +1 @@", "-x", "+y",
+                             "diff --git a/a b/b", "similarity index 100%", "copy from a", "copy to b"))
+    assert [(e.op, e.target) for e in patch.edits] == [("modify", "a"), ("copy", "b")]
+
+
+@pytest.mark.parametrize("header", [["copy from a"], ["copy from a", "copy to a"],
+                                    ["copy from a", "copy to b", "rename from a", "rename to c"]])
+def test_malformed_copies_are_refused(header: list[str]) -> None:
+    with pytest.raises(ParseError):
+        parse_unified(_p("diff --git a/a b/b", *header))
+
+
+# git diff --binary of: a 10,240-byte file with 10 bytes changed (a delta), a new 7-byte file
+# b"new\0bin" (a literal), and a deleted 3-byte file b"x\0y" (a literal 0 and its reverse).
+GIT_BINARY = _p(
+    "diff --git a/b.dat b/b.dat",
+    "index c24b5240932db6bddd91a9aecd36e95ffb2e8f0e..b3dd4fc8734314a5ae59012d8c6c475f45af0a97 100644",
+    "GIT binary patch",
+    "delta 21",
+    "ccmZn&Xb6~)!sX%W<KrLhALQe*F>jJO08#J<a{vGU",
+    "",
+    "delta 10",
+    "RcmZn&Xb4!usJ@7i5daim0}lWI",
+    "",
+    "diff --git a/n.bin b/n.bin",
+    "new file mode 100644",
+    "index 0000000000000000000000000000000000000000..0ae8040411865fbc997e77a0a3ccce72e6e91cd8",
+    "GIT binary patch",
+    "literal 7",
+    "Ocmc~xEoVr|%mV-lAOeH{",
+    "",
+    "literal 0",
+    "HcmV?d00001",
+    "",
+    "diff --git a/small.bin b/small.bin",
+    "deleted file mode 100644",
+    "index d5d0b8b4c4c9e936890870f6799cfbb5ba984470..0000000000000000000000000000000000000000",
+    "GIT binary patch",
+    "literal 0",
+    "HcmV?d00001",
+    "",
+    "literal 3",
+    "Kcmb<ms0083<N)#j",
+    "",
 )
-def test_git_binary_patch_is_refused(marker: list[str]) -> None:
-    data = _p("diff --git a/img.png b/img.png", "index 1111111..2222222 100644", *marker)
+
+
+def test_git_binary_patch_is_read() -> None:
+    delta, add, delete = parse_unified(GIT_BINARY).edits
+    assert (delta.op, delta.path, delta.binary, len(delta.delta or b""), delta.content) == (
+        "modify", "b.dat", "delta", 21, None)
+    assert (delta.old_blob, delta.new_blob) == ("c24b5240932db6bddd91a9aecd36e95ffb2e8f0e",
+                                                "b3dd4fc8734314a5ae59012d8c6c475f45af0a97")
+    assert (add.op, add.path, add.binary, add.content, add.new_mode) == ("add", "n.bin", "literal", b"new\0bin",
+                                                                          MODE_FILE)
+    assert (delete.op, delete.path, delete.old_blob) == ("delete", "small.bin",
+                                                          "d5d0b8b4c4c9e936890870f6799cfbb5ba984470")
+
+
+def test_binary_patch_without_its_trailing_blank_line_is_read() -> None:
+    cut = GIT_BINARY.rstrip(b"\n") + b"\n"
+    assert parse_unified(cut).edits[2].op == "delete"
+
+
+def test_binary_files_differ_with_a_full_new_oid_names_the_blob() -> None:
+    edit = _one(_p("diff --git a/img.png b/img.png",
+                   "index 1111111111111111111111111111111111111111..2222222222222222222222222222222222222222 100644",
+                   "Binary files a/img.png and b/img.png differ"))
+    assert (edit.op, edit.binary, edit.new_blob, edit.content, edit.delta) == (
+        "modify", "blob", "2" * 40, None, None)
+
+
+def test_binary_files_differ_with_abbreviated_oids_is_refused() -> None:
+    data = _p("diff --git a/img.png b/img.png", "index 1111111..2222222 100644",
+              "Binary files a/img.png and b/img.png differ")
     with pytest.raises(UnsupportedPatch) as info:
         parse_unified(data)
-    assert info.value.message == "binary patches are not supported yet: 'img.png'"
+    assert "carries no data" in info.value.message and "git diff --binary" in info.value.message
+    assert info.value.error_type == "parse_error" and info.value.details["path"] == "img.png"
+
+
+@pytest.mark.parametrize("body, why", [
+    (["GIT binary patch"], "has no 'literal' or 'delta' hunk"),
+    (["GIT binary patch", "literal 7", "Ocmc~xEoVr|%mV-lAOeH"], "not a base-85 data line"),
+    (["GIT binary patch", "literal 7", "0cmc~xEoVr|%mV-lAOeH{"], "not a base-85 data line"),
+    (["GIT binary patch", "literal 7", "Acmc~xEoVr|%mV-lAOeH{"], "length byte does not fit"),
+    (["GIT binary patch", "literal 8", "Ocmc~xEoVr|%mV-lAOeH{"], "inflates to 7 bytes, not 8"),
+    (["GIT binary patch", "literal 6", "Ocmc~xEoVr|%mV-lAOeH{"], "does not inflate to 6 bytes"),
+    (["GIT binary patch", "literal 7", "Ocmc~xEoVr|%mV-lAOeH "], "bad base-85 data"),
+])
+def test_corrupt_binary_patches_are_refused(body: list[str], why: str) -> None:
+    data = _p("diff --git a/n.bin b/n.bin", "new file mode 100644", *body)
+    with pytest.raises(ParseError, match="corrupt binary patch for 'n.bin'|no 'literal'") as info:
+        parse_unified(data)
+    assert why in info.value.message
     assert info.value.error_type == "parse_error"
+
+
+def test_binary_block_with_text_hunks_is_refused() -> None:
+    with pytest.raises(ParseError, match="also has text hunks"):
+        parse_unified(_p("diff --git a/x b/x", "Binary files a/x and b/x differ", "--- a/x", "+++ b/x",
+                         "@@ -1 +1 @@", "-a", "+b"))
 
 
 def test_plain_binary_line_is_refused() -> None:

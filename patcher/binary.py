@@ -1,0 +1,202 @@
+"""Git's binary patches (pure: bytes in, bytes out, no I/O).
+
+``git diff --binary`` and ``git format-patch`` write a changed binary file as::
+
+    GIT binary patch
+    literal 7                 (or: delta 21) -- the size once inflated
+    Ocmc~xEoVr|%mV-lAOeH{     one line per (at most) 52 bytes of zlib data
+                              a blank line ends the hunk
+    literal 0                 the reverse hunk (postimage -> preimage)
+    HcmV?d00001
+
+Each data line starts with its decoded length (``A``-``Z`` = 1-26,
+``a``-``z`` = 27-52) followed by base-85 groups of five characters, each four
+bytes (git's alphabet is RFC 1924's, the one :func:`base64.b85decode` reads).
+The hunk's bytes, joined, are zlib data that inflate to exactly the stated
+size.  A ``literal`` is the whole new content; a ``delta`` is git's delta
+format (:func:`apply_delta`) against the old content.
+
+These rules are git's own (``apply.c``: ``parse_binary_hunk``; ``patch-delta.c``),
+with one leniency: the blank line that ends a hunk may be missing at the end of
+the patch (agents and mailers drop trailing blank lines).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from patcher.errors import ContextNotFound, ParseError
+
+__all__ = ["BinaryHunk", "read_binary_hunks", "apply_delta", "blob_id"]
+
+#: (method, inflated bytes): method is ``"literal"`` or ``"delta"``.
+BinaryHunk = tuple[str, bytes]
+
+
+def _length_byte(c: int) -> int:
+    if 0x41 <= c <= 0x5A:  # A-Z
+        return c - 0x41 + 1
+    if 0x61 <= c <= 0x7A:  # a-z
+        return c - 0x61 + 27
+    return -1
+
+
+def _chomp(line: bytes) -> bytes:
+    if line.endswith(b"\r\n"):
+        return line[:-2]
+    return line[:-1] if line.endswith(b"\n") else line
+
+
+def _read_hunk(lines: list[bytes], i: int, path: str) -> tuple[BinaryHunk | None, int]:
+    """One ``literal``/``delta`` hunk at ``lines[i]``; ``(None, i)`` when ``lines[i]`` starts none."""
+    if i >= len(lines):
+        return None, i
+    head = _chomp(lines[i])
+    method, _, size_text = head.partition(b" ")
+    if method not in (b"literal", b"delta") or not size_text.isdigit():
+        return None, i
+    size = int(size_text)
+    start = i + 1
+
+    def corrupt(at: int, why: str) -> ParseError:
+        return ParseError(f"corrupt binary patch for '{path}' at line {at}: {why}",
+                          details={"line": at, "path": path})
+
+    bodies: list[bytes] = []
+    lengths: list[int] = []
+    j = start
+    while j < len(lines):
+        line = _chomp(lines[j])
+        if not line:
+            j += 1  # the blank line that ends the hunk
+            break
+        n = _length_byte(line[0])
+        groups, rest = divmod(len(line) - 1, 5)
+        if n < 0 or rest or groups == 0:
+            raise corrupt(j + 1, "not a base-85 data line")
+        if not groups * 4 - 4 < n <= groups * 4:
+            raise corrupt(j + 1, "the line's length byte does not fit its data")
+        bodies.append(line[1:])
+        lengths.append(n)
+        j += 1
+    # (The end of the patch ends the hunk as well as a blank line does.)
+    import base64  # only binary patches need it
+
+    try:
+        decoded = base64.b85decode(b"".join(bodies))
+    except ValueError as exc:
+        raise corrupt(start, f"bad base-85 data ({exc})") from None
+    if any(n != len(body) // 5 * 4 for body, n in zip(bodies[:-1], lengths[:-1])):
+        # Filler before the last line (git fills only the last): cut each line's own.
+        parts: list[bytes] = []
+        at = 0
+        for body, n in zip(bodies, lengths):
+            parts.append(decoded[at:at + n])
+            at += len(body) // 5 * 4
+        deflated = b"".join(parts)
+    else:
+        deflated = decoded[: sum(lengths)]
+    try:
+        z = zlib.decompressobj()
+        data = z.decompress(deflated, size + 1)
+        if len(data) > size or not z.eof or z.unconsumed_tail:
+            raise zlib.error("more data than stated")
+    except zlib.error as exc:
+        raise corrupt(start, f"the data does not inflate to {size} bytes ({exc})") from None
+    if len(data) != size:
+        raise corrupt(start, f"the data inflates to {len(data)} bytes, not {size}")
+    return (method.decode("ascii"), data), j
+
+
+def read_binary_hunks(lines: list[bytes], i: int, path: str) -> tuple[BinaryHunk, BinaryHunk | None, int]:
+    """The forward and (optional) reverse hunks after a ``GIT binary patch`` line.
+
+    ``lines[i]`` is the line after ``GIT binary patch``.  Returns both hunks and
+    the index of the first line after them.
+
+    Raises:
+        ParseError: no forward hunk, or a hunk that is not what git writes.
+    """
+    forward, j = _read_hunk(lines, i, path)
+    if forward is None:
+        raise ParseError(f"binary patch for '{path}' at line {i} has no 'literal' or 'delta' hunk",
+                         details={"line": i, "path": path})
+    reverse, j = _read_hunk(lines, j, path)
+    return forward, reverse, j
+
+
+def _varint(delta: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(delta):
+            raise ValueError("truncated size header")
+        c = delta[at]
+        at += 1
+        value |= (c & 0x7F) << shift
+        shift += 7
+        if not c & 0x80:
+            return value, at
+
+
+def apply_delta(src: bytes, delta: bytes, path: str) -> bytes:
+    """Apply a git delta (``patch-delta.c``) to ``src``.
+
+    Raises:
+        ContextNotFound: the delta was made against other bytes (sizes differ,
+            a copy reaches past the source, the result has the wrong size).
+    """
+    def bad(why: str) -> ContextNotFound:
+        return ContextNotFound(f"binary delta for '{path}' does not apply to its current content: {why}",
+                               details={"path": path})
+
+    try:
+        src_size, at = _varint(delta, 0)
+        dst_size, at = _varint(delta, at)
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    if src_size != len(src):
+        raise bad(f"it expects {src_size} bytes, the file has {len(src)}")
+    out = bytearray()
+    view = memoryview(src)
+    top = len(delta)
+    while at < top:
+        cmd = delta[at]
+        at += 1
+        if cmd & 0x80:
+            offset = size = 0
+            for bit, shift in ((0x01, 0), (0x02, 8), (0x04, 16), (0x08, 24)):
+                if cmd & bit:
+                    if at >= top:
+                        raise bad("truncated copy")
+                    offset |= delta[at] << shift
+                    at += 1
+            for bit, shift in ((0x10, 0), (0x20, 8), (0x40, 16)):
+                if cmd & bit:
+                    if at >= top:
+                        raise bad("truncated copy")
+                    size |= delta[at] << shift
+                    at += 1
+            size = size or 0x10000
+            if offset + size > src_size or len(out) + size > dst_size:
+                raise bad("a copy reaches past the data")
+            out += view[offset:offset + size]
+        elif cmd:
+            if len(out) + cmd > dst_size or at + cmd > top:
+                raise bad("an insert reaches past the data")
+            out += delta[at:at + cmd]
+            at += cmd
+        else:
+            raise bad("opcode 0")
+    if len(out) != dst_size:
+        raise bad(f"the result has {len(out)} bytes, the delta says {dst_size}")
+    return bytes(out)
+
+
+def blob_id(data: bytes, hex_length: int = 40) -> str:
+    """Git's object id of ``data`` as a blob (SHA-1, or SHA-256 for 64-digit ids)."""
+    import hashlib
+
+    h = hashlib.sha256() if hex_length == 64 else hashlib.sha1()
+    h.update(b"blob %d\0" % len(data))
+    h.update(data)
+    return h.hexdigest()

@@ -1,0 +1,202 @@
+"""Binary patches and copies through the CLI, against trees and files made by git itself.
+
+Each patch is `git diff --binary` (or `format-patch`) of a commit; applied by
+`oncepatch apply` onto the commit's parent with the branch checked out, the
+new commit must have git's tree, the working tree git's bytes, and `git
+status` must be clean.  Patches that do not fit the file are refused with
+nothing changed (`snapshot`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from conftest import Repo, git, run_cli, snapshot
+
+BLOB = random.Random(1).randbytes(40_000)
+
+
+def _change(repo: Repo, edit, *diff_args: str) -> tuple[bytes, str]:  # type: ignore[no-untyped-def]
+    """The patch of ``edit`` made on top of HEAD, and git's tree for it; HEAD is put back."""
+    base = repo.head()
+    edit(repo)
+    target = repo.commit_all("target")
+    tree = repo.head("HEAD^{tree}")
+    patch = git(repo.path, "diff", "--binary", *diff_args, base, target).encode("utf-8", "surrogateescape")
+    repo.git("reset", "-q", "--hard", base)
+    return patch, tree
+
+
+def _apply(repo: Repo, patch: bytes, *args: str) -> dict:  # type: ignore[type-arg]
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", *args, input=patch)
+    assert r.code == 0, r.out + r.err
+    return r.json  # type: ignore[no-any-return]
+
+
+def _clean(repo: Repo) -> None:
+    assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
+
+
+@pytest.fixture
+def brepo(repo: Repo) -> Repo:
+    repo.write("img/a.bin", BLOB)
+    repo.write("img/small.bin", b"x\0y")
+    repo.write("text.txt", "".join(f"line {i}\n" for i in range(40)))
+    repo.commit_all("binary files")
+    return repo
+
+
+def test_delta_literal_and_delete_in_one_patch(brepo: Repo) -> None:
+    def edit(r: Repo) -> None:
+        data = bytearray(BLOB)
+        data[1000:1010] = b"0123456789"
+        r.write("img/a.bin", bytes(data))
+        r.write("img/new.bin", b"new\0file")
+        os.unlink(r.path / "img/small.bin")
+
+    patch, tree = _change(brepo, edit)
+    assert b"delta " in patch and b"literal " in patch
+    doc = _apply(brepo, patch)
+    assert doc["tree"] == tree
+    assert [(o["path"], o["op"]) for o in doc["outputs"]] == [
+        ("img/a.bin", "modify"), ("img/new.bin", "add"), ("img/small.bin", "delete")]
+    assert (brepo.path / "img/new.bin").read_bytes() == b"new\0file"
+    assert (brepo.path / "img/a.bin").read_bytes()[1000:1010] == b"0123456789"
+    _clean(brepo)
+    again = run_cli("apply", "-", "--repo", str(brepo.path), "--json", input=patch)
+    assert again.code == 0 and again.json["replayed"] is True
+    verify = run_cli("verify", "--repo", str(brepo.path), "--json")
+    assert verify.code == 0, verify.out
+
+
+def test_binary_rename_with_edit_and_mode_change(brepo: Repo) -> None:
+    def edit(r: Repo) -> None:
+        (r.path / "assets").mkdir()
+        r.git("mv", "img/a.bin", "assets/a.bin")
+        data = bytearray(BLOB)
+        data[:4] = b"\xff\xfe\xfd\xfc"
+        r.write("assets/a.bin", bytes(data), 0o755)
+
+    patch, tree = _change(brepo, edit, "-M")
+    assert b"rename from img/a.bin" in patch and b"GIT binary patch" in patch
+    assert _apply(brepo, patch)["tree"] == tree
+    assert os.access(brepo.path / "assets/a.bin", os.X_OK)
+    _clean(brepo)
+
+
+def test_binary_becomes_text_and_text_becomes_binary(brepo: Repo) -> None:
+    def edit(r: Repo) -> None:
+        r.write("img/small.bin", "plain text now\n")
+        r.write("text.txt", b"\0\1\2 binary now")
+
+    patch, tree = _change(brepo, edit)
+    assert _apply(brepo, patch)["tree"] == tree
+    _clean(brepo)
+
+
+def test_format_patch_with_a_binary_file(brepo: Repo) -> None:
+    base = brepo.head()
+    brepo.write("img/a.bin", BLOB[::-1])
+    brepo.commit_all("reverse the blob")
+    tree = brepo.head("HEAD^{tree}")
+    mail = git(brepo.path, "format-patch", "--stdout", "-1").encode("utf-8", "surrogateescape")
+    brepo.git("reset", "-q", "--hard", base)
+    assert _apply(brepo, mail)["tree"] == tree
+    _clean(brepo)
+
+
+def test_an_applied_binary_patch_under_a_new_key_is_already_applied(brepo: Repo) -> None:
+    patch, tree = _change(brepo, lambda r: r.write("img/a.bin", BLOB + b"more"))
+    first = _apply(brepo, patch, "--key", "one")
+    head = brepo.head()
+    second = _apply(brepo, patch, "--key", "two")
+    assert second["replayed"] is False and second["tree"] == first["tree"] == tree
+    assert brepo.head() == head, "nothing new to commit"
+
+
+def test_binary_patch_against_other_content_changes_nothing(brepo: Repo) -> None:
+    patch, _tree = _change(brepo, lambda r: r.write("img/a.bin", BLOB[:-1] + b"!"))
+    brepo.write("img/a.bin", BLOB + b"moved on")
+    brepo.commit_all("someone else changed it")
+    before = snapshot(brepo)
+    r = run_cli("apply", "-", "--repo", str(brepo.path), "--json", "--key", "k", input=patch)
+    assert r.code == 4, r.out + r.err
+    assert r.json["error"]["type"] == "context_not_found"
+    assert "the binary patch was made against" in r.json["error"]["message"]
+    assert snapshot(brepo) == before
+
+
+def test_binary_delete_of_other_content_changes_nothing(brepo: Repo) -> None:
+    patch, _tree = _change(brepo, lambda r: os.unlink(r.path / "img/small.bin"))
+    brepo.write("img/small.bin", b"other\0bytes")
+    brepo.commit_all("changed")
+    before = snapshot(brepo)
+    r = run_cli("apply", "-", "--repo", str(brepo.path), "--json", "--key", "k", input=patch)
+    assert r.code == 4 and r.json["error"]["type"] == "context_not_found", r.out
+    assert snapshot(brepo) == before
+
+
+def test_corrupt_binary_data_changes_nothing(brepo: Repo) -> None:
+    patch, _tree = _change(brepo, lambda r: r.write("img/new.bin", random.Random(2).randbytes(3000)))
+    lines = patch.split(b"\n")
+    at = lines.index(b"GIT binary patch") + 3
+    lines[at] = lines[at][:10] + (b"0" if lines[at][10:11] != b"0" else b"1") + lines[at][11:]
+    before = snapshot(brepo)
+    r = run_cli("apply", "-", "--repo", str(brepo.path), "--json", "--key", "k", input=b"\n".join(lines))
+    assert r.code == 4 and r.json["error"]["type"] in ("parse_error", "context_not_found"), r.out
+    assert snapshot(brepo) == before
+
+
+def test_binary_files_differ_applies_when_the_repository_has_the_new_blob(brepo: Repo) -> None:
+    base = brepo.head()
+    brepo.write("img/a.bin", BLOB * 2)
+    target = brepo.commit_all("doubled")
+    tree = brepo.head("HEAD^{tree}")
+    patch = git(brepo.path, "diff", "--full-index", base, target).encode()
+    assert b"Binary files a/img/a.bin and b/img/a.bin differ" in patch
+    brepo.git("reset", "-q", "--hard", base)
+    assert _apply(brepo, patch)["tree"] == tree, "the blob is still in the object store"
+    _clean(brepo)
+
+
+def test_binary_files_differ_without_the_blob_changes_nothing(brepo: Repo) -> None:
+    old = git(brepo.path, "rev-parse", "HEAD:img/a.bin").strip().encode()
+    patch = (b"diff --git a/img/a.bin b/img/a.bin\nindex " + old + b".." + b"3" * 40
+             + b" 100644\nBinary files a/img/a.bin and b/img/a.bin differ\n")
+    before = snapshot(brepo)
+    r = run_cli("apply", "-", "--repo", str(brepo.path), "--json", "--key", "k", input=patch)
+    assert r.code == 4 and r.json["error"]["type"] == "parse_error", r.out
+    assert "git diff --binary" in r.json["error"]["message"]
+    assert snapshot(brepo) == before
+
+
+def test_copy_with_edit(brepo: Repo) -> None:
+    def edit(r: Repo) -> None:
+        text = (r.path / "text.txt").read_text()
+        r.write("text.txt", text.replace("line 3\n", "line three\n"))
+        r.write("copies/text.txt", text + "the copy's own line\n")
+
+    patch, tree = _change(brepo, edit, "-C")
+    assert b"copy from text.txt" in patch
+    doc = _apply(brepo, patch)
+    assert doc["tree"] == tree
+    copy = next(o for o in doc["outputs"] if o["path"] == "copies/text.txt")
+    assert (copy["op"], copy["from"]) == ("add", "text.txt")
+    _clean(brepo)
+    assert run_cli("verify", "--repo", str(brepo.path)).code == 0
+
+
+def test_copy_onto_an_existing_file_changes_nothing(brepo: Repo) -> None:
+    patch, _tree = _change(brepo, lambda r: (r.write("img/a.bin", BLOB + b"x"), r.write("img/b.bin", BLOB)),
+                           "-C", "--find-copies-harder")
+    assert b"copy from img/a.bin" in patch
+    brepo.write("img/b.bin", b"already here")
+    brepo.commit_all("b exists")
+    before = snapshot(brepo)
+    r = run_cli("apply", "-", "--repo", str(brepo.path), "--json", "--key", "k", input=patch)
+    assert r.code == 4 and r.json["error"]["type"] == "context_not_found", r.out
+    assert "the target exists" in r.json["error"]["message"]
+    assert snapshot(brepo) == before

@@ -1,0 +1,114 @@
+"""Git binary patches: base-85 hunks and the delta format (pure; git's own output is tested in integration)."""
+
+from __future__ import annotations
+
+import base64
+import random
+import zlib
+
+import pytest
+
+from patcher.binary import apply_delta, blob_id, read_binary_hunks
+from patcher.errors import ContextNotFound, ParseError
+
+
+def encode_hunk(method: str, data: bytes, *, per_line: int = 52) -> list[bytes]:
+    """A hunk laid out as git's diff.c writes it (``per_line`` bytes of deflated data a line)."""
+    deflated = zlib.compress(data, 9)
+    out = [f"{method} {len(data)}\n".encode()]
+    for at in range(0, len(deflated), per_line):
+        chunk = deflated[at:at + per_line]
+        n = len(chunk)
+        head = chr(ord("A") + n - 1) if n <= 26 else chr(ord("a") + n - 27)
+        padded = chunk + b"\0" * (-n % 4)
+        out.append(head.encode() + base64.b85encode(padded) + b"\n")
+    out.append(b"\n")
+    return out
+
+
+@pytest.mark.parametrize("size", [0, 1, 3, 4, 51, 52, 53, 1000, 70_000])
+def test_hunks_round_trip(size: int) -> None:
+    data = random.Random(size).randbytes(size)
+    lines = encode_hunk("literal", data) + encode_hunk("literal", b"reverse") + [b"diff --git a/x b/x\n"]
+    forward, reverse, end = read_binary_hunks(lines, 0, "x")
+    assert forward == ("literal", data)
+    assert reverse == ("literal", b"reverse")
+    assert lines[end] == b"diff --git a/x b/x\n"
+
+
+def test_lines_with_filler_before_the_last_are_cut_line_by_line() -> None:
+    data = random.Random(7).randbytes(500)
+    lines = encode_hunk("literal", data, per_line=10)  # 10 bytes a line: each line has 2 bytes of filler
+    assert read_binary_hunks(lines, 0, "x")[0] == ("literal", data)
+
+
+def test_reverse_hunk_is_optional_and_crlf_lines_are_read() -> None:
+    lines = [line.replace(b"\n", b"\r\n") for line in encode_hunk("delta", b"abc")]
+    forward, reverse, end = read_binary_hunks(lines, 0, "x")
+    assert forward == ("delta", b"abc") and reverse is None and end == len(lines)
+
+
+def test_a_hunk_that_inflates_to_more_than_its_size_is_refused() -> None:
+    lines = encode_hunk("literal", b"0123456789")
+    lines[0] = b"literal 9\n"
+    with pytest.raises(ParseError, match="does not inflate to 9 bytes"):
+        read_binary_hunks(lines, 0, "x")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _copy(offset: int, size: int) -> bytes:
+    cmd, args = 0x80, bytearray()
+    for i in range(4):
+        if (offset >> (8 * i)) & 0xFF:
+            cmd |= 1 << i
+            args.append((offset >> (8 * i)) & 0xFF)
+    size_field = 0 if size == 0x10000 else size
+    for i in range(3):
+        if (size_field >> (8 * i)) & 0xFF:
+            cmd |= 0x10 << i
+            args.append((size_field >> (8 * i)) & 0xFF)
+    return bytes([cmd]) + bytes(args)
+
+
+def _insert(data: bytes) -> bytes:
+    assert 0 < len(data) < 0x80
+    return bytes([len(data)]) + data
+
+
+def test_delta_copies_and_inserts() -> None:
+    src = bytes(range(256)) * 300  # 76,800 bytes
+    ops = _copy(0, 10) + _insert(b"NEW") + _copy(70_000, 6_800) + _copy(256, 0x10000)  # to the very end; size 0
+    dst = src[:10] + b"NEW" + src[70_000:] + src[256:256 + 0x10000]
+    delta = _varint(len(src)) + _varint(len(dst)) + ops
+    assert apply_delta(src, delta, "f") == dst
+
+
+@pytest.mark.parametrize("delta, why", [
+    (_varint(5) + _varint(3) + _copy(0, 3), "expects 5 bytes, the file has 4"),
+    (_varint(4) + _varint(3) + _copy(2, 3), "a copy reaches past the data"),
+    (_varint(4) + _varint(2) + _copy(0, 3), "a copy reaches past the data"),
+    (_varint(4) + _varint(3) + b"\x05ab", "an insert reaches past the data"),
+    (_varint(4) + _varint(3) + b"\x00", "opcode 0"),
+    (_varint(4) + _varint(5) + _copy(0, 4), "the result has 4 bytes, the delta says 5"),
+    (_varint(4) + _varint(3) + b"\x91", "truncated copy"),
+    (b"\x84", "truncated size header"),
+])
+def test_bad_deltas_are_refused(delta: bytes, why: str) -> None:
+    with pytest.raises(ContextNotFound, match="binary delta for 'f' does not apply") as info:
+        apply_delta(b"abcd", delta, "f")
+    assert why in info.value.message
+
+
+def test_blob_id_is_gits() -> None:
+    assert blob_id(b"") == "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"
+    assert blob_id(b"hello\n") == "ce013625030ba8dba906f756967f9e9ca394464a"
+    assert len(blob_id(b"", 64)) == 64
