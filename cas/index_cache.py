@@ -43,7 +43,7 @@ from cas.objects import TreeEntry
 if TYPE_CHECKING:
     from cas.index_raw import RawIndex
 
-__all__ = ["IndexSnapshot", "snapshot_for", "prefetch"]
+__all__ = ["IndexSnapshot", "snapshot_for", "prefetch", "open_index", "unreadable_index"]
 
 _MODE_TREE = 0o040000
 _cache: dict[str, IndexSnapshot] = {}
@@ -82,6 +82,27 @@ def _mandatory_extension_refused(index_path: str, name: str) -> str:
             "or apply to a branch that is not checked out (nothing was changed)")
 
 
+def open_index(path: str) -> pygit2.Index:
+    """The index file at ``path`` parsed by libgit2.
+
+    Raises:
+        UsageError: an index with a mandatory extension libgit2 cannot read.
+        GitStoreError: any other failure.
+    """
+    try:
+        return _open_index(path)
+    except (OSError, pygit2.GitError) as exc:
+        raise unreadable_index(path, exc) from exc
+
+
+def unreadable_index(index_path: str, exc: Exception) -> UsageError | GitStoreError:
+    """The error for an index libgit2 failed to read: a usage error naming the fix, when there is one."""
+    found = re.search(r"mandatory extension: '([^']*)'", str(exc))
+    if found:
+        return UsageError(_mandatory_extension_refused(index_path, found.group(1)))
+    return GitStoreError(f"cannot read index '{index_path}': {exc}")
+
+
 class _ParsedIndex:
     """A copy of ``<git_dir>/index`` parsed by libgit2; see the module docstring."""
 
@@ -97,10 +118,7 @@ class _ParsedIndex:
                 os.link(self.index_path, self.tmp)  # no index yet: an empty one is written
             self.index = _open_index(self.tmp)
         except (OSError, pygit2.GitError) as exc:
-            found = re.search(r"mandatory extension: '([^']*)'", str(exc))
-            if found:
-                raise UsageError(_mandatory_extension_refused(self.index_path, found.group(1))) from exc
-            raise GitStoreError(f"cannot read index '{self.index_path}': {exc}") from exc
+            raise unreadable_index(self.index_path, exc) from exc
         finally:
             # The parsed copy lives in memory; the link is only needed to read it.
             with contextlib.suppress(FileNotFoundError):

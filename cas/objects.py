@@ -262,7 +262,12 @@ class GitStore:
         try:
             self.repo = pygit2.Repository(path)
         except (pygit2.GitError, KeyError) as exc:
-            raise UsageError(f"not a git repository: '{path}'") from exc
+            why = str(exc)
+            if isinstance(exc, KeyError) or "not found" in why.lower():
+                raise UsageError(f"not a git repository: '{path}'") from exc
+            # A repository libgit2 refuses (an object format or extension it does not know).
+            raise UsageError(f"cannot open the git repository '{path}': {why} "
+                             "(not supported by libgit2, the git library oncepatch uses)") from exc
         self.git_dir = os.path.realpath(self.repo.path)
         self.common_dir = common_dir_of(self.git_dir)
         self._worktrees: dict[str, pygit2.Repository] = {}

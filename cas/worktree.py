@@ -623,8 +623,15 @@ def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None
 
 
 def index_matches(workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:
-    """Whether the index entries of ``workdir`` equal ``changes``."""
-    index = pygit2.Repository(workdir).index
+    """Whether the index entries of ``workdir`` equal ``changes``.
+
+    Raises:
+        UsageError: an index libgit2 cannot read (a split or sparse index), with the fix named.
+    """
+    from cas.index_cache import open_index
+
+    index_path = os.path.join(pygit2.Repository(workdir).path, "index")
+    index = open_index(index_path) if os.path.exists(index_path) else pygit2.Index()
     for path, entry in changes.items():
         try:
             ie = index[path]

@@ -91,6 +91,7 @@ _STAMP = rb"\s*(\d{4}-\d\d-\d\d[ T]\d\d:\d\d(?::\d\d(?:\.\d+)?)?)(?:\s*([+-]\d{4
 _DATED_NAME = re.compile(rb"(.*?)\s" + _STAMP)  # 'name 2024-01-01 10:00:00 +0000' without a tab
 _TIMESTAMP = re.compile(_STAMP)
 _BINARY = re.compile(rb"Binary files (.*) and (.*) differ")
+_MAIL_START = re.compile(rb"^From [0-9a-f]{40} Mon Sep 17 00:00:00 2001$", re.MULTILINE)  # format-patch
 _PREFIX_PAIRS = (
     (b"a/", b"b/"),
     (b"c/", b"w/"),
@@ -710,9 +711,12 @@ def parse_unified(data: bytes) -> Patch:
             seen.discard(edit.path)
         for path in edit.touched:
             if path in seen:
+                mails = len(_MAIL_START.findall(data))
+                series = (f": the input is a series of {mails} patches (git format-patch); "
+                          "apply them one call each") if mails > 1 else ""
                 raise ParseError(
-                    f"'{path}' is changed more than once in the patch (line {block.line})",
-                    details={"line": block.line, "path": path},
+                    f"'{path}' is changed more than once in the patch (line {block.line}){series}",
+                    details={"line": block.line, "path": path, **({"patches": mails} if series else {})},
                 )
             seen.add(path)
         edits.append(edit)

@@ -128,7 +128,10 @@ def resolve_receipt(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapte
         try:
             notes += adapter.settle(new)
         except OncepatchError as exc:
-            notes.append(f"follow-up not done: {exc.message}")
+            note = f"follow-up not done: {exc.message}"
+            notes.append(note)
+            # A warning, as apply leaves one: the next recover settles it again.
+            new = new.evolve(extra={**new.extra, "warnings": [*new.extra.get("warnings", []), note]})
         if notes:
             new = new.evolve(extra={**new.extra, "recovery_notes": notes})
         store.record(new, "recovered", before_replace=hook, reason=result.reason)

@@ -527,3 +527,32 @@ def test_an_index_libgit2_cannot_read_is_refused_before_anything_is_written(tmp_
     r = run_cli("apply", str(patch), "--key", "k1", "--json", cwd=repo.path)
     assert r.code == 0, r.out + r.err
     assert repo.git("status", "--porcelain") == "" and (repo.path / "a/a.txt").read_text() == "A\n"
+
+
+def test_recover_names_the_fix_for_a_split_index_and_finishes_once_it_is_off(tmp_path: Path) -> None:
+    """Crashed after the branch moved; the index became a split index before recover: the follow-up
+    is reported as not done with the fix named (no traceback), and done by the recover after the fix."""
+    from conftest import run_cli
+
+    repo = make_repo(tmp_path / "repo", {"a/a.txt": "a\n", "b/b.txt": "b\n"})
+    patch = tmp_path / "p.diff"
+    patch.write_bytes(b"--- a/a/a.txt\n+++ b/a/a.txt\n@@ -1 +1 @@\n-a\n+A\n")
+    r = run_cli("apply", str(patch), "--key", "k1", "--json", cwd=repo.path, env={"ONCEPATCH_CRASH_AT": "after-ref"})
+    assert r.code == 137, r.out + r.err
+    (repo.path / ".git/index.lock").unlink(missing_ok=True)  # what git's message tells a user to do
+    repo.git("config", "core.splitIndex", "true")
+    repo.git("update-index", "--split-index")
+    rec = run_cli("recover", "--json", cwd=repo.path)
+    assert rec.code == 0, rec.out + rec.err
+    assert "Traceback" not in rec.err and "Exception ignored" not in rec.err, rec.err
+    (row,) = rec.json["rows"]
+    assert row["to"] == "committed"
+    assert any("split index" in n and "--no-split-index" in n for n in row["notes"]), row["notes"]
+    assert (repo.path / "a/a.txt").read_text() == "a\n", "the worktree was left as it was"
+    repo.git("config", "core.splitIndex", "false")
+    repo.git("update-index", "--no-split-index")
+    again = run_cli("recover", "--json", cwd=repo.path)
+    assert again.code == 0, again.out + again.err
+    assert (repo.path / "a/a.txt").read_text() == "A\n"
+    assert repo.git("status", "--porcelain") == ""
+    assert run_cli("verify", cwd=repo.path).code == 0

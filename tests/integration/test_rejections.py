@@ -302,6 +302,23 @@ def test_not_a_repository(repo: Repo, tmp_path: Path) -> None:
     usage(repo, "-", cwd=plain, input=MODIFY_UTIL)
 
 
+def test_a_repository_libgit2_cannot_open_is_named(repo: Repo, tmp_path: Path) -> None:
+    sha256 = tmp_path / "sha256"
+    git(tmp_path, "init", "-q", "--object-format=sha256", str(sha256))
+    (sha256 / "src").mkdir()
+    (sha256 / "src/util.py").write_text("def f():\n    return 1\n")
+    git(sha256, "add", "-A")
+    git(sha256, "commit", "-q", "-m", "base")
+    before = Repo(sha256)
+    snap = snapshot(before)
+    r = run_cli("apply", "-", "--repo", str(sha256), "--json", input=MODIFY_UTIL)
+    assert r.code == 2, r.out + r.err
+    err = r.json["error"]
+    assert (err["type"], err["effect_status"], err["next_action"]) == ("usage", "not_started", "fix_input")
+    assert "cannot open the git repository" in err["message"] and "sha256" in err["message"]
+    assert snapshot(before) == snap
+
+
 def test_detached_head_needs_branch(repo: Repo) -> None:
     repo.git("checkout", "-q", "--detach")
     err = usage(repo, "-", "--repo", str(repo.path), input=MODIFY_UTIL)

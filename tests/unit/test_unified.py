@@ -780,3 +780,16 @@ def test_real_git_format_patch_parses(tmp_path: Path) -> None:
     assert edits["f"].hunks[0].new_lines == (b"a\n", b"B\n")
     assert (edits["run.sh"].op, edits["run.sh"].new_mode) == ("add", MODE_EXEC)
     assert isinstance(edits["f"].hunks[0], Hunk)
+
+
+def test_a_format_patch_series_that_changes_a_file_twice_is_refused_with_a_hint() -> None:
+    def mail(sha: str, old: str, new: str) -> bytes:
+        return _p(f"From {sha} Mon Sep 17 00:00:00 2001", "Subject: [PATCH] step", "", "---",
+                  "diff --git a/f b/f", "--- a/f", "+++ b/f", "@@ -1 +1 @@", f"-{old}", f"+{new}", "-- ", "2.39.5", "")
+
+    with pytest.raises(ParseError) as info:
+        parse_unified(mail("1" * 40, "a", "b") + mail("2" * 40, "b", "c"))
+    assert "series of 2 patches" in info.value.message and info.value.details["patches"] == 2
+    with pytest.raises(ParseError) as one:
+        parse_unified(_p("diff --git a/f b/f", "--- a/f", "+++ b/f", "@@ -1 +1 @@", "-a", "+b") * 2)
+    assert "series" not in one.value.message
