@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from patcher.binary import apply_delta, blob_id, read_binary_hunks
+from patcher.binary import apply_delta, b85decode, blob_id, read_binary_hunks
 from patcher.errors import ContextNotFound, ParseError
 
 
@@ -112,3 +112,19 @@ def test_blob_id_is_gits() -> None:
     assert blob_id(b"") == "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"
     assert blob_id(b"hello\n") == "ce013625030ba8dba906f756967f9e9ca394464a"
     assert len(blob_id(b"", 64)) == 64
+
+
+@pytest.mark.parametrize("size", [0, 4, 8, 52, 4 * 16384 - 4, 4 * 16384, 4 * 16384 + 8, 300_000])
+def test_b85decode_is_base64s(size: int) -> None:
+    data = random.Random(size).randbytes(size)
+    text = base64.b85encode(data)
+    assert b85decode(text) == base64.b85decode(text) == data
+    assert b85decode(b"|NsC0" * 3) == b"\xff" * 12, "the largest group"
+
+
+@pytest.mark.parametrize("text", [b"|NsC1", b"~~~~~", b"0000 ", b"0000\"", b"00000" * 20000 + b"|NsC1"])
+def test_b85decode_refuses_what_base64_refuses(text: bytes) -> None:
+    with pytest.raises(ValueError):
+        base64.b85decode(text)
+    with pytest.raises(ValueError):
+        b85decode(text)
