@@ -707,7 +707,8 @@ def parse_unified(data: bytes) -> Patch:
             # path; it is one whole-content replacement with a new mode.
             gone = edits.pop()
             edit = FileEdit(op="modify", path=edit.path, content=edit.content,
-                            old_mode=gone.old_mode, new_mode=edit.new_mode or MODE_FILE)
+                            old_mode=gone.old_mode, new_mode=edit.new_mode or MODE_FILE,
+                            binary=edit.binary, old_blob=gone.old_blob, new_blob=edit.new_blob)
             seen.discard(edit.path)
         for path in edit.touched:
             if path in seen:

@@ -200,3 +200,21 @@ def test_copy_onto_an_existing_file_changes_nothing(brepo: Repo) -> None:
     assert r.code == 4 and r.json["error"]["type"] == "context_not_found", r.out
     assert "the target exists" in r.json["error"]["message"]
     assert snapshot(brepo) == before
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_symlink_becomes_a_binary_file(brepo: Repo, binary: bool) -> None:
+    os.symlink("text.txt", brepo.path / "link")
+    brepo.commit_all("a symlink")
+    base = brepo.head()
+    os.unlink(brepo.path / "link")
+    brepo.write("link", b"\0binary now\0")
+    target = brepo.commit_all("typechange")
+    tree = brepo.head("HEAD^{tree}")
+    args = ["--binary"] if binary else ["--full-index"]  # without data: the blob is in the repository
+    patch = git(brepo.path, "diff", *args, base, target).encode()
+    assert (b"GIT binary patch" in patch) == binary
+    brepo.git("reset", "-q", "--hard", base)
+    assert _apply(brepo, patch)["tree"] == tree
+    assert (brepo.path / "link").read_bytes() == b"\0binary now\0"
+    _clean(brepo)
