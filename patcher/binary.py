@@ -24,11 +24,16 @@ the patch (agents and mailers drop trailing blank lines).
 
 from __future__ import annotations
 
+import os
 import zlib
 
-from patcher.errors import ContextNotFound, ParseError
+from patcher.errors import ContextNotFound, ParseError, TooLarge
 
 __all__ = ["BinaryHunk", "read_binary_hunks", "apply_delta", "blob_id", "b85decode"]
+
+#: The largest file a binary hunk may inflate to, or a delta may make (bytes).  The
+#: patch's own limit does not bound them: deflated data and deltas are far smaller.
+MAX_BINARY_BYTES = int(os.environ.get("ONCEPATCH_MAX_BINARY_BYTES", str(512 << 20)))
 
 #: (method, inflated bytes): method is ``"literal"`` or ``"delta"``.
 BinaryHunk = tuple[str, bytes]
@@ -94,8 +99,10 @@ def _read_hunk(lines: list[bytes], i: int, path: str) -> tuple[BinaryHunk | None
     method, _, size_text = head.partition(b" ")
     if method not in (b"literal", b"delta") or not size_text.isdigit():
         return None, i
-    size = int(size_text)
+    size = int(size_text) if len(size_text) <= 20 else MAX_BINARY_BYTES + 1
     start = i + 1
+    if size > MAX_BINARY_BYTES:
+        raise _too_large(path, size, i + 1)
 
     def corrupt(at: int, why: str) -> ParseError:
         return ParseError(f"corrupt binary patch for '{path}' at line {at}: {why}",
@@ -145,6 +152,14 @@ def _read_hunk(lines: list[bytes], i: int, path: str) -> tuple[BinaryHunk | None
     return (method.decode("ascii"), data), j
 
 
+def _too_large(path: str, size: int, line: int | None = None) -> TooLarge:
+    details: dict[str, object] = {"path": path, "size": size, "limit": MAX_BINARY_BYTES}
+    if line is not None:
+        details["line"] = line
+    return TooLarge(f"binary data for '{path}' is {size} bytes, over the limit of {MAX_BINARY_BYTES} "
+                    "(ONCEPATCH_MAX_BINARY_BYTES)", details=details)
+
+
 def read_binary_hunks(lines: list[bytes], i: int, path: str) -> tuple[BinaryHunk, BinaryHunk | None, int]:
     """The forward and (optional) reverse hunks after a ``GIT binary patch`` line.
 
@@ -181,6 +196,7 @@ def apply_delta(src: bytes, delta: bytes, path: str) -> bytes:
     Raises:
         ContextNotFound: the delta was made against other bytes (sizes differ,
             a copy reaches past the source, the result has the wrong size).
+        TooLarge: the result would be over :data:`MAX_BINARY_BYTES`.
     """
     def bad(why: str) -> ContextNotFound:
         return ContextNotFound(f"binary delta for '{path}' does not apply to its current content: {why}",
@@ -193,7 +209,10 @@ def apply_delta(src: bytes, delta: bytes, path: str) -> bytes:
         raise bad(str(exc)) from None
     if src_size != len(src):
         raise bad(f"it expects {src_size} bytes, the file has {len(src)}")
-    out = bytearray()
+    if dst_size > MAX_BINARY_BYTES:
+        raise _too_large(path, dst_size)
+    out = bytearray(dst_size)
+    n = 0  # bytes of out written
     view = memoryview(src)
     top = len(delta)
     while at < top:
@@ -214,18 +233,20 @@ def apply_delta(src: bytes, delta: bytes, path: str) -> bytes:
                     size |= delta[at] << shift
                     at += 1
             size = size or 0x10000
-            if offset + size > src_size or len(out) + size > dst_size:
+            if offset + size > src_size or n + size > dst_size:
                 raise bad("a copy reaches past the data")
-            out += view[offset:offset + size]
+            out[n:n + size] = view[offset:offset + size]
+            n += size
         elif cmd:
-            if len(out) + cmd > dst_size or at + cmd > top:
+            if n + cmd > dst_size or at + cmd > top:
                 raise bad("an insert reaches past the data")
-            out += delta[at:at + cmd]
+            out[n:n + cmd] = delta[at:at + cmd]
+            n += cmd
             at += cmd
         else:
             raise bad("opcode 0")
-    if len(out) != dst_size:
-        raise bad(f"the result has {len(out)} bytes, the delta says {dst_size}")
+    if n != dst_size:
+        raise bad(f"the result has {n} bytes, the delta says {dst_size}")
     return bytes(out)
 
 

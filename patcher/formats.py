@@ -108,7 +108,13 @@ def parse_patch(data: bytes, fmt: str) -> Patch:
         )
         for e in parsed.edits
     )
-    # A file may give way to a folder of the same name (or back) in one patch.
-    check_paths([p for e in edits for p in e.touched],
-                removed=[e.path for e in edits if e.op in ("delete", "rename")])
+    # A file may give way to a folder of the same name (or back) in one patch.  A path
+    # moved or deleted away and written anew by another edit (git's rename away and
+    # copy onto it) is one path that stays a file; each format refuses a path changed
+    # twice on its own.
+    removed = {e.path for e in edits if e.op in ("delete", "rename")}
+    renewed = removed & {e.target for e in edits if e.op != "delete"}
+    touched = [p for e in edits for p in e.touched]
+    check_paths([p for n, p in enumerate(touched) if p not in renewed or touched.index(p) == n],
+                removed=sorted(removed - renewed))
     return Patch(parsed.format, edits)

@@ -39,7 +39,7 @@ from typing import Any
 from cas.record import record, field, replace as replace_record
 from cas.objects import GitStore, TreeEntry
 from patcher.binary import apply_delta, blob_id
-from patcher.errors import ContextNotFound, PartiallyApplied, UnsafePath, UnsupportedPatch
+from patcher.errors import ContextNotFound, PartiallyApplied, PatchError, UnsafePath, UnsupportedPatch
 from patcher.formats import FileApplier, get_format
 from patcher.matching import apply_hunks
 from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Patch
@@ -152,6 +152,27 @@ def _apply_binary(store: GitStore, edit: FileEdit, current: TreeEntry) -> tuple[
     return content, mode, content == old and mode == current.mode
 
 
+def _copy_present(store: GitStore, edit: FileEdit, target: TreeEntry, source: TreeEntry | None,
+                  preimages: dict[str, str], applier: FileApplier) -> bool:
+    """Whether the existing target of a copy already holds the copy (applied before).
+
+    The copy's own ``index`` line names its result; a whole copy (no hunks) is
+    the source's old content, which another edit of the patch may name; else
+    the copy is made again from the source as it is.
+    """
+    if edit.new_blob is not None:
+        return _is_blob(target.oid, edit.new_blob) and edit.new_mode in (None, target.mode)
+    if not edit.hunks and edit.binary is None and edit.path in preimages:
+        return _is_blob(target.oid, preimages[edit.path]) and edit.new_mode in (None, target.mode)
+    if source is None:
+        return False
+    try:
+        content, mode, _g, _same = _apply_one(store, edit, source, applier)
+    except PatchError:
+        return False
+    return target.mode == mode and store.read_blob(target.oid) == content
+
+
 def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None,
                applier: FileApplier = apply_hunks) -> tuple[bytes, int, tuple[str, ...], bool]:
     """New content, new mode, per-hunk grades, already-applied flag for a modify/rename/copy/add."""
@@ -182,7 +203,14 @@ def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None,
         applied = applier(old, edit.hunks, path=edit.path)
         return applied.content, mode, applied.grades, applied.already_applied
     if edit.content is not None:
-        return edit.content, mode, (), edit.content == old and mode == current.mode
+        done = edit.content == old and mode == current.mode
+        if edit.old_blob is not None and not done and not _is_blob(current.oid, edit.old_blob):
+            # A type change (git's delete and add of one path): the old side must be what was deleted.
+            raise ContextNotFound(
+                f"'{edit.path}' is blob {current.oid}, the patch replaces {edit.old_blob}",
+                details={"path": edit.path, "blob": current.oid, "expected_blob": edit.old_blob},
+            )
+        return edit.content, mode, (), done
     # A mode change alone (or a pure rename).
     return old, mode, (), mode == current.mode and edit.op != "rename"
 
@@ -210,8 +238,12 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
     present: list[str] = []
     missing: list[str] = []
     blobs: list[tuple[str, bytes, int, dict[str, Any]]] = []
+    # What the patch says a path held before it (a copy reads its source's old content).
+    preimages = {e.path: e.old_blob for e in patch.edits if e.op != "add" and e.op != "copy" and e.old_blob}
     for edit in patch.edits:
         current = _lookup(store, base_tree, edit.path, deleted)
+        if edit.op == "add" and edit.path in deleted:
+            current = None  # deleted (or moved away) by another edit of this patch, and added anew
         if edit.op == "modify" and current is None and writes_create and edit.content is not None:
             edit = replace_record(edit, op="add")
         if edit.op == "delete":
@@ -235,18 +267,18 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
             missing.append(edit.path)
             continue
         if edit.op == "copy":
-            if current is None:
-                raise ContextNotFound(f"cannot copy '{edit.path}': it does not exist", details={"path": edit.path})
-            content, mode, g, _same = _apply_one(store, edit, current, applier)
             target_now = _lookup(store, base_tree, edit.target, deleted)
             if target_now is not None and edit.target not in deleted:
-                if target_now.mode == mode and store.read_blob(target_now.oid) == content:
+                if _copy_present(store, edit, target_now, current, preimages, applier):
                     present.append(edit.target)
                     continue
                 raise ContextNotFound(
                     f"cannot copy '{edit.path}' to '{edit.target}': the target exists",
                     details={"path": edit.target},
                 )
+            if current is None:
+                raise ContextNotFound(f"cannot copy '{edit.path}': it does not exist", details={"path": edit.path})
+            content, mode, g, _same = _apply_one(store, edit, current, applier)
             if g:
                 grades[edit.target] = g
             missing.append(edit.target)
@@ -314,7 +346,9 @@ def write_stage(store: GitStore, plan: StagePlan, message: str, patch: Patch) ->
         oid = store.write_blob(content)
         changes[path] = TreeEntry(oid, mode)
         outputs.append({**out, "blob": oid})
-    outputs += [o for o in plan.outputs if o["op"] == "delete"]
+    written = {path for path, _c, _m, _o in plan.blobs}
+    # A path deleted and written anew by another edit is one output: what it holds now.
+    outputs += [o for o in plan.outputs if o["op"] == "delete" and o["path"] not in written]
     order = {o["path"]: i for i, o in enumerate(plan.outputs)}
     outputs.sort(key=lambda o: order.get(o["path"], 0))
     tree = store.edit_tree(base_tree, changes)
@@ -330,8 +364,11 @@ def _as_modify(edit: FileEdit) -> FileEdit:
 
 def _present_outputs(store: GitStore, tree: str | None, patch: Patch) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    written = {e.target for e in patch.edits if e.op != "delete"}
     for edit in patch.edits:
         if edit.op == "delete":
+            if edit.path in written:
+                continue  # deleted and written anew: its output is the new content
             out.append({"path": edit.path, "op": "delete", "sha256": None, "blob": None, "mode": None})
             continue
         found = store.lookup_path(tree, edit.target).entry if tree else None

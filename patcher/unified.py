@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import re
 
-from patcher.binary import BinaryHunk, read_binary_hunks
+from patcher.binary import BinaryHunk, blob_id, read_binary_hunks
 from patcher.detection import looks_unified
 from patcher.errors import ParseError, UnsupportedPatch
 from patcher.matching import chomp, split_lines
@@ -84,6 +84,7 @@ from patcher.paths import check_path
 __all__ = ["looks_unified", "parse_unified"]
 
 _DEV_NULL = b"/dev/null"
+_FULL_OID = (40, 64)  # hex digits of a full SHA-1 / SHA-256 object id
 _MODE_GITLINK = 0o160000
 _HUNK = re.compile(rb"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(.*)", re.DOTALL)
 _INDEX = re.compile(rb"([0-9a-fA-F]+)\.\.([0-9a-fA-F]+)(?: +([0-7]+))? *")
@@ -254,7 +255,7 @@ class _Block:
 
     __slots__ = ("line", "git", "header", "prefix", "minus", "plus", "minus_epoch", "plus_epoch", "rename_from",
                  "rename_to", "copy", "old_mode", "new_mode", "new_file_mode", "deleted_mode", "index_mode",
-                 "old_blob", "new_blob", "binary", "binary_data", "hunks")
+                 "old_blob", "new_blob", "index_full", "binary", "binary_data", "hunks")
 
     def __init__(self, line: int, git: bool) -> None:
         self.line = line
@@ -275,6 +276,7 @@ class _Block:
         self.index_mode: int | None = None
         self.old_blob: str | None = None
         self.new_blob: str | None = None
+        self.index_full = False  # an index line with full object ids on both sides
         self.binary: str | None = None  # "patch" (GIT binary patch) or "differ" (no data)
         self.binary_data: BinaryHunk | None = None
         self.hunks: list[Hunk] = []
@@ -336,6 +338,7 @@ def _extended(block: _Block, line: bytes, lineno: int) -> bool:
         if index is None:
             raise ParseError(f"malformed index line at line {lineno}", details={"line": lineno})
         block.old_blob, block.new_blob = _blob(index[1]), _blob(index[2])
+        block.index_full = len(index[1]) in _FULL_OID and len(index[2]) in _FULL_OID
         if index[3] is not None:
             block.index_mode = _mode(index[3], lineno)
     elif line == b"GIT binary patch":
@@ -454,7 +457,7 @@ def _read_git_block(lines: list[bytes], i: int) -> tuple[_Block, int]:
         i += 1
         if block.binary == "patch":
             block.binary_data, _reverse, i = read_binary_hunks(lines, i, block.display())
-            return block, i
+            return block, _read_hunks(lines, i, block)  # hunks here are an error (_to_edit)
     if i + 1 < len(lines) and lines[i].startswith(b"--- ") and lines[i + 1].startswith(b"+++ "):
         block.minus, block.minus_epoch = _name_field(lines[i][4:], i + 1)
         block.plus, block.plus_epoch = _name_field(lines[i + 1][4:], i + 2)
@@ -529,26 +532,24 @@ def _names(block: _Block) -> tuple[bytes | None, bytes | None]:
     return old, new
 
 
-_FULL_OID = (40, 64)
-
-
 def _binary_edit(block: _Block, old: bytes | None, new: bytes | None, op: str) -> FileEdit:
     """The edit of a binary block (``GIT binary patch``, or ``Binary files ... differ``)."""
     lineno = block.line
     shown = block.display()
+    if not block.index_full:
+        # git apply's rule: without both full object ids, what the patch applies to
+        # (and what it must give) cannot be checked.
+        why = ("changed, but the patch carries no data" if block.binary_data is None
+               else "has no index line with full object ids (git apply refuses it too)")
+        raise UnsupportedPatch(
+            f"binary file '{shown}' {why}: make the patch with 'git diff --binary'",
+            details={"path": shown, "line": lineno, "reason": "binary"},
+        )
     if block.binary_data is not None:
         method, data = block.binary_data
         kind = method
-    elif new is None:
-        kind, data = "blob", b""  # a delete needs no data
-    elif block.new_blob is not None and len(block.new_blob) in _FULL_OID:
-        kind, data = "blob", b""  # the new content is an object the repository may have
     else:
-        raise UnsupportedPatch(
-            f"binary file '{shown}' changed, but the patch carries no data: make it with "
-            "'git diff --binary' (or --full-index, when the new blob is in the repository)",
-            details={"path": shown, "line": lineno, "reason": "binary"},
-        )
+        kind, data = "blob", b""  # a delete needs no data; else the new blob must be in the repository
     old_mode = block.old_mode if block.old_mode is not None else block.index_mode
     if old is None:
         assert new is not None
@@ -657,6 +658,33 @@ def _to_edit(block: _Block) -> FileEdit:
     )
 
 
+def _sides(edit: FileEdit) -> list[tuple[str, int]]:
+    """The paths ``edit`` takes old content away from (0) and writes new content to (1).
+
+    A path may be on both sides in one patch only through different edits of
+    the kinds git writes together: moved or deleted away and written anew (a
+    rename away and a copy onto it, a delete and an add).  Twice on one side is
+    the same content changed twice.
+    """
+    if edit.op == "add":
+        return [(edit.path, 1)]
+    if edit.op == "delete":
+        return [(edit.path, 0)]
+    if edit.op == "copy":
+        return [(edit.target, 1)]
+    if edit.op == "rename":
+        return [(edit.path, 0), (edit.target, 1)]
+    return [(edit.path, 0), (edit.path, 1)]
+
+
+def _old_blob(gone: FileEdit) -> str | None:
+    """The old blob a deleted path must be: a git delete's hunks hold its whole content."""
+    if gone.binary is None and gone.hunks:
+        full = b"".join(line for h in gone.hunks for line in h.old_lines)
+        return blob_id(full, len(gone.old_blob) if gone.old_blob and len(gone.old_blob) == 64 else 40)
+    return gone.old_blob
+
+
 def parse_unified(data: bytes) -> Patch:
     """Parse a unified diff into ``Patch(format="unified", ...)`` as the module docstring describes.
 
@@ -672,7 +700,9 @@ def parse_unified(data: bytes) -> Patch:
         data += b"\r\n" if last > 0 and data[last - 1] == 0x0D else b"\n"
     lines = split_lines(data)
     edits: list[FileEdit] = []
-    seen: set[str] = set()
+    removed: set[str] = set()  # paths whose old content the patch takes away (changed, deleted, moved)
+    written: set[str] = set()  # paths the patch writes new content to
+    side_sets = (removed, written)
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -708,10 +738,10 @@ def parse_unified(data: bytes) -> Patch:
             gone = edits.pop()
             edit = FileEdit(op="modify", path=edit.path, content=edit.content,
                             old_mode=gone.old_mode, new_mode=edit.new_mode or MODE_FILE,
-                            binary=edit.binary, old_blob=gone.old_blob, new_blob=edit.new_blob)
-            seen.discard(edit.path)
-        for path in edit.touched:
-            if path in seen:
+                            binary=edit.binary, old_blob=_old_blob(gone), new_blob=edit.new_blob)
+            removed.discard(edit.path)
+        for path, side in _sides(edit):
+            if path in side_sets[side]:
                 mails = len(_MAIL_START.findall(data))
                 series = (f": the input is a series of {mails} patches (git format-patch); "
                           "apply them one call each") if mails > 1 else ""
@@ -719,7 +749,7 @@ def parse_unified(data: bytes) -> Patch:
                     f"'{path}' is changed more than once in the patch (line {block.line}){series}",
                     details={"line": block.line, "path": path, **({"patches": mails} if series else {})},
                 )
-            seen.add(path)
+            side_sets[side].add(path)
         edits.append(edit)
     if not edits:
         raise ParseError("no file changes found in patch")

@@ -218,3 +218,115 @@ def test_symlink_becomes_a_binary_file(brepo: Repo, binary: bool) -> None:
     assert _apply(brepo, patch)["tree"] == tree
     assert (brepo.path / "link").read_bytes() == b"\0binary now\0"
     _clean(brepo)
+
+
+# -- found in review: each was wrong before its fix ---------------------------------------
+
+
+def _refused(repo: Repo, patch: bytes, type: str) -> dict:  # type: ignore[type-arg]
+    before = snapshot(repo)
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "refused", input=patch)
+    assert r.code == 4, r.out + r.err
+    assert r.json["error"]["type"] == type, r.json
+    assert snapshot(repo) == before
+    return r.json["error"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("shape", ["text copy, source edited", "binary copy, source edited",
+                                   "copy, source renamed", "whole copy, source edited"])
+def test_a_copy_applied_before_is_already_applied_under_a_new_key(brepo: Repo, shape: str) -> None:
+    def edit(r: Repo) -> None:
+        if shape == "text copy, source edited":
+            text = (r.path / "text.txt").read_text()
+            r.write("text.txt", text.replace("line 3\n", "line three\n"))
+            r.write("text2.txt", text + "more\n")
+        elif shape == "binary copy, source edited":
+            r.write("img/b.bin", BLOB[:-1] + b"!")
+            r.write("img/a.bin", BLOB + b"grown")
+        elif shape == "copy, source renamed":
+            r.write("img/c.bin", BLOB + b"c")
+            (r.path / "moved").mkdir()
+            r.git("mv", "img/a.bin", "moved/a.bin")
+        else:
+            r.write("img/b.bin", BLOB)
+            r.write("img/a.bin", BLOB + b"grown")
+
+    patch, tree = _change(brepo, edit, "-C", "--find-copies-harder")
+    assert b"copy from " in patch, patch[:2000]
+    first = _apply(brepo, patch, "--key", "one")
+    assert first["tree"] == tree
+    head = brepo.head()
+    second = _apply(brepo, patch, "--key", "two")
+    assert second["tree"] == tree and brepo.head() == head, "already applied: no new commit"
+    assert run_cli("verify", "--repo", str(brepo.path)).code == 0
+
+
+def test_a_copy_onto_a_path_the_patch_moves_away(brepo: Repo) -> None:
+    def edit(r: Repo) -> None:
+        r.write("img/g.bin", random.Random(3).randbytes(2000))
+        r.commit_all("g")
+    edit(brepo)
+
+    def rewrite(r: Repo) -> None:
+        r.git("mv", "img/g.bin", "img/k.bin")
+        data = bytearray(BLOB)
+        data[9] ^= 0xFF
+        r.write("img/g.bin", bytes(data))
+
+    patch, tree = _change(brepo, rewrite, "-B", "-M", "-C", "--find-copies-harder")
+    assert b"copy to img/g.bin" in patch and b"rename from img/g.bin" in patch
+    assert _apply(brepo, patch)["tree"] == tree
+    _clean(brepo)
+    assert run_cli("verify", "--repo", str(brepo.path)).code == 0
+
+
+@pytest.mark.parametrize("old", [b"v1\0bin", b"plain text\n"])
+def test_a_type_change_to_a_symlink_checks_what_it_replaces(brepo: Repo, old: bytes) -> None:
+    brepo.write("f", old)
+    brepo.commit_all("f")
+    base = brepo.head()
+    os.unlink(brepo.path / "f")
+    os.symlink("text.txt", brepo.path / "f")
+    target = brepo.commit_all("link")
+    patch = git(brepo.path, "diff", "--binary", base, target).encode()
+    brepo.git("reset", "-q", "--hard", base)
+    brepo.write("f", old + b"changed since")
+    brepo.commit_all("someone else")
+    _refused(brepo, patch, "context_not_found")
+
+
+def test_binary_patches_without_a_full_index_line_are_refused(brepo: Repo) -> None:
+    patch, _tree = _change(brepo, lambda r: r.write("img/a.bin", BLOB[:-4] + b"four"))
+    no_index = b"".join(line for line in patch.splitlines(keepends=True) if not line.startswith(b"index "))
+    err = _refused(brepo, no_index, "parse_error")
+    assert "full object ids" in err["message"] and "git diff --binary" in err["message"]
+    delete = b"diff --git a/img/a.bin b/img/a.bin\ndeleted file mode 100644\nBinary files a/img/a.bin and /dev/null differ\n"
+    _refused(brepo, delete, "parse_error")
+
+
+def test_a_binary_size_over_the_limit_is_too_large(brepo: Repo) -> None:
+    huge = (b"diff --git a/x.bin b/x.bin\nnew file mode 100644\nindex " + b"0" * 40 + b".." + b"1" * 40
+            + b"\nGIT binary patch\nliteral 9223372036854775807\nHcmV?d00001\n\n")
+    err = _refused(brepo, huge, "too_large")
+    assert err["limit"] > 0 and err["path"] == "x.bin"
+    _refused(brepo, huge.replace(b"9223372036854775807", b"9" * 5000), "too_large")
+
+
+def test_text_hunks_after_a_binary_patch_are_refused(brepo: Repo) -> None:
+    patch, _tree = _change(brepo, lambda r: r.write("img/a.bin", BLOB + b"x"))
+    extra = patch.rstrip(b"\n") + b"\n\n@@ -1 +1 @@\n-a\n+b\n"
+    _refused(brepo, extra, "parse_error")
+
+
+def test_a_path_deleted_and_added_anew_has_one_output_and_verifies(brepo: Repo) -> None:
+    patch = (b"diff --git a/text.txt b/text.txt\ndeleted file mode 100644\n--- a/text.txt\n+++ /dev/null\n"
+             + b"@@ -1,40 +0,0 @@\n" + b"".join(b"-line %d\n" % i for i in range(40))
+             + b"diff --git a/text.txt b/text.txt\nnew file mode 100755\n--- /dev/null\n+++ b/text.txt\n"
+             + b"@@ -0,0 +1 @@\n+new life\n")
+    doc = _apply(brepo, patch)
+    assert [(o["path"], o["op"]) for o in doc["outputs"]] == [("text.txt", "add")]
+    assert (brepo.path / "text.txt").read_text() == "new life\n" and os.access(brepo.path / "text.txt", os.X_OK)
+    _clean(brepo)
+    assert run_cli("verify", "--repo", str(brepo.path)).code == 0
+    again = run_cli("apply", "-", "--repo", str(brepo.path), "--json", "--key", "again", input=patch)
+    assert again.code == 4 and again.json["error"]["type"] == "context_not_found", again.out

@@ -128,3 +128,16 @@ def test_b85decode_refuses_what_base64_refuses(text: bytes) -> None:
         base64.b85decode(text)
     with pytest.raises(ValueError):
         b85decode(text)
+
+
+def test_results_over_the_limit_are_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    import patcher.binary as binary
+    from patcher.errors import TooLarge
+
+    monkeypatch.setattr(binary, "MAX_BINARY_BYTES", 1000)
+    with pytest.raises(TooLarge) as info:
+        apply_delta(b"abcd", _varint(4) + _varint(1001) + _copy(0, 4), "f")
+    assert info.value.details == {"path": "f", "size": 1001, "limit": 1000}
+    with pytest.raises(TooLarge):
+        read_binary_hunks(encode_hunk("literal", bytes(1001)), 0, "x")
+    assert read_binary_hunks(encode_hunk("literal", bytes(1000)), 0, "x")[0] == ("literal", bytes(1000))

@@ -793,3 +793,22 @@ def test_a_format_patch_series_that_changes_a_file_twice_is_refused_with_a_hint(
     with pytest.raises(ParseError) as one:
         parse_unified(_p("diff --git a/f b/f", "--- a/f", "+++ b/f", "@@ -1 +1 @@", "-a", "+b") * 2)
     assert "series" not in one.value.message
+
+
+def test_a_path_may_be_taken_away_and_written_anew_but_not_changed_twice_on_one_side() -> None:
+    rename_and_copy = parse_unified(_p(
+        "diff --git a/f b/g", "similarity index 100%", "copy from f", "copy to g",
+        "diff --git a/g b/k", "similarity index 100%", "rename from g", "rename to k"))
+    assert [(e.op, e.path, e.target) for e in rename_and_copy.edits] == [("copy", "f", "g"), ("rename", "g", "k")]
+    delete_then_add = parse_unified(_p(
+        "diff --git a/x b/x", "deleted file mode 100644", "--- a/x", "+++ /dev/null", "@@ -1 +0,0 @@", "-a",
+        "diff --git a/x b/x", "new file mode 100644", "--- /dev/null", "+++ b/x", "@@ -0,0 +1 @@", "+b"))
+    assert [e.op for e in delete_then_add.edits] == ["delete", "add"]
+    for twice in [
+        _p("diff --git a/x b/y", "rename from x", "rename to y", "diff --git a/x b/z", "rename from x", "rename to z"),
+        _p("diff --git a/a b/x", "copy from a", "copy to x", "diff --git a/b b/x", "copy from b", "copy to x"),
+        _p("diff --git a/x b/x", "--- a/x", "+++ b/x", "@@ -1 +1 @@", "-a", "+b",
+           "diff --git a/x b/y", "rename from x", "rename to y"),
+    ]:
+        with pytest.raises(ParseError, match="changed more than once"):
+            parse_unified(twice)
