@@ -114,7 +114,6 @@ def parse_patch(data: bytes, fmt: str) -> Patch:
     # twice on its own.
     removed = {e.path for e in edits if e.op in ("delete", "rename")}
     renewed = removed & {e.target for e in edits if e.op != "delete"}
-    touched = [p for e in edits for p in e.touched]
-    check_paths([p for n, p in enumerate(touched) if p not in renewed or touched.index(p) == n],
-                removed=sorted(removed - renewed))
+    touched = [p for e in edits for p in e.touched if p not in renewed]
+    check_paths(touched + sorted(renewed), removed=sorted(removed - renewed))
     return Patch(parsed.format, edits)
