@@ -176,7 +176,7 @@ def _cmd_resolve(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from receipts.store import ReceiptStore
 
     rstore = ReceiptStore(store_root(args))
-    receipt = resolve_by_hand(rstore, args.key, args.as_, args.note)
+    receipt = resolve_by_hand(rstore, args.key, args.as_, args.note, adapters=_adapters(rstore))
     return EXIT_OK, {"ok": True, "receipt": receipt.to_doc()}, f"{receipt.key}: {receipt.status}\n"
 
 

@@ -8,6 +8,7 @@
     ├── IdempotencyConflict    same key, different tool/version/args      exit 3 idempotency_conflict
     ├── InProgress             key lock still held at the timeout         exit 5 in_progress
     ├── StillUnknown           outcome cannot be told; needs recover      exit 5 unknown
+    ├── NotResolvable          resolve refused: final, or adapter disagrees exit 2 not_resolvable
     ├── FencedOff              a newer attempt owns the key               exit 5 in_progress
     ├── CorruptReceipt         receipt fails verification on read         exit 6 corrupt_receipt
     ├── CorruptLedger          event ledger line unreadable               exit 6 corrupt_receipt
@@ -40,6 +41,7 @@ __all__ = [
     "IdempotencyConflict",
     "InProgress",
     "StillUnknown",
+    "NotResolvable",
     "FencedOff",
     "CorruptReceipt",
     "CorruptLedger",
@@ -83,6 +85,15 @@ class StillUnknown(ReceiptError):
     exit_code = EXIT_IN_PROGRESS
     default_effect_status = "unknown"
     default_next_action = "recover"
+
+
+class NotResolvable(ReceiptError):
+    """``resolve`` refused: the receipt is final, or its adapter knows better than the claim."""
+
+    type = "not_resolvable"
+    exit_code = EXIT_USAGE
+    default_effect_status = "unknown"
+    default_next_action = "none"
 
 
 class FencedOff(ReceiptError):

@@ -3,26 +3,44 @@
 ``--as committed`` records that the effect happened (for git: the candidate
 is the commit); ``--as rejected`` records that it did not, retryable, so the
 next call executes it once.  The note is kept in the receipt and the ledger.
+
+A person's word never overrides an adapter that can tell: the receipt's
+adapter is asked first (as ``recover`` asks it).  When it finds the effect
+applied or not applied, a claim that agrees settles the receipt as
+``recover`` would (follow-ups included: for git, the key ref and the
+worktrees), and a claim that contradicts it is refused with nothing written.
+Only when the adapter cannot tell (or there is none) is the claim recorded
+as given.
 """
 
 from __future__ import annotations
 
-from receipts.errors import InProgress, ReceiptNotFound, StillUnknown
+from collections.abc import Mapping
+
+from cas.errors import OncepatchError
+from receipts.adapter import EffectAdapter
+from receipts.errors import InProgress, NotResolvable, ReceiptNotFound
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 
 __all__ = ["resolve_by_hand"]
 
+_AGREES = {"committed": "applied", "rejected": "not_applied"}
 
-def resolve_by_hand(store: ReceiptStore, key: str, as_: str, note: str, *, lock_timeout: float = 5.0) -> Receipt:
-    """Settle ``key``'s receipt as ``committed`` or ``rejected``.
+
+def resolve_by_hand(store: ReceiptStore, key: str, as_: str, note: str, *, lock_timeout: float = 5.0,
+                    adapters: Mapping[str, EffectAdapter] | None = None) -> Receipt:
+    """Settle ``key``'s receipt as ``committed`` or ``rejected`` (module docstring).
 
     Raises:
         ReceiptNotFound: no receipt for the key.
         InProgress: a live process holds the key.
-        StillUnknown: the receipt is already final (nothing to resolve).
+        NotResolvable: the receipt is already final, or its adapter finds the
+            opposite of ``as_`` (nothing written).
     """
-    if as_ not in ("committed", "rejected"):
+    from receipts.recovery import resolve_receipt
+
+    if as_ not in _AGREES:
         raise ValueError(as_)
     found = store.find(key)
     if found is None:
@@ -32,8 +50,26 @@ def resolve_by_hand(store: ReceiptStore, key: str, as_: str, note: str, *, lock_
             current = store.read(found.key)
             assert current is not None
             if current.status not in ("prepared", "unknown"):
-                raise StillUnknown(f"receipt of '{current.key}' is already {current.status}: nothing to resolve",
-                                   key=current.key, next_action="none", error_type="not_resolvable")
+                known = "applied" if current.status == "committed" else "not_applied"
+                raise NotResolvable(f"receipt of '{current.key}' is already {current.status}: nothing to resolve",
+                                    key=current.key, effect_status=known)  # type: ignore[arg-type]
+            adapter = (adapters or {}).get(current.tool)
+            if adapter is not None:
+                try:
+                    result = adapter.query(current)
+                except OncepatchError:
+                    result = None  # e.g. its repository is gone: the person's word is all there is
+                if result is not None and result.status != "unknown":
+                    if result.status != _AGREES[as_]:
+                        found_as = "applied" if result.status == "applied" else "not applied"
+                        raise NotResolvable(
+                            f"the {current.tool} adapter finds the call of '{current.key}' {found_as} "
+                            f"({result.reason}): it cannot be resolved as {as_}; run 'oncepatch recover'",
+                            key=current.key, effect_status=result.status, next_action="recover",
+                            details={"found": result.status, "reason": result.reason},
+                        )
+                    noted = current.evolve(extra={**current.extra, "resolved_by_hand": note})
+                    return resolve_receipt(store, noted, adapter, result)
             extra = {**current.extra, "resolved_by_hand": note}
             if as_ == "committed":
                 new = current.evolve(status="committed", commit=current.commit or current.candidate, error=None,
