@@ -200,6 +200,30 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
     return _build(doc, extra, identity, stored_digest)
 
 
+def written_as_is(doc: dict[str, Any], key_hash_hex: str) -> bool:
+    """Whether a parsed receipt document is, by its digest, the one written for its file (a scan's quick check).
+
+    ``True`` only when the digest recomputed from orjson's key-sorted dump
+    matches the stored one and the key matches the file name; anything else
+    (``False``) needs :func:`parse_receipt`, which decides and names the problem.
+    """
+    import orjson  # scans load it anyway
+
+    stored = doc.pop(_DIGEST_FIELD, None)
+    try:
+        if not isinstance(stored, str) or not isinstance(doc.get("key"), str):
+            return False
+        # A match proves the document is the one the digest was made of: a key-sorted dump
+        # is then the canonical text itself (where the two could differ, they do not match).
+        text = orjson.dumps(doc, option=orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER)
+        return sha256_hex(text) == stored and key_hash(doc["key"]) == key_hash_hex
+    except Exception:  # noqa: BLE001 - odd values: parse_receipt decides
+        return False
+    finally:
+        if stored is not None:
+            doc[_DIGEST_FIELD] = stored
+
+
 def _args_doc(identity: dict[str, Any]) -> dict[str, Any]:
     """The part of an identity ``args_sha256`` covers (keys already in canonical order)."""
     return {"args": identity.get("args", {}), "tool": identity.get("tool", ""),

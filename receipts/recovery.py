@@ -40,7 +40,7 @@ from receipts.adapter import EffectAdapter, QueryResult
 from receipts.errors import CorruptReceipt, StillUnknown
 from receipts.flock import FileLock
 from receipts.jsonio import use_fast as use_fast_json
-from receipts.receipt import Receipt, parse_receipt
+from receipts.receipt import Receipt, parse_receipt, written_as_is
 from receipts.states import needs_resolution
 from receipts.store import ReceiptStore
 
@@ -187,9 +187,9 @@ def recover(
         report.scanned += 1
         if progress is not None and report.scanned % 10000 == 0:
             progress(report.scanned)
-        # Cheap look first: a final receipt whose digest the ledger already holds
-        # needs nothing from recover (verify checks it in full).  Everything else
-        # is verified before anything is done with it.
+        # Cheap look first: a final receipt whose digest the ledger already holds, and
+        # which its digest shows unedited, needs nothing from recover (verify checks
+        # the rest).  Everything else is verified before anything is done with it.
         try:
             head = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -199,6 +199,7 @@ def recover(
             and head.get("status") in ("committed", "rejected")
             and head.get("receipt_sha256") in ledger_digests
             and not head.get("warnings")
+            and written_as_is(head, h)
         ):
             continue
         try:

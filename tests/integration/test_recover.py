@@ -103,6 +103,27 @@ def test_second_recover_reports_no_change_and_touches_nothing(tmp_path: Path) ->
     assert text.code == 0 and "nothing to do" in text.out
 
 
+@pytest.mark.parametrize("damage", ["edited", "copied over another key's file"])
+def test_a_final_receipt_damaged_by_hand_is_reported_corrupt(tmp_path: Path, damage: str) -> None:
+    """Its digest is in the ledger, but the file is not what was written: exit 6, never skipped."""
+    repo, pf = make_patch(tmp_path)
+    assert apply(repo, pf).code == 0
+    assert run_cli("apply", str(pf), "--key", "other", "--repo", str(repo.path)).code == 0
+    files = sorted(repo.store.glob("receipts/*/*.json"))
+    assert len(files) == 2
+    if damage == "edited":
+        text = files[0].read_text()
+        assert '"fencing_token": 1' in text
+        files[0].write_text(text.replace('"fencing_token": 1', '"fencing_token": 2'))
+    else:
+        shutil.copyfile(files[1], files[0])
+    before = snapshot(repo)
+    r = recover(repo)
+    assert r.code == 6, r.out + r.err
+    assert [c["path"] for c in r.json["corrupt"]] == [str(files[0])]
+    assert snapshot(repo) == before
+
+
 def test_torn_ledger_tail_is_cut_so_verify_passes(tmp_path: Path) -> None:
     """A crash mid-append leaves a torn last ledger line: verify fails on it, and recover (not
     only some later call's append) must cut it; then a second run has nothing to do."""
