@@ -226,7 +226,10 @@ def _cmd_install_hook(args: argparse.Namespace) -> tuple[int, dict[str, Any], st
         if os.path.exists(chained):
             raise UsageError(f"'{chained}' already exists: move it away first")
         os.rename(hook, chained)  # moved aside, never lost
-    os.makedirs(hooks, exist_ok=True)
+    try:
+        os.makedirs(hooks, exist_ok=True)
+    except OSError as exc:  # a file where the folder goes, or no way to make it
+        raise UsageError(f"cannot make the hooks folder '{hooks}': {exc.strerror or exc} (nothing was changed)") from exc
     import shlex
 
     exe = shlex.quote(sys.executable)

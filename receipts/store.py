@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Callable, Iterator
 
 from cas.record import record
@@ -42,6 +43,31 @@ class StoredReceipt:
     error: CorruptReceipt | None
 
 
+def _check_root(root: str) -> None:
+    """Refuse a store whose folder is a file, or lies under one (a usage error, before anything is read).
+
+    A missing folder is made when first written to.
+    """
+    from cas.errors import UsageError
+
+    path = root
+    while True:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return
+            path = parent
+            continue
+        except OSError as exc:
+            raise UsageError(f"cannot use the store '{root}': {exc.strerror or exc}") from exc
+        if not stat.S_ISDIR(st.st_mode):
+            where = "is" if path == root else f"lies under '{path}', which is"
+            raise UsageError(f"cannot use the store '{root}': it {where} not a folder")
+        return
+
+
 class ReceiptStore:
     """Receipts, locks and the ledger of one store folder.
 
@@ -50,6 +76,7 @@ class ReceiptStore:
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
+        _check_root(self.root)
         self.receipts_dir = os.path.join(self.root, "receipts")
         self.locks_dir = os.path.join(self.root, "locks")
         self.tmp_dir = os.path.join(self.root, "tmp")

@@ -230,3 +230,13 @@ def test_a_foreign_hook_under_core_hookspath_is_refused_and_left_alone(repo: Rep
     assert theirs.read_text() == "#!/bin/sh\n. \"$(dirname \"$0\")/h\"\n"
     assert sorted(p.name for p in hooks.iterdir()) == before
     assert not hook_path(repo).exists()
+
+
+def test_a_hooks_path_that_is_a_file_is_a_usage_error(repo: Repo, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x\n")
+    repo.git("config", "core.hooksPath", str(blocker))
+    r = run_cli("install-hook", "--repo", str(repo.path), "--json")
+    assert r.code == 2, r.out + r.err
+    assert r.json["error"]["type"] == "usage" and "nothing was changed" in r.json["error"]["message"]
+    assert blocker.read_text() == "x\n" and "Traceback" not in r.err

@@ -319,6 +319,25 @@ def test_a_repository_libgit2_cannot_open_is_named(repo: Repo, tmp_path: Path) -
     assert snapshot(before) == snap
 
 
+@pytest.mark.parametrize("command", [["apply", "-"], ["status", "K"], ["recover"], ["verify"], ["log"],
+                                     ["watch", "--once"], ["resolve", "K", "--as", "rejected"]])
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_store_that_is_not_a_folder_is_a_usage_error(repo: Repo, tmp_path: Path, command: list[str],
+                                                       where: str) -> None:
+    blocker = tmp_path / "store-file"
+    blocker.write_text("x\n")
+    store = blocker if where == "a file" else blocker / "sub"
+    before = snapshot(repo)
+    r = run_cli(*command, "--repo", str(repo.path), "--store", str(store), "--json", input=MODIFY_UTIL)
+    assert r.code == 2, r.out + r.err
+    err = r.json["error"]
+    assert (err["type"], err["effect_status"], err["next_action"]) == ("usage", "not_started", "fix_input")
+    assert str(store) in err["message"] and "Traceback" not in r.err
+    assert blocker.read_text() == "x\n" and snapshot(repo) == before
+    text = run_cli(*command, "--repo", str(repo.path), "--store", str(store), input=MODIFY_UTIL)
+    assert text.code == 2 and "Traceback" not in text.err and "cannot use the store" in text.err
+
+
 def test_detached_head_needs_branch(repo: Repo) -> None:
     repo.git("checkout", "-q", "--detach")
     err = usage(repo, "-", "--repo", str(repo.path), input=MODIFY_UTIL)
