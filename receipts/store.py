@@ -43,6 +43,18 @@ class StoredReceipt:
     error: CorruptReceipt | None
 
 
+def _names_call_id(path: str, call_id: str) -> bool:
+    """Whether a (corrupt) receipt file says it is the receipt of ``call_id``."""
+    import orjson
+
+    try:
+        with open(path, "rb") as fh:
+            doc = orjson.loads(fh.read())
+    except (OSError, orjson.JSONDecodeError):
+        return False
+    return isinstance(doc, dict) and doc.get("call_id") == call_id
+
+
 def _check_root(root: str) -> None:
     """Refuse a store whose folder is a file, or lies under one (a usage error, before anything is read).
 
@@ -147,7 +159,12 @@ class ReceiptStore:
             CorruptReceipt: the file exists but fails verification.
         """
         h = key_hash(key)
-        return self.read_hash(h)
+        try:
+            return self.read_hash(h)
+        except CorruptReceipt as exc:
+            if exc.key is None:
+                exc.key = key  # the caller's key: the envelope names it
+            raise
 
     def read_hash(self, h: str) -> Receipt | None:
         path = self.path_for_hash(h)
@@ -265,11 +282,18 @@ class ReceiptStore:
             yield self.parse_stored(path, h, data)
 
     def find(self, key_or_call_id: str) -> Receipt | None:
-        """Look up by key, else by call_id (a scan: call_ids are not indexed)."""
+        """Look up by key, else by call_id (a scan: call_ids are not indexed).
+
+        Raises:
+            CorruptReceipt: the key's receipt, or one whose file names this
+                call_id, fails verification (reported, never passed over).
+        """
         found = self.read(key_or_call_id)
         if found is not None:
             return found
         for item in self.scan():
             if item.receipt is not None and item.receipt.call_id == key_or_call_id:
                 return item.receipt
+            if item.error is not None and _names_call_id(item.path, key_or_call_id):
+                raise item.error
         return None

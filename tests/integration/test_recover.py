@@ -468,3 +468,18 @@ def test_live_gits_index_lock_is_never_removed(tmp_path: Path) -> None:
     assert [(x["from"], x["to"]) for x in rec.json["rows"]] == [("prepared", "committed")]
     assert index_lock.exists()
     assert any("follow-up not done" in n for n in rec.json["rows"][0]["notes"]), rec.json
+
+
+def test_status_by_call_id_reports_a_corrupt_receipt(tmp_path: Path) -> None:
+    repo, pf = make_patch(tmp_path)
+    ok = apply(repo, pf)
+    assert ok.code == 0
+    call_id = ok.json["call_id"]
+    (path,) = repo.store.glob("receipts/*/*.json")
+    doc = path.read_text()
+    path.write_text(doc.replace('"fencing_token": 1', '"fencing_token": 2'))
+    for ask in (KEY, call_id):
+        r = run_cli("status", ask, "--repo", str(repo.path), "--json")
+        assert r.code == 6, (ask, r.out + r.err)
+        assert r.json["error"]["type"] == "corrupt_receipt"
+    assert run_cli("status", KEY, "--repo", str(repo.path), "--json").json["error"]["key"] == KEY
