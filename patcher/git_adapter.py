@@ -279,8 +279,8 @@ class GitAdapter:
                 stale = _remove_dead_marked_index_lock(git_dir, remove=not dry_run)
                 if stale is not None:
                     removed.append(stale)
-                if not dry_run:  # the index update's tmp files of dead calls (never a lock)
-                    removed += _remove_dead_tmp_files(None, git_dir, [])
+                # The index update's and ref locks' tmp files of dead calls (never a lock).
+                removed += _remove_dead_tmp_files(None, git_dir, [], remove=not dry_run)
         return removed
 
     def cleanup(self, rstore: ReceiptStore, dry_run: bool, tmp_age: float) -> list[str]:
@@ -370,12 +370,14 @@ def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:
             (common, f"{KEY_REF_TMP_PREFIX}{TMP_MARK}"), (common, f"{REF_TMP_PREFIX}{TMP_MARK}")]
 
 
-def _remove_dead_tmp_files(workdir: str | None, git_dir: str, touched: list[str]) -> list[str]:
+def _remove_dead_tmp_files(workdir: str | None, git_dir: str, touched: list[str], *,
+                           remove: bool = True) -> list[str]:
     """Remove tmp files of dead processes beside the touched paths and beside the index.
 
     Only names cas writes (``.<name>.optmp-<pid>-<rand>`` by the durable-write helper,
     ``index.optmp-<pid>[…]`` and ``.index.lock.optmp-<pid>`` by the index update) whose
-    pid is gone.  ``workdir=None``: only those beside the index.
+    pid is gone.  ``workdir=None``: only those beside the index.  ``remove=False``
+    (a dry run): only list them.
     """
     from cas.durable import TMP_MARK
 
@@ -401,6 +403,10 @@ def _remove_dead_tmp_files(workdir: str | None, git_dir: str, touched: list[str]
             if pid is None or not _pid_dead(pid):
                 continue
             path = os.path.join(folder, entry)
+            if not remove:
+                if os.path.isfile(path):
+                    removed.append(path)
+                continue
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 os.unlink(path)
                 removed.append(path)
