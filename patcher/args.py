@@ -68,7 +68,7 @@ def normalise_branch(branch: str | None, layout: GitLayout) -> str:
     Raises:
         UsageError: detached HEAD without a branch, or an invalid branch name.
     """
-    if branch is None:
+    if branch is None or branch == "HEAD":  # HEAD: the branch it names, as git reads it
         head = read_head(layout.git_dir)
         if head is None:
             raise UsageError("HEAD is detached: name the branch with --branch")
@@ -102,6 +102,10 @@ def normalise_args(
             f"patch is {len(data)} bytes, over the limit of {MAX_PATCH_BYTES}",
             details={"size": len(data), "limit": MAX_PATCH_BYTES},
         )
+    from patcher.formats import BUILTIN_NAMES, known_format
+
+    if not known_format(format):
+        raise UsageError(f"unknown patch format '{format}': use auto, {', '.join(BUILTIN_NAMES)}")
     layout = discover(repo)
     fmt = detect(data) if format == "auto" else format
     return CallArgs(

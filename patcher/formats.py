@@ -47,6 +47,16 @@ def register(fmt: Format) -> None:
     FORMATS[fmt.name] = fmt
 
 
+#: The formats :func:`_load_builtin` registers, known without importing their parsers (a replay
+#: checks a name without them; a test keeps the two in step).
+BUILTIN_NAMES = ("apply_patch", "search_replace", "str_replace", "unified", "whole_file")
+
+
+def known_format(name: str) -> bool:
+    """Whether ``name`` is a format ``--format`` takes (``auto`` included)."""
+    return name == "auto" or name in BUILTIN_NAMES or name in FORMATS
+
+
 def _load_builtin() -> None:
     from patcher import editblocks, envelope, unified, wholefile
 

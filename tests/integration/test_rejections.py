@@ -338,6 +338,26 @@ def test_a_store_that_is_not_a_folder_is_a_usage_error(repo: Repo, tmp_path: Pat
     assert text.code == 2 and "Traceback" not in text.err and "cannot use the store" in text.err
 
 
+def test_an_unknown_format_is_a_usage_error(repo: Repo) -> None:
+    err = usage(repo, "-", "--repo", str(repo.path), "--format", "nonsense", input=MODIFY_UTIL)
+    assert "unknown patch format 'nonsense'" in err["message"] and "unified" in err["message"]
+
+
+def test_the_builtin_format_names_are_the_registered_ones() -> None:
+    from patcher.formats import BUILTIN_NAMES, format_names
+
+    assert tuple(format_names()) == BUILTIN_NAMES
+
+
+def test_branch_head_means_the_branch_head_names(repo: Repo) -> None:
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--branch", "HEAD", "--json", input=MODIFY_UTIL)
+    assert r.code == 0, r.out + r.err
+    assert repo.git("rev-parse", "main") == r.json["commit"] + "\n"
+    repo.git("checkout", "-q", "--detach")
+    err = usage(repo, "-", "--repo", str(repo.path), "--branch", "HEAD", input=MODIFY_UTIL)
+    assert "detached" in err["message"]
+
+
 def test_detached_head_needs_branch(repo: Repo) -> None:
     repo.git("checkout", "-q", "--detach")
     err = usage(repo, "-", "--repo", str(repo.path), input=MODIFY_UTIL)
