@@ -176,7 +176,8 @@ def _cmd_resolve(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from receipts.store import ReceiptStore
 
     rstore = ReceiptStore(store_root(args))
-    receipt = resolve_by_hand(rstore, args.key, args.as_, args.note, adapters=_adapters(rstore))
+    receipt = resolve_by_hand(rstore, args.key, args.as_, args.note, adapters=_adapters(rstore),
+                              probes=_adapters(rstore, read_only=True))
     return EXIT_OK, {"ok": True, "receipt": receipt.to_doc()}, f"{receipt.key}: {receipt.status}\n"
 
 
@@ -208,6 +209,10 @@ def _cmd_install_hook(args: argparse.Namespace) -> tuple[int, dict[str, Any], st
     from cas.gitdir import discover
 
     layout = discover(args.repo)
+    if args.store:  # the hook runs verify on it: an unusable store would block every commit
+        from receipts.store import check_store_root
+
+        check_store_root(os.path.abspath(args.store))
     hooks, configured = _hooks_dir(layout)
     hook = os.path.join(hooks, "pre-commit")
     chained = os.path.join(hooks, "pre-commit.before-oncepatch")

@@ -51,9 +51,21 @@ class GitAdapter:
         self._read_only = read_only
 
     def _store(self, receipt: Receipt) -> GitStore:
+        """The receipt's repository, opened; never another one found above its folder.
+
+        Raises:
+            GitStoreError: it is gone (libgit2 would open an enclosing repository,
+                which knows nothing of the call: asking it would answer wrongly).
+        """
+        from cas.errors import GitStoreError
         from patcher.protocol import open_store
 
-        return open_store(str(receipt.args.get("repo")), self._stores)
+        repo = str(receipt.args.get("repo"))
+        gstore = open_store(repo, self._stores)
+        opened = gstore.repo.workdir or gstore.git_dir
+        if os.path.realpath(opened) != os.path.realpath(repo):
+            raise GitStoreError(f"repository '{repo}' is gone ('{opened.rstrip(os.sep)}' encloses its folder)")
+        return gstore
 
     # -- query -------------------------------------------------------------------
 
@@ -290,7 +302,7 @@ class GitAdapter:
         try:
             names = sorted(os.listdir(rstore.tmp_dir))
         except FileNotFoundError:
-            return removed
+            return list(dict.fromkeys(removed))  # a linked worktree's common dir is listed once
         for name in names:
             if name.startswith("ref-lock-"):
                 # Its stale ref locks are handled by query() under the key lock; an

@@ -9,6 +9,7 @@
     ├── InProgress             key lock still held at the timeout         exit 5 in_progress
     ├── StillUnknown           outcome cannot be told; needs recover      exit 5 unknown
     ├── NotResolvable          resolve refused: final, or adapter disagrees exit 2 not_resolvable
+    ├── AmbiguousCallId        a call_id that several keys' receipts share exit 2 ambiguous_call_id
     ├── FencedOff              a newer attempt owns the key               exit 5 in_progress
     ├── CorruptReceipt         receipt fails verification on read         exit 6 corrupt_receipt
     ├── CorruptLedger          event ledger line unreadable               exit 6 corrupt_receipt
@@ -42,6 +43,7 @@ __all__ = [
     "InProgress",
     "StillUnknown",
     "NotResolvable",
+    "AmbiguousCallId",
     "FencedOff",
     "CorruptReceipt",
     "CorruptLedger",
@@ -94,6 +96,14 @@ class NotResolvable(ReceiptError):
     exit_code = EXIT_USAGE
     default_effect_status = "unknown"
     default_next_action = "none"
+
+
+class AmbiguousCallId(ReceiptError):
+    """A call_id given where a key was expected names the receipts of several keys."""
+
+    type = "ambiguous_call_id"
+    exit_code = EXIT_USAGE
+    default_next_action = "fix_input"
 
 
 class FencedOff(ReceiptError):

@@ -18,19 +18,43 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from cas.errors import OncepatchError
-from receipts.adapter import EffectAdapter
+from receipts.adapter import EffectAdapter, QueryResult
 from receipts.errors import InProgress, NotResolvable, ReceiptNotFound
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 
 __all__ = ["resolve_by_hand"]
 
+
+def _ask(adapter: EffectAdapter, receipt: Receipt) -> QueryResult | None:
+    try:
+        return adapter.query(receipt)
+    except OncepatchError:
+        return None  # e.g. its repository is gone: the person's word is all there is
+
+
+def _refuse_if_contradicted(current: Receipt, as_: str, result: QueryResult) -> None:
+    if result.status == _AGREES[as_]:
+        return
+    found_as = "applied" if result.status == "applied" else "not applied"
+    raise NotResolvable(
+        f"the {current.tool} adapter finds the call of '{current.key}' {found_as} "
+        f"({result.reason}): it cannot be resolved as {as_}; run 'oncepatch recover'",
+        key=current.key, effect_status=result.status, next_action="recover",
+        details={"found": result.status, "reason": result.reason},
+    )
+
 _AGREES = {"committed": "applied", "rejected": "not_applied"}
 
 
 def resolve_by_hand(store: ReceiptStore, key: str, as_: str, note: str, *, lock_timeout: float = 5.0,
-                    adapters: Mapping[str, EffectAdapter] | None = None) -> Receipt:
+                    adapters: Mapping[str, EffectAdapter] | None = None,
+                    probes: Mapping[str, EffectAdapter] | None = None) -> Receipt:
     """Settle ``key``'s receipt as ``committed`` or ``rejected`` (module docstring).
+
+    ``probes``: read-only adapters asked first, so that a refused claim changes
+    nothing (a writing adapter's query also clears a dead owner's leftovers);
+    ``adapters`` settle a claim the probe agrees with.
 
     Raises:
         ReceiptNotFound: no receipt for the key.
@@ -54,22 +78,16 @@ def resolve_by_hand(store: ReceiptStore, key: str, as_: str, note: str, *, lock_
                 raise NotResolvable(f"receipt of '{current.key}' is already {current.status}: nothing to resolve",
                                     key=current.key, effect_status=known)  # type: ignore[arg-type]
             adapter = (adapters or {}).get(current.tool)
-            if adapter is not None:
-                try:
-                    result = adapter.query(current)
-                except OncepatchError:
-                    result = None  # e.g. its repository is gone: the person's word is all there is
+            probe = (probes or {}).get(current.tool, adapter)
+            if adapter is not None and probe is not None:
+                result = _ask(probe, current)
                 if result is not None and result.status != "unknown":
-                    if result.status != _AGREES[as_]:
-                        found_as = "applied" if result.status == "applied" else "not applied"
-                        raise NotResolvable(
-                            f"the {current.tool} adapter finds the call of '{current.key}' {found_as} "
-                            f"({result.reason}): it cannot be resolved as {as_}; run 'oncepatch recover'",
-                            key=current.key, effect_status=result.status, next_action="recover",
-                            details={"found": result.status, "reason": result.reason},
-                        )
-                    noted = current.evolve(extra={**current.extra, "resolved_by_hand": note})
-                    return resolve_receipt(store, noted, adapter, result)
+                    _refuse_if_contradicted(current, as_, result)
+                    settled = _ask(adapter, current) if probe is not adapter else result
+                    if settled is not None and settled.status != "unknown":
+                        _refuse_if_contradicted(current, as_, settled)
+                        noted = current.evolve(extra={**current.extra, "resolved_by_hand": note})
+                        return resolve_receipt(store, noted, adapter, settled, note=note)
             extra = {**current.extra, "resolved_by_hand": note}
             if as_ == "committed":
                 new = current.evolve(status="committed", commit=current.commit or current.candidate, error=None,

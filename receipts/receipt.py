@@ -184,7 +184,8 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
         raise CorruptReceipt(path, f"unknown status '{doc['status']}'")
     stored_digest = doc.get(_DIGEST_FIELD)
     if not isinstance(stored_digest, str):
-        raise CorruptReceipt(path, f"missing field '{_DIGEST_FIELD}'")
+        why = "missing field" if stored_digest is None else "wrong type of field"
+        raise CorruptReceipt(path, f"{why} '{_DIGEST_FIELD}'")
     body = {k: v for k, v in doc.items() if k != _DIGEST_FIELD}
     fast = _fast_hashes(body)
     if fast is not None and fast[0] == stored_digest and fast[1] == doc["call_id"] and fast[2] == doc["args_sha256"]:

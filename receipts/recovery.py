@@ -110,8 +110,11 @@ def receipt_age(receipt: Receipt, now: float | None = None) -> float:
 
 
 def resolve_receipt(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapter,
-                    result: QueryResult | None = None) -> Receipt:
+                    result: QueryResult | None = None, *, note: str | None = None) -> Receipt:
     """Settle one ``prepared``/``unknown`` receipt; the caller holds the key's lock.
+
+    ``note``: a person resolved it (``oncepatch resolve``) with the adapter's
+    agreement; the ledger event is ``resolved`` with the note, not ``recovered``.
 
     Raises:
         StillUnknown: the adapter cannot tell; the receipt is written ``unknown``.
@@ -134,7 +137,7 @@ def resolve_receipt(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapte
             new = new.evolve(extra={**new.extra, "warnings": [*new.extra.get("warnings", []), note]})
         if notes:
             new = new.evolve(extra={**new.extra, "recovery_notes": notes})
-        store.record(new, "recovered", before_replace=hook, reason=result.reason)
+        _record_settled(store, new, hook, result.reason, note)
         return new
     if result.status == "not_applied":
         err = {
@@ -148,7 +151,7 @@ def resolve_receipt(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapte
         new = receipt.evolve(status="rejected", retryable=True, error=err,
                              extra={**receipt.extra, "recovered": result.reason,
                                     **({"recovery_notes": notes} if notes else {})})
-        store.record(new, "recovered", before_replace=hook, reason=result.reason)
+        _record_settled(store, new, hook, result.reason, note)
         return new
     if receipt.status != "unknown":
         new = receipt.evolve(status="unknown", extra={**receipt.extra, "unknown_reason": result.reason})
@@ -158,6 +161,14 @@ def resolve_receipt(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapte
         "check by hand, then 'oncepatch resolve KEY --as committed|rejected'",
         key=receipt.key,
     )
+
+
+def _record_settled(store: ReceiptStore, new: Receipt, hook: Callable[[], None] | None, reason: str,
+                    note: str | None) -> None:
+    if note is None:
+        store.record(new, "recovered", before_replace=hook, reason=reason)
+    else:
+        store.record(new, "resolved", before_replace=hook, reason=reason, note=note)
 
 
 def recover(
@@ -197,7 +208,8 @@ def recover(
         if (
             isinstance(head, dict)
             and head.get("status") in ("committed", "rejected")
-            and head.get("receipt_sha256") in ledger_digests
+            and isinstance(head.get("receipt_sha256"), str)
+            and head["receipt_sha256"] in ledger_digests
             and not head.get("warnings")
             and written_as_is(head, h)
         ):

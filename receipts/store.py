@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 from cas.record import record
 from cas.durable import DurableBatch, fsync_dir
-from receipts.errors import CorruptReceipt, InProgress
+from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress
 from receipts.flock import FileLock
 from receipts.identity import key_hash
 from receipts.ledger import Ledger
@@ -55,8 +55,9 @@ def _names_call_id(path: str, call_id: str) -> bool:
     return isinstance(doc, dict) and doc.get("call_id") == call_id
 
 
-def _check_root(root: str) -> None:
-    """Refuse a store whose folder is a file, or lies under one (a usage error, before anything is read).
+def check_store_root(root: str) -> None:
+    """Refuse a store whose folder is a file, lies under one, or is a dangling symlink (a usage error,
+    before anything is read).
 
     A missing folder is made when first written to.
     """
@@ -67,6 +68,8 @@ def _check_root(root: str) -> None:
         try:
             st = os.stat(path)
         except FileNotFoundError:
+            if os.path.islink(path):
+                raise UsageError(f"cannot use the store '{root}': '{path}' is a symlink to nothing") from None
             parent = os.path.dirname(path)
             if parent == path:
                 return
@@ -88,7 +91,7 @@ class ReceiptStore:
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
-        _check_root(self.root)
+        check_store_root(self.root)
         self.receipts_dir = os.path.join(self.root, "receipts")
         self.locks_dir = os.path.join(self.root, "locks")
         self.tmp_dir = os.path.join(self.root, "tmp")
@@ -285,15 +288,28 @@ class ReceiptStore:
         """Look up by key, else by call_id (a scan: call_ids are not indexed).
 
         Raises:
-            CorruptReceipt: the key's receipt, or one whose file names this
-                call_id, fails verification (reported, never passed over).
+            CorruptReceipt: the key's receipt fails verification, or no valid
+                receipt has this call_id and a corrupt file names it.
+            AmbiguousCallId: several keys' receipts have this call_id.
         """
         found = self.read(key_or_call_id)
         if found is not None:
             return found
+        matches: list[Receipt] = []
+        corrupt: list[CorruptReceipt] = []
         for item in self.scan():
             if item.receipt is not None and item.receipt.call_id == key_or_call_id:
-                return item.receipt
-            if item.error is not None and _names_call_id(item.path, key_or_call_id):
-                raise item.error
+                matches.append(item.receipt)
+            elif item.error is not None and _names_call_id(item.path, key_or_call_id):
+                corrupt.append(item.error)
+        if len(matches) > 1:
+            keys = sorted(r.key for r in matches)
+            raise AmbiguousCallId(
+                f"call_id '{key_or_call_id}' is the call of {len(keys)} keys ({', '.join(keys)}): name one key",
+                details={"keys": keys},
+            )
+        if matches:
+            return matches[0]
+        if corrupt:
+            raise corrupt[0]
         return None

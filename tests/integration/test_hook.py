@@ -240,3 +240,15 @@ def test_a_hooks_path_that_is_a_file_is_a_usage_error(repo: Repo, tmp_path: Path
     assert r.code == 2, r.out + r.err
     assert r.json["error"]["type"] == "usage" and "nothing was changed" in r.json["error"]["message"]
     assert blocker.read_text() == "x\n" and "Traceback" not in r.err
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling symlink"])
+def test_install_hook_with_an_unusable_store_installs_nothing(repo: Repo, tmp_path: Path, kind: str) -> None:
+    store = tmp_path / "store"
+    if kind == "file":
+        store.write_text("x\n")
+    else:
+        store.symlink_to(tmp_path / "nowhere")
+    r = run_cli("install-hook", "--repo", str(repo.path), "--store", str(store), "--json")
+    assert r.code == 2 and r.json["error"]["type"] == "usage", r.out + r.err
+    assert not (repo.path / ".git/hooks/pre-commit").exists()

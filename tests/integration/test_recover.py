@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -488,3 +489,40 @@ def test_status_by_call_id_reports_a_corrupt_receipt(tmp_path: Path) -> None:
         assert r.code == 6, (ask, r.out + r.err)
         assert r.json["error"]["type"] == "corrupt_receipt"
     assert run_cli("status", KEY, "--repo", str(repo.path), "--json").json["error"]["key"] == KEY
+
+
+def test_a_call_id_finds_its_valid_receipt_beside_a_corrupt_copy_of_it(tmp_path: Path) -> None:
+    repo, pf = make_patch(tmp_path)
+    # sha256("b") sorts before sha256("a"): the stray copy is met first in a scan.
+    assert h("b") < h("a")
+    assert apply(repo, pf, key="b").code == 0
+    ok = run_cli("apply", str(pf), "--key", "a", "--attempt", "2", "--repo", str(repo.path), "--json")
+    assert ok.code == 0
+    files = {p: p.read_text() for p in repo.store.glob("receipts/*/*.json")}
+    mine = next(p for p, t in files.items() if ok.json["call_id"] in t)
+    other = next(p for p in files if p != mine)
+    other.write_text(files[mine])  # a stray copy under the other key's name, whichever sorts first
+    r = run_cli("status", ok.json["call_id"], "--repo", str(repo.path), "--json")
+    assert r.code == 0 and r.json["receipt"]["key"] == "a", r.out
+
+
+def test_a_digest_of_the_wrong_type_is_corrupt_not_a_crash(tmp_path: Path) -> None:
+    repo, pf = make_patch(tmp_path)
+    assert apply(repo, pf).code == 0
+    (path,) = repo.store.glob("receipts/*/*.json")
+    doc = json.loads(path.read_text())
+    doc["receipt_sha256"] = [doc["receipt_sha256"]]
+    path.write_text(json.dumps(doc))
+    r = recover(repo)
+    assert r.code == 6 and "Traceback" not in r.err, r.out + r.err
+    assert r.json["corrupt"][0]["reason"] == "wrong type of field 'receipt_sha256'"
+
+
+def test_dry_run_lists_each_leftover_once_with_a_linked_worktree(tmp_path: Path) -> None:
+    repo, pf = make_patch(tmp_path)
+    repo.git("branch", "side")
+    repo.git("worktree", "add", "-q", str(tmp_path / "side-wt"), "side")
+    assert apply(repo, pf, env={"ONCEPATCH_CRASH_AT": "after-prepare"}).code == 137
+    plan = recover(repo, "--dry-run")
+    assert plan.code == 0
+    assert plan.json["removed"] and len(plan.json["removed"]) == len(set(plan.json["removed"]))

@@ -321,12 +321,15 @@ def test_a_repository_libgit2_cannot_open_is_named(repo: Repo, tmp_path: Path) -
 
 @pytest.mark.parametrize("command", [["apply", "-"], ["status", "K"], ["recover"], ["verify"], ["log"],
                                      ["watch", "--once"], ["resolve", "K", "--as", "rejected"]])
-@pytest.mark.parametrize("where", ["a file", "under a file"])
+@pytest.mark.parametrize("where", ["a file", "under a file", "a dangling symlink"])
 def test_a_store_that_is_not_a_folder_is_a_usage_error(repo: Repo, tmp_path: Path, command: list[str],
                                                        where: str) -> None:
     blocker = tmp_path / "store-file"
     blocker.write_text("x\n")
     store = blocker if where == "a file" else blocker / "sub"
+    if where == "a dangling symlink":
+        store = tmp_path / "dangling"
+        store.symlink_to(tmp_path / "nowhere")
     before = snapshot(repo)
     r = run_cli(*command, "--repo", str(repo.path), "--store", str(store), "--json", input=MODIFY_UTIL)
     assert r.code == 2, r.out + r.err
