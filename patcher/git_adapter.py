@@ -49,6 +49,7 @@ class GitAdapter:
         # ``recover --dry-run`` and a flag-only ``watch`` query too: then a stale lock is
         # only reported, never removed (a dry run changes nothing).
         self._read_only = read_only
+        self._own: set[str] = set()  # repository paths seen to open as themselves (_store)
 
     def _store(self, receipt: Receipt) -> GitStore:
         """The receipt's repository, opened; never another one found above its folder.
@@ -62,9 +63,11 @@ class GitAdapter:
 
         repo = str(receipt.args.get("repo"))
         gstore = open_store(repo, self._stores)
-        opened = gstore.repo.workdir or gstore.git_dir
-        if os.path.realpath(opened) != os.path.realpath(repo):
-            raise GitStoreError(f"repository '{repo}' is gone ('{opened.rstrip(os.sep)}' encloses its folder)")
+        if repo not in self._own:  # once per repository and run (verify asks per receipt)
+            opened = gstore.repo.workdir or gstore.git_dir
+            if os.path.realpath(opened) != os.path.realpath(repo):
+                raise GitStoreError(f"repository '{repo}' is gone ('{opened.rstrip(os.sep)}' encloses its folder)")
+            self._own.add(repo)
         return gstore
 
     # -- query -------------------------------------------------------------------
