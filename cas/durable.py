@@ -506,7 +506,9 @@ class DurableBatch:
         except BaseException as exc:
             self._discard()
             if isinstance(exc, OSError) and not isinstance(exc, DurableWriteError):
-                raise DurableWriteError(self._items[0].path if self._items else "", exc) from exc
+                # Name the file the system refused (a tmp file's folder, say), not the batch's first.
+                failed = exc.filename if isinstance(exc.filename, str) else None
+                raise DurableWriteError(failed or (self._items[0].path if self._items else ""), exc) from exc
             raise
         last = len(self._items) - 1
         for n, item in enumerate(self._items):
