@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -396,3 +397,22 @@ def test_refusal_is_not_remembered(repo: Repo) -> None:
     r = run_cli("apply", "-", "--repo", str(repo.path), "--key", "K", "--json", input=MODIFY_UTIL)
     assert r.code == 0 and r.json["replayed"] is False
     assert repo.count() == 2
+
+
+def test_an_unwritable_receipts_folder_is_named_and_nothing_changes(repo: Repo) -> None:
+    folder = repo.path / ".git/oncepatch/receipts"
+    folder.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (it needs root and a filesystem with attributes)")
+    try:
+        before = snapshot(repo)
+        r = run_cli("apply", "-", "--repo", str(repo.path), "--key", "K", "--json", input=MODIFY_UTIL)
+        assert r.code == 1, r.out + r.err
+        err = r.json["error"]
+        assert str(folder) in err["message"] and err["effect_status"] == "not_started", err
+        after = snapshot(repo)
+        # The key's lock file stays (taken before the write failed); recover removes such files.
+        after["store"] = {k: v for k, v in after["store"].items() if not k.startswith("locks/")}
+        assert after == before
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
