@@ -617,9 +617,26 @@ def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None
     if filters is None:
         return blob
     try:
-        return bytes(filters.apply_to_buffer(blob))
+        return _apply_filters(filters, blob)
     except pygit2.GitError:
         return blob
+
+
+def _apply_filters(filters: "pygit2.filter.FilterList", data: bytes) -> bytes:
+    """libgit2's ``git_filter_list_apply_to_buffer``, every byte of the result kept.
+
+    pygit2's ``FilterList.apply_to_buffer`` reads the result as a C string: a
+    binary file under ``* text=auto`` came back cut at its first NUL byte.
+    """
+    from pygit2.errors import check_error
+    from pygit2.ffi import C, ffi
+
+    buf = ffi.new("git_buf *")
+    check_error(C.git_filter_list_apply_to_buffer(buf, filters._pointer, data, len(data)))
+    try:
+        return bytes(ffi.buffer(buf.ptr, buf.size))
+    finally:
+        C.git_buf_dispose(buf)
 
 
 def index_matches(workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:

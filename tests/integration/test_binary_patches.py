@@ -330,3 +330,19 @@ def test_a_path_deleted_and_added_anew_has_one_output_and_verifies(brepo: Repo) 
     assert run_cli("verify", "--repo", str(brepo.path)).code == 0
     again = run_cli("apply", "-", "--repo", str(brepo.path), "--json", "--key", "again", input=patch)
     assert again.code == 4 and again.json["error"]["type"] == "context_not_found", again.out
+
+
+def test_a_binary_file_under_text_auto_is_written_whole(repo: Repo) -> None:
+    """`* text=auto eol=crlf`: git leaves a binary file's bytes alone; so must the worktree write.
+
+    The eol filter's output used to be read as a C string, cut at the first NUL byte.
+    """
+    repo.write(".gitattributes", "* text=auto eol=crlf\n")
+    data = random.Random(5).randbytes(5000) + b"\n\0\n"
+    repo.write("img/a.bin", data)
+    repo.commit_all("binary under text=auto")
+    patch, tree = _change(repo, lambda r: r.write("img/a.bin", data[:100] + b"\n\n\0\n" + data[104:]))
+    assert b"GIT binary patch" in patch
+    assert _apply(repo, patch)["tree"] == tree
+    assert (repo.path / "img/a.bin").read_bytes() == data[:100] + b"\n\n\0\n" + data[104:]
+    _clean(repo)
