@@ -28,8 +28,9 @@ import os
 import zlib
 
 from patcher.errors import ContextNotFound, ParseError, TooLarge
+from patcher.matching import chomp
 
-__all__ = ["BinaryHunk", "read_binary_hunks", "apply_delta", "blob_id", "b85decode"]
+__all__ = ["BinaryHunk", "read_binary_hunks", "apply_delta", "b85decode"]
 
 #: The largest file a binary hunk may inflate to, or a delta may make (bytes).  The
 #: patch's own limit does not bound them: deflated data and deltas are far smaller.
@@ -85,17 +86,11 @@ def _length_byte(c: int) -> int:
     return -1
 
 
-def _chomp(line: bytes) -> bytes:
-    if line.endswith(b"\r\n"):
-        return line[:-2]
-    return line[:-1] if line.endswith(b"\n") else line
-
-
 def _read_hunk(lines: list[bytes], i: int, path: str) -> tuple[BinaryHunk | None, int]:
     """One ``literal``/``delta`` hunk at ``lines[i]``; ``(None, i)`` when ``lines[i]`` starts none."""
     if i >= len(lines):
         return None, i
-    head = _chomp(lines[i])
+    head = chomp(lines[i])
     method, _, size_text = head.partition(b" ")
     if method not in (b"literal", b"delta") or not size_text.isdigit():
         return None, i
@@ -112,7 +107,7 @@ def _read_hunk(lines: list[bytes], i: int, path: str) -> tuple[BinaryHunk | None
     lengths: list[int] = []
     j = start
     while j < len(lines):
-        line = _chomp(lines[j])
+        line = chomp(lines[j])
         if not line:
             j += 1  # the blank line that ends the hunk
             break
@@ -248,13 +243,3 @@ def apply_delta(src: bytes, delta: bytes, path: str) -> bytes:
     if n != dst_size:
         raise bad(f"the result has {n} bytes, the delta says {dst_size}")
     return bytes(out)
-
-
-def blob_id(data: bytes, hex_length: int = 40) -> str:
-    """Git's object id of ``data`` as a blob (SHA-1, or SHA-256 for 64-digit ids)."""
-    import hashlib
-
-    h = hashlib.sha256() if hex_length == 64 else hashlib.sha1()
-    h.update(b"blob %d\0" % len(data))
-    h.update(data)
-    return h.hexdigest()

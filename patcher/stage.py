@@ -38,7 +38,8 @@ from typing import Any
 
 from cas.record import record, field, replace as replace_record
 from cas.objects import GitStore, TreeEntry
-from patcher.binary import apply_delta, blob_id
+from cas.hashing import git_blob_oid
+from patcher.binary import apply_delta
 from patcher.errors import ContextNotFound, PartiallyApplied, PatchError, UnsafePath, UnsupportedPatch
 from patcher.formats import FileApplier, get_format
 from patcher.matching import apply_hunks
@@ -126,7 +127,7 @@ def _binary_result(store: GitStore, edit: FileEdit, old: bytes) -> bytes:
     else:
         content = edit.content if edit.content is not None else b""
     if edit.new_blob is not None:
-        got = blob_id(content, len(edit.new_blob) if len(edit.new_blob) == 64 else 40)
+        got = git_blob_oid(content)
         if not got.startswith(edit.new_blob):
             raise ContextNotFound(
                 f"binary patch for '{edit.target}' gives blob {got}, the patch says {edit.new_blob}",

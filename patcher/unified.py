@@ -74,7 +74,8 @@ from __future__ import annotations
 
 import re
 
-from patcher.binary import BinaryHunk, blob_id, read_binary_hunks
+from cas.hashing import git_blob_oid
+from patcher.binary import BinaryHunk, read_binary_hunks
 from patcher.detection import looks_unified
 from patcher.errors import ParseError, UnsupportedPatch
 from patcher.matching import chomp, split_lines
@@ -681,7 +682,7 @@ def _old_blob(gone: FileEdit) -> str | None:
     """The old blob a deleted path must be: a git delete's hunks hold its whole content."""
     if gone.binary is None and gone.hunks:
         full = b"".join(line for h in gone.hunks for line in h.old_lines)
-        return blob_id(full, len(gone.old_blob) if gone.old_blob and len(gone.old_blob) == 64 else 40)
+        return git_blob_oid(full)
     return gone.old_blob
 
 

@@ -8,7 +8,8 @@ import zlib
 
 import pytest
 
-from patcher.binary import apply_delta, b85decode, blob_id, read_binary_hunks
+from cas.hashing import git_blob_oid
+from patcher.binary import apply_delta, b85decode, read_binary_hunks
 from patcher.errors import ContextNotFound, ParseError
 
 
@@ -108,10 +109,9 @@ def test_bad_deltas_are_refused(delta: bytes, why: str) -> None:
     assert why in info.value.message
 
 
-def test_blob_id_is_gits() -> None:
-    assert blob_id(b"") == "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"
-    assert blob_id(b"hello\n") == "ce013625030ba8dba906f756967f9e9ca394464a"
-    assert len(blob_id(b"", 64)) == 64
+def test_the_blob_ids_binary_edits_are_checked_with_are_gits() -> None:
+    assert git_blob_oid(b"") == "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"
+    assert git_blob_oid(b"hello\n") == "ce013625030ba8dba906f756967f9e9ca394464a"
 
 
 @pytest.mark.parametrize("size", [0, 4, 8, 52, 4 * 16384 - 4, 4 * 16384, 4 * 16384 + 8, 300_000])
