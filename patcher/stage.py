@@ -48,6 +48,7 @@ from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Patch
 __all__ = ["Staged", "StagePlan", "plan_stage", "write_stage", "stage", "touched_paths"]
 
 _MODE_TREE = 0o040000
+_MODE_GITLINK = 0o160000
 
 
 @record
@@ -87,6 +88,12 @@ def _lookup(store: GitStore, tree: str | None, path: str, deleted: set[str]) -> 
         return None
     found = store.lookup_path(tree, path)
     if found.blocked_by is not None:
+        if found.blocked_mode == _MODE_GITLINK:
+            raise UnsafePath(
+                f"refusing to write '{path}': '{found.blocked_by}' is a submodule (a repository of its own): "
+                f"apply the change in that repository",
+                details={"path": path, "reason": "in_submodule", "submodule": found.blocked_by},
+            )
         if found.blocked_mode == MODE_LINK:
             raise UnsafePath(
                 f"refusing to write '{path}': '{found.blocked_by}' is a symlink in the tree",
@@ -98,6 +105,11 @@ def _lookup(store: GitStore, tree: str | None, path: str, deleted: set[str]) -> 
                 details={"path": path, "blocked_by": found.blocked_by},
             )
         return None
+    if found.entry is not None and found.entry.mode == _MODE_GITLINK:
+        raise UnsafePath(
+            f"refusing to change '{path}': it is a submodule, and oncepatch does not change submodules",
+            details={"path": path, "reason": "submodule", "submodule": path},
+        )
     if found.entry is not None and found.entry.mode == _MODE_TREE:
         if all(f"{path}/{sub}" in deleted for sub in store.list_files(found.entry.oid)):
             return None  # a folder giving way to a file: every file in it is deleted by the patch
