@@ -264,7 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             traceback.print_exc()
         return EXIT_INTERNAL
-    _emit(doc, text, as_json)
+    if args.command != "mcp":  # the protocol owned stdout; nothing may follow it
+        _emit(doc, text, as_json)
     return code
 
 

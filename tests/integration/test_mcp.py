@@ -166,3 +166,13 @@ def test_mcp_server_without_a_repository_fails_before_serving(tmp_path: Path) ->
 
     r = run_cli("mcp", "--repo", str(tmp_path), "--json", input=b"")
     assert r.code == 2 and r.json["error"]["type"] == "usage"
+
+
+def test_mcp_server_prints_nothing_after_the_protocol(repo: Repo) -> None:
+    """Stdout is the protocol's: a client that closes stdin reads no stray JSON, with or without --json."""
+    from conftest import run_cli
+
+    for extra in ((), ("--json",)):
+        r = run_cli("mcp", "--repo", str(repo.path), *extra, input=b"")
+        assert r.code == 0, r.err
+        assert r.out == ""
