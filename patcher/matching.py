@@ -38,6 +38,9 @@ match (no overlap).
   an ambiguous scope is harmless when the hunk resolves it.  Scopes take
   precedence over ``old_start``.
 * ``at_eof``: the hunk's old lines must end at the file's last line.
+* ``prefer_start`` / ``prefer_eof`` (unified hunks git anchors): the hunk is
+  first judged only at the file's start / end (both: the whole file); if it
+  neither applies nor is present there, by the rules above anywhere.
 * An empty old side inserts: with ``old_start`` after line ``old_start``
   (0 = start of file, plus the carried offset); else after the last scope
   line, or at the end of the file.
@@ -239,20 +242,22 @@ def _locate(
     expected: int | None,
     starts: Sequence[int] | None,
     at_eof: bool,
+    at_start: bool = False,
     grades: Sequence[str] = GRADES,
 ) -> _Loc | None:
     """Find the non-empty ``seq`` in ``f`` at or after ``lo`` (rules: module docstring)."""
     n, m = len(f.lines), len(seq)
     last = n - m
-    if last < lo:
+    if last < lo or (at_start and (lo > 0 or (at_eof and last != 0))):
         return None
     for grade in grades:
         fn = _key_fn(grade, agnostic)
         hkeys = [fn(line) for line in seq]
-        if at_eof:
+        if at_eof or at_start:
+            pos = last if at_eof else 0
             floor = max(lo, min(starts)) if starts else lo
-            if last >= floor and f.match_at(grade, agnostic, last, hkeys):
-                return _Loc(grade, (last,))
+            if pos >= floor and f.match_at(grade, agnostic, pos, hkeys):
+                return _Loc(grade, (pos,))
             continue
         # Fast path, and the rule "the stated position wins": O(hunk) when it matches.
         if (
@@ -367,6 +372,17 @@ def _judge(f: _File, hunk: Hunk, lo: int, carry: int) -> _Verdict:
         "starts": starts,
         "at_eof": hunk.at_eof,
     }
+    if hunk.prefer_start or hunk.prefer_eof:
+        # Where git would anchor it first: there it applies, or is present, before anywhere else.
+        anchored = _judge_at(f, hunk, {**kw, "at_eof": hunk.at_eof or hunk.prefer_eof,
+                                       "at_start": hunk.prefer_start})
+        if anchored.state != "missing":
+            return anchored
+    return _judge_at(f, hunk, kw)
+
+
+def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any]) -> _Verdict:
+    """:func:`_judge` for a hunk with an old side, placed by ``kw`` (:func:`_locate`'s arguments)."""
     old = _locate(f, hunk.old_lines, **kw)
     if old is not None and old.grade == "exact" and len(old.positions) == 1:
         return _Verdict("applies", old.positions[0], "exact")
@@ -378,7 +394,7 @@ def _judge(f: _File, hunk: Hunk, lo: int, carry: int) -> _Verdict:
     if new is not None:
         return _Verdict("present", new.positions[0], new.grade)
     if old is None:
-        where = "at end of file " if hunk.at_eof else ""
+        where = "at end of file " if kw["at_eof"] else ""
         return _Verdict("missing", reason=f"context not found {where}(tried {', '.join(GRADES)})")
     if len(old.positions) > 1:
         lines = ", ".join(str(p + 1) for p in old.positions)

@@ -45,6 +45,9 @@ class Hunk:
     (``None`` for formats without line numbers; ``0`` for an empty old side).
     ``scopes`` are ``@@ <scope line>`` anchors (apply_patch) that must be found, in
     order, before the hunk.  ``at_eof`` anchors the hunk to the end of the file.
+    ``prefer_start`` / ``prefer_eof``: where git anchors a unified hunk (old side
+    from line 1; context before the change and none after it), tried first:
+    the hunk applies, or is found present, there before anywhere else.
     """
 
     old_lines: tuple[bytes, ...]
@@ -53,6 +56,8 @@ class Hunk:
     scopes: tuple[bytes, ...] = ()
     at_eof: bool = False
     eol_agnostic: bool = False
+    prefer_start: bool = False
+    prefer_eof: bool = False
     header: str = ""
 
 

@@ -387,6 +387,8 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
     new: list[bytes] = []
     sides = ""  # which side(s) the previous line went to: "o", "n" or "on"
     want_old, want_new = old_count, new_count
+    leading = trailing = 0  # context lines before the first change, after the last
+    changed = False
 
     def fail(what: str, at: int) -> ParseError:
         return ParseError(
@@ -416,16 +418,18 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
             old.append(body)
             new.append(body)
             want_old, want_new, sides = want_old - 1, want_new - 1, "on"
+            trailing += 1
+            leading += not changed
         elif kind == b"-":
             if want_old == 0:
                 raise fail("is longer than its header says", j + 1)
             old.append(line[1:])
-            want_old, sides = want_old - 1, "o"
+            want_old, sides, changed, trailing = want_old - 1, "o", True, 0
         elif kind == b"+":
             if want_new == 0:
                 raise fail("is longer than its header says", j + 1)
             new.append(line[1:])
-            want_new, sides = want_new - 1, "n"
+            want_new, sides, changed, trailing = want_new - 1, "n", True, 0
         elif kind == b"\\":
             no_newline(j + 1)
             sides = ""
@@ -437,12 +441,17 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
         j += 1
     if j < n and not lines[j].startswith(b"@@ -") and _excess(lines, j):
         raise fail("is longer than its header says", j + 1)
+    # git apply's anchors (apply.c, match_beginning / match_end): a hunk from line 1 starts
+    # the file; one with no context after its change ends it.  A hunk with no context at all
+    # (-U0) is read by its line numbers, as 'git apply --unidiff-zero' reads it.
     block.hunks.append(
         Hunk(
             old_lines=tuple(old),
             new_lines=tuple(new),
             old_start=int(head[1]),
             header=chomp(lines[i]).decode("utf-8", "replace"),
+            prefer_start=bool(old) and int(head[1]) == 1,
+            prefer_eof=bool(old) and changed and trailing == 0 and leading > 0,
         )
     )
     return j

@@ -812,3 +812,83 @@ def test_a_path_may_be_taken_away_and_written_anew_but_not_changed_twice_on_one_
     ]:
         with pytest.raises(ParseError, match="changed more than once"):
             parse_unified(twice)
+
+
+# -- git's anchors: a hunk from line 1 starts the file, one without trailing context ends it --------
+
+
+def _apply_twice_like_git(tmp_path: Path, original: bytes, patch: bytes) -> tuple[bytes, bool, bytes | None]:
+    """Ours applied once, then again on its result (already applied?), and git's result of the first."""
+    edit = parse_unified(patch).edits[0]
+    once = apply_hunks(original, edit.hunks, path="f").content
+    again = apply_hunks(once, edit.hunks, path="f")
+    (tmp_path / "f").write_bytes(original)
+    (tmp_path / "p.diff").write_bytes(patch)
+    res = subprocess.run(["git", "apply", "p.diff"], cwd=tmp_path, capture_output=True, check=False)
+    theirs = (tmp_path / "f").read_bytes() if res.returncode == 0 else None
+    return once, again.already_applied and again.content == once, theirs
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+@pytest.mark.parametrize("original,patch", [
+    # lines appended after the last lines (git diff's context before, none after)
+    (b"x\ny\nz\n", b"--- a/f\n+++ b/f\n@@ -1,3 +1,4 @@\n x\n y\n z\n+new\n"),
+    (b"1\n2\n3\n4\n5\n6\nx\ny\nz\n", b"--- a/f\n+++ b/f\n@@ -7,3 +7,5 @@\n x\n y\n z\n+n1\n+n2\n"),
+    # the last line replaced
+    (b"a\nb\nc\nd\n", b"--- a/f\n+++ b/f\n@@ -2,3 +2,3 @@\n b\n c\n-d\n+D\n"),
+    # lines prepended before the first lines
+    (b"x\ny\nz\nw\n", b"--- a/f\n+++ b/f\n@@ -1,3 +1,4 @@\n+new\n x\n y\n z\n"),
+    # the first line replaced, in a file that repeats it
+    (b"a\nb\nc\na\nb\nc\n", b"--- a/f\n+++ b/f\n@@ -1,3 +1,3 @@\n-a\n+A\n b\n c\n"),
+], ids=["append", "append_longer_file", "replace_last", "prepend", "replace_first"])
+def test_a_hunk_git_anchors_is_already_applied_the_second_time(tmp_path: Path, original: bytes,
+                                                              patch: bytes) -> None:
+    """Applied again to its own result, such a hunk is already there (it used to apply a second time)."""
+    once, already, theirs = _apply_twice_like_git(tmp_path, original, patch)
+    assert once == theirs
+    assert already
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_a_hunk_without_trailing_context_ends_the_file_where_its_context_is_also_earlier(tmp_path: Path) -> None:
+    """git's reading: the context repeats at the stated position and at the end; the end wins."""
+    original = b"mid\nx\ny\nz\nmid\nx\ny\nz\n"
+    patch = b"--- a/f\n+++ b/f\n@@ -2,3 +2,4 @@\n x\n y\n z\n+new\n"
+    once, _already, theirs = _apply_twice_like_git(tmp_path, original, patch)
+    assert theirs == once == b"mid\nx\ny\nz\nmid\nx\ny\nz\nnew\n"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_a_hunk_without_trailing_context_in_mid_file_still_applies_where_git_refuses(tmp_path: Path) -> None:
+    """Leniency kept: an agent's hunk that stops after its change applies at its context (git wants the end)."""
+    original = b"def f():\n    x = 1\n    return x\n"
+    patch = b"--- a/f\n+++ b/f\n@@ -1,2 +1,3 @@\n def f():\n     x = 1\n+    y = 2\n"
+    once, _already, theirs = _apply_twice_like_git(tmp_path, original, patch)
+    assert theirs is None
+    assert once == b"def f():\n    x = 1\n    y = 2\n    return x\n"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_a_hunk_with_no_context_is_read_by_its_line_numbers(tmp_path: Path) -> None:
+    """-U0: no anchor (git needs --unidiff-zero); the stated line is changed, not the same line at the end."""
+    original = b"a\n}\nb\n}\n"
+    patch = b"--- a/f\n+++ b/f\n@@ -2 +2 @@\n-}\n+};\n"
+    once, _already, _theirs = _apply_twice_like_git(tmp_path, original, patch)
+    assert once == b"a\n};\nb\n}\n"
+    edit = parse_unified(patch).edits[0]
+    assert not edit.hunks[0].prefer_eof and not edit.hunks[0].prefer_start
+
+
+def test_anchor_flags_follow_the_hunk_lines() -> None:
+    def flags(body: bytes, start: int = 5) -> tuple[bool, bool]:
+        old = sum(1 for line in body.splitlines() if line[:1] in (b" ", b"-"))
+        new = sum(1 for line in body.splitlines() if line[:1] in (b" ", b"+"))
+        h = parse_unified(b"--- a/f\n+++ b/f\n@@ -%d,%d +%d,%d @@\n" % (start, old, start, new) + body).edits[0].hunks[0]
+        return h.prefer_start, h.prefer_eof
+
+    assert flags(b" a\n-b\n+B\n c\n") == (False, False)
+    assert flags(b" a\n-b\n+B\n") == (False, True)
+    assert flags(b"-b\n+B\n c\n") == (False, False)
+    assert flags(b"-b\n+B\n c\n", start=1) == (True, False)
+    assert flags(b" a\n b\n-c\n", start=1) == (True, True)
+    assert flags(b"-b\n+B\n") == (False, False)
