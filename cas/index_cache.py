@@ -31,7 +31,7 @@ import hashlib
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import pygit2
@@ -135,8 +135,13 @@ class _ParsedIndex:
             return None
         return TreeEntry(str(ie.id), int(ie.mode))
 
-    def stage(self, workdir: str, removed: list[str], added: list[tuple[str, TreeEntry]]) -> None:
-        """Set the entries of these paths: removed, or added with the stat data of the files now on disk."""
+    def stage(self, workdir: str, removed: list[str], added: list[tuple[str, TreeEntry]],
+              unstat: Collection[str] = ()) -> None:
+        """Set the entries of these paths: removed, or added with the stat data of the files now on disk.
+
+        ``unstat``: added paths whose file is not the entry's content; their stat
+        data stays zero, so git compares the file's content and sees the change.
+        """
         from pygit2.errors import check_error
         from pygit2.ffi import C, ffi
 
@@ -145,6 +150,14 @@ class _ParsedIndex:
             with contextlib.suppress(OSError, KeyError, pygit2.GitError):
                 self.index.remove(path)
         for path, te in added:
+            if path in unstat:
+                e = ffi.new("git_index_entry *")
+                e.mode = te.mode
+                ffi.buffer(ffi.addressof(e, "id"))[:] = bytes.fromhex(te.oid)
+                c_path = ffi.new("char[]", os.fsencode(path))
+                e.path = c_path
+                check_error(C.git_index_add(self.index._index, e))
+                continue
             st = os.lstat(os.path.join(workdir, path))
             e = ffi.new("git_index_entry *")
             e.ctime.seconds = int(st.st_ctime) & 0xFFFFFFFF
@@ -281,11 +294,15 @@ class IndexSnapshot:
             self._raw.start_prefix()
         return True
 
-    def stage(self, workdir: str, removed: list[str], added: list[tuple[str, TreeEntry]]) -> None:
-        """Set the entries of these paths: removed, or added with the stat data of the files now on disk."""
+    def stage(self, workdir: str, removed: list[str], added: list[tuple[str, TreeEntry]],
+              unstat: Collection[str] = ()) -> None:
+        """Set the entries of these paths: removed, or added with the stat data of the files now on disk.
+
+        ``unstat``: see :meth:`_ParsedIndex.stage`.
+        """
         from cas.index_raw import MAX_PATHS, Unsupported
 
-        if self._raw is not None and not removed and len(added) <= MAX_PATHS:
+        if self._raw is not None and not removed and not unstat and len(added) <= MAX_PATHS:
             try:
                 changes = []
                 for path, te in added:
@@ -297,7 +314,7 @@ class IndexSnapshot:
                 return
             except Unsupported:
                 pass
-        self._use_parsed().stage(workdir, removed, added)
+        self._use_parsed().stage(workdir, removed, added, unstat)
 
     def install(self, also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None) -> None:
         """Write the new index and rename it over ``index`` (caller holds ``index.lock``); durable.

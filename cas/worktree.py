@@ -32,7 +32,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import pygit2
 
@@ -47,6 +47,7 @@ __all__ = [
     "hold_index_lock",
     "drop_lock_marks",
     "break_dead_own_index_lock",
+    "dead_own_index_lock",
     "update_index",
     "dirty_paths",
     "unsafe_worktree_paths",
@@ -332,7 +333,8 @@ def drop_lock_marks() -> None:
 
 
 def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | None = None,
-                    git_dir: str | None = None, keep_mark: bool = False) -> IndexLock:
+                    git_dir: str | None = None, keep_mark: bool = False,
+                    on_dead: Callable[[str], None] | None = None) -> IndexLock:
     """Take ``workdir``'s ``index.lock``, waiting up to ``timeout`` seconds while someone else holds it.
 
     The file holds ``oncepatch-index-lock <pid> <host>``; ``lock_marker`` (a
@@ -344,6 +346,11 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
     ``keep_mark``: the tmp file the lock is linked from is kept for this
     thread's next lock of the same worktree, until :func:`drop_lock_marks`
     (the apply protocol takes two locks per call, and drops them as it ends).
+    ``on_dead``: called once with the lock's path when a dead oncepatch call
+    holds it, before it is removed.  That call may have moved the branch and
+    died before bringing this worktree along; the lock is what keeps ``git
+    commit`` from committing the stale index, so the caller first settles the
+    calls it protects (the apply protocol: as ``recover`` does).
 
     Raises:
         RefLockedError: ``index.lock`` stayed held (a live git, or a stale lock of git's).
@@ -374,6 +381,10 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
                 # The kept mark was removed (by hand, or by a recovery that took this pid for dead).
                 tmp, remade = _lock_mark(git_dir, keep_mark, fresh=True), True
             except FileExistsError:
+                if on_dead is not None and dead_own_index_lock(index_lock):
+                    settle, on_dead = on_dead, None
+                    settle(index_lock)
+                    continue
                 if break_dead_own_index_lock(index_lock):
                     continue
                 if time.monotonic() >= deadline:
@@ -397,6 +408,29 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
             raise
         lock._marker = lock_marker
     return lock
+
+
+def _dead_own_mark(head: bytes) -> bool:
+    """Whether an ``index.lock`` starting with ``head`` was written by an oncepatch call on this host that is gone."""
+    fields = head[len(INDEX_LOCK_MARK):].split() if head.startswith(INDEX_LOCK_MARK) else []
+    if len(fields) < 2 or fields[1].decode("utf-8", "replace") != socket.gethostname():
+        return False  # not ours, or written elsewhere: its owner cannot be checked from here
+    try:
+        os.kill(int(fields[0]), 0)
+        return False  # alive (or its pid reused: waiting is the safe side)
+    except ProcessLookupError:
+        return True
+    except (ValueError, PermissionError):
+        return False
+
+
+def dead_own_index_lock(index_lock: str) -> bool:
+    """Whether ``index_lock`` is held by an oncepatch call on this host that is gone (nothing is removed)."""
+    try:
+        with open(index_lock, "rb") as fh:
+            return _dead_own_mark(fh.read(256))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
 
 
 def break_dead_own_index_lock(index_lock: str) -> bool:
@@ -425,15 +459,7 @@ def break_dead_own_index_lock(index_lock: str) -> bool:
             read_id = os.fstat(fd)
         finally:
             os.close(fd)
-        fields = head[len(INDEX_LOCK_MARK):].split() if head.startswith(INDEX_LOCK_MARK) else []
-        if len(fields) < 2 or fields[1].decode("utf-8", "replace") != socket.gethostname():
-            return False  # not ours, or written elsewhere: its owner cannot be checked from here
-        try:
-            os.kill(int(fields[0]), 0)
-            return False  # alive (or its pid reused: waiting is the safe side)
-        except ProcessLookupError:
-            pass
-        except (ValueError, PermissionError):
+        if not _dead_own_mark(head):
             return False
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(index_lock)
@@ -455,10 +481,13 @@ def update_index(
     known: Mapping[str, TreeEntry | None] | None = None,
     also_sync: list[str | int] | None = None,
     defer_dir: list[str] | None = None,
+    unstat: Collection[str] = (),
 ) -> None:
     """Update just these entries of ``workdir``'s index (stat data from the files), safely against git.
 
     ``also_sync``: synced with the new index file before its rename (emptied once synced).
+    ``unstat``: paths of ``known`` set without stat data: their files hold
+    something else (an edit by hand), which git then sees as a change.
     ``defer_dir``: the index's folder is appended here, not synced (the caller syncs it).
 
     The read-modify-write happens while we hold ``index.lock`` (``held``, or
@@ -478,7 +507,7 @@ def update_index(
     """
     lock = held if held is not None else hold_index_lock(workdir, timeout=timeout, lock_marker=lock_marker)
     try:
-        _write_index(workdir, lock, removed, added, known, also_sync, defer_dir)
+        _write_index(workdir, lock, removed, added, known, also_sync, defer_dir, unstat)
     finally:
         if held is None:
             lock.release()
@@ -486,7 +515,8 @@ def update_index(
 
 def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[str],
                  known: Mapping[str, TreeEntry | None] | None = None,
-                 also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None) -> None:
+                 also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None,
+                 unstat: Collection[str] = ()) -> None:
     """Set these entries in the parsed copy of the index and install it (``index.lock`` is held).
 
     ``known``: the entries just written for these paths (their files are not re-hashed).
@@ -514,7 +544,7 @@ def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[
             raise GitStoreError(f"cannot stage '{path}' in '{workdir}': {exc}") from exc
         entries.append((path, TreeEntry(git_blob_oid(data), mode)))
     try:
-        snap.stage(workdir, removed, entries)
+        snap.stage(workdir, removed, entries, unstat)
     except pygit2.GitError as exc:
         raise GitStoreError(f"cannot stage in '{workdir}': {exc}") from exc
     snap.install(also_sync, defer_dir)

@@ -136,7 +136,7 @@ class GitAdapter:
 
     def settle(self, receipt: Receipt) -> list[str]:
         """Create a missing key ref; bring worktrees whose touched paths still show the base."""
-        from cas.worktree import materialise
+        from cas.worktree import materialise, update_index
 
         done: list[str] = []
         gstore = self._store(receipt)
@@ -163,6 +163,7 @@ class GitAdapter:
             for tmp in _remove_dead_tmp_files(workdir, _gd, touched):
                 done.append(f"removed '{tmp}' left by a crashed call")
             stale: dict[str, TreeEntry | None] = {}
+            index_only: dict[str, TreeEntry | None] = {}
             left: list[str] = []
             for path in touched:
                 want = gstore.lookup_file(tip_tree, path)
@@ -173,7 +174,12 @@ class GitAdapter:
                     stale[path] = want
                 else:
                     left.append(path)
-            if stale:
+                    if was != want and _index_matches(workdir, path, was):
+                        # The file was edited since the crash: it is kept.  The index
+                        # still holds the base, a staged revert of the commit that
+                        # the next 'git commit' would make; it gets the commit's entry.
+                        index_only[path] = want
+            if stale or index_only:
                 # A call killed inside update_index leaves its marked index.lock, maybe
                 # without the store marker (killed before writing it): materialise would
                 # wait on it and give up.  Its pid is gone, so it is provably stale.
@@ -184,8 +190,15 @@ class GitAdapter:
                 if self._rstore is not None:
                     os.makedirs(self._rstore.tmp_dir, exist_ok=True)
                     marker = index_marker(self._rstore, receipt.key)
-                materialise(gstore, workdir, stale, lock_marker=marker)
-                done.append(f"materialised {len(stale)} path(s) in '{workdir}'")
+                if stale:
+                    materialise(gstore, workdir, stale, lock_marker=marker)
+                    done.append(f"materialised {len(stale)} path(s) in '{workdir}'")
+                if index_only:
+                    kept = [p for p, e in index_only.items() if e is not None]
+                    update_index(workdir, [p for p, e in index_only.items() if e is None], kept,
+                                 lock_marker=marker, known=index_only, unstat=set(kept))
+                    done.append(f"staged the commit's version of {len(index_only)} path(s) in the index of "
+                                f"'{workdir}' (the files keep their edits)")
             if left:
                 done.append(f"left {len(left)} path(s) in '{workdir}' alone: changed since the crash")
         return done

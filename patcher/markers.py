@@ -14,9 +14,11 @@ import os
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 
-__all__ = ["ref_lock_marker", "index_marker", "MARKER_PREFIXES"]
+__all__ = ["ref_lock_marker", "index_marker", "MARKER_PREFIXES", "INDEX_MARKER_PREFIX"]
 
-MARKER_PREFIXES = ("ref-lock-", "index-lock-")
+#: Name of an index-lock marker, before the key's hash.
+INDEX_MARKER_PREFIX = "index-lock-"
+MARKER_PREFIXES = ("ref-lock-", INDEX_MARKER_PREFIX)
 
 
 def ref_lock_marker(rstore: ReceiptStore, key: str) -> str:
@@ -24,4 +26,4 @@ def ref_lock_marker(rstore: ReceiptStore, key: str) -> str:
 
 
 def index_marker(rstore: ReceiptStore, key: str) -> str:
-    return os.path.join(rstore.tmp_dir, f"index-lock-{key_hash(key)}")
+    return os.path.join(rstore.tmp_dir, f"{INDEX_MARKER_PREFIX}{key_hash(key)}")

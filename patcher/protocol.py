@@ -265,7 +265,7 @@ def _locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any]
         # First call: every input error is found before the lock is taken, so a
         # rejected patch leaves the store (and the repository) exactly as it was.
         try:
-            pre = _precheck(args, _stores)
+            pre = _precheck(args, _stores, rstore)
         except OncepatchError as exc:
             raise exc.with_key(the_key)
 
@@ -299,18 +299,23 @@ class _PreCheck:
     worktrees: list[tuple[str, str]]
 
 
-def _precheck(args: CallArgs, stores: dict[str, Any] | None) -> _PreCheck:
-    """Parse, plan against the branch's current head and check worktrees; write nothing."""
+def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore) -> _PreCheck:
+    """Parse, plan against the branch's current head and check worktrees; write nothing.
+
+    (Unless a dead call's ``index.lock`` is met: that call is settled first, see
+    :func:`patcher.worktrees.settle_dead_calls`.)
+    """
     use_fast_json()  # this process executes: JSON speed now matters more than start-up
     from patcher.stage import plan_stage, touched_paths
-    from patcher.worktrees import check_worktrees, prefetch_indexes
+    from patcher.worktrees import check_worktrees, prefetch_indexes, settle_dead_calls
 
     parsed = parse_patch(args.patch, args.format)
     gstore = open_store(args.repo, stores)
     _read_identities(gstore)
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
-    worktrees = check_worktrees(gstore, args.branch, touched_paths(parsed)) if not plan.already_applied else []
+    worktrees = (check_worktrees(gstore, args.branch, touched_paths(parsed), settle_dead_calls(rstore, stores))
+                 if not plan.already_applied else [])
     return _PreCheck(parsed, plan, worktrees)
 
 
@@ -373,7 +378,8 @@ def _execute(
     pre: _PreCheck | None,
 ) -> ApplyResult:
     from patcher.stage import plan_stage, touched_paths, write_stage
-    from patcher.worktrees import check_worktrees, hold_index_locks, materialise_all, release_index_locks
+    from patcher.worktrees import (check_worktrees, hold_index_locks, materialise_all, release_index_locks,
+                                   settle_dead_calls)
 
     use_fast_json()
     parsed = pre.patch if pre is not None else parse_patch(args.patch, args.format)
@@ -388,7 +394,8 @@ def _execute(
         plan, worktrees = pre.plan, pre.worktrees
     else:
         plan = plan_stage(gstore, base, parsed)
-        worktrees = check_worktrees(gstore, args.branch, paths) if not plan.already_applied else []
+        worktrees = (check_worktrees(gstore, args.branch, paths, settle_dead_calls(rstore, stores))
+                     if not plan.already_applied else [])
     staged, candidate = write_stage(gstore, plan, message, parsed)
     if candidate is None:
         return _already_applied(rstore, identity, call_id, key, args_sha, previous, args, staged)
@@ -433,7 +440,7 @@ def _execute(
     _pause_point("before-ref")
     with _writer_turn(rstore, gstore, args.branch):
         try:
-            held = hold_index_locks(rstore, worktrees, key)
+            held = hold_index_locks(rstore, worktrees, key, on_dead=settle_dead_calls(rstore, stores))
         except RefLockedError as exc:
             _reject(rstore, identity, call_id, key, args_sha, receipt, args, exc, base, candidate, retryable=True)
             raise

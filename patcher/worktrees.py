@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from cas.errors import GitStoreError, OncepatchError
 from cas.gitdir import worktrees_on
@@ -12,9 +14,9 @@ from cas.worktree import IndexLock, dirty_paths, hold_index_lock, materialise, u
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath, UnsafePath
-from patcher.markers import index_marker
+from patcher.markers import INDEX_MARKER_PREFIX, index_marker
 
-__all__ = ["prefetch_indexes", "check_worktrees", "hold_index_locks", "release_index_locks", "materialise_all"]
+__all__ = ["prefetch_indexes", "settle_dead_calls", "check_worktrees", "hold_index_locks", "release_index_locks", "materialise_all"]
 
 
 def prefetch_indexes(gstore: GitStore, branch: str) -> None:
@@ -28,8 +30,64 @@ def prefetch_indexes(gstore: GitStore, branch: str) -> None:
             continue  # check_worktrees meets it again
 
 
-def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tuple[str, str]]:
+def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None) -> Callable[[str], None]:
+    """An ``on_dead`` for :func:`cas.worktree.hold_index_lock`: settle the dead calls that held ``index_lock``.
+
+    A call killed after its branch moved and before its worktree followed
+    leaves its marked ``index.lock`` (and a marker in the store naming it).
+    Removing the lock alone would let ``git commit`` commit the stale index,
+    reverting that call's change; so each call the store's markers tie to the
+    lock is settled first, as ``recover`` settles it (its receipt resolved,
+    its touched paths brought to the branch where they still show the base,
+    the lock removed).  A marker whose call still lives, or is settled
+    already, is left alone.
+    """
+
+    def on_dead(index_lock: str) -> None:
+        from patcher.git_adapter import GitAdapter
+        from receipts.recovery import resolve_receipt
+        from receipts.states import needs_resolution
+
+        try:
+            names = sorted(os.listdir(rstore.tmp_dir))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for name in names:
+            if not name.startswith(INDEX_MARKER_PREFIX):
+                continue
+            try:
+                with open(os.path.join(rstore.tmp_dir, name), "rb") as fh:
+                    named = fh.read().decode("utf-8", "surrogateescape").strip()
+                receipt = rstore.read_hash(name[len(INDEX_MARKER_PREFIX):])
+            except (OSError, OncepatchError):
+                continue  # gone meanwhile, or a corrupt receipt: recover reports it
+            if named != index_lock or receipt is None:
+                continue
+            lock = rstore.try_lock(receipt.key)
+            if lock is None:
+                continue  # its owner lives: the lock is not dead after all
+            try:
+                current = rstore.read(receipt.key)
+                if current is None:
+                    continue
+                adapter = GitAdapter(rstore, stores if stores is not None else {})
+                if needs_resolution(current.status):
+                    resolve_receipt(rstore, current, adapter)
+                elif current.status == "committed":
+                    adapter.settle(current)
+            except OncepatchError:
+                continue  # left for recover; the lock is then removed as before
+            finally:
+                lock.release()
+
+    return on_dead
+
+
+def check_worktrees(gstore: GitStore, branch: str, paths: list[str],
+                    on_dead: Callable[[str], None] | None = None) -> list[tuple[str, str]]:
     """The worktrees on ``branch``, after refusing dirty or symlinked touched paths (before prepare).
+
+    ``on_dead``: see :func:`settle_dead_calls`.
 
     Raises:
         DirtyPath: a touched path has uncommitted changes (or an untracked file) there.
@@ -47,7 +105,7 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tup
         # Race guarded: another call moves the branch (holding index.lock) and only
         # then brings the index along; read in between, HEAD and the index disagree
         # and a clean path looks dirty.  Under index.lock both are read as one state.
-        lock = hold_index_lock(workdir, git_dir=_git_dir, keep_mark=True)
+        lock = hold_index_lock(workdir, git_dir=_git_dir, keep_mark=True, on_dead=on_dead)
         try:
             tip = gstore.resolve(branch)
             dirty = dirty_paths(gstore, workdir, paths, gstore.commit_tree(tip) if tip else None)
@@ -64,7 +122,7 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str]) -> list[tup
 
 
 def hold_index_locks(rstore: ReceiptStore, worktrees: list[tuple[str, str]], key: str,
-                     timeout: float = 10.0) -> dict[str, IndexLock]:
+                     timeout: float = 10.0, on_dead: Callable[[str], None] | None = None) -> dict[str, IndexLock]:
     """Take the ``index.lock`` of every worktree on the branch (in path order), before the branch moves.
 
     They stay held until the touched paths are materialised
@@ -84,7 +142,7 @@ def hold_index_locks(rstore: ReceiptStore, worktrees: list[tuple[str, str]], key
             if marker is not None:
                 os.makedirs(rstore.tmp_dir, exist_ok=True)
             held[workdir] = hold_index_lock(workdir, timeout=timeout, lock_marker=marker, git_dir=git_dir,
-                                            keep_mark=True)
+                                            keep_mark=True, on_dead=on_dead)
     except BaseException:
         release_index_locks(held)
         raise

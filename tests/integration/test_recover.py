@@ -383,6 +383,64 @@ def test_kill_holding_index_lock_after_the_ref_moved(tmp_path: Path, where: str)
     assert run_cli("verify", "--repo", str(repo.path)).code == 0
 
 
+def test_a_later_call_settles_the_dead_call_whose_index_lock_it_meets(tmp_path: Path) -> None:
+    """A call killed after its branch moved leaves its marked ``index.lock``: the index and file it
+    touched still show the base.  A later call (another key, another file) must not just remove
+    that lock: ``git commit -a`` would then commit the stale index and revert the dead call's
+    change.  It settles the dead call first, as recover does: its receipt committed, its path
+    brought along, and a human commit afterwards keeps both changes."""
+    repo, pf = make_patch(tmp_path)
+    assert apply(repo, pf, env={"ONCEPATCH_CRASH_AT": "after-ref"}).code == 137
+    assert (repo.path / ".git/index.lock").exists()
+    dead = receipt(repo)
+    assert dead.status == "prepared"
+
+    other = tmp_path / "other.diff"
+    text = (repo.path / "README").read_text()
+    other.write_text("--- a/README\n+++ b/README\n@@ -1 +1 @@\n-" + text + "+readme changed\n")
+    nxt = apply(repo, other, key="other")
+    assert nxt.code == 0, nxt.out + nxt.err
+    assert receipt(repo).status == "committed" and receipt(repo).commit == dead.candidate
+    assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
+    assert "line 7 changed" in (repo.path / "src/app.py").read_text()
+    assert not (repo.path / ".git/index.lock").exists()
+    assert not list((repo.store / "tmp").glob("index-lock-*"))
+
+    repo.write("docs/guide.txt", "guide by hand\n")
+    repo.git("commit", "-qam", "by hand")
+    assert "line 7 changed" in repo.git("show", "HEAD:src/app.py")
+    assert repo.git("show", "HEAD:README") == "readme changed\n"
+    assert run_cli("verify", "--repo", str(repo.path)).code == 0
+    rec = recover(repo)
+    assert rec.code == 0 and rec.json["rows"] == [], rec.out
+
+
+def test_recover_keeps_a_file_edited_since_the_crash_and_stages_the_commits_version(tmp_path: Path) -> None:
+    """Killed after the branch moved, the touched file then edited by hand: recover keeps the edit
+    (never overwrites it), but the index must not keep the base: that is a staged revert of the
+    commit, which the next ``git commit`` would make.  The index gets the commit's entry; the edit
+    shows as an unstaged change, and a second recover has nothing to do."""
+    repo, pf = make_patch(tmp_path)
+    assert apply(repo, pf, env={"ONCEPATCH_CRASH_AT": "after-ref"}).code == 137
+    edited = (repo.path / "src/app.py").read_text() + "edited by hand\n"
+    repo.write("src/app.py", edited)
+
+    rec = recover(repo)
+    assert rec.code == 0, rec.err
+    notes = " ".join(n for row in rec.json["rows"] for n in row.get("notes", []))
+    assert "alone" in notes and "staged the commit's version" in notes, rec.out
+    assert (repo.path / "src/app.py").read_text() == edited
+    assert repo.git("diff", "--cached", "--name-only") == ""  # nothing staged against the commit
+    assert repo.git("status", "--porcelain", "--", "src/app.py") == " M src/app.py\n"
+    assert repo.git("ls-files", "-s", "src/app.py").split()[1] == repo.git("rev-parse", "HEAD:src/app.py").strip()
+    repo.write("docs/guide.txt", "another file\n")
+    repo.git("add", "docs/guide.txt")
+    repo.git("commit", "-qm", "another file")  # commits the index: the change stays
+    assert "line 7 changed" in repo.git("show", "HEAD:src/app.py")
+    again = recover(repo)
+    assert again.code == 0 and again.json["rows"] == [], again.out
+
+
 @needs_strace
 @pytest.mark.parametrize("nth", [1, 2])
 def test_kill_right_after_taking_index_lock(tmp_path: Path, nth: int) -> None:
