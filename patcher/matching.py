@@ -58,11 +58,16 @@ A line left without terminator in the middle of the result (the old last line
 of a file without final newline, with lines now after it) gets the file's
 dominant terminator, so lines are never glued together.
 
-**Already applied.**  A hunk whose old side is found nowhere (or only at a
-grade looser than its new side: a whitespace-only change re-applied) but whose
-new side is found, by the same rules and from the same position, is
-*present* (if the new side occurs at several places, the one nearest the
-stated position counts, else the first).  "Its removed lines absent" thus
+**Already applied.**  A hunk whose old side is found nowhere but whose new
+side is found, by the same rules and from the same position, is *present*
+(if the new side occurs at several places, the one nearest the stated
+position counts, else the first) — if the two sides share a line (context).
+A hunk without context (every old line removed, every new line added) is
+present only when its new side is at its stated position (unified diffs;
+never for hunks without line numbers): a lone ``return None`` found elsewhere
+proves nothing.  A hunk whose old side is found only at a grade looser than
+its new side (a whitespace-only change re-applied) is present when the new
+side is found, more strictly, *where* the old side was.  "Its removed lines absent" thus
 means: the old side (context and removed lines together) is not in the file.
 A hunk with an empty old side (pure insertion) or an empty new side can never
 be judged present.  All hunks present →
@@ -344,8 +349,10 @@ class _Failure(Exception):
         self.extra = extra
 
 
-def _judge(f: _File, hunk: Hunk, lo: int, carry: int) -> _Verdict:
+def _judge(f: _File, hunk: Hunk, lo: int, carry: int, shift: int = 0) -> _Verdict:
     """Decide whether ``hunk`` applies at or after ``lo``, is already present, or neither.
+
+    ``shift``: the lines the earlier hunks judged to apply would add (were they there already).
 
     Raises:
         _Failure: a scope is missing, an insertion point is outside the file, or
@@ -375,22 +382,34 @@ def _judge(f: _File, hunk: Hunk, lo: int, carry: int) -> _Verdict:
     if hunk.prefer_start or hunk.prefer_eof:
         # Where git would anchor it first: there it applies, or is present, before anywhere else.
         anchored = _judge_at(f, hunk, {**kw, "at_eof": hunk.at_eof or hunk.prefer_eof,
-                                       "at_start": hunk.prefer_start})
+                                       "at_start": hunk.prefer_start}, shift)
         if anchored.state != "missing":
             return anchored
-    return _judge_at(f, hunk, kw)
+    return _judge_at(f, hunk, kw, shift)
 
 
-def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any]) -> _Verdict:
+def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
     """:func:`_judge` for a hunk with an old side, placed by ``kw`` (:func:`_locate`'s arguments)."""
     old = _locate(f, hunk.old_lines, **kw)
     if old is not None and old.grade == "exact" and len(old.positions) == 1:
         return _Verdict("applies", old.positions[0], "exact")
     new: _Loc | None = None
     if hunk.new_lines:
-        # The new side counts only if found more strictly than the old side.
+        # The new side counts only if found more strictly than the old side ...
         stricter = GRADES if old is None else GRADES[: GRADES.index(old.grade)]
-        new = _locate(f, hunk.new_lines, **kw, grades=stricter) if stricter else None
+        if old is not None:
+            # ... and where the old side was found: a change re-applied (say, of whitespace)
+            # left the new lines in its place, not somewhere else in the file.
+            at = (len(f.lines) - len(hunk.new_lines),) if kw["at_eof"] else old.positions
+            new = _at_positions(f, hunk.new_lines, at, stricter, hunk.eol_agnostic)
+        elif set(hunk.old_lines) & set(hunk.new_lines):
+            new = _locate(f, hunk.new_lines, **kw, grades=stricter)
+        elif kw["expected"] is not None and not kw["at_eof"]:
+            # No line kept (no context): the new lines alone prove little (one
+            # 'return None' is like another), so only the stated position counts
+            # (in the new file's lines too, should the earlier hunks be there).
+            at = (kw["expected"], kw["expected"] + shift)
+            new = _at_positions(f, hunk.new_lines, at, stricter, hunk.eol_agnostic)
     if new is not None:
         return _Verdict("present", new.positions[0], new.grade)
     if old is None:
@@ -405,6 +424,18 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any]) -> _Verdict:
             grade_tried=list(GRADES[: GRADES.index(old.grade) + 1]),
         )
     return _Verdict("applies", old.positions[0], old.grade)
+
+
+def _at_positions(f: _File, seq: Sequence[bytes], positions: Sequence[int], grades: Sequence[str],
+                  agnostic: bool) -> _Loc | None:
+    """``seq`` at one of ``positions``, at the strictest of ``grades`` that has it there."""
+    for grade in grades:
+        fn = _key_fn(grade, agnostic)
+        hkeys = [fn(line) for line in seq]
+        hits = tuple(p for p in positions if f.match_at(grade, agnostic, p, hkeys))
+        if hits:
+            return _Loc(grade, hits)
+    return None
 
 
 def _insertion_point(f: _File, hunk: Hunk, lo: int, carry: int, starts: list[int] | None) -> int:
@@ -577,11 +608,11 @@ def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Applied
     """
     f = _File(original)
     plan: list[tuple[Hunk, _Verdict]] = []
-    lo = carry = 0
+    lo = carry = shift = 0
     for index, hunk in enumerate(hunks):
         expected = None if hunk.old_start is None else hunk.old_start - 1 + carry
         try:
-            verdict = _judge(f, hunk, lo, carry)
+            verdict = _judge(f, hunk, lo, carry, shift)
         except _Failure as failure:
             raise _error(f, hunk, index, path, lo, expected, failure) from None
         if verdict.state == "missing":
@@ -589,6 +620,8 @@ def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Applied
                 f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason)
             )
         plan.append((hunk, verdict))
+        if verdict.state == "applies":
+            shift += len(hunk.new_lines) - len(hunk.old_lines)
         size = len(hunk.old_lines if verdict.state == "applies" else hunk.new_lines)
         lo = verdict.pos + size
         if hunk.old_start is not None and hunk.old_lines:

@@ -1,0 +1,6 @@
+def has_commit():
+    return True
+
+
+def other():
+    return None

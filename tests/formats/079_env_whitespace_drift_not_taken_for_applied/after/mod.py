@@ -1,0 +1,6 @@
+def has_commit():
+    return None
+
+
+def other():
+    return None

@@ -1,0 +1,6 @@
+def has_commit():
+    return False  
+
+
+def other():
+    return None
