@@ -6,6 +6,8 @@ form, or raises :class:`~patcher.errors.UnsafePath` (``details`` =
 ``{"path": <as given>, "reason": <short text>}``).  Refused:
 
 * the empty path (also ``.``, which normalises to nothing);
+* a name that is not UTF-8 (its bytes arrive as surrogates): receipts and
+  error envelopes are JSON text (the message shows such a byte as ``\\xe9``);
 * control characters ``\\x00``-``\\x1f`` (NUL included);
 * absolute paths: a leading ``/``, a leading ``\\`` (UNC ``\\\\host``), or a
   Windows drive prefix ``C:`` (also ``C:x``, drive-relative);
@@ -74,6 +76,14 @@ def check_path(path: str) -> str:
     """
     if path == "":
         raise _refuse(path, "empty path")
+    if not path.isascii():
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            # Bytes that are not UTF-8 (a Latin-1 name) arrive as surrogates; receipts and
+            # the error envelope are JSON text, which cannot hold them.
+            raise _refuse(path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"),
+                          "not UTF-8") from None
     if _CONTROL.search(path):
         raise _refuse(path, "control character in path")
     if path.startswith(("/", "\\")) or _DRIVE.match(path):

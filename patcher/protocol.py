@@ -707,5 +707,8 @@ def _commit_message(args: CallArgs, patch: Patch, call_id: str, key: str) -> str
         targets = [e.target for e in patch.edits]
         shown = ", ".join(targets[:3]) + (f" and {len(targets) - 3} more" if len(targets) > 3 else "")
         subject = f"oncepatch: apply patch to {shown}"
+    # Paths (and argv) that are not UTF-8 arrive with their bytes as surrogates: the
+    # message is UTF-8, so such a byte is shown as '\xe9'.
+    subject = subject.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     return f"{subject}\n\nOncepatch-Call: {call_id}\nOncepatch-Key: {key_hash(key)}\n"
 

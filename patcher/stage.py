@@ -263,7 +263,9 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
             if current is None:
                 raise ContextNotFound(f"cannot delete '{edit.path}': it does not exist",
                                       details={"path": edit.path})
-            if edit.binary is not None and edit.old_blob is not None and not _is_blob(current.oid, edit.old_blob):
+            if edit.old_blob is not None and not _is_blob(current.oid, edit.old_blob):
+                # The index line names what is deleted: with no hunks (an empty file's
+                # delete, 'git diff --irreversible-delete', binary) the only check there is.
                 raise ContextNotFound(
                     f"cannot delete '{edit.path}': it is blob {current.oid}, the patch deletes {edit.old_blob}",
                     details={"path": edit.path, "blob": current.oid, "expected_blob": edit.old_blob},

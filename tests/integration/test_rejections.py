@@ -85,6 +85,9 @@ UNSAFE = [
         ("dotgit_upper", add_patch(b"b/.GIT/x"), "'.git' component"),
         ("dotgit_nested", add_patch(b"b/src/.Git/hooks/pre-commit"), "'.git' component"),
         ("nul_byte", add_patch(b"b/a\x00b"), "control character in path"),
+        ("latin1_quoted", b'diff --git "a/caf\\351.txt" "b/caf\\351.txt"\nnew file mode 100644\n--- /dev/null\n'
+         b'+++ "b/caf\\351.txt"\n@@ -0,0 +1 @@\n+x\n', "not UTF-8"),
+        ("latin1_raw", add_patch(b"b/caf\xe9.txt"), "not UTF-8"),
         ("nul_quoted", b'diff --git "a/a\\000b" "b/a\\000b"\nnew file mode 100644\n--- /dev/null\n'
          b'+++ "b/a\\000b"\n@@ -0,0 +1 @@\n+x\n', "control character in path"),
     ]
@@ -181,6 +184,35 @@ def test_delete_of_missing_file(repo: Repo) -> None:
     repo.commit_all("deleted already, by someone else")
     err = refuse(repo, patch, code=4, type="context_not_found")
     assert err["path"] == "docs/guide.txt"
+
+
+def test_delete_without_hunks_of_a_file_that_changed_since(repo: Repo) -> None:
+    """An empty file's delete carries no hunks, only its index line: content written since is not lost."""
+    repo.write("empty.txt", "")
+    repo.commit_all("an empty file")
+    patch = patch_of(repo, lambda r: r.git("rm", "-q", "empty.txt"))
+    assert b"@@" not in patch and b"index e69de29" in patch
+    repo.write("empty.txt", "important data\n")
+    repo.commit_all("filled since")
+    err = refuse(repo, patch, code=4, type="context_not_found")
+    assert err["path"] == "empty.txt" and err["expected_blob"].startswith("e69de29")
+
+
+def test_irreversible_delete_checks_the_blob_it_names(repo: Repo) -> None:
+    """'git diff --irreversible-delete' has no hunks: the index line's blob must be the file's."""
+    base = repo.head()
+    repo.git("rm", "-q", "docs/guide.txt")
+    repo.commit_all("tmp")
+    patch = repo.git("diff", "--irreversible-delete", base, "HEAD").encode()
+    repo.git("reset", "-q", "--hard", base)
+    assert b"@@" not in patch and b"deleted file mode" in patch
+    repo.write("docs/guide.txt", "guide, rewritten\n")
+    repo.commit_all("rewritten since")
+    refuse(repo, patch, code=4, type="context_not_found")
+    repo.git("reset", "-q", "--hard", base)  # unchanged since: the delete applies
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", input=patch)
+    assert r.code == 0, r.out + r.err
+    assert not (repo.path / "docs/guide.txt").exists()
 
 
 # -- dirty worktree -----------------------------------------------------------------------
