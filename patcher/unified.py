@@ -178,7 +178,10 @@ def _name_field(raw: bytes, lineno: int) -> tuple[bytes, bool]:
     """The name on a ``---``/``+++`` line (after the marker); whether its timestamp is the epoch."""
     raw = chomp(raw)
     if raw.startswith(b'"'):
-        return _unquote(raw, 0, lineno)[0], False
+        # GNU diff quotes a name with spaces and still dates it: '"a/x y"<TAB>1970-01-01 ...'.
+        name, end = _unquote(raw, 0, lineno)
+        dated = _TIMESTAMP.fullmatch(raw[end + 1:]) if raw[end:end + 1] == b"\t" else None
+        return name, dated is not None and _is_epoch(dated[1], dated[2])
     name, tab, stamp = raw.partition(b"\t")
     if tab:
         dated = _TIMESTAMP.fullmatch(stamp)

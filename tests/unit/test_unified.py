@@ -383,9 +383,10 @@ def test_quoted_escape_of_a_control_character_is_decoded_then_refused() -> None:
     assert info.value.details["path"] == "tab\there"
 
 
-def test_non_utf8_path_survives_with_surrogateescape() -> None:
-    edit = _one(_p(r'diff --git "a/caf\351" "b/caf\351"', "old mode 100644", "new mode 100755"))
-    assert os.fsencode(edit.path) == b"caf\xe9"
+def test_non_utf8_path_is_refused_and_shown_escaped() -> None:
+    with pytest.raises(UnsafePath) as info:
+        _one(_p(r'diff --git "a/caf\351" "b/caf\351"', "old mode 100644", "new mode 100755"))
+    assert info.value.details == {"path": "caf\\xe9", "reason": "not UTF-8"}
 
 
 def test_header_names_with_spaces_are_split_where_they_agree() -> None:
@@ -466,6 +467,19 @@ def test_epoch_timestamp_means_absent_side() -> None:
         )
     )
     assert (edit.op, edit.content) == ("add", b"n\n")
+
+
+def test_epoch_timestamp_after_a_quoted_name_means_absent_side() -> None:
+    """GNU diff quotes a name with spaces and still dates it (diff -ruN of an added / deleted file)."""
+    add = _one(_p('--- "a/sub/new  two.txt"\t1970-01-01 00:00:00.000000000 +0000',
+                  '+++ "b/sub/new  two.txt"\t2026-11-30 03:48:45.145901275 +0000', "@@ -0,0 +1 @@", "+y"))
+    assert (add.op, add.path, add.content) == ("add", "sub/new  two.txt", b"y\n")
+    gone = _one(_p('--- "a/old one.txt"\t2026-11-30 03:48:45.145901275 +0000',
+                   '+++ "b/old one.txt"\t1970-01-01 00:00:00.000000000 +0000', "@@ -1 +0,0 @@", "-x"))
+    assert (gone.op, gone.path) == ("delete", "old one.txt")
+    kept = _one(_p('--- "a/x y.txt"\t2026-11-30 03:48:45 +0000', '+++ "b/x y.txt"\t2026-11-30 03:48:46 +0000',
+                   "@@ -1 +1 @@", "-x", "+z"))
+    assert (kept.op, kept.path) == ("modify", "x y.txt")
 
 
 def test_unsafe_path_in_patch_is_refused() -> None:
