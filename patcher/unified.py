@@ -403,10 +403,13 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
     def no_newline(at: int) -> None:
         if not sides:
             raise fail("has a '\\ No newline' marker before any line", at)
-        if "o" in sides and old[-1].endswith(b"\n"):
-            old[-1] = old[-1][:-1]
-        if "n" in sides and new[-1].endswith(b"\n"):
-            new[-1] = new[-1][:-1]
+        # A patch converted to CRLF as a whole ends the marker in CRLF too: then the
+        # line before it lost a CRLF, not a bare LF (else a stray '\r' would be left).
+        cut = b"\r\n" if lines[at - 1].endswith(b"\r\n") else b"\n"
+        if "o" in sides and old[-1].endswith(cut):
+            old[-1] = old[-1][: -len(cut)]
+        if "n" in sides and new[-1].endswith(cut):
+            new[-1] = new[-1][: -len(cut)]
 
     j = i + 1
     while want_old > 0 or want_new > 0:

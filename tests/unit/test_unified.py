@@ -906,3 +906,17 @@ def test_anchor_flags_follow_the_hunk_lines() -> None:
     assert flags(b"-b\n+B\n c\n", start=1) == (True, False)
     assert flags(b" a\n b\n-c\n", start=1) == (True, True)
     assert flags(b"-b\n+B\n") == (False, False)
+
+
+def test_no_newline_marker_in_a_patch_converted_to_crlf_leaves_no_stray_cr() -> None:
+    """unix2dos over a whole git diff: the marker line ends in CRLF, so the line before it lost CRLF."""
+    lf = (b"--- a/f\n+++ b/f\n@@ -1,3 +1,3 @@\n line1\n line2\n-line3\n\\ No newline at end of file\n"
+          b"+line3 too\n\\ No newline at end of file\n")
+    original = b"line1\nline2\nline3"
+    for patch in (lf, lf.replace(b"\n", b"\r\n")):
+        edit = parse_unified(patch).edits[0]
+        assert apply_hunks(original, edit.hunks, path="f").content == b"line1\nline2\nline3 too"
+    # A file whose last line ends in a lone CR keeps it (the marker ends in LF).
+    cr = b"--- a/f\n+++ b/f\n@@ -1 +1 @@\n-a\r\n\\ No newline at end of file\n+b\r\n\\ No newline at end of file\n"
+    edit = parse_unified(cr).edits[0]
+    assert apply_hunks(b"a\r", edit.hunks, path="f").content == b"b\r"
