@@ -92,16 +92,23 @@ def read_head(git_dir: str) -> str | None:
     return None
 
 
-def worktrees_on(common_dir: str, ref: str) -> list[tuple[str, str]]:
+def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tuple[str, str]]:
     """``(workdir, git_dir)`` of every worktree whose HEAD is the symbolic ref ``ref``.
 
-    The main worktree is the folder above the common dir when that is named
-    ``.git`` and not bare; linked worktrees are listed under ``worktrees/``.
+    The main worktree (unless the repository is bare) is ``main`` when the
+    caller knows it (it opened the repository from there: a ``.git`` file
+    of ``git init --separate-git-dir`` or of a submodule, whose git dir lies
+    elsewhere); else ``core.worktree`` (git sets it for submodules); else the
+    folder above the common dir when that is named ``.git``.  Linked
+    worktrees are listed under ``worktrees/``.
     """
     found: list[tuple[str, str]] = []
-    if os.path.basename(common_dir) == ".git" and _read_head_safe(common_dir) == ref:
-        if not _is_bare(common_dir):
-            found.append((os.path.dirname(common_dir), common_dir))
+    if _read_head_safe(common_dir) == ref and not _is_bare(common_dir):
+        workdir = main or _core_worktree(common_dir)
+        if workdir is None and os.path.basename(common_dir) == ".git":
+            workdir = os.path.dirname(common_dir)
+        if workdir is not None and os.path.isdir(workdir):
+            found.append((workdir, common_dir))
     wt_root = os.path.join(common_dir, "worktrees")
     try:
         names = sorted(os.listdir(wt_root))
@@ -127,6 +134,28 @@ def _read_head_safe(git_dir: str) -> str | None:
         return read_head(git_dir)
     except OSError:
         return None
+
+
+def _core_worktree(git_dir: str) -> str | None:
+    """``core.worktree`` of the repository's own config (relative to the git dir), if set."""
+    try:
+        with open(os.path.join(git_dir, "config"), "rb") as fh:
+            text = fh.read().decode("utf-8", "surrogateescape")
+    except OSError:
+        return None
+    section = ""
+    value: str | None = None
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            section = line[1:line.find("]")].strip().lower() if "]" in line else ""
+            continue
+        name, eq, rest = line.partition("=")
+        if section == "core" and eq and name.strip().lower() == "worktree":
+            value = rest.strip().strip('"')  # the last one wins, as in git
+    if not value:
+        return None
+    return os.path.realpath(os.path.join(git_dir, os.path.expanduser(value)))
 
 
 def _is_bare(git_dir: str) -> bool:

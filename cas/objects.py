@@ -287,6 +287,18 @@ class GitStore:
         self._unsynced: dict[str, None] = {}
         self._sync_failure: DurableWriteError | None = None
 
+    @property
+    def main_workdir(self) -> str | None:
+        """The main worktree, when this store was opened from it (``None``: bare, or opened from a linked one).
+
+        libgit2 found it as git does: the folder of the ``.git`` file it was
+        opened through, or ``core.worktree`` — where the git dir's own
+        location says nothing (``--separate-git-dir``, submodules).
+        """
+        if self.git_dir != self.common_dir or not self.repo.workdir:
+            return None
+        return os.path.realpath(self.repo.workdir)
+
     def worktree_repo(self, workdir: str) -> pygit2.Repository:
         """The repository opened at a worktree (its attributes, filters, git dir), kept open while this store is.
 

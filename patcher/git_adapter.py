@@ -157,7 +157,7 @@ class GitAdapter:
         base_commit = (receipt.base or {}).get("commit")
         base_tree = gstore.commit_tree(base_commit) if base_commit else None
         tip_tree = gstore.commit_tree(tip)
-        for workdir, _gd in worktrees_on(gstore.common_dir, branch):
+        for workdir, _gd in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
             # A call killed while writing a touched file (or the index) leaves its tmp file
             # beside it: untracked residue in the user's worktree unless removed here.
             for tmp in _remove_dead_tmp_files(workdir, _gd, touched):

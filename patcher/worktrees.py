@@ -23,7 +23,7 @@ def prefetch_indexes(gstore: GitStore, branch: str) -> None:
     """Start reading the index of every worktree on ``branch`` in the background (:func:`cas.index_cache.prefetch`)."""
     from cas.index_cache import prefetch
 
-    for workdir, _git_dir in worktrees_on(gstore.common_dir, branch):
+    for workdir, _git_dir in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
         try:
             prefetch(os.path.realpath(gstore.worktree_repo(workdir).path))
         except GitStoreError:
@@ -94,7 +94,7 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str],
         UnsafePath: a folder on a touched path is a symlink there.
         RefLockedError: a worktree's ``index.lock`` stayed held (nothing is written then).
     """
-    found = worktrees_on(gstore.common_dir, branch)
+    found = worktrees_on(gstore.common_dir, branch, gstore.main_workdir)
     for workdir, _git_dir in found:
         bad = unsafe_worktree_paths(workdir, paths)
         if bad:

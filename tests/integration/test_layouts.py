@@ -1,0 +1,101 @@
+"""Repositories whose git dir is not ``<worktree>/.git``: the worktree that has the branch is still found.
+
+``git init --separate-git-dir``, a submodule's checkout (its git dir under the
+superproject's ``.git/modules/``) and ``core.worktree`` all leave the main
+worktree somewhere the git dir's own location does not tell.  A call made
+from there must check and bring along that worktree — not skip it (its index
+would then hold a staged revert of the commit) and not write into the folder
+above the git dir.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from conftest import Repo, Run, git, make_repo, run_cli
+
+PATCH = b"diff --git a/f.txt b/f.txt\n--- a/f.txt\n+++ b/f.txt\n@@ -1 +1,2 @@\n hi\n+there\n"
+
+
+def _separate(tmp_path: Path, git_dir: Path) -> Repo:
+    wt = tmp_path / "wt"
+    git(tmp_path, "init", "-q", "-b", "main", "--separate-git-dir", str(git_dir), str(wt))
+    repo = Repo(wt)
+    repo.write("f.txt", "hi\n")
+    repo.commit_all("c1")
+    return repo
+
+
+def _apply(repo_path: Path, *extra: str, env: dict[str, str] | None = None) -> Run:
+    return run_cli("apply", "-", "--repo", str(repo_path), "--json", *extra, input=PATCH, env=env)
+
+
+def _clean(path: Path) -> bool:
+    return git(path, "status", "--porcelain", "--untracked-files=all") == ""
+
+
+def test_separate_git_dir_worktree_is_checked_and_brought_along(tmp_path: Path) -> None:
+    repo = _separate(tmp_path, tmp_path / "repo.git")
+    repo.write("f.txt", "hi\nlocal edit\n")
+    r = _apply(repo.path)
+    assert r.code == 4 and r.json["error"]["type"] == "dirty_path", r.out
+    assert (repo.path / "f.txt").read_text() == "hi\nlocal edit\n"
+    repo.git("checkout", "-q", "f.txt")
+    r = _apply(repo.path)
+    assert r.code == 0, r.out + r.err
+    assert (repo.path / "f.txt").read_text() == "hi\nthere\n"
+    assert _clean(repo.path)
+    assert run_cli("verify", "--repo", str(repo.path)).code == 0
+
+
+def test_separate_git_dir_crash_after_the_move_is_recovered_into_the_worktree(tmp_path: Path) -> None:
+    repo = _separate(tmp_path, tmp_path / "repo.git")
+    r = _apply(repo.path, "--key", "K", env={"ONCEPATCH_CRASH_AT": "after-ref"})
+    assert r.code == 137
+    rec = run_cli("recover", "--repo", str(repo.path), "--json")
+    assert rec.code == 0, rec.err
+    assert (repo.path / "f.txt").read_text() == "hi\nthere\n"
+    assert _clean(repo.path)
+
+
+def test_separate_git_dir_named_dotgit_writes_the_worktree_not_the_folder_above(tmp_path: Path) -> None:
+    """The git dir is ``elsewhere/.git``: 'elsewhere' is not the worktree the call came from."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere/f.txt").write_text("not this one\n")
+    repo = _separate(tmp_path, tmp_path / "elsewhere/.git")
+    r = _apply(repo.path)
+    assert r.code == 0, r.out + r.err
+    assert (repo.path / "f.txt").read_text() == "hi\nthere\n"
+    assert (tmp_path / "elsewhere/f.txt").read_text() == "not this one\n"
+    assert _clean(repo.path)
+
+
+def test_core_worktree_names_the_worktree_of_a_repository_opened_at_its_git_dir(tmp_path: Path) -> None:
+    src = make_repo(tmp_path / "src", {"f.txt": "hi\n"})
+    gd = tmp_path / "repo.git"
+    git(tmp_path, "clone", "-q", "--bare", str(src.path), str(gd))
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    git(gd, "config", "core.bare", "false")
+    git(gd, "config", "core.worktree", str(wt))
+    git(wt, "--git-dir", str(gd), "checkout", "-q", "-f", "main")
+    r = _apply(gd)
+    assert r.code == 0, r.out + r.err
+    assert (wt / "f.txt").read_text() == "hi\nthere\n"
+    assert git(wt, "--git-dir", str(gd), "--work-tree", str(wt), "status", "--porcelain") == ""
+
+
+def test_a_submodules_checkout_is_its_own_worktree(tmp_path: Path) -> None:
+    lib = make_repo(tmp_path / "lib", {"f.txt": "hi\n"})
+    top = make_repo(tmp_path / "top", {"top.txt": "top\n"})
+    top.git("-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib.path), "vendor/lib")
+    top.git("commit", "-q", "-m", "add submodule")
+    sub = top.path / "vendor/lib"
+    assert (sub / ".git").is_file()
+    r = _apply(sub)
+    assert r.code == 0, r.out + r.err
+    assert (sub / "f.txt").read_text() == "hi\nthere\n"
+    assert _clean(sub)
+    assert not os.path.exists(top.path / ".git/modules/vendor/f.txt")
+    assert "there" in git(sub, "show", "HEAD:f.txt")
