@@ -413,7 +413,20 @@ class GitStore:
             # read_raw) held a second inflated copy, 3× a big blob at the peak.
             return bytes(self.repo.odb.read(_oid(oid))[1])
         except (KeyError, ValueError, pygit2.GitError) as exc:
+            if isinstance(exc, KeyError) and self._partial_clone():
+                raise UsageError(f"blob '{oid}' is not in this partial clone: fetch it first "
+                                 "(e.g. 'git fetch', or check the branch out), then retry",
+                                 details={"blob": oid, "reason": "partial_clone"}) from exc
             raise GitStoreError(f"cannot read blob '{oid}': {exc}") from exc
+
+    def _partial_clone(self) -> bool:
+        """Whether objects may be missing by design (``extensions.partialClone``, a promisor remote)."""
+        try:
+            cfg = self.repo.config
+            return "extensions.partialclone" in cfg or any(
+                e.name.endswith(".promisor") and e.value == "true" for e in cfg)
+        except (pygit2.GitError, ValueError):
+            return False
 
     # -- writing immutable objects ------------------------------------------------
 

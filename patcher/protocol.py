@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from cas.record import record
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
-from cas.errors import DurableWriteError, OncepatchError, RefLockedError, RefMovedError, RefUpdateUnknown, UsageError
+from cas.errors import DurableWriteError, GitStoreError, OncepatchError, RefLockedError, RefMovedError, RefUpdateUnknown, UsageError
 from cas.gitdir import read_head
 from receipts.errors import FencedOff, IdempotencyConflict
 from receipts.jsonio import use_fast as use_fast_json
@@ -266,6 +266,11 @@ def _locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any]
         # rejected patch leaves the store (and the repository) exactly as it was.
         try:
             pre = _precheck(args, _stores, rstore)
+        except GitStoreError as exc:
+            # Read before anything is written (say, a blob a partial clone never fetched):
+            # nothing happened, whatever libgit2's failure would mean later on.
+            exc.effect_status, exc.next_action = "not_started", "fix_input"
+            raise exc.with_key(the_key) from None
         except OncepatchError as exc:
             raise exc.with_key(the_key)
 

@@ -448,3 +448,19 @@ def test_an_unwritable_receipts_folder_is_named_and_nothing_changes(repo: Repo) 
         assert after == before
     finally:
         subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_a_blob_a_partial_clone_never_fetched_is_named_and_nothing_changes(repo: Repo, tmp_path: Path) -> None:
+    """A blobless clone lacks the base blob of a branch never checked out: exit 2, not an internal error."""
+    repo.git("checkout", "-q", "-b", "side")
+    repo.write("src/util.py", "def f():\n    return 1\n# side\n")
+    repo.commit_all("side only")
+    repo.git("checkout", "-q", "main")
+    repo.git("config", "uploadpack.allowFilter", "true")
+    clone = Repo(tmp_path / "partial")
+    git(tmp_path, "clone", "-q", "--filter=blob:none", f"file://{repo.path}", str(clone.path))
+    clone.git("branch", "-q", "side", "origin/side")
+    patch = b"--- a/src/util.py\n+++ b/src/util.py\n@@ -1,3 +1,3 @@\n def f():\n-    return 1\n+    return 2\n # side\n"
+    err = refuse(clone, patch, "--branch", "side", code=2, type="usage")
+    assert err["reason"] == "partial_clone" and "partial clone" in err["message"]
+    assert not clone.store.exists()
