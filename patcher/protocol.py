@@ -450,6 +450,16 @@ def _execute(
             _reject(rstore, identity, call_id, key, args_sha, receipt, args, exc, base, candidate, retryable=True)
             raise
         try:
+            # Race guarded: a 'git checkout' or 'git switch' (or a rebase ending) in
+            # some worktree since the pre-check put the branch there or took it away.
+            # Moving it now would leave that worktree's index a staged revert of the
+            # commit, or write the branch's files into a worktree on another branch.
+            if _worktrees_now(gstore, args.branch) != sorted(worktrees):
+                switched = Conflict(
+                    f"a worktree checked '{args.branch}' out or switched away from it while the call ran; "
+                    f"nothing was moved: retry", details={"reason": "worktree_switched"})
+                _reject(rstore, identity, call_id, key, args_sha, receipt, args, switched, base, candidate)
+                raise switched
             # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter):
             # written only when libgit2 moves the branch (its lock is born empty).
             ref_marker = ref_lock_marker(rstore, key)
@@ -522,6 +532,12 @@ def _execute(
         raise
     return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
                        warnings=tuple(warnings))
+
+
+def _worktrees_now(gstore: GitStore, branch: str) -> list[tuple[str, str]]:
+    from cas.gitdir import worktrees_on
+
+    return sorted(worktrees_on(gstore.common_dir, branch, gstore.main_workdir))
 
 
 def _move_refs(

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from conftest import Repo, make_repo
+from conftest import Repo, make_repo, run_cli
 from test_concurrency import (  # noqa: F401  (workers: the fixture)
     DEADLINE,
     apply_argv,
@@ -104,3 +104,63 @@ def test_git_commit_loop_and_oncepatch_loops_lose_nothing(tmp_path: Path, worker
             assert (repo.path / f"op/w{w}-{j}.txt").read_text() == want
     assert_worktree_equals_head(repo)
     verify_ok(repo)
+
+
+def _paused_apply(repo: Repo, patch: bytes, *extra: str) -> subprocess.Popen[bytes]:
+    """``oncepatch apply`` stopped (SIGSTOP, the ``ONCEPATCH_PAUSE_AT`` seam) once it has prepared."""
+    import os
+    import sys
+    import time
+
+    (repo.path / ".git/race.diff").write_bytes(patch)
+    env = dict(os.environ, ONCEPATCH_PAUSE_AT="after-prepare")
+    proc = subprocess.Popen([sys.executable, "-m", "patcher.cli", "apply", str(repo.path / ".git/race.diff"),
+                             "--repo", str(repo.path), "--json", "--key", "K", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        with open(f"/proc/{proc.pid}/stat", "rb") as fh:
+            if fh.read().rsplit(b")", 1)[1].split()[0] == b"T":
+                return proc
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+
+
+def _resume(proc: subprocess.Popen[bytes]) -> tuple[int, Any]:
+    import json
+    import signal
+
+    proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=DEADLINE)
+    return proc.returncode, json.loads(out or b"{}")
+
+
+PATCH_F = b"--- a/f.txt\n+++ b/f.txt\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n"
+
+
+def test_a_checkout_onto_the_branch_while_the_call_runs_moves_nothing(tmp_path: Path) -> None:
+    """Planned with the branch checked out nowhere, then 'git checkout main' before the move: had
+    the branch moved, the worktree's index (old main) would be a staged revert of the commit."""
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"})
+    repo.git("checkout", "-q", "-b", "t")
+    proc = _paused_apply(repo, PATCH_F, "--branch", "main")
+    repo.git("checkout", "-q", "main")
+    code, doc = _resume(proc)
+    assert code == 4 and doc["error"]["type"] == "conflict" and doc["error"]["retryable"], doc
+    assert doc["error"]["reason"] == "worktree_switched"
+    assert repo.count("main") == 1 and repo.git("status", "--porcelain") == ""
+    again = run_cli(*apply_argv(repo, repo.path / ".git/race.diff", "K", "--branch", "main"))
+    assert again.code == 0, again.out + again.err
+    assert repo.git("status", "--porcelain") == "" and (repo.path / "f.txt").read_text() == "a\nB\nc\n"
+    verify_ok(repo)
+
+
+def test_a_switch_away_from_the_branch_while_the_call_runs_moves_nothing(tmp_path: Path) -> None:
+    """Planned with main checked out, then 'git checkout -b t': main's files must not land on t."""
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"})
+    proc = _paused_apply(repo, PATCH_F, "--branch", "main")
+    repo.git("checkout", "-q", "-b", "t")
+    code, doc = _resume(proc)
+    assert code == 4 and doc["error"]["reason"] == "worktree_switched", doc
+    assert repo.count("main") == 1 and repo.git("status", "--porcelain") == ""
+    assert (repo.path / "f.txt").read_text() == "a\nb\nc\n"
