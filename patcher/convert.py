@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 
 from patcher.envelope import parse_envelope
-from patcher.errors import AmbiguousMatch, UnsupportedPatch
+from patcher.errors import AmbiguousMatch, ParseError, UnsupportedPatch
 from patcher.matching import apply_hunks, chomp, eol_of, split_lines
 from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Hunk
 from patcher.unified import parse_unified
@@ -157,7 +157,13 @@ def _merge(file: list[bytes], regions: list[_Region]) -> list[_Region]:
 def _render_check(edit: FileEdit, file: list[bytes], regions: list[_Region]) -> tuple[list[bytes], list[Hunk]]:
     hunks = [_grown(file, r) for r in regions]
     section = _section(edit, [(old, new, eof) for old, new, eof, _, _ in hunks])
-    parsed = parse_envelope(b"*** Begin Patch\n" + b"".join(section) + b"*** End Patch\n")
+    try:
+        parsed = parse_envelope(b"*** Begin Patch\n" + b"".join(section) + b"*** End Patch\n")
+    except ParseError as exc:
+        # A kept line such as ' *** End Patch' (a patch file's own content): the envelope
+        # reads markers with blanks around them, so it cannot carry that line as context.
+        raise UnsupportedPatch(f"'{edit.path}' has a line the envelope would read as a marker: {exc.message}",
+                               details={"path": edit.path, "reason": "marker line"}) from None
     return section, list(parsed.edits[0].hunks)
 
 
