@@ -96,8 +96,12 @@ def racy_file_changed(workdir: str, path: bytes, mode: int, size: int, mtime_sec
 
     A file whose size or mtime differs from the entry shows its change by
     itself (``False``); otherwise its bytes are hashed and compared with the
-    entry's object id.  Content that filters or end-of-line conversion would
-    change counts as changed, which only makes git look at it again.
+    entry's object id, and, when they differ, once more as git would store
+    them (``.gitattributes`` / ``core.autocrlf`` conversion, git's
+    ``ie_match_stat`` compares through the clean filter too): a CRLF file
+    checked out by an eol filter is not changed for being CRLF.  Smudging
+    it would make ``git diff-files`` and ``git diff-index --quiet`` report
+    it modified until something refreshed the index.
     """
     if mode == 0o160000:
         return False  # gitlinks: git always looks at their contents
@@ -117,7 +121,13 @@ def racy_file_changed(workdir: str, path: bytes, mode: int, size: int, mtime_sec
                 content = fh.read()
     except OSError:
         return True
-    return git_blob_oid(content) != oid
+    if git_blob_oid(content) == oid:
+        return False
+    if mode == 0o120000:
+        return True
+    from cas.worktree import cleaned  # only a file whose bytes are not its blob gets here
+
+    return git_blob_oid(cleaned(workdir, os.fsdecode(path), content)) != oid
 
 
 class RawIndex:

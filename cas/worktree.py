@@ -48,6 +48,7 @@ __all__ = [
     "drop_lock_marks",
     "break_dead_own_index_lock",
     "dead_own_index_lock",
+    "cleaned",
     "update_index",
     "dirty_paths",
     "unsafe_worktree_paths",
@@ -650,6 +651,28 @@ def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None
         return _apply_filters(filters, blob)
     except pygit2.GitError:
         return blob
+
+
+def cleaned(workdir: str, path: str, data: bytes) -> bytes:
+    """``data`` (a file of ``workdir`` at ``path``) as git would store it: its clean filters applied.
+
+    Without filters for the path the bytes come back as they are.  The
+    worktree's repository is kept open per worktree (a few racily clean
+    entries of one index are asked in a row).
+    """
+    try:
+        repo = _CLEAN_REPOS.get(workdir)
+        if repo is None:
+            if len(_CLEAN_REPOS) > 8:
+                _CLEAN_REPOS.clear()
+            repo = _CLEAN_REPOS[workdir] = pygit2.Repository(workdir)
+        filters = repo.load_filter_list(path, pygit2.enums.FilterMode.TO_ODB)
+        return data if filters is None else _apply_filters(filters, data)
+    except (pygit2.GitError, KeyError, ValueError):
+        return data
+
+
+_CLEAN_REPOS: dict[str, pygit2.Repository] = {}
 
 
 def _apply_filters(filters: "pygit2.filter.FilterList", data: bytes) -> bytes:

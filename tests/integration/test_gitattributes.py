@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,34 @@ def test_without_attributes_blobs_are_written_without_asking_libgit2(tmp_path: P
     assert calls == []
     assert (repo.path / "sub" / "run.bat").read_bytes() == b"echo a\necho c\n"
     assert repo.git("status", "--porcelain") == ""
+
+
+@pytest.mark.parametrize("setting", ["autocrlf", "attributes"])
+def test_a_racily_clean_crlf_checkout_of_an_untouched_file_stays_clean(tmp_path: Path, setting: str) -> None:
+    """An untouched entry whose file git wrote with CRLF, racily clean (same second as the index):
+    its bytes differ from its blob only by the eol conversion, so it is not smudged — git's
+    plumbing (diff-files, diff-index --quiet) kept reporting it modified until a refresh."""
+    import time
+
+    files = {"a.txt": "a\n", "b.txt": "b\n"}
+    if setting == "attributes":
+        files[".gitattributes"] = "*.txt text eol=crlf\n"
+    repo = make_repo(tmp_path / "repo", files)
+    if setting == "autocrlf":
+        repo.git("config", "core.autocrlf", "true")
+    for name in ("a.txt", "b.txt"):
+        (repo.path / name).unlink()
+    repo.git("checkout", "--", ".")
+    assert (repo.path / "b.txt").read_bytes() == b"b\r\n"
+    time.sleep(1.1)
+    os.utime(repo.path / "b.txt")
+    repo.git("update-index", "--refresh")
+    st = os.stat(repo.path / "b.txt")
+    os.utime(repo.path / ".git/index", ns=(st.st_atime_ns, st.st_mtime_ns))  # b.txt: racily clean
+    assert repo.git("diff-files") == ""
+    patch = b"diff --git a/a.txt b/a.txt\n--- a/a.txt\n+++ b/a.txt\n@@ -1 +1,2 @@\n a\n+a2\n"
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", input=patch)
+    assert r.code == 0, r.out + r.err
+    assert repo.git("diff-files") == ""
+    res = subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--"], cwd=repo.path, check=False)
+    assert res.returncode == 0
