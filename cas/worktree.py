@@ -48,6 +48,7 @@ __all__ = [
     "drop_lock_marks",
     "break_dead_own_index_lock",
     "dead_own_index_lock",
+    "outside_sparse_checkout",
     "cleaned",
     "update_index",
     "dirty_paths",
@@ -98,6 +99,26 @@ def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str 
     if not snap.confirm():  # the raw index's checksum, verified meanwhile, failed: ask libgit2
         dirty = check()
     return dirty
+
+
+def outside_sparse_checkout(store: GitStore, workdir: str, paths: list[str], head_tree: str | None) -> list[str]:
+    """Those of ``paths`` a sparse checkout leaves out of ``workdir``: no file, the index entry the head's."""
+    from cas.index_cache import snapshot_for
+
+    wt = store.worktree_repo(workdir)
+    try:
+        sparse = wt.config.get_bool("core.sparseCheckout")
+    except (KeyError, pygit2.GitError, ValueError):
+        sparse = False
+    if not sparse:
+        return []
+    snap = snapshot_for(os.path.realpath(wt.path))
+    out = []
+    for path in paths:
+        want = store.lookup_file(head_tree, path)
+        if want is not None and not os.path.lexists(os.path.join(workdir, path)) and snap.entry(path) == want:
+            out.append(path)
+    return out
 
 
 def unsafe_worktree_paths(workdir: str, paths: list[str]) -> list[str]:

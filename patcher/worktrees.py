@@ -10,7 +10,8 @@ from cas.errors import GitStoreError, OncepatchError
 from cas.gitdir import worktrees_on
 from cas.hashing import sha256_hex
 from cas.objects import GitStore, TreeEntry
-from cas.worktree import IndexLock, dirty_paths, hold_index_lock, materialise, unsafe_worktree_paths
+from cas.worktree import (IndexLock, dirty_paths, hold_index_lock, materialise, outside_sparse_checkout,
+                          unsafe_worktree_paths)
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath, UnsafePath
@@ -108,9 +109,21 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str],
         lock = hold_index_lock(workdir, git_dir=_git_dir, keep_mark=True, on_dead=on_dead)
         try:
             tip = gstore.resolve(branch)
-            dirty = dirty_paths(gstore, workdir, paths, gstore.commit_tree(tip) if tip else None)
+            tip_tree = gstore.commit_tree(tip) if tip else None
+            dirty = dirty_paths(gstore, workdir, paths, tip_tree)
+            sparse = outside_sparse_checkout(gstore, workdir, dirty, tip_tree) if dirty else []
         finally:
             lock.release()
+        if sparse:
+            # Not a change to commit or stash: a retry would meet the same.
+            raise DirtyPath(
+                f"'{sparse[0]}' is outside the sparse checkout of '{workdir}'"
+                + (f" (and {len(sparse) - 1} more)" if len(sparse) > 1 else "")
+                + ": oncepatch writes only files the checkout has; widen it ('git sparse-checkout add') "
+                "or apply to a branch that is not checked out",
+                retryable=False, next_action="fix_input",
+                details={"paths": sparse, "worktree": workdir, "reason": "outside_sparse_checkout"},
+            )
         if dirty:
             raise DirtyPath(
                 f"'{dirty[0]}' has uncommitted changes in '{workdir}'"

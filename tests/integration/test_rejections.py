@@ -464,3 +464,20 @@ def test_a_blob_a_partial_clone_never_fetched_is_named_and_nothing_changes(repo:
     err = refuse(clone, patch, "--branch", "side", code=2, type="usage")
     assert err["reason"] == "partial_clone" and "partial clone" in err["message"]
     assert not clone.store.exists()
+
+
+def test_a_path_outside_the_sparse_checkout_is_refused_for_good_and_nothing_changes(repo: Repo) -> None:
+    """Not 'uncommitted changes, retry': no retry would help until the sparse checkout is widened."""
+    repo.git("sparse-checkout", "set", "--cone", "src")
+    assert not (repo.path / "docs/guide.txt").exists()
+    patch = b"--- a/docs/guide.txt\n+++ b/docs/guide.txt\n@@ -1 +1,2 @@\n guide\n+more\n"
+    err = refuse(repo, patch, code=4, type="dirty_path")
+    assert err["reason"] == "outside_sparse_checkout" and err["paths"] == ["docs/guide.txt"]
+    assert "sparse-checkout add" in err["message"]
+    side = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--branch", "side", input=patch)
+    assert side.code == 2  # (no such branch) - the advice's other half is checked next
+    repo.git("branch", "side")
+    side = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--branch", "side", input=patch)
+    assert side.code == 0, side.out + side.err
+    assert repo.git("show", "side:docs/guide.txt") == "guide\nmore\n"
+    assert repo.git("status", "--porcelain") == ""
