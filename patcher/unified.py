@@ -20,7 +20,9 @@ What is read:
   components with equal remainders; identical names mean ``--no-prefix``.
 * **Plain blocks** (``---``, ``+++``, then ``@@``) without ``diff --git``:
   ``a/``/``b/`` are stripped only when both sides use them (``/dev/null``
-  fits either), so ``--- x`` / ``+++ x`` stays ``x``.  If the two names still
+  fits either), so ``--- x`` / ``+++ x`` stays ``x``.  Two names that differ
+  only in their first component (``--- orig/src/x`` / ``+++ new/src/x``, as
+  ``diff -ruN orig new`` writes them, an epoch-dated side included) lose it.  If the two names still
   differ, git's rule picks one: the old name if it is a shorter prefix of the
   new one, else the new name (``--- x.py.orig`` / ``+++ x.py`` → ``x.py``).
   ``/dev/null``, or a timestamp at the Unix epoch (``diff -N``), on one side
@@ -520,6 +522,15 @@ def _names(block: _Block) -> tuple[bytes | None, bytes | None]:
     absent_old = block.minus is not None and minus is None
     absent_new = block.plus is not None and plus is None
     if not block.git:
+        if block.minus not in (None, _DEV_NULL) and block.plus not in (None, _DEV_NULL):
+            # 'diff -ruN old-tree new-tree': the names differ only in their first
+            # component (the two folders compared); git apply's -p1 strips it.
+            assert block.minus is not None and block.plus is not None
+            top_old, _, rest_old = block.minus.partition(b"/")
+            top_new, _, rest_new = block.plus.partition(b"/")
+            if rest_old and rest_old == rest_new and top_old != top_new:
+                minus = None if minus is None else rest_old
+                plus = None if plus is None else rest_new
         old, new = _plain_names(minus, plus)
         if old is not None and new is not None and old != new:
             old = new = old if len(old) < len(new) and new.startswith(old) else new

@@ -920,3 +920,24 @@ def test_no_newline_marker_in_a_patch_converted_to_crlf_leaves_no_stray_cr() -> 
     cr = b"--- a/f\n+++ b/f\n@@ -1 +1 @@\n-a\r\n\\ No newline at end of file\n+b\r\n\\ No newline at end of file\n"
     edit = parse_unified(cr).edits[0]
     assert apply_hunks(b"a\r", edit.hunks, path="f").content == b"b\r"
+
+
+def test_diff_ruN_of_two_folders_strips_the_folder_names() -> None:
+    """'diff -ruN orig new': the first components differ, the rest is the path (git apply's -p1)."""
+    patch = parse_unified(_p(
+        "diff -ruN orig/x/only_new.txt n2/x/only_new.txt",
+        "--- orig/x/only_new.txt\t1970-01-01 00:00:00.000000000 +0000",
+        "+++ n2/x/only_new.txt\t2026-11-30 03:48:45.145901275 +0000",
+        "@@ -0,0 +1 @@", "+new",
+        "diff -ruN orig/x/kept.txt n2/x/kept.txt",
+        "--- orig/x/kept.txt\t2026-11-30 03:48:45 +0000",
+        "+++ n2/x/kept.txt\t2026-11-30 03:48:46 +0000",
+        "@@ -1 +1 @@", "-a", "+b",
+        "--- orig/gone.txt\t2026-11-30 03:48:45 +0000",
+        "+++ n2/gone.txt\t1970-01-01 00:00:00.000000000 +0000",
+        "@@ -1 +0,0 @@", "-g",
+    ))
+    assert [(e.op, e.path) for e in patch.edits] == [("add", "x/only_new.txt"), ("modify", "x/kept.txt"),
+                                                     ("delete", "gone.txt")]
+    same = _one(_p("--- src/x.py.orig", "+++ src/x.py", "@@ -1 +1 @@", "-a", "+b"))
+    assert same.path == "src/x.py"
