@@ -27,7 +27,8 @@ __all__ = [
     "looks_whole_file",
 ]
 
-_UNIFIED = re.compile(rb"^diff --git |^--- [^\n]*\n\+\+\+ [^\n]*\n@@ -", re.MULTILINE)
+_UNIFIED = re.compile(rb"^diff --git |^diff --cc |^diff --combined |^--- [^\n]*\n\+\+\+ [^\n]*\n@@ -",
+                      re.MULTILINE)  # (combined diffs are unified, refused by its parser by name)
 _ENVELOPE = re.compile(
     rb"\A\s*(?:(?:(?:apply_patch|applypatch)\s+)?<<-?\s*['\"]?[A-Za-z_][A-Za-z0-9_]*['\"]?[ \t]*\r?\n\s*)?"
     rb"\*\*\* Begin Patch[ \t]*(?:\r?\n|\Z)"

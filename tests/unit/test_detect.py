@@ -80,3 +80,10 @@ def test_detected_format_is_part_of_the_identity(tmp_path: object) -> None:
     named = normalise_args(str(repo.path), SAMPLES["apply_patch"], branch=None, format="apply_patch",
                            check=None, message=None, detect=detect)
     assert auto.as_dict() == named.as_dict() and auto.format == "apply_patch"
+
+
+def test_a_combined_diff_is_detected_as_unified_and_refused_by_name() -> None:
+    cc = b"diff --cc f.txt\nindex 1,2..3\n--- a/f.txt\n+++ b/f.txt\n@@@ -1,1 -1,1 +1,1 @@@\n- a\n -b\n++c\n"
+    assert detect(cc) == "unified"
+    with pytest.raises(ParseError, match="combined diffs are not supported"):
+        parse_patch(cc, detect(cc))
