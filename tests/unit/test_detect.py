@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from patcher.errors import ParseError
+from patcher.errors import ParseError, UnsupportedPatch
 from patcher.formats import FORMATS, detect, format_names, parse_patch
 
 SAMPLES: dict[str, bytes] = {
@@ -85,5 +85,5 @@ def test_detected_format_is_part_of_the_identity(tmp_path: object) -> None:
 def test_a_combined_diff_is_detected_as_unified_and_refused_by_name() -> None:
     cc = b"diff --cc f.txt\nindex 1,2..3\n--- a/f.txt\n+++ b/f.txt\n@@@ -1,1 -1,1 +1,1 @@@\n- a\n -b\n++c\n"
     assert detect(cc) == "unified"
-    with pytest.raises(ParseError, match="combined diffs are not supported"):
+    with pytest.raises(UnsupportedPatch, match="combined diffs are not supported"):
         parse_patch(cc, detect(cc))
