@@ -250,11 +250,14 @@ def materialise(
                     folders: dict[str, int] = {}
                     for path, entry in writes[start:start + _WRITE_CHUNK]:
                         data = store.read_blob(entry.oid)
-                        if entry.mode != _MODE_LINK and not plain:
+                        mode = entry.mode
+                        if mode == _MODE_LINK and not symlinks_on(store, workdir):
+                            mode = 0o100644  # core.symlinks=false: git writes the target as a plain file
+                        elif entry.mode != _MODE_LINK and not plain:
                             if wt_repo is None:
                                 wt_repo = store.worktree_repo(workdir)
                             data = smudged(workdir, path, data, wt_repo)  # '*.bat eol=crlf': written as git would
-                        _queue_path(batch, keep if last else stack, folders, workdir, path, data, entry.mode, umask)
+                        _queue_path(batch, keep if last else stack, folders, workdir, path, data, mode, umask)
                     try:
                         batch.commit(defer_folders=last_folders if last else None)
                     except DurableWriteError as exc:
@@ -592,6 +595,11 @@ def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, Tr
                 return False
             continue
         if entry.mode == _MODE_LINK:
+            if stat.S_ISREG(st.st_mode) and not symlinks_on(store, workdir):
+                with open(full, "rb") as fh:  # core.symlinks=false: the target as a plain file
+                    if fh.read() != store.read_blob(entry.oid):
+                        return False
+                continue
             if not stat.S_ISLNK(st.st_mode) or os.fsencode(os.readlink(full)) != store.read_blob(entry.oid):
                 return False
             continue
@@ -672,6 +680,14 @@ def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None
         return _apply_filters(filters, blob)
     except pygit2.GitError:
         return blob
+
+
+def symlinks_on(store: GitStore, workdir: str) -> bool:
+    """``core.symlinks`` of the worktree (true unless set false): git checks symlinks out as plain files then."""
+    try:
+        return bool(store.worktree_repo(workdir).config.get_bool("core.symlinks"))
+    except (KeyError, pygit2.GitError, ValueError):
+        return True
 
 
 def cleaned(workdir: str, path: str, data: bytes) -> bytes:

@@ -99,3 +99,22 @@ def test_a_submodules_checkout_is_its_own_worktree(tmp_path: Path) -> None:
     assert _clean(sub)
     assert not os.path.exists(top.path / ".git/modules/vendor/f.txt")
     assert "there" in git(sub, "show", "HEAD:f.txt")
+
+
+def test_core_symlinks_false_checks_and_writes_a_symlink_as_git_does(tmp_path: Path) -> None:
+    """With core.symlinks=false git checks a symlink out as a plain file holding its target: that
+    file is clean (it was dirty_path on every retry), and a changed link is written the same way."""
+    repo = make_repo(tmp_path / "repo", {"target": "t\n"})
+    os.symlink("target", repo.path / "link")
+    repo.commit_all("a link")
+    repo.git("config", "core.symlinks", "false")
+    (repo.path / "link").unlink()
+    repo.git("checkout", "--", "link")
+    assert (repo.path / "link").read_bytes() == b"target" and not (repo.path / "link").is_symlink()
+    patch = (b"diff --git a/link b/link\n--- a/link\n+++ b/link\n@@ -1 +1 @@\n-target\n"
+             b"\\ No newline at end of file\n+other\n\\ No newline at end of file\n")
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", input=patch)
+    assert r.code == 0, r.out + r.err
+    assert (repo.path / "link").read_bytes() == b"other" and not (repo.path / "link").is_symlink()
+    assert repo.git("ls-files", "-s", "link").startswith("120000 ")
+    assert _clean(repo.path)
