@@ -591,6 +591,15 @@ def _error(
     details.update(failure.extra)
     details["closest"] = _closest(f, hunk.old_lines, lo if expected is None else expected)
     message = f"hunk {index + 1} of '{path}' does not apply: {failure.reason}"
+    if failure.kind is ContextNotFound and lo > 0 and hunk.old_lines:
+        earlier = _locate(f, hunk.old_lines, agnostic=hunk.eol_agnostic, lo=0, expected=None, starts=None,
+                          at_eof=False)
+        if earlier is not None and earlier.positions[0] < lo:
+            # Found, but before the previous hunk's match: hunks go in file order, without overlap.
+            line = earlier.positions[0] + 1
+            details["found_before_previous_hunk"] = line
+            message += (f"; its context is at line {line}, before where hunk {index} matched "
+                        f"(hunks must be in file order, without overlap)")
     return failure.kind(message, details=details)
 
 

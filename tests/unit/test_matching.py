@@ -418,3 +418,13 @@ def test_single_region_replacement_applies_back(lines: list[str], data: st.DataO
     hunk = _hunk(old, new, old_start=old_start)
     result = apply_hunks(_text(*lines), [hunk], path="f")
     assert result.content == _text(*before, *replacement, *after)
+
+
+def test_a_hunk_out_of_file_order_is_named_as_such() -> None:
+    """Hunks are matched in order: one whose context lies before the previous match says so."""
+    late = _hunk(_lines("line 15", "line 16"), _lines("line 15", "sixteen"), old_start=15)
+    early = _hunk(_lines("line 3", "line 4"), _lines("line 3", "four"), old_start=3)
+    with pytest.raises(ContextNotFound) as info:
+        apply_hunks(_text(*NUMBERS), [late, early], path="f")
+    assert info.value.details["found_before_previous_hunk"] == 3
+    assert "file order" in info.value.message
