@@ -271,6 +271,7 @@ class GitStore:
         self.git_dir = os.path.realpath(self.repo.path)
         self.common_dir = common_dir_of(self.git_dir)
         self._worktrees: dict[str, pygit2.Repository] = {}
+        self._main_workdir: tuple[str | None] | None = None
         # Objects staged by this store and not yet written: {hex id: (header, bytes)}.
         self._pending: dict[str, tuple[bytes, bytes | memoryview]] = {}
         self._recent: dict[str, bytes] = {}
@@ -295,9 +296,11 @@ class GitStore:
         opened through, or ``core.worktree`` — where the git dir's own
         location says nothing (``--separate-git-dir``, submodules).
         """
-        if self.git_dir != self.common_dir or not self.repo.workdir:
-            return None
-        return os.path.realpath(self.repo.workdir)
+        if self._main_workdir is None:
+            main = None if self.git_dir != self.common_dir or not self.repo.workdir else os.path.realpath(
+                self.repo.workdir)
+            self._main_workdir = (main,)  # an open repository's worktree does not move
+        return self._main_workdir[0]
 
     def worktree_repo(self, workdir: str) -> pygit2.Repository:
         """The repository opened at a worktree (its attributes, filters, git dir), kept open while this store is.
