@@ -117,6 +117,12 @@ def _lookup(store: GitStore, tree: str | None, path: str, deleted: set[str]) -> 
     return found.entry
 
 
+def _creates(edit: FileEdit) -> bool:
+    """A text edit of one hunk that adds lines to an empty old side at line 0 (unified diffs)."""
+    return (edit.binary is None and edit.content is None and edit.new_path is None and len(edit.hunks) == 1
+            and not edit.hunks[0].old_lines and edit.hunks[0].old_start == 0 and bool(edit.hunks[0].new_lines))
+
+
 def _is_blob(oid: str, named: str | None) -> bool:
     """Whether object ``oid`` is the one ``named`` (a full or abbreviated oid) names."""
     return named is not None and len(named) >= 4 and oid.startswith(named)
@@ -259,6 +265,10 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
             current = None  # deleted (or moved away) by another edit of this patch, and added anew
         if edit.op == "modify" and current is None and writes_create and edit.content is not None:
             edit = replace_record(edit, op="add")
+        elif edit.op == "modify" and current is None and _creates(edit):
+            # '--- a/new' / '+++ b/new' / '@@ -0,0 +1,n @@' (no /dev/null, as agents write a new
+            # file): git apply creates the file when it is missing, so does this.
+            edit = replace_record(edit, op="add", content=b"".join(edit.hunks[0].new_lines), hunks=())
         if edit.op == "delete":
             if current is None:
                 raise ContextNotFound(f"cannot delete '{edit.path}': it does not exist",
