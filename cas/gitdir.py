@@ -14,7 +14,12 @@ import os
 from cas.record import record
 from cas.errors import UsageError
 
-__all__ = ["GitLayout", "discover", "read_head", "common_dir_of", "worktrees_on"]
+__all__ = ["GitLayout", "discover", "read_head", "common_dir_of", "worktrees_on", "read_gitfile", "core_worktree",
+           "MainWorktreeUnknown"]
+
+
+class MainWorktreeUnknown(UsageError):
+    """The branch is checked out in a main worktree whose folder cannot be found (exit 2)."""
 
 
 @record
@@ -26,7 +31,8 @@ class GitLayout:
     common_dir: str
 
 
-def _read_gitfile(path: str) -> str | None:
+def read_gitfile(path: str) -> str | None:
+    """The git dir a ``.git`` file (``gitdir: <path>``) names, real and absolute; ``None`` if not one."""
     try:
         with open(path, "rb") as fh:
             text = fh.read(4096).decode("utf-8", "surrogateescape").strip()
@@ -71,7 +77,7 @@ def discover(path: str) -> GitLayout:
             git_dir = os.path.realpath(dotgit)
             return GitLayout(cur, git_dir, common_dir_of(git_dir))
         if os.path.isfile(dotgit):
-            target = _read_gitfile(dotgit)
+            target = read_gitfile(dotgit)
             if target and _is_git_dir(target):
                 return GitLayout(cur, target, common_dir_of(target))
         if _is_git_dir(cur) and os.path.basename(cur) != ".git":
@@ -104,10 +110,17 @@ def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tup
     """
     found: list[tuple[str, str]] = []
     if _read_head_safe(common_dir) == ref and not _is_bare(common_dir):
-        workdir = main or _core_worktree(common_dir)
+        workdir = main or core_worktree(common_dir)
         if workdir is None and os.path.basename(common_dir) == ".git":
             workdir = os.path.dirname(common_dir)
-        if workdir is not None and os.path.isdir(workdir):
+        if workdir is None:
+            # It has the branch checked out, somewhere no path here leads to: moving the
+            # branch would leave its index a staged revert of the commit.
+            raise MainWorktreeUnknown(
+                f"'{ref}' is checked out in the main worktree of '{common_dir}', which cannot be found from "
+                f"here (a --separate-git-dir repository): run from that worktree (--repo <worktree>)",
+                details={"reason": "main_worktree_unknown"})
+        if os.path.isdir(workdir):
             found.append((workdir, common_dir))
     wt_root = os.path.join(common_dir, "worktrees")
     try:
@@ -136,7 +149,7 @@ def _read_head_safe(git_dir: str) -> str | None:
         return None
 
 
-def _core_worktree(git_dir: str) -> str | None:
+def core_worktree(git_dir: str) -> str | None:
     """``core.worktree`` of the repository's own config (relative to the git dir), if set."""
     try:
         with open(os.path.join(git_dir, "config"), "rb") as fh:

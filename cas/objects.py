@@ -51,7 +51,7 @@ import pygit2
 
 from cas.record import record
 from cas.durable import DurableBatch, fsync_all, write_all
-from cas.gitdir import common_dir_of
+from cas.gitdir import common_dir_of, core_worktree, read_gitfile
 from cas.errors import (DurableWriteError, GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown,
                         UsageError)
 from cas import packs
@@ -297,10 +297,19 @@ class GitStore:
         location says nothing (``--separate-git-dir``, submodules).
         """
         if self._main_workdir is None:
-            main = None if self.git_dir != self.common_dir or not self.repo.workdir else os.path.realpath(
-                self.repo.workdir)
-            self._main_workdir = (main,)  # an open repository's worktree does not move
+            self._main_workdir = (self._find_main_workdir(),)  # an open repository's worktree does not move
         return self._main_workdir[0]
+
+    def _find_main_workdir(self) -> str | None:
+        if self.git_dir != self.common_dir or not self.repo.workdir:
+            return None
+        workdir = os.path.realpath(self.repo.workdir)
+        if os.path.join(workdir, ".git") == self.git_dir or core_worktree(self.git_dir) == workdir:
+            return workdir
+        # A git dir of another name (--separate-git-dir) opened at itself: libgit2 takes
+        # the folder above it for the worktree, which it is not.  Only a '.git' file
+        # there naming this git dir says so.
+        return workdir if read_gitfile(os.path.join(workdir, ".git")) == self.git_dir else None
 
     def worktree_repo(self, workdir: str) -> pygit2.Repository:
         """The repository opened at a worktree (its attributes, filters, git dir), kept open while this store is.

@@ -101,24 +101,31 @@ def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str 
     return dirty
 
 
-def outside_sparse_checkout(store: GitStore, workdir: str, paths: list[str], head_tree: str | None) -> list[str]:
-    """Those of ``paths`` a sparse checkout leaves out of ``workdir``: no file, the index entry the head's."""
-    from cas.index_cache import snapshot_for
+def outside_sparse_checkout(store: GitStore, workdir: str, paths: list[str]) -> list[str]:
+    """Those of ``paths`` a sparse checkout leaves out of ``workdir``: their index entries are skip-worktree.
 
-    wt = store.worktree_repo(workdir)
+    Asked of git (``git ls-files -t``: ``S``), only for paths already found
+    dirty in a worktree with ``core.sparseCheckout`` on; libgit2 does not
+    expose the flag.
+    """
+    import subprocess
+
     try:
-        sparse = wt.config.get_bool("core.sparseCheckout")
+        sparse = store.worktree_repo(workdir).config.get_bool("core.sparseCheckout")
     except (KeyError, pygit2.GitError, ValueError):
         sparse = False
-    if not sparse:
+    if not sparse or not paths:
         return []
-    snap = snapshot_for(os.path.realpath(wt.path))
-    out = []
-    for path in paths:
-        want = store.lookup_file(head_tree, path)
-        if want is not None and not os.path.lexists(os.path.join(workdir, path)) and snap.entry(path) == want:
-            out.append(path)
-    return out
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    try:
+        res = subprocess.run(["git", "ls-files", "-t", "-z", "--", *paths], cwd=workdir, env=env,
+                             capture_output=True, check=False, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if res.returncode != 0:
+        return []
+    skipped = {os.fsdecode(item[2:]) for item in res.stdout.split(b"\0") if item.startswith(b"S ")}
+    return [p for p in paths if p in skipped]
 
 
 def unsafe_worktree_paths(workdir: str, paths: list[str]) -> list[str]:

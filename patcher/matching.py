@@ -39,8 +39,9 @@ match (no overlap).
   precedence over ``old_start``.
 * ``at_eof``: the hunk's old lines must end at the file's last line.
 * ``prefer_start`` / ``prefer_eof`` (unified hunks git anchors): the hunk is
-  first judged only at the file's start / end (both: the whole file); if it
-  neither applies nor is present there, by the rules above anywhere.
+  judged at the file's start / end (both: the whole file) and, unless that
+  is exact, by the rules above anywhere; the anchored verdict wins unless the
+  other is at a stricter grade (or the anchored one found nothing).
 * An empty old side inserts: with ``old_start`` after line ``old_start``
   (0 = start of file, plus the carried offset); else after the last scope
   line, or at the end of the file.
@@ -379,13 +380,25 @@ def _judge(f: _File, hunk: Hunk, lo: int, carry: int, shift: int = 0) -> _Verdic
         "starts": starts,
         "at_eof": hunk.at_eof,
     }
-    if hunk.prefer_start or hunk.prefer_eof:
-        # Where git would anchor it first: there it applies, or is present, before anywhere else.
-        anchored = _judge_at(f, hunk, {**kw, "at_eof": hunk.at_eof or hunk.prefer_eof,
-                                       "at_start": hunk.prefer_start}, shift)
+    if not (hunk.prefer_start or hunk.prefer_eof):
+        return _judge_at(f, hunk, kw, shift)
+    # Where git would anchor it first: there it applies, or is present, before anywhere
+    # else — unless elsewhere it matches more strictly (an exact match at the stated line
+    # beats a whitespace-fuzzy one at the end of the file).
+    anchored = _judge_at(f, hunk, {**kw, "at_eof": hunk.at_eof or hunk.prefer_eof,
+                                   "at_start": hunk.prefer_start}, shift)
+    if anchored.state != "missing" and anchored.grade == GRADES[0]:
+        return anchored
+    try:
+        loose = _judge_at(f, hunk, kw, shift)
+    except _Failure:
         if anchored.state != "missing":
-            return anchored
-    return _judge_at(f, hunk, kw, shift)
+            return anchored  # ambiguous elsewhere, placed by its anchor
+        raise
+    if anchored.state == "missing" or (
+            loose.state != "missing" and GRADES.index(loose.grade) < GRADES.index(anchored.grade)):
+        return loose
+    return anchored
 
 
 def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:

@@ -399,7 +399,7 @@ def _execute(
         plan, worktrees = pre.plan, pre.worktrees
     else:
         plan = plan_stage(gstore, base, parsed)
-        worktrees = (check_worktrees(gstore, args.branch, paths, settle_dead_calls(rstore, stores))
+        worktrees = (check_worktrees(gstore, args.branch, paths, settle_dead_calls(rstore, stores, key))
                      if not plan.already_applied else [])
     staged, candidate = write_stage(gstore, plan, message, parsed)
     if candidate is None:
@@ -445,7 +445,7 @@ def _execute(
     _pause_point("before-ref")
     with _writer_turn(rstore, gstore, args.branch):
         try:
-            held = hold_index_locks(rstore, worktrees, key, on_dead=settle_dead_calls(rstore, stores))
+            held = hold_index_locks(rstore, worktrees, key, on_dead=settle_dead_calls(rstore, stores, key))
         except RefLockedError as exc:
             _reject(rstore, identity, call_id, key, args_sha, receipt, args, exc, base, candidate, retryable=True)
             raise

@@ -265,9 +265,11 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
             current = None  # deleted (or moved away) by another edit of this patch, and added anew
         if edit.op == "modify" and current is None and writes_create and edit.content is not None:
             edit = replace_record(edit, op="add")
-        elif edit.op == "modify" and current is None and _creates(edit):
+        elif edit.op == "modify" and _creates(edit) and (
+                current is None or store.read_blob(current.oid) == b"".join(edit.hunks[0].new_lines)):
             # '--- a/new' / '+++ b/new' / '@@ -0,0 +1,n @@' (no /dev/null, as agents write a new
-            # file): git apply creates the file when it is missing, so does this.
+            # file): git apply creates the file when it is missing, so does this; a file that
+            # already holds exactly those lines is that file, created before (already applied).
             edit = replace_record(edit, op="add", content=b"".join(edit.hunks[0].new_lines), hunks=())
         if edit.op == "delete":
             if current is None:

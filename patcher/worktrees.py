@@ -31,7 +31,8 @@ def prefetch_indexes(gstore: GitStore, branch: str) -> None:
             continue  # check_worktrees meets it again
 
 
-def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None) -> Callable[[str], None]:
+def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
+                      own_key: str | None = None) -> Callable[[str], None]:
     """An ``on_dead`` for :func:`cas.worktree.hold_index_lock`: settle the dead calls that held ``index_lock``.
 
     A call killed after its branch moved and before its worktree followed
@@ -40,12 +41,15 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None) -> Ca
     reverting that call's change; so each call the store's markers tie to the
     lock is settled first, as ``recover`` settles it (its receipt resolved,
     its touched paths brought to the branch where they still show the base,
-    the lock removed).  A marker whose call still lives, or is settled
-    already, is left alone.
+    the lock removed).  A marker whose call is settled already is left alone;
+    one whose key lock another process holds (settling it too) is waited for,
+    up to :data:`SETTLE_WAIT` seconds.  ``own_key``: the caller's key, whose
+    lock it holds itself (never waited for).
     """
 
     def on_dead(index_lock: str) -> None:
         from patcher.git_adapter import GitAdapter
+        from receipts.flock import FileLock
         from receipts.recovery import resolve_receipt
         from receipts.states import needs_resolution
 
@@ -62,11 +66,11 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None) -> Ca
                 receipt = rstore.read_hash(name[len(INDEX_MARKER_PREFIX):])
             except (OSError, OncepatchError):
                 continue  # gone meanwhile, or a corrupt receipt: recover reports it
-            if named != index_lock or receipt is None:
+            if named != index_lock or receipt is None or receipt.key == own_key:
                 continue
-            lock = rstore.try_lock(receipt.key)
-            if lock is None:
-                continue  # its owner lives: the lock is not dead after all
+            lock = FileLock(rstore.lock_path(receipt.key))
+            if not lock.acquire(SETTLE_WAIT, poll=0.01):
+                continue  # still held: left for recover; the lock is then removed as before
             try:
                 current = rstore.read(receipt.key)
                 if current is None:
@@ -82,6 +86,10 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None) -> Ca
                 lock.release()
 
     return on_dead
+
+
+#: How long a call waits for another process settling the same dead call (seconds).
+SETTLE_WAIT = 10.0
 
 
 def check_worktrees(gstore: GitStore, branch: str, paths: list[str],
@@ -111,7 +119,7 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str],
             tip = gstore.resolve(branch)
             tip_tree = gstore.commit_tree(tip) if tip else None
             dirty = dirty_paths(gstore, workdir, paths, tip_tree)
-            sparse = outside_sparse_checkout(gstore, workdir, dirty, tip_tree) if dirty else []
+            sparse = outside_sparse_checkout(gstore, workdir, dirty) if dirty else []
         finally:
             lock.release()
         if sparse:

@@ -183,3 +183,13 @@ def test_cli_reads_heredoc_wrapped_envelope_and_refuses_ambiguity(repo: Repo, cl
     r = cli("apply", "--repo", str(repo.path), "--json", "-", input=scoped)
     assert r.code == 0 and r.json["status"] == "committed"
     assert (repo.path / "twice.txt").read_text() == "x\nsame\ny\nother\n"
+
+
+def test_a_new_file_without_dev_null_sent_again_is_already_applied(repo: Repo) -> None:
+    """Created from a -0,0 hunk on a missing path; sent again under a new key it is that file, not an insertion."""
+    patch = b"--- a/brand/new.py\n+++ b/brand/new.py\n@@ -0,0 +1,2 @@\n+def f():\n+    return 1\n"
+    first = apply(str(repo.path), patch, key="k1")
+    count = repo.count()
+    again = apply(str(repo.path), patch, key="k2")
+    assert again.already_applied and again.commit == first.commit and repo.count() == count
+    assert (repo.path / "brand/new.py").read_text() == "def f():\n    return 1\n"

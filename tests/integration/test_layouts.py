@@ -118,3 +118,36 @@ def test_core_symlinks_false_checks_and_writes_a_symlink_as_git_does(tmp_path: P
     assert (repo.path / "link").read_bytes() == b"other" and not (repo.path / "link").is_symlink()
     assert repo.git("ls-files", "-s", "link").startswith("120000 ")
     assert _clean(repo.path)
+
+
+def test_a_separate_git_dir_named_at_itself_is_refused_while_its_worktree_has_the_branch(tmp_path: Path) -> None:
+    """'--repo repo.git': the worktree that has the branch cannot be found from there (no '.git' file
+    leads to it, no core.worktree names it).  The folder above the git dir is not it: nothing may be
+    written there, and a move without its index following would leave a staged revert."""
+    repo = _separate(tmp_path, tmp_path / "repo.git")
+    before = repo.head()
+    for target in (tmp_path / "repo.git",):
+        r = run_cli("apply", "-", "--repo", str(target), "--json", input=b"--- /dev/null\n+++ b/new.txt\n"
+                    b"@@ -0,0 +1 @@\n+hello\n")
+        assert r.code == 2, r.out + r.err
+        assert r.json["error"]["reason"] == "main_worktree_unknown"
+    assert not (tmp_path / "new.txt").exists() and repo.head() == before and _clean(repo.path)
+    side = run_cli("apply", "-", "--repo", str(tmp_path / "repo.git"), "--json", "--branch", "side",
+                   input=PATCH)
+    assert side.code == 2 and "does not exist" in side.json["error"]["message"]  # other branches: usual rules
+    repo.git("branch", "side")
+    side = run_cli("apply", "-", "--repo", str(tmp_path / "repo.git"), "--json", "--branch", "side",
+                   input=PATCH)
+    assert side.code == 0, side.out + side.err
+    assert _clean(repo.path)
+
+
+def test_a_linked_worktree_of_a_separate_git_dir_repository_cannot_reach_the_main_one(tmp_path: Path) -> None:
+    repo = _separate(tmp_path, tmp_path / "repo.git")
+    linked = tmp_path / "linked"
+    repo.git("worktree", "add", "-q", "-b", "feat", str(linked))
+    r = run_cli("apply", "-", "--repo", str(linked), "--json", "--branch", "main", input=PATCH)
+    assert r.code == 2 and r.json["error"]["reason"] == "main_worktree_unknown", r.out
+    r = run_cli("apply", "-", "--repo", str(linked), "--json", input=PATCH)  # its own branch: fine
+    assert r.code == 0, r.out + r.err
+    assert _clean(linked) and _clean(repo.path)

@@ -481,3 +481,10 @@ def test_a_path_outside_the_sparse_checkout_is_refused_for_good_and_nothing_chan
     assert side.code == 0, side.out + side.err
     assert repo.git("show", "side:docs/guide.txt") == "guide\nmore\n"
     assert repo.git("status", "--porcelain") == ""
+
+
+def test_a_file_inside_the_sparse_checkout_deleted_by_hand_is_an_ordinary_dirty_path(repo: Repo) -> None:
+    repo.git("sparse-checkout", "set", "--cone", "src")
+    (repo.path / "src/util.py").unlink()
+    err = refuse(repo, MODIFY_UTIL, code=4, type="dirty_path", retryable=True, next_action="retry")
+    assert "reason" not in err and err["paths"] == ["src/util.py"]

@@ -941,3 +941,12 @@ def test_diff_ruN_of_two_folders_strips_the_folder_names() -> None:
                                                      ("delete", "gone.txt")]
     same = _one(_p("--- src/x.py.orig", "+++ src/x.py", "@@ -1 +1 @@", "-a", "+b"))
     assert same.path == "src/x.py"
+
+
+def test_an_anchor_does_not_beat_a_stricter_match_elsewhere() -> None:
+    """The end of the file matches only with trailing blanks ignored; the stated line matches exactly."""
+    patch = b"--- a/f\n+++ b/f\n@@ -4,2 +4,3 @@\n [b]\n x = 1\n+y = 2\n"
+    content = b"[a]\nx = 1\n\n[b]\nx = 1\n\n[b]\nx = 1   \n"
+    edit = parse_unified(patch).edits[0]
+    got = apply_hunks(content, edit.hunks, path="f")
+    assert got.content == b"[a]\nx = 1\n\n[b]\nx = 1\ny = 2\n\n[b]\nx = 1   \n" and got.grades == ("exact",)
