@@ -59,7 +59,10 @@ A line left without terminator in the middle of the result (the old last line
 of a file without final newline, with lines now after it) gets the file's
 dominant terminator, so lines are never glued together.
 
-**Already applied.**  A hunk whose old side is found nowhere but whose new
+**Already applied.**  A hunk whose old side is found exactly once, inside an
+exact occurrence of its new side (an insertion whose added lines end with a
+copy of its context leaves the old lines once, within the block it
+inserted), is *present* there.  A hunk whose old side is found nowhere but whose new
 side is found, by the same rules and from the same position, is *present*
 (if the new side occurs at several places, the one nearest the stated
 position counts, else the first) — if the two sides share a line (context).
@@ -405,7 +408,16 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
     """:func:`_judge` for a hunk with an old side, placed by ``kw`` (:func:`_locate`'s arguments)."""
     old = _locate(f, hunk.old_lines, **kw)
     if old is not None and old.grade == "exact" and len(old.positions) == 1:
-        return _Verdict("applies", old.positions[0], "exact")
+        # Inside the new lines, applied before?  An insertion whose added lines end with a
+        # copy of its context ('' / 'x = 1' / '' / 'class C:' for '' / 'class C:') leaves
+        # the old lines once in the file, within the block it inserted: no second copy.
+        pos, extra = old.positions[0], len(hunk.new_lines) - len(hunk.old_lines)
+        if extra > 0:
+            keys = [_key_fn(GRADES[0], hunk.eol_agnostic)(line) for line in hunk.new_lines]
+            for start in range(max(kw["lo"], pos - extra), pos + 1):
+                if f.match_at(GRADES[0], hunk.eol_agnostic, start, keys):
+                    return _Verdict("present", start, GRADES[0])
+        return _Verdict("applies", pos, "exact")
     new: _Loc | None = None
     if hunk.new_lines:
         # The new side counts only if found more strictly than the old side ...

@@ -950,3 +950,13 @@ def test_an_anchor_does_not_beat_a_stricter_match_elsewhere() -> None:
     edit = parse_unified(patch).edits[0]
     got = apply_hunks(content, edit.hunks, path="f")
     assert got.content == b"[a]\nx = 1\n\n[b]\nx = 1\ny = 2\n\n[b]\nx = 1   \n" and got.grades == ("exact",)
+
+
+def test_an_insertion_ending_with_a_copy_of_its_context_is_already_applied_the_second_time(tmp_path: Path) -> None:
+    """'' / +'x = 1' / +'' / 'class C:': once applied, the old lines ('' / 'class C:') occur once, inside the
+    inserted block; they used to be taken for the place to insert again (a second 'x = 1')."""
+    original = b"a\nb\n\nclass C:\n    pass\n"
+    patch = b"--- a/f\n+++ b/f\n@@ -3,2 +3,4 @@\n \n+x = 1\n+\n class C:\n"
+    once, already, theirs = _apply_twice_like_git(tmp_path, original, patch)
+    assert once == theirs == b"a\nb\n\nx = 1\n\nclass C:\n    pass\n"
+    assert already
