@@ -414,8 +414,9 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
         pos, extra = old.positions[0], len(hunk.new_lines) - len(hunk.old_lines)
         if extra > 0:
             keys = [_key_fn(GRADES[0], hunk.eol_agnostic)(line) for line in hunk.new_lines]
+            mine = f.keys(GRADES[0], hunk.eol_agnostic)
             for start in range(max(kw["lo"], pos - extra), pos + 1):
-                if f.match_at(GRADES[0], hunk.eol_agnostic, start, keys):
+                if mine[start] == keys[0] and f.match_at(GRADES[0], hunk.eol_agnostic, start, keys):
                     return _Verdict("present", start, GRADES[0])
         return _Verdict("applies", pos, "exact")
     new: _Loc | None = None
