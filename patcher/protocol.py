@@ -265,7 +265,7 @@ def _locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any]
         # First call: every input error is found before the lock is taken, so a
         # rejected patch leaves the store (and the repository) exactly as it was.
         try:
-            pre = _precheck(args, _stores, rstore)
+            pre = _precheck(args, _stores, rstore, the_key)
         except GitStoreError as exc:
             # Read before anything is written (say, a blob a partial clone never fetched):
             # nothing happened, whatever libgit2's failure would mean later on.
@@ -304,7 +304,7 @@ class _PreCheck:
     worktrees: list[tuple[str, str]]
 
 
-def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore) -> _PreCheck:
+def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore, key: str) -> _PreCheck:
     """Parse, plan against the branch's current head and check worktrees; write nothing.
 
     (Unless a dead call's ``index.lock`` is met: that call is settled first, see
@@ -316,6 +316,7 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore) -> _
 
     parsed = parse_patch(args.patch, args.format)
     gstore = open_store(args.repo, stores)
+    _check_key_ref_free(gstore, key)
     _read_identities(gstore)
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
@@ -394,6 +395,8 @@ def _execute(
         _read_identities(gstore)  # (read by the pre-check otherwise)
     message = _commit_message(args, parsed, call_id, key)
     paths = touched_paths(parsed)
+    if pre is None:
+        _check_key_ref_free(gstore, key)  # (checked by the pre-check otherwise)
     base = _branch_head(gstore, args)
     if pre is not None and pre.plan.base_commit == base:
         plan, worktrees = pre.plan, pre.worktrees
@@ -513,7 +516,15 @@ def _execute(
         # the branch's folder when the move left that to it.
         batch = DurableBatch()
         batch.sync_first(ref_folders)
-        gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}", batch=batch)
+        try:
+            gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}", batch=batch)
+        except RefMovedError as exc:
+            # Another store committed the same key since the pre-check: the branch *has* moved.
+            raise IdempotencyConflict(
+                f"the branch moved to {candidate[:12]}, but the key ref of '{key}' was created meanwhile by a "
+                f"call through another store: run 'oncepatch recover', and use one store per repository",
+                key=key, effect_status="applied", next_action="recover",
+                details={"commit": candidate}) from exc
         path = rstore.record(final, "committed", before_replace=crash_hook("before-receipt-replace"), batch=batch)
     except DurableWriteError as exc:
         gstore.sync_failed(exc, ref_folders)
@@ -532,6 +543,27 @@ def _execute(
         raise
     return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
                        warnings=tuple(warnings))
+
+
+def _check_key_ref_free(gstore: GitStore, key: str) -> None:
+    """Refuse a key whose key ref exists while this store has no committed receipt of it.
+
+    The key ref is the repository's, the receipt the store's: the key was
+    committed through another store (``--store``, ``ONCEPATCH_STORE``), or its
+    receipt was removed.  Executed again, the branch would move and the key
+    ref, created only if absent, could not follow.
+
+    Raises:
+        IdempotencyConflict: the key ref exists (nothing written).
+    """
+    ref = KEY_REF_PREFIX + key_hash(key)
+    found = gstore.resolve(ref)
+    if found is not None:
+        raise IdempotencyConflict(
+            f"key '{key}' already has a commit in this repository ({ref} -> {found[:12]}) but this store "
+            f"has no receipt of it: it was applied through another store (--store / ONCEPATCH_STORE), or its "
+            f"receipt was removed; use that store, or another key",
+            key=key, details={"key_ref": ref, "commit": found})
 
 
 def _worktrees_now(gstore: GitStore, branch: str) -> list[tuple[str, str]]:

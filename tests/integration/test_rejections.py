@@ -488,3 +488,16 @@ def test_a_file_inside_the_sparse_checkout_deleted_by_hand_is_an_ordinary_dirty_
     (repo.path / "src/util.py").unlink()
     err = refuse(repo, MODIFY_UTIL, code=4, type="dirty_path", retryable=True, next_action="retry")
     assert "reason" not in err and err["paths"] == ["src/util.py"]
+
+
+def test_a_key_committed_through_another_store_is_refused_before_anything_moves(repo: Repo, tmp_path: Path) -> None:
+    """The key ref is the repository's, the receipt the store's: the branch must not move for a key
+    whose key ref exists (it used to move, then report 'not applied' when the key ref could not follow)."""
+    other = tmp_path / "other-store"
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "K", "--store", str(other),
+                input=MODIFY_UTIL)
+    assert r.code == 0, r.out + r.err
+    second = b"--- a/docs/guide.txt\n+++ b/docs/guide.txt\n@@ -1 +1 @@\n-guide\n+the guide\n"
+    err = refuse(repo, second, code=3, type="idempotency_conflict")
+    assert err["key_ref"].startswith("refs/oncepatch/keys/") and err["commit"] == repo.head()
+    assert "another store" in err["message"]
