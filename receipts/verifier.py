@@ -10,7 +10,9 @@ Checks, each failure naming the receipt and the reason:
   free: ``recover`` settles it), or it is still held but older than the grace
   period (stuck); no ``unknown`` receipt (a person must look);
 * the ledger's hash chain is unbroken, and every receipt's latest state
-  (its ``receipt_sha256``) appears in the ledger.
+  (its ``receipt_sha256``) appears in the ledger — unless its call is still
+  running (its key lock held: it renames the receipt, then appends the
+  event); every key the ledger records a receipt of has its receipt file.
 
 The watcher is never needed for any of this: verify reads the store itself.
 """
@@ -88,10 +90,12 @@ def verify(
         # The workers start first; the ledger is read here meanwhile.
         return _verify_parallel(store, paths, report, grace, jobs, verifiers_factory)
     latest: dict[str, int] = {}
-    digests = _read_ledger(store, report, latest)
+    named: set[str] = set()
+    digests = _read_ledger(store, report, latest, named)
     position = {p: i for i, p in enumerate(paths)}
     now = time.time()
-    found: list[tuple[int, Failure]] = []
+    found: list[tuple[int, int, Failure]] = []
+    unlogged: list[tuple[int, str, str, str, str]] = []
     for path in _in_call_order(paths, latest, report.ledger_events):
         item = store.read_stored(path)
         if item is None:
@@ -99,10 +103,54 @@ def verify(
         report.receipts += 1
         if progress is not None and report.receipts % 10000 == 0:
             progress(report.receipts)
-        found += [(position[path], f) for f in _check_one(store, item, verifiers, digests, grace, now)]
-    found.sort(key=lambda t: t[0])  # stable: a receipt's own failures keep their order
-    report.failures += [f for _pos, f in found]
+        r = item.receipt
+        if r is not None and r.digest not in digests:
+            unlogged.append((position[path], path, r.digest, r.key, r.status))
+        found += [(position[path], 1, f) for f in _check_one(store, item, verifiers, None, grace, now)]
+    found += [(pos, 0, f) for pos, f in _not_in_ledger(store, unlogged)]
+    found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
+    report.failures += [f for _pos, _kind, f in found]
+    report.failures += _missing_receipts(store, paths, named)
     return report
+
+
+def _not_in_ledger(store: ReceiptStore, unlogged: list[tuple[int, str, str, str, str]]) -> list[tuple[int, Failure]]:
+    """Receipts whose latest state the ledger lacks, less those of calls still running.
+
+    A call renames its receipt, then appends its ledger event, under its key
+    lock: read in between (a pre-commit hook beside a running apply), the
+    receipt is ahead of the ledger.  So the ledger is read again, and a
+    receipt whose key lock is held is a call in progress, not a failure.
+    """
+    if not unlogged:
+        return []
+    fresh = _read_ledger(store, VerifyReport())
+    out = []
+    for pos, path, digest, key, status in unlogged:
+        if digest in fresh:
+            continue
+        try:
+            lock = store.try_lock(key)
+        except OSError:
+            lock = None  # a read-only store: liveness cannot be told
+            running = False
+        else:
+            running = lock is None
+            if lock is not None:
+                lock.release()
+        if running:
+            continue
+        out.append((pos, Failure(key, path, f"latest state '{status}' is not in the ledger")))
+    return out
+
+
+def _missing_receipts(store: ReceiptStore, paths: list[str], named: set[str]) -> list[Failure]:
+    """Keys the ledger records a receipt of, with no receipt file in the store (one removed)."""
+    from receipts.identity import key_hash
+
+    have = {os.path.basename(p)[:-5] for p in paths}
+    return [Failure(k, store.receipt_path(k), "the ledger records this key's receipt, but its file is missing")
+            for k in sorted(named) if key_hash(k) not in have and not os.path.exists(store.receipt_path(k))]
 
 
 def _in_call_order(paths: list[str], latest: dict[str, int], events: int) -> list[str]:
@@ -171,11 +219,11 @@ def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
 
 
 def _read_ledger(store: ReceiptStore, report: VerifyReport,
-                 latest: dict[str, int] | None = None) -> set[str]:
+                 latest: dict[str, int] | None = None, named: set[str] | None = None) -> set[str]:
     """Check the ledger's chain into ``report``; return the receipt digests its events name (one pass).
 
     With ``latest``, also fill it with each key's last event number (the order
-    the calls wrote in).
+    the calls wrote in); with ``named``, the keys of events naming a receipt.
     """
     digests: set[str] = set()
 
@@ -184,6 +232,8 @@ def _read_ledger(store: ReceiptStore, report: VerifyReport,
         d = event.get("receipt_sha256")
         if isinstance(d, str):
             digests.add(d)
+            if named is not None and isinstance(event.get("key"), str):
+                named.add(event["key"])
         if latest is not None:
             k = event.get("key")
             if isinstance(k, str):
@@ -217,7 +267,8 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
         # The workers start and import while the ledger is read here.
         warm = [pool.submit(_warm_up, factory) for _ in range(jobs)]
         latest: dict[str, int] = {}
-        digests = _read_ledger(store, report, latest)
+        named: set[str] = set()
+        digests = _read_ledger(store, report, latest, named)
         ordered = _in_call_order(paths, latest, report.ledger_events)
         del latest
         size = -(-len(ordered) // jobs)
@@ -228,15 +279,18 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
         results = [f.result() for f in futures]
     position = {p: i for i, p in enumerate(paths)}
     found: list[tuple[int, int, Failure]] = []
+    unlogged: list[tuple[int, str, str, str, str]] = []
     for chunk, (failures, seen, read) in zip(chunks, results):
         report.receipts += read
         for i, digest, key, status in seen:
             if digest not in digests:
-                found.append((position[chunk[i]], 0, Failure(key, chunk[i], f"latest state '{status}' is not in the ledger")))
+                unlogged.append((position[chunk[i]], chunk[i], digest, key, status))
         found += [(position.get(p, len(paths)) if p is not None else len(paths), 1, Failure(k, p, reason))
                   for k, p, reason in failures]
+    found += [(pos, 0, f) for pos, f in _not_in_ledger(store, unlogged)]
     found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
     report.failures += [f for _pos, _kind, f in found]
+    report.failures += _missing_receipts(store, paths, named)
     return report
 
 

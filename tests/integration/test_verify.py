@@ -115,7 +115,14 @@ def unresolved_prepared(repo: Repo) -> tuple[Path, str]:
     return receipt_path(repo, "three"), "unresolved prepared receipt"
 
 
+def deleted_receipt(repo: Repo) -> tuple[Path, str]:
+    path = receipt_path(repo, "one")
+    path.unlink()  # the ledger still records its receipt, its key ref still names the commit
+    return path, "the ledger records this key's receipt, but its file is missing"
+
+
 CASES: dict[str, Callable[[Repo], tuple[Path, str]]] = {
+    "deleted_receipt": deleted_receipt,
     "edited_field": edited_field,
     "wrong_output_digest": wrong_output_digest,
     "missing_commit": missing_commit,
@@ -148,7 +155,7 @@ def test_verify_names_the_receipt_and_the_reason(repo: Repo, case: str) -> None:
     assert any(f["receipt"] == str(broken) and reason in f["reason"] for f in failures), failures
     for f in failures:
         assert set(f) == {"key", "receipt", "reason"} and f["receipt"] and f["reason"]
-    if case in ("wrong_output_digest", "missing_commit", "edited_field", "unresolved_prepared"):
+    if case in ("wrong_output_digest", "missing_commit", "edited_field", "unresolved_prepared", "deleted_receipt"):
         # Only the broken receipt is named (a lost ledger line may also orphan a receipt's state).
         assert {f["receipt"] for f in failures} == {str(broken)}, failures
 
@@ -159,3 +166,20 @@ def test_failure_after_recover_is_gone(repo: Repo) -> None:
     assert run_cli("verify", "--repo", str(repo.path), "--grace", "0").code == 6
     assert run_cli("recover", "--repo", str(repo.path)).code == 0
     assert run_cli("verify", "--repo", str(repo.path), "--grace", "0").code == 0
+
+
+def test_a_receipt_ahead_of_the_ledger_is_a_call_in_progress_while_its_key_lock_is_held(repo: Repo) -> None:
+    """A call renames its receipt, then appends its ledger event, under its key lock: a verify in
+    between (a pre-commit hook beside a running apply) must not fail; once the lock is free, it does."""
+    store = ReceiptStore(str(repo.store))
+    r = store.read("one")
+    assert r is not None
+    store.write(r.evolve(updated_at="2026-01-01T00:00:00Z"))  # a new state, its event not yet appended
+    lock = store.try_lock("one")
+    assert lock is not None
+    try:
+        assert run_cli("verify", "--repo", str(repo.path), "--json").code == 0
+    finally:
+        lock.release()
+    after = run_cli("verify", "--repo", str(repo.path), "--json")
+    assert after.code == 6 and "is not in the ledger" in after.json["failures"][0]["reason"]
