@@ -96,7 +96,11 @@ def normalise_args(
         UsageError: no repository, bad branch, unknown format.
         TooLarge: the patch is over :data:`MAX_PATCH_BYTES`.
     """
-    data = patch.encode("utf-8", "surrogateescape") if isinstance(patch, str) else bytes(patch)
+    try:
+        data = patch.encode("utf-8", "surrogateescape") if isinstance(patch, str) else bytes(patch)
+    except UnicodeEncodeError as exc:  # a lone surrogate other than an escaped byte
+        raise UsageError(f"the patch is not valid Unicode text (at character {exc.start}): "
+                         f"pass it as bytes, or as text without lone surrogates") from None
     if len(data) > MAX_PATCH_BYTES:
         raise TooLarge(
             f"patch is {len(data)} bytes, over the limit of {MAX_PATCH_BYTES}",

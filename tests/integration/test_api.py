@@ -144,3 +144,15 @@ def test_packed_repository_objects_already_packed_are_not_written_again(repo: Re
     assert not [p for p in objects.rglob("tmp_obj_*")]
     repo.git("fsck", "--strict", "--no-dangling")
     assert repo.git("cat-file", "-p", f"{res.commit}:README") == "hello\n"
+
+
+def test_a_str_patch_with_a_lone_surrogate_is_a_usage_error(tmp_path: Path) -> None:
+    from cas.errors import UsageError
+    from conftest import make_repo, snapshot
+    from patcher.protocol import apply as api_apply
+
+    repo = make_repo(tmp_path / "repo")
+    before = snapshot(repo)
+    with pytest.raises(UsageError, match="not valid Unicode"):
+        api_apply(str(repo.path), "--- /dev/null\n+++ b/s.txt\n@@ -0,0 +1 @@\n+bad \ud800 x\n", key="sur")
+    assert snapshot(repo) == before

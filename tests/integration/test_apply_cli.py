@@ -482,3 +482,24 @@ def test_next_attempt_after_revert_applies_again(applied: tuple[Repo, Path, dict
     assert r.json["replayed"] is False and "already_applied" not in r.json
     assert repo.head("HEAD^") == reverted
     assert repo.head("HEAD^{tree}") == repo.head(f"{first['commit']}^{{tree}}")
+
+
+def test_log_prints_a_hand_edited_ledger_line_it_cannot_read_as_an_event(repo: Repo, cli: Any) -> None:
+    """A line that is a JSON object without the fields of an event: listed, not a crash (verify judges it)."""
+    patch = b"--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hello there\n"
+    assert cli("apply", "-", "--repo", str(repo.path), "--json", input=patch).code == 0
+    with open(repo.store / "events.jsonl", "ab") as fh:
+        fh.write(b'{"bogus":1}\n{"seq":5,"event":null}\n')
+    text = cli("log", "--repo", str(repo.path))
+    assert text.code == 0, text.err
+    assert len(text.out.splitlines()) == 4
+    js = cli("log", "--repo", str(repo.path), "--json")
+    assert js.code == 0 and js.json["events"][-2] == {"bogus": 1}
+    assert cli("log", "--repo", str(repo.path), "--limit", "-1").code == 2
+    assert cli("verify", "--repo", str(repo.path)).code == 6
+
+
+def test_an_abbreviated_option_is_a_usage_error(repo: Repo, cli: Any) -> None:
+    """'--js' is not '--json': argparse took it for --json while the output was chosen as text."""
+    r = cli("log", "--repo", str(repo.path), "--js")
+    assert r.code == 2 and "--js" in r.err
