@@ -265,7 +265,7 @@ def _locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any]
         # First call: every input error is found before the lock is taken, so a
         # rejected patch leaves the store (and the repository) exactly as it was.
         try:
-            pre = _precheck(args, _stores, rstore, the_key)
+            pre = _precheck(args, _stores, rstore)
         except GitStoreError as exc:
             # Read before anything is written (say, a blob a partial clone never fetched):
             # nothing happened, whatever libgit2's failure would mean later on.
@@ -304,7 +304,7 @@ class _PreCheck:
     worktrees: list[tuple[str, str]]
 
 
-def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore, key: str) -> _PreCheck:
+def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore) -> _PreCheck:
     """Parse, plan against the branch's current head and check worktrees; write nothing.
 
     (Unless a dead call's ``index.lock`` is met: that call is settled first, see
@@ -316,7 +316,6 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore, key:
 
     parsed = parse_patch(args.patch, args.format)
     gstore = open_store(args.repo, stores)
-    _check_key_ref_free(gstore, key)
     _read_identities(gstore)
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
@@ -395,8 +394,9 @@ def _execute(
         _read_identities(gstore)  # (read by the pre-check otherwise)
     message = _commit_message(args, parsed, call_id, key)
     paths = touched_paths(parsed)
-    if pre is None:
-        _check_key_ref_free(gstore, key)  # (checked by the pre-check otherwise)
+    # Under the key lock: a call of this store that holds the key has written its
+    # receipt by the time the lock is ours (read above, and replayed).
+    _check_key_ref_free(gstore, key)
     base = _branch_head(gstore, args)
     if pre is not None and pre.plan.base_commit == base:
         plan, worktrees = pre.plan, pre.worktrees

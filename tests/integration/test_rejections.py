@@ -498,6 +498,16 @@ def test_a_key_committed_through_another_store_is_refused_before_anything_moves(
                 input=MODIFY_UTIL)
     assert r.code == 0, r.out + r.err
     second = b"--- a/docs/guide.txt\n+++ b/docs/guide.txt\n@@ -1 +1 @@\n-guide\n+the guide\n"
-    err = refuse(repo, second, code=3, type="idempotency_conflict")
+    before = snapshot(repo)
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "K", input=second)
+    assert r.code == 3, r.out + r.err
+    err = r.json["error"]
+    assert (err["type"], err["effect_status"], err["key"]) == ("idempotency_conflict", "not_started", "K")
     assert err["key_ref"].startswith("refs/oncepatch/keys/") and err["commit"] == repo.head()
     assert "another store" in err["message"]
+    after = snapshot(repo)
+    # Decided under the key's lock (a call of this store holding the key has written its receipt
+    # by then): the lock file is all that is new.
+    assert {p for p in after["store"] if p not in before["store"]} <= {p for p in after["store"] if p.startswith("locks/")}
+    assert all(after["store"].get(p) == digest for p, digest in before["store"].items())
+    assert {k: v for k, v in after.items() if k != "store"} == {k: v for k, v in before.items() if k != "store"}
