@@ -62,11 +62,12 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
                 continue
             try:
                 with open(os.path.join(rstore.tmp_dir, name), "rb") as fh:
-                    named = fh.read().decode("utf-8", "surrogateescape").strip()
+                    if fh.read().decode("utf-8", "surrogateescape").strip() != index_lock:
+                        continue  # another worktree's lock
                 receipt = rstore.read_hash(name[len(INDEX_MARKER_PREFIX):])
             except (OSError, OncepatchError):
                 continue  # gone meanwhile, or a corrupt receipt: recover reports it
-            if named != index_lock or receipt is None or receipt.key == own_key:
+            if receipt is None or receipt.key == own_key:
                 continue
             lock = FileLock(rstore.lock_path(receipt.key))
             if not lock.acquire(SETTLE_WAIT, poll=0.01):
