@@ -49,9 +49,13 @@ match **exactly once**:
    partial-line ``old`` leaves out);
 3. otherwise a ``strip``/``punct`` whole-line match from step 1 (or the
    matcher's "already present" verdict) is taken;
-4. otherwise a substring found twice or more is :class:`AmbiguousMatch`; a
-   new text found once where the old text is not is "already present"; else
-   :class:`ContextNotFound` with the matcher's details.
+4. otherwise a substring found twice or more is :class:`AmbiguousMatch`; else
+   :class:`ContextNotFound` with the matcher's details (and ``new_text_at``
+   when the new text is in the file: applied before, or a coincidence — never
+   taken for "already present", a success with nothing changed).
+
+An edit whose old text occurs once, inside an occurrence of its new text
+(``import os`` → ``import os, sys`` sent again), is "already present".
 
 All edits present → the file is already applied; some present, some not →
 :class:`PartiallyApplied`.  Error details add ``sequential: true``: the
@@ -273,11 +277,21 @@ def _substring(content: bytes, hunk: Hunk) -> tuple[str, bytes | None, list[int]
     lines = [content.count(b"\n", 0, p) + 1 for p in starts]
     if len(starts) == 1:
         at = starts[0]
+        # Inside the new text, written before?  ('import os' -> 'import os, sys' sent again:
+        # the old text's one occurrence is the start of the new one.)
+        k = new.find(old)
+        while k >= 0:
+            if at >= k and content[at - k:at - k + len(new)] == new:
+                return "present", None, lines
+            k = new.find(old, k + 1)
         return "applies", content[:at] + new + content[at + len(old):], lines
     if len(starts) > 1:
         return "ambiguous", None, lines
-    if new and content.count(new) == 1:
-        return "present", None, [content.count(b"\n", 0, content.find(new)) + 1]
+    if new and new in content:
+        # The old text is nowhere, the new one somewhere: applied before, or a coincidence
+        # ('foo(a)' in 'x = foo(a)' for 'foo(a, b)' -> 'foo(a)').  A false "already
+        # applied" is a success with nothing changed, so this is missing, with a hint.
+        return "missing", None, [content.count(b"\n", 0, content.find(new)) + 1]
     return "missing", None, []
 
 
@@ -322,6 +336,10 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
                 chosen = ("lines", AppliedFile(content, ("substring",), already_applied=True))
             else:
                 assert failure is not None
+                if lines:  # the new text is in the file (see _substring)
+                    failure.details["new_text_at"] = lines[0]
+                    failure.message += (f"; its new text is already at line {lines[0]}: if this edit was "
+                                        f"applied before, nothing is left to do")
                 raise _with_index(failure, index) from None
         result = chosen[1]
         grades.append(result.grades[0] if result.grades else "exact")

@@ -153,12 +153,22 @@ def test_whole_line_fuzzy_grades_are_recorded() -> None:
 
 
 def test_already_applied_and_partially_applied() -> None:
-    original = b"one\ntwo\n"
-    done = apply_sequential(original, [hunk(b"1", b"one"), hunk(b"deux", b"two")], path="f")
+    """Present: the old text occurs once, inside the new text (an edit that extended a line, sent again)."""
+    original = b"import os, sys\nvalue = f(x)\n"
+    done = apply_sequential(original, [hunk(b"import os", b"import os, sys"), hunk(b"f(x)", b"value = f(x)")],
+                            path="f")
     assert done.already_applied and done.content == original
     with pytest.raises(PartiallyApplied) as info:
-        apply_sequential(original, [hunk(b"1", b"one"), hunk(b"two", b"2")], path="f")
+        apply_sequential(original, [hunk(b"import os", b"import os, sys"), hunk(b"f(x)", b"g(x)")], path="f")
     assert info.value.details["applied_hunks"] == [1] and info.value.details["missing_hunks"] == [2]
+
+
+def test_new_text_elsewhere_is_no_proof_of_an_edit_applied() -> None:
+    """'foo(a, b)' -> 'foo(a)' where the file has 'x = foo(a)' and no 'foo(a, b)': not already applied
+    (that would be a success with nothing changed), but not found, with a hint where the new text is."""
+    with pytest.raises(ContextNotFound) as info:
+        apply_sequential(b"x = foo(a)\ny = foo(a, c)\n", [hunk(b"foo(a, b)", b"foo(a)")], path="m.py")
+    assert info.value.details["new_text_at"] == 1 and "already at line 1" in info.value.message
 
 
 def test_not_found_keeps_the_matchers_details_renumbered() -> None:
