@@ -288,7 +288,8 @@ class GitAdapter:
                 lk.release()
         return removed
 
-    def _cleanup_dead_index_locks(self, rstore: ReceiptStore, dry_run: bool) -> list[str]:
+    def _cleanup_dead_index_locks(self, rstore: ReceiptStore, dry_run: bool,
+                                  protected: frozenset[str] = frozenset()) -> list[str]:
         """Remove marked ``index.lock`` files of dead calls in the repositories at hand.
 
         Race guarded: a call also takes ``index.lock`` briefly *before* its key lock and
@@ -304,7 +305,10 @@ class GitAdapter:
         removed: list[str] = []
         for common_dir in sorted(common_dirs):
             for git_dir in _git_dirs_of(common_dir):
-                stale = _remove_dead_marked_index_lock(git_dir, remove=not dry_run)
+                # While a call the store's markers tie to an index lock is unresolved, no dead
+                # marked lock is removed here: the marker names the lock by the path it had,
+                # which a moved repository no longer has.
+                stale = None if protected else _remove_dead_marked_index_lock(git_dir, remove=not dry_run)
                 if stale is not None:
                     removed.append(stale)
                 # The index update's and ref locks' tmp files of dead calls (never a lock).
@@ -312,9 +316,15 @@ class GitAdapter:
         return removed
 
     def cleanup(self, rstore: ReceiptStore, dry_run: bool, tmp_age: float) -> list[str]:
-        """Remove index-lock markers (and the stale ``index.lock`` they prove ours) of dead owners."""
+        """Remove index-lock markers (and the stale ``index.lock`` they prove ours) of dead owners.
+
+        Not those of a call still unresolved (``prepared``, ``unknown``: its
+        repository could not be asked, say it moved): its lock is what keeps
+        ``git commit`` from committing the stale index over its change.
+        """
         removed: list[str] = self._cleanup_check_worktrees(rstore, dry_run)
-        removed += self._cleanup_dead_index_locks(rstore, dry_run)
+        protected = _protected_index_locks(rstore)
+        removed += self._cleanup_dead_index_locks(rstore, dry_run, protected)
         try:
             names = sorted(os.listdir(rstore.tmp_dir))
         except FileNotFoundError:
@@ -340,6 +350,8 @@ class GitAdapter:
                 continue
             marker = os.path.join(rstore.tmp_dir, name)
             h = name[len("index-lock-"):]
+            if _unresolved(rstore, h):
+                continue  # protected (see above); settled by a later recover, then removed
             lk = _try_lock_hash(rstore, h)
             if lk is None:
                 continue  # its owner is alive and may hold the index lock right now
@@ -500,6 +512,21 @@ def _reflog_left(common_dir: str, ref: str, oid: str) -> bool:
             return any(line.split(b" ", 1)[0] == needle for line in fh)
     except FileNotFoundError:
         return False
+
+
+def _protected_index_locks(rstore: ReceiptStore) -> frozenset[str]:
+    """The ``index.lock`` paths the store's markers name for calls still unresolved."""
+    found: set[str] = set()
+    try:
+        names = os.listdir(rstore.tmp_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return frozenset()
+    for name in names:
+        if name.startswith("index-lock-") and _unresolved(rstore, name[len("index-lock-"):]):
+            with contextlib.suppress(OSError):
+                with open(os.path.join(rstore.tmp_dir, name), "rb") as fh:
+                    found.add(fh.read().decode("utf-8", "surrogateescape").strip())
+    return frozenset(found)
 
 
 def _unresolved(rstore: ReceiptStore, h: str) -> bool:

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from cas.errors import GitStoreError, OncepatchError
+from cas.errors import GitStoreError, OncepatchError, RefLockedError
 from cas.gitdir import worktrees_on
 from cas.hashing import sha256_hex
 from cas.objects import GitStore, TreeEntry
@@ -45,6 +45,11 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
     one whose key lock another process holds (settling it too) is waited for,
     up to :data:`SETTLE_WAIT` seconds.  ``own_key``: the caller's key, whose
     lock it holds itself (never waited for).
+
+    Raises:
+        RefLockedError: a call the lock protects could not be settled (its
+            repository moved since, say): the lock stays, ``next_action``
+            is ``recover``.
     """
 
     def on_dead(index_lock: str) -> None:
@@ -57,34 +62,53 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
             names = sorted(os.listdir(rstore.tmp_dir))
         except (FileNotFoundError, NotADirectoryError):
             return
+        unsettled: list[str] = []
         for name in names:
             if not name.startswith(INDEX_MARKER_PREFIX):
                 continue
             try:
                 with open(os.path.join(rstore.tmp_dir, name), "rb") as fh:
-                    if fh.read().decode("utf-8", "surrogateescape").strip() != index_lock:
-                        continue  # another worktree's lock
-                receipt = rstore.read_hash(name[len(INDEX_MARKER_PREFIX):])
+                    named = fh.read().decode("utf-8", "surrogateescape").strip()
+                receipt = rstore.read_hash(name[len(INDEX_MARKER_PREFIX):]) if named == index_lock or (
+                    not os.path.exists(os.path.dirname(named))) else None
             except (OSError, OncepatchError):
                 continue  # gone meanwhile, or a corrupt receipt: recover reports it
             if receipt is None or receipt.key == own_key:
                 continue
+            if named != index_lock:
+                # Its lock's folder is gone (the repository moved since the crash): it may be
+                # this very lock, under its old path.  Unresolved, it is not broken here.
+                if needs_resolution(receipt.status):
+                    unsettled.append(receipt.key)
+                continue
             lock = FileLock(rstore.lock_path(receipt.key))
             if not lock.acquire(SETTLE_WAIT, poll=0.01):
-                continue  # still held: left for recover; the lock is then removed as before
+                unsettled.append(receipt.key)  # still held by another process all this while
+                continue
             try:
                 current = rstore.read(receipt.key)
                 if current is None:
                     continue
                 adapter = GitAdapter(rstore, stores if stores is not None else {})
                 if needs_resolution(current.status):
-                    resolve_receipt(rstore, current, adapter)
+                    current = resolve_receipt(rstore, current, adapter)
                 elif current.status == "committed":
                     adapter.settle(current)
+                if needs_resolution(current.status):
+                    unsettled.append(current.key)
             except OncepatchError:
-                continue  # left for recover; the lock is then removed as before
+                unsettled.append(receipt.key)
             finally:
                 lock.release()
+        if unsettled:
+            # Removing the lock would let 'git commit' commit the stale index over that change.
+            keys = sorted(set(unsettled))
+            err = RefLockedError(index_lock, next_action="recover",
+                                 details={"reason": "crashed_call_unsettled", "keys": keys})
+            err.message = (f"'{index_lock}' was left by a crashed call whose change the worktree does not show "
+                           f"yet (key {', '.join(repr(k) for k in keys)}), and it cannot be settled from here: "
+                           f"run 'oncepatch recover' (or 'oncepatch resolve'); do not remove the lock by hand")
+            raise err
 
     return on_dead
 

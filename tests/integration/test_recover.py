@@ -415,6 +415,29 @@ def test_a_later_call_settles_the_dead_call_whose_index_lock_it_meets(tmp_path: 
     assert rec.code == 0 and rec.json["rows"] == [], rec.out
 
 
+def test_a_dead_calls_index_lock_stays_while_its_call_cannot_be_settled(tmp_path: Path) -> None:
+    """The repository moved after a crash: its receipt cannot be settled from the path it names.
+    The lock is what keeps git commit from committing the stale index over the change, so neither
+    recover nor a later apply removes it; both say to settle the call first."""
+    repo, pf = make_patch(tmp_path)
+    assert apply(repo, pf, env={"ONCEPATCH_CRASH_AT": "after-ref"}).code == 137
+    moved = Repo(tmp_path / "moved")
+    os.rename(repo.path, moved.path)
+    lock = moved.path / ".git/index.lock"
+    rec = recover(moved)
+    assert rec.code == 5 and rec.json["skipped"], rec.out
+    assert lock.exists() and str(lock) not in rec.json["removed"]
+    other = tmp_path / "other.diff"
+    other.write_text("--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hello there\n")
+    nxt = apply(moved, other, key="other")
+    assert nxt.code == 5, nxt.out + nxt.err
+    err = nxt.json["error"]
+    assert (err["reason"], err["next_action"], err["keys"]) == ("crashed_call_unsettled", "recover", [KEY])
+    assert lock.exists()
+    blocked = subprocess.run(["git", "commit", "-qam", "by hand"], cwd=moved.path, capture_output=True, check=False)
+    assert blocked.returncode != 0 and b"index.lock" in blocked.stderr
+
+
 def test_recover_keeps_a_file_edited_since_the_crash_and_stages_the_commits_version(tmp_path: Path) -> None:
     """Killed after the branch moved, the touched file then edited by hand: recover keeps the edit
     (never overwrites it), but the index must not keep the base: that is a staged revert of the
