@@ -7,8 +7,10 @@ tests use).  The kernel drops it when the holder dies, so a crashed process
 never leaves a key locked.  It is implemented here rather than imported:
 importing filelock 4 costs a cold ``oncepatch apply`` about 18 ms (it brings
 ``logging``, ``typing``, ``inspect``), and the lock is a dozen lines.  Lock
-files are not deleted while they may be taken (deleting an flock file lets
-two processes lock two different inodes of one name).
+files are removed only under their lock, and a process that locked a file
+another removed meanwhile (its descriptor's inode is no longer the name's)
+lets it go and locks the file the name holds now: else two processes could
+hold two inodes of one name.
 """
 
 from __future__ import annotations
@@ -61,6 +63,18 @@ class FileLock:
                     return False
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.05)
+                continue
+            # The file may have been removed while we waited (recover removes a key's lock
+            # file, under the lock, once the key has no receipt): a lock on the removed inode
+            # excludes no one who opens the name now.  Lock the file the name holds now.
+            st = os.fstat(fd)
+            try:
+                now = os.stat(self.path)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                os.close(fd)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
                 continue
             self._fd = fd
             return True

@@ -86,3 +86,27 @@ def test_waits_for_a_release(tmp_path: Path) -> None:
     assert waiter.acquire(5)
     assert 0.1 <= time.monotonic() - t0 < 3
     waiter.release()
+
+
+def test_a_waiter_that_locked_a_removed_file_takes_the_file_there_now(tmp_path: Path) -> None:
+    """H holds the lock and removes its file (recover does, under the lock); W, waiting meanwhile on
+    the old inode, must not end up holding that one while X locks a new file of the same name."""
+    import threading
+
+    path = str(tmp_path / "k.lock")
+    holder = FileLock(path)
+    assert holder.acquire(0)
+    waiter = FileLock(path)
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(waiter.acquire(5, poll=0.01)))
+    t.start()
+    time.sleep(0.1)  # W has opened the file and is polling
+    os.unlink(path)
+    holder.release()
+    t.join()
+    assert got == [True]
+    third = FileLock(path)
+    assert not third.acquire(0.2)  # W holds the file the name holds now
+    waiter.release()
+    assert third.acquire(0)
+    third.release()
