@@ -463,6 +463,11 @@ def _execute(
                     f"nothing was moved: retry", details={"reason": "worktree_switched"})
                 _reject(rstore, identity, call_id, key, args_sha, receipt, args, switched, base, candidate)
                 raise switched
+            if args.check is not None and worktrees:
+                # The check ran for seconds since the touched paths were found clean: a
+                # person may have edited one meanwhile.  Under the index locks, look again.
+                _dirty_again(gstore, worktrees, args.branch, base, paths, lambda err: _reject(
+                    rstore, identity, call_id, key, args_sha, receipt, args, err, base, candidate))
             # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter):
             # written only when libgit2 moves the branch (its lock is born empty).
             ref_marker = ref_lock_marker(rstore, key)
@@ -543,6 +548,26 @@ def _execute(
         raise
     return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
                        warnings=tuple(warnings))
+
+
+def _dirty_again(gstore: GitStore, worktrees: list[tuple[str, str]], branch: str, base: str | None,
+                 paths: list[str], reject: Callable[[OncepatchError], None]) -> None:
+    """Refuse (retryable, nothing moved) when a touched path changed in a worktree since the pre-check.
+
+    Raises:
+        DirtyPath: a touched path differs from the base there now.
+    """
+    from cas.worktree import dirty_paths
+    from patcher.errors import DirtyPath
+
+    tree = gstore.commit_tree(base) if base else None
+    for workdir, _git_dir in worktrees:
+        dirty = dirty_paths(gstore, workdir, paths, tree)
+        if dirty:
+            err = DirtyPath(f"'{dirty[0]}' was changed in '{workdir}' while --check ran: nothing was moved; "
+                            f"commit or stash the change, then retry", details={"paths": dirty, "worktree": workdir})
+            reject(err)
+            raise err
 
 
 def _check_key_ref_free(gstore: GitStore, key: str) -> None:
@@ -626,6 +651,14 @@ def _move_refs(
                 conflict = Conflict(
                     f"branch '{args.branch}' kept moving: gave up after {MAX_RESTAGE_ROUNDS} rounds",
                     details={"paths": paths},
+                )
+            elif args.check is not None:
+                # A re-staged candidate is another tree than the one the check passed:
+                # it must not land unchecked.  The retry checks the new head's candidate.
+                conflict = Conflict(
+                    f"branch '{args.branch}' moved to {str(new_base)[:12]} while --check ran on the "
+                    f"candidate: nothing was moved; retry to check the change on the new head",
+                    details={"paths": paths, "reason": "moved_during_check"},
                 )
             else:
                 try:

@@ -152,6 +152,57 @@ def test_check_timeout_kills_the_whole_process_group(repo: Repo, patch: Path, tm
     assert check_worktrees(repo) == []
 
 
+MODIFY = b"--- a/src/util.py\n+++ b/src/util.py\n@@ -1,2 +1,2 @@\n def f():\n-    return 1\n+    return 2\n"
+
+
+def _started(proc: subprocess.Popen[bytes], repo: Repo) -> None:
+    """Wait until the call's check runs (its temporary worktree exists)."""
+    deadline = time.monotonic() + 30
+    while not check_worktrees(repo):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+
+
+def test_a_touched_file_edited_while_the_check_runs_is_not_overwritten(repo: Repo, tmp_path: Path) -> None:
+    pf = tmp_path / "m.diff"
+    pf.write_bytes(MODIFY)
+    proc = subprocess.Popen([sys.executable, "-m", "patcher.cli", "apply", str(pf), "--repo", str(repo.path),
+                             "--json", "--key", "K", "--check", "sleep 2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _started(proc, repo)
+    repo.write("src/util.py", "def f():\n    return 1\n# my edit\n")
+    out, _err = proc.communicate(timeout=60)
+    assert proc.returncode == 4, out
+    err = json.loads(out)["error"]
+    assert err["type"] == "dirty_path" and err["retryable"] and "while --check ran" in err["message"]
+    assert (repo.path / "src/util.py").read_text() == "def f():\n    return 1\n# my edit\n"
+    assert repo.count() == 1 and repo.git("diff", "--cached") == ""
+
+
+def test_a_branch_moved_during_the_check_is_a_conflict_not_an_unchecked_commit(repo: Repo, tmp_path: Path) -> None:
+    """Re-staged onto the moved head, the candidate would be a tree the check never saw."""
+    pf = tmp_path / "m.diff"
+    pf.write_bytes(MODIFY)
+    repo.git("branch", "side")
+    proc = subprocess.Popen([sys.executable, "-m", "patcher.cli", "apply", str(pf), "--repo", str(repo.path),
+                             "--json", "--key", "K", "--branch", "side", "--check", "sleep 2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _started(proc, repo)
+    other = tmp_path / "o.diff"
+    other.write_bytes(ADD)
+    moved = run_cli("apply", str(other), "--repo", str(repo.path), "--json", "--key", "other", "--branch", "side")
+    assert moved.code == 0, moved.out + moved.err
+    head = repo.head("side")
+    out, _err = proc.communicate(timeout=60)
+    assert proc.returncode == 4, out
+    err = json.loads(out)["error"]
+    assert (err["type"], err["reason"], err["retryable"]) == ("conflict", "moved_during_check", True)
+    assert repo.head("side") == head
+    again = apply(repo, pf, "--branch", "side", "--check", "sleep 2")  # the same call, retried
+    assert again.code == 0, again.out + again.err
+    assert repo.head("side~1") == head
+
+
 def test_crash_mid_check_leaves_a_worktree_that_recover_removes(repo: Repo, patch: Path) -> None:
     base = repo.head()
     r = apply(repo, patch, "--check", "true", env={"ONCEPATCH_CRASH_AT": "check-running"})
