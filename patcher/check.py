@@ -84,34 +84,54 @@ def run_check(
         )
     try:
         crash_point("check-running")
-        status, output, timed_out = _run(cmd, path, timeout)
+        status, output, digest, size, timed_out = _run(cmd, path, timeout)
     finally:
         remove_check_worktree(repo_dir, path)
     if status == 0 and not timed_out:
         return
-    digest = hashlib.sha256(output).hexdigest()
     out_path = rstore.path_for_hash(h)[:-5] + ".check.txt"
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    write_durable(out_path, output[:OUTPUT_CAP])
+    write_durable(out_path, output)
     reason = f"timed out after {timeout:g}s" if timed_out else f"exited with status {status}"
     err = CheckFailed(
         f"check '{cmd}' {reason}",
         details={"check": cmd, "exit_status": status, "timed_out": timed_out, "output_sha256": digest,
-                 "output_bytes": len(output), "output_path": out_path},
+                 "output_bytes": size, "output_path": out_path},
     )
     on_fail(err)
     raise err
 
 
-def _run(cmd: str, cwd: str, timeout: float) -> tuple[int, bytes, bool]:
+def _run(cmd: str, cwd: str, timeout: float) -> tuple[int, bytes, str, int, bool]:
+    """Run ``cmd``: ``(exit status, first OUTPUT_CAP bytes of its output, sha256 of all of it, size, timed out)``.
+
+    The output goes to an unnamed file, not a pipe: a background process the
+    check leaves behind (``server &``) keeps a pipe open, and reading it to its
+    end waited for that process, not for the check (a passing check was then
+    "timed out", or waited on forever when the process left the group).  The
+    check's exit is what counts; what is left of its process group is killed.
+    """
+    import tempfile
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_") and k != "ONCEPATCH_CRASH_AT"}
-    proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out, False
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return proc.returncode if proc.returncode is not None else -9, out, True
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        timed_out = False
+        try:
+            status = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            status = -9
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the check's leftovers (or the check, timed out)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        out.seek(0)
+        head = out.read(OUTPUT_CAP)
+        digest = hashlib.sha256(head)
+        size = len(head)
+        for chunk in iter(lambda: out.read(1 << 20), b""):  # hashed whole, kept capped (memory stays small)
+            digest.update(chunk)
+            size += len(chunk)
+    return status, head, digest.hexdigest(), size, timed_out

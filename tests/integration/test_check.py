@@ -286,3 +286,16 @@ def test_check_overhead(tmp_path: Path, patch: Path, n: int) -> None:
     plain, checked = statistics.median(timings["plain"]), statistics.median(timings["check"])
     print(f"\ncheck overhead at {n} files: apply {plain * 1000:.0f} ms, with --check true "
           f"{checked * 1000:.0f} ms: +{(checked - plain) * 1000:.0f} ms (median of 3)")
+
+
+def test_a_passing_check_that_leaves_a_process_behind_passes_at_once(repo: Repo, tmp_path: Path) -> None:
+    """'server &' keeps the output open: the check's exit counts, not that process (it was taken for a
+    timeout and the call rejected for good, or waited on far past --check-timeout after 'setsid')."""
+    for i, cmd in enumerate(("sleep 30 & exit 0", "setsid sleep 30 & exit 0")):
+        pf = tmp_path / f"bg{i}.diff"
+        pf.write_bytes(f"--- /dev/null\n+++ b/bg{i}.txt\n@@ -0,0 +1 @@\n+x\n".encode())
+        t0 = time.monotonic()
+        r = apply(repo, pf, "--check", cmd, "--check-timeout", "20", key=f"bg{i}")
+        took = time.monotonic() - t0
+        assert r.code == 0, r.out + r.err
+        assert took < 15, f"{cmd!r} held the call {took:.1f}s"
