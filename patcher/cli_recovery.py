@@ -216,25 +216,6 @@ def _cmd_install_hook(args: argparse.Namespace) -> tuple[int, dict[str, Any], st
     hooks, configured = _hooks_dir(layout)
     hook = os.path.join(hooks, "pre-commit")
     chained = os.path.join(hooks, "pre-commit.before-oncepatch")
-    if os.path.exists(hook):
-        with open(hook, "rb") as fh:
-            current = fh.read()
-        if HOOK_MARK.encode() in current:
-            return EXIT_OK, {"ok": True, "hook": hook, "chained": os.path.exists(chained), "changed": False}, \
-                f"hook already installed: {hook}\n"
-        if configured:
-            # A hooks folder another tool manages (husky and the like find the
-            # user's hook by the name it runs under): not renamed under it.
-            raise UsageError(f"core.hooksPath is '{hooks}', whose pre-commit is not oncepatch's: add "
-                             "'oncepatch verify' to it, or use the 'oncepatch-verify' hook of "
-                             ".pre-commit-hooks.yaml (nothing was changed)")
-        if os.path.exists(chained):
-            raise UsageError(f"'{chained}' already exists: move it away first")
-        os.rename(hook, chained)  # moved aside, never lost
-    try:
-        os.makedirs(hooks, exist_ok=True)
-    except OSError as exc:  # a file where the folder goes, or no way to make it
-        raise UsageError(f"cannot make the hooks folder '{hooks}': {exc.strerror or exc} (nothing was changed)") from exc
     import shlex
 
     exe = shlex.quote(sys.executable)
@@ -260,6 +241,29 @@ fi
 echo "oncepatch pre-commit hook: neither {exe} nor 'oncepatch' on PATH; reinstall with 'oncepatch install-hook'" >&2
 exit 1
 """
+    if os.path.exists(hook):
+        with open(hook, "rb") as fh:
+            current = fh.read()
+        if current == script.encode():
+            return EXIT_OK, {"ok": True, "hook": hook, "chained": os.path.exists(chained), "changed": False}, \
+                f"hook already installed: {hook}\n"
+        ours = HOOK_MARK.encode() in current  # an earlier install (another --store): rewritten
+    else:
+        ours = False
+    if os.path.exists(hook) and not ours:
+        if configured:
+            # A hooks folder another tool manages (husky and the like find the
+            # user's hook by the name it runs under): not renamed under it.
+            raise UsageError(f"core.hooksPath is '{hooks}', whose pre-commit is not oncepatch's: add "
+                             "'oncepatch verify' to it, or use the 'oncepatch-verify' hook of "
+                             ".pre-commit-hooks.yaml (nothing was changed)")
+        if os.path.exists(chained):
+            raise UsageError(f"'{chained}' already exists: move it away first")
+        os.rename(hook, chained)  # moved aside, never lost
+    try:
+        os.makedirs(hooks, exist_ok=True)
+    except OSError as exc:  # a file where the folder goes, or no way to make it
+        raise UsageError(f"cannot make the hooks folder '{hooks}': {exc.strerror or exc} (nothing was changed)") from exc
     write_durable(hook, script.encode(), mode=0o755)
     st = os.stat(hook)
     os.chmod(hook, st.st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)

@@ -252,3 +252,18 @@ def test_install_hook_with_an_unusable_store_installs_nothing(repo: Repo, tmp_pa
     r = run_cli("install-hook", "--repo", str(repo.path), "--store", str(store), "--json")
     assert r.code == 2 and r.json["error"]["type"] == "usage", r.out + r.err
     assert not (repo.path / ".git/hooks/pre-commit").exists()
+
+
+def test_installing_again_with_another_store_rewrites_the_hook(repo: Repo, tmp_path: Path) -> None:
+    """The second install used to report 'already installed' and keep verifying the first store."""
+    other = tmp_path / "other-store"
+    first = run_cli("install-hook", "--repo", str(repo.path), "--store", str(other), "--json")
+    assert first.code == 0 and first.json["changed"] is True
+    hook = repo.path / ".git/hooks/pre-commit"
+    assert str(other) in hook.read_text()
+    second = run_cli("install-hook", "--repo", str(repo.path), "--json")
+    assert second.code == 0 and second.json["changed"] is True, second.out
+    assert str(other) not in hook.read_text()
+    assert not (repo.path / ".git/hooks/pre-commit.before-oncepatch").exists()  # ours: rewritten, not chained
+    third = run_cli("install-hook", "--repo", str(repo.path), "--json")
+    assert third.code == 0 and third.json["changed"] is False
