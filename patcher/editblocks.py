@@ -232,8 +232,11 @@ def parse_str_replace(data: bytes) -> Patch:
             raise _error(f"edit {n}: 'old' is empty; create files with a whole-file write", item=n)
         if values["old"] == values["new"]:
             raise _error(f"edit {n} of '{values['path']}' changes nothing", item=n)
-        old = split_lines(values["old"].encode("utf-8", "surrogateescape"))
-        new = split_lines(values["new"].encode("utf-8", "surrogateescape"))
+        try:
+            old = split_lines(values["old"].encode("utf-8", "surrogateescape"))
+            new = split_lines(values["new"].encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:  # a JSON escape of a lone surrogate ("\ud800")
+            raise _error(f"edit {n}: text is not valid Unicode (a lone surrogate)", item=n) from None
         blocks.append((values["path"], n, old, new))
     return Patch(format=STR_REPLACE, edits=_group(blocks, STR_REPLACE))
 

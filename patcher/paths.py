@@ -82,8 +82,11 @@ def check_path(path: str) -> str:
         except UnicodeEncodeError:
             # Bytes that are not UTF-8 (a Latin-1 name) arrive as surrogates; receipts and
             # the error envelope are JSON text, which cannot hold them.
-            raise _refuse(path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"),
-                          "not UTF-8") from None
+            try:
+                shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            except UnicodeEncodeError:  # a lone surrogate that stands for no byte ("\ud800" in JSON)
+                shown = path.encode("utf-8", "backslashreplace").decode("ascii")
+            raise _refuse(shown, "not UTF-8") from None
     if _CONTROL.search(path):
         raise _refuse(path, "control character in path")
     if path.startswith(("/", "\\")) or _DRIVE.match(path):

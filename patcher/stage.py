@@ -263,6 +263,12 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
         current = _lookup(store, base_tree, edit.path, deleted)
         if edit.op == "add" and edit.path in deleted:
             current = None  # deleted (or moved away) by another edit of this patch, and added anew
+        if writes_create and current is not None and current.mode == MODE_LINK and edit.op != "delete":
+            # Whole-file writes carry no link mode: writing one over a symlink would set
+            # the link's target to the content (anywhere, '/etc/passwd' included).
+            raise UnsafePath(f"refusing to write '{edit.path}': it is a symlink, and whole-file writes do not "
+                             f"write symlinks (delete it first, in its own call)",
+                             details={"path": edit.path, "reason": "symlink"})
         if edit.op == "modify" and current is None and writes_create and edit.content is not None:
             edit = replace_record(edit, op="add")
         elif edit.op == "modify" and _creates(edit) and (

@@ -107,7 +107,10 @@ def parse_whole_file(data: bytes) -> Patch:
         if given[0] == "content":
             if not isinstance(item["content"], str):
                 raise _error("'content' must be a string (use 'content_b64' for bytes)", n, path=path)
-            content = item["content"].encode("utf-8", "surrogateescape")
+            try:
+                content = item["content"].encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:  # a JSON escape of a lone surrogate ("\ud800")
+                raise _error("'content' is not valid Unicode (a lone surrogate)", n, path=path) from None
         else:
             raw = item["content_b64"]
             if not isinstance(raw, str):

@@ -511,3 +511,25 @@ def test_a_key_committed_through_another_store_is_refused_before_anything_moves(
     assert {p for p in after["store"] if p not in before["store"]} <= {p for p in after["store"] if p.startswith("locks/")}
     assert all(after["store"].get(p) == digest for p, digest in before["store"].items())
     assert {k: v for k, v in after.items() if k != "store"} == {k: v for k, v in before.items() if k != "store"}
+
+
+def test_a_whole_file_write_over_a_symlink_is_refused_and_nothing_changes(repo: Repo) -> None:
+    """It would have set the link's target to the content ('/etc/passwd' included)."""
+    os.symlink("README", repo.path / "link")
+    repo.commit_all("a link")
+    err = refuse(repo, b'[{"path": "link", "content": "/etc/passwd"}]', code=4, type="unsafe_path")
+    assert err["reason"] == "symlink"
+    assert os.readlink(repo.path / "link") == "README"
+
+
+@pytest.mark.parametrize("patch", [
+    b'[{"path": "f.txt", "old_str": "hello", "new_str": "\\ud800"}]',
+    b'[{"path": "f.txt", "content": "\\ud800"}]',
+    b'[{"path": "t\\ud800.txt", "content": "x"}]',
+], ids=["str_replace_text", "whole_file_content", "whole_file_path"])
+def test_a_json_lone_surrogate_is_refused_and_nothing_changes(repo: Repo, patch: bytes) -> None:
+    """A JSON escape of a lone surrogate (no byte stands for it) was an internal error."""
+    before = snapshot(repo)
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", input=patch)
+    assert r.code == 4 and r.json["error"]["type"] in ("parse_error", "unsafe_path"), r.out + r.err
+    assert snapshot(repo) == before
