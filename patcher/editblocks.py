@@ -137,6 +137,11 @@ def parse_search_replace(data: bytes) -> Patch:
     after_last = 0
     while i < len(lines):
         if not _SEARCH.fullmatch(lines[i].rstrip(b"\n")):
+            if _REPLACE.fullmatch(lines[i].rstrip(b"\n")):
+                # Outside every block: a block's REPLACE text that holds the marker line
+                # itself ended there, and the rest of that text would be dropped unseen.
+                raise _error(f"a '>>>>>>> REPLACE' line outside any block: does a block's "
+                             f"REPLACE text hold that marker?", line=i + 1)
             i += 1
             continue
         start = i + 1

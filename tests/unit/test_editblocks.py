@@ -177,3 +177,11 @@ def test_not_found_keeps_the_matchers_details_renumbered() -> None:
     details = info.value.details
     assert details["hunk"] == 2 and details["sequential"] and details["path"] == "f"
     assert details["grade_tried"] == ["exact", "rstrip", "strip", "punct"]
+
+
+def test_a_replace_marker_inside_replace_text_is_refused_not_cut_short() -> None:
+    """'>>>>>>> REPLACE' as a line of the REPLACE text ended the block there; the rest was dropped unseen."""
+    data = b"t.txt\n<<<<<<< SEARCH\nb\n=======\nB1\n>>>>>>> REPLACE\nB2\n>>>>>>> REPLACE\n"
+    with pytest.raises(ParseError, match="outside any block") as info:
+        parse_search_replace(data)
+    assert info.value.details["line"] == 8
