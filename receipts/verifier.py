@@ -90,13 +90,16 @@ def verify(
         # The workers start first; the ledger is read here meanwhile.
         return _verify_parallel(store, paths, report, grace, jobs, verifiers_factory)
     latest: dict[str, int] = {}
-    named: set[str] = set()
-    digests = _read_ledger(store, report, latest, named)
+    digests = _read_ledger(store, report, latest)
+    hashed = _hashed(latest)
+    missing = _missing_receipts(store, paths, hashed)
     position = {p: i for i, p in enumerate(paths)}
     now = time.time()
     found: list[tuple[int, int, Failure]] = []
     unlogged: list[tuple[int, str, str, str, str]] = []
-    for path in _in_call_order(paths, latest, report.ledger_events):
+    ordered = _in_call_order(paths, hashed, report.ledger_events)
+    del latest, hashed
+    for path in ordered:
         item = store.read_stored(path)
         if item is None:
             continue  # removed since the listing
@@ -110,8 +113,15 @@ def verify(
     found += [(pos, 0, f) for pos, f in _not_in_ledger(store, unlogged)]
     found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
     report.failures += [f for _pos, _kind, f in found]
-    report.failures += _missing_receipts(store, paths, named)
+    report.failures += missing
     return report
+
+
+def _hashed(latest: dict[str, int]) -> dict[str, tuple[str, int]]:
+    """``{key hash: (key, its last event number)}`` of the keys the ledger names."""
+    from receipts.identity import key_hash
+
+    return {key_hash(k): (k, n) for k, n in latest.items()}
 
 
 def _not_in_ledger(store: ReceiptStore, unlogged: list[tuple[int, str, str, str, str]]) -> list[tuple[int, Failure]]:
@@ -144,16 +154,17 @@ def _not_in_ledger(store: ReceiptStore, unlogged: list[tuple[int, str, str, str,
     return out
 
 
-def _missing_receipts(store: ReceiptStore, paths: list[str], named: set[str]) -> list[Failure]:
-    """Keys the ledger records a receipt of, with no receipt file in the store (one removed)."""
-    from receipts.identity import key_hash
+def _missing_receipts(store: ReceiptStore, paths: list[str], hashed: dict[str, tuple[str, int]]) -> list[Failure]:
+    """Keys the ledger records a receipt of, with no receipt file in the store (one removed).
 
-    have = {os.path.basename(p)[:-5] for p in paths}
+    (Every ledger event that names a key is a receipt's.)
+    """
+    gone = set(hashed).difference(os.path.basename(p)[:-5] for p in paths)
     return [Failure(k, store.receipt_path(k), "the ledger records this key's receipt, but its file is missing")
-            for k in sorted(named) if key_hash(k) not in have and not os.path.exists(store.receipt_path(k))]
+            for k in sorted(hashed[h][0] for h in gone) if not os.path.exists(store.receipt_path(k))]
 
 
-def _in_call_order(paths: list[str], latest: dict[str, int], events: int) -> list[str]:
+def _in_call_order(paths: list[str], hashed: dict[str, tuple[str, int]], events: int) -> list[str]:
     """``paths`` in the order their calls last wrote the ledger; those it does not name last.
 
     Verified in this order, receipts made one after another read commits that
@@ -161,10 +172,11 @@ def _in_call_order(paths: list[str], latest: dict[str, int], events: int) -> lis
     hash) jumps across the whole history at every receipt, about twice the git
     reading per receipt.
     """
-    from receipts.identity import key_hash
+    def rank(path: str) -> int:
+        found = hashed.get(os.path.basename(path)[:-5])
+        return events + 1 if found is None else found[1]
 
-    rank: dict[str, int] = {key_hash(k): n for k, n in latest.items()}
-    return sorted(paths, key=lambda p: rank.get(os.path.basename(p)[:-5], events + 1))
+    return sorted(paths, key=rank)
 
 
 #: Below this many receipts a single process is faster than starting workers.
@@ -219,11 +231,11 @@ def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
 
 
 def _read_ledger(store: ReceiptStore, report: VerifyReport,
-                 latest: dict[str, int] | None = None, named: set[str] | None = None) -> set[str]:
+                 latest: dict[str, int] | None = None) -> set[str]:
     """Check the ledger's chain into ``report``; return the receipt digests its events name (one pass).
 
     With ``latest``, also fill it with each key's last event number (the order
-    the calls wrote in); with ``named``, the keys of events naming a receipt.
+    the calls wrote in).
     """
     digests: set[str] = set()
 
@@ -232,8 +244,6 @@ def _read_ledger(store: ReceiptStore, report: VerifyReport,
         d = event.get("receipt_sha256")
         if isinstance(d, str):
             digests.add(d)
-            if named is not None and isinstance(event.get("key"), str):
-                named.add(event["key"])
         if latest is not None:
             k = event.get("key")
             if isinstance(k, str):
@@ -267,10 +277,11 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
         # The workers start and import while the ledger is read here.
         warm = [pool.submit(_warm_up, factory) for _ in range(jobs)]
         latest: dict[str, int] = {}
-        named: set[str] = set()
-        digests = _read_ledger(store, report, latest, named)
-        ordered = _in_call_order(paths, latest, report.ledger_events)
-        del latest
+        digests = _read_ledger(store, report, latest)
+        hashed = _hashed(latest)
+        ordered = _in_call_order(paths, hashed, report.ledger_events)
+        missing = _missing_receipts(store, paths, hashed)
+        del latest, hashed  # not held while the workers run
         size = -(-len(ordered) // jobs)
         chunks = [ordered[i:i + size] for i in range(0, len(ordered), size)]
         futures = [pool.submit(_verify_chunk, store.root, chunk, factory, grace) for chunk in chunks]
@@ -290,7 +301,7 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
     found += [(pos, 0, f) for pos, f in _not_in_ledger(store, unlogged)]
     found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
     report.failures += [f for _pos, _kind, f in found]
-    report.failures += _missing_receipts(store, paths, named)
+    report.failures += missing
     return report
 
 
