@@ -109,8 +109,9 @@ def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tup
     worktrees are listed under ``worktrees/``.
     """
     found: list[tuple[str, str]] = []
-    if _read_head_safe(common_dir) == ref and not _is_bare(common_dir):
-        workdir = main or core_worktree(common_dir)
+    core = _core(common_dir) if _read_head_safe(common_dir) == ref else None
+    if core is not None and core.get("bare", "").lower() not in ("true", "yes", "on", "1"):
+        workdir = main or core_worktree(common_dir, core)
         if workdir is None and os.path.basename(common_dir) == ".git":
             workdir = os.path.dirname(common_dir)
         if workdir is None:
@@ -149,32 +150,29 @@ def _read_head_safe(git_dir: str) -> str | None:
         return None
 
 
-def core_worktree(git_dir: str) -> str | None:
-    """``core.worktree`` of the repository's own config (relative to the git dir), if set."""
+def _core(git_dir: str) -> dict[str, str]:
+    """The ``[core]`` settings of the repository's own config file (names lowercased; the last one wins)."""
     try:
         with open(os.path.join(git_dir, "config"), "rb") as fh:
             text = fh.read().decode("utf-8", "surrogateescape")
     except OSError:
-        return None
+        return {}
     section = ""
-    value: str | None = None
+    found: dict[str, str] = {}
     for line in text.splitlines():
         line = line.strip()
         if line.startswith("["):
             section = line[1:line.find("]")].strip().lower() if "]" in line else ""
             continue
         name, eq, rest = line.partition("=")
-        if section == "core" and eq and name.strip().lower() == "worktree":
-            value = rest.strip().strip('"')  # the last one wins, as in git
+        if section == "core" and eq:
+            found[name.strip().lower()] = rest.strip().strip('"')
+    return found
+
+
+def core_worktree(git_dir: str, core: dict[str, str] | None = None) -> str | None:
+    """``core.worktree`` of the repository's own config (relative to the git dir), if set."""
+    value = (core if core is not None else _core(git_dir)).get("worktree")
     if not value:
         return None
     return os.path.realpath(os.path.join(git_dir, os.path.expanduser(value)))
-
-
-def _is_bare(git_dir: str) -> bool:
-    try:
-        with open(os.path.join(git_dir, "config"), "rb") as fh:
-            text = fh.read().decode("utf-8", "replace").lower()
-    except OSError:
-        return False
-    return any(line.strip().replace(" ", "") == "bare=true" for line in text.splitlines())

@@ -362,9 +362,9 @@ class GitAdapter:
                 except FileNotFoundError:
                     continue
                 with contextlib.suppress(FileNotFoundError):
-                    if index_lock.endswith("index.lock") and _index_lock_is_ours(index_lock):
-                        from cas.worktree import break_dead_own_index_lock
+                    from cas.worktree import break_dead_own_index_lock, dead_own_index_lock
 
+                    if index_lock.endswith("index.lock") and dead_own_index_lock(index_lock):
                         # cas breaks it under the folder's flock (a bare unlink could hit a
                         # live call's lock created in its place since the read).
                         if dry_run or break_dead_own_index_lock(index_lock):
@@ -453,39 +453,17 @@ def _remove_dead_tmp_files(workdir: str | None, git_dir: str, touched: list[str]
     return removed
 
 
-def _marked_by_dead_call(head: bytes) -> bool:
-    """``head`` of an ``index.lock`` says ``oncepatch-index-lock <pid> [<host>]`` of a pid gone from
-    this host.  Another host's (a shared repository), or one without a readable pid, is not
-    judged: left alone."""
-    import socket
-
-    from cas.worktree import INDEX_LOCK_MARK
-
-    if not head.startswith(INDEX_LOCK_MARK):
-        return False  # git's own lock: never ours
-    fields = head[len(INDEX_LOCK_MARK):].split()
-    if not fields or not fields[0].isdigit():
-        return False
-    if len(fields) > 1 and fields[1].decode("utf-8", "replace") != socket.gethostname():
-        return False
-    return _pid_dead(int(fields[0]))
-
-
 def _remove_dead_marked_index_lock(git_dir: str, *, remove: bool = True) -> str | None:
     """Remove ``<git_dir>/index.lock`` if a dead oncepatch call wrote it; return its path then.
 
     With ``remove=False`` only tell (a dry run).
     """
+    from cas.worktree import break_dead_own_index_lock, dead_own_index_lock
+
     lock = os.path.join(os.path.realpath(git_dir), "index.lock")
-    try:
-        with open(lock, "rb") as fh:
-            head = fh.read(256)
-    except FileNotFoundError:
-        return None
-    if not _marked_by_dead_call(head):
+    if not dead_own_index_lock(lock):
         return None
     if remove:
-        from cas.worktree import break_dead_own_index_lock
 
         # Not a bare unlink: a call may break the same dead lock and create its own in its
         # place between our read and our unlink; cas re-reads and unlinks under the folder's
@@ -516,17 +494,9 @@ def _reflog_left(common_dir: str, ref: str, oid: str) -> bool:
 
 def _protected_index_locks(rstore: ReceiptStore) -> frozenset[str]:
     """The ``index.lock`` paths the store's markers name for calls still unresolved."""
-    found: set[str] = set()
-    try:
-        names = os.listdir(rstore.tmp_dir)
-    except (FileNotFoundError, NotADirectoryError):
-        return frozenset()
-    for name in names:
-        if name.startswith("index-lock-") and _unresolved(rstore, name[len("index-lock-"):]):
-            with contextlib.suppress(OSError):
-                with open(os.path.join(rstore.tmp_dir, name), "rb") as fh:
-                    found.add(fh.read().decode("utf-8", "surrogateescape").strip())
-    return frozenset(found)
+    from patcher.markers import index_markers
+
+    return frozenset(named for h, named in index_markers(rstore) if _unresolved(rstore, h))
 
 
 def _unresolved(rstore: ReceiptStore, h: str) -> bool:
@@ -549,18 +519,6 @@ def _check_worktree_repo(path: str) -> str | None:
     if not text.startswith("gitdir:"):
         return None
     return common_dir_of(os.path.realpath(text[len("gitdir:"):].strip()))
-
-
-def _index_lock_is_ours(index_lock: str) -> bool:
-    """Our own lock: marked ``oncepatch-index-lock <pid> <host>``, that pid dead on this host.
-
-    Never an unmarked lock, however new: libgit2 no longer writes ``index.lock``
-    (cas.worktree has it rewrite a hard-linked copy), so an unmarked one is a
-    live git's — e.g. a ``git commit`` begun after someone removed our stale lock
-    by hand, which the old "newer than our marker" rule would have deleted.
-    """
-    with open(index_lock, "rb") as fh:
-        return _marked_by_dead_call(fh.read(256))
 
 
 def _try_lock_hash(rstore: ReceiptStore, h: str) -> Any:

@@ -14,7 +14,7 @@ import os
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 
-__all__ = ["ref_lock_marker", "index_marker", "MARKER_PREFIXES", "INDEX_MARKER_PREFIX"]
+__all__ = ["ref_lock_marker", "index_marker", "index_markers", "MARKER_PREFIXES", "INDEX_MARKER_PREFIX"]
 
 #: Name of an index-lock marker, before the key's hash.
 INDEX_MARKER_PREFIX = "index-lock-"
@@ -27,3 +27,21 @@ def ref_lock_marker(rstore: ReceiptStore, key: str) -> str:
 
 def index_marker(rstore: ReceiptStore, key: str) -> str:
     return os.path.join(rstore.tmp_dir, f"{INDEX_MARKER_PREFIX}{key_hash(key)}")
+
+
+def index_markers(rstore: ReceiptStore) -> list[tuple[str, str]]:
+    """``(key hash, index.lock path it names)`` of every index-lock marker in the store now."""
+    try:
+        names = sorted(os.listdir(rstore.tmp_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for name in names:
+        if name.startswith(INDEX_MARKER_PREFIX):
+            try:
+                with open(os.path.join(rstore.tmp_dir, name), "rb") as fh:
+                    named = fh.read().decode("utf-8", "surrogateescape").strip()
+            except OSError:
+                continue  # removed meanwhile
+            found.append((name[len(INDEX_MARKER_PREFIX):], named))
+    return found

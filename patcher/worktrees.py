@@ -15,7 +15,7 @@ from cas.worktree import (IndexLock, dirty_paths, hold_index_lock, materialise, 
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath, UnsafePath
-from patcher.markers import INDEX_MARKER_PREFIX, index_marker
+from patcher.markers import index_marker, index_markers
 
 __all__ = ["prefetch_indexes", "settle_dead_calls", "check_worktrees", "hold_index_locks", "release_index_locks", "materialise_all"]
 
@@ -58,21 +58,14 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
         from receipts.recovery import resolve_receipt
         from receipts.states import needs_resolution
 
-        try:
-            names = sorted(os.listdir(rstore.tmp_dir))
-        except (FileNotFoundError, NotADirectoryError):
-            return
         unsettled: list[str] = []
-        for name in names:
-            if not name.startswith(INDEX_MARKER_PREFIX):
-                continue
+        for h, named in index_markers(rstore):
+            if named != index_lock and os.path.exists(os.path.dirname(named)):
+                continue  # another worktree's lock
             try:
-                with open(os.path.join(rstore.tmp_dir, name), "rb") as fh:
-                    named = fh.read().decode("utf-8", "surrogateescape").strip()
-                receipt = rstore.read_hash(name[len(INDEX_MARKER_PREFIX):]) if named == index_lock or (
-                    not os.path.exists(os.path.dirname(named))) else None
-            except (OSError, OncepatchError):
-                continue  # gone meanwhile, or a corrupt receipt: recover reports it
+                receipt = rstore.read_hash(h)
+            except OncepatchError:
+                continue  # a corrupt receipt: recover reports it
             if receipt is None or receipt.key == own_key:
                 continue
             if named != index_lock:

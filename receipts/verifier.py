@@ -109,7 +109,7 @@ def verify(
         r = item.receipt
         if r is not None and r.digest not in digests:
             unlogged.append((position[path], path, r.digest, r.key, r.status))
-        found += [(position[path], 1, f) for f in _check_one(store, item, verifiers, None, grace, now)]
+        found += [(position[path], 1, f) for f in _check_one(store, item, verifiers, grace, now)]
     found += [(pos, 0, f) for pos, f in _not_in_ledger(store, unlogged)]
     found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
     report.failures += [f for _pos, _kind, f in found]
@@ -184,15 +184,13 @@ PARALLEL_MIN = 2000
 
 
 def _check_one(store: ReceiptStore, item: StoredReceipt, verifiers: Mapping[str, CommitVerifier],
-               digests: set[str] | None, grace: float, now: float) -> list[Failure]:
-    """The failures of one receipt file (``digests``: the ledger's, or ``None`` to skip that check)."""
+               grace: float, now: float) -> list[Failure]:
+    """The failures of one receipt file, the ledger aside (:func:`_not_in_ledger`)."""
     if item.receipt is None:
         assert item.error is not None
         return [Failure(None, item.path, f"corrupt: {item.error.reason}")]
     r = item.receipt
     out: list[Failure] = []
-    if digests is not None and r.digest not in digests:
-        out.append(Failure(r.key, item.path, f"latest state '{r.status}' is not in the ledger"))
     if r.status == "prepared":
         unresolved = _unresolved_prepared(store, r, grace, now)
         if unresolved is not None:
@@ -226,7 +224,7 @@ def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
         read += 1
         if item.receipt is not None:
             seen.append((i, item.receipt.digest, item.receipt.key, item.receipt.status))
-        failures += [(f.key, f.path, f.reason) for f in _check_one(store, item, verifiers, None, grace, now)]
+        failures += [(f.key, f.path, f.reason) for f in _check_one(store, item, verifiers, grace, now)]
     return failures, seen, read
 
 
