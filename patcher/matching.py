@@ -62,7 +62,8 @@ dominant terminator, so lines are never glued together.
 **Already applied.**  A hunk whose old side is found exactly once, inside an
 exact occurrence of its new side (an insertion whose added lines end with a
 copy of its context leaves the old lines once, within the block it
-inserted), is *present* there.  A hunk whose old side is found nowhere but whose new
+inserted), is *present* there — unless the old side is exactly at its
+stated line (then the file is as the diff saw it).  A hunk whose old side is found nowhere but whose new
 side is found, by the same rules and from the same position, is *present*
 (if the new side occurs at several places, the one nearest the stated
 position counts, else the first) — if the two sides share a line (context).
@@ -412,7 +413,9 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
         # copy of its context ('' / 'x = 1' / '' / 'class C:' for '' / 'class C:') leaves
         # the old lines once in the file, within the block it inserted: no second copy.
         pos, extra = old.positions[0], len(hunk.new_lines) - len(hunk.old_lines)
-        if extra > 0:
+        # Not when the old lines are at their stated line: the file is as the diff saw it
+        # there (repetitive lines, 'a' / 'a' / 'a', are also inside the new lines).
+        if extra > 0 and pos != kw["expected"]:
             keys = [_key_fn(GRADES[0], hunk.eol_agnostic)(line) for line in hunk.new_lines]
             mine = f.keys(GRADES[0], hunk.eol_agnostic)
             for start in range(max(kw["lo"], pos - extra), pos + 1):

@@ -254,3 +254,15 @@ def test_make_unified_round_trips_through_the_unified_parser() -> None:
     assert parse_unified(make_unified("n", None, b"new\n")).edits[0].content == b"new\n"
     assert parse_unified(make_unified("n", b"gone\n", None)).edits[0].op == "delete"
     assert make_unified("same", b"x\n", b"x\n") == b""
+
+
+def test_the_converter_adds_context_until_repeated_lines_are_not_taken_as_applied() -> None:
+    """'a' x4 -> 'a' x5: with the diff's context the envelope hunk (no line numbers) is inside its own new
+    lines, as if applied already; the whole file as context tells them apart."""
+    old, new = b"a\na\na\na\n", b"a\na\na\na\na\n"
+    text = unified_to_envelope(make_unified("f", old, new), read_old=lambda path: old).text
+    edit = parse_envelope(text).edits[0]
+    got = apply_hunks(old, edit.hunks, path="f")
+    assert got.content == new and not got.already_applied
+    again = apply_hunks(new, edit.hunks, path="f")
+    assert again.already_applied and again.content == new  # sent again: no second copy

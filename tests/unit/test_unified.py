@@ -960,3 +960,14 @@ def test_an_insertion_ending_with_a_copy_of_its_context_is_already_applied_the_s
     once, already, theirs = _apply_twice_like_git(tmp_path, original, patch)
     assert once == theirs == b"a\nb\n\nx = 1\n\nclass C:\n    pass\n"
     assert already
+
+
+def test_repeated_lines_at_their_stated_line_are_applied_not_taken_as_applied(tmp_path: Path) -> None:
+    """'a' x4 -> 'a' x5 (@@ -2,3 +2,4 @@): the old lines, found once at the end of the file, are also inside
+    an occurrence of the new lines; at their stated line they are the file as the diff saw it. (Was judged
+    already applied: nothing changed.)"""
+    original = b"a\na\na\na\n"
+    patch = b"--- a/f\n+++ b/f\n@@ -2,3 +2,4 @@\n a\n a\n a\n+a\n"
+    once, already, theirs = _apply_twice_like_git(tmp_path, original, patch)
+    assert once == theirs == b"a\na\na\na\na\n"
+    assert already  # sent again on its result: the old lines have moved off their stated line
