@@ -46,6 +46,7 @@ import re
 import time
 import zlib
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import pygit2
 
@@ -280,6 +281,10 @@ class GitStore:
         self._pack_names: frozenset[str] | None = None  # the idx files last seen in objects/pack
         self._unmergeable: set[str] = set()  # small packs a merge may not copy (read once)
         self._pack_sizes: dict[str, tuple[int, int] | None] = {}  # cas.packs.small_packs's cache
+        # The entries of the small packs this store built, by stem: a merge copies them
+        # without reading the files back and checking them (a pack's name is its checksum).
+        self._built: dict[str, list[tuple[bytes, bytes, int]]] = {}
+        self._swept: dict[str, Any] = {}  # cas.packs.sweep's memory of the retired list
         self._packs_gone = 0  # packs removed since the object database was opened
         self._signature: dict[str, Signature] = {}  # by kind: author, committer
         # (ref, new oid, tmp file): a ref lock's content written and synced ahead (stage_ref_content).
@@ -597,11 +602,16 @@ class GitStore:
         else:
             if self._unmergeable and self._pack_names is not None:  # forget the ones gone since
                 self._unmergeable &= {os.path.join(pack_dir, n[:-4]) for n in self._pack_names}
-            waiting = packs.sweep(pack_dir, retired_list, time.time())  # merged before: not again
+            # Noted as merged before (waiting), or removed just now (still in the listing): not again.
+            waiting: set[str] = set()
+            waiting |= packs.sweep(pack_dir, retired_list, time.time(), self._swept, waiting)
             candidates = [p for p in packs.small_packs(pack_dir, listing, self._pack_sizes)
                           if p.stem not in self._unmergeable and p.stem not in waiting]
+        if self._built:  # forget the ones gone since (merged by another process, or never written)
+            for gone in [stem for stem in self._built if os.path.basename(stem) + ".idx" not in listing]:
+                del self._built[gone]
         for pack in packs.choose_merge(len(builder), candidates):
-            entries = packs.read_entries(pack.stem)
+            entries = self._built.pop(pack.stem, None) or packs.read_entries(pack.stem)
             if entries is None:
                 self._unmergeable.add(pack.stem)  # gone, or not one a merge may copy: left as it is
                 continue
@@ -614,6 +624,8 @@ class GitStore:
             self._pack_names |= {f"pack-{checksum}.idx"}
         # The new pack may be one of those merged (same objects, same name): never removed.
         merged = [p for p in merged if p.stem != stem]
+        if len(builder) <= packs.SMALL_MAX and len(pack_bytes) <= packs.MERGE_BYTES_MAX:
+            self._built[stem] = builder.entries()
         # The pack before its idx: readers find packs by their idx.
         batch.add(stem + ".pack", pack_bytes, mode=0o444, content_addressed=True, tmp_prefix="tmp_pack_",
                   dir_mode=0o777)

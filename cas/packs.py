@@ -38,6 +38,7 @@ import os
 import struct
 import zlib
 from collections.abc import Collection, Iterable
+from typing import Any
 
 from cas.durable import TMP_MARK, append_durable
 from cas.errors import DurableWriteError
@@ -97,6 +98,10 @@ class PackBuilder:
     def add_entry(self, oid: bytes, entry: bytes, crc: int) -> None:
         """Add an entry copied from another pack (checked by the caller)."""
         self._entries.setdefault(oid, (entry, crc))
+
+    def entries(self) -> list[tuple[bytes, bytes, int]]:
+        """``(oid, entry bytes, crc32)`` of every object, as :func:`read_entries` reads them from the pack built."""
+        return [(oid, entry, crc) for oid, (entry, crc) in self._entries.items()]
 
     def build(self) -> tuple[str, bytes, bytes]:
         """``(checksum hex, pack bytes, idx bytes)``."""
@@ -307,12 +312,26 @@ def retire(list_path: str, packs: Iterable[SmallPack], now: float) -> None:
         pass  # not noted: merged again later
 
 
-def sweep(pack_dir: str, list_path: str, now: float) -> set[str]:
+def sweep(pack_dir: str, list_path: str, now: float, seen: dict[str, Any] | None = None,
+          removed: set[str] | None = None) -> set[str]:
     """Remove the noted packs whose grace has passed (idx first); return the stems still waiting.
 
     Two sweeps at once remove the same files (a missing one is fine) and may
     drop a note made meanwhile from the list: that pack is merged again later.
+    ``seen``: kept by the caller between calls; while the list's file is the
+    one last read (inode, size, mtime) and none of its notes is due, it is
+    not read again.  (Were a change missed, a pack is removed a call later,
+    or merged twice: both harmless, as above.)
+    ``removed``: the stems removed now are added to it (a listing made
+    before the sweep still names them).
     """
+    try:
+        st = os.stat(list_path)
+    except OSError:
+        return set()
+    sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+    if seen is not None and seen.get("sig") == sig and now < seen["due"]:
+        return set(seen["waiting"])
     try:
         with open(list_path, "rb") as fh:
             raw = fh.read()
@@ -337,6 +356,8 @@ def sweep(pack_dir: str, list_path: str, now: float) -> set[str]:
         waiting = waiting[len(waiting) - RETIRE_MAX:]
     if due:
         for name in due:
+            if removed is not None:
+                removed.add(os.path.join(pack_dir, name))
             for ext in (".idx", ".pack"):
                 try:
                     os.unlink(os.path.join(pack_dir, name + ext))
@@ -350,4 +371,11 @@ def sweep(pack_dir: str, list_path: str, now: float) -> set[str]:
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-    return {os.path.join(pack_dir, name) for _stamp, name in waiting}
+    still = {os.path.join(pack_dir, name) for _stamp, name in waiting}
+    if seen is not None:
+        if due:  # rewritten: read once more next time
+            seen.clear()
+        else:
+            seen.update(sig=sig, waiting=still,
+                        due=min((float(stamp) for stamp, _name in waiting), default=float("inf")) + RETIRE_GRACE)
+    return still

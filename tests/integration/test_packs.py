@@ -446,3 +446,47 @@ def test_sweep_waits_for_the_grace_but_never_lets_many_wait(tmp_path: Path) -> N
     assert waiting == {str(s) for s in stems[3:]} and len(waiting) == packs.RETIRE_MAX
     assert len(listed.read_text().splitlines()) == packs.RETIRE_MAX
     assert packs.sweep(str(pack_dir), str(tmp_path / "none"), now) == set()
+
+
+def test_a_long_lived_store_merges_its_own_packs_without_reading_them_back(
+        five: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packs a store built are merged from the entries it kept; any other small pack is read and checked."""
+    git_pack = write_pack(five.path / ".git/objects/pack", [blob(b"git's own %d\n" % i) for i in range(2)])
+    read: list[str] = []
+    real = packs.read_entries
+
+    def counted(stem: str) -> list[tuple[bytes, bytes, int]] | None:
+        read.append(stem)
+        return real(stem)
+
+    monkeypatch.setattr(packs, "read_entries", counted)
+    stores: dict[str, object] = {}
+    merged_away: set[str] = set()
+    for i in range(40):
+        assert apply(str(five.path), one_patch(five, i), branch="side", _stores=stores).status == "committed"
+        retired = five.path / ".git/objects/info/oncepatch-retired"
+        if retired.exists():
+            merged_away |= {line.split()[1] for line in retired.read_text().splitlines()}
+    assert len(merged_away - {git_pack.name}) >= 2 * packs.MERGE_TRIGGER  # merges of this store's packs
+    assert set(read) <= {str(git_pack)}  # only a pack this store did not build was read back
+    five.git("fsck", "--strict", "--no-dangling")
+    assert five.git("show", "side:f4.txt") == "v8\n"
+
+
+def test_sweep_remembers_the_list_until_it_changes_or_a_note_falls_due(tmp_path: Path) -> None:
+    pack_dir = tmp_path / "pack"
+    a, b = (write_pack(pack_dir, [blob(b"%s1\n" % n), blob(b"%s2\n" % n)]) for n in (b"a", b"b"))
+    listed = tmp_path / "info" / "oncepatch-retired"
+    seen: dict[str, object] = {}
+    now = 1000.0
+    packs.retire(str(listed), [packs.SmallPack(str(a), 2)], now)
+    assert packs.sweep(str(pack_dir), str(listed), now + 0.1, seen) == {str(a)}
+    packs.retire(str(listed), [packs.SmallPack(str(b), 2)], now + 0.2)  # another process notes one more
+    assert packs.sweep(str(pack_dir), str(listed), now + 0.3, seen) == {str(a), str(b)}
+    assert packs.sweep(str(pack_dir), str(listed), now + 0.4, seen) == {str(a), str(b)}  # unchanged: remembered
+    # a's grace has passed: swept although the file did not change (and named as removed)
+    removed: set[str] = set()
+    assert packs.sweep(str(pack_dir), str(listed), now + packs.RETIRE_GRACE + 0.05, seen, removed) == {str(b)}
+    assert not a.with_suffix(".idx").exists() and b.with_suffix(".idx").exists() and removed == {str(a)}
+    assert packs.sweep(str(pack_dir), str(listed), now + packs.RETIRE_GRACE + 0.25, seen) == set()
+    assert not b.with_suffix(".pack").exists() and listed.read_text() == ""
