@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported after setup_env: the product (and libgit2) must see the bench HOME.
     from bench import report
-    from bench.env import fsync_floor, machine_info
+    from bench.env import fsync_floor, machine_info, metadata_floor
 
     t_start = time.perf_counter()
     loads: list[float] = []
@@ -80,11 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(env.out), "gen": {},
     }
     floor_start = fsync_floor(env.tmp)
+    meta_start = metadata_floor(env.tmp)
     repos = _repos(env, cfg, only, res, log)
     if "single" in only:
         from bench.cases_apply import cli_apply_importtime, section_single
 
         res["single"] = section_single(env, repos, cfg["rounds"], log)
+        res["metadata_floor"] = {"bench folder": meta_start} | {  # the calls' own folders, once they ran there
+            f"{size} repo's .git": metadata_floor(os.path.join(repo.path, ".git")) for size, repo in repos.items()}
         res["cold_imports"] = cli_apply_importtime(next(iter(repos.values())), env)
     if "large" in only:
         from bench.cases_apply import section_large
