@@ -394,6 +394,10 @@ def _sync_with(fd: int, also: list[str | int] | None) -> None:
     also.clear()
 
 
+#: Fewer bytes than this left to hash for a new index: hashed before it is written, without a thread.
+_HASH_INLINE_MAX = 1 << 20
+
+
 def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hashlib._Hash, hashed: int,
                          mode: int, also_sync: list[str | int] | None = None,
                          keep: Callable[[int], None] | None = None) -> None:
@@ -415,8 +419,14 @@ def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hash
             skip = 0
         digest.append(state.digest())
 
+    # A thread hashes while the file is written and its bulk synced; below
+    # _HASH_INLINE_MAX bytes to hash that costs more than it saves (a thread's start,
+    # and a sync the thread is often still running for).
     hasher = threading.Thread(target=hash_parts, daemon=True)
-    hasher.start()
+    if sum(len(part) for part in parts) - hashed >= _HASH_INLINE_MAX:
+        hasher.start()
+    else:
+        hash_parts()
     # Read and write: ``keep`` maps it.
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
@@ -433,7 +443,8 @@ def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hash
         if keep is not None:
             keep(fd)
     finally:
-        hasher.join()
+        if hasher.is_alive():
+            hasher.join()
         os.close(fd)
 
 

@@ -556,3 +556,21 @@ def test_recover_names_the_fix_for_a_split_index_and_finishes_once_it_is_off(tmp
     assert (repo.path / "a/a.txt").read_text() == "A\n"
     assert repo.git("status", "--porcelain") == ""
     assert run_cli("verify", cwd=repo.path).code == 0
+
+
+@pytest.mark.parametrize("inline_max", [0, 1 << 40])
+def test_a_written_index_ends_with_its_checksum_hashed_in_a_thread_or_inline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inline_max: int) -> None:
+    """Big indexes are hashed in a thread while written (their bulk synced meanwhile), small ones first."""
+    import hashlib
+
+    import cas.index_cache as index_cache
+
+    monkeypatch.setattr(index_cache, "_HASH_INLINE_MAX", inline_max)
+    parts = [b"DIRC" + os.urandom(5000), memoryview(os.urandom(300_000)), b"tail"]
+    state = hashlib.sha1(parts[0][:1000])
+    path = tmp_path / "index.new"
+    index_cache._write_with_checksum(str(path), parts, state, 1000, 0o644)
+    body = b"".join(bytes(p) for p in parts)
+    assert path.read_bytes() == body + hashlib.sha1(body).digest()
+    assert path.stat().st_mode & 0o777 == 0o644
