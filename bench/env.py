@@ -204,9 +204,10 @@ def metadata_floor(folder: str, n: int = 200) -> dict[str, float]:
 
     What every tmp file and every atomic replace costs there, fsync aside.  On
     ext4 without a journal the inode allocator passes over the inodes freed in
-    the last ``vm.dirtytime_expire_seconds`` (12 h) in the folder's block group,
-    so a create costs more where many files came and went: measured in the
-    folders the calls ran in, after they ran.
+    the last minute (five, while their inode table block is unwritten) in the
+    folder's block group (``recently_deleted`` in ``fs/ext4/ialloc.c``), so a
+    create costs more where many files came and went: measured in the folders
+    the calls ran in, after they ran.
     """
     import statistics
 
