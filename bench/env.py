@@ -203,11 +203,9 @@ def metadata_floor(folder: str, n: int = 200) -> dict[str, float]:
     """Median µs of creating a new file (``O_CREAT|O_EXCL``) and of renaming it over an existing one, in ``folder``.
 
     What every tmp file and every atomic replace costs there, fsync aside.  On
-    ext4 without a journal the inode allocator passes over the inodes freed in
-    the last minute (five, while their inode table block is unwritten) in the
-    folder's block group (``recently_deleted`` in ``fs/ext4/ialloc.c``), so a
-    create costs more where many files came and went: measured in the folders
-    the calls ran in, after they ran.
+    this machine a create costs a few µs in one folder and 0.1–0.6 ms in
+    another of the same filesystem (which folders varies between runs): it is
+    measured in the folders the calls ran in, after they ran.
     """
     import statistics
 
