@@ -422,8 +422,9 @@ def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hash
     # A thread hashes while the file is written and its bulk synced; below
     # _HASH_INLINE_MAX bytes to hash that costs more than it saves (a thread's start,
     # and a sync the thread is often still running for).
-    hasher = threading.Thread(target=hash_parts, daemon=True)
+    hasher: threading.Thread | None = None
     if sum(len(part) for part in parts) - hashed >= _HASH_INLINE_MAX:
+        hasher = threading.Thread(target=hash_parts, daemon=True)
         hasher.start()
     else:
         hash_parts()
@@ -433,7 +434,7 @@ def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hash
         os.fchmod(fd, mode)
         for part in parts:
             write_all(fd, part)
-        if hasher.is_alive():
+        if hasher is not None and hasher.is_alive():
             # The checksum covers what follows the first change (up to all of a
             # 9.6 MB index): sync the bulk while it is computed, then its 20 bytes.
             os.fsync(fd)
@@ -443,7 +444,7 @@ def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hash
         if keep is not None:
             keep(fd)
     finally:
-        if hasher.is_alive():
+        if hasher is not None:
             hasher.join()
         os.close(fd)
 

@@ -603,10 +603,10 @@ class GitStore:
             if self._unmergeable and self._pack_names is not None:  # forget the ones gone since
                 self._unmergeable &= {os.path.join(pack_dir, n[:-4]) for n in self._pack_names}
             # Noted as merged before (waiting), or removed just now (still in the listing): not again.
-            waiting: set[str] = set()
-            waiting |= packs.sweep(pack_dir, retired_list, time.time(), self._swept, waiting)
+            removed: set[str] = set()
+            taken = packs.sweep(pack_dir, retired_list, time.time(), self._swept, removed) | removed
             candidates = [p for p in packs.small_packs(pack_dir, listing, self._pack_sizes)
-                          if p.stem not in self._unmergeable and p.stem not in waiting]
+                          if p.stem not in self._unmergeable and p.stem not in taken]
         if self._built:  # forget the ones gone since (merged by another process, or never written)
             for gone in [stem for stem in self._built if os.path.basename(stem) + ".idx" not in listing]:
                 del self._built[gone]

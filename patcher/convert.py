@@ -167,6 +167,15 @@ def _render_check(edit: FileEdit, file: list[bytes], regions: list[_Region]) -> 
     return section, list(parsed.edits[0].hunks)
 
 
+def _widened(file: list[bytes], regions: list[_Region], which: list[_Region]) -> list[_Region]:
+    """``regions`` with each of ``which`` shown with twice the context (one line at first), merged where they meet."""
+    for r in which:
+        step = max(1, max(r.before, r.after))
+        r.before += step
+        r.after += step
+    return _merge(file, regions)
+
+
 def _fit(edit: FileEdit, old_content: bytes) -> list[bytes]:
     """The file section for ``edit`` whose hunks each match ``old_content`` exactly once."""
     file = split_lines(old_content)
@@ -197,12 +206,7 @@ def _fit(edit: FileEdit, old_content: bytes) -> list[bytes]:
         try:
             got = apply_hunks(old_content, hunks, path=edit.path)
         except AmbiguousMatch as exc:
-            k = int(exc.details["hunk"]) - 1
-            r = regions[k]
-            step = max(1, max(r.before, r.after))
-            r.before += step
-            r.after += step
-            regions = _merge(file, regions)
+            regions = _widened(file, regions, [regions[int(exc.details["hunk"]) - 1]])
             continue
         if got.content != target or got.already_applied:
             # Judged present (or placed) elsewhere: repetitive lines ('a' / 'a' / 'a') can look
@@ -210,11 +214,7 @@ def _fit(edit: FileEdit, old_content: bytes) -> list[bytes]:
             if all(r.start - r.before <= 0 and r.end + r.after >= len(file) for r in regions):
                 raise UnsupportedPatch(f"the envelope cannot reproduce the change of '{edit.path}'",
                                        details={"path": edit.path, "reason": "mismatch"})
-            for r in regions:
-                step = max(1, max(r.before, r.after))
-                r.before += step
-                r.after += step
-            regions = _merge(file, regions)
+            regions = _widened(file, regions, regions)
             continue
         return section
     raise UnsupportedPatch(f"cannot make the hunks of '{edit.path}' unique", details={"path": edit.path,
