@@ -62,8 +62,9 @@ dominant terminator, so lines are never glued together.
 **Already applied.**  A hunk whose old side is found exactly once, inside an
 exact occurrence of its new side (an insertion whose added lines end with a
 copy of its context leaves the old lines once, within the block it
-inserted), is *present* there — unless the old side is exactly at its
-stated line (then the file is as the diff saw it).  A hunk whose old side is found nowhere but whose new
+inserted), is *present* there — where the old side is exactly at its
+stated line, only if that copy starts with it (one starting before it is the
+file as the diff saw it: an insertion before them would have moved them).  A hunk whose old side is found nowhere but whose new
 side is found, by the same rules and from the same position, is *present*
 (if the new side occurs at several places, the one nearest the stated
 position counts, else the first) — if the two sides share a line (context).
@@ -413,12 +414,14 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
         # copy of its context ('' / 'x = 1' / '' / 'class C:' for '' / 'class C:') leaves
         # the old lines once in the file, within the block it inserted: no second copy.
         pos, extra = old.positions[0], len(hunk.new_lines) - len(hunk.old_lines)
-        # Not when the old lines are at their stated line: the file is as the diff saw it
-        # there (repetitive lines, 'a' / 'a' / 'a', are also inside the new lines).
-        if extra > 0 and pos != kw["expected"]:
+        if extra > 0:
             keys = [_key_fn(GRADES[0], hunk.eol_agnostic)(line) for line in hunk.new_lines]
             mine = f.keys(GRADES[0], hunk.eol_agnostic)
-            for start in range(max(kw["lo"], pos - extra), pos + 1):
+            # Old lines at their stated line: a block of new lines starting before them is the
+            # file as the diff saw it (repeated lines: 'a' x4 made 'a' x5), not a first
+            # application (which would have moved them down); one starting with them is.
+            first = pos if pos == kw["expected"] else max(kw["lo"], pos - extra)
+            for start in range(first, pos + 1):
                 if mine[start] == keys[0] and f.match_at(GRADES[0], hunk.eol_agnostic, start, keys):
                     return _Verdict("present", start, GRADES[0])
         return _Verdict("applies", pos, "exact")

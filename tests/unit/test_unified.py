@@ -971,3 +971,13 @@ def test_repeated_lines_at_their_stated_line_are_applied_not_taken_as_applied(tm
     once, already, theirs = _apply_twice_like_git(tmp_path, original, patch)
     assert once == theirs == b"a\na\na\na\na\n"
     assert already  # sent again on its result: the old lines have moved off their stated line
+
+
+def test_lines_appended_mid_file_after_their_context_are_already_applied_the_second_time(tmp_path: Path) -> None:
+    """Context before the change and none after, mid-file: sent again, the old lines still stand at their
+    stated line, followed by the lines the first application added: present, not a second copy."""
+    original = b"a\nb\nc\nd\ne\n"
+    patch = b"--- a/f\n+++ b/f\n@@ -2,2 +2,3 @@\n b\n c\n+new\n"
+    once, already, theirs = _apply_twice_like_git(tmp_path, original, patch)
+    assert once == b"a\nb\nc\nnew\nd\ne\n" and theirs in (once, None)
+    assert already
