@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 
 from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, UsageError
-from patcher.cli_common import add_common, store_root
+from patcher.cli_common import add_common, at_least_one, positive_seconds, seconds, store_root
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
@@ -93,12 +93,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--branch", default=None, help="target branch (default: the checked-out branch)")
     p.add_argument("--key", default=None, help="idempotency key (default: the call_id)")
     p.add_argument("--contract-sha256", default=None, help="sha256 of the contract the call was made under")
-    p.add_argument("--attempt", type=int, default=1, help="attempt number: a new intent with the same patch")
+    p.add_argument("--attempt", type=at_least_one, default=1, help="attempt number: a new intent with the same patch")
     p.add_argument("--format", default="auto", help="auto, unified, apply_patch, ...")
     p.add_argument("--check", default=None, metavar="CMD", help="run CMD in a temporary worktree of the candidate")
-    p.add_argument("--check-timeout", type=float, default=600.0, help="seconds before --check is stopped")
+    p.add_argument("--check-timeout", type=positive_seconds, default=600.0, help="seconds before --check is stopped")
     p.add_argument("--message", "-m", default=None, help="commit subject (default: names the touched files)")
-    p.add_argument("--lock-timeout", type=float, default=30.0, help="seconds to wait for the key's lock")
+    p.add_argument("--lock-timeout", type=seconds, default=30.0, help="seconds to wait for the key's lock")
 
     p = sub.add_parser("status", help="the verified receipt of a key or call_id")
     add_common(p)

@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from patcher.cli_common import path_given
+
 __all__ = ["register", "HANDLERS"]
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("mcp", help="serve apply_patch, receipt_status, recover, verify over MCP (stdio)")
     p.add_argument("--repo", default=".", help="default repository of the tools (default: the current folder)")
-    p.add_argument("--store", default=None,
+    p.add_argument("--store", default=None, type=path_given,
                    help="receipt store (default: $ONCEPATCH_STORE or <git-common-dir>/oncepatch)")
     p.add_argument("--any-repo", action="store_true",
                    help="let tool calls name other repositories than --repo")

@@ -14,7 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from cas.errors import EXIT_IN_PROGRESS, EXIT_OK, EXIT_VERIFY, UsageError
-from patcher.cli_common import add_common, store_root
+from patcher.cli_common import add_common, at_least_one, positive_seconds, seconds, store_root
 from receipts import jsonio
 
 if TYPE_CHECKING:
@@ -49,24 +49,24 @@ def register(sub: Any) -> None:
     p = sub.add_parser("recover", help="settle every prepared/unknown receipt after a crash")
     add_common(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
-    p.add_argument("--tmp-age", type=float, default=600.0,
+    p.add_argument("--tmp-age", type=seconds, default=600.0,
                    help="only remove leftovers older than this many seconds (default 600)")
 
     p = sub.add_parser("verify", help="prove every receipt matches its commits and files")
     add_common(p)
-    p.add_argument("--grace", type=float, default=_env_seconds("ONCEPATCH_VERIFY_GRACE", 300.0),
+    p.add_argument("--grace", type=seconds, default=_env_seconds("ONCEPATCH_VERIFY_GRACE", 300.0),
                    help="a prepared receipt fails at once when its call is gone, and after this many "
                         "seconds while its call still holds the key (default $ONCEPATCH_VERIFY_GRACE or 300)")
-    p.add_argument("--jobs", type=int, default=None,
+    p.add_argument("--jobs", type=at_least_one, default=None,
                    help="worker processes for large stores (default: one per CPU; 1 = no workers)")
 
     p = sub.add_parser("watch", help="flag orphaned prepared receipts as they appear")
     add_common(p)
-    p.add_argument("--grace", type=float, default=30.0, help="seconds before a prepared receipt may be flagged")
-    p.add_argument("--rescan", type=float, default=30.0, help="seconds between full rescans")
+    p.add_argument("--grace", type=seconds, default=30.0, help="seconds before a prepared receipt may be flagged")
+    p.add_argument("--rescan", type=positive_seconds, default=30.0, help="seconds between full rescans")
     p.add_argument("--once", action="store_true", help="one scan, then exit (0 nothing flagged, 6 flagged)")
     p.add_argument("--recover", action="store_true", help="resolve each flagged receipt on the spot")
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--duration", type=seconds, default=None, help="stop after this many seconds")
 
     p = sub.add_parser("resolve", help="settle an unknown receipt by hand")
     add_common(p)

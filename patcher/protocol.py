@@ -229,6 +229,7 @@ def apply(
     if _stores is None:
         _stores = {}  # one open repository for the whole call, even for one-shot callers
     try:
+        _check_numbers(attempt, lock_timeout, check_timeout, store)
         args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message,
                               detect=detect)
     except OncepatchError as exc:
@@ -255,6 +256,23 @@ def apply(
         worktree = sys.modules.get("cas.worktree")
         if worktree is not None:
             worktree.drop_lock_marks()
+
+
+def _check_numbers(attempt: int, lock_timeout: float, check_timeout: float, store: str | None) -> None:
+    """Refuse options no call can mean (before anything is read or written).
+
+    Raises:
+        UsageError: ``attempt`` below 1 (or not an integer), a negative or NaN
+            lock timeout, a check timeout that is not positive, an empty store path.
+    """
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise UsageError(f"attempt must be an integer of at least 1, not {attempt!r}")
+    if not lock_timeout >= 0:  # (NaN too)
+        raise UsageError(f"lock timeout must be 0 or more seconds, not {lock_timeout!r}")
+    if not check_timeout > 0:
+        raise UsageError(f"check timeout must be more than 0 seconds, not {check_timeout!r}")
+    if store is not None and not str(store):
+        raise UsageError("store must be a path, not empty (leave it out for the default)")
 
 
 def _locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any], call_id: str, the_key: str,

@@ -503,3 +503,34 @@ def test_an_abbreviated_option_is_a_usage_error(repo: Repo, cli: Any) -> None:
     """'--js' is not '--json': argparse took it for --json while the output was chosen as text."""
     r = cli("log", "--repo", str(repo.path), "--js")
     assert r.code == 2 and "--js" in r.err
+
+
+@pytest.mark.parametrize("args", [
+    ("apply", "-", "--attempt", "0"), ("apply", "-", "--attempt", "-2"), ("apply", "-", "--lock-timeout", "-1"),
+    ("apply", "-", "--lock-timeout", "nan"), ("apply", "-", "--check-timeout", "0"), ("apply", "-", "--store", ""),
+    ("apply", "-", "--repo", ""), ("verify", "--jobs", "0"), ("verify", "--grace", "-5"),
+    ("watch", "--once", "--rescan", "0"), ("recover", "--store", ""),
+])
+def test_options_no_call_can_mean_are_usage_errors_and_change_nothing(repo: Repo, cli: Any,
+                                                                      args: tuple[str, ...]) -> None:
+    """An empty store path used to mean the default store, a negative lock timeout or 0 jobs were taken."""
+    patch = b"--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hello there\n"
+    before = snapshot(repo)
+    cwd_args = () if "--repo" in args else ("--repo", str(repo.path))
+    r = cli(*args, *cwd_args, "--json", input=patch)
+    assert r.code == 2, r.out + r.err
+    assert r.json["error"]["type"] == "usage" and r.json["error"]["effect_status"] == "not_started"
+    assert snapshot(repo) == before
+
+
+def test_the_api_refuses_options_no_call_can_mean(repo: Repo) -> None:
+    from cas.errors import UsageError
+    from patcher.protocol import apply
+
+    patch = b"--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hello there\n"
+    before = snapshot(repo)
+    for kw in ({"attempt": 0}, {"attempt": True}, {"lock_timeout": -1.0}, {"lock_timeout": float("nan")},
+               {"check_timeout": 0.0}, {"store": ""}):
+        with pytest.raises(UsageError):
+            apply(str(repo.path), patch, key="k", **kw)  # type: ignore[arg-type]
+    assert snapshot(repo) == before
