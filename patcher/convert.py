@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 
 from patcher.envelope import parse_envelope
-from patcher.errors import AmbiguousMatch, ParseError, UnsupportedPatch
+from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied, UnsupportedPatch
 from patcher.matching import apply_hunks, chomp, eol_of, split_lines
 from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Hunk
 from patcher.unified import parse_unified
@@ -208,7 +208,9 @@ def _fit(edit: FileEdit, old_content: bytes) -> list[bytes]:
         except AmbiguousMatch as exc:
             regions = _widened(file, regions, [regions[int(exc.details["hunk"]) - 1]])
             continue
-        if got.content != target or got.already_applied:
+        except (PartiallyApplied, ContextNotFound):
+            got = None  # a hunk judged present used up the lines the next one needed: as below
+        if got is None or got.content != target or got.already_applied:
             # Judged present (or placed) elsewhere: repetitive lines ('a' / 'a' / 'a') can look
             # like the change already made.  More context tells them apart; the whole file at most.
             if all(r.start - r.before <= 0 and r.end + r.after >= len(file) for r in regions):

@@ -62,9 +62,9 @@ dominant terminator, so lines are never glued together.
 **Already applied.**  A hunk whose old side is found exactly once, inside an
 exact occurrence of its new side (an insertion whose added lines end with a
 copy of its context leaves the old lines once, within the block it
-inserted), is *present* there — where the old side is exactly at its
-stated line, only if that copy starts with it (one starting before it is the
-file as the diff saw it: an insertion before them would have moved them).  A hunk whose old side is found nowhere but whose new
+inserted), is *present* there — if the new side holds the old one at one
+offset only, adds a line that is none of the old ones, and (with line
+numbers) that occurrence is at the stated line.  A hunk whose old side is found nowhere but whose new
 side is found, by the same rules and from the same position, is *present*
 (if the new side occurs at several places, the one nearest the stated
 position counts, else the first) — if the two sides share a line (context).
@@ -392,7 +392,8 @@ def _judge(f: _File, hunk: Hunk, lo: int, carry: int, shift: int = 0) -> _Verdic
     # beats a whitespace-fuzzy one at the end of the file).
     anchored = _judge_at(f, hunk, {**kw, "at_eof": hunk.at_eof or hunk.prefer_eof,
                                    "at_start": hunk.prefer_start}, shift)
-    if anchored.state != "missing" and anchored.grade == GRADES[0]:
+    if anchored.state != "missing" and anchored.grade == GRADES[0] and (
+            anchored.state == "applies" or kw["expected"] in (None, anchored.pos)):
         return anchored
     try:
         loose = _judge_at(f, hunk, kw, shift)
@@ -403,6 +404,9 @@ def _judge(f: _File, hunk: Hunk, lo: int, carry: int, shift: int = 0) -> _Verdic
     if anchored.state == "missing" or (
             loose.state != "missing" and GRADES.index(loose.grade) < GRADES.index(anchored.grade)):
         return loose
+    if (anchored.state == "present" and loose.state == "applies" and loose.grade == GRADES[0]
+            and loose.pos == kw["expected"] and anchored.pos != kw["expected"]):
+        return loose  # the old lines exactly at the stated line: not the anchor's copy elsewhere
     return anchored
 
 
@@ -415,15 +419,23 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
         # the old lines once in the file, within the block it inserted: no second copy.
         pos, extra = old.positions[0], len(hunk.new_lines) - len(hunk.old_lines)
         if extra > 0:
-            keys = [_key_fn(GRADES[0], hunk.eol_agnostic)(line) for line in hunk.new_lines]
-            mine = f.keys(GRADES[0], hunk.eol_agnostic)
-            # Old lines at their stated line: a block of new lines starting before them is the
-            # file as the diff saw it (repeated lines: 'a' x4 made 'a' x5), not a first
-            # application (which would have moved them down); one starting with them is.
-            first = pos if pos == kw["expected"] else max(kw["lo"], pos - extra)
-            for start in range(first, pos + 1):
-                if mine[start] == keys[0] and f.match_at(GRADES[0], hunk.eol_agnostic, start, keys):
-                    return _Verdict("present", start, GRADES[0])
+            fn = _key_fn(GRADES[0], hunk.eol_agnostic)
+            keys = [fn(line) for line in hunk.new_lines]
+            old_keys = [fn(line) for line in hunk.old_lines]
+            # Only when the new lines hold the old ones at one place (a blank line added
+            # before a blank line holds it at two: which one is the context?), and add a line
+            # that is none of them (added lines that repeat them -- a blank after a blank,
+            # 'a' x4 made 'a' x5, a CSV row duplicated -- stand around the old lines before
+            # any application too).  Such hunks are applied, as git applies them.
+            inside = [d for d in range(extra + 1) if keys[d:d + len(old_keys)] == old_keys]
+            begin = pos - inside[0] if len(inside) == 1 else -1
+            if kw["expected"] is not None and begin != kw["expected"]:
+                # With line numbers, once applied its new lines stand at its stated line
+                # (earlier hunks' offsets carried): a copy elsewhere proves nothing.
+                begin = -1
+            if (begin >= kw["lo"] and set(keys) - set(old_keys)
+                    and f.match_at(GRADES[0], hunk.eol_agnostic, begin, keys)):
+                return _Verdict("present", begin, GRADES[0])
         return _Verdict("applies", pos, "exact")
     new: _Loc | None = None
     if hunk.new_lines:
@@ -433,6 +445,10 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
             # ... and where the old side was found: a change re-applied (say, of whitespace)
             # left the new lines in its place, not somewhere else in the file.
             at = (len(f.lines) - len(hunk.new_lines),) if kw["at_eof"] else old.positions
+            if not kw["at_eof"] and kw["expected"] is not None:
+                # ... or at its stated line (a change sent again, whose old lines now match
+                # only loosely one line away: a blank line, a brace re-indented).
+                at = (*at, kw["expected"])
             new = _at_positions(f, hunk.new_lines, at, stricter, hunk.eol_agnostic)
         elif set(hunk.old_lines) & set(hunk.new_lines):
             new = _locate(f, hunk.new_lines, **kw, grades=stricter)

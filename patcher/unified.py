@@ -460,6 +460,9 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
             header=chomp(lines[i]).decode("utf-8", "replace"),
             prefer_start=bool(old) and int(head[1]) == 1,
             prefer_eof=bool(old) and changed and trailing == 0 and leading > 0,
+            # A side whose last line has no terminator ends the file there (only a file's
+            # last line can lack one): such a hunk is never placed mid-file.
+            at_eof=bool(old) and (not old[-1].endswith(b"\n") or bool(new) and not new[-1].endswith(b"\n")),
         )
     )
     return j

@@ -256,13 +256,11 @@ def test_make_unified_round_trips_through_the_unified_parser() -> None:
     assert make_unified("same", b"x\n", b"x\n") == b""
 
 
-def test_the_converter_adds_context_until_repeated_lines_are_not_taken_as_applied() -> None:
-    """'a' x4 -> 'a' x5: with the diff's context the envelope hunk (no line numbers) is inside its own new
-    lines, as if applied already; the whole file as context tells them apart."""
-    old, new = b"a\na\na\na\n", b"a\na\na\na\na\n"
-    text = unified_to_envelope(make_unified("f", old, new), read_old=lambda path: old).text
-    edit = parse_envelope(text).edits[0]
-    got = apply_hunks(old, edit.hunks, path="f")
+@pytest.mark.parametrize("old,new,context", [
+    (b"a\na\na\na\n", b"a\na\na\na\na\n", 3),  # once judged already applied: nothing changed
+    (b"a\n\na\n", b"a\n\n\na\na", 0),  # once a hunk judged present used up the next one's lines
+])
+def test_the_converter_reproduces_edits_of_repeated_lines(old: bytes, new: bytes, context: int) -> None:
+    text = unified_to_envelope(make_unified("f", old, new, context=context), read_old=lambda path: old).text
+    got = apply_hunks(old, parse_envelope(text).edits[0].hunks, path="f")
     assert got.content == new and not got.already_applied
-    again = apply_hunks(new, edit.hunks, path="f")
-    assert again.already_applied and again.content == new  # sent again: no second copy

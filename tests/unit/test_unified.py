@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from patcher.errors import ParseError, UnsafePath, UnsupportedPatch
+from patcher.errors import ContextNotFound, ParseError, UnsafePath, UnsupportedPatch
 from patcher.matching import apply_hunks
 from patcher.model import MODE_EXEC, MODE_FILE, MODE_LINK, FileEdit, Hunk
 from patcher.unified import looks_unified, parse_unified
@@ -962,15 +962,21 @@ def test_an_insertion_ending_with_a_copy_of_its_context_is_already_applied_the_s
     assert already
 
 
-def test_repeated_lines_at_their_stated_line_are_applied_not_taken_as_applied(tmp_path: Path) -> None:
-    """'a' x4 -> 'a' x5 (@@ -2,3 +2,4 @@): the old lines, found once at the end of the file, are also inside
-    an occurrence of the new lines; at their stated line they are the file as the diff saw it. (Was judged
-    already applied: nothing changed.)"""
-    original = b"a\na\na\na\n"
-    patch = b"--- a/f\n+++ b/f\n@@ -2,3 +2,4 @@\n a\n a\n a\n+a\n"
-    once, already, theirs = _apply_twice_like_git(tmp_path, original, patch)
-    assert once == theirs == b"a\na\na\na\na\n"
-    assert already  # sent again on its result: the old lines have moved off their stated line
+@pytest.mark.parametrize("original,patch", [
+    # 'a' x4 -> 'a' x5, with its stated line and one off (no line says which 'a' is new)
+    (b"a\na\na\na\n", b"--- a/f\n+++ b/f\n@@ -2,3 +2,4 @@\n a\n a\n a\n+a\n"),
+    (b"a\na\na\na\n", b"--- a/f\n+++ b/f\n@@ -3,3 +3,4 @@\n a\n a\n a\n+a\n"),
+    # a blank line added before a blank line
+    (b"\n\n}", b"--- a/f\n+++ b/f\n@@ -1 +1,2 @@\n+\n \n"),
+    (b"x\nq\n\n\ny\n", b"--- a/f\n+++ b/f\n@@ -2,2 +2,3 @@\n q\n+\n \n"),
+])
+def test_added_lines_that_only_repeat_the_old_ones_are_applied_not_taken_as_applied(
+        tmp_path: Path, original: bytes, patch: bytes) -> None:
+    """Lines added that are all copies of the hunk's old lines: a copy of the new lines stands around the old
+    ones before any application too, so it proves nothing; the hunk is applied, as git applies it. (Was judged
+    already applied: a success with nothing changed.) Sent again, it applies again, as git does."""
+    once, _already, theirs = _apply_twice_like_git(tmp_path, original, patch)
+    assert once == theirs and once != original
 
 
 def test_lines_appended_mid_file_after_their_context_are_already_applied_the_second_time(tmp_path: Path) -> None:
@@ -981,3 +987,32 @@ def test_lines_appended_mid_file_after_their_context_are_already_applied_the_sec
     once, already, theirs = _apply_twice_like_git(tmp_path, original, patch)
     assert once == b"a\nb\nc\nnew\nd\ne\n" and theirs in (once, None)
     assert already
+
+
+def test_a_change_sent_again_whose_old_lines_now_match_loosely_elsewhere_is_already_applied(tmp_path: Path) -> None:
+    """'  }' added after '}': sent again, ' }' / '' matches only with whitespace ignored one line on, while the
+    new lines stand exactly at the stated line (was a second '  }'; git refuses)."""
+    original = b"\n}\n\n"
+    patch = b"--- a/f\n+++ b/f\n@@ -2,2 +2,3 @@\n }\n+  }\n \n"
+    once, already, _theirs = _apply_twice_like_git(tmp_path, original, patch)
+    assert once == b"\n}\n  }\n\n" and already
+
+
+def test_a_hunk_ending_without_a_newline_is_never_placed_mid_file() -> None:
+    """Only a file's last line can lack its terminator: such a hunk ends the file (was written mid-file, and a
+    line was given a newline it never had)."""
+    patch = b"--- a/f\n+++ b/f\n@@ -1,2 +1,3 @@\n x\n x\n+a\n\\ No newline at end of file\n"
+    (edit,) = parse_unified(patch).edits
+    assert edit.hunks[0].at_eof
+    assert apply_hunks(b"x\nx\nx\n", edit.hunks, path="f").content == b"x\nx\nx\na"
+    with pytest.raises(ContextNotFound):
+        apply_hunks(b"x\nx\ny\n", edit.hunks, path="f")
+
+
+def test_an_exact_match_at_the_stated_line_beats_the_end_of_file_anchor_elsewhere(tmp_path: Path) -> None:
+    """No context after the change: git anchors it at the end, where '}' alone looked like the change made;
+    the old lines stand exactly at the stated line (was judged already applied, nothing changed)."""
+    original = b"x\n}\n\ny\n}\n"
+    patch = b"--- a/f\n+++ b/f\n@@ -2,2 +2 @@\n }\n-\n"
+    once, already, _theirs = _apply_twice_like_git(tmp_path, original, patch)
+    assert once == b"x\n}\ny\n}\n" and already
