@@ -43,6 +43,7 @@ from cas.objects import GitStore, TreeEntry
 
 __all__ = [
     "INDEX_LOCK_MARK",
+    "index_lock_owner",
     "IndexLock",
     "hold_index_lock",
     "drop_lock_marks",
@@ -321,7 +322,7 @@ class IndexLock:
 
 
 # Mark files kept for a thread's next index lock: {(git dir, pid, thread): path} (hold_index_lock's keep_mark).
-_KEPT_MARKS: dict[tuple[str, int, int], str] = {}
+_KEPT_MARKS: dict[tuple[str, int, int, str | None], str] = {}
 _KEPT_MARKS_LOCK = threading.Lock()
 
 
@@ -335,16 +336,22 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _lock_mark(git_dir: str, keep: bool, *, fresh: bool) -> str:
-    """A tmp file beside ``index.lock`` holding this process's mark (the kept one, unless ``fresh``)."""
-    key = (git_dir, os.getpid(), threading.get_ident())
+def _lock_mark(git_dir: str, keep: bool, *, fresh: bool, owner: str | None = None) -> str:
+    """A tmp file beside ``index.lock`` holding this process's mark (the kept one, unless ``fresh``).
+
+    ``owner``: the receipt store the call records in, named after pid and host (a
+    lock another store's call left is settled through that store).
+    """
+    key = (git_dir, os.getpid(), threading.get_ident(), owner)
     if keep and not fresh:
         with _KEPT_MARKS_LOCK:
             found = _KEPT_MARKS.get(key)
         if found is not None:
             return found
     tmp = os.path.join(git_dir, f".index.lock{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")  # per thread
-    write_new(tmp, INDEX_LOCK_MARK + f"{os.getpid()} {socket.gethostname()}\n".encode(), 0o644)
+    named = f" {owner}" if owner and "\n" not in owner else ""
+    write_new(tmp, INDEX_LOCK_MARK + f"{os.getpid()} {socket.gethostname()}{named}\n".encode(
+        "utf-8", "surrogateescape"), 0o644)
     if keep:
         with _KEPT_MARKS_LOCK:
             old, _KEPT_MARKS[key] = _KEPT_MARKS.get(key), tmp
@@ -358,7 +365,7 @@ def drop_lock_marks() -> None:
     """Remove the mark files this thread kept for its next index lock (see :func:`hold_index_lock`)."""
     me = (os.getpid(), threading.get_ident())
     with _KEPT_MARKS_LOCK:
-        paths = [_KEPT_MARKS.pop(k) for k in [k for k in _KEPT_MARKS if k[1:] == me]]
+        paths = [_KEPT_MARKS.pop(k) for k in [k for k in _KEPT_MARKS if k[1:3] == me]]
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -366,7 +373,7 @@ def drop_lock_marks() -> None:
 
 def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | None = None,
                     git_dir: str | None = None, keep_mark: bool = False,
-                    on_dead: Callable[[str], None] | None = None) -> IndexLock:
+                    on_dead: Callable[[str], None] | None = None, owner: str | None = None) -> IndexLock:
     """Take ``workdir``'s ``index.lock``, waiting up to ``timeout`` seconds while someone else holds it.
 
     The file holds ``oncepatch-index-lock <pid> <host>``; ``lock_marker`` (a
@@ -400,7 +407,7 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
     # link()ed to 'index.lock' (exclusive like O_CREAT|O_EXCL).  Race guarded: a
     # call killed between creating an empty lock and writing its mark would leave
     # a lock nothing could prove ours, blocking every later call.
-    tmp = _lock_mark(git_dir, keep_mark, fresh=False)
+    tmp = _lock_mark(git_dir, keep_mark, fresh=False, owner=owner)
     try:
         remade = False
         while True:
@@ -411,7 +418,7 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
                 if remade or not keep_mark:
                     raise
                 # The kept mark was removed (by hand, or by a recovery that took this pid for dead).
-                tmp, remade = _lock_mark(git_dir, keep_mark, fresh=True), True
+                tmp, remade = _lock_mark(git_dir, keep_mark, fresh=True, owner=owner), True
             except FileExistsError:
                 if on_dead is not None and dead_own_index_lock(index_lock):
                     settle, on_dead = on_dead, None
@@ -440,6 +447,19 @@ def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | N
             raise
         lock._marker = lock_marker
     return lock
+
+
+def index_lock_owner(index_lock: str) -> str | None:
+    """The receipt store an oncepatch ``index.lock`` names (see :func:`_lock_mark`), ``None`` if none."""
+    try:
+        with open(index_lock, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return None
+    if not head.startswith(INDEX_LOCK_MARK):
+        return None
+    fields = head[len(INDEX_LOCK_MARK):].rstrip(b"\n").split(b" ", 2)
+    return fields[2].decode("utf-8", "surrogateescape") if len(fields) == 3 and fields[2] else None
 
 
 def _dead_own_mark(head: bytes) -> bool:

@@ -32,7 +32,7 @@ from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 from patcher.args import TOOL
-from patcher.markers import index_marker, ref_lock_marker
+from patcher.markers import foreign_index_lock, index_marker, ref_lock_marker
 
 __all__ = ["GitAdapter", "KEY_REF_PREFIX"]
 
@@ -308,7 +308,10 @@ class GitAdapter:
                 # While a call the store's markers tie to an index lock is unresolved, no dead
                 # marked lock is removed here: the marker names the lock by the path it had,
                 # which a moved repository no longer has.
-                stale = None if protected else _remove_dead_marked_index_lock(git_dir, remove=not dry_run)
+                # Nor one another store's unsettled call left (its recover settles it).
+                foreign = foreign_index_lock(os.path.join(os.path.realpath(git_dir), "index.lock"), rstore)
+                stale = (None if protected or foreign is not None
+                         else _remove_dead_marked_index_lock(git_dir, remove=not dry_run))
                 if stale is not None:
                     removed.append(stale)
                 # The index update's and ref locks' tmp files of dead calls (never a lock).

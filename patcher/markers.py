@@ -45,3 +45,23 @@ def index_markers(rstore: ReceiptStore) -> list[tuple[str, str]]:
                 continue  # removed meanwhile
             found.append((name[len(INDEX_MARKER_PREFIX):], named))
     return found
+
+
+def foreign_index_lock(index_lock: str, rstore: ReceiptStore) -> str | None:
+    """The other store whose call left ``index_lock``, if that store still has its marker naming it.
+
+    Such a lock protects a change only that store's ``recover`` can settle: this
+    store's calls and recovery leave it in place.  ``None`` when the lock names
+    this store, no store, or a store with no marker for it (its call died before
+    writing one: before its branch moved).
+    """
+    from cas.worktree import index_lock_owner
+
+    owner = index_lock_owner(index_lock)
+    if owner is None or os.path.abspath(owner) == rstore.root:
+        return None
+    try:
+        other = ReceiptStore(owner)
+    except Exception:  # noqa: BLE001 - not a store any more: nothing to settle there
+        return None
+    return owner if any(named == index_lock for _h, named in index_markers(other)) else None

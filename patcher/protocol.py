@@ -337,7 +337,8 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore) -> _
     _read_identities(gstore)
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
-    worktrees = (check_worktrees(gstore, args.branch, touched_paths(parsed), settle_dead_calls(rstore, stores))
+    worktrees = (check_worktrees(gstore, args.branch, touched_paths(parsed), settle_dead_calls(rstore, stores),
+                                 owner=rstore.root)
                  if not plan.already_applied else [])
     return _PreCheck(parsed, plan, worktrees)
 
@@ -420,7 +421,8 @@ def _execute(
         plan, worktrees = pre.plan, pre.worktrees
     else:
         plan = plan_stage(gstore, base, parsed)
-        worktrees = (check_worktrees(gstore, args.branch, paths, settle_dead_calls(rstore, stores, key))
+        worktrees = (check_worktrees(gstore, args.branch, paths, settle_dead_calls(rstore, stores, key),
+                                     owner=rstore.root)
                      if not plan.already_applied else [])
     staged, candidate = write_stage(gstore, plan, message, parsed)
     if candidate is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ from cas.worktree import (IndexLock, dirty_paths, hold_index_lock, materialise, 
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath, UnsafePath
-from patcher.markers import index_marker, index_markers
+from patcher.markers import foreign_index_lock, index_marker, index_markers
 
 __all__ = ["prefetch_indexes", "settle_dead_calls", "check_worktrees", "hold_index_locks", "release_index_locks", "materialise_all"]
 
@@ -58,6 +59,16 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
         from receipts.recovery import resolve_receipt
         from receipts.states import needs_resolution
 
+        other = foreign_index_lock(index_lock, rstore)
+        if other is not None:
+            # Another store's call: its receipt and marker are there, not here.  Removing
+            # the lock would let 'git commit' commit the stale index over its change.
+            err = RefLockedError(index_lock, next_action="recover",
+                                 details={"reason": "crashed_call_other_store", "store": other})
+            err.message = (f"'{index_lock}' was left by a crashed call of the receipt store '{other}': "
+                           f"run 'oncepatch recover --store {shlex.quote(other)}', then retry; "
+                           f"do not remove the lock by hand")
+            raise err
         unsettled: list[str] = []
         for h, named in index_markers(rstore):
             if named != index_lock and os.path.exists(os.path.dirname(named)):
@@ -111,7 +122,7 @@ SETTLE_WAIT = 10.0
 
 
 def check_worktrees(gstore: GitStore, branch: str, paths: list[str],
-                    on_dead: Callable[[str], None] | None = None) -> list[tuple[str, str]]:
+                    on_dead: Callable[[str], None] | None = None, owner: str | None = None) -> list[tuple[str, str]]:
     """The worktrees on ``branch``, after refusing dirty or symlinked touched paths (before prepare).
 
     ``on_dead``: see :func:`settle_dead_calls`.
@@ -132,7 +143,7 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str],
         # Race guarded: another call moves the branch (holding index.lock) and only
         # then brings the index along; read in between, HEAD and the index disagree
         # and a clean path looks dirty.  Under index.lock both are read as one state.
-        lock = hold_index_lock(workdir, git_dir=_git_dir, keep_mark=True, on_dead=on_dead)
+        lock = hold_index_lock(workdir, git_dir=_git_dir, keep_mark=True, on_dead=on_dead, owner=owner)
         try:
             tip = gstore.resolve(branch)
             tip_tree = gstore.commit_tree(tip) if tip else None
@@ -181,7 +192,7 @@ def hold_index_locks(rstore: ReceiptStore, worktrees: list[tuple[str, str]], key
             if marker is not None:
                 os.makedirs(rstore.tmp_dir, exist_ok=True)
             held[workdir] = hold_index_lock(workdir, timeout=timeout, lock_marker=marker, git_dir=git_dir,
-                                            keep_mark=True, on_dead=on_dead)
+                                            keep_mark=True, on_dead=on_dead, owner=rstore.root)
     except BaseException:
         release_index_locks(held)
         raise

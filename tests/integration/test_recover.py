@@ -438,6 +438,36 @@ def test_a_dead_calls_index_lock_stays_while_its_call_cannot_be_settled(tmp_path
     assert blocked.returncode != 0 and b"index.lock" in blocked.stderr
 
 
+def test_another_stores_calls_and_recover_leave_a_dead_calls_index_lock_to_its_store(tmp_path: Path) -> None:
+    """A call through ``--store A`` killed after its branch moved: its index.lock names store A. The default
+    store's apply and recover used to remove it (the next 'git commit' then reverted the change); they now
+    leave it and say which store settles it. That store's recover does, and a human commit keeps the change."""
+    repo, pf = make_patch(tmp_path)
+    store_a = tmp_path / "storeA"
+    assert apply(repo, pf, "--store", str(store_a), env={"ONCEPATCH_CRASH_AT": "after-ref"}).code == 137
+    lock = repo.path / ".git/index.lock"
+    assert lock.exists()
+    rec = recover(repo)
+    assert rec.code == 0 and str(lock) not in rec.json["removed"], rec.out
+    assert lock.exists()
+    other = tmp_path / "other.diff"
+    other.write_text("--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hello there\n")
+    nxt = apply(repo, other, key="other")
+    assert nxt.code == 5, nxt.out + nxt.err
+    err = nxt.json["error"]
+    assert (err["reason"], err["next_action"], err["store"]) == ("crashed_call_other_store", "recover",
+                                                                 str(store_a))
+    assert lock.exists()
+    settled = recover(repo, "--store", str(store_a))
+    assert settled.code == 0, settled.out
+    assert not lock.exists()
+    assert apply(repo, other, key="other").code == 0
+    repo.write("docs/guide.txt", "guide by hand\n")
+    repo.git("commit", "-qam", "by hand")
+    assert "line 7 changed" in repo.git("show", "HEAD:src/app.py")
+    assert repo.git("show", "HEAD:README") == "hello there\n"
+
+
 def test_recover_keeps_a_file_edited_since_the_crash_and_stages_the_commits_version(tmp_path: Path) -> None:
     """Killed after the branch moved, the touched file then edited by hand: recover keeps the edit
     (never overwrites it), but the index must not keep the base: that is a staged revert of the
