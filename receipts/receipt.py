@@ -196,9 +196,31 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
         raise CorruptReceipt(path, "tool or tool_version differs from identity")
     if expected_key_hash is not None and key_hash(doc["key"]) != expected_key_hash:
         raise CorruptReceipt(path, "key does not match the file name")
+    _check_outputs(doc.get("outputs"), path)
     known = set(_REQUIRED) | set(_OPTIONAL) | {_DIGEST_FIELD}
     extra = {k: v for k, v in doc.items() if k not in known}
     return _build(doc, extra, identity, stored_digest)
+
+
+_OUTPUT_FIELDS: dict[str, tuple[type, ...]] = {
+    "path": (str,), "op": (str,), "sha256": (str, type(None)), "blob": (str, type(None)),
+    "mode": (int, type(None)), "from": (str,),
+}
+
+
+def _check_outputs(outputs: Any, path: str) -> None:
+    """Each output a ``{path, op, sha256, blob, mode}`` object of the types written (a re-sealed edit is caught).
+
+    Raises:
+        CorruptReceipt: an output of another shape.
+    """
+    for i, out in enumerate(outputs or ()):
+        if not isinstance(out, dict) or not isinstance(out.get("path"), str) or not isinstance(out.get("op"), str):
+            raise CorruptReceipt(path, f"output {i + 1} is not an object with a path and an op")
+        for name, types in _OUTPUT_FIELDS.items():
+            value = out.get(name)
+            if name in out and (not isinstance(value, types) or isinstance(value, bool)):
+                raise CorruptReceipt(path, f"output {i + 1}: field '{name}' has the wrong type")
 
 
 def written_as_is(doc: dict[str, Any], key_hash_hex: str) -> bool:

@@ -198,6 +198,9 @@ def recover(
         report.scanned += 1
         if progress is not None and report.scanned % 10000 == 0:
             progress(report.scanned)
+        if isinstance(data, CorruptReceipt):
+            report.corrupt.append({"path": path, "reason": data.reason})
+            continue
         # Cheap look first: a final receipt whose digest the ledger already holds, and
         # which its digest shows unedited, needs nothing from recover (verify checks
         # the rest).  Everything else is verified before anything is done with it.

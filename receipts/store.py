@@ -43,14 +43,51 @@ class StoredReceipt:
     error: CorruptReceipt | None
 
 
+_O_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def read_receipt_file(path: str) -> bytes:
+    """The bytes of the receipt file ``path``, which must be a regular file.
+
+    Opened without following a symlink and without blocking (a FIFO put in
+    its place would hang every command).
+
+    Raises:
+        FileNotFoundError: there is none.
+        CorruptReceipt: a symlink, a folder, a FIFO or anything else, or unreadable.
+    """
+    try:
+        fd = os.open(path, _O_READ)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise CorruptReceipt(path, "a symlink, not a receipt file") from None
+        raise
+    except OSError as exc:
+        reason = "a symlink, not a receipt file" if os.path.islink(path) else f"cannot be read ({exc.strerror})"
+        raise CorruptReceipt(path, reason) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptReceipt(path, "not a regular file")
+        chunks: list[bytes] = []
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    except OSError as exc:
+        raise CorruptReceipt(path, f"cannot be read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+
+
 def _names_call_id(path: str, call_id: str) -> bool:
     """Whether a (corrupt) receipt file says it is the receipt of ``call_id``."""
     import orjson
 
     try:
-        with open(path, "rb") as fh:
-            doc = orjson.loads(fh.read())
-    except (OSError, orjson.JSONDecodeError):
+        doc = orjson.loads(read_receipt_file(path))
+    except (OSError, CorruptReceipt, orjson.JSONDecodeError):
         return False
     return isinstance(doc, dict) and doc.get("call_id") == call_id
 
@@ -172,8 +209,7 @@ class ReceiptStore:
     def read_hash(self, h: str) -> Receipt | None:
         path = self.path_for_hash(h)
         try:
-            with open(path, "rb") as fh:
-                data = fh.read()
+            data = read_receipt_file(path)
         except FileNotFoundError:
             return None
         return parse_receipt(data, path=path, expected_key_hash=h)
@@ -232,9 +268,8 @@ class ReceiptStore:
         if mine is None:
             return False
         try:
-            with open(path, "rb") as fh:
-                return fh.read(len(mine) + 1) == mine
-        except FileNotFoundError:
+            return read_receipt_file(path) == mine
+        except (FileNotFoundError, CorruptReceipt):
             return False
 
     def receipt_paths(self) -> list[str]:
@@ -252,19 +287,32 @@ class ReceiptStore:
                     if name.endswith(".json") and not name.startswith(".")]
         return out
 
-    def files(self) -> Iterator[tuple[str, str, bytes]]:
-        """``(path, key hash, bytes)`` of every receipt file, unparsed (a scan's raw input)."""
+    def files(self) -> Iterator[tuple[str, str, bytes | CorruptReceipt]]:
+        """``(path, key hash, bytes)`` of every receipt file, unparsed (a scan's raw input).
+
+        In place of the bytes, the error of a file that is not one a receipt
+        can be read from (a symlink, a FIFO, a folder, one in another shard's folder).
+        """
         for path in self.receipt_paths():
             try:
-                with open(path, "rb") as fh:
-                    data = fh.read()
+                data: bytes | CorruptReceipt = self._raw(path)
             except FileNotFoundError:
                 continue
+            except CorruptReceipt as exc:
+                data = exc
             yield path, os.path.basename(path)[:-5], data
 
+    def _raw(self, path: str) -> bytes:
+        h = os.path.basename(path)[:-5]
+        if os.path.basename(os.path.dirname(path)) != h[:2]:
+            raise CorruptReceipt(path, f"in the wrong folder (a receipt of key hash {h[:12]}… lives in '{h[:2]}')")
+        return read_receipt_file(path)
+
     @staticmethod
-    def parse_stored(path: str, h: str, data: bytes) -> StoredReceipt:
+    def parse_stored(path: str, h: str, data: bytes | CorruptReceipt) -> StoredReceipt:
         """The receipt file ``path`` (key hash ``h``) from its bytes, verified; a corrupt one with its error."""
+        if isinstance(data, CorruptReceipt):
+            return StoredReceipt(path, h, None, data)
         try:
             return StoredReceipt(path, h, parse_receipt(data, path=path, expected_key_hash=h), None)
         except CorruptReceipt as exc:
@@ -273,10 +321,11 @@ class ReceiptStore:
     def read_stored(self, path: str) -> StoredReceipt | None:
         """One receipt file by path (:meth:`parse_stored`); ``None`` if it is gone."""
         try:
-            with open(path, "rb") as fh:
-                data = fh.read()
+            data: bytes | CorruptReceipt = self._raw(path)
         except FileNotFoundError:
             return None
+        except CorruptReceipt as exc:
+            data = exc
         return self.parse_stored(path, os.path.basename(path)[:-5], data)
 
     def scan(self) -> Iterator[StoredReceipt]:

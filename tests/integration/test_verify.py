@@ -11,6 +11,7 @@ checks (commit, blobs, ledger) can catch them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,49 @@ def deleted_receipt(repo: Repo) -> tuple[Path, str]:
     return path, "the ledger records this key's receipt, but its file is missing"
 
 
+def dangling_symlink(repo: Repo) -> tuple[Path, str]:
+    path = receipt_path(repo, "one")
+    path.unlink()
+    path.symlink_to(path.parent / "nowhere.json")  # was skipped as if the file were gone
+    return path, "a symlink, not a receipt file"
+
+
+def fifo_receipt(repo: Repo) -> tuple[Path, str]:
+    path = receipt_path(repo, "one")
+    path.unlink()
+    os.mkfifo(path)  # every command used to hang reading it
+    return path, "not a regular file"
+
+
+def folder_receipt(repo: Repo) -> tuple[Path, str]:
+    path = receipt_path(repo, "one")
+    path.unlink()
+    path.mkdir()  # was an internal error (exit 1) with a traceback
+    return path, "not a regular file"
+
+
+def wrong_shard(repo: Repo) -> tuple[Path, str]:
+    path = receipt_path(repo, "one")
+    elsewhere = path.parent.parent / ("00" if path.parent.name != "00" else "01") / path.name
+    elsewhere.parent.mkdir(exist_ok=True)
+    path.rename(elsewhere)  # was found by neither verify (it passed) nor status
+    return elsewhere, "in the wrong folder"
+
+
+def resealed_bad_output(repo: Repo) -> tuple[Path, str]:
+    r = ReceiptStore(str(repo.store)).read("one")
+    outputs = tuple({**o, "mode": "x"} for o in r.outputs)
+    path = receipt_path(repo, "one")
+    path.write_bytes(receipt_bytes(replace(r, outputs=outputs)))  # re-sealed: its digest matches
+    return path, "output 1: field 'mode' has the wrong type"
+
+
 CASES: dict[str, Callable[[Repo], tuple[Path, str]]] = {
+    "dangling_symlink": dangling_symlink,
+    "fifo_receipt": fifo_receipt,
+    "folder_receipt": folder_receipt,
+    "wrong_shard": wrong_shard,
+    "resealed_bad_output": resealed_bad_output,
     "deleted_receipt": deleted_receipt,
     "edited_field": edited_field,
     "wrong_output_digest": wrong_output_digest,
