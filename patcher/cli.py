@@ -172,13 +172,11 @@ def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 
 def _cmd_status(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    from receipts.errors import ReceiptNotFound
+    from receipts.lookup import status
     from receipts.store import ReceiptStore
 
     rstore = ReceiptStore(store_root(args))
-    receipt = rstore.find(args.key)
-    if receipt is None:
-        raise ReceiptNotFound(f"no receipt for key or call_id '{args.key}'", key=args.key)
+    receipt = status(args.key, store=rstore)
     doc = {"ok": True, "receipt": receipt.to_doc(), "path": rstore.receipt_path(receipt.key)}
     text = (f"{receipt.status}{' (retryable)' if receipt.retryable else ''}  key {receipt.key}\n"
             f"call_id {receipt.call_id}\ncommit {receipt.commit or '-'}\n"

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 from receipts.errors import InProgress
 
-__all__ = ["FileLock", "flocked"]
+__all__ = ["FileLock", "flocked", "held_elsewhere"]
 
 
 class FileLock:
@@ -103,3 +103,20 @@ def flocked(path: str, timeout: float, *, poll: float = 0.002) -> Iterator[None]
         yield
     finally:
         lock.release()
+
+
+def held_elsewhere(path: str) -> bool:
+    """Whether another holder has the lock on ``path`` now (creates nothing; a missing file is not held)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from cas.gitdir import discover
-from receipts.errors import ReceiptNotFound
+from receipts.errors import InProgress, ReceiptNotFound
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 
@@ -32,11 +32,18 @@ def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = No
 
     Raises:
         ReceiptNotFound: no receipt for it.
+        InProgress: none yet, and a running call holds the key's lock.
         CorruptReceipt: its file fails verification.
         UsageError: no store can be found.
     """
     rstore = store if isinstance(store, ReceiptStore) else ReceiptStore(store_root(store, repo))
     found = rstore.find(key)
     if found is None:
+        from receipts.flock import held_elsewhere
+
+        if held_elsewhere(rstore.lock_path(key)):
+            # A first call holds the key and has not written its receipt yet: ask again.
+            raise InProgress(f"key '{key}' is being applied by a running call, which has written no "
+                             f"receipt yet: ask again when it ends", key=key)
         raise ReceiptNotFound(f"no receipt for key or call_id '{key}'", key=key)
     return found
