@@ -14,7 +14,9 @@ under the lock truncates it away before writing, and readers skip it.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Iterator
+from typing import BinaryIO
 
 from cas.hashing import sha256_hex
 from cas.record import record
@@ -41,6 +43,30 @@ class LedgerProblem:
     reason: str
 
 
+def _open_ledger(path: str) -> BinaryIO:
+    """The ledger file for reading: a regular file, opened without blocking (a FIFO) or following a symlink.
+
+    Raises:
+        FileNotFoundError: there is none.
+        CorruptLedger: anything else is there, or it cannot be read.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CorruptLedger(f"ledger '{path}' cannot be read ({exc.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptLedger(f"ledger '{path}' is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class Ledger:
     def __init__(self, path: str, lock_path: str, lock_timeout: float = 30.0) -> None:
         self.path = path
@@ -50,10 +76,10 @@ class Ledger:
     def _tail(self) -> tuple[int, str, int]:
         """(last seq, sha256 of last full line, byte length of the full-line prefix)."""
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            opened = _open_ledger(self.path)
         except FileNotFoundError:
             return 0, GENESIS, 0
-        with os.fdopen(fd, "rb") as fh:
+        with opened as fh:
             size = fh.seek(0, os.SEEK_END)
             start = max(0, size - _TAIL)
             while True:
@@ -130,7 +156,7 @@ class Ledger:
             CorruptLedger: a complete line is not a JSON object.
         """
         try:
-            fh = open(self.path, "rb")
+            fh = _open_ledger(self.path)
         except FileNotFoundError:
             return
         with fh:
@@ -155,9 +181,11 @@ class Ledger:
         prev = GENESIS
         expected_seq = 1
         try:
-            fh = open(self.path, "rb")
+            fh = _open_ledger(self.path)
         except FileNotFoundError:
             return problems
+        except CorruptLedger as exc:
+            return [LedgerProblem(1, exc.message.partition("': ")[2] or exc.message)]
         with fh:
             for n, raw in enumerate(fh, 1):
                 if not raw.endswith(b"\n"):

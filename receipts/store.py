@@ -278,6 +278,8 @@ class ReceiptStore:
             shards = sorted(os.listdir(self.receipts_dir))
         except FileNotFoundError:
             return []
+        except OSError as exc:
+            raise CorruptReceipt(self.receipts_dir, f"the receipts folder cannot be listed ({exc.strerror})") from None
         out: list[str] = []
         for shard in shards:
             folder = os.path.join(self.receipts_dir, shard)

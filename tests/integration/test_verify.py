@@ -159,7 +159,23 @@ def resealed_bad_output(repo: Repo) -> tuple[Path, str]:
     return path, "output 1: field 'mode' has the wrong type"
 
 
+def ledger_folder(repo: Repo) -> tuple[Path, str]:
+    path = repo.store / "events.jsonl"
+    path.unlink()
+    path.mkdir()  # was an internal error (exit 1)
+    return path, "is not a regular file"
+
+
+def ledger_fifo(repo: Repo) -> tuple[Path, str]:
+    path = repo.store / "events.jsonl"
+    path.unlink()
+    os.mkfifo(path)  # reading it would block for ever
+    return path, "is not a regular file"
+
+
 CASES: dict[str, Callable[[Repo], tuple[Path, str]]] = {
+    "ledger_folder": ledger_folder,
+    "ledger_fifo": ledger_fifo,
     "dangling_symlink": dangling_symlink,
     "fifo_receipt": fifo_receipt,
     "folder_receipt": folder_receipt,
@@ -226,3 +242,15 @@ def test_a_receipt_ahead_of_the_ledger_is_a_call_in_progress_while_its_key_lock_
         lock.release()
     after = run_cli("verify", "--repo", str(repo.path), "--json")
     assert after.code == 6 and "is not in the ledger" in after.json["failures"][0]["reason"]
+
+
+def test_a_receipts_folder_that_is_a_file_is_a_corrupt_store_not_an_internal_error(repo: Repo) -> None:
+    receipts = repo.store / "receipts"
+    import shutil
+
+    shutil.rmtree(receipts)
+    receipts.write_text("not a folder\n")
+    text, js = verify(repo)
+    assert text.code == 6 and js.code == 6, text.out + text.err
+    assert js.json["error"]["type"] == "corrupt_receipt" and "cannot be listed" in js.json["error"]["message"]
+    assert "Traceback" not in text.err
