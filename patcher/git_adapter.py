@@ -58,17 +58,38 @@ class GitAdapter:
             GitStoreError: it is gone (libgit2 would open an enclosing repository,
                 which knows nothing of the call: asking it would answer wrongly).
         """
-        from cas.errors import GitStoreError
+        from cas.errors import GitStoreError, UsageError
         from patcher.protocol import open_store
 
         repo = str(receipt.args.get("repo"))
-        gstore = open_store(repo, self._stores)
-        if repo not in self._own:  # once per repository and run (verify asks per receipt)
-            opened = gstore.repo.workdir or gstore.git_dir
-            if os.path.realpath(opened) != os.path.realpath(repo):
-                raise GitStoreError(f"repository '{repo}' is gone ('{opened.rstrip(os.sep)}' encloses its folder)")
-            self._own.add(repo)
+        home = self._home()
+        try:
+            gstore = open_store(repo, self._stores)
+            if repo not in self._own:  # once per repository and run (verify asks per receipt)
+                opened = gstore.repo.workdir or gstore.git_dir
+                if os.path.realpath(opened) != os.path.realpath(repo):
+                    raise GitStoreError(f"repository '{repo}' is gone ('{opened.rstrip(os.sep)}' encloses its folder)")
+                self._own.add(repo)
+        except (GitStoreError, UsageError):
+            if home is None:
+                raise
+            return open_store(home, self._stores)  # moved with its store: the store's own repository
+        if home is not None and os.path.realpath(gstore.common_dir) != home:
+            return open_store(home, self._stores)  # a copy, store and all: not the original it names
         return gstore
+
+    def _home(self) -> str | None:
+        """The repository a store inside a git dir (``<git-common-dir>/oncepatch``) belongs to, else ``None``.
+
+        Its receipts are that repository's: moved or copied with it, they are
+        checked and settled there, not at the path they name.
+        """
+        if self._rstore is None:
+            return None
+        parent = os.path.realpath(os.path.dirname(self._rstore.root))
+        if os.path.isfile(os.path.join(parent, "HEAD")) and os.path.isdir(os.path.join(parent, "objects")):
+            return parent
+        return None
 
     # -- query -------------------------------------------------------------------
 

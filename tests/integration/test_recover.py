@@ -416,26 +416,51 @@ def test_a_later_call_settles_the_dead_call_whose_index_lock_it_meets(tmp_path: 
 
 
 def test_a_dead_calls_index_lock_stays_while_its_call_cannot_be_settled(tmp_path: Path) -> None:
-    """The repository moved after a crash: its receipt cannot be settled from the path it names.
-    The lock is what keeps git commit from committing the stale index over the change, so neither
-    recover nor a later apply removes it; both say to settle the call first."""
+    """The repository moved after a crash, its store (outside it) did not: its receipt cannot be settled from
+    the path it names. The lock is what keeps git commit from committing the stale index over the change, so
+    neither recover nor a later apply removes it; both say to settle the call first."""
     repo, pf = make_patch(tmp_path)
-    assert apply(repo, pf, env={"ONCEPATCH_CRASH_AT": "after-ref"}).code == 137
+    store = tmp_path / "store"
+    assert apply(repo, pf, "--store", str(store), env={"ONCEPATCH_CRASH_AT": "after-ref"}).code == 137
     moved = Repo(tmp_path / "moved")
     os.rename(repo.path, moved.path)
     lock = moved.path / ".git/index.lock"
-    rec = recover(moved)
+    rec = recover(moved, "--store", str(store))
     assert rec.code == 5 and rec.json["skipped"], rec.out
     assert lock.exists() and str(lock) not in rec.json["removed"]
     other = tmp_path / "other.diff"
     other.write_text("--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hello there\n")
-    nxt = apply(moved, other, key="other")
+    nxt = apply(moved, other, "--store", str(store), key="other")
     assert nxt.code == 5, nxt.out + nxt.err
     err = nxt.json["error"]
     assert (err["reason"], err["next_action"], err["keys"]) == ("crashed_call_unsettled", "recover", [KEY])
     assert lock.exists()
     blocked = subprocess.run(["git", "commit", "-qam", "by hand"], cwd=moved.path, capture_output=True, check=False)
     assert blocked.returncode != 0 and b"index.lock" in blocked.stderr
+
+
+def test_a_repository_moved_with_its_store_is_settled_and_verified_where_it_is(tmp_path: Path) -> None:
+    """The default store lives in the repository's git dir: moved (or copied) with it, its receipts are the
+    moved repository's. recover settles the crashed call there; verify checks there (it failed for good,
+    and the installed hook blocked every commit; a copy was checked against the original)."""
+    repo, pf = make_patch(tmp_path)
+    assert apply(repo, pf, env={"ONCEPATCH_CRASH_AT": "after-ref"}).code == 137
+    moved = Repo(tmp_path / "moved")
+    os.rename(repo.path, moved.path)
+    rec = recover(moved)
+    assert rec.code == 0 and [(x["from"], x["to"]) for x in rec.json["rows"]] == [("prepared", "committed")], rec.out
+    assert not (moved.path / ".git/index.lock").exists()
+    assert moved.git("status", "--porcelain", "--untracked-files=all") == ""
+    assert run_cli("verify", "--repo", str(moved.path)).code == 0
+    copy = Repo(tmp_path / "copy")
+    shutil.copytree(moved.path, copy.path, symlinks=True)
+    copy.git("reset", "-q", "--hard", "HEAD~1")
+    for ref in copy.git("for-each-ref", "--format=%(refname)", "refs/oncepatch/keys").split():
+        copy.git("update-ref", "-d", ref)
+    copy.git("reflog", "expire", "--expire=now", "--all")
+    copy.git("gc", "-q", "--prune=now")
+    assert run_cli("verify", "--repo", str(copy.path)).code == 6  # the copy lost the commit; the original has it
+    assert run_cli("verify", "--repo", str(moved.path)).code == 0
 
 
 def test_another_stores_calls_and_recover_leave_a_dead_calls_index_lock_to_its_store(tmp_path: Path) -> None:
