@@ -49,7 +49,7 @@ class GitAdapter:
         # ``recover --dry-run`` and a flag-only ``watch`` query too: then a stale lock is
         # only reported, never removed (a dry run changes nothing).
         self._read_only = read_only
-        self._own: set[str] = set()  # repository paths seen to open as themselves (_store)
+        self._where: dict[str, str] = {}  # a receipt's repository path -> where it is settled (_place)
 
     def _store(self, receipt: Receipt) -> GitStore:
         """The receipt's repository, opened; never another one found above its folder.
@@ -58,38 +58,46 @@ class GitAdapter:
             GitStoreError: it is gone (libgit2 would open an enclosing repository,
                 which knows nothing of the call: asking it would answer wrongly).
         """
-        from cas.errors import GitStoreError, UsageError
         from patcher.protocol import open_store
 
         repo = str(receipt.args.get("repo"))
-        home = self._home()
+        where = self._where.get(repo)  # once per repository and run (verify asks per receipt)
+        if where is None:
+            where = self._where[repo] = self._place(repo)
+        return open_store(where, self._stores)
+
+    def _place(self, repo: str) -> str:
+        """Where the receipts naming ``repo`` are settled and checked: ``repo``, or the store's own repository.
+
+        A store inside a git dir (``<git-common-dir>/oncepatch``) belongs to
+        that repository: moved or copied with it, its receipts are that
+        repository's, not the path they name.
+
+        Raises:
+            GitStoreError: ``repo`` is gone (libgit2 would open an enclosing
+                repository, which knows nothing of the call) and the store is
+                not inside a repository.
+        """
+        from cas.errors import GitStoreError, UsageError
+        from patcher.protocol import open_store
+
+        home = None
+        if self._rstore is not None:
+            parent = os.path.realpath(os.path.dirname(self._rstore.root))
+            if os.path.isfile(os.path.join(parent, "HEAD")) and os.path.isdir(os.path.join(parent, "objects")):
+                home = parent
         try:
             gstore = open_store(repo, self._stores)
-            if repo not in self._own:  # once per repository and run (verify asks per receipt)
-                opened = gstore.repo.workdir or gstore.git_dir
-                if os.path.realpath(opened) != os.path.realpath(repo):
-                    raise GitStoreError(f"repository '{repo}' is gone ('{opened.rstrip(os.sep)}' encloses its folder)")
-                self._own.add(repo)
+            opened = gstore.repo.workdir or gstore.git_dir
+            if os.path.realpath(opened) != os.path.realpath(repo):
+                raise GitStoreError(f"repository '{repo}' is gone ('{opened.rstrip(os.sep)}' encloses its folder)")
         except (GitStoreError, UsageError):
             if home is None:
                 raise
-            return open_store(home, self._stores)  # moved with its store: the store's own repository
+            return home  # moved with its store
         if home is not None and os.path.realpath(gstore.common_dir) != home:
-            return open_store(home, self._stores)  # a copy, store and all: not the original it names
-        return gstore
-
-    def _home(self) -> str | None:
-        """The repository a store inside a git dir (``<git-common-dir>/oncepatch``) belongs to, else ``None``.
-
-        Its receipts are that repository's: moved or copied with it, they are
-        checked and settled there, not at the path they name.
-        """
-        if self._rstore is None:
-            return None
-        parent = os.path.realpath(os.path.dirname(self._rstore.root))
-        if os.path.isfile(os.path.join(parent, "HEAD")) and os.path.isdir(os.path.join(parent, "objects")):
-            return parent
-        return None
+            return home  # a copy, store and all: not the original it names
+        return repo
 
     # -- query -------------------------------------------------------------------
 

@@ -63,12 +63,9 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
         if other is not None:
             # Another store's call: its receipt and marker are there, not here.  Removing
             # the lock would let 'git commit' commit the stale index over its change.
-            err = RefLockedError(index_lock, next_action="recover",
-                                 details={"reason": "crashed_call_other_store", "store": other})
-            err.message = (f"'{index_lock}' was left by a crashed call of the receipt store '{other}': "
-                           f"run 'oncepatch recover --store {shlex.quote(other)}', then retry; "
-                           f"do not remove the lock by hand")
-            raise err
+            raise _left_locked(index_lock, {"reason": "crashed_call_other_store", "store": other},
+                               f"a crashed call of the receipt store '{other}': run 'oncepatch recover "
+                               f"--store {shlex.quote(other)}', then retry")
         unsettled: list[str] = []
         for h, named in index_markers(rstore):
             if named != index_lock and os.path.exists(os.path.dirname(named)):
@@ -107,14 +104,19 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
         if unsettled:
             # Removing the lock would let 'git commit' commit the stale index over that change.
             keys = sorted(set(unsettled))
-            err = RefLockedError(index_lock, next_action="recover",
-                                 details={"reason": "crashed_call_unsettled", "keys": keys})
-            err.message = (f"'{index_lock}' was left by a crashed call whose change the worktree does not show "
-                           f"yet (key {', '.join(repr(k) for k in keys)}), and it cannot be settled from here: "
-                           f"run 'oncepatch recover' (or 'oncepatch resolve'); do not remove the lock by hand")
-            raise err
+            raise _left_locked(index_lock, {"reason": "crashed_call_unsettled", "keys": keys},
+                               f"a crashed call whose change the worktree does not show yet (key "
+                               f"{', '.join(repr(k) for k in keys)}), and it cannot be settled from here: "
+                               f"run 'oncepatch recover' (or 'oncepatch resolve')")
 
     return on_dead
+
+
+def _left_locked(index_lock: str, details: dict[str, Any], by: str) -> RefLockedError:
+    """The refusal to take ``index_lock``, left by ``by``, which only ``recover`` may remove."""
+    err = RefLockedError(index_lock, next_action="recover", details=details)
+    err.message = f"'{index_lock}' was left by {by}; do not remove the lock by hand"
+    return err
 
 
 #: How long a call waits for another process settling the same dead call (seconds).
