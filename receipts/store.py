@@ -69,12 +69,10 @@ def read_receipt_file(path: str) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CorruptReceipt(path, "not a regular file")
-        chunks: list[bytes] = []
-        while True:
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
+        chunks = [os.read(fd, st.st_size + 1)]  # one read, as a rule (a file that grew meanwhile: more)
+        while len(chunks[-1]) > 0 and sum(map(len, chunks)) > st.st_size:
+            chunks.append(os.read(fd, 1 << 20))
+        return b"".join(chunks)
     except OSError as exc:
         raise CorruptReceipt(path, f"cannot be read ({exc.strerror})") from None
     finally:
