@@ -41,7 +41,9 @@ match (no overlap).
 * ``prefer_start`` / ``prefer_eof`` (unified hunks git anchors): the hunk is
   judged at the file's start / end (both: the whole file) and, unless that
   is exact, by the rules above anywhere; the anchored verdict wins unless the
-  other is at a stricter grade (or the anchored one found nothing).
+  other is at a stricter grade (or the anchored one found nothing), or the
+  anchor judged the hunk present elsewhere while its old lines stand exactly
+  at the stated line.
 * An empty old side inserts: with ``old_start`` after line ``old_start``
   (0 = start of file, plus the carried offset); else after the last scope
   line, or at the end of the file.
