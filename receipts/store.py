@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 
 from cas.record import record
 from cas.durable import DurableBatch, fsync_dir
+from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress
 from receipts.flock import FileLock
 from receipts.identity import key_hash
@@ -77,6 +78,16 @@ def read_receipt_file(path: str) -> bytes:
         raise CorruptReceipt(path, f"cannot be read ({exc.strerror})") from None
     finally:
         os.close(fd)
+
+
+def _claimed_key(data: bytes) -> str | None:
+    """The key a corrupt receipt's text names, if it is JSON with a string ``key`` (for reports only)."""
+    try:
+        doc = jsonio.loads(data)
+    except Exception:  # noqa: BLE001 - not JSON: no key to name
+        return None
+    key = doc.get("key") if isinstance(doc, dict) else None
+    return key if isinstance(key, str) else None
 
 
 def _names_call_id(path: str, call_id: str) -> bool:
@@ -316,6 +327,8 @@ class ReceiptStore:
         try:
             return StoredReceipt(path, h, parse_receipt(data, path=path, expected_key_hash=h), None)
         except CorruptReceipt as exc:
+            if exc.key is None:
+                exc.key = _claimed_key(data)
             return StoredReceipt(path, h, None, exc)
 
     def read_stored(self, path: str) -> StoredReceipt | None:

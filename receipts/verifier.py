@@ -188,7 +188,7 @@ def _check_one(store: ReceiptStore, item: StoredReceipt, verifiers: Mapping[str,
     """The failures of one receipt file, the ledger aside (:func:`_not_in_ledger`)."""
     if item.receipt is None:
         assert item.error is not None
-        return [Failure(None, item.path, f"corrupt: {item.error.reason}")]
+        return [Failure(item.error.key, item.path, f"corrupt: {item.error.reason}")]
     r = item.receipt
     out: list[Failure] = []
     if r.status == "prepared":
