@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TMP_MARK",
+    "NotRegularFile",
+    "open_regular",
     "DurableBatch",
     "fsync_all",
     "write_durable",
@@ -616,6 +618,33 @@ def make_dirs(folder: str, mode: int = 0o755) -> list[str]:
     except FileExistsError:
         return made
     return [*made, folder]
+
+
+
+class NotRegularFile(OSError):
+    """A path that :func:`open_regular` refuses: a folder, a FIFO, a device, a socket."""
+
+
+def open_regular(path: str) -> int:
+    """A descriptor of the regular file ``path``, open for reading.
+
+    Opened without following a symlink and without blocking on a FIFO put in
+    its place (it would hang the reader); the descriptor is blocking again.
+
+    Raises:
+        FileNotFoundError: there is none.
+        NotRegularFile: something else is there.
+        OSError: a symlink (``ELOOP``), or it cannot be opened.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _O_NOFOLLOW | _O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(f"'{path}' is not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def write_new(path: str, data: bytes, mode: int = 0o666) -> None:

@@ -81,11 +81,7 @@ class GitAdapter:
         from cas.errors import GitStoreError, UsageError
         from patcher.protocol import open_store
 
-        home = None
-        if self._rstore is not None:
-            parent = os.path.realpath(os.path.dirname(self._rstore.root))
-            if os.path.isfile(os.path.join(parent, "HEAD")) and os.path.isdir(os.path.join(parent, "objects")):
-                home = parent
+        home = _store_home(self._rstore) if self._rstore is not None else None
         try:
             gstore = open_store(repo, self._stores)
             opened = gstore.repo.workdir or gstore.git_dir
@@ -328,9 +324,9 @@ class GitAdapter:
         recovery opened for a receipt.
         """
         common_dirs = {os.path.realpath(str(g.common_dir)) for g in self._stores.values()}
-        parent = os.path.dirname(rstore.root)
-        if os.path.isfile(os.path.join(parent, "HEAD")) and os.path.isdir(os.path.join(parent, "objects")):
-            common_dirs.add(os.path.realpath(parent))
+        home = _store_home(rstore)
+        if home is not None:
+            common_dirs.add(home)
         removed: list[str] = []
         for common_dir in sorted(common_dirs):
             for git_dir in _git_dirs_of(common_dir):
@@ -483,6 +479,14 @@ def _remove_dead_tmp_files(workdir: str | None, git_dir: str, touched: list[str]
                 os.unlink(path)
                 removed.append(path)
     return removed
+
+
+def _store_home(rstore: ReceiptStore) -> str | None:
+    """The git common dir a store lives in (the default ``<git-common-dir>/oncepatch``), else ``None``."""
+    parent = os.path.realpath(os.path.dirname(rstore.root))
+    if os.path.isfile(os.path.join(parent, "HEAD")) and os.path.isdir(os.path.join(parent, "objects")):
+        return parent
+    return None
 
 
 def _remove_dead_marked_index_lock(git_dir: str, *, remove: bool = True) -> str | None:

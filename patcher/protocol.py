@@ -229,7 +229,7 @@ def apply(
     if _stores is None:
         _stores = {}  # one open repository for the whole call, even for one-shot callers
     try:
-        _check_numbers(attempt, lock_timeout, check_timeout, store)
+        _check_options(attempt, lock_timeout, check_timeout, store)
         args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message,
                               detect=detect)
     except OncepatchError as exc:
@@ -258,7 +258,7 @@ def apply(
             worktree.drop_lock_marks()
 
 
-def _check_numbers(attempt: int, lock_timeout: float, check_timeout: float, store: str | None) -> None:
+def _check_options(attempt: int, lock_timeout: float, check_timeout: float, store: str | None) -> None:
     """Refuse options no call can mean (before anything is read or written).
 
     Raises:

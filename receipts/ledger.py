@@ -14,13 +14,12 @@ under the lock truncates it away before writing, and readers skip it.
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from cas.hashing import sha256_hex
 from cas.record import record
-from cas.durable import append_durable
+from cas.durable import NotRegularFile, append_durable, open_regular
 from receipts import jsonio
 from receipts.canonical import canonical_json
 from receipts.errors import CorruptLedger
@@ -44,27 +43,20 @@ class LedgerProblem:
 
 
 def _open_ledger(path: str) -> BinaryIO:
-    """The ledger file for reading: a regular file, opened without blocking (a FIFO) or following a symlink.
+    """The ledger file for reading, a regular file (:func:`cas.durable.open_regular`).
 
     Raises:
         FileNotFoundError: there is none.
         CorruptLedger: anything else is there, or it cannot be read.
     """
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
+        return os.fdopen(open_regular(path), "rb")
     except FileNotFoundError:
         raise
+    except NotRegularFile:
+        raise CorruptLedger(f"ledger '{path}' is not a regular file") from None
     except OSError as exc:
         raise CorruptLedger(f"ledger '{path}' cannot be read ({exc.strerror})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CorruptLedger(f"ledger '{path}' is not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 class Ledger:
@@ -185,7 +177,7 @@ class Ledger:
         except FileNotFoundError:
             return problems
         except CorruptLedger as exc:
-            return [LedgerProblem(1, exc.message.partition("': ")[2] or exc.message)]
+            return [LedgerProblem(1, exc.message)]
         with fh:
             for n, raw in enumerate(fh, 1):
                 if not raw.endswith(b"\n"):

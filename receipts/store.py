@@ -21,7 +21,7 @@ import stat
 from collections.abc import Callable, Iterator
 
 from cas.record import record
-from cas.durable import DurableBatch, fsync_dir
+from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_regular
 from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress
 from receipts.flock import FileLock
@@ -44,36 +44,30 @@ class StoredReceipt:
     error: CorruptReceipt | None
 
 
-_O_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-
-
 def read_receipt_file(path: str) -> bytes:
-    """The bytes of the receipt file ``path``, which must be a regular file.
-
-    Opened without following a symlink and without blocking (a FIFO put in
-    its place would hang every command).
+    """The bytes of the receipt file ``path``, which must be a regular file (:func:`cas.durable.open_regular`).
 
     Raises:
         FileNotFoundError: there is none.
         CorruptReceipt: a symlink, a folder, a FIFO or anything else, or unreadable.
     """
     try:
-        fd = os.open(path, _O_READ)
+        fd = open_regular(path)
     except FileNotFoundError:
         if os.path.islink(path):
             raise CorruptReceipt(path, "a symlink, not a receipt file") from None
         raise
+    except NotRegularFile:
+        raise CorruptReceipt(path, "not a regular file") from None
     except OSError as exc:
         reason = "a symlink, not a receipt file" if os.path.islink(path) else f"cannot be read ({exc.strerror})"
         raise CorruptReceipt(path, reason) from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptReceipt(path, "not a regular file")
-        chunks = [os.read(fd, st.st_size + 1)]  # one read, as a rule (a file that grew meanwhile: more)
-        while len(chunks[-1]) > 0 and sum(map(len, chunks)) > st.st_size:
-            chunks.append(os.read(fd, 1 << 20))
-        return b"".join(chunks)
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size + 1)  # one read, as a rule
+        while len(data) > size and (more := os.read(fd, 1 << 20)):  # it grew meanwhile
+            data += more
+        return data
     except OSError as exc:
         raise CorruptReceipt(path, f"cannot be read ({exc.strerror})") from None
     finally:
