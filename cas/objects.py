@@ -109,6 +109,9 @@ def _signature_line(sig: Signature, now: int | None = None) -> bytes:
 def _deflate_writer(header: bytes, data: bytes | memoryview) -> Callable[[int], None]:
     """Writes a loose object's zlib stream to an fd, a chunk at a time (a big blob is never copied whole)."""
     def write(fd: int) -> None:
+        if len(header) + len(data) <= packs.DEFLATE_SMALL:
+            write_all(fd, packs.deflate(header + data, _LOOSE_LEVEL))
+            return
         z = zlib.compressobj(_LOOSE_LEVEL)
         view = memoryview(data)
         write_all(fd, z.compress(header))
@@ -287,6 +290,7 @@ class GitStore:
         self._swept: dict[str, Any] = {}  # cas.packs.sweep's memory of the retired list
         self._packs_gone = 0  # packs removed since the object database was opened
         self._signature: dict[str, Signature] = {}  # by kind: author, committer
+        self._config: pygit2.Config | None = None  # the configuration as this call read it
         # (ref, new oid, tmp file): a ref lock's content written and synced ahead (stage_ref_content).
         self._ref_content: tuple[str, str, str] | None = None
         # Folders and reflogs of refs moved with defer_sync, which a later batch syncs.
@@ -738,14 +742,13 @@ class GitStore:
         """
         sig = self._signature.get(kind)
         if sig is None:
-            cfg: pygit2.Config | None = None
-
             def config(name: str) -> str | None:
-                nonlocal cfg
                 try:
-                    if cfg is None:
-                        cfg = self.repo.config
-                    value = cfg[name]
+                    if self._config is None:
+                        # One snapshot for the call's lookups: each lookup in the live
+                        # configuration stats every config file again (up to eight lookups).
+                        self._config = self.repo.config.snapshot()
+                    value = self._config[name]
                 except (KeyError, pygit2.GitError):
                     return None
                 return str(value) if value else None
@@ -761,6 +764,7 @@ class GitStore:
                 name or email libgit2 refuses.
         """
         self._signature = {}
+        self._config = None  # read afresh: a long-lived caller sees configuration changes
         for kind in ("author", "committer"):
             try:
                 _signature_line(self.default_signature(kind))  # what libgit2 would refuse, refused now

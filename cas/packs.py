@@ -43,7 +43,8 @@ from typing import Any
 from cas.durable import TMP_MARK, append_durable
 from cas.errors import DurableWriteError
 
-__all__ = ["PackBuilder", "SmallPack", "small_packs", "choose_merge", "retire", "sweep", "MERGE_TRIGGER", "SMALL_MAX"]
+__all__ = ["PackBuilder", "SmallPack", "small_packs", "choose_merge", "retire", "sweep", "deflate", "MERGE_TRIGGER",
+           "SMALL_MAX"]
 
 #: A call merges packs once the geometric rule would make this many one, its own among them.
 MERGE_TRIGGER = 8
@@ -57,10 +58,30 @@ PACK_BYTES_MAX = 256 << 20
 MERGE_BYTES_MAX = 8 << 20
 #: zlib level: git's default ``core.looseCompression`` (best speed); any level reads the same.
 LEVEL = 1
+#: Inputs up to this size are deflated with a window fitted to them (:func:`deflate`).
+DEFLATE_SMALL = 1 << 14
 _IDX_MAGIC = b"\377tOc"
 _TYPES = {b"commit": 1, b"tree": 2, b"blob": 3, b"tag": 4}
 _NAMES = {code: name for name, code in _TYPES.items()}
 _COMPANIONS = (".keep", ".promisor", ".mtimes", ".bitmap", ".rev")
+
+
+def deflate(data: bytes | memoryview, level: int = LEVEL) -> bytes:
+    """``data`` as one zlib stream, as ``zlib.compress(data, level)`` but cheaper for small inputs.
+
+    ``zlib.compress`` sets up its full 32 KiB window and hash tables (≈ 270 KB
+    allocated and cleared) whatever the input: ≈ 90 µs for a 300-byte commit
+    on this project's machines, against ≈ 10 µs with a window just big enough
+    for the input and a smaller hash (memLevel 6).  The stream names its window
+    in its header; every inflater (git's, libgit2's, anyone's default
+    ``inflateInit``) reads any window up to 32 KiB, and the object id is over
+    the inflated bytes, so nothing outside can tell.
+    """
+    n = len(data)
+    if n > DEFLATE_SMALL:
+        return zlib.compress(data, level)
+    z = zlib.compressobj(level, zlib.DEFLATED, max(9, min(15, (n + 262).bit_length())), 6)
+    return z.compress(data) + z.flush()
 
 
 def _entry_header(kind: int, size: int) -> bytes:
@@ -92,7 +113,7 @@ class PackBuilder:
         if oid in self._entries:
             return
         kind = _TYPES[header[:header.index(b" ")]]
-        entry = _entry_header(kind, len(body)) + zlib.compress(body, LEVEL)
+        entry = _entry_header(kind, len(body)) + deflate(body)
         self._entries[oid] = (entry, zlib.crc32(entry))
 
     def add_entry(self, oid: bytes, entry: bytes, crc: int) -> None:

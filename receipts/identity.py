@@ -98,5 +98,15 @@ def check_key(key: str) -> str:
     return key
 
 
+#: Recent keys' hashes: one call asks for its key's about a dozen times (paths, refs, locks, fences).
+_KEY_HASHES: dict[str, KeyHash] = {}
+_KEY_HASHES_MAX = 256
+
+
 def key_hash(key: str) -> KeyHash:
-    return KeyHash(sha256_hex(key.encode("utf-8")))
+    found = _KEY_HASHES.get(key)
+    if found is None:
+        if len(_KEY_HASHES) >= _KEY_HASHES_MAX:
+            _KEY_HASHES.clear()  # bounded memory for a long-lived caller of many keys
+        found = _KEY_HASHES[key] = KeyHash(sha256_hex(key.encode("utf-8")))
+    return found

@@ -123,8 +123,13 @@ class Ledger:
             append_durable(self.path, canonical_json(stored) + b"\n", sync=sync)
             return stored
 
-    def append_receipt_event(self, event: str, receipt: Receipt, *, sync: bool = True,
+    def append_receipt_event(self, event: str, receipt: Receipt, *, sync: bool = True, digest: str | None = None,
                              **fields: Any) -> dict[str, Any]:
+        """Append ``event`` for ``receipt``; ``digest``: its digest when the caller has it at hand.
+
+        Raises:
+            InProgress, DurableWriteError: as :meth:`append`.
+        """
         from receipts.receipt import now_iso
 
         doc: dict[str, Any] = {
@@ -136,7 +141,7 @@ class Ledger:
             "status": receipt.status,
             "fencing_token": receipt.fencing_token,
             "commit": receipt.commit,
-            "receipt_sha256": receipt.digest,
+            "receipt_sha256": digest if digest is not None else receipt.digest,
         }
         doc.update(fields)
         return self.append(doc, sync=sync)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from receipts.states import Status
     from typing import Any
 
-__all__ = ["SCHEMA", "Receipt", "parse_receipt", "receipt_bytes", "now_iso"]
+__all__ = ["SCHEMA", "DIGEST_FIELD", "Receipt", "parse_receipt", "receipt_bytes", "receipt_doc_bytes", "now_iso"]
 
 SCHEMA = "oncepatch.receipt/1"
 
@@ -66,7 +66,8 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "error": (dict, type(None)),
     "result": (dict, type(None)),
 }
-_DIGEST_FIELD = "receipt_sha256"
+#: The field that holds a receipt's digest over every other field.
+DIGEST_FIELD = "receipt_sha256"
 
 
 def now_iso() -> str:
@@ -142,20 +143,25 @@ class Receipt:
             created_at=self.created_at,
             updated_at=self.updated_at,
         )
-        doc.pop(_DIGEST_FIELD, None)
-        doc[_DIGEST_FIELD] = sha256_hex(canonical_json(doc))
+        doc.pop(DIGEST_FIELD, None)
+        doc[DIGEST_FIELD] = sha256_hex(canonical_json(doc))
         return doc
 
     @property
     def digest(self) -> str:
         if self.parsed_digest is not None:
             return self.parsed_digest
-        return str(self.to_doc()[_DIGEST_FIELD])
+        return str(self.to_doc()[DIGEST_FIELD])
 
 
 def receipt_bytes(receipt: Receipt) -> bytes:
     """The file bytes of a receipt: indented, sorted keys, trailing newline (readable, stable)."""
-    return jsonio.dumps_pretty(receipt.to_doc()) + b"\n"
+    return receipt_doc_bytes(receipt.to_doc())
+
+
+def receipt_doc_bytes(doc: dict[str, Any]) -> bytes:
+    """The file bytes of a receipt's :meth:`Receipt.to_doc` document (:func:`receipt_bytes`)."""
+    return jsonio.dumps_pretty(doc) + b"\n"
 
 
 def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = None) -> Receipt:
@@ -182,11 +188,11 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
         raise CorruptReceipt(path, f"unknown schema '{doc['schema']}'")
     if doc["status"] not in STATUSES:
         raise CorruptReceipt(path, f"unknown status '{doc['status']}'")
-    stored_digest = doc.get(_DIGEST_FIELD)
+    stored_digest = doc.get(DIGEST_FIELD)
     if not isinstance(stored_digest, str):
         why = "missing field" if stored_digest is None else "wrong type of field"
-        raise CorruptReceipt(path, f"{why} '{_DIGEST_FIELD}'")
-    body = {k: v for k, v in doc.items() if k != _DIGEST_FIELD}
+        raise CorruptReceipt(path, f"{why} '{DIGEST_FIELD}'")
+    body = {k: v for k, v in doc.items() if k != DIGEST_FIELD}
     fast = _fast_hashes(body)
     if fast is not None and fast[0] == stored_digest and fast[1] == doc["call_id"] and fast[2] == doc["args_sha256"]:
         identity = body["identity"]
@@ -197,7 +203,7 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
     if expected_key_hash is not None and key_hash(doc["key"]) != expected_key_hash:
         raise CorruptReceipt(path, "key does not match the file name")
     _check_outputs(doc.get("outputs"), path)
-    known = set(_REQUIRED) | set(_OPTIONAL) | {_DIGEST_FIELD}
+    known = set(_REQUIRED) | set(_OPTIONAL) | {DIGEST_FIELD}
     extra = {k: v for k, v in doc.items() if k not in known}
     return _build(doc, extra, identity, stored_digest)
 
@@ -232,7 +238,7 @@ def written_as_is(doc: dict[str, Any], key_hash_hex: str) -> bool:
     """
     import orjson  # scans load it anyway
 
-    stored = doc.pop(_DIGEST_FIELD, None)
+    stored = doc.pop(DIGEST_FIELD, None)
     try:
         if not isinstance(stored, str) or not isinstance(doc.get("key"), str):
             return False
@@ -244,7 +250,7 @@ def written_as_is(doc: dict[str, Any], key_hash_hex: str) -> bool:
         return False
     finally:
         if stored is not None:
-            doc[_DIGEST_FIELD] = stored
+            doc[DIGEST_FIELD] = stored
 
 
 def _args_doc(identity: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress
 from receipts.flock import FileLock
 from receipts.identity import key_hash
 from receipts.ledger import Ledger
-from receipts.receipt import Receipt, parse_receipt, receipt_bytes
+from receipts.receipt import DIGEST_FIELD, Receipt, parse_receipt, receipt_doc_bytes
 
 __all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT"]
 
@@ -238,7 +238,8 @@ class ReceiptStore:
     def _write(self, receipt: Receipt, event: str | None, before_replace: Callable[[], None] | None,
                batch: DurableBatch | None, fields: dict[str, object]) -> str:
         path = self.path_for_hash(key_hash(receipt.key))
-        data = receipt_bytes(receipt)
+        doc = receipt.to_doc()
+        data = receipt_doc_bytes(doc)
         batch = batch if batch is not None else DurableBatch()
         batch.add(path, data)
 
@@ -246,7 +247,8 @@ class ReceiptStore:
             self._remember(path, receipt, data)
             if event is None:
                 return []
-            self.ledger.append_receipt_event(event, receipt, sync=False, **fields)
+            # The digest just written (to_doc is the costly part of a write: canonical JSON and a hash).
+            self.ledger.append_receipt_event(event, receipt, sync=False, digest=str(doc[DIGEST_FIELD]), **fields)
             return [self.ledger.path]
 
         batch.commit(before_replace=before_replace, after_renames=after_renames)
