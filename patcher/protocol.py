@@ -155,8 +155,16 @@ def _proc_start_time() -> str | None:
         return None
 
 
+#: (pid, start time) of this process, read from /proc once per process (a forked child reads its own).
+_STARTED: tuple[int, str | None] | None = None
+
+
 def owner_info() -> dict[str, Any]:
-    return {"host": os.uname().nodename, "pid": os.getpid(), "start_time": _proc_start_time(), "since": now_iso()}
+    global _STARTED
+    pid = os.getpid()
+    if _STARTED is None or _STARTED[0] != pid:
+        _STARTED = (pid, _proc_start_time())
+    return {"host": os.uname().nodename, "pid": pid, "start_time": _STARTED[1], "since": now_iso()}
 
 
 def _replay(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResult:
