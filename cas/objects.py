@@ -1,7 +1,8 @@
 """The content-addressed store over git's object database (pygit2).
 
-The only module besides :mod:`cas.worktree` that imports pygit2; libgit2's bare
-``GitError`` is translated here, once, into :mod:`cas.errors`.
+With :mod:`cas.worktree` and :mod:`cas.signature`, the only module that
+imports pygit2; libgit2's bare ``GitError`` is translated here, once, into
+:mod:`cas.errors`.
 
 What it offers the apply protocol:
 
@@ -38,11 +39,9 @@ its key ref is found by recovery through reachability and the reflog.
 
 from __future__ import annotations
 
-import calendar
 import contextlib
 import hashlib
 import os
-import re
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -57,6 +56,7 @@ from cas.errors import (DurableWriteError, GitStoreError, RefLockedError, RefMov
                         UsageError)
 from cas import packs
 from cas.loose_refs import Unsupported, reflogs_for, swap, write_lock_content
+from cas.signature import Signature, git_identity, signature_line
 
 __all__ = ["GitStore", "TreeEntry", "PathLookup", "Signature", "KEY_REF_PREFIX"]
 
@@ -82,28 +82,6 @@ def _canon_mode(mode: int) -> int:
     if kind in (0o040000, 0o120000, 0o160000):
         return kind
     return mode
-
-
-def _signature_line(sig: Signature, now: int | None = None) -> bytes:
-    """``Name <email> <seconds> <+hhmm>`` as git writes it in commits and reflogs.
-
-    The time is the signature's own (``GIT_<KIND>_DATE``), else ``now`` (or the
-    current second) in the local time zone.  Name and email are cleaned as git
-    cleans them (:func:`git_clean`); pygit2's ``Signature`` applies libgit2's
-    checks.
-
-    Raises:
-        ValueError, pygit2.GitError: a name or email libgit2 refuses.
-    """
-    name, email = git_clean(sig.name), git_clean(sig.email)
-    if sig.when is not None:
-        s = pygit2.Signature(name, email, sig.when[0], sig.when[1])
-    else:
-        t = int(time.time()) if now is None else now
-        s = pygit2.Signature(name, email, t, _local_offset(t))
-    offset = s.offset
-    return b"%s <%s> %d %c%02d%02d" % (s.raw_name, s.raw_email, s.time, b"-"[0] if offset < 0 else b"+"[0],
-                                      abs(offset) // 60, abs(offset) % 60)
 
 
 def _deflate_writer(header: bytes, data: bytes | memoryview) -> Callable[[int], None]:
@@ -153,105 +131,6 @@ class PathLookup:
     entry: TreeEntry | None
     blocked_by: str | None = None
     blocked_mode: int | None = None
-
-
-@record
-class Signature:
-    name: str
-    email: str
-    #: (seconds since the epoch, offset from UTC in minutes); ``None``: the moment it is written.
-    when: tuple[int, int] | None = None
-
-
-def _local_offset(t: int) -> int:
-    """The local time zone's offset from UTC at ``t``, in minutes."""
-    return time.localtime(t).tm_gmtoff // 60
-
-
-# git reads a bare number as seconds since the epoch only from nine digits on, or after "@".
-_RAW_DATE = re.compile(r"(?:@([0-9]+)|([0-9]{9,}))(?:\s+([+-])([0-9]{2}):?([0-9]{2}))?")
-#: What git strips from both ends of a name or email (``crud()`` in git's ident.c).
-_CRUD = "".join(chr(c) for c in range(33)) + ".,:;<>\"\\'"
-
-
-def git_clean(text: str) -> str:
-    """A name or email as git writes it: crud stripped from both ends, ``<``, ``>`` and newlines dropped."""
-    return text.strip(_CRUD).replace("\n", "").replace("<", "").replace(">", "")
-
-
-def parse_git_date(text: str) -> tuple[int, int]:
-    """``GIT_AUTHOR_DATE`` / ``GIT_COMMITTER_DATE`` as (seconds, offset in minutes).
-
-    The forms git documents for these variables: its internal ``<seconds>
-    <+hhmm>`` (``@`` allowed before the seconds), RFC 2822 and ISO 8601 (a
-    date without a zone is local time).  git's looser "approxidate" forms
-    (``yesterday``, ``3 days ago``) are refused rather than guessed.
-
-    Raises:
-        ValueError: none of those forms.
-    """
-    t = text.strip()
-    m = _RAW_DATE.fullmatch(t)
-    if m:
-        secs = int(m.group(1) or m.group(2))
-        if m.group(3) is None:
-            return secs, _local_offset(secs)
-        hours, minutes = int(m.group(4)), int(m.group(5))
-        if hours > 14 or minutes >= 60:
-            raise ValueError(f"cannot read the date {text!r}: no time zone is {m.group(3)}{m.group(4)}{m.group(5)}")
-        minutes += hours * 60
-        return secs, -minutes if m.group(3) == "-" else minutes
-    import importlib
-
-    # email.utils.parsedate_tz() makes a missing zone UTC; git takes local time: the function under it tells.
-    parsed = importlib.import_module("email._parseaddr")._parsedate_tz(t)
-    if parsed is not None:
-        if parsed[9] is None:
-            secs = int(time.mktime((*parsed[:8], -1)))
-            return secs, _local_offset(secs)
-        return int(calendar.timegm(tuple(parsed[:6]) + (0, 1, 0))) - parsed[9], parsed[9] // 60
-    import datetime
-
-    try:
-        dt = datetime.datetime.fromisoformat(t)
-    except ValueError:
-        raise ValueError(f"cannot read the date {text!r}: give '<seconds> <+hhmm>', RFC 2822 or ISO 8601") from None
-    if dt.tzinfo is None:
-        dt = dt.astimezone()  # local time
-    offset = dt.utcoffset()
-    return int(dt.timestamp()), int(offset.total_seconds()) // 60 if offset is not None else 0
-
-
-def git_identity(kind: str, config: Callable[[str], str | None], env: Mapping[str, str]) -> Signature:
-    """The ``author`` or ``committer`` identity as git reads it.
-
-    ``GIT_<KIND>_NAME`` / ``_EMAIL`` / ``_DATE`` first, then ``<kind>.name`` /
-    ``.email``, then ``user.name`` / ``.email`` (the email then ``$EMAIL``),
-    each cleaned as git cleans it (:func:`git_clean`); one empty once cleaned
-    is passed over.  What is still missing is ``oncepatch`` /
-    ``oncepatch@localhost``, where git would refuse to commit.
-
-    Raises:
-        ValueError: ``GIT_<KIND>_DATE`` is set in a form :func:`parse_git_date` refuses.
-    """
-    up = kind.upper()
-
-    def first(*values: str | None) -> str | None:
-        for value in values:
-            cleaned = git_clean(value) if value else ""
-            if cleaned:
-                return cleaned
-        return None
-
-    name = first(env.get(f"GIT_{up}_NAME"), config(f"{kind}.name"), config("user.name")) or "oncepatch"
-    email = first(env.get(f"GIT_{up}_EMAIL"), config(f"{kind}.email"), config("user.email"),
-                  env.get("EMAIL")) or "oncepatch@localhost"
-    date = env.get(f"GIT_{up}_DATE")
-    try:
-        when = parse_git_date(date) if date else None
-    except ValueError as exc:
-        raise ValueError(f"GIT_{up}_DATE: {exc}") from None
-    return Signature(name, email, when)
 
 
 def _sync_unknown(exc: DurableWriteError) -> RefUpdateUnknown:
@@ -767,7 +646,7 @@ class GitStore:
         self._config = None  # read afresh: a long-lived caller sees configuration changes
         for kind in ("author", "committer"):
             try:
-                _signature_line(self.default_signature(kind))  # what libgit2 would refuse, refused now
+                signature_line(self.default_signature(kind))  # what libgit2 would refuse, refused now
             except pygit2.GitError as exc:
                 raise ValueError(f"{kind}: {exc}") from None
 
@@ -779,8 +658,8 @@ class GitStore:
         """
         now = int(time.time())
         try:
-            author_line = _signature_line(author or self.default_signature("author"), now)
-            committer_line = _signature_line(self.default_signature("committer"), now)
+            author_line = signature_line(author or self.default_signature("author"), now)
+            committer_line = signature_line(self.default_signature("committer"), now)
         except (ValueError, pygit2.GitError) as exc:
             raise GitStoreError(f"cannot write commit: {exc}") from exc
         body = b"tree %s\n" % tree.encode()
@@ -995,9 +874,9 @@ class GitStore:
 
     def _reflog_line(self, old: str | None, new: str, message: str) -> bytes:
         try:
-            who = _signature_line(self.default_signature())
+            who = signature_line(self.default_signature())
         except (ValueError, pygit2.GitError):
-            who = _signature_line(Signature("oncepatch", "oncepatch@localhost"))
+            who = signature_line(Signature("oncepatch", "oncepatch@localhost"))
         one_line = " ".join(message.split())
         return b"%s %s %s\t%s\n" % ((old or "0" * 40).encode(), new.encode(), who, one_line.encode("utf-8"))
 

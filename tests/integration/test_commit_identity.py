@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cas.errors import UsageError
-from cas.objects import Signature, _signature_line, git_identity, parse_git_date
+from cas.signature import Signature, git_identity, parse_git_date, signature_line
 from conftest import Repo, make_repo, run_cli, snapshot
 from patcher.protocol import apply
 
@@ -114,7 +114,7 @@ def _git_ident(env: dict[str, str]) -> str:
                                   "2006-07-03 17:18:43 -0330"])
 def test_dates_read_as_git_reads_them(zone: str, date: str) -> None:
     """Against git's own reading (``git var GIT_COMMITTER_IDENT``): a date without a zone is local time."""
-    ours = _signature_line(Signature("n", "e", parse_git_date(date))).decode()
+    ours = signature_line(Signature("n", "e", parse_git_date(date))).decode()
     assert ours == _git_ident({"GIT_COMMITTER_DATE": date}), (zone, date)
 
 
@@ -123,7 +123,7 @@ def test_dates_read_as_git_reads_them(zone: str, date: str) -> None:
 def test_names_and_emails_cleaned_as_git_cleans_them(name: str, email: str) -> None:
     env = {"GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": "1700000000 +0000"}
     sig = git_identity("committer", lambda _name: None, env)
-    assert _signature_line(sig).decode() == _git_ident(env)
+    assert signature_line(sig).decode() == _git_ident(env)
 
 
 def test_a_configured_name_with_angle_brackets_commits_as_git_would(tmp_path: Path,

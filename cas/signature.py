@@ -1,0 +1,141 @@
+"""Author and committer identities as git reads and writes them (pure but for libgit2's checks).
+
+:func:`git_identity` finds an identity where git looks (``GIT_<KIND>_NAME``,
+``_EMAIL``, ``_DATE``, then the configuration); :func:`signature_line` writes
+it as a commit or reflog line, after libgit2's own checks (``pygit2.Signature``),
+so that a name git would refuse is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import calendar
+import re
+import time
+from collections.abc import Callable, Mapping
+
+import pygit2
+
+from cas.record import record
+
+__all__ = ["Signature", "git_clean", "git_identity", "local_offset", "parse_git_date", "signature_line"]
+
+
+@record
+class Signature:
+    name: str
+    email: str
+    #: (seconds since the epoch, offset from UTC in minutes); ``None``: the moment it is written.
+    when: tuple[int, int] | None = None
+
+
+def local_offset(t: int) -> int:
+    """The local time zone's offset from UTC at ``t``, in minutes."""
+    return time.localtime(t).tm_gmtoff // 60
+
+
+# git reads a bare number as seconds since the epoch only from nine digits on, or after "@".
+_RAW_DATE = re.compile(r"(?:@([0-9]+)|([0-9]{9,}))(?:\s+([+-])([0-9]{2}):?([0-9]{2}))?")
+#: What git strips from both ends of a name or email (``crud()`` in git's ident.c).
+_CRUD = "".join(chr(c) for c in range(33)) + ".,:;<>\"\\'"
+
+
+def git_clean(text: str) -> str:
+    """A name or email as git writes it: crud stripped from both ends, ``<``, ``>`` and newlines dropped."""
+    return text.strip(_CRUD).replace("\n", "").replace("<", "").replace(">", "")
+
+
+def parse_git_date(text: str) -> tuple[int, int]:
+    """``GIT_AUTHOR_DATE`` / ``GIT_COMMITTER_DATE`` as (seconds, offset in minutes).
+
+    The forms git documents for these variables: its internal ``<seconds>
+    <+hhmm>`` (``@`` allowed before the seconds), RFC 2822 and ISO 8601 (a
+    date without a zone is local time).  git's looser "approxidate" forms
+    (``yesterday``, ``3 days ago``) are refused rather than guessed.
+
+    Raises:
+        ValueError: none of those forms.
+    """
+    t = text.strip()
+    m = _RAW_DATE.fullmatch(t)
+    if m:
+        secs = int(m.group(1) or m.group(2))
+        if m.group(3) is None:
+            return secs, local_offset(secs)
+        hours, minutes = int(m.group(4)), int(m.group(5))
+        if hours > 14 or minutes >= 60:
+            raise ValueError(f"cannot read the date {text!r}: no time zone is {m.group(3)}{m.group(4)}{m.group(5)}")
+        minutes += hours * 60
+        return secs, -minutes if m.group(3) == "-" else minutes
+    import importlib
+
+    # email.utils.parsedate_tz() makes a missing zone UTC; git takes local time: the function under it tells.
+    parsed = importlib.import_module("email._parseaddr")._parsedate_tz(t)
+    if parsed is not None:
+        if parsed[9] is None:
+            secs = int(time.mktime((*parsed[:8], -1)))
+            return secs, local_offset(secs)
+        return int(calendar.timegm(tuple(parsed[:6]) + (0, 1, 0))) - parsed[9], parsed[9] // 60
+    import datetime
+
+    try:
+        dt = datetime.datetime.fromisoformat(t)
+    except ValueError:
+        raise ValueError(f"cannot read the date {text!r}: give '<seconds> <+hhmm>', RFC 2822 or ISO 8601") from None
+    if dt.tzinfo is None:
+        dt = dt.astimezone()  # local time
+    offset = dt.utcoffset()
+    return int(dt.timestamp()), int(offset.total_seconds()) // 60 if offset is not None else 0
+
+
+def git_identity(kind: str, config: Callable[[str], str | None], env: Mapping[str, str]) -> Signature:
+    """The ``author`` or ``committer`` identity as git reads it.
+
+    ``GIT_<KIND>_NAME`` / ``_EMAIL`` / ``_DATE`` first, then ``<kind>.name`` /
+    ``.email``, then ``user.name`` / ``.email`` (the email then ``$EMAIL``),
+    each cleaned as git cleans it (:func:`git_clean`); one empty once cleaned
+    is passed over.  What is still missing is ``oncepatch`` /
+    ``oncepatch@localhost``, where git would refuse to commit.
+
+    Raises:
+        ValueError: ``GIT_<KIND>_DATE`` is set in a form :func:`parse_git_date` refuses.
+    """
+    up = kind.upper()
+
+    def first(*values: str | None) -> str | None:
+        for value in values:
+            cleaned = git_clean(value) if value else ""
+            if cleaned:
+                return cleaned
+        return None
+
+    name = first(env.get(f"GIT_{up}_NAME"), config(f"{kind}.name"), config("user.name")) or "oncepatch"
+    email = first(env.get(f"GIT_{up}_EMAIL"), config(f"{kind}.email"), config("user.email"),
+                  env.get("EMAIL")) or "oncepatch@localhost"
+    date = env.get(f"GIT_{up}_DATE")
+    try:
+        when = parse_git_date(date) if date else None
+    except ValueError as exc:
+        raise ValueError(f"GIT_{up}_DATE: {exc}") from None
+    return Signature(name, email, when)
+
+
+def signature_line(sig: Signature, now: int | None = None) -> bytes:
+    """``Name <email> <seconds> <+hhmm>`` as git writes it in commits and reflogs.
+
+    The time is the signature's own (``GIT_<KIND>_DATE``), else ``now`` (or the
+    current second) in the local time zone.  Name and email are cleaned as git
+    cleans them (:func:`git_clean`); pygit2's ``Signature`` applies libgit2's
+    checks.
+
+    Raises:
+        ValueError, pygit2.GitError: a name or email libgit2 refuses.
+    """
+    name, email = git_clean(sig.name), git_clean(sig.email)
+    if sig.when is not None:
+        s = pygit2.Signature(name, email, sig.when[0], sig.when[1])
+    else:
+        t = int(time.time()) if now is None else now
+        s = pygit2.Signature(name, email, t, local_offset(t))
+    offset = s.offset
+    return b"%s <%s> %d %c%02d%02d" % (s.raw_name, s.raw_email, s.time, b"-"[0] if offset < 0 else b"+"[0],
+                                      abs(offset) // 60, abs(offset) % 60)
