@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import _thread
 import stat
-import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from cas.errors import DurableWriteError, UnsafeWorktreePath
@@ -223,7 +223,8 @@ def open_dir_nofollow(root: str, rel_dir: str, *, create: bool = False) -> Itera
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_PID = 0
-_POOL_GUARD = threading.Lock()
+# _thread, not threading: a process that syncs one or two files at a time (a replay) never imports threading.
+_POOL_GUARD = _thread.allocate_lock()
 _POOL_THREADS = 8
 _INLINE_MAX = 2
 
@@ -232,7 +233,7 @@ def _forget_pool_in_child() -> None:
     # A forked child has none of the parent's threads, and a guard a parent thread
     # held at the fork would stay held for ever: start afresh.
     global _POOL, _POOL_PID, _POOL_GUARD
-    _POOL, _POOL_PID, _POOL_GUARD = None, 0, threading.Lock()
+    _POOL, _POOL_PID, _POOL_GUARD = None, 0, _thread.allocate_lock()
 
 
 if hasattr(os, "register_at_fork"):

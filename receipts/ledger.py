@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
 
 from cas.hashing import sha256_hex
 from cas.record import record
@@ -27,7 +26,7 @@ from receipts.flock import flocked
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, BinaryIO
     from receipts.receipt import Receipt
 
 __all__ = ["Ledger", "LedgerProblem", "GENESIS"]
