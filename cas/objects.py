@@ -169,7 +169,7 @@ class GitStore:
         self._swept: dict[str, Any] = {}  # cas.packs.sweep's memory of the retired list
         self._packs_gone = 0  # packs removed since the object database was opened
         self._signature: dict[str, Signature] = {}  # by kind: author, committer
-        self._config: pygit2.Config | None = None  # the configuration as this call read it
+        self._config: pygit2.Config | None = None  # a snapshot, while read_identities reads
         # (ref, new oid, tmp file): a ref lock's content written and synced ahead (stage_ref_content).
         self._ref_content: tuple[str, str, str] | None = None
         # Folders and reflogs of refs moved with defer_sync, which a later batch syncs.
@@ -644,11 +644,14 @@ class GitStore:
         """
         self._signature = {}
         self._config = None  # read afresh: a long-lived caller sees configuration changes
-        for kind in ("author", "committer"):
-            try:
-                signature_line(self.default_signature(kind))  # what libgit2 would refuse, refused now
-            except pygit2.GitError as exc:
-                raise ValueError(f"{kind}: {exc}") from None
+        try:
+            for kind in ("author", "committer"):
+                try:
+                    signature_line(self.default_signature(kind))  # what libgit2 would refuse, refused now
+                except pygit2.GitError as exc:
+                    raise ValueError(f"{kind}: {exc}") from None
+        finally:
+            self._config = None  # one the next lookup outside a call's start takes afresh
 
     def create_commit(self, tree: str, parents: list[str], message: str, author: Signature | None = None) -> str:
         """Stage a commit of ``tree`` (author and committer as git reads them, now unless set); return its id.
