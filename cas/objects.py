@@ -623,11 +623,12 @@ class GitStore:
         if sig is None:
             def config(name: str) -> str | None:
                 try:
-                    if self._config is None:
+                    cfg = self._config
+                    if cfg is None:
                         # One snapshot for the call's lookups: each lookup in the live
                         # configuration stats every config file again (up to eight lookups).
-                        self._config = self.repo.config.snapshot()
-                    value = self._config[name]
+                        cfg = self._config = self.repo.config.snapshot()
+                    value = cfg[name]
                 except (KeyError, pygit2.GitError):
                     return None
                 return str(value) if value else None
