@@ -46,5 +46,7 @@ def test_kill9_torture_ends_with_every_patch_applied_exactly_once(tmp_path: Path
     print(report)
     assert all(r.ok for r in results), f"seed {seed} (work kept in {tmp_path}):\n{report}"
     assert sum(r.kills for r in results) >= MIN_KILLS, f"seed {seed}: too few kills landed\n{report}"
-    # The kills landed inside the protocol, not only during start-up: recover had work to do.
-    assert sum(sum(r.recovered.values()) for r in results) > 0, f"seed {seed}: nothing to recover\n{report}"
+    # The kills landed inside the protocol, not only during start-up: receipts were left to settle.
+    # Counted wherever they were settled: the key's next attempt settles its dead attempt itself,
+    # so recover sees only what each call's last kill left (none, in about one run in ten).
+    assert sum(r.settled for r in results) > 0, f"seed {seed}: no kill landed inside the protocol\n{report}"

@@ -170,6 +170,9 @@ class RoundResult:
     elapsed_s: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
     recovered: dict[str, int] = field(default_factory=dict)  # recover's rows by new status
+    # Receipts a killed attempt left behind and something settled afterwards: recover, or the
+    # key's next attempt under its lock (ledger events "recovered" / "resolved").
+    settled: int = 0
 
     @property
     def ok(self) -> bool:
@@ -179,11 +182,32 @@ class RoundResult:
         phases = " ".join(f"{k} {v:.1f}s" for k, v in self.phases.items())
         head = (f"torture seed={self.seed} round={self.round} ({SEED_ENV}={self.seed} to replay): "
                 f"{self.kills} kills, {self.finished_first} finished first, measured {self.measured_s:.3f}s, "
-                f"recover settled {self.recovered or 'nothing'} [{phases}]")
+                f"recover settled {self.recovered or 'nothing'}, {self.settled} settled in all [{phases}]")
         if self.ok:
             return head
         sched = ", ".join(f"#{c}@{t:.3f}s:{o}" for c, t, o in self.schedule)
         return head + "\n  " + "\n  ".join(self.problems) + f"\n  schedule: {sched}"
+
+
+def _settled_events(repo: Path) -> int:
+    """How many times a receipt a killed call left behind was settled, by recover or by the key's next attempt.
+
+    Each is a kill that landed inside the protocol (a ``prepared`` receipt, or a
+    receipt renamed before its ledger event), not only in the process's start-up.
+    """
+    n = 0
+    try:
+        with open(repo / ".git" / "oncepatch" / "events.jsonl", "rb") as fh:
+            for line in fh:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # a torn last line
+                if isinstance(event, dict) and event.get("event") in ("recovered", "resolved"):
+                    n += 1
+    except FileNotFoundError:
+        return 0
+    return n
 
 
 def _git_locks(repo: Path) -> list[str]:
@@ -339,6 +363,7 @@ def run_round(work: Path, *, seed: int, round_no: int, calls: int = 50, kills_pe
     clean, out = fsck(target)
     if not clean:
         result.problems.append(f"git fsck --strict: {out}")
+    result.settled = _settled_events(target)
     result.phases["check"] = time.monotonic() - t_phase
     result.elapsed_s = time.monotonic() - t_start
     if not keep and result.ok:
