@@ -33,9 +33,9 @@ folder, which is how worktree writes avoid following symlinked folders.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
-import _thread
 import stat
 from collections.abc import Callable, Iterable, Iterator
 

@@ -169,7 +169,6 @@ class GitStore:
         self._swept: dict[str, Any] = {}  # cas.packs.sweep's memory of the retired list
         self._packs_gone = 0  # packs removed since the object database was opened
         self._signature: dict[str, Signature] = {}  # by kind: author, committer
-        self._config: pygit2.Config | None = None  # a snapshot, while read_identities reads
         # (ref, new oid, tmp file): a ref lock's content written and synced ahead (stage_ref_content).
         self._ref_content: tuple[str, str, str] | None = None
         # Folders and reflogs of refs moved with defer_sync, which a later batch syncs.
@@ -621,13 +620,15 @@ class GitStore:
         """
         sig = self._signature.get(kind)
         if sig is None:
+            cfg: pygit2.Config | None = None
+
             def config(name: str) -> str | None:
+                nonlocal cfg
                 try:
-                    cfg = self._config
                     if cfg is None:
-                        # One snapshot for the call's lookups: each lookup in the live
-                        # configuration stats every config file again (up to eight lookups).
-                        cfg = self._config = self.repo.config.snapshot()
+                        # One snapshot for this identity's lookups: each lookup in the live
+                        # configuration stats every config file again (up to four lookups).
+                        cfg = self.repo.config.snapshot()
                     value = cfg[name]
                 except (KeyError, pygit2.GitError):
                     return None
@@ -644,15 +645,11 @@ class GitStore:
                 name or email libgit2 refuses.
         """
         self._signature = {}
-        self._config = None  # read afresh: a long-lived caller sees configuration changes
-        try:
-            for kind in ("author", "committer"):
-                try:
-                    signature_line(self.default_signature(kind))  # what libgit2 would refuse, refused now
-                except pygit2.GitError as exc:
-                    raise ValueError(f"{kind}: {exc}") from None
-        finally:
-            self._config = None  # one the next lookup outside a call's start takes afresh
+        for kind in ("author", "committer"):
+            try:
+                signature_line(self.default_signature(kind))  # what libgit2 would refuse, refused now
+            except pygit2.GitError as exc:
+                raise ValueError(f"{kind}: {exc}") from None
 
     def create_commit(self, tree: str, parents: list[str], message: str, author: Signature | None = None) -> str:
         """Stage a commit of ``tree`` (author and committer as git reads them, now unless set); return its id.

@@ -189,25 +189,14 @@ class RoundResult:
         return head + "\n  " + "\n  ".join(self.problems) + f"\n  schedule: {sched}"
 
 
-def _settled_events(repo: Path) -> int:
+def _settled_events(log_json: bytes) -> int:
     """How many times a receipt a killed call left behind was settled, by recover or by the key's next attempt.
 
     Each is a kill that landed inside the protocol (a ``prepared`` receipt, or a
-    receipt renamed before its ledger event), not only in the process's start-up.
+    receipt renamed before its ledger event), not only in the process's start-up:
+    the ledger's ``recovered`` and ``resolved`` events (``oncepatch log --json``).
     """
-    n = 0
-    try:
-        with open(repo / ".git" / "oncepatch" / "events.jsonl", "rb") as fh:
-            for line in fh:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue  # a torn last line
-                if isinstance(event, dict) and event.get("event") in ("recovered", "resolved"):
-                    n += 1
-    except FileNotFoundError:
-        return 0
-    return n
+    return sum(1 for e in json.loads(log_json)["events"] if e.get("event") in ("recovered", "resolved"))
 
 
 def _git_locks(repo: Path) -> list[str]:
@@ -363,7 +352,11 @@ def run_round(work: Path, *, seed: int, round_no: int, calls: int = 50, kills_pe
     clean, out = fsck(target)
     if not clean:
         result.problems.append(f"git fsck --strict: {out}")
-    result.settled = _settled_events(target)
+    log = _cli(env, "log", "--repo", str(target), "--json")
+    if log.returncode != 0:
+        result.problems.append(f"log exited {log.returncode}: {log.stdout.decode(errors='replace')}")
+    else:
+        result.settled = _settled_events(log.stdout)
     result.phases["check"] = time.monotonic() - t_phase
     result.elapsed_s = time.monotonic() - t_start
     if not keep and result.ok:
