@@ -140,8 +140,8 @@ def parse_search_replace(data: bytes) -> Patch:
             if _REPLACE.fullmatch(lines[i].rstrip(b"\n")):
                 # Outside every block: a block's REPLACE text that holds the marker line
                 # itself ended there, and the rest of that text would be dropped unseen.
-                raise _error(f"a '>>>>>>> REPLACE' line outside any block: does a block's "
-                             f"REPLACE text hold that marker?", line=i + 1)
+                raise _error("a '>>>>>>> REPLACE' line outside any block: does a block's "
+                             "REPLACE text hold that marker?", line=i + 1)
             i += 1
             continue
         start = i + 1

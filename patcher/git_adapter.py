@@ -58,7 +58,7 @@ class GitAdapter:
             GitStoreError: it is gone (libgit2 would open an enclosing repository,
                 which knows nothing of the call: asking it would answer wrongly).
         """
-        from patcher.protocol import open_store
+        from patcher.execute import open_store
 
         repo = str(receipt.args.get("repo"))
         where = self._where.get(repo)  # once per repository and run (verify asks per receipt)
@@ -79,7 +79,7 @@ class GitAdapter:
                 not inside a repository.
         """
         from cas.errors import GitStoreError, UsageError
-        from patcher.protocol import open_store
+        from patcher.execute import open_store
 
         home = _store_home(self._rstore) if self._rstore is not None else None
         try:

@@ -13,7 +13,6 @@ from cas.hashing import sha256_hex
 from cas.objects import GitStore, TreeEntry
 from cas.worktree import (IndexLock, dirty_paths, hold_index_lock, materialise, outside_sparse_checkout,
                           unsafe_worktree_paths)
-from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath, UnsafePath
 from patcher.markers import foreign_index_lock, index_marker, index_markers

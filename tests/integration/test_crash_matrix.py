@@ -186,12 +186,16 @@ def test_crash_then_recover_then_retry_lands_once(tmp_path: Path, point: str, ed
 
 
 def test_matrix_covers_every_crash_point_of_the_apply_protocol() -> None:
-    """Every crash point ``patcher/protocol.py`` arms is a row here (a new one needs its prediction)."""
+    """Every crash point the apply protocol arms (``patcher/protocol.py``, ``patcher/execute.py``) is a row here.
+
+    A new one needs its prediction.
+    """
     import re
 
     from cas.crash import POINTS as DEFINED
 
-    source = (Path(__file__).resolve().parents[2] / "patcher" / "protocol.py").read_text()
+    patcher = Path(__file__).resolve().parents[2] / "patcher"
+    source = "".join((patcher / name).read_text() for name in ("protocol.py", "execute.py"))
     armed = set(re.findall(r"crash_(?:point|hook)\(\"([a-z-]+)\"\)", source))
     assert armed == set(POINTS)
     assert armed <= DEFINED
