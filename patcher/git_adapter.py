@@ -430,7 +430,7 @@ def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:
 
     from cas.gitdir import common_dir_of
     from cas.loose_refs import REF_TMP_PREFIX
-    from cas.objects import KEY_REF_TMP_PREFIX
+    from cas.refs import KEY_REF_TMP_PREFIX
 
     real = os.path.realpath(git_dir)
     common = os.path.realpath(common_dir_of(real))
