@@ -205,23 +205,33 @@ def metadata_floor(folder: str, n: int = 200) -> dict[str, float]:
     What every tmp file and every atomic replace costs there, fsync aside.  On
     this machine a create costs a few µs in one folder and 0.1–0.6 ms in
     another of the same filesystem (which folders varies between runs): it is
-    measured in the folders the calls ran in, after they ran.
+    measured in the folders the calls ran in, after they ran.  The rename is
+    timed twice: over an empty file, and over one that holds data (a ref, a
+    receipt, the index: every replace the protocol makes), whose freed block
+    costs what the filesystem's ``discard`` option makes it cost.
     """
     import statistics
 
     target = os.path.join(folder, ".metadata-probe")
-    create, rename = [], []
-    for i in range(n):
+    create, rename, rename_data = [], [], []
+    for i in range(2 * n):
         tmp = f"{target}.{os.getpid()}-{i}.tmp"
         t0 = time.perf_counter()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        create.append(time.perf_counter() - t0)
+        if i < n:
+            create.append(time.perf_counter() - t0)
+        else:
+            os.write(fd, b"0" * 64)
+            os.fsync(fd)  # (as the protocol's are: no delayed allocation left to the rename)
         os.close(fd)
         t0 = time.perf_counter()
         os.replace(tmp, target)
-        rename.append(time.perf_counter() - t0)
+        (rename if i < n else rename_data).append(time.perf_counter() - t0)
+        if i == n:
+            rename_data.clear()  # the first one replaced an empty file
     os.unlink(target)
-    return {"create_us": statistics.median(create) * 1e6, "rename_us": statistics.median(rename) * 1e6}
+    return {"create_us": statistics.median(create) * 1e6, "rename_us": statistics.median(rename) * 1e6,
+            "rename_data_us": statistics.median(rename_data) * 1e6}
 
 
 def _journal(source: str) -> str:

@@ -137,9 +137,9 @@ def render(res: dict[str, Any]) -> str:
         ["product measured", m.get("product", "–")],
         ["fsync floor here (start / end of run)", res.get("fsync_floor", "–")],
         ["filesystem journal", m.get("journal", "–")],
-        ["new file / rename over a file, fsync aside (median; the bench folder at the start, each repo's .git "
-         "after section 1)",
-         " / ".join(f"{where}: {f['create_us']:.0f} µs / {f['rename_us']:.0f} µs"
+        ["new file / rename over an empty file / over a file holding data, fsync aside (median; the bench "
+         "folder at the start, each repo's .git after section 1)",
+         " / ".join(f"{where}: {f['create_us']:.0f} / {f['rename_us']:.0f} / {f.get('rename_data_us', 0):.0f} µs"
                     for where, f in res.get("metadata_floor", {}).items()) or "–"],
         ["load average (1 min) during the run", res.get("load", "–")],
         ["total wall time", f"{res.get('wall_s', 0):.0f} s"],
