@@ -139,6 +139,9 @@ class GitStore(RefUpdates):
         # Objects staged by this store and not yet written: {hex id: (header, bytes)}.
         self._pending: dict[str, tuple[bytes, bytes | memoryview]] = {}
         self._recent: dict[str, bytes] = {}
+        # The trees and commits of this store's last durable batch, {hex id: (kind, body)}: the
+        # next call's base is usually the last call's commit, read back here without libgit2.
+        self._made: dict[str, tuple[bytes, bytes]] = {}
         self._backends: list[pygit2.OdbBackend] | None = None
         self._pack_names: frozenset[str] | None = None  # the idx files last seen in objects/pack
         self._unmergeable: set[str] = set()  # small packs a merge may not copy (read once)
@@ -201,6 +204,9 @@ class GitStore(RefUpdates):
             self.flush_objects()
 
     def commit_tree(self, commit_oid: str) -> str:
+        made = self._made.get(commit_oid)
+        if made is not None and made[0] == b"commit":
+            return made[1][5:45].decode()  # b"tree <hex>\n..."
         self._write_staged_first()
         try:
             return str(self.repo[_oid(commit_oid)].peel(pygit2.Commit).tree_id)
@@ -216,6 +222,8 @@ class GitStore(RefUpdates):
 
     def lookup_path(self, tree_oid: str, path: str) -> PathLookup:
         """Walk ``path`` down from ``tree_oid`` without reading anything off the path."""
+        if tree_oid in self._made:
+            return self._lookup_made(tree_oid, path)
         self._write_staged_first()
         tree = self.repo[_oid(tree_oid)]
         if "/" in path:
@@ -239,6 +247,26 @@ class GitStore(RefUpdates):
             if int(entry.filemode) != pygit2.enums.FileMode.TREE:
                 return PathLookup(None, "/".join(walked), int(entry.filemode))
             tree = self.repo[entry.id]
+        return PathLookup(None)
+
+    def _lookup_made(self, tree_oid: str, path: str) -> PathLookup:
+        """:meth:`lookup_path` from a tree of the last batch: walked here while the trees are ours."""
+        parts = path.split("/")
+        for i, part in enumerate(parts):
+            entry = self._tree_entries(tree_oid).get(part.encode("utf-8", "surrogateescape"))
+            if entry is None:
+                return PathLookup(None)
+            mode, raw = entry
+            if i == len(parts) - 1:
+                return PathLookup(TreeEntry(raw.hex(), mode))
+            if mode != _TREE_MODE:
+                return PathLookup(None, "/".join(parts[:i + 1]), mode)
+            tree_oid = raw.hex()
+            if tree_oid not in self._made:
+                found = self.lookup_path(tree_oid, "/".join(parts[i + 1:]))
+                if found.blocked_by is not None:
+                    found = PathLookup(None, "/".join(parts[:i + 1]) + "/" + found.blocked_by, found.blocked_mode)
+                return found
         return PathLookup(None)
 
     def lookup_file(self, tree_oid: str | None, path: str) -> TreeEntry | None:
@@ -332,6 +360,9 @@ class GitStore(RefUpdates):
         staged = self._pending.get(oid)
         if staged is not None:
             return bytes(staged[1])
+        made = self._made.get(oid)
+        if made is not None and made[0] == kind:
+            return made[1]
         otype, data = self.repo.odb.read(_oid(oid))
         if otype != _OBJECT_TYPES[kind]:
             raise GitStoreError(f"object '{oid}' is not a {kind.decode()}")
@@ -401,6 +432,10 @@ class GitStore(RefUpdates):
         # beside the bytes it was made from.
         self._recent = {oid: data for oid, (header, data) in self._pending.items()
                         if isinstance(data, bytes) and header.startswith(b"blob ")}
+        made = {oid: (header[:header.index(b" ")], bytes(data)) for oid, (header, data) in self._pending.items()
+                if header.startswith((b"tree ", b"commit "))}
+        if made:
+            batch.when_durable(lambda: setattr(self, "_made", made))
         pack_dir = os.path.join(objects, "pack")
         listing = self._forget_removed_packs(pack_dir)
         loose: list[tuple[str, bytes, bytes | memoryview]] = []

@@ -255,6 +255,41 @@ def test_lookup_path_and_blocked_by(repo: Repo, gs: GitStore) -> None:
     assert gs.lookup_path(tree, "README/x").blocked_by == "README"
 
 
+def test_a_durable_batchs_trees_and_commit_are_read_back_without_libgit2(repo: Repo, gs: GitStore) -> None:
+    """The next call's base is usually the last call's commit: its commit and the trees it wrote are
+    answered from the store, and every answer is the one libgit2 gives for the same tree."""
+    from cas.durable import DurableBatch
+
+    os.symlink("src", repo.path / "lnk")
+    repo.write("old/inner/file.txt", "old\n")
+    repo.commit_all("link")
+    base = repo.git("rev-parse", "HEAD").strip()
+    blob = gs.write_blob(b"new\n")
+    tree = gs.edit_tree(gs.commit_tree(base), {"src/deep/new.txt": TreeEntry(blob, BLOB),
+                                               "src/deep/x.sh": TreeEntry(blob, EXEC)})
+    commit = gs.create_commit(tree, [base], "made\n")
+    batch = DurableBatch()
+    gs.add_pending_to(batch)
+    batch.commit()
+    fresh = GitStore(str(repo.path))  # reads everything through libgit2
+    paths = ["src/deep/new.txt", "src/deep/x.sh", "src/deep", "src", "src/app.py", "src/none.py",
+             "src/deep/none/x", "src/deep/new.txt/x", "lnk/app.py", "README/x", "README", "none/x",
+             "src/app.py/x/y", "old/inner/file.txt", "old/inner", "old/inner/none", "old/inner/file.txt/x/y"]
+    counter = CountingRepo(gs.repo)
+    with mock.patch.object(gs, "repo", counter):
+        assert gs.commit_tree(commit) == tree == repo.git("rev-parse", f"{commit}^{{tree}}").strip()
+        made = {p: gs.lookup_path(tree, p) for p in ["src/deep/new.txt", "src/deep/x.sh", "src/deep",
+                                                     "src/deep/none/x", "src/deep/new.txt/x", "lnk/app.py",
+                                                     "README/x", "none/x"]}
+    assert counter.reads == [], "read through libgit2, not from the batch's trees"
+    for path in paths:
+        ours = made[path] if path in made else gs.lookup_path(tree, path)
+        assert ours == fresh.lookup_path(tree, path), path
+    assert made["lnk/app.py"].blocked_by == "lnk" and made["src/deep/new.txt/x"].blocked_by == "src/deep/new.txt"
+    # below the batch's trees, libgit2 walks on (a path blocked there is still named from the top)
+    assert gs.lookup_path(tree, "old/inner/file.txt/x/y").blocked_by == "old/inner/file.txt"
+
+
 def test_hashing_agrees_with_git(repo: Repo, tmp_path: Path) -> None:
     for data in (b"", b"hello\n", bytes(range(256)) * 50):
         f = tmp_path / "f"
