@@ -142,6 +142,7 @@ class GitStore(RefUpdates):
         # The trees and commits of this store's last durable batch, {hex id: (kind, body)}: the
         # next call's base is usually the last call's commit, read back here without libgit2.
         self._made: dict[str, tuple[bytes, bytes]] = {}
+        self._made_entries: dict[str, dict[bytes, tuple[int, bytes]]] = {}  # those trees parsed, once
         self._backends: list[pygit2.OdbBackend] | None = None
         self._pack_names: frozenset[str] | None = None  # the idx files last seen in objects/pack
         self._unmergeable: set[str] = set()  # small packs a merge may not copy (read once)
@@ -249,11 +250,17 @@ class GitStore(RefUpdates):
             tree = self.repo[entry.id]
         return PathLookup(None)
 
+    def _keep_made(self, made: dict[str, tuple[bytes, bytes]]) -> None:
+        self._made, self._made_entries = made, {}
+
     def _lookup_made(self, tree_oid: str, path: str) -> PathLookup:
         """:meth:`lookup_path` from a tree of the last batch: walked here while the trees are ours."""
         parts = path.split("/")
         for i, part in enumerate(parts):
-            entry = self._tree_entries(tree_oid).get(part.encode("utf-8", "surrogateescape"))
+            entries = self._made_entries.get(tree_oid)
+            if entries is None:
+                entries = self._made_entries[tree_oid] = self._tree_entries(tree_oid)
+            entry = entries.get(part.encode("utf-8", "surrogateescape"))
             if entry is None:
                 return PathLookup(None)
             mode, raw = entry
@@ -435,7 +442,7 @@ class GitStore(RefUpdates):
         made = {oid: (header[:header.index(b" ")], bytes(data)) for oid, (header, data) in self._pending.items()
                 if header.startswith((b"tree ", b"commit "))}
         if made:
-            batch.when_durable(lambda: setattr(self, "_made", made))
+            batch.when_durable(lambda: self._keep_made(made))
         pack_dir = os.path.join(objects, "pack")
         listing = self._forget_removed_packs(pack_dir)
         loose: list[tuple[str, bytes, bytes | memoryview]] = []
