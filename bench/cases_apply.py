@@ -27,7 +27,7 @@ from bench.env import ONCEPATCH, PYTHON, Env, run, run_rusage
 from bench.repos import BenchRepo, make_repo
 from bench.stats import Series, interleave, timed
 
-__all__ = ["GitPair", "Contenders", "section_single", "section_replay", "section_large", "importtime_check"]
+__all__ = ["Contenders", "section_single", "section_large", "section_concurrency", "importtime_check", "cli_apply_importtime"]
 
 _FSYNC_ALL = "-c core.fsync=all -c core.fsyncMethod=fsync"
 
@@ -300,7 +300,7 @@ def section_large(env: Env, repo_500: BenchRepo, size_500: str, big_size: int, r
         ("API (fresh process), branch checked out", cb.api_child("main", -1)),
         ("CLI cold, branch checked out", cb.cli(None, -1, rusage=True)),
         ("python: import pygit2 + patcher (memory floor)",
-         python_floor("import pygit2, patcher.protocol, patcher.stage", mem=True)),
+         python_floor("import pygit2, patcher.protocol, patcher.execute, patcher.stage", mem=True)),
     ], rounds_big, warmup=0)
     base = res["git pair"]
     for name, s in res.items():

@@ -139,8 +139,9 @@ def render(res: dict[str, Any]) -> str:
         ["filesystem journal", m.get("journal", "–")],
         ["new file / rename over an empty file / over a file holding data, fsync aside (median; the bench "
          "folder at the start, each repo's .git after section 1)",
-         " / ".join(f"{where}: {f['create_us']:.0f} / {f['rename_us']:.0f} / {f.get('rename_data_us', 0):.0f} µs"
-                    for where, f in res.get("metadata_floor", {}).items()) or "–"],
+         "; ".join(f"{where}: {f['create_us']:.0f} / {f['rename_us']:.0f} / "
+                   + (f"{f['rename_data_us']:.0f}" if "rename_data_us" in f else "–") + " µs"
+                   for where, f in res.get("metadata_floor", {}).items()) or "–"],
         ["load average (1 min) during the run", res.get("load", "–")],
         ["total wall time", f"{res.get('wall_s', 0):.0f} s"],
         ["repo generation", ", ".join(f"{k}: {v:.1f} s" for k, v in res.get("gen", {}).items())],

@@ -224,7 +224,9 @@ class GitStore(RefUpdates):
     def lookup_path(self, tree_oid: str, path: str) -> PathLookup:
         """Walk ``path`` down from ``tree_oid`` without reading anything off the path."""
         if tree_oid in self._made:
-            return self._lookup_made(tree_oid, path)
+            parts = path.split("/")
+            if "" not in parts:  # ("a/", "a//b", "": libgit2's answers, below)
+                return self._lookup_made(tree_oid, parts)
         self._write_staged_first()
         tree = self.repo[_oid(tree_oid)]
         if "/" in path:
@@ -253,12 +255,19 @@ class GitStore(RefUpdates):
     def _keep_made(self, made: dict[str, tuple[bytes, bytes]]) -> None:
         self._made, self._made_entries = made, {}
 
-    def _lookup_made(self, tree_oid: str, path: str) -> PathLookup:
+    def forget_made(self) -> None:
+        """Answer from the repository only: what the last batch wrote may have been pruned since.
+
+        The apply protocol asks only about commits a branch reaches; a
+        verification asks whether an object exists at all.
+        """
+        self._keep_made({})
+
+    def _lookup_made(self, tree_oid: str, parts: list[str]) -> PathLookup:
         """:meth:`lookup_path` from a tree of the last batch: walked here while the trees are ours."""
-        parts = path.split("/")
         for i, part in enumerate(parts):
             entries = self._made_entries.get(tree_oid)
-            if entries is None:
+            if entries is None:  # (a dict of its own: _edit changes what _tree_entries returns)
                 entries = self._made_entries[tree_oid] = self._tree_entries(tree_oid)
             entry = entries.get(part.encode("utf-8", "surrogateescape"))
             if entry is None:

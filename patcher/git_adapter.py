@@ -242,6 +242,7 @@ class GitAdapter:
             gstore = self._store(receipt)
         except Exception as exc:  # noqa: BLE001 - a missing repository is a verification failure
             return [f"repository '{receipt.args.get('repo')}' cannot be opened: {exc}"]
+        gstore.forget_made()  # proof is what the repository holds now
         try:
             tree = gstore.commit_tree(commit)
         except Exception as exc:  # noqa: BLE001

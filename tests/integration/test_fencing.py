@@ -1,7 +1,7 @@
 """Fencing (issue 4): a worker that lost its key lock can never move the ref or overwrite a newer receipt.
 
 The worker is paused for real: ``ONCEPATCH_PAUSE_AT=<point>`` (a test seam in
-``patcher.protocol``) makes it SIGSTOP itself at that point while it holds the
+``patcher.execute``) makes it SIGSTOP itself at that point while it holds the
 key's lock.  The test then breaks the lock the way a broken NFS lock or a
 careless person would — it deletes the lock file, so the next process locks a
 new file — lets another process take the key over, and sends SIGCONT.

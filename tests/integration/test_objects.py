@@ -274,7 +274,8 @@ def test_a_durable_batchs_trees_and_commit_are_read_back_without_libgit2(repo: R
     fresh = GitStore(str(repo.path))  # reads everything through libgit2
     paths = ["src/deep/new.txt", "src/deep/x.sh", "src/deep", "src", "src/app.py", "src/none.py",
              "src/deep/none/x", "src/deep/new.txt/x", "lnk/app.py", "README/x", "README", "none/x",
-             "src/app.py/x/y", "old/inner/file.txt", "old/inner", "old/inner/none", "old/inner/file.txt/x/y"]
+             "src/app.py/x/y", "old/inner/file.txt", "old/inner", "old/inner/none", "old/inner/file.txt/x/y",
+             "src/", "src//app.py", "src/deep/", "/src", ""]
     counter = CountingRepo(gs.repo)
     with mock.patch.object(gs, "repo", counter):
         assert gs.commit_tree(commit) == tree == repo.git("rev-parse", f"{commit}^{{tree}}").strip()
@@ -288,6 +289,50 @@ def test_a_durable_batchs_trees_and_commit_are_read_back_without_libgit2(repo: R
     assert made["lnk/app.py"].blocked_by == "lnk" and made["src/deep/new.txt/x"].blocked_by == "src/deep/new.txt"
     # below the batch's trees, libgit2 walks on (a path blocked there is still named from the top)
     assert gs.lookup_path(tree, "old/inner/file.txt/x/y").blocked_by == "old/inner/file.txt"
+
+
+def test_a_batch_that_failed_keeps_nothing_at_hand(repo: Repo, gs: GitStore,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only what a batch made durable is answered from memory: after a failed sync, libgit2 is asked."""
+    from cas.durable import DurableBatch
+    from cas.errors import DurableWriteError
+
+    base = repo.git("rev-parse", "HEAD").strip()
+    tree = gs.edit_tree(gs.commit_tree(base), {"src/new.txt": TreeEntry(gs.write_blob(b"n\n"), BLOB)})
+    gs.create_commit(tree, [base], "failed\n")
+
+    def fail(fd: int) -> None:
+        raise OSError(5, "EIO")
+
+    batch = DurableBatch()
+    gs.add_pending_to(batch)
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", fail)
+        with pytest.raises(DurableWriteError):
+            batch.commit()
+    counter = CountingRepo(gs.repo)
+    with mock.patch.object(gs, "repo", counter), pytest.raises(KeyError):  # the tree was never written
+        gs.lookup_path(tree, "src/new.txt")
+    assert counter.reads == [tree], "answered from a batch that never became durable"
+
+
+def test_verification_asks_the_repository_not_the_last_batch(repo: Repo) -> None:
+    """A long-lived caller's store verifies what the repository holds now: a commit pruned since is gone."""
+    import patcher
+
+    with patcher.Client(repo.path) as client:
+        client.apply("--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hi\n", key="pruned")
+        commit = repo.git("rev-parse", "HEAD").strip()
+        # Taken away by hand: the branch and the key ref go back, the commit is pruned.
+        repo.git("reset", "-q", "--hard", "HEAD~1")
+        for ref in repo.git("for-each-ref", "--format=%(refname)", "refs/oncepatch/").split():
+            repo.git("update-ref", "-d", ref)
+        repo.git("reflog", "expire", "--expire=now", "--all")
+        repo.git("gc", "-q", "--prune=now")
+        assert repo.git("cat-file", "-t", commit, check=False).strip() != "commit"
+        report = client.verify()
+    assert not report.ok
+    assert any(f"commit {commit} does not exist" in f.reason for f in report.failures), report.to_json()
 
 
 def test_hashing_agrees_with_git(repo: Repo, tmp_path: Path) -> None:
