@@ -23,12 +23,16 @@ from collections.abc import Callable
 from cas.record import record, replace as replace_record
 from patcher.detection import DETECTORS
 from patcher.errors import ParseError
-from patcher.model import AppliedFile, Patch
-from patcher.paths import check_path, check_paths
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    # (A replay detects the format and parses nothing: the model and the path checks are
+    # imported by parse_patch.)
+    from patcher.model import AppliedFile, Patch
 
 __all__ = ["Format", "FileApplier", "FORMATS", "register", "detect", "parse_patch", "format_names", "get_format"]
 
-FileApplier = Callable[..., AppliedFile]  # (original: bytes, hunks: Sequence[Hunk], *, path: str)
+FileApplier = Callable[..., "AppliedFile"]  # (original: bytes, hunks: Sequence[Hunk], *, path: str)
 
 
 @record
@@ -105,6 +109,9 @@ def parse_patch(data: bytes, fmt: str) -> Patch:
     Raises:
         ParseError, UnsafePath, UnsupportedPatch.
     """
+    from patcher.model import Patch
+    from patcher.paths import check_path, check_paths
+
     if not FORMATS:
         _load_builtin()
     if fmt not in FORMATS:

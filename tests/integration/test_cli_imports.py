@@ -18,7 +18,7 @@ try:
 except SystemExit:
     pass
 heavy = ("pygit2", "_hashlib", "hashlib", "orjson", "filelock", "ssl", "typing", "threading", "dataclasses", "inspect",
-         "datetime", "secrets", "socket", "concurrent.futures")
+         "datetime", "secrets", "socket", "concurrent.futures", "patcher.execute", "patcher.model", "patcher.paths")
 sys.stderr.write("LOADED " + repr(sorted(m for m in heavy if m in sys.modules)) + "\\n")
 """
 
@@ -43,5 +43,6 @@ def test_apply_loads_no_orjson_and_a_replay_neither_libgit2_nor_openssl(tmp_path
     again, mods = loaded(repo.path, patch)
     assert again["replayed"] is True and again["commit"] == first["commit"]
     # The receipt is read, checked and printed with the interpreter alone: none of the modules a cold
-    # start avoids (docs/DECISIONS.md), typing (2-4 ms) and threading (the fsync pool's) among them.
+    # start avoids (docs/DECISIONS.md), typing (2-4 ms) and threading (the fsync pool's) among them;
+    # nor the protocol's execution, nor the patch model and the path checks (the format is only detected).
     assert mods == [], mods
