@@ -214,21 +214,25 @@ def metadata_floor(folder: str, n: int = 200) -> dict[str, float]:
 
     target = os.path.join(folder, ".metadata-probe")
     create, rename, rename_data = [], [], []
-    for i in range(2 * n):
+    for i in range(n):
         tmp = f"{target}.{os.getpid()}-{i}.tmp"
         t0 = time.perf_counter()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        if i < n:
-            create.append(time.perf_counter() - t0)
-        else:
-            os.write(fd, b"0" * 64)
-            os.fsync(fd)  # (as the protocol's are: no delayed allocation left to the rename)
+        create.append(time.perf_counter() - t0)
         os.close(fd)
         t0 = time.perf_counter()
         os.replace(tmp, target)
-        (rename if i < n else rename_data).append(time.perf_counter() - t0)
-        if i == n:
-            rename_data.clear()  # the first one replaced an empty file
+        rename.append(time.perf_counter() - t0)
+    for i in range(n + 1):  # the first one replaces the empty file: not counted
+        tmp = f"{target}.{os.getpid()}-{i}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, b"0" * 64)
+        os.fsync(fd)  # (as the protocol's are: no delayed allocation left to the rename)
+        os.close(fd)
+        t0 = time.perf_counter()
+        os.replace(tmp, target)
+        if i:
+            rename_data.append(time.perf_counter() - t0)
     os.unlink(target)
     return {"create_us": statistics.median(create) * 1e6, "rename_us": statistics.median(rename) * 1e6,
             "rename_data_us": statistics.median(rename_data) * 1e6}

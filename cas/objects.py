@@ -98,6 +98,18 @@ def _enable_fsync() -> None:
         _FSYNC_ON = True
 
 
+def _parse_tree(raw: bytes) -> dict[bytes, tuple[int, bytes]]:
+    """``{name: (mode, raw oid)}`` of a tree's raw bytes."""
+    out: dict[bytes, tuple[int, bytes]] = {}
+    i, n = 0, len(raw)
+    while i < n:
+        sp = raw.index(b" ", i)
+        nul = raw.index(b"\0", sp)
+        out[raw[sp + 1:nul]] = (_canon_mode(int(raw[i:sp], 8)), raw[nul + 1:nul + 21])
+        i = nul + 21
+    return out
+
+
 @record
 class TreeEntry:
     oid: str
@@ -223,10 +235,12 @@ class GitStore(RefUpdates):
 
     def lookup_path(self, tree_oid: str, path: str) -> PathLookup:
         """Walk ``path`` down from ``tree_oid`` without reading anything off the path."""
-        if tree_oid in self._made:
-            parts = path.split("/")
-            if "" not in parts:  # ("a/", "a//b", "": libgit2's answers, below)
-                return self._lookup_made(tree_oid, parts)
+        parts = path.split("/")
+        if tree_oid in self._made and "" not in parts:  # ("a/", "a//b", "": libgit2's answers)
+            return self._lookup_made(tree_oid, parts)
+        return self._lookup_git(tree_oid, path)
+
+    def _lookup_git(self, tree_oid: str, path: str) -> PathLookup:
         self._write_staged_first()
         tree = self.repo[_oid(tree_oid)]
         if "/" in path:
@@ -263,12 +277,25 @@ class GitStore(RefUpdates):
         """
         self._keep_made({})
 
+    def _made_tree(self, oid: str) -> dict[bytes, tuple[int, bytes]] | None:
+        """The entries of a tree the last batch wrote, parsed once (shared: not to be changed); else ``None``."""
+        entries = self._made_entries.get(oid)
+        if entries is None:
+            made = self._made.get(oid)
+            if made is None or made[0] != b"tree":
+                return None
+            entries = self._made_entries[oid] = _parse_tree(made[1])
+        return entries
+
     def _lookup_made(self, tree_oid: str, parts: list[str]) -> PathLookup:
         """:meth:`lookup_path` from a tree of the last batch: walked here while the trees are ours."""
         for i, part in enumerate(parts):
-            entries = self._made_entries.get(tree_oid)
-            if entries is None:  # (a dict of its own: _edit changes what _tree_entries returns)
-                entries = self._made_entries[tree_oid] = self._tree_entries(tree_oid)
+            entries = self._made_tree(tree_oid)
+            if entries is None:  # below the batch's trees: libgit2 walks on, the path named from the top
+                found = self._lookup_git(tree_oid, "/".join(parts[i:]))
+                if found.blocked_by is not None and i:
+                    found = PathLookup(None, "/".join(parts[:i]) + "/" + found.blocked_by, found.blocked_mode)
+                return found
             entry = entries.get(part.encode("utf-8", "surrogateescape"))
             if entry is None:
                 return PathLookup(None)
@@ -278,11 +305,6 @@ class GitStore(RefUpdates):
             if mode != _TREE_MODE:
                 return PathLookup(None, "/".join(parts[:i + 1]), mode)
             tree_oid = raw.hex()
-            if tree_oid not in self._made:
-                found = self.lookup_path(tree_oid, "/".join(parts[i + 1:]))
-                if found.blocked_by is not None:
-                    found = PathLookup(None, "/".join(parts[:i + 1]) + "/" + found.blocked_by, found.blocked_mode)
-                return found
         return PathLookup(None)
 
     def lookup_file(self, tree_oid: str | None, path: str) -> TreeEntry | None:
@@ -361,24 +383,14 @@ class GitStore(RefUpdates):
         return oid
 
     def _tree_entries(self, oid: str) -> dict[bytes, tuple[int, bytes]]:
-        """``{name: (mode, raw oid)}`` of a tree, parsed from its raw bytes."""
-        raw = self._raw(oid, b"tree")
-        out: dict[bytes, tuple[int, bytes]] = {}
-        i, n = 0, len(raw)
-        while i < n:
-            sp = raw.index(b" ", i)
-            nul = raw.index(b"\0", sp)
-            out[raw[sp + 1:nul]] = (_canon_mode(int(raw[i:sp], 8)), raw[nul + 1:nul + 21])
-            i = nul + 21
-        return out
+        """``{name: (mode, raw oid)}`` of a tree: a dict of the caller's own (:meth:`_edit` changes it)."""
+        made = self._made_tree(oid)
+        return dict(made) if made is not None else _parse_tree(self._raw(oid, b"tree"))
 
     def _raw(self, oid: str, kind: bytes) -> bytes:
         staged = self._pending.get(oid)
         if staged is not None:
             return bytes(staged[1])
-        made = self._made.get(oid)
-        if made is not None and made[0] == kind:
-            return made[1]
         otype, data = self.repo.odb.read(_oid(oid))
         if otype != _OBJECT_TYPES[kind]:
             raise GitStoreError(f"object '{oid}' is not a {kind.decode()}")

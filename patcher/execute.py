@@ -31,11 +31,12 @@ from patcher.errors import Conflict, PatchError
 from patcher.formats import parse_patch
 from patcher.markers import ref_lock_marker
 from patcher.model import Patch
-from patcher.protocol import KEY_REF_PREFIX, ApplyResult, _check_same_intent, _replay
+from patcher.protocol import KEY_REF_PREFIX, ApplyResult, check_same_intent, replay_final
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
     from typing import Any
+    from receipts.states import Status
     from cas.objects import GitStore
     from patcher.stage import Staged, StagePlan
 
@@ -144,7 +145,7 @@ def locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any],
     with rstore.lock(the_key, timeout=lock_timeout):
         existing = rstore.read(the_key)
         if existing is not None:
-            _check_same_intent(existing, args_sha, the_key)
+            check_same_intent(existing, args_sha, the_key)
             if existing.status in ("prepared", "unknown"):
                 from patcher.git_adapter import GitAdapter
                 from receipts.recovery import resolve_receipt
@@ -152,7 +153,7 @@ def locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any],
                 # A live owner would hold the lock: this one is dead. Settle it first.
                 existing = resolve_receipt(rstore, existing, GitAdapter(rstore, _stores))
             if existing.is_final:
-                return _replay(existing, path, rstore)
+                return replay_final(existing, path, rstore)
         try:
             return _execute(rstore, args, identity, call_id, the_key, args_sha, existing, check_timeout,
                             _stores, pre)
@@ -277,19 +278,8 @@ def _execute(
     crash_point("after-stage")
 
     token = (previous.fencing_token if previous is not None else 0) + 1
-    now = now_iso()
-    receipt = Receipt(
-        key=key,
-        call_id=call_id,
-        identity=identity,
-        args_sha256=args_sha,
-        tool=TOOL,
-        tool_version=TOOL_VERSION,
-        status="prepared",
-        fencing_token=token,
-        owner=owner_info(),
-        created_at=previous.created_at if previous is not None else now,
-        updated_at=now,
+    receipt = _new_receipt(
+        identity, call_id, key, args_sha, previous, "prepared", token,
         base={"ref": args.branch, "commit": base},
         candidate=candidate,
         outputs=staged.outputs,
@@ -607,18 +597,23 @@ def _reject(
     envelope = err.with_key(key).envelope()
     if retryable is not None:
         envelope["retryable"] = retryable
-    now = now_iso()
     token = previous.fencing_token if previous is not None and previous.status == "prepared" else (
         (previous.fencing_token if previous is not None else 0) + 1)
-    receipt = Receipt(
-        key=key, call_id=call_id, identity=identity, args_sha256=args_sha, tool=TOOL, tool_version=TOOL_VERSION,
-        status="rejected", retryable=bool(envelope["retryable"]), fencing_token=token, owner=owner_info(),
-        created_at=previous.created_at if previous is not None else now, updated_at=now,
-        base={"ref": args.branch, "commit": base}, candidate=candidate, error=envelope,
-    )
+    receipt = _new_receipt(identity, call_id, key, args_sha, previous, "rejected", token,
+                           retryable=bool(envelope["retryable"]), base={"ref": args.branch, "commit": base},
+                           candidate=candidate, error=envelope)
     if previous is not None and previous.status == "prepared":
         _fence(rstore, key, token)
     rstore.record(receipt, "rejected")
+
+
+def _new_receipt(identity: dict[str, Any], call_id: str, key: str, args_sha: str, previous: Receipt | None,
+                 status: Status, token: int, **fields: Any) -> Receipt:
+    """A receipt of this call with ``status`` and ``token``, owned by this process, born with the key's first one."""
+    now = now_iso()
+    return Receipt(key=key, call_id=call_id, identity=identity, args_sha256=args_sha, tool=TOOL,
+                   tool_version=TOOL_VERSION, status=status, fencing_token=token, owner=owner_info(),
+                   created_at=previous.created_at if previous is not None else now, updated_at=now, **fields)
 
 
 def _already_applied(
@@ -632,11 +627,8 @@ def _already_applied(
     staged: Staged,
 ) -> ApplyResult:
     """Every edit is already in the branch: committed, naming the commit that has it; no new commit."""
-    now = now_iso()
-    receipt = Receipt(
-        key=key, call_id=call_id, identity=identity, args_sha256=args_sha, tool=TOOL, tool_version=TOOL_VERSION,
-        status="committed", fencing_token=(previous.fencing_token if previous else 0) + 1, owner=owner_info(),
-        created_at=previous.created_at if previous is not None else now, updated_at=now,
+    receipt = _new_receipt(
+        identity, call_id, key, args_sha, previous, "committed", (previous.fencing_token if previous else 0) + 1,
         base={"ref": args.branch, "commit": staged.base_commit}, candidate=None,
         commit=staged.base_commit, tree=staged.base_tree, outputs=staged.outputs,
         extra={"already_applied": True},

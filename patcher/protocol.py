@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from typing import Any
     from receipts.receipt import Receipt
 
-__all__ = ["ApplyResult", "apply", "store_root_for", "KEY_REF_PREFIX"]
+__all__ = ["ApplyResult", "apply", "store_root_for", "replay_final", "check_same_intent", "KEY_REF_PREFIX"]
 
 KEY_REF_PREFIX = "refs/oncepatch/keys/"
 
@@ -87,7 +87,7 @@ def store_root_for(common_dir: str, store: str | None = None) -> str:
     return os.path.abspath(root)
 
 
-def _replay(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResult:
+def replay_final(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResult:
     """Return the stored outcome of a final receipt; nothing is re-executed."""
     store.ledger.append_receipt_event("replayed", receipt)
     if receipt.status == "rejected":
@@ -172,9 +172,9 @@ def apply(
     # Fast path: a final receipt is immutable, so it can be read without the lock.
     existing = rstore.read(the_key)
     if existing is not None:
-        _check_same_intent(existing, args_sha, the_key)
+        check_same_intent(existing, args_sha, the_key)
         if existing.is_final:
-            return _replay(existing, path, rstore)
+            return replay_final(existing, path, rstore)
 
     try:
         from patcher.execute import locked_apply
@@ -205,7 +205,12 @@ def _check_options(attempt: int, lock_timeout: float, check_timeout: float, stor
         raise UsageError("store must be a path, not empty (leave it out for the default)")
 
 
-def _check_same_intent(existing: Receipt, args_sha: str, key: str) -> None:
+def check_same_intent(existing: Receipt, args_sha: str, key: str) -> None:
+    """Refuse a key whose receipt was written for other args.
+
+    Raises:
+        IdempotencyConflict: the tool, its version or the args differ.
+    """
     if existing.args_sha256 != args_sha:
         raise IdempotencyConflict(
             f"key '{key}' was used for a different call (tool, version or args differ)",
