@@ -7,7 +7,8 @@ code calls :func:`crash_point` once per point; with the variable unset the
 cost is one dict lookup.
 
 Points (DESIGN.md section 4, and recovery's own):
-``after-stage``, ``after-prepare``, ``after-ref``, ``after-materialise``,
+``after-stage``, ``after-prepare``, ``after-index-ahead`` (the worktrees'
+indexes show the candidate, the branch has not moved), ``after-ref``, ``after-materialise``,
 ``before-receipt-replace``, ``recover-after-resolve``,
 ``recover-before-receipt-replace``, ``check-running`` (inside ``--check``),
 ``effect-after-execute`` (a generic effect ran, its receipt is not written).
@@ -25,6 +26,7 @@ POINTS = frozenset(
     {
         "after-stage",
         "after-prepare",
+        "after-index-ahead",
         "after-ref",
         "after-materialise",
         "before-receipt-replace",

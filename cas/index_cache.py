@@ -198,14 +198,17 @@ class _ParsedIndex:
                                  e.mtime.nanoseconds, bytes(ffi.buffer(ffi.addressof(e, "id"))[:20]).hex()):
                 ffi.cast("git_index_entry *", e).file_size = 0
 
-    def install(self, also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None) -> None:
-        """Write the copy and rename it over ``index`` (caller holds ``index.lock``); durable.
+    def install(self, also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None,
+                sync: bool = True) -> None:
+        """Write the copy and rename it over ``index`` (caller holds ``index.lock``); durable if ``sync``.
 
         ``also_sync``: synced with the new file, before its rename; emptied once synced.
         ``defer_dir``: see :func:`_replace_index`.
         """
         def write() -> None:
             self.index.write()
+            if not sync:
+                return
             fd = os.open(self.tmp, os.O_RDONLY)
             try:
                 _sync_with(fd, also_sync)  # libgit2 syncs only files of a repository it opened
@@ -302,30 +305,33 @@ class IndexSnapshot:
         """
         from cas.index_raw import MAX_PATHS, Unsupported
 
-        if self._raw is not None and not removed and not unstat and len(added) <= MAX_PATHS:
+        if self._raw is not None and not removed and len(added) <= MAX_PATHS:
             try:
                 changes = []
                 for path, te in added:
                     e = self._raw.locate(path)
                     if e is None:
                         raise Unsupported("a path new to the index")
-                    changes.append((e, te, os.lstat(os.path.join(workdir, path))))
+                    changes.append((e, te, _NO_STAT if path in unstat else os.lstat(os.path.join(workdir, path))))
                 self._pending = self._raw.updated(workdir, changes)
                 return
             except Unsupported:
                 pass
         self._use_parsed().stage(workdir, removed, added, unstat)
 
-    def install(self, also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None) -> None:
+    def install(self, also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None,
+                sync: bool = True) -> None:
         """Write the new index and rename it over ``index`` (caller holds ``index.lock``); durable.
 
         ``also_sync``: paths (or open descriptors) synced in the same round as
         the new file, before its rename — the folders of the worktree files the
         index describes; the list is emptied once they are synced.
         ``defer_dir``: see :func:`_replace_index`.
+        ``sync``: ``False`` writes the file without syncing it (an index that
+        only has to be *seen* until the next one replaces it: :mod:`cas.index_ahead`).
         """
         if self._parsed is not None:
-            self._parsed.install(also_sync, defer_dir)
+            self._parsed.install(also_sync, defer_dir, sync)
             self.identity = self._parsed.identity
             return
         if self._pending is None:
@@ -348,12 +354,17 @@ class IndexSnapshot:
                 kept.append(RawIndex(tmp, written=(fd, previous, previous.edits)))
 
         _replace_index(self.git_dir, tmp,
-                       lambda: _write_with_checksum(tmp, parts, state, hashed, previous.mode, also_sync, keep),
+                       lambda: _write_with_checksum(tmp, parts, state, hashed, previous.mode, also_sync, keep,
+                                                    sync=sync),
                        defer_dir)
         if kept:  # renamed over the index under index.lock: that file is ours
             self._raw = kept[0]
             self.identity = kept[0].identity
             self._looked_up.clear()
+
+
+#: The stat data of an entry set without it (``unstat``): git compares the file's content.
+_NO_STAT = os.stat_result((0,) * 10 + (0.0, 0.0, 0.0, 0, 0, 0))
 
 
 def _tmp_path(git_dir: str) -> str:
@@ -400,12 +411,13 @@ _HASH_INLINE_MAX = 1 << 20
 
 def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hashlib._Hash, hashed: int,
                          mode: int, also_sync: list[str | int] | None = None,
-                         keep: Callable[[int], None] | None = None) -> None:
+                         keep: Callable[[int], None] | None = None, *, sync: bool = True) -> None:
     """Write ``parts`` and their SHA-1 to a new file ``path`` (permissions ``mode``) and fsync it; hashed while written.
 
     ``state`` is the SHA-1 state over the first ``hashed`` bytes of ``parts``.
     ``also_sync``: synced with the file's last sync (then emptied).
     ``keep``: given the file's descriptor once it is whole and synced.
+    ``sync``: ``False`` writes without any fsync (``also_sync`` must be empty then).
     """
     digest: list[bytes] = []
 
@@ -437,10 +449,14 @@ def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hash
         if hasher is not None and hasher.is_alive():
             # The checksum covers what follows the first change (up to all of a
             # 9.6 MB index): sync the bulk while it is computed, then its 20 bytes.
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
             hasher.join()
         write_all(fd, digest[0])
-        _sync_with(fd, also_sync)
+        if sync:
+            _sync_with(fd, also_sync)
+        else:
+            assert not also_sync
         if keep is not None:
             keep(fd)
     finally:

@@ -19,9 +19,10 @@ its owner is dead.
 
 The apply protocol takes ``index.lock`` *before* it moves the branch and keeps
 it until the index is written (:func:`hold_index_lock`, ``held=`` of
-:func:`materialise`): ``git commit`` reads HEAD first and takes ``index.lock``
-after, so it must never find the new HEAD beside the old index — its commit
-would silently revert the change just landed.
+:func:`materialise`), and stages the new entries in the index before the
+branch moves (:mod:`cas.index_ahead`): ``git commit`` reads HEAD and the index
+first and takes ``index.lock`` after, so it must never find the new HEAD
+beside the old index — its commit would silently revert the change just landed.
 """
 
 from __future__ import annotations
@@ -516,6 +517,11 @@ def break_dead_own_index_lock(index_lock: str) -> bool:
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(index_lock)
             if (st.st_dev, st.st_ino) == (read_id.st_dev, read_id.st_ino):
+                from cas.index_ahead import settle_dead_ahead
+
+                # The dead call's index may be staged ahead of a branch that never moved:
+                # the index it replaced comes back before anyone else may write it.
+                settle_dead_ahead(folder)
                 os.unlink(index_lock)
         return True
     finally:
@@ -534,6 +540,7 @@ def update_index(
     also_sync: list[str | int] | None = None,
     defer_dir: list[str] | None = None,
     unstat: Collection[str] = (),
+    sync: bool = True,
 ) -> None:
     """Update just these entries of ``workdir``'s index (stat data from the files), safely against git.
 
@@ -541,6 +548,7 @@ def update_index(
     ``unstat``: paths of ``known`` set without stat data: their files hold
     something else (an edit by hand), which git then sees as a change.
     ``defer_dir``: the index's folder is appended here, not synced (the caller syncs it).
+    ``sync``: ``False`` writes the new index without syncing it (see :mod:`cas.index_ahead`).
 
     The read-modify-write happens while we hold ``index.lock`` (``held``, or
     taken here and released after), so a concurrent ``git add``/``git commit``
@@ -559,7 +567,7 @@ def update_index(
     """
     lock = held if held is not None else hold_index_lock(workdir, timeout=timeout, lock_marker=lock_marker)
     try:
-        _write_index(workdir, lock, removed, added, known, also_sync, defer_dir, unstat)
+        _write_index(workdir, lock, removed, added, known, also_sync, defer_dir, unstat, sync)
     finally:
         if held is None:
             lock.release()
@@ -568,7 +576,7 @@ def update_index(
 def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[str],
                  known: Mapping[str, TreeEntry | None] | None = None,
                  also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None,
-                 unstat: Collection[str] = ()) -> None:
+                 unstat: Collection[str] = (), sync: bool = True) -> None:
     """Set these entries in the parsed copy of the index and install it (``index.lock`` is held).
 
     ``known``: the entries just written for these paths (their files are not re-hashed).
@@ -599,7 +607,7 @@ def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[
         snap.stage(workdir, removed, entries, unstat)
     except pygit2.GitError as exc:
         raise GitStoreError(f"cannot stage in '{workdir}': {exc}") from exc
-    snap.install(also_sync, defer_dir)
+    snap.install(also_sync, defer_dir, sync)
 
 
 def worktree_matches(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:

@@ -54,8 +54,9 @@ WRITER_TURN_TIMEOUT = 30.0
 #: process stop itself with SIGSTOP at that point, so a test can break its key lock
 #: and let another process take the key over before sending SIGCONT.  Points:
 #: ``after-prepare``, ``before-ref`` (after the fence check made without locks,
-#: before the branch's locks), ``before-finalise`` (the branch moved; before the
-#: final fence).
+#: before the branch's locks), ``after-ref`` (the branch moved; the worktrees'
+#: index locks still held, their files not yet written), ``before-finalise`` (the
+#: branch moved; before the final fence).
 PAUSE_ENV = "ONCEPATCH_PAUSE_AT"
 
 
@@ -243,8 +244,8 @@ def _execute(
     pre: _PreCheck | None,
 ) -> ApplyResult:
     from patcher.stage import plan_stage, touched_paths, write_stage
-    from patcher.worktrees import (check_worktrees, hold_index_locks, materialise_all, release_index_locks,
-                                   settle_dead_calls)
+    from patcher.worktrees import (IndexesAhead, check_worktrees, hold_index_locks, materialise_all,
+                                   release_index_locks, settle_dead_calls)
 
     use_fast_json()
     parsed = pre.patch if pre is not None else parse_patch(args.patch, args.format)
@@ -302,6 +303,8 @@ def _execute(
         except RefLockedError as exc:
             _reject(rstore, identity, call_id, key, args_sha, receipt, args, exc, base, candidate, retryable=True)
             raise
+        ahead = IndexesAhead(gstore, held, paths)
+        materialised = False
         try:
             # Race guarded: a 'git checkout' or 'git switch' (or a rebase ending) in
             # some worktree since the pre-check put the branch there or took it away.
@@ -333,8 +336,9 @@ def _execute(
                 # The move's syncs join the next round: a worktree's first (its files change
                 # only after the move is durable), and in any case the finalise batch's
                 # first (they end before the committed receipt is renamed).
+                # Each candidate is staged in the worktrees' indexes before the branch may move to it.
                 receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args,
-                                             defer_sync=True, before_libgit2=write_marker)
+                                             defer_sync=True, before_libgit2=write_marker, before_swap=ahead.stage)
             finally:
                 # Reached on every outcome but a crash: our ref locks are released by now.
                 if marked:
@@ -343,9 +347,11 @@ def _execute(
             candidate = receipt.candidate
             assert candidate is not None
             crash_point("after-ref")
+            _pause_point("after-ref")
 
             try:
                 warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key, held)
+                materialised = not warnings
             except BaseException:
                 with contextlib.suppress(Exception):
                     gstore.sync_refs()  # the move is made durable even when this fails
@@ -355,8 +361,11 @@ def _execute(
                 _record_unknown(rstore, receipt, failed_sync)
                 raise failed_sync
         finally:
-            release_index_locks(held)
             gstore.forget_recent()  # the worktrees were the last readers of this call's blobs
+            # Not released when this fails: the marked locks stay until recovery breaks
+            # them, and settles the staged indexes as a dead call's.
+            ahead.settle(args.branch, materialised)
+            release_index_locks(held)
     crash_point("after-materialise")
 
     _pause_point("before-finalise")
@@ -460,12 +469,14 @@ def _move_refs(
     *,
     defer_sync: bool = False,
     before_libgit2: Callable[[], None] | None = None,
+    before_swap: Callable[[str], None] | None = None,
 ) -> tuple[Receipt, Staged]:
     """Compare-and-swap the branch to the candidate (re-staging onto a moved head).
 
     ``defer_sync``: the move's folder syncs are left to the next batch
     (:meth:`GitStore.take_unsynced`).  ``before_libgit2``: see
-    :meth:`GitStore.compare_and_swap`.
+    :meth:`GitStore.compare_and_swap`.  ``before_swap``: called with the
+    candidate before each attempt (the first, and each after a re-stage).
 
     Returns the receipt as last recorded (its base and candidate may have been
     re-staged) and the staged change that landed.
@@ -484,6 +495,9 @@ def _move_refs(
     assert candidate is not None
     rounds = 0
     while True:
+        if before_swap is not None:
+            before_swap(candidate)
+            crash_point("after-index-ahead")
         try:
             # The fence is checked again under the branch's ref lock: between the
             # caller's check and the swap this process may have been paused, its key

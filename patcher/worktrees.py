@@ -17,7 +17,8 @@ from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath, UnsafePath
 from patcher.markers import foreign_index_lock, index_marker, index_markers
 
-__all__ = ["prefetch_indexes", "settle_dead_calls", "check_worktrees", "hold_index_locks", "release_index_locks", "materialise_all"]
+__all__ = ["prefetch_indexes", "settle_dead_calls", "check_worktrees", "hold_index_locks", "release_index_locks",
+           "IndexesAhead", "materialise_all"]
 
 
 def prefetch_indexes(gstore: GitStore, branch: str) -> None:
@@ -203,6 +204,61 @@ def hold_index_locks(rstore: ReceiptStore, worktrees: list[tuple[str, str]], key
 def release_index_locks(held: dict[str, IndexLock]) -> None:
     for lock in held.values():
         lock.release()
+
+
+class IndexesAhead:
+    """The indexes of the worktrees on the branch, staged ahead of its move (:mod:`cas.index_ahead`), for one call.
+
+    Calling sequence: :meth:`stage` with the candidate before each attempt to
+    move the branch (again after a re-stage), then :meth:`settle` once, with
+    the index locks still held, whatever happened.
+    """
+
+    def __init__(self, gstore: GitStore, held: dict[str, IndexLock], paths: list[str]) -> None:
+        self._gstore = gstore
+        self._held = held
+        self._paths = paths
+        self._staged: dict[str, str] = {}  # workdir -> the candidate its index shows
+        self.candidate: str | None = None
+
+    def stage(self, candidate: str) -> None:
+        """Stage ``candidate``'s entries of the touched paths in every held worktree's index.
+
+        Raises:
+            GitStoreError: an index could not be written (nothing has moved; :meth:`settle` restores).
+        """
+        from cas.index_ahead import stage_ahead
+
+        if not self._held or self.candidate == candidate:
+            return
+        tree = self._gstore.commit_tree(candidate)
+        changes: dict[str, TreeEntry | None] = {p: self._gstore.lookup_file(tree, p) for p in self._paths}
+        self.candidate = candidate
+        for workdir, lock in sorted(self._held.items()):
+            again = workdir in self._staged
+            self._staged[workdir] = candidate  # before any write: settle() looks at it
+            if not stage_ahead(workdir, lock, changes, candidate, again=again):
+                del self._staged[workdir]  # no index there yet: the materialised files make the first
+
+    def settle(self, branch: str, materialised: bool) -> None:
+        """Keep the staged indexes if the branch is at the candidate now, else bring back those they replaced.
+
+        ``materialised``: the files and their index were written after the move
+        (else a kept staged index is synced first).
+
+        Raises:
+            OncepatchError, OSError: the branch could not be read or an index not
+                settled; the caller must then leave the index locks held (a
+                marked dead lock is settled by whoever breaks it).
+        """
+        from cas.index_ahead import settle_ahead
+
+        if not self._staged:
+            return
+        moved = self._gstore.resolve(branch) == self.candidate
+        for workdir in sorted(self._staged):
+            settle_ahead(self._held[workdir].git_dir, moved, sync_index=not materialised)
+        self._staged.clear()
 
 
 def materialise_all(

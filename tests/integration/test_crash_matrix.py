@@ -14,6 +14,9 @@ Predicted outcomes:
   an orphan that ``--tmp-age 0`` removes.
 * ``after-prepare`` — not done: as above, the receipt ``rejected`` with
   ``retryable: true`` (``crashed_before_commit``).
+* ``after-index-ahead`` — not done, as ``after-prepare``: the index staged for
+  the candidate is replaced by the one it replaced, byte for byte, when
+  recover breaks the dead call's ``index.lock``.
 * ``after-ref``, ``after-materialise``, ``before-receipt-replace`` — done: the
   branch is one commit ahead with the target tree, the key ref points at it,
   the receipt is ``committed`` naming it, and worktree + index match the commit
@@ -78,6 +81,7 @@ EDITS: dict[str, Callable[[Repo], None]] = {
 POINTS: dict[str, bool] = {
     "after-stage": False,
     "after-prepare": False,
+    "after-index-ahead": False,
     "after-ref": True,
     "after-materialise": True,
     "before-receipt-replace": True,

@@ -340,9 +340,15 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
         assert len(worktree_moves) == 1 and branch_move.n < worktree_moves[0].n < committed.n
         assert _folder_synced_between(calls, os.path.dirname(branch), branch_move.n, worktree_moves[0].n)
         assert _synced_before(calls, reflog, worktree_moves[0].n)
+        # the index is staged for the candidate before the branch moves (git commit reads it
+        # without a lock), the index it replaced kept until the call ends
+        staged_moves = [c for c, _, dst in landings if dst == os.path.join(git_dir, "index")]
+        assert len(staged_moves) == 2 and prepared.n < staged_moves[0].n < branch_move.n
+        kept = [c for c, _, dst in landings if os.path.basename(dst).startswith("index.oncepatch-base.")]
+        assert len(kept) == 1 and kept[0].n < staged_moves[0].n
         # the worktree file's folder is synced (with the new index) before the index names it
-        index_moves = [c for c, _, dst in landings if dst == os.path.join(git_dir, "index")]
-        assert len(index_moves) == 1 and worktree_moves[0].n < index_moves[0].n < committed.n
+        index_moves = staged_moves[1:]
+        assert worktree_moves[0].n < index_moves[0].n < committed.n
         # the index's folder after its rename, in the finalise batch's first round (with the key
         # ref's tmp file, before its rename), not in a flush point of its own
         keyref_tmp = next(c for c in calls if c.name == "openat" and c.ret >= 0

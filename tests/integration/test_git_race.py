@@ -16,7 +16,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from conftest import Repo, make_repo, run_cli
+import pytest
+
+from conftest import Repo, make_repo, run_cli, snapshot
 from test_concurrency import (  # noqa: F401  (workers: the fixture)
     DEADLINE,
     apply_argv,
@@ -106,14 +108,14 @@ def test_git_commit_loop_and_oncepatch_loops_lose_nothing(tmp_path: Path, worker
     verify_ok(repo)
 
 
-def _paused_apply(repo: Repo, patch: bytes, *extra: str) -> subprocess.Popen[bytes]:
-    """``oncepatch apply`` stopped (SIGSTOP, the ``ONCEPATCH_PAUSE_AT`` seam) once it has prepared."""
+def _paused_apply(repo: Repo, patch: bytes, *extra: str, at: str = "after-prepare") -> subprocess.Popen[bytes]:
+    """``oncepatch apply`` stopped (SIGSTOP, the ``ONCEPATCH_PAUSE_AT`` seam) at ``at``."""
     import os
     import sys
     import time
 
     (repo.path / ".git/race.diff").write_bytes(patch)
-    env = dict(os.environ, ONCEPATCH_PAUSE_AT="after-prepare")
+    env = dict(os.environ, ONCEPATCH_PAUSE_AT=at)
     proc = subprocess.Popen([sys.executable, "-m", "patcher.cli", "apply", str(repo.path / ".git/race.diff"),
                              "--repo", str(repo.path), "--json", "--key", "K", *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -164,3 +166,137 @@ def test_a_switch_away_from_the_branch_while_the_call_runs_moves_nothing(tmp_pat
     assert code == 4 and doc["error"]["reason"] == "worktree_switched", doc
     assert repo.count("main") == 1 and repo.git("status", "--porcelain") == ""
     assert (repo.path / "f.txt").read_text() == "a\nb\nc\n"
+
+
+def test_git_commit_that_read_the_index_during_the_move_commits_the_change(tmp_path: Path) -> None:
+    """``git commit`` reads HEAD and the index *before* it takes ``index.lock``.
+
+    The call is paused after its branch moved, holding ``index.lock``; ``git
+    commit`` (a file of its own staged) reads the new HEAD and the index, and
+    strace holds its ``index.lock`` create for two seconds; the call resumes,
+    writes the files and releases the lock, then git takes it and commits what
+    it read.  Had the index followed the branch, git would have read the old
+    entry and committed a revert of the call's change on top of its commit.
+    """
+    import os
+    import shutil
+    import time
+
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed (apt-get install -y strace)")
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"})
+    repo.write("g.txt", "git's own\n")
+    repo.git("add", "g.txt")
+    proc = _paused_apply(repo, PATCH_F, at="after-ref")
+    git_dir = os.path.realpath(repo.path / ".git")
+    log = tmp_path / "git.strace"
+    git = subprocess.Popen([strace, "-f", "-qq", "-o", str(log), "-P", ".git/index",  # git opens it by this name
+                            "-P", os.path.join(git_dir, "index.lock"), "-e", "trace=openat",
+                            "-e", "inject=openat:delay_enter=2000000:when=2", "git", "commit", "-q", "-m", "git side"],
+                           cwd=repo.path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + DEADLINE
+    while b'index", O_RDONLY' not in (log.read_bytes() if log.exists() else b""):
+        if git.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"git never read the index: {git.communicate()} {log.read_text() if log.exists() else ''}")
+        time.sleep(0.005)
+    code, doc = _resume(proc)  # while git waits, before its index.lock
+    assert code == 0 and doc["status"] == "committed", doc
+    out, err = git.communicate(timeout=DEADLINE)
+    trace = log.read_text()
+    if "(DELAYED)" not in trace:
+        pytest.skip(f"strace could not delay git's index.lock here: {trace[-500:]}")
+    assert git.returncode == 0, err.decode()
+    assert repo.git("log", "--format=%s", "main").splitlines()[:2] == ["git side", "oncepatch: apply patch to f.txt"]
+    assert repo.git("show", "main:f.txt") == "a\nB\nc\n"  # not reverted by git's commit
+    assert repo.git("show", "main:g.txt") == "git's own\n"
+    assert repo.git("status", "--porcelain") == ""
+    assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))
+    verify_ok(repo)
+
+
+def test_the_index_is_staged_before_the_branch_moves(tmp_path: Path) -> None:
+    """After the move, before the files: HEAD and the index agree on the touched path (git reads both freely)."""
+    import os
+    import signal
+
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n", "h.txt": "h\n"})
+    proc = _paused_apply(repo, PATCH_F, at="after-ref")
+    try:
+        assert repo.git("diff-index", "--cached", "--name-only", "main") == ""  # index == HEAD
+        assert (repo.path / "f.txt").read_text() == "a\nb\nc\n"  # the file follows after
+        assert repo.git("diff", "--name-only") == "f.txt\n"  # ... and git sees that it has not yet
+        kept = list((repo.path / ".git").glob("index.oncepatch-base.*"))
+        assert [k.name.rsplit(".", 1)[1] for k in kept] == [repo.head("main")]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+    code, doc = _resume(proc)
+    assert code == 0, doc
+    assert repo.git("status", "--porcelain") == "" and repo.git("diff-files") == ""  # stat data written too
+    assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))
+
+
+def _commit_beside(repo: Repo, parent: str, files: dict[str, bytes]) -> str:
+    """A commit on ``parent`` with a flat tree of ``files``, made without the index (for ``git update-ref``)."""
+    lines = b"".join(b"100644 blob " + repo.git("hash-object", "-w", "--stdin", input=data).strip().encode()
+                     + b"\t" + name.encode() + b"\n" for name, data in sorted(files.items()))
+    tree = repo.git("mktree", input=lines).strip()
+    return repo.git("commit-tree", "-p", parent, "-m", "elsewhere", tree).strip()
+
+
+def test_a_conflict_at_the_swap_brings_the_index_back_byte_for_byte(tmp_path: Path) -> None:
+    """The branch moved (``git update-ref``, which takes no index lock) to a head the patch conflicts with:
+    the index staged for the candidate is replaced by the one it replaced."""
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"})
+    base = repo.head()
+    proc = _paused_apply(repo, PATCH_F)
+    before = snapshot(repo)
+    other = _commit_beside(repo, base, {"f.txt": b"a\nX\nc\n"})
+    repo.git("update-ref", "refs/heads/main", other, base)
+    code, doc = _resume(proc)
+    assert code == 4 and doc["error"]["type"] == "conflict", doc
+    after = snapshot(repo)
+    assert after["index"] == before["index"] and after["worktree"] == before["worktree"]
+    assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))
+    assert not (repo.path / ".git/index.lock").exists()
+
+
+def test_a_restage_at_the_swap_stages_the_new_candidate(tmp_path: Path) -> None:
+    """The branch moved elsewhere (another file): re-staged, the index is staged again for the new candidate."""
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n", "o.txt": "o\n"})
+    base = repo.head()
+    proc = _paused_apply(repo, PATCH_F)
+    other = _commit_beside(repo, base, {"f.txt": b"a\nb\nc\n", "o.txt": b"O\n"})
+    repo.git("update-ref", "refs/heads/main", other, base)
+    code, doc = _resume(proc)
+    assert code == 0 and doc["status"] == "committed", doc
+    assert repo.git("rev-parse", f"{doc['commit']}^").strip() == other
+    assert repo.git("ls-files", "-s", "f.txt").split()[1] == repo.git("rev-parse", "main:f.txt").strip()
+    assert (repo.path / "f.txt").read_text() == "a\nB\nc\n"
+    assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))
+
+
+def test_a_call_killed_with_its_index_staged_ahead_is_undone_by_the_next_call(tmp_path: Path) -> None:
+    """Killed after staging the index, before the move: the next call (another key) settles the dead call
+    (rejected) and brings the index it replaced back before it takes the lock, then lands its own change."""
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n", "h.txt": "h\n"})
+    before = snapshot(repo)
+    (repo.path / ".git/race.diff").write_bytes(PATCH_F)
+    crashed = run_cli(*apply_argv(repo, repo.path / ".git/race.diff", "K"), env={"ONCEPATCH_CRASH_AT": "after-index-ahead"})
+    assert crashed.code == 137, crashed.err
+    assert (repo.path / ".git/index.lock").exists()
+    assert snapshot(repo)["index"] != before["index"]  # staged for the candidate
+    (repo.path / ".git/h.diff").write_bytes(b"--- a/h.txt\n+++ b/h.txt\n@@ -1 +1 @@\n-h\n+H\n")
+    other = run_cli(*apply_argv(repo, repo.path / ".git/h.diff", "K2"))
+    assert other.code == 0, other.out + other.err
+    assert repo.git("show", "main:f.txt") == "a\nb\nc\n"  # the dead call did not land
+    assert repo.git("status", "--porcelain") == ""  # and its staged entry is gone from the index
+    assert repo.git("ls-files", "-s", "f.txt").split()[1] == repo.git("rev-parse", "main~1:f.txt").strip()
+    assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))
+    receipt = run_cli("status", "K", "--repo", str(repo.path), "--json").json["receipt"]
+    assert receipt["status"] == "rejected" and receipt["retryable"] is True, receipt
+    again = run_cli(*apply_argv(repo, repo.path / ".git/race.diff", "K"))  # the dead call's retry lands
+    assert again.code == 0 and repo.git("show", "main:f.txt") == "a\nB\nc\n", again.out + again.err
+    assert repo.git("status", "--porcelain") == ""

@@ -493,20 +493,31 @@ def test_another_stores_calls_and_recover_leave_a_dead_calls_index_lock_to_its_s
     assert repo.git("show", "HEAD:README") == "hello there\n"
 
 
-def test_recover_keeps_a_file_edited_since_the_crash_and_stages_the_commits_version(tmp_path: Path) -> None:
+@pytest.mark.parametrize("index", ["staged_ahead", "base"])
+def test_recover_keeps_a_file_edited_since_the_crash_and_stages_the_commits_version(tmp_path: Path,
+                                                                                    index: str) -> None:
     """Killed after the branch moved, the touched file then edited by hand: recover keeps the edit
     (never overwrites it), but the index must not keep the base: that is a staged revert of the
     commit, which the next ``git commit`` would make.  The index gets the commit's entry; the edit
-    shows as an unstaged change, and a second recover has nothing to do."""
+    shows as an unstaged change, and a second recover has nothing to do.
+
+    ``staged_ahead``: the index as the call left it (the commit's entries, staged before the move).
+    ``base``: the index it replaced put back by hand, as a call that moved the branch first left
+    it: recover stages the commit's entry itself."""
     repo, pf = make_patch(tmp_path)
     assert apply(repo, pf, env={"ONCEPATCH_CRASH_AT": "after-ref"}).code == 137
+    (kept,) = (repo.path / ".git").glob("index.oncepatch-base.*")
+    if index == "base":
+        os.replace(kept, repo.path / ".git/index")
     edited = (repo.path / "src/app.py").read_text() + "edited by hand\n"
     repo.write("src/app.py", edited)
 
     rec = recover(repo)
     assert rec.code == 0, rec.err
     notes = " ".join(n for row in rec.json["rows"] for n in row.get("notes", []))
-    assert "alone" in notes and "staged the commit's version" in notes, rec.out
+    assert "alone" in notes, rec.out
+    assert ("staged the commit's version" in notes) is (index == "base"), rec.out
+    assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))
     assert (repo.path / "src/app.py").read_text() == edited
     assert repo.git("diff", "--cached", "--name-only") == ""  # nothing staged against the commit
     assert repo.git("status", "--porcelain", "--", "src/app.py") == " M src/app.py\n"

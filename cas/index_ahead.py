@@ -1,0 +1,170 @@
+"""A worktree's index staged ahead of its branch: the new entries are in the index before the branch moves.
+
+Race guarded: ``git commit`` reads HEAD, then the index, and only then takes
+``index.lock``; it builds its tree from the index it read.  Had the branch
+moved first and the index followed, a ``git commit`` that read the new HEAD
+and the old index in between, and took ``index.lock`` the moment we released
+it, would commit the old index on top of the new commit: a silent revert of
+the change, with both commits in the log.  Git's own commands change the
+index first and HEAD after, and so does the apply protocol.  While it holds
+``index.lock`` and before the branch moves, :func:`stage_ahead` sets the
+touched entries of the index to the candidate's, without stat data (the files
+still hold the base: git compares their content and sees them changed).  After
+the move the files are written, and the index again with their stat data
+(:func:`cas.worktree.materialise`).
+
+The index it replaced is kept, hard-linked, as
+``<git-dir>/index.oncepatch-base.<candidate>`` until the call knows whether the
+branch moved (:func:`settle_ahead`): renamed back over ``index`` when it did
+not (a conflict, a refusal), removed when it did.  A call killed in between
+leaves it beside its marked ``index.lock``, and whoever breaks that lock
+settles it first (:func:`settle_dead_ahead`): the kept index comes back unless
+the candidate is on the worktree's branch and the index is readable.
+
+Not closed here: a ``git commit`` that read the index before the call took
+``index.lock`` and takes the lock after the call released it writes its stale
+index back (its commit then fails on HEAD, which moved).  That is git's own
+race; it loses a concurrent ``git add`` the same way (docs/CONCURRENCY.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from cas.durable import fsync_dir
+from cas.objects import TreeEntry
+
+if TYPE_CHECKING:
+    from cas.worktree import IndexLock
+
+__all__ = ["KEPT_PREFIX", "kept_indexes", "stage_ahead", "settle_ahead", "settle_dead_ahead"]
+
+#: ``<git-dir>/index.oncepatch-base.<candidate>``: the index a call's staged index replaced.
+KEPT_PREFIX = "index.oncepatch-base."
+
+
+def kept_indexes(git_dir: str) -> list[str]:
+    """The kept indexes in ``git_dir`` (at most one while ``index.lock`` is held by the call that kept it)."""
+    try:
+        names = os.listdir(git_dir)
+    except OSError:
+        return []
+    return sorted(os.path.join(git_dir, n) for n in names if n.startswith(KEPT_PREFIX))
+
+
+def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry | None], candidate: str,
+                again: bool = False) -> bool:
+    """Set ``changes`` (path → the candidate's entry, ``None``: no file) in the index, keeping the index it replaces.
+
+    ``lock``: the worktree's ``index.lock``, held.  ``again``: the index is
+    staged already, for an earlier candidate of this call (the branch moved and
+    the change was re-staged): the index kept then stays the one kept.  The
+    new index is not synced: it only has to be seen until the index of the
+    materialised files replaces it, and a crash brings the kept one back.
+    Returns whether the index was staged (``False``: the worktree has no index
+    yet, and nothing was written).
+
+    Raises:
+        GitStoreError: the index could not be written (the kept one is left for :func:`settle_ahead`).
+    """
+    from cas.worktree import update_index
+
+    git_dir = lock.git_dir
+    index = os.path.join(git_dir, "index")
+    kept = os.path.join(git_dir, KEPT_PREFIX + candidate)
+    found = kept_indexes(git_dir)
+    if again and found:
+        if found != [kept]:
+            os.rename(found[0], kept)
+    else:
+        for stale in found:
+            # Its index.lock was removed by hand, not broken (that settles it): the
+            # index has moved on since, and this is no longer the one to bring back.
+            os.unlink(stale)
+        try:
+            os.link(index, kept)
+        except FileNotFoundError:
+            return False
+    removed = sorted(p for p, e in changes.items() if e is None)
+    added = sorted(p for p, e in changes.items() if e is not None)
+    update_index(workdir, removed, added, held=lock, known=changes, unstat=set(added), defer_dir=[], sync=False)
+    return True
+
+
+def settle_ahead(git_dir: str, moved: bool, *, sync_index: bool = False) -> None:
+    """The branch moved (the staged index stays: the kept one is removed), or not (the kept one comes back).
+
+    ``sync_index``: with ``moved``, sync the index first — it is still the
+    staged one, never synced (the files could not be written).
+    """
+    for kept in kept_indexes(git_dir):
+        if moved:
+            if sync_index:
+                _fsync_file(os.path.join(git_dir, "index"))
+            os.unlink(kept)
+        else:
+            _restore(git_dir, kept)
+
+
+def settle_dead_ahead(git_dir: str) -> None:
+    """Settle what a dead call staged ahead in ``git_dir``'s index (its ``index.lock`` is about to be broken).
+
+    The kept index is removed only when the call's candidate is on the
+    worktree's branch and the index is readable (a crash of the machine may
+    leave the unsynced staged index torn); otherwise it comes back.
+    """
+    for kept in kept_indexes(git_dir):
+        candidate = os.path.basename(kept)[len(KEPT_PREFIX):]
+        index = os.path.join(git_dir, "index")
+        if _on_branch(git_dir, candidate) and _readable(index):
+            os.unlink(kept)
+        else:
+            _restore(git_dir, kept)
+
+
+def _restore(git_dir: str, kept: str) -> None:
+    index = os.path.join(git_dir, "index")
+    try:
+        same = os.path.samefile(kept, index)
+    except FileNotFoundError:
+        same = False
+    if same:  # killed between keeping it and writing the staged one
+        os.unlink(kept)
+        return
+    os.replace(kept, index)
+    fsync_dir(git_dir)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _on_branch(git_dir: str, candidate: str) -> bool:
+    """Whether ``candidate`` is the head of ``git_dir``'s checked-out branch, or behind it."""
+    import pygit2
+
+    try:
+        repo = pygit2.Repository(git_dir)
+        tip = str(repo.head.target)
+        return tip == candidate or bool(repo.descendant_of(tip, candidate))
+    except (pygit2.GitError, KeyError, ValueError):
+        return False
+
+
+def _readable(index: str) -> bool:
+    """Whether libgit2 reads ``index`` whole (its checksum verified)."""
+    import pygit2
+
+    from cas.index_cache import _open_index
+
+    with contextlib.suppress(pygit2.GitError, OSError, ValueError):
+        _open_index(index)
+        return True
+    return False
