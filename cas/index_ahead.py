@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from cas.durable import fsync_dir
+from cas.errors import GitStoreError
 from cas.objects import TreeEntry
 
 if TYPE_CHECKING:
@@ -76,18 +77,21 @@ def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry |
     index = os.path.join(git_dir, "index")
     kept = os.path.join(git_dir, KEPT_PREFIX + candidate)
     found = kept_indexes(git_dir)
-    if again and found:
-        if found != [kept]:
-            os.rename(found[0], kept)
-    else:
-        for stale in found:
-            # Its index.lock was removed by hand, not broken (that settles it): the
-            # index has moved on since, and this is no longer the one to bring back.
-            os.unlink(stale)
-        try:
-            os.link(index, kept)
-        except FileNotFoundError:
-            return False
+    try:
+        if again and found:
+            if found != [kept]:
+                os.rename(found[0], kept)
+        else:
+            for stale in found:
+                # Its index.lock was removed by hand, not broken (that settles it): the
+                # index has moved on since, and this is no longer the one to bring back.
+                os.unlink(stale)
+            try:
+                os.link(index, kept)
+            except FileNotFoundError:
+                return False
+    except OSError as exc:
+        raise GitStoreError(f"cannot keep the index of '{workdir}' as '{kept}': {exc}") from exc
     removed = sorted(p for p, e in changes.items() if e is None)
     added = sorted(p for p, e in changes.items() if e is not None)
     update_index(workdir, removed, added, held=lock, known=changes, unstat=set(added), defer_dir=[], sync=False)

@@ -496,7 +496,13 @@ def _move_refs(
     rounds = 0
     while True:
         if before_swap is not None:
-            before_swap(candidate)
+            try:
+                before_swap(candidate)
+            except OncepatchError as exc:  # an index could not be staged: nothing has moved
+                exc.retryable, exc.effect_status, exc.next_action = True, "not_applied", "retry"
+                _reject(rstore, receipt.identity, call_id, key, receipt.args_sha256, receipt, args, exc, base,
+                        candidate)
+                raise
             crash_point("after-index-ahead")
         try:
             # The fence is checked again under the branch's ref lock: between the

@@ -300,3 +300,42 @@ def test_a_call_killed_with_its_index_staged_ahead_is_undone_by_the_next_call(tm
     again = run_cli(*apply_argv(repo, repo.path / ".git/race.diff", "K"))  # the dead call's retry lands
     assert again.code == 0 and repo.git("show", "main:f.txt") == "a\nB\nc\n", again.out + again.err
     assert repo.git("status", "--porcelain") == ""
+
+
+def test_an_index_that_cannot_be_staged_rejects_the_call_and_changes_nothing(tmp_path: Path) -> None:
+    """The index kept aside cannot be linked (EIO injected by strace into that ``link``): the call is
+    rejected before the branch moves (retryable), with repo, index, worktree and locks as they were."""
+    import os
+    import shutil
+    import sys
+
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed (apt-get install -y strace)")
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"})
+    patch = tmp_path / "p.diff"
+    patch.write_bytes(PATCH_F)
+    before = snapshot(repo)
+    log = tmp_path / "apply.strace"
+    # The call's third link(): its index.lock twice (the dirty check, the move), then the kept index.
+    run = subprocess.run([strace, "-f", "-qq", "-o", str(log), "-e", "trace=link,linkat",
+                          "-e", "inject=link,linkat:error=EIO:when=3", sys.executable, "-m", "patcher.cli",
+                          "apply", str(patch), "--repo", str(repo.path), "--json", "--key", "K"],
+                         capture_output=True, text=True)
+    failed = [line for line in log.read_text().splitlines() if "EIO" in line]
+    assert len(failed) == 1 and "index.oncepatch-base." in failed[0], log.read_text()
+    import json
+
+    doc = json.loads(run.stdout)
+    assert run.returncode != 0 and doc["error"]["retryable"] is True, doc
+    assert "cannot keep the index" in doc["error"]["message"], doc
+    after = snapshot(repo)
+    assert {k: v for k, v in after.items() if k != "store"} == {k: v for k, v in before.items() if k != "store"}
+    assert not (repo.path / ".git/index.lock").exists()
+    assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))
+    receipt = run_cli("status", "K", "--repo", str(repo.path), "--json").json["receipt"]
+    assert receipt["status"] == "rejected" and receipt["retryable"] is True, receipt
+    again = run_cli("apply", str(patch), "--repo", str(repo.path), "--json", "--key", "K")
+    assert again.code == 0 and repo.git("show", "main:f.txt") == "a\nB\nc\n", again.out + again.err
+    assert repo.git("status", "--porcelain") == ""
+    assert os.path.exists(repo.path / ".git/index")
