@@ -13,13 +13,22 @@ still hold the base: git compares their content and sees them changed).  After
 the move the files are written, and the index again with their stat data
 (:func:`cas.worktree.materialise`).
 
+The apply protocol stages the index under the branch's ref lock, after its
+compare-and-swap found the branch at the base and its fence held, just before
+the rename that moves the branch: a ``git commit`` that reads the staged
+index then also finds the branch moved by the time it can take
+``index.lock``.  Staged before the compare, a refused call (the ref lock
+held, a fence lost) would leave a window in which git could read the staged
+entries on the unmoved branch and commit them as its own.
+
 The index it replaced is kept, hard-linked, as
-``<git-dir>/index.oncepatch-base.<candidate>`` until the call knows whether the
-branch moved (:func:`settle_ahead`): renamed back over ``index`` when it did
-not (a conflict, a refusal), removed when it did.  A call killed in between
-leaves it beside its marked ``index.lock``, and whoever breaks that lock
-settles it first (:func:`settle_dead_ahead`): the kept index comes back unless
-the candidate is on the worktree's branch and the index is readable.
+``<git-dir>/index.oncepatch-base.<pid>.<candidate>`` until the call knows
+whether the branch moved (:func:`settle_ahead`): renamed back over ``index``
+when it did not (the ref's rename failed), removed when it did.  A call killed
+in between leaves it beside its marked ``index.lock``, and whoever breaks that
+lock settles the kept index of that lock's pid first (:func:`settle_dead_ahead`):
+it comes back unless the candidate is on the worktree's branch and the index
+is readable.
 
 Not closed here: a ``git commit`` that read the index before the call took
 ``index.lock`` and takes the lock after the call released it writes its stale
@@ -43,17 +52,22 @@ if TYPE_CHECKING:
 
 __all__ = ["KEPT_PREFIX", "kept_indexes", "stage_ahead", "settle_ahead", "settle_dead_ahead"]
 
-#: ``<git-dir>/index.oncepatch-base.<candidate>``: the index a call's staged index replaced.
+#: ``<git-dir>/index.oncepatch-base.<pid>.<candidate>``: the index a call's staged index replaced.
 KEPT_PREFIX = "index.oncepatch-base."
 
 
-def kept_indexes(git_dir: str) -> list[str]:
-    """The kept indexes in ``git_dir`` (at most one while ``index.lock`` is held by the call that kept it)."""
+def kept_indexes(git_dir: str, pid: int | None = None) -> list[str]:
+    """The kept indexes in ``git_dir`` (of process ``pid`` only, if given)."""
     try:
         names = os.listdir(git_dir)
     except OSError:
         return []
-    return sorted(os.path.join(git_dir, n) for n in names if n.startswith(KEPT_PREFIX))
+    want = KEPT_PREFIX if pid is None else f"{KEPT_PREFIX}{pid}."
+    return sorted(os.path.join(git_dir, n) for n in names if n.startswith(want))
+
+
+def _candidate_of(kept: str) -> str:
+    return os.path.basename(kept)[len(KEPT_PREFIX):].split(".", 1)[-1]
 
 
 def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry | None], candidate: str,
@@ -75,17 +89,23 @@ def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry |
 
     git_dir = lock.git_dir
     index = os.path.join(git_dir, "index")
-    kept = os.path.join(git_dir, KEPT_PREFIX + candidate)
+    pid = os.getpid()
+    kept = os.path.join(git_dir, f"{KEPT_PREFIX}{pid}.{candidate}")
     found = kept_indexes(git_dir)
+    own = [k for k in found if k.startswith(os.path.join(git_dir, f"{KEPT_PREFIX}{pid}."))]
     try:
-        if again and found:
-            if found != [kept]:
-                os.rename(found[0], kept)
+        for stale in found:
+            if again and stale in own:
+                continue
+            # Its index.lock was removed by hand, not broken (that settles it): the
+            # index has moved on since, and this is no longer the one to bring back.
+            os.unlink(stale)
+        if again:
+            if not own:
+                raise FileNotFoundError(f"the index kept for an earlier candidate is gone from '{git_dir}'")
+            if own != [kept]:
+                os.rename(own[0], kept)
         else:
-            for stale in found:
-                # Its index.lock was removed by hand, not broken (that settles it): the
-                # index has moved on since, and this is no longer the one to bring back.
-                os.unlink(stale)
             try:
                 os.link(index, kept)
             except FileNotFoundError:
@@ -99,31 +119,37 @@ def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry |
 
 
 def settle_ahead(git_dir: str, moved: bool, *, sync_index: bool = False) -> None:
-    """The branch moved (the staged index stays: the kept one is removed), or not (the kept one comes back).
+    """This process's staged index: the branch moved (it stays, the kept one goes), or not (the kept one comes back).
 
-    ``sync_index``: with ``moved``, sync the index first — it is still the
-    staged one, never synced (the files could not be written).
+    ``sync_index``: with ``moved``, sync the index and its folder first — it
+    is still the staged one, never synced (the files could not be written).
+    A kept index that cannot be removed after a move is left for the next
+    call's :func:`stage_ahead` (it removes kept indexes of other calls).
+
+    Raises:
+        OSError: with ``moved`` false, the kept index could not be put back.
     """
-    for kept in kept_indexes(git_dir):
+    for kept in kept_indexes(git_dir, os.getpid()):
         if moved:
-            if sync_index:
-                _fsync_file(os.path.join(git_dir, "index"))
-            os.unlink(kept)
+            with contextlib.suppress(OSError):
+                if sync_index:
+                    _fsync_file(os.path.join(git_dir, "index"))
+                    fsync_dir(git_dir)
+                os.unlink(kept)
         else:
             _restore(git_dir, kept)
 
 
-def settle_dead_ahead(git_dir: str) -> None:
-    """Settle what a dead call staged ahead in ``git_dir``'s index (its ``index.lock`` is about to be broken).
+def settle_dead_ahead(git_dir: str, pid: int) -> None:
+    """Settle what the dead call ``pid`` staged in ``git_dir``'s index (its ``index.lock`` is about to be broken).
 
     The kept index is removed only when the call's candidate is on the
     worktree's branch and the index is readable (a crash of the machine may
     leave the unsynced staged index torn); otherwise it comes back.
     """
-    for kept in kept_indexes(git_dir):
-        candidate = os.path.basename(kept)[len(KEPT_PREFIX):]
+    for kept in kept_indexes(git_dir, pid):
         index = os.path.join(git_dir, "index")
-        if _on_branch(git_dir, candidate) and _readable(index):
+        if _on_branch(git_dir, _candidate_of(kept)) and _readable(index):
             os.unlink(kept)
         else:
             _restore(git_dir, kept)
@@ -168,6 +194,8 @@ def _readable(index: str) -> bool:
 
     from cas.index_cache import _open_index
 
+    if not os.path.isfile(index):
+        return False  # libgit2 would open it as an empty index
     with contextlib.suppress(pygit2.GitError, OSError, ValueError):
         _open_index(index)
         return True

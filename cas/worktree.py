@@ -521,7 +521,7 @@ def break_dead_own_index_lock(index_lock: str) -> bool:
 
                 # The dead call's index may be staged ahead of a branch that never moved:
                 # the index it replaced comes back before anyone else may write it.
-                settle_dead_ahead(folder)
+                settle_dead_ahead(folder, int(head[len(INDEX_LOCK_MARK):].split()[0]))
                 os.unlink(index_lock)
         return True
     finally:

@@ -38,7 +38,9 @@ if TYPE_CHECKING:
     from typing import Any
     from receipts.states import Status
     from cas.objects import GitStore
+    from cas.worktree import IndexLock
     from patcher.stage import Staged, StagePlan
+    from patcher.worktrees import IndexesAhead
 
 __all__ = ["locked_apply", "open_store", "owner_info", "MAX_RESTAGE_ROUNDS", "WRITER_TURN_TIMEOUT", "PAUSE_ENV"]
 
@@ -305,6 +307,7 @@ def _execute(
             raise
         ahead = IndexesAhead(gstore, held, paths)
         materialised = False
+        moved: bool | None = None  # unknown until the swap returns
         try:
             # Race guarded: a 'git checkout' or 'git switch' (or a rebase ending) in
             # some worktree since the pre-check put the branch there or took it away.
@@ -336,9 +339,10 @@ def _execute(
                 # The move's syncs join the next round: a worktree's first (its files change
                 # only after the move is durable), and in any case the finalise batch's
                 # first (they end before the committed receipt is renamed).
-                # Each candidate is staged in the worktrees' indexes before the branch may move to it.
+                # The candidate is staged in the worktrees' indexes under the branch's lock, before it moves.
                 receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args,
                                              defer_sync=True, before_libgit2=write_marker, before_swap=ahead.stage)
+                moved = True
             finally:
                 # Reached on every outcome but a crash: our ref locks are released by now.
                 if marked:
@@ -361,11 +365,8 @@ def _execute(
                 _record_unknown(rstore, receipt, failed_sync)
                 raise failed_sync
         finally:
+            _settle_and_release(ahead, held, args.branch, materialised, moved)
             gstore.forget_recent()  # the worktrees were the last readers of this call's blobs
-            # Not released when this fails: the marked locks stay until recovery breaks
-            # them, and settles the staged indexes as a dead call's.
-            ahead.settle(args.branch, materialised)
-            release_index_locks(held)
     crash_point("after-materialise")
 
     _pause_point("before-finalise")
@@ -407,6 +408,35 @@ def _execute(
         raise
     return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
                        warnings=tuple(warnings))
+
+
+def _settle_and_release(ahead: IndexesAhead, held: dict[str, IndexLock], branch: str, materialised: bool,
+                        moved: bool | None) -> None:
+    """Settle the staged indexes (:class:`patcher.worktrees.IndexesAhead`), then release the index locks.
+
+    When an index cannot be put back, its lock stays held: released, git would
+    commit the staged entries on a branch that did not move.  A lock that stays
+    is settled as a dead call's once this process has ended (``recover``, or the
+    next call).  An error already on its way out is kept, with this one noted on it.
+
+    Raises:
+        GitStoreError: an index could not be settled, and no other error was raised.
+    """
+    import sys
+
+    from patcher.worktrees import release_index_locks
+
+    in_flight = sys.exc_info()[1]
+    try:
+        ahead.settle(branch, materialised, moved)
+    except Exception as exc:
+        note = (f"the index of a worktree could not be put back ({exc}); its index.lock stays held until "
+                f"this process ends, then 'oncepatch recover' settles it")
+        if in_flight is not None:
+            in_flight.add_note(note)
+            return
+        raise GitStoreError(note) from exc
+    release_index_locks(held)
 
 
 def _dirty_again(gstore: GitStore, worktrees: list[tuple[str, str]], branch: str, base: str | None,
@@ -476,7 +506,7 @@ def _move_refs(
     ``defer_sync``: the move's folder syncs are left to the next batch
     (:meth:`GitStore.take_unsynced`).  ``before_libgit2``: see
     :meth:`GitStore.compare_and_swap`.  ``before_swap``: called with the
-    candidate before each attempt (the first, and each after a re-stage).
+    candidate under the branch's lock, after the compare and the fence, before the move.
 
     Returns the receipt as last recorded (its base and candidate may have been
     re-staged) and the staged change that landed.
@@ -494,24 +524,33 @@ def _move_refs(
     candidate = receipt.candidate
     assert candidate is not None
     rounds = 0
-    while True:
+
+    def under_ref_lock() -> None:
+        # The fence is checked again under the branch's ref lock: between the
+        # caller's check and the swap this process may have been paused, its key
+        # lock broken and the key taken over (then the ref must not move).
+        _fence(rstore, key, token)
         if before_swap is not None:
+            assert candidate is not None
             try:
                 before_swap(candidate)
             except OncepatchError as exc:  # an index could not be staged: nothing has moved
-                exc.retryable, exc.effect_status, exc.next_action = True, "not_applied", "retry"
-                _reject(rstore, receipt.identity, call_id, key, receipt.args_sha256, receipt, args, exc, base,
-                        candidate)
-                raise
+                raise _NotStaged(exc) from exc
             crash_point("after-index-ahead")
+
+    while True:
         try:
-            # The fence is checked again under the branch's ref lock: between the
-            # caller's check and the swap this process may have been paused, its key
-            # lock broken and the key taken over (then the ref must not move).
             gstore.compare_and_swap(args.branch, base, candidate, f"oncepatch: {call_id}",
-                                    precondition=lambda: _fence(rstore, key, token), defer_sync=defer_sync,
+                                    precondition=under_ref_lock, defer_sync=defer_sync,
                                     before_libgit2=before_libgit2)
             break
+        except _NotStaged as failed:
+            err = failed.error
+            err.effect_status = "not_applied"
+            if isinstance(err, GitStoreError):  # an I/O failure, not the repository's state
+                err.retryable, err.next_action = True, "retry"
+            _reject(rstore, receipt.identity, call_id, key, receipt.args_sha256, receipt, args, err, base, candidate)
+            raise err from None
         except RefMovedError as moved:
             rounds += 1
             new_base = moved.actual
@@ -564,6 +603,14 @@ def _move_refs(
             _record_unknown(rstore, receipt, exc)
             raise
     return receipt, staged
+
+
+class _NotStaged(Exception):
+    """An index could not be staged under the branch's lock (the ref was not moved)."""
+
+    def __init__(self, error: OncepatchError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def _record_unknown(rstore: ReceiptStore, receipt: Receipt, exc: RefUpdateUnknown) -> None:

@@ -240,22 +240,27 @@ class IndexesAhead:
             if not stage_ahead(workdir, lock, changes, candidate, again=again):
                 del self._staged[workdir]  # no index there yet: the materialised files make the first
 
-    def settle(self, branch: str, materialised: bool) -> None:
-        """Keep the staged indexes if the branch is at the candidate now, else bring back those they replaced.
+    def settle(self, branch: str, materialised: bool, moved: bool | None) -> None:
+        """Keep the staged indexes if the branch moved to the candidate, else bring back those they replaced.
 
-        ``materialised``: the files and their index were written after the move
-        (else a kept staged index is synced first).
+        ``moved``: whether the swap moved the branch; ``None``: unknown (the
+        swap failed, maybe after its rename), then the branch is asked whether
+        the candidate is on it.  ``materialised``: the files and their index
+        were written after the move (else a kept staged index is synced first).
 
         Raises:
             OncepatchError, OSError: the branch could not be read or an index not
-                settled; the caller must then leave the index locks held (a
+                put back; the caller must then leave the index locks held (a
                 marked dead lock is settled by whoever breaks it).
         """
         from cas.index_ahead import settle_ahead
 
         if not self._staged:
             return
-        moved = self._gstore.resolve(branch) == self.candidate
+        if moved is None:
+            assert self.candidate is not None
+            tip = self._gstore.resolve(branch)
+            moved = tip is not None and (tip == self.candidate or self._gstore.is_ancestor(self.candidate, tip))
         for workdir in sorted(self._staged):
             settle_ahead(self._held[workdir].git_dir, moved, sync_index=not materialised)
         self._staged.clear()

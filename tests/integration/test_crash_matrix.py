@@ -14,9 +14,10 @@ Predicted outcomes:
   an orphan that ``--tmp-age 0`` removes.
 * ``after-prepare`` — not done: as above, the receipt ``rejected`` with
   ``retryable: true`` (``crashed_before_commit``).
-* ``after-index-ahead`` — not done, as ``after-prepare``: the index staged for
-  the candidate is replaced by the one it replaced, byte for byte, when
-  recover breaks the dead call's ``index.lock``.
+* ``after-index-ahead`` — not done, as ``after-prepare``: killed under the
+  branch's lock with the index staged for the candidate; recover removes the
+  branch's lock (it holds the candidate) and, as it breaks the dead call's
+  ``index.lock``, puts back the index the staged one replaced, byte for byte.
 * ``after-ref``, ``after-materialise``, ``before-receipt-replace`` — done: the
   branch is one commit ahead with the target tree, the key ref points at it,
   the receipt is ``committed`` naming it, and worktree + index match the commit

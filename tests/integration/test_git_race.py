@@ -173,7 +173,7 @@ def test_git_commit_that_read_the_index_during_the_move_commits_the_change(tmp_p
 
     The call is paused after its branch moved, holding ``index.lock``; ``git
     commit`` (a file of its own staged) reads the new HEAD and the index, and
-    strace holds its ``index.lock`` create for two seconds; the call resumes,
+    strace holds its ``index.lock`` create for five seconds; the call resumes,
     writes the files and releases the lock, then git takes it and commits what
     it read.  Had the index followed the branch, git would have read the old
     entry and committed a revert of the call's change on top of its commit.
@@ -193,7 +193,7 @@ def test_git_commit_that_read_the_index_during_the_move_commits_the_change(tmp_p
     log = tmp_path / "git.strace"
     git = subprocess.Popen([strace, "-f", "-qq", "-o", str(log), "-P", ".git/index",  # git opens it by this name
                             "-P", os.path.join(git_dir, "index.lock"), "-e", "trace=openat",
-                            "-e", "inject=openat:delay_enter=2000000:when=2", "git", "commit", "-q", "-m", "git side"],
+                            "-e", "inject=openat:delay_enter=5000000:when=2", "git", "commit", "-q", "-m", "git side"],
                            cwd=repo.path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + DEADLINE
     while b'index", O_RDONLY' not in (log.read_bytes() if log.exists() else b""):
@@ -205,8 +205,10 @@ def test_git_commit_that_read_the_index_during_the_move_commits_the_change(tmp_p
     assert code == 0 and doc["status"] == "committed", doc
     out, err = git.communicate(timeout=DEADLINE)
     trace = log.read_text()
-    if "(DELAYED)" not in trace:
+    delayed = [line for line in trace.splitlines() if "(DELAYED)" in line]
+    if not delayed:
         pytest.skip(f"strace could not delay git's index.lock here: {trace[-500:]}")
+    assert len(delayed) == 1 and "index.lock" in delayed[0], trace  # the index was read before, once
     assert git.returncode == 0, err.decode()
     assert repo.git("log", "--format=%s", "main").splitlines()[:2] == ["git side", "oncepatch: apply patch to f.txt"]
     assert repo.git("show", "main:f.txt") == "a\nB\nc\n"  # not reverted by git's commit
@@ -317,9 +319,10 @@ def test_an_index_that_cannot_be_staged_rejects_the_call_and_changes_nothing(tmp
     patch.write_bytes(PATCH_F)
     before = snapshot(repo)
     log = tmp_path / "apply.strace"
-    # The call's third link(): its index.lock twice (the dirty check, the move), then the kept index.
+    # The call's fourth link(): its index.lock twice (the dirty check, the move), the branch's lock,
+    # then, under it, the kept index.
     run = subprocess.run([strace, "-f", "-qq", "-o", str(log), "-e", "trace=link,linkat",
-                          "-e", "inject=link,linkat:error=EIO:when=3", sys.executable, "-m", "patcher.cli",
+                          "-e", "inject=link,linkat:error=EIO:when=4", sys.executable, "-m", "patcher.cli",
                           "apply", str(patch), "--repo", str(repo.path), "--json", "--key", "K"],
                          capture_output=True, text=True)
     failed = [line for line in log.read_text().splitlines() if "EIO" in line]
@@ -339,3 +342,71 @@ def test_an_index_that_cannot_be_staged_rejects_the_call_and_changes_nothing(tmp
     assert again.code == 0 and repo.git("show", "main:f.txt") == "a\nB\nc\n", again.out + again.err
     assert repo.git("status", "--porcelain") == ""
     assert os.path.exists(repo.path / ".git/index")
+
+
+def test_a_call_that_never_gets_the_branchs_lock_never_stages_the_index(tmp_path: Path) -> None:
+    """The branch's ref lock is held (by a git, say): the call gives up (exit 5) without ever staging the
+    index.  Staged before the lock, a ``git commit`` could have read the staged entries on the unmoved
+    branch and committed them as its own once the call put the index back and let go."""
+    import shutil
+    import sys
+
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed (apt-get install -y strace)")
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"})
+    (repo.path / ".git/refs/heads/main.lock").write_bytes(b"")
+    patch = tmp_path / "p.diff"
+    patch.write_bytes(PATCH_F)
+    before = snapshot(repo)
+    log = tmp_path / "apply.strace"
+    run = subprocess.run([strace, "-f", "-qq", "-o", str(log), "-e", "trace=link,linkat,rename,renameat,renameat2",
+                          sys.executable, "-m", "patcher.cli", "apply", str(patch), "--repo", str(repo.path),
+                          "--json", "--key", "K"], capture_output=True, text=True)
+    assert run.returncode == 5, run.stdout + run.stderr
+    trace = log.read_text()
+    assert "index.lock" in trace  # the call did get as far as the index locks
+    assert "index.oncepatch-base." not in trace and '/.git/index")' not in trace, trace
+    after = snapshot(repo)
+    assert after["index"] == before["index"] and after["worktree"] == before["worktree"]
+
+
+def test_the_branch_moved_past_the_candidate_keeps_the_materialised_index(tmp_path: Path) -> None:
+    """Between the move and the end of the call, something that takes no index lock (``git update-ref``)
+    moved the branch on past the candidate: the index the call wrote stays (the candidate is on the
+    branch); putting the kept one back would be a staged revert of the call's own change."""
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n", "o.txt": "o\n"})
+    proc = _paused_apply(repo, PATCH_F, at="after-ref")
+    candidate = repo.head("main")
+    child = _commit_beside(repo, candidate, {"f.txt": b"a\nB\nc\n", "o.txt": b"O\n"})
+    repo.git("update-ref", "refs/heads/main", child, candidate)
+    code, doc = _resume(proc)
+    assert code == 0 and doc["commit"] == candidate, doc
+    assert repo.git("diff", "--cached", "--name-only", "--", "f.txt") == ""  # index == HEAD for the call's path
+    assert (repo.path / "f.txt").read_text() == "a\nB\nc\n"
+    assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))
+
+
+def test_a_dead_lock_settles_only_its_own_kept_index(tmp_path: Path) -> None:
+    """A call killed with its index staged, its lock then removed by hand (as git's message says), the
+    user's own staging since: a later dead oncepatch lock of another pid, broken by the next call,
+    must not bring the first call's kept index back over the user's index."""
+    import socket
+
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n", "h.txt": "h\n"})
+    (repo.path / ".git/race.diff").write_bytes(PATCH_F)
+    crashed = run_cli(*apply_argv(repo, repo.path / ".git/race.diff", "K"), env={"ONCEPATCH_CRASH_AT": "after-index-ahead"})
+    assert crashed.code == 137, crashed.err
+    (repo.path / ".git/index.lock").unlink()
+    (repo.path / ".git/refs/heads/main.lock").unlink()
+    repo.git("reset", "-q")  # the user drops the staged entry
+    repo.write("g.txt", "new\n")
+    repo.git("add", "g.txt")  # and stages work of their own
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (repo.path / ".git/index.lock").write_bytes(f"oncepatch-index-lock {gone.pid} {socket.gethostname()}\n".encode())
+    (repo.path / ".git/h.diff").write_bytes(b"--- a/h.txt\n+++ b/h.txt\n@@ -1 +1 @@\n-h\n+H\n")
+    other = run_cli(*apply_argv(repo, repo.path / ".git/h.diff", "K2"))
+    assert other.code == 0, other.out + other.err
+    assert "A  g.txt" in repo.git("status", "--porcelain")  # the user's staging survived
+    assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))  # the stale kept index is gone
