@@ -433,6 +433,8 @@ def _settle_and_release(ahead: IndexesAhead, held: dict[str, IndexLock], branch:
         note = (f"the index of a worktree could not be put back ({exc}); its index.lock stays held until "
                 f"this process ends, then 'oncepatch recover' settles it")
         if in_flight is not None:
+            if isinstance(in_flight, OncepatchError):  # the envelope carries the message, not the notes
+                in_flight.message = f"{in_flight.message}; {note}"
             in_flight.add_note(note)
             return
         raise GitStoreError(note) from exc
@@ -531,6 +533,9 @@ def _move_refs(
         # lock broken and the key taken over (then the ref must not move).
         _fence(rstore, key, token)
         if before_swap is not None:
+            # Staged after the compare and the fence; only the reflog lines, the lock's
+            # sync and the rename follow.  Later, a crash would leave the reflog naming
+            # a candidate that never landed (cas.loose_refs writes it before the rename).
             assert candidate is not None
             try:
                 before_swap(candidate)
