@@ -26,9 +26,9 @@ The index it replaced is kept, hard-linked, as
 whether the branch moved (:func:`settle_ahead`): renamed back over ``index``
 when it did not (the ref's rename failed), removed when it did.  A call killed
 in between leaves it beside its marked ``index.lock``, and whoever breaks that
-lock settles the kept index of that lock's pid first (:func:`settle_dead_ahead`):
-it comes back unless the candidate is on the worktree's branch and the index
-is readable.
+lock settles the kept index of that lock's pid first (:func:`settle_ahead`
+with ``moved`` unknown): it comes back unless the candidate is on the
+worktree's branch and the index is readable.
 
 Not closed here: a ``git commit`` that read the index before the call took
 ``index.lock`` and takes the lock after the call released it writes its stale
@@ -43,14 +43,14 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from cas.durable import fsync_dir
+from cas.durable import fsync_all, fsync_dir
 from cas.errors import GitStoreError
 from cas.objects import TreeEntry
 
 if TYPE_CHECKING:
     from cas.worktree import IndexLock
 
-__all__ = ["KEPT_PREFIX", "kept_indexes", "stage_ahead", "settle_ahead", "settle_dead_ahead"]
+__all__ = ["KEPT_PREFIX", "kept_indexes", "stage_ahead", "settle_ahead"]
 
 #: ``<git-dir>/index.oncepatch-base.<pid>.<candidate>``: the index a call's staged index replaced.
 KEPT_PREFIX = "index.oncepatch-base."
@@ -70,17 +70,14 @@ def _candidate_of(kept: str) -> str:
     return os.path.basename(kept)[len(KEPT_PREFIX):].split(".", 1)[-1]
 
 
-def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry | None], candidate: str,
-                again: bool = False) -> bool:
+def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry | None], candidate: str) -> bool:
     """Set ``changes`` (path → the candidate's entry, ``None``: no file) in the index, keeping the index it replaces.
 
-    ``lock``: the worktree's ``index.lock``, held.  ``again``: the index is
-    staged already, for an earlier candidate of this call (the branch moved and
-    the change was re-staged): the index kept then stays the one kept.  The
-    new index is not synced: it only has to be seen until the index of the
-    materialised files replaces it, and a crash brings the kept one back.
-    Returns whether the index was staged (``False``: the worktree has no index
-    yet, and nothing was written).
+    ``lock``: the worktree's ``index.lock``, held.  Once per call: only the
+    branch's rename follows.  The new index is not synced: it only has to be
+    seen until the index of the materialised files replaces it, and a crash
+    brings the kept one back.  Returns whether the index was staged
+    (``False``: the worktree has no index yet, and nothing was written).
 
     Raises:
         GitStoreError: the index could not be written (the kept one is left for :func:`settle_ahead`).
@@ -88,71 +85,48 @@ def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry |
     from cas.worktree import update_index
 
     git_dir = lock.git_dir
-    index = os.path.join(git_dir, "index")
-    pid = os.getpid()
-    kept = os.path.join(git_dir, f"{KEPT_PREFIX}{pid}.{candidate}")
-    found = kept_indexes(git_dir)
-    own = [k for k in found if k.startswith(os.path.join(git_dir, f"{KEPT_PREFIX}{pid}."))]
+    kept = os.path.join(git_dir, f"{KEPT_PREFIX}{os.getpid()}.{candidate}")
     try:
-        for stale in found:
-            if again and stale in own:
-                continue
+        for stale in kept_indexes(git_dir):
             # Its index.lock was removed by hand, not broken (that settles it): the
             # index has moved on since, and this is no longer the one to bring back.
             os.unlink(stale)
-        if again:
-            if not own:
-                raise FileNotFoundError(f"the index kept for an earlier candidate is gone from '{git_dir}'")
-            if own != [kept]:
-                os.rename(own[0], kept)
-        else:
-            try:
-                os.link(index, kept)
-            except FileNotFoundError:
-                return False
+        try:
+            os.link(os.path.join(git_dir, "index"), kept)
+        except FileNotFoundError:
+            return False
     except OSError as exc:
         raise GitStoreError(f"cannot keep the index of '{workdir}' as '{kept}': {exc}") from exc
     removed = sorted(p for p, e in changes.items() if e is None)
     added = sorted(p for p, e in changes.items() if e is not None)
-    update_index(workdir, removed, added, held=lock, known=changes, unstat=set(added), defer_dir=[], sync=False)
+    update_index(workdir, removed, added, held=lock, known=changes, unstat=set(added), sync=False)
     return True
 
 
-def settle_ahead(git_dir: str, moved: bool, *, sync_index: bool = False) -> None:
-    """This process's staged index: the branch moved (it stays, the kept one goes), or not (the kept one comes back).
+def settle_ahead(git_dir: str, moved: bool | None, *, pid: int | None = None, sync_index: bool = False) -> None:
+    """The staged index of process ``pid`` (this one by default): kept if the branch moved, else the kept one back.
 
-    ``sync_index``: with ``moved``, sync the index and its folder first — it
-    is still the staged one, never synced (the files could not be written).
-    A kept index that cannot be removed after a move is left for the next
-    call's :func:`stage_ahead` (it removes kept indexes of other calls).
+    ``moved``: whether the branch moved to the candidate; ``None``: unknown
+    (the swap failed, maybe after its rename; a dead call), then the staged
+    index stays only when the candidate is on the worktree's branch and the
+    index is readable (a crash of the machine may leave the unsynced staged
+    index torn).  ``sync_index``: a staged index that stays is synced with its
+    folder first (the files could not be written after it).  A kept index
+    that cannot be removed is left for the next :func:`stage_ahead`.
 
     Raises:
-        OSError: with ``moved`` false, the kept index could not be put back.
+        OSError: the kept index could not be put back.
     """
-    for kept in kept_indexes(git_dir, os.getpid()):
-        if moved:
-            with contextlib.suppress(OSError):
-                if sync_index:
-                    _fsync_file(os.path.join(git_dir, "index"))
-                    fsync_dir(git_dir)
-                os.unlink(kept)
-        else:
+    index = os.path.join(git_dir, "index")
+    for kept in kept_indexes(git_dir, os.getpid() if pid is None else pid):
+        stays = moved if moved is not None else _on_branch(git_dir, _candidate_of(kept)) and _readable(index)
+        if not stays:
             _restore(git_dir, kept)
-
-
-def settle_dead_ahead(git_dir: str, pid: int) -> None:
-    """Settle what the dead call ``pid`` staged in ``git_dir``'s index (its ``index.lock`` is about to be broken).
-
-    The kept index is removed only when the call's candidate is on the
-    worktree's branch and the index is readable (a crash of the machine may
-    leave the unsynced staged index torn); otherwise it comes back.
-    """
-    for kept in kept_indexes(git_dir, pid):
-        index = os.path.join(git_dir, "index")
-        if _on_branch(git_dir, _candidate_of(kept)) and _readable(index):
+            continue
+        with contextlib.suppress(OSError):
+            if sync_index:
+                fsync_all([index, git_dir])
             os.unlink(kept)
-        else:
-            _restore(git_dir, kept)
 
 
 def _restore(git_dir: str, kept: str) -> None:
@@ -166,14 +140,6 @@ def _restore(git_dir: str, kept: str) -> None:
         return
     os.replace(kept, index)
     fsync_dir(git_dir)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _on_branch(git_dir: str, candidate: str) -> bool:

@@ -216,7 +216,7 @@ class _ParsedIndex:
                 os.close(fd)
 
         self.identity = None
-        _replace_index(self.git_dir, self.tmp, write, defer_dir)
+        _replace_index(self.git_dir, self.tmp, write, defer_dir, sync)
         self.identity = _identity(self.index_path)
 
 
@@ -356,7 +356,7 @@ class IndexSnapshot:
         _replace_index(self.git_dir, tmp,
                        lambda: _write_with_checksum(tmp, parts, state, hashed, previous.mode, also_sync, keep,
                                                     sync=sync),
-                       defer_dir)
+                       defer_dir, sync)
         if kept:  # renamed over the index under index.lock: that file is ours
             self._raw = kept[0]
             self.identity = kept[0].identity
@@ -372,12 +372,14 @@ def _tmp_path(git_dir: str) -> str:
     return os.path.join(git_dir, f"index{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
 
 
-def _replace_index(git_dir: str, tmp: str, write: Callable[[], None], defer_dir: list[str] | None = None) -> None:
+def _replace_index(git_dir: str, tmp: str, write: Callable[[], None], defer_dir: list[str] | None = None,
+                   sync: bool = True) -> None:
     """``write`` the synced new index to ``tmp``, rename it over ``index``, sync the folder.
 
     ``defer_dir``: the folder is appended to it instead of synced here; the
     caller syncs it in a round it makes anyway, before anything relies on the
     rename (the apply protocol: before the committed receipt).
+    ``sync``: ``False``, the folder is not synced at all (nor was the file).
 
     Raises:
         GitStoreError: nothing was renamed (``tmp`` removed), or the folder's sync failed.
@@ -386,9 +388,9 @@ def _replace_index(git_dir: str, tmp: str, write: Callable[[], None], defer_dir:
     try:
         write()
         os.replace(tmp, index_path)
-        if defer_dir is not None:
+        if sync and defer_dir is not None:
             defer_dir.append(git_dir)
-        else:
+        elif sync:
             fsync_dir(git_dir)
     except (OSError, pygit2.GitError, DurableWriteError) as exc:
         with contextlib.suppress(FileNotFoundError):

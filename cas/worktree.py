@@ -517,11 +517,11 @@ def break_dead_own_index_lock(index_lock: str) -> bool:
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(index_lock)
             if (st.st_dev, st.st_ino) == (read_id.st_dev, read_id.st_ino):
-                from cas.index_ahead import settle_dead_ahead
+                from cas.index_ahead import settle_ahead
 
                 # The dead call's index may be staged ahead of a branch that never moved:
                 # the index it replaced comes back before anyone else may write it.
-                settle_dead_ahead(folder, int(head[len(INDEX_LOCK_MARK):].split()[0]))
+                settle_ahead(folder, None, pid=int(head[len(INDEX_LOCK_MARK):].split()[0]))
                 os.unlink(index_lock)
         return True
     finally:

@@ -364,8 +364,12 @@ def _execute(
             if failed_sync is not None:  # the move's own sync failed in a worktree's round
                 _record_unknown(rstore, receipt, failed_sync)
                 raise failed_sync
+        except BaseException as exc:
+            _settle_and_release(ahead, held, materialised, moved, exc)
+            raise
+        else:
+            _settle_and_release(ahead, held, materialised, moved, None)
         finally:
-            _settle_and_release(ahead, held, args.branch, materialised, moved)
             gstore.forget_recent()  # the worktrees were the last readers of this call's blobs
     crash_point("after-materialise")
 
@@ -410,34 +414,32 @@ def _execute(
                        warnings=tuple(warnings))
 
 
-def _settle_and_release(ahead: IndexesAhead, held: dict[str, IndexLock], branch: str, materialised: bool,
-                        moved: bool | None) -> None:
+def _settle_and_release(ahead: IndexesAhead, held: dict[str, IndexLock], materialised: bool, moved: bool | None,
+                        failed: BaseException | None) -> None:
     """Settle the staged indexes (:class:`patcher.worktrees.IndexesAhead`), then release the index locks.
 
     When an index cannot be put back, its lock stays held: released, git would
     commit the staged entries on a branch that did not move.  A lock that stays
     is settled as a dead call's once this process has ended (``recover``, or the
-    next call).  An error already on its way out is kept, with this one noted on it.
+    next call).  ``failed``: the error the call is ending with; this one is
+    noted on it (in its message too, which the envelope carries).
 
     Raises:
-        GitStoreError: an index could not be settled, and no other error was raised.
+        GitStoreError: an index could not be settled, and the call had not failed.
     """
-    import sys
-
     from patcher.worktrees import release_index_locks
 
-    in_flight = sys.exc_info()[1]
     try:
-        ahead.settle(branch, materialised, moved)
+        ahead.settle(materialised, moved)
     except Exception as exc:
         note = (f"the index of a worktree could not be put back ({exc}); its index.lock stays held until "
                 f"this process ends, then 'oncepatch recover' settles it")
-        if in_flight is not None:
-            if isinstance(in_flight, OncepatchError):  # the envelope carries the message, not the notes
-                in_flight.message = f"{in_flight.message}; {note}"
-            in_flight.add_note(note)
-            return
-        raise GitStoreError(note) from exc
+        if failed is None:
+            raise GitStoreError(note) from exc
+        if isinstance(failed, OncepatchError):
+            failed.message = f"{failed.message}; {note}"
+        failed.add_note(note)
+        return
     release_index_locks(held)
 
 

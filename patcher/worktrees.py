@@ -209,17 +209,16 @@ def release_index_locks(held: dict[str, IndexLock]) -> None:
 class IndexesAhead:
     """The indexes of the worktrees on the branch, staged ahead of its move (:mod:`cas.index_ahead`), for one call.
 
-    Calling sequence: :meth:`stage` with the candidate before each attempt to
-    move the branch (again after a re-stage), then :meth:`settle` once, with
-    the index locks still held, whatever happened.
+    Calling sequence: :meth:`stage` once, with the candidate, under the
+    branch's lock just before it moves; then :meth:`settle` once, with the
+    index locks still held, whatever happened.
     """
 
     def __init__(self, gstore: GitStore, held: dict[str, IndexLock], paths: list[str]) -> None:
         self._gstore = gstore
         self._held = held
         self._paths = paths
-        self._staged: dict[str, str] = {}  # workdir -> the candidate its index shows
-        self.candidate: str | None = None
+        self._staged: list[str] = []  # the git dirs whose index shows the candidate (or may)
 
     def stage(self, candidate: str) -> None:
         """Stage ``candidate``'s entries of the touched paths in every held worktree's index.
@@ -229,40 +228,32 @@ class IndexesAhead:
         """
         from cas.index_ahead import stage_ahead
 
-        if not self._held or self.candidate == candidate:
+        assert not self._staged, "staged once per call"
+        if not self._held:
             return
         tree = self._gstore.commit_tree(candidate)
         changes: dict[str, TreeEntry | None] = {p: self._gstore.lookup_file(tree, p) for p in self._paths}
-        self.candidate = candidate
         for workdir, lock in sorted(self._held.items()):
-            again = workdir in self._staged
-            self._staged[workdir] = candidate  # before any write: settle() looks at it
-            if not stage_ahead(workdir, lock, changes, candidate, again=again):
-                del self._staged[workdir]  # no index there yet: the materialised files make the first
+            self._staged.append(lock.git_dir)  # before any write: settle() looks at it
+            if not stage_ahead(workdir, lock, changes, candidate):
+                self._staged.pop()  # no index there yet: the materialised files make the first
 
-    def settle(self, branch: str, materialised: bool, moved: bool | None) -> None:
+    def settle(self, materialised: bool, moved: bool | None) -> None:
         """Keep the staged indexes if the branch moved to the candidate, else bring back those they replaced.
 
-        ``moved``: whether the swap moved the branch; ``None``: unknown (the
-        swap failed, maybe after its rename), then the branch is asked whether
-        the candidate is on it.  ``materialised``: the files and their index
-        were written after the move (else a kept staged index is synced first).
+        ``moved``: whether the swap moved the branch; ``None``: unknown (see
+        :func:`cas.index_ahead.settle_ahead`).  ``materialised``: the files and
+        their index were written after the move (else a staged index that
+        stays is synced first).
 
         Raises:
-            OncepatchError, OSError: the branch could not be read or an index not
-                put back; the caller must then leave the index locks held (a
-                marked dead lock is settled by whoever breaks it).
+            OSError: an index could not be put back; the caller must then leave
+                the index locks held (a marked dead lock is settled by whoever breaks it).
         """
         from cas.index_ahead import settle_ahead
 
-        if not self._staged:
-            return
-        if moved is None:
-            assert self.candidate is not None
-            tip = self._gstore.resolve(branch)
-            moved = tip is not None and (tip == self.candidate or self._gstore.is_ancestor(self.candidate, tip))
-        for workdir in sorted(self._staged):
-            settle_ahead(self._held[workdir].git_dir, moved, sync_index=not materialised)
+        for git_dir in self._staged:
+            settle_ahead(git_dir, moved, sync_index=not materialised)
         self._staged.clear()
 
 
