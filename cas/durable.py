@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import errno
 import os
 import stat
+import sys
 from collections.abc import Callable, Iterable, Iterator
 
 from cas.errors import DurableWriteError, UnsafeWorktreePath
@@ -60,6 +62,7 @@ __all__ = [
     "make_dirs",
     "write_all",
     "write_new",
+    "exchange",
 ]
 
 #: Every tmp file this module creates has this in its name; cleanup only ever
@@ -686,3 +689,62 @@ def link_as_lock(tmp: str, lock: str) -> None:
 def write_all(fd: int, data: bytes | memoryview) -> None:
     """Write every byte of ``data`` to ``fd`` (looping on short writes)."""
     _write_all(fd, data)
+
+
+#: renameat2's flag for an atomic swap of two names (Linux 3.15; ext4, xfs, btrfs, tmpfs, overlayfs).
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+#: glibc's ``renameat2`` once looked up, and how its errno is read (``[]``: not yet; ``[None]``: not there).
+_RENAMEAT2: list[tuple[Callable[[int, bytes, int, bytes, int], int], Callable[[], int]] | None] = []
+
+
+def _renameat2() -> tuple[Callable[[int, bytes, int, bytes, int], int], Callable[[], int]] | None:
+    """glibc's ``renameat2`` and its errno reader, through cffi's backend or else ctypes; once.
+
+    cffi's backend is loaded already wherever pygit2 is (its bindings are
+    cffi's) and binds the function in microseconds; importing ctypes costs a
+    cold process milliseconds.
+    """
+    if not _RENAMEAT2:
+        found = None
+        if sys.platform.startswith("linux"):
+            try:
+                import _cffi_backend as ffi  # type: ignore[import-untyped]  # cffi's C module, which pygit2 requires
+
+                c_int, c_char = ffi.new_primitive_type("int"), ffi.new_primitive_type("char")
+                signature = ffi.new_function_type(
+                    (c_int, ffi.new_pointer_type(c_char), c_int, ffi.new_pointer_type(c_char),
+                     ffi.new_primitive_type("unsigned int")), c_int, False)
+                found = (ffi.load_library(None).load_function(signature, "renameat2"), ffi.get_errno)
+            except (ImportError, AttributeError, OSError, TypeError):
+                with contextlib.suppress(OSError, AttributeError, ImportError):
+                    import ctypes
+
+                    fn = ctypes.CDLL(None, use_errno=True).renameat2
+                    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                    fn.restype = ctypes.c_int
+                    found = (fn, ctypes.get_errno)
+        _RENAMEAT2.append(found)
+    return _RENAMEAT2[0]
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swap the files named ``a`` and ``b`` in one atomic step (``renameat2(RENAME_EXCHANGE)``).
+
+    Returns ``False``, having changed nothing, where the system or the
+    filesystem has no such call; the caller then renames.  Readers of ``b``
+    see its old file or ``a``'s, never neither.
+
+    Raises:
+        OSError: the swap failed otherwise (a name missing, ...).
+    """
+    found = _renameat2()
+    if found is None:
+        return False
+    fn, get_errno = found
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)

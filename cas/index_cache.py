@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import pygit2
 
-from cas.durable import TMP_MARK, fsync_all, fsync_dir, write_all
+from cas.durable import TMP_MARK, exchange, fsync_all, fsync_dir, write_all
 from cas.errors import DurableWriteError, GitStoreError, UsageError
 from cas.objects import TreeEntry
 
@@ -353,9 +353,13 @@ class IndexSnapshot:
             with contextlib.suppress(OSError, ValueError, Unsupported):
                 kept.append(RawIndex(tmp, written=(fd, previous, previous.edits)))
 
+        def mark(n: int, at: hashlib._Hash) -> None:
+            # The new file's first n bytes are the old file's: the next write from it starts there.
+            previous.written_prefix = (n, at)
+
         _replace_index(self.git_dir, tmp,
                        lambda: _write_with_checksum(tmp, parts, state, hashed, previous.mode, also_sync, keep,
-                                                    sync=sync),
+                                                    sync=sync, mark=mark),
                        defer_dir, sync)
         if kept:  # renamed over the index under index.lock: that file is ours
             self._raw = kept[0]
@@ -370,6 +374,10 @@ _NO_STAT = os.stat_result((0,) * 10 + (0.0, 0.0, 0.0, 0, 0, 0))
 def _tmp_path(git_dir: str) -> str:
     """Where a new index is written beside ``index`` (recovery removes it for a dead pid)."""
     return os.path.join(git_dir, f"index{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
+
+
+#: An unsynced index at least this big is swapped into place (:func:`cas.durable.exchange`), not renamed.
+_EXCHANGE_MIN = 1 << 20
 
 
 def _replace_index(git_dir: str, tmp: str, write: Callable[[], None], defer_dir: list[str] | None = None,
@@ -387,7 +395,15 @@ def _replace_index(git_dir: str, tmp: str, write: Callable[[], None], defer_dir:
     index_path = os.path.join(git_dir, "index")
     try:
         write()
-        os.replace(tmp, index_path)
+        if not sync and os.stat(tmp).st_size >= _EXCHANGE_MIN and exchange(tmp, index_path):
+            # A swap, not a rename over it: ext4 starts writing out a file renamed over
+            # another (auto_da_alloc), and the branch's rename that follows would wait
+            # behind those megabytes; swapped in unsynced, this one is replaced before
+            # it is ever written.
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # the old index (recovery removes a tmp file left by a dead pid)
+        else:
+            os.replace(tmp, index_path)
         if sync and defer_dir is not None:
             defer_dir.append(git_dir)
         elif sync:
@@ -413,24 +429,29 @@ _HASH_INLINE_MAX = 1 << 20
 
 def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hashlib._Hash, hashed: int,
                          mode: int, also_sync: list[str | int] | None = None,
-                         keep: Callable[[int], None] | None = None, *, sync: bool = True) -> None:
+                         keep: Callable[[int], None] | None = None, *, sync: bool = True,
+                         mark: Callable[[int, hashlib._Hash], None] | None = None) -> None:
     """Write ``parts`` and their SHA-1 to a new file ``path`` (permissions ``mode``) and fsync it; hashed while written.
 
     ``state`` is the SHA-1 state over the first ``hashed`` bytes of ``parts``.
     ``also_sync``: synced with the file's last sync (then emptied).
     ``keep``: given the file's descriptor once it is whole and synced.
     ``sync``: ``False`` writes without any fsync (``also_sync`` must be empty then).
+    ``mark``: given the length of the first part and a copy of the SHA-1 state over it
+    (when ``hashed`` does not go past it), before ``keep`` is called.
     """
     digest: list[bytes] = []
 
     def hash_parts() -> None:
         skip = hashed
-        for part in parts:
+        for i, part in enumerate(parts):
             if skip >= len(part):
                 skip -= len(part)
-                continue
-            state.update(part[skip:] if skip else part)
-            skip = 0
+            else:
+                state.update(part[skip:] if skip else part)
+                skip = 0
+            if i == 0 and mark is not None and skip == 0:
+                mark(len(part), state.copy())
         digest.append(state.digest())
 
     # A thread hashes while the file is written and its bulk synced; below

@@ -168,7 +168,10 @@ class RawIndex:
         self.data = data
         self._verified: bool | None = None
         self._hashed = threading.Event()
-        self._prefix: tuple[int, list[hashlib._Hash], threading.Thread] | None = None
+        # (offset, [SHA-1 state over the bytes before it], the thread computing it, or None once carried over)
+        self._prefix: tuple[int, list[hashlib._Hash], threading.Thread | None] | None = None
+        # Folders whose TREE node this file is known to hold invalidated (or not at all): written so here.
+        self._invalid: frozenset[bytes] = frozenset()
         self._ext: tuple[int, list[tuple[bytes, int, int]]] | None = None
         self._found: dict[str, int | None] = {}
         self._sorted: list[tuple[bytes, int]] = []  # (path, offset) of the entries found, by path
@@ -178,6 +181,9 @@ class RawIndex:
         self._stamped: list[int] = []  # offsets of the index's own mtime second
         self._scanned = False
         self.edits: list[tuple[int, int]] = []  # (offset, size) of what :meth:`updated` replaced
+        self.invalidated: frozenset[bytes] = frozenset()  # the folders :meth:`updated` invalidated
+        # (n, SHA-1 state over the new file's first n bytes, its own), set by whoever hashed it
+        self.written_prefix: tuple[int, hashlib._Hash] | None = None
         if written is not None:
             self._carry_over(*written[1:])
         elif len(data) < _THREADED_HASH:
@@ -189,6 +195,12 @@ class RawIndex:
         """Take what ``previous`` knew that still holds for this file, written from it with ``edits``."""
         self._verified = True
         self._hashed.set()
+        # The new file's TREE is the previous one's with these folders invalidated;
+        # its bytes before the first edit are the previous file's.
+        self._invalid = previous._invalid | previous.invalidated
+        if previous.written_prefix is not None:
+            upto, state = previous.written_prefix
+            self._prefix = (upto, [state], None)
         if len(previous._found) <= _CARRIED_PATHS:
             self._found = dict(previous._found)  # the entries did not move
             self._sorted = list(previous._sorted)
@@ -239,14 +251,32 @@ class RawIndex:
         """Start hashing the bytes before the first entry found, for the new file's checksum.
 
         The new file's checksum then starts from that state (see :meth:`updated`);
-        called once the lookups are done, it runs while the call prepares.
+        called once the lookups are done, it runs while the call prepares.  A
+        state carried over from the write that made this file (:meth:`_carry_over`)
+        is extended when it stops short of that entry, and replaced when it goes past it.
         """
         found = [e for e in self._found.values() if e is not None]
-        if not found or self._prefix is not None or len(self.data) < _THREADED_HASH:
+        if not found or len(self.data) < _THREADED_HASH:
             return
         upto = min(found)
+        base: tuple[int, hashlib._Hash] | None = None
+        if self._prefix is not None:
+            have, got, running = self._prefix
+            if running is not None or have == upto:
+                return
+            if have < upto and got:
+                base = (have, got[0])
         box: list[hashlib._Hash] = []
-        thread = threading.Thread(target=lambda: box.append(hashlib.sha1(memoryview(self.data)[:upto])), daemon=True)
+
+        def run() -> None:
+            if base is None:
+                box.append(hashlib.sha1(memoryview(self.data)[:upto]))
+                return
+            state = base[1].copy()
+            state.update(memoryview(self.data)[base[0]:upto])
+            box.append(state)
+
+        thread = threading.Thread(target=run, daemon=True)
         self._prefix = (upto, box, thread)
         thread.start()
 
@@ -529,11 +559,14 @@ class RawIndex:
                      if e not in ours and self._changed_file(workdir, e))
         edits.sort()
         self.edits = [(off, size) for off, size, _new in edits]
+        self.invalidated = frozenset(folders)
+        self.written_prefix = None
         first = edits[0][0] if edits else start
         state, hashed = hashlib.sha1(), 0
         if self._prefix is not None:
             upto, box, thread = self._prefix
-            thread.join()
+            if thread is not None:
+                thread.join()
             if upto <= first and box:
                 state, hashed = box[0].copy(), upto
         for off, size, new in edits:
@@ -544,7 +577,9 @@ class RawIndex:
         headers: list[tuple[bytes, int]] = []
         for sig, off, size in chain:
             if sig == b"TREE":
-                body = self._tree_invalidated(off, size, folders)
+                # Folders this file already holds invalidated: the walk would change nothing.
+                body = view[off + 8:off + 8 + size] if folders <= self._invalid \
+                    else self._tree_invalidated(off, size, folders)
                 parts.append(sig + len(body).to_bytes(4, "big"))
                 parts.append(body)
                 headers.append((sig, len(body)))

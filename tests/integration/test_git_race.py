@@ -139,6 +139,28 @@ def _resume(proc: subprocess.Popen[bytes]) -> tuple[int, Any]:
 
 PATCH_F = b"--- a/f.txt\n+++ b/f.txt\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n"
 
+#: Files enough for an index of more than 1 MiB, which is swapped into place when staged
+#: (``cas.index_cache._EXCHANGE_MIN``), where a small one is renamed.
+BULK_FILES = 7_000
+
+
+def _race_repo(path: Path, files: dict[str, str], index: str = "small") -> Repo:
+    """``make_repo``; with ``index="big"``, also ``BULK_FILES`` tracked files (an index above 1 MiB)."""
+    if index == "small":
+        return make_repo(path, files)
+    path.mkdir(parents=True)
+    for i in range(BULK_FILES):
+        folder = path / f"bulk/d{i % 70:02d}"
+        if i < 70:
+            folder.mkdir(parents=True)
+        (folder / f"{'long-name-' * 8}{i:05d}.txt").write_bytes(b"bulk\n")  # an entry of 168 bytes
+    repo = make_repo(path, files)
+    assert (path / ".git/index").stat().st_size > 1 << 20
+    return repo
+
+
+both_indexes = pytest.mark.parametrize("index", ["small", "big"])
+
 
 def test_a_checkout_onto_the_branch_while_the_call_runs_moves_nothing(tmp_path: Path) -> None:
     """Planned with the branch checked out nowhere, then 'git checkout main' before the move: had
@@ -168,7 +190,8 @@ def test_a_switch_away_from_the_branch_while_the_call_runs_moves_nothing(tmp_pat
     assert (repo.path / "f.txt").read_text() == "a\nb\nc\n"
 
 
-def test_git_commit_that_read_the_index_during_the_move_commits_the_change(tmp_path: Path) -> None:
+@both_indexes
+def test_git_commit_that_read_the_index_during_the_move_commits_the_change(tmp_path: Path, index: str) -> None:
     """``git commit`` reads HEAD and the index *before* it takes ``index.lock``.
 
     The call is paused after its branch moved, holding ``index.lock``; ``git
@@ -185,7 +208,7 @@ def test_git_commit_that_read_the_index_during_the_move_commits_the_change(tmp_p
     strace = shutil.which("strace")
     if strace is None:
         pytest.skip("strace is not installed (apt-get install -y strace)")
-    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"})
+    repo = _race_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"}, index)
     repo.write("g.txt", "git's own\n")
     repo.git("add", "g.txt")
     proc = _paused_apply(repo, PATCH_F, at="after-ref")
@@ -218,12 +241,13 @@ def test_git_commit_that_read_the_index_during_the_move_commits_the_change(tmp_p
     verify_ok(repo)
 
 
-def test_the_index_is_staged_before_the_branch_moves(tmp_path: Path) -> None:
+@both_indexes
+def test_the_index_is_staged_before_the_branch_moves(tmp_path: Path, index: str) -> None:
     """After the move, before the files: HEAD and the index agree on the touched path (git reads both freely)."""
     import os
     import signal
 
-    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n", "h.txt": "h\n"})
+    repo = _race_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n", "h.txt": "h\n"}, index)
     proc = _paused_apply(repo, PATCH_F, at="after-ref")
     try:
         assert repo.git("diff-index", "--cached", "--name-only", "main") == ""  # index == HEAD
@@ -240,6 +264,50 @@ def test_the_index_is_staged_before_the_branch_moves(tmp_path: Path) -> None:
     assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))
 
 
+def _can_exchange(folder: Path) -> bool:
+    """Whether this system and filesystem swap names (else the staged index is renamed, as a small one)."""
+    from cas.durable import exchange
+
+    a, b = folder / "xchg-a", folder / "xchg-b"
+    a.write_bytes(b"a")
+    b.write_bytes(b"b")
+    try:
+        return exchange(str(a), str(b))
+    finally:
+        a.unlink()
+        b.unlink()
+
+
+@both_indexes
+def test_a_big_staged_index_is_swapped_into_place_and_a_small_one_renamed(tmp_path: Path, index: str) -> None:
+    """A staged index above 1 MiB goes in by ``renameat2(RENAME_EXCHANGE)``: ext4 starts writing out a
+    file renamed over another, and the branch's rename would wait behind it.  The index with stat data
+    that follows is renamed, synced; nothing of either is left beside the index."""
+    import re
+    import shutil
+    import sys
+
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed (apt-get install -y strace)")
+    repo = _race_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"}, index)
+    patch = tmp_path / "p.diff"
+    patch.write_bytes(PATCH_F)
+    log = tmp_path / "apply.strace"
+    run = subprocess.run([strace, "-f", "-qq", "-o", str(log), "-e", "trace=rename,renameat,renameat2",
+                          sys.executable, "-m", "patcher.cli", "apply", str(patch), "--repo", str(repo.path),
+                          "--json", "--key", "K"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    into_index = [line for line in log.read_text().splitlines() if re.search(r'/\.git/index"', line)]
+    swapped = ["RENAME_EXCHANGE" in line for line in into_index]
+    assert swapped == ([_can_exchange(tmp_path), False] if index == "big" else [False, False]), into_index
+    assert all(line.rstrip().endswith("= 0") for line in into_index), into_index
+    assert repo.git("status", "--porcelain") == "" and repo.git("diff-files") == ""
+    assert repo.git("show", "main:f.txt") == "a\nB\nc\n"
+    left = [p.name for p in (repo.path / ".git").iterdir() if p.name.startswith("index") and p.name != "index"]
+    assert left == [], left
+
+
 def _commit_beside(repo: Repo, parent: str, files: dict[str, bytes]) -> str:
     """A commit on ``parent`` with a flat tree of ``files``, made without the index (for ``git update-ref``)."""
     lines = b"".join(b"100644 blob " + repo.git("hash-object", "-w", "--stdin", input=data).strip().encode()
@@ -248,10 +316,11 @@ def _commit_beside(repo: Repo, parent: str, files: dict[str, bytes]) -> str:
     return repo.git("commit-tree", "-p", parent, "-m", "elsewhere", tree).strip()
 
 
-def test_a_conflict_at_the_swap_brings_the_index_back_byte_for_byte(tmp_path: Path) -> None:
+@both_indexes
+def test_a_conflict_at_the_swap_brings_the_index_back_byte_for_byte(tmp_path: Path, index: str) -> None:
     """The branch moved (``git update-ref``, which takes no index lock) to a head the patch conflicts with:
     the index staged for the candidate is replaced by the one it replaced."""
-    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"})
+    repo = _race_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"}, index)
     base = repo.head()
     proc = _paused_apply(repo, PATCH_F)
     before = snapshot(repo)
@@ -280,10 +349,11 @@ def test_a_restage_at_the_swap_stages_the_new_candidate(tmp_path: Path) -> None:
     assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))
 
 
-def test_a_call_killed_with_its_index_staged_ahead_is_undone_by_the_next_call(tmp_path: Path) -> None:
+@both_indexes
+def test_a_call_killed_with_its_index_staged_ahead_is_undone_by_the_next_call(tmp_path: Path, index: str) -> None:
     """Killed after staging the index, before the move: the next call (another key) settles the dead call
     (rejected) and brings the index it replaced back before it takes the lock, then lands its own change."""
-    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n", "h.txt": "h\n"})
+    repo = _race_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n", "h.txt": "h\n"}, index)
     before = snapshot(repo)
     (repo.path / ".git/race.diff").write_bytes(PATCH_F)
     crashed = run_cli(*apply_argv(repo, repo.path / ".git/race.diff", "K"), env={"ONCEPATCH_CRASH_AT": "after-index-ahead"})

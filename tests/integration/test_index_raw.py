@@ -574,3 +574,62 @@ def test_a_written_index_ends_with_its_checksum_hashed_in_a_thread_or_inline(
     body = b"".join(bytes(p) for p in parts)
     assert path.read_bytes() == body + hashlib.sha1(body).digest()
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_staged_index_hands_its_checksum_prefix_and_cached_trees_to_the_next_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The protocol writes the index twice per call (staged without stat data, then with it): the second
+    write starts its checksum where the first left the old file's bytes, and does not walk the cached
+    trees again for folders the first invalidated.  Later calls, on paths before and after that point,
+    start their checksums from scratch and from the carried state; every file is one git accepts."""
+    import hashlib
+
+    files = {f"d{i % 40:02d}/e{i % 7}/f{i:05d}.txt": f"file {i}\n" for i in range(4000)}
+    repo = make_repo(tmp_path / "repo", files)
+    index = repo.path / ".git" / "index"
+    assert index.stat().st_size > 1 << 18  # big enough for the threaded prefix (index_raw._THREADED_HASH)
+    walks: list[set[bytes]] = []
+    real = RawIndex._tree_invalidated
+
+    def counted(self: RawIndex, off: int, size: int, folders: set[bytes]) -> bytes:
+        walks.append(set(folders))
+        return real(self, off, size, folders)
+
+    monkeypatch.setattr(RawIndex, "_tree_invalidated", counted)
+    snap = IndexSnapshot(str(repo.path / ".git"))
+    changes: dict[str, bytes] = {}
+
+    def call(path: str) -> int:
+        """One call's two writes of ``path``; returns where the second write's checksum started."""
+        data = f"changed {path} {len(changes)}\n".encode()
+        te = TreeEntry(git_blob_oid(data), 0o100644)
+        assert snap.entry(path) is not None and snap.confirm()
+        before = index.read_bytes()
+        snap.stage(str(repo.path), [], [(path, te)], {path})
+        snap.install(sync=False)
+        staged = index.read_bytes()
+        assert staged != before and hashlib.sha1(staged[:-20]).digest() == staged[-20:]
+        assert _debug_stat(repo, path)["size"] == "0"  # no stat data: git compares the content
+        (repo.path / path).write_bytes(data)
+        repo.git("hash-object", "-w", "--", path)
+        changes[path] = data
+        snap.stage(str(repo.path), [], [(path, te)])
+        assert snap._pending is not None
+        started = snap._pending[2]
+        snap.install()
+        written = index.read_bytes()
+        assert hashlib.sha1(written[:-20]).digest() == written[-20:]
+        assert written[:started] == staged[:started] == before[:started]
+        return started
+
+    middle = "d20/e6/f00020.txt"
+    offset = bytes(RawIndex(str(index)).data).index(middle.encode()) - 62
+    assert call(middle) == offset  # the whole prefix carried over: hashed from the entry on
+    assert len(walks) == 1 and b"d20/e6" in walks[0]  # the second write copied the cached trees
+    nodes = _tree_nodes(index)
+    assert nodes[""] == nodes["d20"] == nodes["d20/e6"] == -1 and nodes["d21"] >= 0
+    call("d01/e1/f00001.txt")  # before the carried point: hashed from the start again
+    call("d39/e2/f03999.txt")  # after it: the carried state extended
+    assert len(walks) == 3
+    _assert_like_git(repo, _reference(make_repo(tmp_path / "base", files), tmp_path, changes), changes)
+

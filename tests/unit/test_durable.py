@@ -746,3 +746,30 @@ def test_batch_in_open_folder_failure_leaves_nothing(tmp_path: Path, monkeypatch
             batch.commit()
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path / "a")) == ["keep"] and (tmp_path / "a" / "keep").read_bytes() == OLD
+
+
+@pytest.mark.parametrize("binding", ["cffi", "ctypes"])
+def test_exchange_swaps_two_names_or_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     binding: str) -> None:
+    """``renameat2(RENAME_EXCHANGE)``: both names stay, their files swap; a missing name changes nothing.
+    Bound through cffi's backend (loaded with pygit2) or, without it, ctypes."""
+    import sys
+
+    from cas.durable import exchange
+
+    monkeypatch.setattr(durable, "_RENAMEAT2", [])  # looked up again, by this binding
+    if binding == "ctypes":
+        monkeypatch.setitem(sys.modules, "_cffi_backend", None)  # its import fails
+    found = durable._renameat2()
+    if found is not None:
+        assert type(found[0]).__module__.startswith("ctypes") == (binding == "ctypes"), found
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"new")
+    b.write_bytes(b"old")
+    ino_a = a.stat().st_ino
+    if not exchange(str(a), str(b)):
+        pytest.skip("no renameat2(RENAME_EXCHANGE) on this system or filesystem")
+    assert (a.read_bytes(), b.read_bytes()) == (b"old", b"new") and b.stat().st_ino == ino_a
+    with pytest.raises(FileNotFoundError):
+        exchange(str(tmp_path / "missing"), str(b))
+    assert b.read_bytes() == b"new" and not (tmp_path / "missing").exists()
