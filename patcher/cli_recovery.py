@@ -51,6 +51,9 @@ def register(sub: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--tmp-age", type=seconds, default=600.0,
                    help="only remove leftovers older than this many seconds (default 600)")
+    p.add_argument("--jobs", type=at_least_one, default=None,
+                   help="worker processes for the first look at a large store (default: one per CPU; "
+                        "1 = no workers)")
 
     p = sub.add_parser("verify", help="prove every receipt matches its commits and files")
     add_common(p)
@@ -91,7 +94,7 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     adapters = _adapters(rstore, read_only=args.dry_run)
     git = adapters["apply_patch"]
     report = recover(rstore, adapters, dry_run=args.dry_run, tmp_age=args.tmp_age, progress=_progress,
-                     extra_cleanup=git.cleanup)
+                     extra_cleanup=git.cleanup, jobs=args.jobs or (os.cpu_count() or 1))
     doc = report.to_json()
     lines = [f"{'plan' if args.dry_run else 'recovered'}: {len(report.rows)} receipt(s) of {report.scanned}"]
     for r in report.rows:

@@ -171,6 +171,10 @@ def _record_settled(store: ReceiptStore, new: Receipt, hook: Callable[[], None] 
         store.record(new, "resolved", before_replace=hook, reason=reason, note=note)
 
 
+#: Below this many receipt files one process scans them faster than it starts workers.
+PARALLEL_MIN = 5000
+
+
 def recover(
     store: ReceiptStore,
     adapters: Mapping[str, EffectAdapter],
@@ -179,8 +183,16 @@ def recover(
     tmp_age: float = DEFAULT_TMP_AGE,
     progress: Callable[[int], None] | None = None,
     extra_cleanup: Callable[[ReceiptStore, bool, float], list[str]] | None = None,
+    jobs: int = 1,
+    parallel_min: int | None = None,
 ) -> RecoveryReport:
-    """Resolve every unresolved receipt and tidy the store (see the module docstring)."""
+    """Resolve every unresolved receipt and tidy the store (see the module docstring).
+
+    With ``jobs > 1``, from ``parallel_min`` receipt files on, worker
+    processes take the cheap first look at the files (:func:`_scan_chunk`):
+    everything else, every resolution and every write, is done here, in file
+    order, from the file read again; the report is the one a single process gives.
+    """
     use_fast_json()  # a scan: JSON speed matters
     report = RecoveryReport(dry_run=dry_run)
     if _ledger_tail_torn(store.ledger.path):
@@ -192,48 +204,122 @@ def recover(
             from receipts.receipt import now_iso
 
             store.ledger.append({"event": "ledger_repaired", "at": now_iso(), "reason": "torn_last_line"})
-    ledger_digests = {str(e.get("receipt_sha256")) for e in store.ledger.events()}
+    paths = store.receipt_paths()
+    if jobs > 1 and len(paths) >= max(1, PARALLEL_MIN if parallel_min is None else parallel_min):
+        looks, ledger_digests = _scan_parallel(store, paths, jobs)
+    else:
+        looks, ledger_digests = None, _ledger_digests(store)
     now = time.time()
-    for path, h, data in store.files():
-        report.scanned += 1
-        if progress is not None and report.scanned % 10000 == 0:
-            progress(report.scanned)
-        if isinstance(data, CorruptReceipt):
-            report.corrupt.append({"path": path, "reason": data.reason})
-            continue
-        # Cheap look first: a final receipt whose digest the ledger already holds, and
-        # which its digest shows unedited, needs nothing from recover (verify checks
-        # the rest).  Everything else is verified before anything is done with it.
+    for i, path in enumerate(paths):
+        h = os.path.basename(path)[:-5]
+        if looks is not None:
+            look = looks[i]
+            if look is None:
+                continue  # removed since the listing
+            if look and look in ledger_digests:
+                report.scanned += 1
+                _progress(report, progress)
+                continue
         try:
-            head = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            head = None
-        if (
-            isinstance(head, dict)
-            and head.get("status") in ("committed", "rejected")
-            and isinstance(head.get("receipt_sha256"), str)
-            and head["receipt_sha256"] in ledger_digests
-            and not head.get("warnings")
-            and written_as_is(head, h)
-        ):
+            data: bytes | CorruptReceipt = store.read_raw(path)
+        except FileNotFoundError:
             continue
-        try:
-            receipt = parse_receipt(data, path=path, expected_key_hash=h)
         except CorruptReceipt as exc:
-            report.corrupt.append({"path": path, "reason": exc.reason})
-            continue
-        if needs_resolution(receipt.status):
-            _resolve_one(store, receipt, adapters, report, dry_run)
-        elif receipt.status == "committed" and receipt.extra.get("warnings") and not dry_run:
-            _settle_again(store, receipt, adapters, report)
-        if not needs_resolution(receipt.status) and receipt.digest not in ledger_digests:
-            report.ledger_repaired.append(receipt.key)
-            if not dry_run:
-                store.ledger.append_receipt_event("recovered", receipt, reason="ledger_gap")
+            data = exc
+        report.scanned += 1
+        _progress(report, progress)
+        if looks is None and not isinstance(data, CorruptReceipt):
+            digest = _settled_digest(data, h)
+            if digest and digest in ledger_digests:
+                continue
+        _look_closer(store, adapters, report, dry_run, path, h, data, ledger_digests)
     report.removed += _cleanup(store, dry_run, tmp_age, now)
     if extra_cleanup is not None:
         report.removed += extra_cleanup(store, dry_run, tmp_age)
     return report
+
+
+def _progress(report: RecoveryReport, progress: Callable[[int], None] | None) -> None:
+    if progress is not None and report.scanned % 10000 == 0:
+        progress(report.scanned)
+
+
+def _ledger_digests(store: ReceiptStore) -> set[str]:
+    return {str(e.get("receipt_sha256")) for e in store.ledger.events()}
+
+
+def _settled_digest(data: bytes, h: str) -> str:
+    """The digest of a final receipt that its digest shows unedited, else ``""``: the cheap first look.
+
+    Such a receipt, once the ledger holds its digest, needs nothing from
+    recover (verify checks the rest).  Everything else is verified before
+    anything is done with it.
+    """
+    try:
+        head = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return ""
+    if (
+        isinstance(head, dict)
+        and head.get("status") in ("committed", "rejected")
+        and isinstance(head.get("receipt_sha256"), str)
+        and not head.get("warnings")
+        and written_as_is(head, h)
+    ):
+        return str(head["receipt_sha256"])
+    return ""
+
+
+def _scan_chunk(root: str, paths: list[str]) -> list[str | None]:
+    """Worker: :func:`_settled_digest` of each file (``""``: a closer look; ``None``: gone)."""
+    use_fast_json()
+    store = ReceiptStore(root)
+    out: list[str | None] = []
+    for path in paths:
+        try:
+            out.append(_settled_digest(store.read_raw(path), os.path.basename(path)[:-5]))
+        except FileNotFoundError:
+            out.append(None)
+        except CorruptReceipt:
+            out.append("")
+    return out
+
+
+def _scan_parallel(store: ReceiptStore, paths: list[str], jobs: int) -> tuple[list[str | None], set[str]]:
+    """The first look at ``paths`` over ``jobs`` worker processes, and the ledger's digests, read meanwhile."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn, not fork: the parent may hold libgit2 state and locks a fork would copy.
+    ctx = multiprocessing.get_context("spawn")
+    size = -(-len(paths) // jobs)
+    chunks = [paths[i:i + size] for i in range(0, len(paths), size)]
+    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=ctx) as pool:
+        futures = [pool.submit(_scan_chunk, store.root, chunk) for chunk in chunks]
+        digests = _ledger_digests(store)
+        looks = [look for f in futures for look in f.result()]
+    return looks, digests
+
+
+def _look_closer(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], report: RecoveryReport,
+                 dry_run: bool, path: str, h: str, data: bytes | CorruptReceipt, ledger_digests: set[str]) -> None:
+    """One receipt file past the first look: verified, then resolved, settled again or logged as needed."""
+    if isinstance(data, CorruptReceipt):
+        report.corrupt.append({"path": path, "reason": data.reason})
+        return
+    try:
+        receipt = parse_receipt(data, path=path, expected_key_hash=h)
+    except CorruptReceipt as exc:
+        report.corrupt.append({"path": path, "reason": exc.reason})
+        return
+    if needs_resolution(receipt.status):
+        _resolve_one(store, receipt, adapters, report, dry_run)
+    elif receipt.status == "committed" and receipt.extra.get("warnings") and not dry_run:
+        _settle_again(store, receipt, adapters, report)
+    if not needs_resolution(receipt.status) and receipt.digest not in ledger_digests:
+        report.ledger_repaired.append(receipt.key)
+        if not dry_run:
+            store.ledger.append_receipt_event("recovered", receipt, reason="ledger_gap")
 
 
 def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, EffectAdapter],

@@ -302,14 +302,20 @@ class ReceiptStore:
         """
         for path in self.receipt_paths():
             try:
-                data: bytes | CorruptReceipt = self._raw(path)
+                data: bytes | CorruptReceipt = self.read_raw(path)
             except FileNotFoundError:
                 continue
             except CorruptReceipt as exc:
                 data = exc
             yield path, os.path.basename(path)[:-5], data
 
-    def _raw(self, path: str) -> bytes:
+    def read_raw(self, path: str) -> bytes:
+        """The bytes of the receipt file ``path`` of this store, unparsed (a scan's raw input).
+
+        Raises:
+            FileNotFoundError: there is none.
+            CorruptReceipt: not a file a receipt can be read from, or in another shard's folder.
+        """
         h = os.path.basename(path)[:-5]
         if os.path.basename(os.path.dirname(path)) != h[:2]:
             raise CorruptReceipt(path, f"in the wrong folder (a receipt of key hash {h[:12]}… lives in '{h[:2]}')")
@@ -330,7 +336,7 @@ class ReceiptStore:
     def read_stored(self, path: str) -> StoredReceipt | None:
         """One receipt file by path (:meth:`parse_stored`); ``None`` if it is gone."""
         try:
-            data: bytes | CorruptReceipt = self._raw(path)
+            data: bytes | CorruptReceipt = self.read_raw(path)
         except FileNotFoundError:
             return None
         except CorruptReceipt as exc:
