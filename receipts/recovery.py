@@ -172,7 +172,7 @@ def _record_settled(store: ReceiptStore, new: Receipt, hook: Callable[[], None] 
 
 
 #: Below this many receipt files one process scans them faster than it starts workers.
-PARALLEL_MIN = 5000
+PARALLEL_MIN = 20000
 
 
 def recover(
