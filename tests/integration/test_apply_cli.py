@@ -509,7 +509,7 @@ def test_an_abbreviated_option_is_a_usage_error(repo: Repo, cli: Any) -> None:
     ("apply", "-", "--attempt", "0"), ("apply", "-", "--attempt", "-2"), ("apply", "-", "--lock-timeout", "-1"),
     ("apply", "-", "--lock-timeout", "nan"), ("apply", "-", "--check-timeout", "0"), ("apply", "-", "--store", ""),
     ("apply", "-", "--repo", ""), ("verify", "--jobs", "0"), ("verify", "--grace", "-5"),
-    ("watch", "--once", "--rescan", "0"), ("recover", "--store", ""),
+    ("watch", "--once", "--rescan", "0"), ("recover", "--store", ""), ("recover", "--jobs", "0"),
 ])
 def test_options_no_call_can_mean_are_usage_errors_and_change_nothing(repo: Repo, cli: Any,
                                                                       args: tuple[str, ...]) -> None:

@@ -78,3 +78,12 @@ def test_below_the_threshold_no_worker_is_started(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(recovery, "_scan_parallel", no_workers)
     doc = _run(repo, True, jobs=2)  # 11 files, PARALLEL_MIN far above
     assert doc["scanned"] == 11
+
+
+def test_the_cli_takes_jobs_and_gives_the_same_report(tmp_path: Path) -> None:
+    """``oncepatch recover --jobs N``: the same JSON whatever N (a small store: no workers either way)."""
+    repo = _mixed_store(tmp_path / "repo")
+    one = run_cli("recover", "--dry-run", "--json", "--jobs", "1", "--repo", str(repo.path))
+    two = run_cli("recover", "--dry-run", "--json", "--jobs", "2", "--repo", str(repo.path))
+    assert one.code == two.code == 6, one.out + one.err  # the torn receipt
+    assert one.json == two.json and one.json["rows"][0]["key"] == "k9x"
