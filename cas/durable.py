@@ -36,6 +36,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import errno
+import functools
 import os
 import stat
 import sys
@@ -694,38 +695,35 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
 #: renameat2's flag for an atomic swap of two names (Linux 3.15; ext4, xfs, btrfs, tmpfs, overlayfs).
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-#: glibc's ``renameat2`` once looked up, and how its errno is read (``[]``: not yet; ``[None]``: not there).
-_RENAMEAT2: list[tuple[Callable[[int, bytes, int, bytes, int], int], Callable[[], int]] | None] = []
-
-
+@functools.cache
 def _renameat2() -> tuple[Callable[[int, bytes, int, bytes, int], int], Callable[[], int]] | None:
-    """glibc's ``renameat2`` and its errno reader, through cffi's backend or else ctypes; once.
+    """glibc's ``renameat2`` and its errno reader, through cffi's backend or else ctypes; ``None``: not there.
 
     cffi's backend is loaded already wherever pygit2 is (its bindings are
     cffi's) and binds the function in microseconds; importing ctypes costs a
     cold process milliseconds.
     """
-    if not _RENAMEAT2:
-        found = None
-        if sys.platform.startswith("linux"):
-            try:
-                import _cffi_backend as ffi  # type: ignore[import-untyped]  # cffi's C module, which pygit2 requires
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import _cffi_backend as ffi  # type: ignore[import-untyped]  # cffi's C module, which pygit2 requires
 
-                c_int, c_char = ffi.new_primitive_type("int"), ffi.new_primitive_type("char")
-                signature = ffi.new_function_type(
-                    (c_int, ffi.new_pointer_type(c_char), c_int, ffi.new_pointer_type(c_char),
-                     ffi.new_primitive_type("unsigned int")), c_int, False)
-                found = (ffi.load_library(None).load_function(signature, "renameat2"), ffi.get_errno)
-            except (ImportError, AttributeError, OSError, TypeError):
-                with contextlib.suppress(OSError, AttributeError, ImportError):
-                    import ctypes
+        c_int, c_char = ffi.new_primitive_type("int"), ffi.new_primitive_type("char")
+        signature = ffi.new_function_type(
+            (c_int, ffi.new_pointer_type(c_char), c_int, ffi.new_pointer_type(c_char),
+             ffi.new_primitive_type("unsigned int")), c_int, False)
+        return ffi.load_library(None).load_function(signature, "renameat2"), ffi.get_errno
+    except (ImportError, AttributeError, OSError, TypeError):
+        pass
+    try:
+        import ctypes
 
-                    fn = ctypes.CDLL(None, use_errno=True).renameat2
-                    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-                    fn.restype = ctypes.c_int
-                    found = (fn, ctypes.get_errno)
-        _RENAMEAT2.append(found)
-    return _RENAMEAT2[0]
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError, ImportError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn, ctypes.get_errno
 
 
 def exchange(a: str, b: str) -> bool:

@@ -463,25 +463,26 @@ def index_lock_owner(index_lock: str) -> str | None:
     return fields[2].decode("utf-8", "surrogateescape") if len(fields) == 3 and fields[2] else None
 
 
-def _dead_own_mark(head: bytes) -> bool:
-    """Whether an ``index.lock`` starting with ``head`` was written by an oncepatch call on this host that is gone."""
+def _dead_own_pid(head: bytes) -> int | None:
+    """The pid of the oncepatch call on this host that wrote an ``index.lock`` starting with ``head``, if it is gone."""
     fields = head[len(INDEX_LOCK_MARK):].split() if head.startswith(INDEX_LOCK_MARK) else []
     if len(fields) < 2 or fields[1].decode("utf-8", "replace") != socket.gethostname():
-        return False  # not ours, or written elsewhere: its owner cannot be checked from here
+        return None  # not ours, or written elsewhere: its owner cannot be checked from here
     try:
-        os.kill(int(fields[0]), 0)
-        return False  # alive (or its pid reused: waiting is the safe side)
+        pid = int(fields[0])
+        os.kill(pid, 0)
+        return None  # alive (or its pid reused: waiting is the safe side)
     except ProcessLookupError:
-        return True
+        return pid
     except (ValueError, PermissionError):
-        return False
+        return None
 
 
 def dead_own_index_lock(index_lock: str) -> bool:
     """Whether ``index_lock`` is held by an oncepatch call on this host that is gone (nothing is removed)."""
     try:
         with open(index_lock, "rb") as fh:
-            return _dead_own_mark(fh.read(256))
+            return _dead_own_pid(fh.read(256)) is not None
     except (FileNotFoundError, NotADirectoryError):
         return False
 
@@ -512,7 +513,8 @@ def break_dead_own_index_lock(index_lock: str) -> bool:
             read_id = os.fstat(fd)
         finally:
             os.close(fd)
-        if not _dead_own_mark(head):
+        pid = _dead_own_pid(head)
+        if pid is None:
             return False
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(index_lock)
@@ -521,7 +523,7 @@ def break_dead_own_index_lock(index_lock: str) -> bool:
 
                 # The dead call's index may be staged ahead of a branch that never moved:
                 # the index it replaced comes back before anyone else may write it.
-                settle_ahead(folder, None, pid=int(head[len(INDEX_LOCK_MARK):].split()[0]))
+                settle_ahead(folder, None, pid=pid)
                 os.unlink(index_lock)
         return True
     finally:

@@ -220,12 +220,9 @@ def recover(
                 report.scanned += 1
                 _progress(report, progress)
                 continue
-        try:
-            data: bytes | CorruptReceipt = store.read_raw(path)
-        except FileNotFoundError:
-            continue
-        except CorruptReceipt as exc:
-            data = exc
+        data = store.read_raw(path)
+        if data is None:
+            continue  # removed since the listing
         report.scanned += 1
         _progress(report, progress)
         if looks is None and not isinstance(data, CorruptReceipt):
@@ -276,25 +273,22 @@ def _scan_chunk(root: str, paths: list[str]) -> list[str | None]:
     store = ReceiptStore(root)
     out: list[str | None] = []
     for path in paths:
-        try:
-            out.append(_settled_digest(store.read_raw(path), os.path.basename(path)[:-5]))
-        except FileNotFoundError:
+        data = store.read_raw(path)
+        if data is None:
             out.append(None)
-        except CorruptReceipt:
+        elif isinstance(data, CorruptReceipt):
             out.append("")
+        else:
+            out.append(_settled_digest(data, os.path.basename(path)[:-5]))
     return out
 
 
 def _scan_parallel(store: ReceiptStore, paths: list[str], jobs: int) -> tuple[list[str | None], set[str]]:
     """The first look at ``paths`` over ``jobs`` worker processes, and the ledger's digests, read meanwhile."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from receipts.workers import spawn_pool, split
 
-    # spawn, not fork: the parent may hold libgit2 state and locks a fork would copy.
-    ctx = multiprocessing.get_context("spawn")
-    size = -(-len(paths) // jobs)
-    chunks = [paths[i:i + size] for i in range(0, len(paths), size)]
-    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=ctx) as pool:
+    chunks = split(paths, jobs)
+    with spawn_pool(len(chunks)) as pool:
         futures = [pool.submit(_scan_chunk, store.root, chunk) for chunk in chunks]
         digests = _ledger_digests(store)
         looks = [look for f in futures for look in f.result()]

@@ -301,21 +301,24 @@ class ReceiptStore:
         can be read from (a symlink, a FIFO, a folder, one in another shard's folder).
         """
         for path in self.receipt_paths():
-            try:
-                data: bytes | CorruptReceipt = self.read_raw(path)
-            except FileNotFoundError:
-                continue
-            except CorruptReceipt as exc:
-                data = exc
-            yield path, os.path.basename(path)[:-5], data
+            data = self.read_raw(path)
+            if data is not None:
+                yield path, os.path.basename(path)[:-5], data
 
-    def read_raw(self, path: str) -> bytes:
+    def read_raw(self, path: str) -> bytes | CorruptReceipt | None:
         """The bytes of the receipt file ``path`` of this store, unparsed (a scan's raw input).
 
-        Raises:
-            FileNotFoundError: there is none.
-            CorruptReceipt: not a file a receipt can be read from, or in another shard's folder.
+        In place of the bytes, the error of a file a receipt cannot be read
+        from (see :meth:`files`); ``None`` when there is none.
         """
+        try:
+            return self._raw(path)
+        except FileNotFoundError:
+            return None
+        except CorruptReceipt as exc:
+            return exc
+
+    def _raw(self, path: str) -> bytes:
         h = os.path.basename(path)[:-5]
         if os.path.basename(os.path.dirname(path)) != h[:2]:
             raise CorruptReceipt(path, f"in the wrong folder (a receipt of key hash {h[:12]}… lives in '{h[:2]}')")
@@ -335,13 +338,8 @@ class ReceiptStore:
 
     def read_stored(self, path: str) -> StoredReceipt | None:
         """One receipt file by path (:meth:`parse_stored`); ``None`` if it is gone."""
-        try:
-            data: bytes | CorruptReceipt = self.read_raw(path)
-        except FileNotFoundError:
-            return None
-        except CorruptReceipt as exc:
-            data = exc
-        return self.parse_stored(path, os.path.basename(path)[:-5], data)
+        data = self.read_raw(path)
+        return None if data is None else self.parse_stored(path, os.path.basename(path)[:-5], data)
 
     def scan(self) -> Iterator[StoredReceipt]:
         """Every receipt file in the store, verified; corrupt ones are yielded with their error."""

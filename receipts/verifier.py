@@ -266,12 +266,9 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
     The receipts are handed out in ledger order (:func:`_in_call_order`).
     Failures are reported in file order, as with one process.
     """
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from receipts.workers import spawn_pool, split
 
-    # spawn, not fork: the parent may hold libgit2 state and locks a fork would copy.
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+    with spawn_pool(jobs) as pool:
         # The workers start and import while the ledger is read here.
         warm = [pool.submit(_warm_up, factory) for _ in range(jobs)]
         latest: dict[str, int] = {}
@@ -280,8 +277,7 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
         ordered = _in_call_order(paths, hashed, report.ledger_events)
         missing = _missing_receipts(store, paths, hashed)
         del latest, hashed  # not held while the workers run
-        size = -(-len(ordered) // jobs)
-        chunks = [ordered[i:i + size] for i in range(0, len(ordered), size)]
+        chunks = split(ordered, jobs)
         futures = [pool.submit(_verify_chunk, store.root, chunk, factory, grace) for chunk in chunks]
         for f in warm:
             f.result()

@@ -750,14 +750,15 @@ def test_batch_in_open_folder_failure_leaves_nothing(tmp_path: Path, monkeypatch
 
 @pytest.mark.parametrize("binding", ["cffi", "ctypes"])
 def test_exchange_swaps_two_names_or_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     binding: str) -> None:
+                                                     request: pytest.FixtureRequest, binding: str) -> None:
     """``renameat2(RENAME_EXCHANGE)``: both names stay, their files swap; a missing name changes nothing.
     Bound through cffi's backend (loaded with pygit2) or, without it, ctypes."""
     import sys
 
     from cas.durable import exchange
 
-    monkeypatch.setattr(durable, "_RENAMEAT2", [])  # looked up again, by this binding
+    durable._renameat2.cache_clear()  # looked up again, by this binding
+    request.addfinalizer(durable._renameat2.cache_clear)
     if binding == "ctypes":
         monkeypatch.setitem(sys.modules, "_cffi_backend", None)  # its import fails
     found = durable._renameat2()
