@@ -19,7 +19,6 @@ executes again).
 from __future__ import annotations
 
 import os
-import re
 
 from cas.hashing import sha256_hex
 from cas.record import record
@@ -37,7 +36,19 @@ TOOL = "apply_patch"
 TOOL_VERSION = "1"
 MAX_PATCH_BYTES = int(os.environ.get("ONCEPATCH_MAX_PATCH_BYTES", str(64 << 20)))
 
-_BAD_REF = re.compile(r"(^|/)\.|\.\.|[\x00-\x20~^:?*\[\\\x7f]|@\{|\.lock(/|$)|/$|//|^$")
+#: What ``git check-ref-format`` refuses in a branch name, as a pattern (for reference and the
+#: tests; :func:`bad_branch_name` checks it without ``re``, which a replay never imports):
+BAD_REF_PATTERN = r"(^|/)\.|\.\.|[\x00-\x20~^:?*\[\\\x7f]|@\{|\.lock(/|$)|/$|//|^$"
+_BAD_CHARS = frozenset(map(chr, range(0x21))) | frozenset("~^:?*[\\\x7f")
+
+
+def bad_branch_name(name: str) -> bool:
+    """Whether :data:`BAD_REF_PATTERN` finds anything in ``name`` (a branch name without ``refs/heads/``).
+
+    (The pattern's ``$`` also matches before a final newline, which is refused as a control anyway.)
+    """
+    return (not name or name.startswith(".") or name.endswith(("/", ".lock")) or "/." in name or ".." in name
+            or "@{" in name or ".lock/" in name or "//" in name or not _BAD_CHARS.isdisjoint(name))
 
 
 @record
@@ -75,7 +86,7 @@ def normalise_branch(branch: str | None, layout: GitLayout) -> str:
         branch = head
     if not branch.startswith("refs/"):
         branch = "refs/heads/" + branch
-    if not branch.startswith("refs/heads/") or _BAD_REF.search(branch[len("refs/heads/"):]):
+    if not branch.startswith("refs/heads/") or bad_branch_name(branch[len("refs/heads/"):]):
         raise UsageError(f"not a valid branch name: '{branch}'")
     return branch
 

@@ -9,128 +9,96 @@ progress go to stderr.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, UsageError
-from patcher.cli_common import add_common, at_least_one, positive_seconds, seconds, store_root
+from patcher.cli_common import COMMON_OPTIONS, at_least_one, positive_seconds, seconds, store_root
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
-    from typing import Any, NoReturn
+    import argparse
+    from typing import Any
+    from patcher.cli_common import Option
 
 __all__ = ["main", "build_parser"]
 
 
-class _Formatter(argparse.HelpFormatter):
-    """argparse's formatter with the terminal width found without importing shutil.
-
-    argparse makes a formatter for every ``add_argument`` (to check it), and the
-    stock one imports shutil for the width: 1.5 ms of every short command.
-    """
-
-    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
-                 width: int | None = None) -> None:
-        if width is None:
-            try:
-                width = int(os.environ["COLUMNS"])
-            except (KeyError, ValueError):
-                try:
-                    width = os.get_terminal_size(sys.__stdout__.fileno()).columns if sys.__stdout__ else 80
-                except (AttributeError, ValueError, OSError):
-                    width = 80
-            width -= 2
-        super().__init__(prog, indent_increment, max_help_position, width)
-
-
-@contextlib.contextmanager
-def _untranslated() -> Iterator[None]:
-    """argparse's own words in English, without gettext.
-
-    Every ``_()`` of argparse looks for message catalogues (importing
-    ``locale`` and trying a file per language): about 3 ms of a 40 ms replay.
-    oncepatch's own messages are English, so argparse's ("usage:", "the
-    following arguments are required") are kept in English with them.
-    """
-    saved = argparse._, argparse.ngettext  # type: ignore[attr-defined]
-    argparse._ = lambda message: message  # type: ignore[attr-defined]
-    argparse.ngettext = lambda singular, plural, n: singular if n == 1 else plural  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        argparse._, argparse.ngettext = saved  # type: ignore[attr-defined]
-
-
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        kw.setdefault("formatter_class", _Formatter)
-        # No abbreviations: '--js' would set --json for argparse while main() (which
-        # chooses the output before parsing) saw no '--json'.
-        kw.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kw)
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
+#: ``apply``'s own options (besides ``--repo``, ``--store``, ``--json`` and the patch): the
+#: parser is built from them, and so is the quick reading of a plain ``apply`` line.
+APPLY_OPTIONS: tuple[Option, ...] = (
+    (("--branch",), "branch", None, None, None, "target branch (default: the checked-out branch)"),
+    (("--key",), "key", None, None, None, "idempotency key (default: the call_id)"),
+    (("--contract-sha256",), "contract_sha256", None, None, None, "sha256 of the contract the call was made under"),
+    (("--attempt",), "attempt", 1, at_least_one, None, "attempt number: a new intent with the same patch"),
+    (("--format",), "format", "auto", None, None, "auto, unified, apply_patch, ..."),
+    (("--check",), "check", None, None, "CMD", "run CMD in a temporary worktree of the candidate"),
+    (("--check-timeout",), "check_timeout", 600.0, positive_seconds, None, "seconds before --check is stopped"),
+    (("--message", "-m"), "message", None, None, None, "commit subject (default: names the touched files)"),
+    (("--lock-timeout",), "lock_timeout", 30.0, seconds, None, "seconds to wait for the key's lock"),
+)
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The argument parser; with ``only``, just that command's subparser is filled in.
+    """The argument parser; with ``only``, just that command's subparser is filled in."""
+    from patcher.cli_parser import build_parser as build
 
-    argparse spends most of a short command's start-up building help text for
-    every subcommand, so a known command builds only its own.
+    return build(APPLY_OPTIONS, _EXTRA_COMMANDS, only)
+
+
+if TYPE_CHECKING:
+    from argparse import Namespace as _Args
+else:
+    class _Args:
+        """The parsed command line, as argparse's ``Namespace`` carries it (attributes only)."""
+
+        def __init__(self, **values: Any) -> None:
+            self.__dict__.update(values)
+
+
+def _plain_apply(argv: list[str]) -> _Args | None:
+    """``apply``'s arguments read without argparse, or ``None``: argparse then reads (and judges) them.
+
+    Read here: ``apply``, one patch (a file, or ``-``), and the options of
+    :data:`APPLY_OPTIONS` and :data:`~patcher.cli_common.COMMON_OPTIONS`
+    as ``--name VALUE`` or ``--name=VALUE``, each value converted as
+    argparse converts it.  Anything else — ``--help``, an unknown option, a
+    value that starts with ``-``, a second patch, a value its conversion
+    refuses — is argparse's to read, so its answers and messages stay the
+    only ones.  The result is what argparse gives for the same line
+    (``tests/unit/test_cli_args.py`` holds the two side by side).
     """
-    parser = _Parser(prog="oncepatch", description="apply patches to git effectively once")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    if only is not None:
-        sub = _OnlySubparsers(sub, only)  # type: ignore[assignment]
-
-    p = sub.add_parser("apply", help="apply a patch as one atomic commit, once per key")
-    add_common(p)
-    p.add_argument("patch", help="patch file, or - for standard input")
-    p.add_argument("--branch", default=None, help="target branch (default: the checked-out branch)")
-    p.add_argument("--key", default=None, help="idempotency key (default: the call_id)")
-    p.add_argument("--contract-sha256", default=None, help="sha256 of the contract the call was made under")
-    p.add_argument("--attempt", type=at_least_one, default=1, help="attempt number: a new intent with the same patch")
-    p.add_argument("--format", default="auto", help="auto, unified, apply_patch, ...")
-    p.add_argument("--check", default=None, metavar="CMD", help="run CMD in a temporary worktree of the candidate")
-    p.add_argument("--check-timeout", type=positive_seconds, default=600.0, help="seconds before --check is stopped")
-    p.add_argument("--message", "-m", default=None, help="commit subject (default: names the touched files)")
-    p.add_argument("--lock-timeout", type=seconds, default=30.0, help="seconds to wait for the key's lock")
-
-    p = sub.add_parser("status", help="the verified receipt of a key or call_id")
-    add_common(p)
-    p.add_argument("key")
-
-    p = sub.add_parser("log", help="the event ledger")
-    add_common(p)
-    p.add_argument("--limit", type=int, default=None, help="only the last N events")
-
-    for register in _EXTRA_COMMANDS:
-        register(sub)
-    return parser
-
-
-class _NullParser:
-    """Stands in for the subparsers of commands not invoked: every call does nothing."""
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kw: self
-
-
-class _OnlySubparsers:
-    """Wraps argparse's subparsers action: ``add_parser`` builds the named command only."""
-
-    def __init__(self, sub: Any, only: str) -> None:
-        self._sub = sub
-        self._only = only
-
-    def add_parser(self, name: str, **kw: Any) -> argparse.ArgumentParser:
-        if name == self._only:
-            return self._sub.add_parser(name, **kw)  # type: ignore[no-any-return]
-        return _NullParser()  # type: ignore[return-value]  # filled in, then dropped
+    if not argv or argv[0] != "apply":
+        return None
+    options = {flag: option for option in COMMON_OPTIONS + APPLY_OPTIONS for flag in option[0]}
+    values: dict[str, Any] = {option[1]: option[2] for option in options.values()}
+    values.update(command="apply", json=False, patch=None)
+    rest = iter(argv[1:])
+    for arg in rest:
+        if arg == "--json":
+            values["json"] = True
+            continue
+        if arg in options:
+            flag, value = arg, next(rest, None)
+        elif arg.startswith("--") and arg.partition("=")[0] in options:
+            flag, _, value = arg.partition("=")
+        elif arg.startswith("-") and arg != "-" or values["patch"] is not None:
+            return None
+        else:
+            values["patch"] = arg
+            continue
+        if value is None or value.startswith("-"):
+            return None
+        _flags, dest, _default, kind, _metavar, _help = options[flag]
+        try:
+            # Every occurrence converted, as argparse converts each (the last one wins).
+            values[dest] = kind(value) if kind is not None else value
+        except Exception:  # noqa: BLE001 - refused: argparse reads the line again and reports it
+            return None
+    if values["patch"] is None:
+        return None
+    return _Args(**values)
 
 
 #: Commands defined in other modules (recover, verify, watch, ...): each module has
@@ -248,8 +216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from receipts.jsonio import keep_lean
 
             keep_lean()  # one call, then exit: start-up counts more than JSON speed
-        with _untranslated():
-            args = build_parser(command if known else None).parse_args(argv)
+        args = _plain_apply(argv) if command == "apply" else None
+        if args is None:
+            from patcher.cli_parser import untranslated
+
+            with untranslated():
+                args = build_parser(command if known else None).parse_args(argv)
         code, doc, text = _HANDLERS[args.command](args)
     except OncepatchError as exc:
         doc = {"ok": False, "error": exc.envelope()}

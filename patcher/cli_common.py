@@ -1,11 +1,26 @@
-"""Pieces shared by the CLI's command modules (no pygit2)."""
+"""Pieces shared by the CLI's command modules (no pygit2, and no argparse until a parser is built)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 
-__all__ = ["add_common", "store_root", "seconds", "positive_seconds", "at_least_one", "path_given"]
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable
+    from typing import Any, NoReturn
+
+    #: (flags, dest, default, type, metavar, help) of one option that takes a value
+    Option = tuple[tuple[str, ...], str, Any, Callable[[str], Any] | None, str | None, str]
+
+__all__ = ["COMMON_OPTIONS", "add_common", "add_options", "store_root", "seconds", "positive_seconds",
+           "at_least_one", "path_given"]
+
+
+def _refuse(message: str) -> NoReturn:
+    from argparse import ArgumentTypeError  # only when a value is refused: argparse then reports it
+
+    raise ArgumentTypeError(message)
 
 
 def seconds(text: str, *, zero: bool = True) -> float:
@@ -13,9 +28,9 @@ def seconds(text: str, *, zero: bool = True) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        _refuse(f"not a number of seconds: {text!r}")
     if not (value >= 0 if zero else value > 0):  # (NaN neither)
-        raise argparse.ArgumentTypeError(f"must be {'0 or more' if zero else 'more than 0'} seconds: {text!r}")
+        _refuse(f"must be {'0 or more' if zero else 'more than 0'} seconds: {text!r}")
     return value
 
 
@@ -29,23 +44,37 @@ def at_least_one(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        _refuse(f"not an integer: {text!r}")
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+        _refuse(f"must be at least 1: {text!r}")
     return value
 
 
 def path_given(text: str) -> str:
     """An argparse type: a path that is not empty."""
     if not text:
-        raise argparse.ArgumentTypeError("must be a path, not empty (leave the option out for the default)")
+        _refuse("must be a path, not empty (leave the option out for the default)")
     return text
 
 
+#: The options every command takes that have a value (``--json`` is the common flag).
+COMMON_OPTIONS: tuple[Option, ...] = (
+    (("--repo",), "repo", ".", path_given, None, "repository (default: the current folder)"),
+    (("--store",), "store", None, path_given, None,
+     "receipt store (default: $ONCEPATCH_STORE or <git-common-dir>/oncepatch)"),
+)
+
+
+def add_options(p: argparse.ArgumentParser, options: tuple[Option, ...]) -> None:
+    for flags, dest, default, kind, metavar, help_ in options:
+        extra: dict[str, Any] = {"type": kind} if kind is not None else {}
+        if metavar is not None:
+            extra["metavar"] = metavar
+        p.add_argument(*flags, dest=dest, default=default, help=help_, **extra)
+
+
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--repo", default=".", type=path_given, help="repository (default: the current folder)")
-    p.add_argument("--store", default=None, type=path_given,
-                   help="receipt store (default: $ONCEPATCH_STORE or <git-common-dir>/oncepatch)")
+    add_options(p, COMMON_OPTIONS)
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
 
@@ -58,5 +87,3 @@ def store_root(args: argparse.Namespace) -> str:
     if os.environ.get("ONCEPATCH_STORE"):
         return os.path.abspath(os.environ["ONCEPATCH_STORE"])
     return store_root_for(discover(str(args.repo)).common_dir)
-
-

@@ -8,7 +8,6 @@ Each test is specific: see ``docs/FORMATS.md`` ("Detection").
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 from receipts import jsonio
@@ -27,14 +26,47 @@ __all__ = [
     "looks_whole_file",
 ]
 
-_UNIFIED = re.compile(rb"^diff --git |^diff --cc |^diff --combined |^--- [^\n]*\n\+\+\+ [^\n]*\n@@ -",
-                      re.MULTILINE)  # (combined diffs are unified, refused by its parser by name)
-_ENVELOPE = re.compile(
-    rb"\A\s*(?:(?:(?:apply_patch|applypatch)\s+)?<<-?\s*['\"]?[A-Za-z_][A-Za-z0-9_]*['\"]?[ \t]*\r?\n\s*)?"
-    rb"\*\*\* Begin Patch[ \t]*(?:\r?\n|\Z)"
-)
-_SEARCH = re.compile(rb"^<{5,9} SEARCH>?[ \t]*\r?$", re.MULTILINE)
-_REPLACE = re.compile(rb"^>{5,9} REPLACE[ \t]*\r?$", re.MULTILINE)
+#: The patterns each test is, in full.  They are compiled when a patch needs them: the
+#: cheap checks in each test settle what agents send without them (a replay's start-up
+#: then imports no ``re``; docs/DECISIONS.md).
+_PATTERNS: dict[str, tuple[bytes, int]] = {
+    # (combined diffs are unified, refused by its parser by name)
+    "unified": (rb"^diff --git |^diff --cc |^diff --combined |^--- [^\n]*\n\+\+\+ [^\n]*\n@@ -", 8),
+    "envelope": (rb"\A\s*(?:(?:(?:apply_patch|applypatch)\s+)?<<-?\s*['\"]?[A-Za-z_][A-Za-z0-9_]*['\"]?[ \t]*\r?\n\s*)?"
+                 rb"\*\*\* Begin Patch[ \t]*(?:\r?\n|\Z)", 0),
+    "search": (rb"^<{5,9} SEARCH>?[ \t]*\r?$", 8),
+    "replace": (rb"^>{5,9} REPLACE[ \t]*\r?$", 8),
+}
+_compiled: dict[str, Any] = {}
+
+
+def _pattern(name: str) -> Any:
+    """The compiled ``re`` pattern of :data:`_PATTERNS` (8 is ``re.MULTILINE``)."""
+    found = _compiled.get(name)
+    if found is None:
+        import re
+
+        source, flags = _PATTERNS[name]
+        found = _compiled[name] = re.compile(source, flags)
+    return found
+
+
+#: What ``\s`` matches in a bytes pattern, and what ``bytes.strip()`` strips.
+_SPACE = b" \t\n\r\x0b\x0c"
+_DIFF_LINES = (b"diff --git ", b"diff --cc ", b"diff --combined ")
+
+
+def _unified_at_start(data: bytes) -> bool:
+    """The second alternative of the unified pattern at offset 0: ``---``, ``+++``, ``@@ -`` lines."""
+    if not data.startswith(b"--- "):
+        return False
+    first = data.find(b"\n")
+    if first < 0 or not data.startswith(b"+++ ", first + 1):
+        return False
+    second = data.find(b"\n", first + 1)
+    return second >= 0 and data.startswith(b"@@ -", second + 1)
+
+
 #: Keys of whole-file items, and of str_replace items: an item with both kinds is neither.
 WHOLE_KEYS = frozenset({"content", "content_b64", "delete", "mode"})
 EDIT_KEYS = frozenset({"old", "new", "old_str", "new_str"})
@@ -56,17 +88,29 @@ def json_items(data: bytes) -> list[Any] | None:
 
 def looks_unified(data: bytes) -> bool:
     """A ``diff --git`` line, or ``---``/``+++``/``@@ -`` on three consecutive lines."""
-    return _UNIFIED.search(data) is not None
+    if data.startswith(_DIFF_LINES) or _unified_at_start(data):
+        return True  # where git diff and diff -u output begin
+    if b"\ndiff --" not in data and not (b"\n+++ " in data and b"\n@@ -" in data):
+        return False  # no line could start a match
+    return _pattern("unified").search(data) is not None
 
 
 def looks_envelope(data: bytes) -> bool:
     """``*** Begin Patch`` is the first non-blank line (or the one after a heredoc line)."""
-    return _ENVELOPE.match(data) is not None
+    text = data.lstrip(_SPACE)
+    if text.startswith(b"*** Begin Patch"):  # the pattern without its heredoc line, exactly
+        rest = text[len(b"*** Begin Patch"):].lstrip(b" \t")
+        return not rest or rest.startswith((b"\n", b"\r\n"))
+    if not text.startswith((b"apply_patch", b"applypatch", b"<<")) or b"*** Begin Patch" not in text:
+        return False  # no heredoc line could come first
+    return _pattern("envelope").match(data) is not None
 
 
 def looks_search_replace(data: bytes) -> bool:
     """A ``<<<<<<< SEARCH`` line and a ``>>>>>>> REPLACE`` line, each at the start of a line."""
-    return _SEARCH.search(data) is not None and _REPLACE.search(data) is not None
+    if b"<<<<< SEARCH" not in data or b">>>>> REPLACE" not in data:
+        return False
+    return _pattern("search").search(data) is not None and _pattern("replace").search(data) is not None
 
 
 def looks_str_replace(data: bytes) -> bool:

@@ -20,7 +20,6 @@ States: ``prepared`` → ``committed`` | ``rejected`` | ``unknown``
 
 from __future__ import annotations
 
-import re
 import sys
 import time as _time
 
@@ -275,7 +274,8 @@ def _fast_hashes(body: dict[str, Any]) -> tuple[str, str, str] | None:
         # Integers beyond ±(2^53-1) and lone surrogates make orjson raise.
         opt = orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER
         text = orjson.dumps(body, option=opt)
-        if _OUTSIDE_FAST.search(text) or _FLOAT.search(_outside_strings(text)):
+        outside_fast, _string, float_ = _scan_patterns()
+        if outside_fast.search(text) or float_.search(_outside_strings(text)):
             return None  # characters at or above U+E000 anywhere, or a float: the checked walk decides
         identity = body["identity"]
         return (sha256_hex(text),
@@ -285,18 +285,31 @@ def _fast_hashes(body: dict[str, Any]) -> tuple[str, str, str] | None:
         return None
 
 
-#: UTF-8 lead bytes of U+E000 and above (where code-point order may differ from UTF-16 order).
-_OUTSIDE_FAST = re.compile(rb"[\xee-\xf4]")
-#: A JSON string in compact text (escapes included), and a float once strings are emptied.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_FLOAT = re.compile(rb"[0-9][.eE]")
+_patterns: tuple[Any, Any, Any] | None = None
+
+
+def _scan_patterns() -> tuple[Any, Any, Any]:
+    """Compiled when a scan first needs them (a replay, which never does, imports no ``re``).
+
+    UTF-8 lead bytes of U+E000 and above (where code-point order may differ from
+    UTF-16 order); a JSON string in compact text (escapes included); a float
+    once strings are emptied.
+    """
+    global _patterns
+    if _patterns is None:
+        import re
+
+        _patterns = (re.compile(rb"[\xee-\xf4]"), re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"'),
+                     re.compile(rb"[0-9][.eE]"))
+    return _patterns
 
 
 def _outside_strings(text: bytes) -> bytes:
     """``text`` (compact JSON) without the contents of its strings."""
     if b"\\" not in text:  # no escapes, so every '"' delimits a string: a split is enough
         return b"".join(text.split(b'"')[0::2])
-    return _STRING.sub(b'""', text)
+    emptied: bytes = _scan_patterns()[1].sub(b'""', text)
+    return emptied
 
 
 def _checked_hashes(body: dict[str, Any], stored_digest: str, doc: dict[str, Any], path: str) -> dict[str, Any]:

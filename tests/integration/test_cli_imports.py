@@ -18,7 +18,8 @@ try:
 except SystemExit:
     pass
 heavy = ("pygit2", "_hashlib", "hashlib", "orjson", "filelock", "ssl", "typing", "threading", "dataclasses", "inspect",
-         "datetime", "secrets", "socket", "concurrent.futures", "patcher.execute", "patcher.model", "patcher.paths")
+         "datetime", "secrets", "socket", "concurrent.futures", "patcher.execute", "patcher.model", "patcher.paths",
+         "re", "enum", "json", "argparse", "gettext")
 sys.stderr.write("LOADED " + repr(sorted(m for m in heavy if m in sys.modules)) + "\\n")
 """
 
@@ -44,5 +45,7 @@ def test_apply_loads_no_orjson_and_a_replay_neither_libgit2_nor_openssl(tmp_path
     assert again["replayed"] is True and again["commit"] == first["commit"]
     # The receipt is read, checked and printed with the interpreter alone: none of the modules a cold
     # start avoids (docs/DECISIONS.md), typing (2-4 ms) and threading (the fsync pool's) among them;
-    # nor the protocol's execution, nor the patch model and the path checks (the format is only detected).
+    # nor the protocol's execution, nor the patch model and the path checks (the format is only detected);
+    # nor re and enum (the format's detection and the branch's check need no pattern for such a patch),
+    # json (receipts are read and printed through _json), argparse (a plain apply line is read without it).
     assert mods == [], mods

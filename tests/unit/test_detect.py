@@ -87,3 +87,43 @@ def test_a_combined_diff_is_detected_as_unified_and_refused_by_name() -> None:
     assert detect(cc) == "unified"
     with pytest.raises(UnsupportedPatch, match="combined diffs are not supported"):
         parse_patch(cc, detect(cc))
+
+
+# -- the cheap checks decide exactly as the full patterns do ---------------------------------------
+
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from patcher import detection  # noqa: E402
+
+# Pieces the patterns look for, and what sits near them, joined in any order: the generated
+# inputs reach every branch of the cheap checks (and the patterns' corners: \s, \r, heredocs).
+_PIECES = [b"diff --git ", b"diff --cc ", b"diff --combined ", b"diff --", b"--- ", b"+++ ", b"@@ -", b"@@",
+           b"*** Begin Patch", b"apply_patch", b"applypatch", b"<<", b"<<-", b"'EOF'", b"\"EOF", b"EOF", b"_x9",
+           b"<<<<< SEARCH", b"<<<<<<< SEARCH", b"<<<<<<<<<<< SEARCH", b">>>>>>> REPLACE", b">>>>> REPLACE>",
+           b"SEARCH>", b"\n", b"\r\n", b"\r", b" ", b"\t", b"\x0b", b"\x0c", b"a", b"-", b"+", b"*", b"<", b">"]
+_inputs = st.lists(st.sampled_from(_PIECES), max_size=12).map(b"".join) | st.binary(max_size=40)
+
+
+def _full(name: str, data: bytes) -> bool:
+    import re
+
+    source, flags = detection._PATTERNS[name]
+    pattern = re.compile(source, flags)
+    return (pattern.match(data) if name == "envelope" else pattern.search(data)) is not None
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_inputs)
+@example(b"x\n--- a\n+++ b\n@@ -1 +1 @@\n")
+@example(b"--- a\n+++ b\n@@ -")
+@example(b"--- a\n+++ b\n@@ +")
+@example(b" \x0b*** Begin Patch \t\r\n")
+@example(b"*** Begin Patch\r")
+@example(b"apply_patch <<'EOF'\n*** Begin Patch\n")
+@example(b"<<-EOF \r\n \n*** Begin Patch")
+@example(b"x\n<<<<<<< SEARCH>\r\n>>>>>>> REPLACE \r\n")
+def test_the_cheap_checks_decide_as_the_patterns_do(data: bytes) -> None:
+    assert detection.looks_unified(data) == _full("unified", data)
+    assert detection.looks_envelope(data) == _full("envelope", data)
+    assert detection.looks_search_replace(data) == (_full("search", data) and _full("replace", data))

@@ -70,3 +70,57 @@ def test_both_refuse_what_json_cannot_carry(  # NaN is refused earlier, by canon
     finally:
         if saved is not None:
             sys.modules["orjson"] = saved
+
+
+# -- without orjson, loads reads through _json exactly as json.loads does -------------------------
+
+_JSON_PIECES = ["{", "}", "[", "]", ",", ":", '"', '"a"', '"\\u00e9"', '"\\ud800"', "\\", "1", "-0", "1.5e3", "NaN",
+                "Infinity", "-Infinity", "true", "null", " ", "\t", "\n", "\r", "\x0b", "\ufeff", "é", "\x00", "x"]
+_json_texts = st.lists(st.sampled_from(_JSON_PIECES), max_size=10).map("".join)
+
+
+def _stdlib(data: bytes | str) -> tuple[str, object]:
+    import json
+
+    def refuse(name: str) -> object:
+        raise ValueError(name)
+
+    try:
+        return "value", json.loads(data, parse_constant=refuse)
+    except ValueError:  # (UnicodeDecodeError and JSONDecodeError too)
+        return "error", None
+
+
+def _ours(data: bytes | str) -> tuple[str, object]:
+    saved = sys.modules.pop("orjson")
+    try:
+        return "value", jsonio.loads(data)
+    except jsonio.JsonError:
+        return "error", None
+    finally:
+        sys.modules["orjson"] = saved
+
+
+@settings(max_examples=2000, deadline=None)
+@given(_json_texts, st.sampled_from(["str", "utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32"]))
+def test_loads_without_orjson_is_json_loads(text: str, encoding: str) -> None:
+    data: bytes | str = text
+    if encoding != "str":
+        try:
+            data = text.encode(encoding)
+        except UnicodeEncodeError:
+            data = text.encode(encoding, "surrogatepass")
+    assert _ours(data) == _stdlib(data)
+
+
+def test_loads_without_orjson_or_json_loaded_reports_the_scanners_error() -> None:
+    """The C scanner raises json's error class, which it finds only once json.decoder is loaded."""
+    import subprocess
+
+    probe = ("import sys\nfrom receipts import jsonio\n"
+             "print(jsonio.loads(b' [1, {\"a\": null}] '), jsonio.dumps({'b': [True]}).decode())\n"
+             "print(sorted(m for m in ('orjson', 'json', 're') if m in sys.modules))\n"
+             "try:\n    jsonio.loads(b'{not json')\nexcept jsonio.JsonError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["[1, {'a': None}] {\"b\":[true]}", "[]",
+                                "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"]
