@@ -217,8 +217,7 @@ def importtime_check(repo: BenchRepo, replay_patch: str) -> dict[str, Any]:
     """Does the CLI replay import pygit2?  ``-X importtime`` of a replay and of a first apply."""
     out: dict[str, Any] = {}
     for what, pf in (("replay", replay_patch),):
-        cmd = [PYTHON, "-X", "importtime", "-m", "patcher.cli", "apply", pf, "--json", "--repo", repo.path,
-               "--branch", "side"]
+        cmd = [*_importtime_cli(), "apply", pf, "--json", "--repo", repo.path, "--branch", "side"]
         res = run(cmd, cwd=repo.path)
         mods = _parse_importtime(res.stderr.decode())
         out[what] = {
@@ -235,6 +234,11 @@ def importtime_check(repo: BenchRepo, replay_patch: str) -> dict[str, Any]:
     m = re.search(rb"PYGIT2=(\d) RC=(\d+)", res.stderr)
     out["replay_sys_modules_has_pygit2"] = bool(m and m.group(1) == b"1")
     return out
+
+
+def _importtime_cli() -> list[str]:
+    """The command the CLI rows time (the installed ``oncepatch``), under ``-X importtime``."""
+    return [PYTHON, "-X", "importtime", ONCEPATCH] if ONCEPATCH else [PYTHON, "-X", "importtime", "-m", "patcher.cli"]
 
 
 def _parse_importtime(text: str) -> list[tuple[str, int, int]]:
@@ -260,8 +264,7 @@ def cli_apply_importtime(repo: BenchRepo, env: Env) -> dict[str, Any]:
     """``-X importtime`` of a first (executing) CLI apply: what the cold start pays for."""
     c = Contenders(env, repo, "imp")
     pf = c._patch_file(repo.patch("side", repo.next_paths("side", 1), "imp"))
-    cmd = [PYTHON, "-X", "importtime", "-m", "patcher.cli", "apply", pf, "--json", "--repo", repo.path,
-           "--branch", "side"]
+    cmd = [*_importtime_cli(), "apply", pf, "--json", "--repo", repo.path, "--branch", "side"]
     res = run(cmd, cwd=repo.path)
     mods = _parse_importtime(res.stderr.decode())
     return {"modules": len(mods), "import_ms": round(sum(s for _m, s, _c in mods) / 1000, 1),
