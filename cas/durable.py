@@ -203,7 +203,7 @@ def open_dir_nofollow(root: str, rel_dir: str, *, create: bool = False) -> Itera
             except FileNotFoundError:
                 if not create:
                     raise
-                os.mkdir(part, 0o755, dir_fd=fd)
+                os.mkdir(part, 0o777, dir_fd=fd)  # less the umask, as git makes a worktree's folders
                 os.fsync(fd)
                 nfd = os.open(part, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
             except OSError as exc:

@@ -38,6 +38,7 @@ from collections.abc import Callable, Collection, Mapping
 import pygit2
 
 from cas.durable import TMP_MARK, DurableBatch, fsync_all, fsync_dir, open_dir_nofollow, write_new
+from cas.git_filters import blob_id_by_git, needs_git, smudged_by_git
 from cas.hashing import git_blob_oid
 from cas.errors import DurableWriteError, GitStoreError, RefLockedError, UnsafeWorktreePath
 from cas.objects import GitStore, TreeEntry
@@ -192,7 +193,8 @@ def _queue_path(batch: DurableBatch, stack: contextlib.ExitStack, folders: dict[
     if mode == _MODE_LINK:
         batch.add_in_dir(dfd, name, symlink=os.fsdecode(data))
     else:
-        batch.add_in_dir(dfd, name, data, mode=(0o755 if mode == _MODE_EXEC else 0o644) & ~umask)
+        # git's modes: 0777 or 0666 less the umask (under umask 002, group-writable files)
+        batch.add_in_dir(dfd, name, data, mode=(0o777 if mode == _MODE_EXEC else 0o666) & ~umask)
 
 
 def materialise(
@@ -265,7 +267,8 @@ def materialise(
                         elif entry.mode != _MODE_LINK and not plain:
                             if wt_repo is None:
                                 wt_repo = store.worktree_repo(workdir)
-                            data = smudged(workdir, path, data, wt_repo)  # '*.bat eol=crlf': written as git would
+                            # '*.bat eol=crlf', 'ident', a filter driver: written as git would
+                            data = smudged(workdir, path, data, wt_repo, oid=entry.oid)
                         _queue_path(batch, keep if last else stack, folders, workdir, path, data, mode, umask)
                     try:
                         batch.commit(defer_folders=last_folders if last else None)
@@ -646,8 +649,16 @@ def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, Tr
             return False
         with open(full, "rb") as fh:
             data = fh.read()
-        if git_blob_oid(data) != entry.oid and data != smudged(workdir, path, store.read_blob(entry.oid),
-                                                               store.worktree_repo(workdir)):
+        if git_blob_oid(data) == entry.oid:
+            continue
+        wt = store.worktree_repo(workdir)
+        if needs_git(wt, path):  # git's own clean side decides (a filter driver, an encoding, $Id$)
+            by_git = blob_id_by_git(workdir, path)
+            if by_git is not None:
+                if by_git != entry.oid:
+                    return False
+                continue
+        if data != smudged(workdir, path, store.read_blob(entry.oid), wt):
             return False
     return True
 
@@ -700,15 +711,23 @@ def plain_checkout(store: GitStore, workdir: str, paths: list[str], tree: str) -
     return True
 
 
-def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None = None) -> bytes:
-    """``blob`` as git would write it into ``workdir`` at ``path`` (``.gitattributes`` eol/ident filters).
+def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None = None, *,
+            oid: str | None = None) -> bytes:
+    """``blob`` as git would write it into ``workdir`` at ``path`` (``.gitattributes`` filters).
 
     Without filters for the path (the usual case) the bytes come back as they are.
-    ``repo``: the worktree's repository, when the caller has it open.
+    ``repo``: the worktree's repository, when the caller has it open.  ``oid``:
+    the blob's id; given, a path whose conversion only git reproduces (a
+    filter driver, ``working-tree-encoding``, ``ident``:
+    :mod:`cas.git_filters`) is converted by git.
     """
     try:
         wt = repo if repo is not None else pygit2.Repository(workdir)
         filters = wt.load_filter_list(path, pygit2.enums.FilterMode.TO_WORKTREE)
+        if oid is not None and needs_git(wt, path):
+            by_git = smudged_by_git(workdir, path, oid)
+            if by_git is not None:
+                return by_git
     except (pygit2.GitError, KeyError, ValueError):
         return blob
     if filters is None:

@@ -454,12 +454,17 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
             new = _at_positions(f, hunk.new_lines, at, stricter, hunk.eol_agnostic)
         elif set(hunk.old_lines) & set(hunk.new_lines):
             new = _locate(f, hunk.new_lines, **kw, grades=stricter)
-        elif kw["expected"] is not None and not kw["at_eof"]:
+        elif kw["expected"] is not None:
             # No line kept (no context): the new lines alone prove little (one
             # 'return None' is like another), so only the stated position counts
             # (in the new file's lines too, should the earlier hunks be there).
             at = (kw["expected"], kw["expected"] + shift)
-            new = _at_positions(f, hunk.new_lines, at, stricter, hunk.eol_agnostic)
+            if kw["at_eof"]:
+                # A side without a final newline ends the file: there, and only if that is
+                # also the stated position (a symlink retargeted, a one-line file changed).
+                end = len(f.lines) - len(hunk.new_lines)
+                at = (end,) if end in at else ()
+            new = _at_positions(f, hunk.new_lines, at, stricter, hunk.eol_agnostic) if at else None
     if new is not None:
         return _Verdict("present", new.positions[0], new.grade)
     if old is None:

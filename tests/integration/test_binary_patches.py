@@ -346,3 +346,21 @@ def test_a_binary_file_under_text_auto_is_written_whole(repo: Repo) -> None:
     assert _apply(repo, patch)["tree"] == tree
     assert (repo.path / "img/a.bin").read_bytes() == data[:100] + b"\n\n\0\n" + data[104:]
     _clean(repo)
+
+
+def test_a_symlink_retarget_sent_again_is_already_applied(brepo: Repo) -> None:
+    """A symlink's target has no final newline: the patch's one changed line ends the file, sent again it is there."""
+    os.symlink("text.txt", brepo.path / "link")
+    brepo.commit_all("link")
+
+    def retarget(r: Repo) -> None:
+        os.unlink(r.path / "link")
+        os.symlink("img/a.bin", r.path / "link")
+
+    patch, tree = _change(brepo, retarget)
+    first = _apply(brepo, patch)
+    assert brepo.head("HEAD^{tree}") == tree and os.readlink(brepo.path / "link") == "img/a.bin"
+    head = brepo.head()
+    again = _apply(brepo, patch, "--attempt", "2")  # the same patch as a new intent
+    assert again["already_applied"] is True and again["commit"] == first["commit"] == head == brepo.head()
+    _clean(brepo)

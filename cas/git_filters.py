@@ -1,0 +1,65 @@
+"""Conversions between a blob and its working file that only git itself reproduces.
+
+libgit2 converts line endings (``text``, ``eol``, ``core.autocrlf``) as git
+does, and :mod:`cas.worktree` uses it for those.  Three attributes it does
+not reproduce:
+
+* ``filter=<driver>``: the driver's ``clean``/``smudge``/``process``
+  commands (git-lfs among them) are git's to run; libgit2 runs none;
+* ``working-tree-encoding``: libgit2 has no such conversion;
+* ``ident``: libgit2 expands ``$Id$`` only in a blob it reads itself, not in
+  bytes handed to its filters, so a file written from a blob's bytes kept
+  ``$Id$`` where git writes ``$Id: <blob id> $``, and a checked-out file
+  looked changed.
+
+For a path with any of them, git is asked: ``git cat-file --filters`` for a
+blob's working bytes, ``git hash-object`` for the blob id of a working file
+(the clean side: the id git's own status compares).  Where git cannot be run,
+the callers keep libgit2's answer.
+"""
+
+from __future__ import annotations
+
+import os
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    import pygit2
+
+__all__ = ["GIT_ONLY_ATTRIBUTES", "needs_git", "smudged_by_git", "blob_id_by_git"]
+
+#: The attributes whose conversion only git reproduces (module docstring).
+GIT_ONLY_ATTRIBUTES = ("filter", "working-tree-encoding", "ident")
+
+
+def needs_git(repo: pygit2.Repository, path: str) -> bool:
+    """Whether an attribute of :data:`GIT_ONLY_ATTRIBUTES` is set for ``path`` in ``repo``'s worktree."""
+    import pygit2
+
+    try:
+        return any(repo.get_attr(path, name) not in (None, False) for name in GIT_ONLY_ATTRIBUTES)
+    except (pygit2.GitError, ValueError):
+        return False
+
+
+def _git(workdir: str, *args: str) -> bytes | None:
+    """``git args`` in ``workdir`` (no ``GIT_*`` of ours leaks in): its output, or ``None`` when it failed."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    try:
+        res = subprocess.run(["git", *args], cwd=workdir, env=env, capture_output=True, check=False, timeout=300)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def smudged_by_git(workdir: str, path: str, oid: str) -> bytes | None:
+    """The bytes git writes into ``workdir`` at ``path`` for blob ``oid`` (``None``: git could not say)."""
+    return _git(workdir, "cat-file", "--filters", f"--path={path}", oid)
+
+
+def blob_id_by_git(workdir: str, path: str) -> str | None:
+    """The blob id git gives the working file ``path`` of ``workdir`` (``None``: git could not say)."""
+    out = _git(workdir, "hash-object", "--", path)
+    return None if out is None else out.strip().decode("ascii", "replace")
