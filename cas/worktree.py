@@ -39,6 +39,7 @@ import pygit2
 
 from cas.durable import TMP_MARK, DurableBatch, fsync_all, fsync_dir, open_dir_nofollow, write_new
 from cas.git_filters import blob_id_by_git, needs_git, smudged_by_git
+from cas.pids import gone
 from cas.hashing import git_blob_oid
 from cas.errors import DurableWriteError, GitStoreError, RefLockedError, UnsafeWorktreePath
 from cas.objects import GitStore, TreeEntry
@@ -473,12 +474,10 @@ def _dead_own_pid(head: bytes) -> int | None:
         return None  # not ours, or written elsewhere: its owner cannot be checked from here
     try:
         pid = int(fields[0])
-        os.kill(pid, 0)
-        return None  # alive (or its pid reused: waiting is the safe side)
-    except ProcessLookupError:
-        return pid
-    except (ValueError, PermissionError):
+    except ValueError:
         return None
+    # Alive (or its pid reused: waiting is the safe side), unless gone or a zombie.
+    return pid if gone(pid) else None
 
 
 def dead_own_index_lock(index_lock: str) -> bool:

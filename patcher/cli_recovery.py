@@ -150,16 +150,28 @@ def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         with out_lock:
             if args.json:
                 sys.stdout.buffer.write(jsonio.dumps(obj) + b"\n")
+            elif obj.get("flag") == "corrupt_receipt":
+                sys.stdout.write(f"corrupt: {obj['receipt']}: {obj['reason']}\n")
             elif "flag" in obj:
                 sys.stdout.write(f"orphan: {obj['key']} prepared {obj['age_s']:.1f}s ago; run 'oncepatch recover'\n")
             else:
                 sys.stdout.write(f"recovered: {obj.get('recovered')} -> {obj.get('status')}\n")
+                for removed in obj.get("removed") or ():
+                    sys.stdout.write(f"  removed {removed}\n")
             sys.stdout.flush()
 
     # Without --recover the watcher only flags: its queries must not remove stale locks.
     adapters = _adapters(rstore, read_only=not args.recover)
+    git = adapters["apply_patch"]
+
+    def tidy() -> list[str]:
+        from receipts.recovery import DEFAULT_TMP_AGE
+
+        removed: list[str] = git.cleanup(rstore, False, DEFAULT_TMP_AGE)
+        return removed
+
     w = Watcher(rstore, adapters, grace=args.grace, rescan_interval=args.rescan, on_flag=emit,
-                recover=args.recover, on_error=_warn)
+                recover=args.recover, on_error=_warn, cleanup=tidy if args.recover else None)
     if args.once:
         flagged = w.scan_once()
         # With --json the last line is this summary (flag lines carry "flag", this one "flags").

@@ -414,13 +414,9 @@ def _pid_of_tmp(rest: str) -> int | None:
 
 
 def _pid_dead(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    from cas.pids import gone
+
+    return gone(pid)
 
 
 def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:

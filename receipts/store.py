@@ -156,14 +156,25 @@ class ReceiptStore:
     # -- folders ---------------------------------------------------------------
 
     def _ensure_dir(self, path: str) -> None:
-        """Create ``path`` and its missing parents, syncing each parent that gained an entry."""
+        """Create ``path`` and its missing parents, syncing each parent that gained an entry.
+
+        Raises:
+            UsageError: a folder cannot be made there (no such place, no permission): nothing was written.
+        """
         if os.path.isdir(path):
             return
         parent = os.path.dirname(path)
         self._ensure_dir(parent)
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(path, 0o755)
-            fsync_dir(parent)
+        except FileExistsError:
+            return
+        except OSError as exc:
+            from cas.errors import UsageError
+
+            raise UsageError(f"cannot use the store '{self.root}': cannot make '{path}': "
+                             f"{exc.strerror or exc}") from exc
+        fsync_dir(parent)
 
     # -- locks -----------------------------------------------------------------
 

@@ -9,7 +9,13 @@ A ``prepared`` receipt is flagged once its ``updated_at`` is older than the
 grace period **and** its key lock can be taken without waiting (the owner is
 gone: the kernel dropped its flock).  A live apply that is merely slow holds
 the lock and is never flagged.  Each flag is one JSON object handed to
-``on_flag``; with ``recover=True`` the receipt is resolved on the spot.
+``on_flag``; with ``recover=True`` the receipt is resolved on the spot, and
+then ``cleanup`` runs (the tool's tidying that ``recover`` does after its
+resolutions: for git, a dead call's ``index.lock`` and the index it kept).
+
+A receipt file that does not verify is flagged too (``corrupt_receipt``,
+once per version of the file): DESIGN.md section 3 has a corrupt receipt
+reported, never skipped, and ``verify`` fails on it.
 
 The rescan keeps each file's mtime and last status, so files that have not
 changed since the previous scan and were final are not parsed again.
@@ -30,7 +36,7 @@ from typing import Any
 from receipts.adapter import EffectAdapter
 from receipts.errors import CorruptReceipt
 from receipts.jsonio import use_fast as use_fast_json
-from receipts.receipt import Receipt, parse_receipt
+from receipts.receipt import Receipt
 from receipts.recovery import receipt_age, resolve_receipt
 from receipts.store import ReceiptStore
 
@@ -48,6 +54,7 @@ class Watcher:
         on_flag: Callable[[dict[str, Any]], None],
         recover: bool = False,
         on_error: Callable[[str], None] | None = None,
+        cleanup: Callable[[], list[str]] | None = None,
     ) -> None:
         self.store = store
         self.adapters = adapters
@@ -56,10 +63,12 @@ class Watcher:
         self.on_flag = on_flag
         self.recover = recover
         self.on_error = on_error or (lambda msg: None)
+        self.cleanup = cleanup
         self._events: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._seen: dict[str, tuple[float, str]] = {}  # path -> (mtime, status)
         self._pending: dict[str, float] = {}  # path -> when to look again
         self._flagged: set[tuple[str, int]] = set()
+        self._corrupt: set[tuple[str, float]] = set()  # (path, mtime) of corrupt files flagged
         self.flags = 0
         use_fast_json()  # long-lived and scanning: JSON speed matters
 
@@ -106,15 +115,25 @@ class Watcher:
             self._pending.pop(path, None)
 
     def _read(self, path: str) -> Receipt | None:
-        h = os.path.basename(path)[:-5]
+        """The verified receipt at ``path`` (read as a regular file only); ``None`` if gone or corrupt (flagged)."""
+        item = self.store.read_stored(path)
+        if item is None:
+            return None
+        if item.error is not None:
+            self._flag_corrupt(path, item.error)
+        return item.receipt
+
+    def _flag_corrupt(self, path: str, exc: CorruptReceipt) -> None:
         try:
-            with open(path, "rb") as fh:
-                return parse_receipt(fh.read(), path=path, expected_key_hash=h)
-        except FileNotFoundError:
-            return None
-        except CorruptReceipt as exc:
-            self.on_error(exc.message)
-            return None
+            mark = (path, os.lstat(path).st_mtime)
+        except OSError:
+            return  # gone meanwhile
+        if mark in self._corrupt:
+            return
+        self._corrupt.add(mark)
+        self.flags += 1
+        self.on_flag({"flag": "corrupt_receipt", "key": exc.key, "receipt": path, "reason": exc.reason,
+                      "next_action": "none"})
 
     # -- judging -------------------------------------------------------------------
 
@@ -138,8 +157,14 @@ class Watcher:
         if lock is None:
             self._pending[path] = now + 1.0  # owner alive: look again later
             return
+        recovered: dict[str, Any] | None = None
         try:
-            current = self.store.read(receipt.key) or receipt
+            try:
+                current = self.store.read(receipt.key) or receipt
+            except CorruptReceipt as exc:  # edited since it was read: reported, not acted on
+                self._flag_corrupt(path, exc)
+                self._pending.pop(path, None)
+                return
             if current.status != "prepared":
                 self._pending.pop(path, None)
                 return
@@ -167,12 +192,22 @@ class Watcher:
             if self.recover and adapter is not None:
                 try:
                     new = resolve_receipt(self.store, current, adapter)
-                    self.on_flag({"recovered": current.key, "status": new.status, "commit": new.commit})
+                    recovered = {"recovered": current.key, "status": new.status, "commit": new.commit}
                 except Exception as exc:  # noqa: BLE001
                     self.on_error(f"recovery of '{current.key}' failed: {exc}")
             self._pending.pop(path, None)
         finally:
             lock.release()
+        if recovered is not None:
+            # Settled: what the dead call left in the repository goes too, as 'recover' tidies
+            # after its resolutions (its key lock released first: the tidying takes locks of its own).
+            removed: list[str] = []
+            if self.cleanup is not None:
+                try:
+                    removed = self.cleanup()
+                except Exception as exc:  # noqa: BLE001 - report and keep watching
+                    self.on_error(f"tidying after '{recovered['recovered']}' failed: {exc}")
+            self.on_flag({**recovered, "removed": removed})
 
     def scan_once(self) -> int:
         """One full scan and judgement of everything due now; returns the number of flags raised."""

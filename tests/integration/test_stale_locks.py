@@ -28,6 +28,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +201,53 @@ def test_calls_leave_no_mark_behind(repo: Repo) -> None:
         api_apply(str(repo.path), b"--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+x\n", key="k2",
                   _stores=stores)
     assert lock_tmp_files(repo) == [] and not (repo.path / ".git/index.lock").exists()
+
+
+def _zombie_state(pid: int) -> bytes:
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        return fh.read().rsplit(b")", 1)[1].split()[0]
+
+
+def test_a_crashed_call_not_yet_reaped_is_gone(repo: Repo, tmp_path: Path) -> None:
+    """A zombie (exited, its parent has not waited yet) holds nothing: its index.lock is settled at once.
+
+    An agent harness that reaps its children one at a time leaves such zombies; a later
+    call used to wait for the dead call's index.lock, then exit 5 telling to remove it by hand.
+    """
+    if not os.path.exists(f"/proc/{os.getpid()}/stat"):
+        pytest.skip("no /proc to tell a zombie by")
+    first, second = tmp_path / "first.diff", tmp_path / "second.diff"
+    first.write_bytes(PATCH)
+    second.write_bytes(b"--- a/docs/guide.txt\n+++ b/docs/guide.txt\n@@ -1 +1 @@\n-guide\n+the guide\n")
+    env = dict(os.environ, ONCEPATCH_CRASH_AT="after-index-ahead")
+    dead = subprocess.Popen([sys.executable, "-m", "patcher.cli", "apply", str(first), "--repo", str(repo.path),
+                             "--key", "first", "--json"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):  # not waited for: it stays a zombie once it has exited
+            if _zombie_state(dead.pid) == b"Z":
+                break
+            time.sleep(0.05)
+        assert _zombie_state(dead.pid) == b"Z"
+        assert (repo.path / ".git" / "index.lock").exists()
+
+        from cas.pids import gone
+
+        assert gone(dead.pid) and not gone(os.getpid())
+        r = run_cli("apply", str(second), "--repo", str(repo.path), "--key", "second", "--json",
+                    "--lock-timeout", "2")
+        assert r.code == 0 and r.json["status"] == "committed", r.out + r.err
+        assert repo.git("status", "--porcelain") == ""  # the dead call's staged entries did not come along
+        assert "after the stale lock" not in repo.git("show", "HEAD:README")
+    finally:
+        dead.wait()
+    assert dead.returncode == 137
+
+
+def test_a_store_that_cannot_be_made_is_a_usage_error_and_nothing_changes(repo: Repo, patch: Path) -> None:
+    before = snapshot(repo)
+    r = run_cli("apply", str(patch), "--repo", str(repo.path), "--store", "/proc/no-such-folder/store", "--json")
+    assert r.code == 2, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "usage" and err["effect_status"] == "not_started" and "cannot make" in err["message"]
+    assert snapshot(repo) == before

@@ -298,3 +298,45 @@ def test_recover_option_settles_what_it_flags(setup: tuple[Repo, dict[str, Path]
     assert b.commit == repo.head("main") and repo.git("rev-parse", "main^").strip() == base
     assert repo.git("status", "--porcelain") == ""  # settled: worktree brought along
     assert run_cli("verify", "--repo", str(repo.path), "--grace", "0").code == 0
+
+
+def test_recover_option_puts_back_what_a_dead_call_left_in_the_worktree(setup: tuple[Repo, dict[str, Path]]) -> None:
+    """Killed with its index staged: watch --recover leaves the repository as recover does (lock gone, index back)."""
+    repo, patches = setup
+    index_before = (repo.path / ".git" / "index").read_bytes()
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "a", "--json", str(patches["a"]),
+                env={"ONCEPATCH_CRASH_AT": "after-index-ahead"})
+    assert r.code == 137
+    assert (repo.path / ".git" / "index.lock").exists()
+    res = run_cli("watch", "--repo", str(repo.path), "--once", "--grace", "0", "--recover", "--json")
+    assert res.code == 6, res.out + res.err  # it flagged (and settled) an orphan
+    lines = [json.loads(x) for x in res.out.splitlines()]
+    done = [x for x in lines if "recovered" in x]
+    assert len(done) == 1 and done[0]["status"] == "rejected", lines
+    assert str(repo.path / ".git" / "index.lock") in done[0]["removed"]
+    assert not (repo.path / ".git" / "index.lock").exists()
+    assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))
+    assert (repo.path / ".git" / "index").read_bytes() == index_before  # the staged entries are gone
+    assert repo.git("status", "--porcelain") == ""
+    assert run_cli("verify", "--repo", str(repo.path), "--grace", "0").code == 0
+    again = run_cli("apply", "--repo", str(repo.path), "--key", "a", "--json", str(patches["a"]))
+    assert again.code == 0 and again.json["status"] == "committed", again.out
+
+
+def test_a_corrupt_receipt_is_flagged_not_skipped(setup: tuple[Repo, dict[str, Path]]) -> None:
+    repo, patches = setup
+    rec = orphan(repo, patches["a"], "a")
+    path = ReceiptStore(str(repo.store)).receipt_path("a")
+    text = Path(path).read_text()
+    Path(path).write_text(text.replace(f'"fencing_token": {rec.fencing_token}',
+                                       f'"fencing_token": {rec.fencing_token + 1}'))
+    for extra in ((), ("--recover",)):
+        res = run_cli("watch", "--repo", str(repo.path), "--once", "--grace", "0", "--json", *extra)
+        assert res.code == 6, res.out + res.err
+        lines = [json.loads(x) for x in res.out.splitlines()]
+        assert lines[0]["flag"] == "corrupt_receipt" and lines[0]["key"] == "a" and lines[0]["receipt"] == path
+        assert "receipt_sha256 does not match" in lines[0]["reason"]
+        assert lines[-1] == {"ok": False, "flags": 1}
+    assert Path(path).read_text() != text  # reported, never rewritten
+    human = run_cli("watch", "--repo", str(repo.path), "--once", "--grace", "0")
+    assert human.code == 6 and f"corrupt: {path}" in human.out

@@ -1,0 +1,34 @@
+"""Whether a process of this host is gone (stdlib only).
+
+A process that has exited but whose parent has not reaped it yet (a zombie)
+still has its pid: ``kill(pid, 0)`` succeeds.  It can do nothing more — its
+files are closed and its flocks dropped — so for a lock it left behind it is
+gone.  An agent's harness that reaps its children one at a time leaves such
+zombies, and a later call used to wait for a dead call's ``index.lock``
+until its timeout.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["gone"]
+
+
+def gone(pid: int) -> bool:
+    """``True`` when no process ``pid`` runs here: none has that pid, or it is a zombie.
+
+    A pid this process may not signal (another user's) counts as running: waiting is the safe side.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False  # no /proc (not Linux), or it went meanwhile: the next look decides
+    return state in (b"Z", b"X")
