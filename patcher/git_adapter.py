@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Any
 
 from cas.gitdir import worktrees_on
@@ -305,6 +306,9 @@ class GitAdapter:
                 removed.append(path)
                 if dry_run:
                     continue
+                # A call killed while its check ran left the check running (in a session of its
+                # own, so that a timeout can kill it whole): it goes before its folder does.
+                _stop_processes_in(path)
                 shutil.rmtree(path, ignore_errors=True)
                 if repo is not None:
                     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
@@ -405,6 +409,38 @@ class GitAdapter:
             finally:
                 lk.release()
         return list(dict.fromkeys(removed))  # a lock found both ways is listed once
+
+
+def _stop_processes_in(folder: str) -> None:
+    """SIGKILL every process of this host whose working folder lies in ``folder`` (a dead call's check).
+
+    Told by ``/proc/<pid>/cwd`` (Linux; elsewhere nothing is done): a process
+    working in a check worktree of a call that is gone is that check, or one it
+    started.  Looked for again until none is left (a shell may start another
+    meanwhile), a few rounds at most.
+    """
+    import signal
+
+    real = os.path.realpath(folder)
+    for _round in range(5):
+        try:
+            pids = [int(n) for n in os.listdir("/proc") if n.isdigit()]
+        except OSError:
+            return
+        found = []
+        for pid in pids:
+            try:
+                cwd = os.readlink(f"/proc/{pid}/cwd")
+            except OSError:
+                continue
+            if cwd.removesuffix(" (deleted)") in (real, folder) or cwd.startswith((real + "/", folder + "/")):
+                found.append(pid)
+        if not found:
+            return
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
 
 
 def _pid_of_tmp(rest: str) -> int | None:

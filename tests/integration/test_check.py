@@ -16,6 +16,7 @@ with ``ONCEPATCH_SLOW=1``); ``-s`` shows the numbers (docs/CONCURRENCY.md).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -299,3 +300,35 @@ def test_a_passing_check_that_leaves_a_process_behind_passes_at_once(repo: Repo,
         took = time.monotonic() - t0
         assert r.code == 0, r.out + r.err
         assert took < 15, f"{cmd!r} held the call {took:.1f}s"
+
+
+def test_recover_stops_the_check_a_killed_call_left_running(repo: Repo, patch: Path, tmp_path: Path) -> None:
+    """The check runs in a session of its own (a timeout kills it whole): a SIGKILLed apply leaves it running."""
+    beacon = tmp_path / "beacon"
+    check = f"while true; do date +%s%N > '{beacon}'; sleep 0.05; done"
+    proc = subprocess.Popen([sys.executable, "-m", "patcher.cli", "apply", str(patch), "--repo", str(repo.path),
+                             "--json", "--key", "K", "--check", check], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not beacon.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.kill()
+    finally:
+        proc.communicate(timeout=30)
+    try:
+        time.sleep(0.3)
+        before = beacon.read_text()
+        time.sleep(0.3)
+        assert beacon.read_text() != before  # the orphaned check is still going
+        rec = run_cli("recover", "--repo", str(repo.path), "--json", "--tmp-age", "0")
+        assert rec.code == 0, rec.out + rec.err
+        assert check_worktrees(repo) == []
+        time.sleep(0.3)
+        stopped = beacon.read_text()
+        time.sleep(0.5)
+        assert beacon.read_text() == stopped  # stopped before its folder was removed
+        assert run_cli("verify", "--repo", str(repo.path), "--json").code == 0
+    finally:
+        with contextlib.suppress(OSError):  # whatever the test left running
+            subprocess.run(["pkill", "-KILL", "-f", str(beacon)], check=False)
