@@ -439,6 +439,10 @@ def _stop_processes_in(folder: str) -> None:
             return
         for pid in found:
             with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getpgid(pid) == pid:
+                    # The check's shell leads a process group of its own (start_new_session):
+                    # the whole group goes, what it started elsewhere too, as a timeout kills it.
+                    os.killpg(pid, signal.SIGKILL)
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
 
