@@ -15,7 +15,7 @@ from cas.record import record
 from cas.errors import UsageError
 
 __all__ = ["GitLayout", "discover", "read_head", "common_dir_of", "worktrees_on", "read_gitfile", "core_worktree",
-           "MainWorktreeUnknown"]
+           "main_worktree_of", "resolve_symbolic", "MainWorktreeUnknown"]
 
 
 class MainWorktreeUnknown(UsageError):
@@ -98,6 +98,34 @@ def read_head(git_dir: str) -> str | None:
     return None
 
 
+#: How many symbolic refs are followed (git's own limit is 5).
+_MAX_SYMREF_DEPTH = 5
+
+
+def resolve_symbolic(common_dir: str, ref: str) -> str:
+    """``ref`` with the symbolic branch refs it names followed (``refs/heads/master`` → ``refs/heads/main``).
+
+    A branch alias (``git symbolic-ref refs/heads/master refs/heads/main``) is
+    a loose ref file holding ``ref: <target>``; git's commands move the target
+    through it.  Only branches are followed (packed refs are never symbolic);
+    a chain longer than git's limit, or one that leaves ``refs/heads/``, ends
+    where it is.
+    """
+    for _ in range(_MAX_SYMREF_DEPTH):
+        try:
+            with open(os.path.join(common_dir, *ref.split("/")), "rb") as fh:
+                text = fh.read(4096).decode("utf-8", "surrogateescape").strip()
+        except (OSError, ValueError):
+            return ref
+        if not text.startswith("ref:"):
+            return ref
+        target = text[len("ref:"):].strip()
+        if not target.startswith("refs/heads/"):
+            return ref
+        ref = target
+    return ref
+
+
 def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tuple[str, str]]:
     """``(workdir, git_dir)`` of every worktree whose HEAD is the symbolic ref ``ref``.
 
@@ -109,7 +137,7 @@ def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tup
     worktrees are listed under ``worktrees/``.
     """
     found: list[tuple[str, str]] = []
-    core = _core(common_dir) if _read_head_safe(common_dir) == ref else None
+    core = _core(common_dir) if _head_names(common_dir, common_dir, ref) else None
     if core is not None and core.get("bare", "").lower() not in ("true", "yes", "on", "1"):
         workdir = main or core_worktree(common_dir, core)
         if workdir is None and os.path.basename(common_dir) == ".git":
@@ -130,7 +158,7 @@ def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tup
         names = []
     for name in names:
         gd = os.path.join(wt_root, name)
-        if _read_head_safe(gd) != ref:
+        if not _head_names(gd, common_dir, ref):
             continue
         try:
             with open(os.path.join(gd, "gitdir"), "rb") as fh:
@@ -141,6 +169,30 @@ def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tup
         if os.path.isdir(workdir):
             found.append((workdir, os.path.realpath(gd)))
     return found
+
+
+def main_worktree_of(common_dir: str) -> str | None:
+    """The main worktree's folder of the repository whose common git dir is ``common_dir``, as git finds it.
+
+    ``None`` when it has none (``core.bare``) or none can be found from here:
+    ``core.worktree`` when set (git sets it for submodules), else the folder
+    above a common dir named ``.git``.  (Opened from inside it, a
+    ``--separate-git-dir`` repository's main worktree is known by its ``.git``
+    file; from a linked worktree it is not, as for ``git worktree list``.)
+    """
+    core = _core(common_dir)
+    if core.get("bare", "").lower() in ("true", "yes", "on", "1"):
+        return None
+    workdir = core_worktree(common_dir, core)
+    if workdir is None and os.path.basename(common_dir) == ".git":
+        workdir = os.path.dirname(common_dir)
+    return workdir
+
+
+def _head_names(git_dir: str, common_dir: str, ref: str) -> bool:
+    """Whether the HEAD of ``git_dir`` is ``ref``, directly or through branch aliases."""
+    head = _read_head_safe(git_dir)
+    return head is not None and (head == ref or resolve_symbolic(common_dir, head) == ref)
 
 
 def _read_head_safe(git_dir: str) -> str | None:

@@ -644,8 +644,8 @@ def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, Tr
             continue
         if not stat.S_ISREG(st.st_mode):
             return False
-        if bool(st.st_mode & 0o100) != (entry.mode == _MODE_EXEC):
-            return False
+        if bool(st.st_mode & 0o100) != (entry.mode == _MODE_EXEC) and file_mode_on(store, workdir):
+            return False  # (core.fileMode=false: git ignores the executable bit, and so does this)
         with open(full, "rb") as fh:
             data = fh.read()
         if git_blob_oid(data) == entry.oid:
@@ -657,7 +657,11 @@ def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, Tr
                 if by_git != entry.oid:
                     return False
                 continue
-        if data != smudged(workdir, path, store.read_blob(entry.oid), wt):
+        if data != smudged(workdir, path, store.read_blob(entry.oid), wt) and (
+                git_blob_oid(cleaned(workdir, path, data)) != entry.oid):
+            # Neither the bytes git would write nor bytes git stores as the blob: changed.
+            # (A CRLF file under 'text=auto eol=lf' or 'core.autocrlf=input' that git
+            # cleans to its LF blob is not: git's status compares the clean side.)
             return False
     return True
 
@@ -735,6 +739,14 @@ def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None
         return _apply_filters(filters, blob)
     except pygit2.GitError:
         return blob
+
+
+def file_mode_on(store: GitStore, workdir: str) -> bool:
+    """``core.fileMode`` of the worktree (true unless set false): whether git compares the executable bit."""
+    try:
+        return bool(store.worktree_repo(workdir).config.get_bool("core.fileMode"))
+    except (KeyError, pygit2.GitError, ValueError):
+        return True
 
 
 def symlinks_on(store: GitStore, workdir: str) -> bool:

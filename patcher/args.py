@@ -2,9 +2,14 @@
 
 Normalised args are what the identity hashes (DESIGN.md section 2):
 
-* ``repo``: the repository's working folder (or git dir when bare), absolute and real;
+* ``repo``: the repository, absolute and real: its main worktree's folder (or
+  its git dir when bare), whichever of its worktrees the call came from — a
+  linked worktree shares the branches, the objects and the receipt store, so
+  the same patch to the same branch is the same intent from any of them (a
+  retry from another worktree replays instead of applying again);
 * ``branch``: a full ref name ``refs/heads/<name>``; by default the branch the
-  repository's HEAD names (a detached HEAD needs ``--branch``);
+  repository's HEAD names (a detached HEAD needs ``--branch``); a branch
+  alias (a symbolic ref under ``refs/heads/``) names the branch it points at;
 * ``patch_sha256``: the patch is represented by its sha256, never its text;
 * ``format``: the detected format when ``auto`` was asked (so ``auto`` and the
   explicit name are the same intent);
@@ -23,14 +28,14 @@ import os
 from cas.hashing import sha256_hex
 from cas.record import record
 from cas.errors import UsageError
-from cas.gitdir import GitLayout, discover, read_head
+from cas.gitdir import GitLayout, discover, main_worktree_of, read_head, resolve_symbolic
 from patcher.errors import TooLarge
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["TOOL", "TOOL_VERSION", "MAX_PATCH_BYTES", "CallArgs", "normalise_args", "normalise_branch"]
+__all__ = ["TOOL", "TOOL_VERSION", "MAX_PATCH_BYTES", "CallArgs", "normalise_args", "normalise_branch", "repository_path"]
 
 TOOL = "apply_patch"
 TOOL_VERSION = "1"
@@ -54,7 +59,8 @@ def bad_branch_name(name: str) -> bool:
 @record
 class CallArgs:
     layout: GitLayout
-    repo: str
+    repo: str  # the repository, as the identity names it (:func:`repository_path`)
+    where: str  # the folder the call found it from (its worktree, or git dir): where it is opened
     branch: str
     patch: bytes
     patch_sha256: str
@@ -88,7 +94,24 @@ def normalise_branch(branch: str | None, layout: GitLayout) -> str:
         branch = "refs/heads/" + branch
     if not branch.startswith("refs/heads/") or bad_branch_name(branch[len("refs/heads/"):]):
         raise UsageError(f"not a valid branch name: '{branch}'")
-    return branch
+    # A branch alias (refs/heads/master -> refs/heads/main) names the branch it points at:
+    # moved, the alias would be overwritten and the branch left behind.
+    return resolve_symbolic(layout.common_dir, branch)
+
+
+def repository_path(layout: GitLayout) -> str:
+    """The repository a call names, whichever of its worktrees it came from.
+
+    A linked worktree (its git dir is not the common one) names its
+    repository's main worktree, found as git finds it (:func:`cas.gitdir.main_worktree_of`),
+    or the common git dir when that has none (bare) or none can be found (a
+    ``--separate-git-dir`` repository).  Any other call names the folder it
+    found, as before: the identities of calls from a main worktree, a bare
+    repository or a submodule do not change.
+    """
+    if layout.git_dir == layout.common_dir:
+        return layout.workdir or layout.git_dir
+    return main_worktree_of(layout.common_dir) or layout.common_dir
 
 
 def normalise_args(
@@ -107,6 +130,9 @@ def normalise_args(
         UsageError: no repository, bad branch, unknown format.
         TooLarge: the patch is over :data:`MAX_PATCH_BYTES`.
     """
+    if not isinstance(patch, (str, bytes, bytearray, memoryview)):
+        # bytes(5) would be five NUL bytes, bytes(None) a TypeError outside the error tree.
+        raise UsageError(f"the patch must be its content as str or bytes, not {type(patch).__name__}")
     try:
         data = patch.encode("utf-8", "surrogateescape") if isinstance(patch, str) else bytes(patch)
     except UnicodeEncodeError as exc:  # a lone surrogate other than an escaped byte
@@ -125,7 +151,8 @@ def normalise_args(
     fmt = detect(data) if format == "auto" else format
     return CallArgs(
         layout=layout,
-        repo=layout.workdir or layout.git_dir,
+        repo=repository_path(layout),
+        where=layout.workdir or layout.git_dir,
         branch=normalise_branch(branch, layout),
         patch=data,
         patch_sha256=sha256_hex(data),

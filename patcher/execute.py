@@ -163,7 +163,7 @@ def locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any],
         except OncepatchError as exc:
             raise exc.with_key(the_key)
         finally:
-            gstore = _stores.get(args.repo)
+            gstore = _stores.get(args.where)
             if gstore is not None:
                 gstore.drop_ref_content()  # unused: a re-staged or libgit2 move, or no move at all
 
@@ -186,7 +186,8 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore) -> _
     from patcher.worktrees import check_worktrees, prefetch_indexes, settle_dead_calls
 
     parsed = parse_patch(args.patch, args.format)
-    gstore = open_store(args.repo, stores)
+    _refuse_store_paths(args, rstore.root, touched_paths(parsed))
+    gstore = open_store(args.where, stores)
     _read_identities(gstore)
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
@@ -194,6 +195,30 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore) -> _
                                  owner=rstore.root)
                  if not plan.already_applied else [])
     return _PreCheck(parsed, plan, worktrees)
+
+
+def _refuse_store_paths(args: CallArgs, store_root: str, paths: list[str]) -> None:
+    """Refuse a patch that writes into the receipt store, when the store lies inside a worktree.
+
+    (``--store .opstore`` from a worktree.)  Committed, such a file would be
+    checked out over the store's own receipts, by this call or by any later
+    checkout of the branch.  Nothing is written before this check.
+
+    Raises:
+        UnsafePath: a touched path is the store's folder, lies in it, or is a folder above it.
+    """
+    from patcher.errors import UnsafePath
+
+    for workdir in {w for w in (args.layout.workdir, args.repo) if w}:
+        inside = os.path.relpath(store_root, workdir).replace(os.sep, "/")
+        if inside == "." or inside.startswith("../") or inside == "..":
+            continue
+        for path in paths:
+            if path == inside or path.startswith(inside + "/") or inside.startswith(path + "/"):
+                raise UnsafePath(
+                    f"refusing to write '{path}': the receipt store '{store_root}' lies there in the "
+                    f"worktree '{workdir}' (keep the store outside the worktree: the default is inside .git)",
+                    details={"path": path, "reason": "in_store", "store": store_root})
 
 
 def _read_identities(gstore: GitStore) -> None:
@@ -251,7 +276,9 @@ def _execute(
 
     use_fast_json()
     parsed = pre.patch if pre is not None else parse_patch(args.patch, args.format)
-    gstore = open_store(args.repo, stores)
+    if pre is None:
+        _refuse_store_paths(args, rstore.root, touched_paths(parsed))
+    gstore = open_store(args.where, stores)
     gstore.discard_pending()  # whatever an earlier call staged and never wrote
     if pre is None:
         _read_identities(gstore)  # (read by the pre-check otherwise)

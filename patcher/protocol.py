@@ -30,7 +30,7 @@ import os
 import sys
 
 from cas.record import record
-from cas.errors import OncepatchError, UsageError
+from cas.errors import DurableWriteError, OncepatchError, UsageError
 from receipts.errors import IdempotencyConflict
 from receipts.identity import check_key, compute_args_sha256, compute_call_id, make_identity
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
@@ -88,8 +88,17 @@ def store_root_for(common_dir: str, store: str | None = None) -> str:
 
 
 def replay_final(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResult:
-    """Return the stored outcome of a final receipt; nothing is re-executed."""
-    store.ledger.append_receipt_event("replayed", receipt)
+    """Return the stored outcome of a final receipt; nothing is re-executed.
+
+    The replay is noted in the ledger; a store this process may read but not
+    write (another user's, read-only) still replays, with a warning: the note
+    records nothing a receipt or verify depends on.
+    """
+    warnings: tuple[str, ...] = ()
+    try:
+        store.ledger.append_receipt_event("replayed", receipt)
+    except (OSError, DurableWriteError) as exc:
+        warnings = (f"the replay was not noted in the ledger ({exc})",)
     if receipt.status == "rejected":
         err = dict(receipt.error or {})
         raise _error_from_envelope(err, receipt.key, replayed=True)
@@ -103,6 +112,7 @@ def replay_final(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResul
         outputs=receipt.outputs,
         receipt=path,
         already_applied=bool(receipt.extra.get("already_applied")),
+        warnings=warnings,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from cas.gitdir import discover
-from receipts.errors import InProgress, ReceiptNotFound
+from receipts.errors import CorruptReceipt, InProgress, ReceiptNotFound
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 
@@ -45,5 +45,22 @@ def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = No
             # A first call holds the key and has not written its receipt yet: ask again.
             raise InProgress(f"key '{key}' is being applied by a running call, which has written no "
                              f"receipt yet: ask again when it ends", key=key)
+        gone = _recorded_without_file(rstore, key)
+        if gone is not None:
+            raise CorruptReceipt(rstore.receipt_path(gone),
+                                 "the ledger records this key's receipt, but its file is missing", key=gone)
         raise ReceiptNotFound(f"no receipt for key or call_id '{key}'", key=key)
     return found
+
+
+def _recorded_without_file(rstore: ReceiptStore, key: str) -> str | None:
+    """The key whose receipt the ledger records for ``key`` (a key or call_id), when its file is gone.
+
+    Asked only when no receipt was found: such a store was changed by hand, and
+    "no receipt" would say the call never started (verify reports it too).
+    """
+    for event in rstore.ledger.events():
+        named = event.get("key")
+        if isinstance(named, str) and key in (named, event.get("call_id")):
+            return named if not os.path.exists(rstore.receipt_path(named)) else None
+    return None

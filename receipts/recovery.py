@@ -206,9 +206,9 @@ def recover(
             store.ledger.append({"event": "ledger_repaired", "at": now_iso(), "reason": "torn_last_line"})
     paths = store.receipt_paths()
     if jobs > 1 and len(paths) >= max(1, PARALLEL_MIN if parallel_min is None else parallel_min):
-        looks, ledger_digests = _scan_parallel(store, paths, jobs)
+        looks, (ledger_digests, ledger_keys) = _scan_parallel(store, paths, jobs)
     else:
-        looks, ledger_digests = None, _ledger_digests(store)
+        looks, (ledger_digests, ledger_keys) = None, _ledger_digests(store)
     now = time.time()
     for i, path in enumerate(paths):
         h = os.path.basename(path)[:-5]
@@ -230,6 +230,7 @@ def recover(
             if digest and digest in ledger_digests:
                 continue
         _look_closer(store, adapters, report, dry_run, path, h, data, ledger_digests)
+    report.corrupt += _missing_receipts(store, paths, ledger_keys)
     report.removed += _cleanup(store, dry_run, tmp_age, now)
     if extra_cleanup is not None:
         report.removed += extra_cleanup(store, dry_run, tmp_age)
@@ -241,8 +242,26 @@ def _progress(report: RecoveryReport, progress: Callable[[int], None] | None) ->
         progress(report.scanned)
 
 
-def _ledger_digests(store: ReceiptStore) -> set[str]:
-    return {str(e.get("receipt_sha256")) for e in store.ledger.events()}
+def _ledger_digests(store: ReceiptStore) -> tuple[set[str], set[str]]:
+    """The receipt digests the ledger records, and the keys its events name."""
+    digests: set[str] = set()
+    keys: set[str] = set()
+    for e in store.ledger.events():
+        digests.add(str(e.get("receipt_sha256")))
+        key = e.get("key")
+        if isinstance(key, str):
+            keys.add(key)
+    return digests, keys
+
+
+def _missing_receipts(store: ReceiptStore, paths: list[str], keys: set[str]) -> list[dict[str, Any]]:
+    """Keys the ledger records receipts of whose receipt file is gone: a store changed by hand (as verify says)."""
+    from receipts.identity import key_hash
+
+    present = {os.path.basename(p)[:-5] for p in paths}
+    return [{"path": store.receipt_path(k), "key": k,
+             "reason": "the ledger records this key's receipt, but its file is missing"}
+            for k in sorted(keys) if key_hash(k) not in present and not os.path.exists(store.receipt_path(k))]
 
 
 def _settled_digest(data: bytes, h: str) -> str:
@@ -283,7 +302,8 @@ def _scan_chunk(root: str, paths: list[str]) -> list[str | None]:
     return out
 
 
-def _scan_parallel(store: ReceiptStore, paths: list[str], jobs: int) -> tuple[list[str | None], set[str]]:
+def _scan_parallel(store: ReceiptStore, paths: list[str], jobs: int
+                   ) -> tuple[list[str | None], tuple[set[str], set[str]]]:
     """The first look at ``paths`` over ``jobs`` worker processes, and the ledger's digests, read meanwhile."""
     from receipts.workers import spawn_pool, split
 

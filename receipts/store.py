@@ -187,7 +187,14 @@ class ReceiptStore:
         """
         self._ensure_dir(self.locks_dir)
         lk = FileLock(self.lock_path(key))
-        if not lk.acquire(timeout, poll=0.01):
+        try:
+            taken = lk.acquire(timeout, poll=0.01)
+        except OSError as exc:  # the lock file cannot be made (a store this process may not write)
+            from cas.errors import UsageError
+
+            raise UsageError(f"cannot use the store '{self.root}': cannot take the lock of key '{key}' "
+                             f"('{self.lock_path(key)}': {exc.strerror or exc})", key=key) from exc
+        if not taken:
             raise InProgress(
                 f"another call holds the lock of key '{key}' (waited {timeout:g}s)",
                 key=key,

@@ -156,3 +156,16 @@ def test_a_str_patch_with_a_lone_surrogate_is_a_usage_error(tmp_path: Path) -> N
     with pytest.raises(UsageError, match="not valid Unicode"):
         api_apply(str(repo.path), "--- /dev/null\n+++ b/s.txt\n@@ -0,0 +1 @@\n+bad \ud800 x\n", key="sur")
     assert snapshot(repo) == before
+
+
+@pytest.mark.parametrize("patch", [None, 5, 10**9, ["--- a"]])
+def test_a_patch_that_is_not_str_or_bytes_is_a_usage_error(tmp_path: Path, patch: object) -> None:
+    """bytes(5) is five NUL bytes and bytes(10**9) a gigabyte: neither is read as a patch."""
+    from cas.errors import UsageError
+    from conftest import make_repo
+
+    repo = make_repo(tmp_path / "repo")
+    before = snapshot(repo)
+    with pytest.raises(UsageError, match="must be its content as str or bytes"):
+        apply(str(repo.path), patch, key="typed")  # type: ignore[arg-type]
+    assert snapshot(repo) == before

@@ -112,3 +112,24 @@ def test_a_racily_clean_crlf_checkout_of_an_untouched_file_stays_clean(tmp_path:
     assert repo.git("diff-files") == ""
     res = subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--"], cwd=repo.path, check=False)
     assert res.returncode == 0
+
+
+@pytest.mark.parametrize("setting", ["eol=lf attribute", "core.autocrlf=input"])
+def test_a_crlf_file_git_cleans_to_its_lf_blob_is_not_dirty(tmp_path: Path, setting: str) -> None:
+    """CRLF on disk, LF in the blob, and git calls it clean (its status compares the cleaned bytes)."""
+    repo = make_repo(tmp_path / "repo", {"README": "x\n"})
+    if setting == "eol=lf attribute":
+        repo.write(".gitattributes", "* text=auto eol=lf\n")
+    else:
+        repo.git("config", "core.autocrlf", "input")
+    repo.write("a.txt", b"line1\r\nline2\r\n")
+    repo.commit_all("crlf on disk")
+    assert repo.git("show", "HEAD:a.txt") == "line1\nline2\n"
+    assert repo.git("status", "--porcelain") == ""
+    pf = tmp_path / "p.diff"
+    pf.write_bytes(b"--- a/a.txt\n+++ b/a.txt\n@@ -1,2 +1,2 @@\n line1\n-line2\n+LINE2\n")
+    r = run_cli("apply", str(pf), "--repo", str(repo.path), "--json")
+    assert r.code == 0, r.out + r.err  # it was dirty_path, 'retryable', for ever
+    assert repo.git("show", "HEAD:a.txt") == "line1\nLINE2\n"
+    assert repo.git("status", "--porcelain") == ""
+    assert subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--"], cwd=repo.path).returncode == 0

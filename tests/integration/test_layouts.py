@@ -151,3 +151,57 @@ def test_a_linked_worktree_of_a_separate_git_dir_repository_cannot_reach_the_mai
     r = run_cli("apply", "-", "--repo", str(linked), "--json", input=PATCH)  # its own branch: fine
     assert r.code == 0, r.out + r.err
     assert _clean(linked) and _clean(repo.path)
+
+
+def test_the_same_call_from_a_linked_worktree_is_the_same_intent(tmp_path: Path) -> None:
+    """A linked worktree shares the branches and the store: the same patch to the same branch replays there.
+
+    (Its identity named the worktree's folder: from the other worktree the call was a new intent,
+    and a pure insertion, which no retry can find already applied, landed twice.)
+    """
+    repo = make_repo(tmp_path / "main", {"f.txt": "hi\n", "tox.ini": "[tox]\nenvlist = py\n"})
+    repo.git("branch", "side")
+    linked = tmp_path / "linked"
+    repo.git("worktree", "add", "-q", str(linked), "side")
+    envelope = b"*** Begin Patch\n*** Update File: tox.ini\n@@ [tox]\n+# once\n*** End Patch\n"
+    first = run_cli("apply", "-", "--repo", str(repo.path), "--branch", "side", "--json", input=envelope)
+    assert first.code == 0 and first.json["replayed"] is False, first.out + first.err
+    again = run_cli("apply", "-", "--repo", str(linked), "--branch", "side", "--json", input=envelope)
+    assert again.code == 0, again.out + again.err
+    assert again.json["replayed"] is True and again.json["call_id"] == first.json["call_id"]
+    assert repo.git("show", "side:tox.ini").count("# once") == 1
+    assert _clean(linked) and _clean(repo.path)
+    # By its default branch too: the linked worktree's HEAD is 'side'.
+    default = run_cli("apply", "-", "--repo", str(linked), "--json", input=envelope)
+    assert default.code == 0 and default.json["call_id"] == first.json["call_id"], default.out
+
+
+def test_a_branch_alias_moves_the_branch_it_names(tmp_path: Path) -> None:
+    """refs/heads/master as a symbolic ref to main, HEAD on master: main moves, the alias stays one."""
+    repo = make_repo(tmp_path / "r", {"f.txt": "hi\n"})
+    repo.git("symbolic-ref", "refs/heads/master", "refs/heads/main")
+    repo.git("symbolic-ref", "HEAD", "refs/heads/master")
+    base = repo.head("main")
+    r = _apply(repo.path, "--key", "via-alias")
+    assert r.code == 0, r.out + r.err
+    assert repo.git("symbolic-ref", "refs/heads/master").strip() == "refs/heads/main"  # still an alias
+    assert repo.head("main") == r.json["commit"] and repo.git("rev-parse", "main^").strip() == base
+    assert (repo.path / "f.txt").read_text() == "hi\nthere\n" and _clean(repo.path)  # the worktree came along
+    # --branch master and --branch main name one branch: the same intent.
+    for name in ("master", "main"):
+        again = _apply(repo.path, "--key", "via-alias", "--branch", name)
+        assert again.code == 0 and again.json["replayed"] is True, again.out
+    assert run_cli("verify", "--repo", str(repo.path)).code == 0
+
+
+def test_core_file_mode_false_ignores_the_executable_bit_as_git_does(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r", {"f.txt": "hi\n"})
+    repo.write("run.sh", "#!/bin/sh\necho hi\n", mode=0o755)
+    repo.commit_all("exec")
+    repo.git("config", "core.fileMode", "false")
+    os.chmod(repo.path / "run.sh", 0o644)
+    assert _clean(repo.path)  # git does not look at the bit
+    patch = b"--- a/run.sh\n+++ b/run.sh\n@@ -1,2 +1,3 @@\n #!/bin/sh\n echo hi\n+echo there\n"
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", input=patch)
+    assert r.code == 0, r.out + r.err  # it was dirty_path, 'retryable', for ever
+    assert repo.git("show", "HEAD:run.sh").endswith("echo there\n") and _clean(repo.path)

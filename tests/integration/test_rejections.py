@@ -533,3 +533,64 @@ def test_a_json_lone_surrogate_is_refused_and_nothing_changes(repo: Repo, patch:
     r = run_cli("apply", "-", "--repo", str(repo.path), "--json", input=patch)
     assert r.code == 4 and r.json["error"]["type"] in ("parse_error", "unsafe_path"), r.out + r.err
     assert snapshot(repo) == before
+
+
+def test_a_patch_into_a_store_inside_the_worktree_is_refused(repo: Repo) -> None:
+    """With --store inside the worktree, a patch could write receipts (checked out over the store's own)."""
+    store = repo.path / ".opstore"
+    run_cli("apply", "-", "--repo", str(repo.path), "--store", str(store), "--json", "--key", "first",
+            input=b"--- a/README\n+++ b/README\n@@ -1 +1,2 @@\n hello\n+first\n")  # the store now exists
+    for path in (".opstore/receipts/ab/x.json", ".opstore", ".opstore/events.jsonl"):
+        patch = f"--- /dev/null\n+++ b/{path}\n@@ -0,0 +1 @@\n+{{}}\n".encode()
+        err = refuse(repo, patch, "--store", str(store), code=4, type="unsafe_path")
+        assert err["reason"] == "in_store" and err["path"] == path
+    # A folder above the store, replaced by a file, would remove it: refused too.
+    nested = repo.path / "var" / "store"
+    err = refuse(repo, b"--- /dev/null\n+++ b/var\n@@ -0,0 +1 @@\n+x\n", "--store", str(nested), code=4,
+                 type="unsafe_path")
+    assert err["reason"] == "in_store"
+    # Other paths apply as usual.
+    ok = run_cli("apply", "-", "--repo", str(repo.path), "--store", str(store), "--json",
+                 input=b"--- /dev/null\n+++ b/other.txt\n@@ -0,0 +1 @@\n+x\n")
+    assert ok.code == 0, ok.out + ok.err
+
+
+def _immutable(path: Path, on: bool) -> bool:
+    """chattr +i / -i (ext4, xfs, btrfs): a folder even root cannot add to.  False where it cannot be set."""
+    try:
+        res = subprocess.run(["chattr", "+i" if on else "-i", str(path)], capture_output=True, check=False)
+    except OSError:
+        return False
+    return res.returncode == 0
+
+
+def test_a_store_this_process_cannot_write_replays_and_refuses_new_calls_cleanly(repo: Repo, tmp_path: Path) -> None:
+    """A store made read-only (another user's; here immutable, which binds root too).
+
+    A committed key still replays (its ledger note is skipped, with a warning); a new key is a
+    usage error that started nothing, not an internal error of unknown effect.
+    """
+    store = tmp_path / "store"
+    patch = b"--- a/README\n+++ b/README\n@@ -1 +1,2 @@\n hello\n+once\n"
+    first = run_cli("apply", "-", "--repo", str(repo.path), "--store", str(store), "--json", "--key", "k",
+                    input=patch)
+    assert first.code == 0, first.out + first.err
+    folders = [store, store / "locks", store / "receipts"]
+    if not _immutable(store, True):
+        pytest.skip("chattr +i is not available here (the filesystem or the tool): no store root cannot write")
+    try:
+        for f in folders[1:]:
+            assert _immutable(f, True)
+        (store / "events.jsonl").chmod(0o444)
+        _immutable(store / "events.jsonl", True)
+        again = run_cli("apply", "-", "--repo", str(repo.path), "--store", str(store), "--json", "--key", "k",
+                        input=patch)
+        assert again.code == 0, again.out + again.err
+        assert again.json["replayed"] is True and again.json["commit"] == first.json["commit"]
+        assert any("not noted in the ledger" in w for w in again.json["warnings"])
+        err = refuse(repo, b"--- a/README\n+++ b/README\n@@ -1 +1,2 @@\n hello\n+other\n", "--store", str(store),
+                     code=2, type="usage", key="k2")
+        assert "cannot take the lock of key 'k2'" in err["message"]
+    finally:
+        for f in [store / "events.jsonl", *folders]:
+            _immutable(f, False)

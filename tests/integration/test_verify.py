@@ -258,3 +258,23 @@ def test_a_receipts_folder_that_is_a_file_is_a_corrupt_store_not_an_internal_err
     assert text.code == 6 and js.code == 6, text.out + text.err
     assert js.json["error"]["type"] == "corrupt_receipt" and "cannot be listed" in js.json["error"]["message"]
     assert "Traceback" not in text.err
+
+
+def test_a_receipt_file_removed_by_hand_is_a_corrupt_store_for_status_and_recover(repo: Repo) -> None:
+    """The ledger (and the key ref) say the call landed: 'no receipt' would say it never started."""
+    pf = repo.path.parent / "p.diff"
+    pf.write_bytes(b"--- a/README\n+++ b/README\n@@ -1 +1,2 @@\n hello\n+gone\n")
+    assert run_cli("apply", str(pf), "--repo", str(repo.path), "--key", "d1").code == 0
+    from receipts.store import ReceiptStore
+
+    receipt = Path(ReceiptStore(str(repo.store)).receipt_path("d1"))
+    receipt.unlink()
+    st = run_cli("status", "d1", "--repo", str(repo.path), "--json")
+    assert st.code == 6, st.out + st.err
+    assert st.json["error"]["type"] == "corrupt_receipt" and "file is missing" in st.json["error"]["message"]
+    rec = run_cli("recover", "--repo", str(repo.path), "--json")
+    assert rec.code == 6, rec.out + rec.err
+    assert rec.json["corrupt"] == [{"path": str(receipt), "key": "d1",
+                                    "reason": "the ledger records this key's receipt, but its file is missing"}]
+    assert run_cli("verify", "--repo", str(repo.path)).code == 6
+    assert run_cli("status", "never-used", "--repo", str(repo.path), "--json").code == 2  # still not_found
