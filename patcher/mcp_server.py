@@ -85,6 +85,18 @@ def _import_sdk() -> tuple[Any, Any]:
     return server_cls, mcp_types
 
 
+def _same_repository(path: str, served: str) -> bool:
+    """Whether ``path`` lies in the served repository (a subfolder, or another of its worktrees: as the CLI's --repo)."""
+    from cas.gitdir import discover
+
+    if os.path.realpath(path) == os.path.realpath(served):
+        return True
+    try:
+        return discover(path).common_dir == discover(served).common_dir
+    except UsageError:
+        return False
+
+
 class _Tools:
     """The tool bodies: plain functions over one :class:`Client`, returning ``CallToolResult``."""
 
@@ -97,7 +109,7 @@ class _Tools:
         if repo is None or repo == "":
             return str(self.client.repo)
         path = os.path.abspath(repo)
-        if not self.allow_other_repos and os.path.realpath(path) != os.path.realpath(self.client.repo):
+        if not self.allow_other_repos and not _same_repository(path, str(self.client.repo)):
             raise UsageError(f"this server serves '{self.client.repo}' only, not '{repo}' "
                              "(start it with --any-repo to allow others)")
         return path

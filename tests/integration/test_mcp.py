@@ -109,6 +109,9 @@ def test_mcp_tools_apply_replay_and_errors(repo: Repo, tmp_path: Path) -> None:
         seen["recover"] = await s.call_tool("recover", {"dry_run": True})
         seen["elsewhere"] = await s.call_tool("apply_patch", {"patch": EDIT, "idempotency_key": "x",
                                                               "repo": str(tmp_path)})
+        # A subfolder of the served repository is that repository, as the CLI's --repo takes it.
+        seen["subfolder"] = await s.call_tool("apply_patch", {"patch": EDIT, "idempotency_key": "issue-7/line-3",
+                                                              "repo": str(repo.path / "src")})
 
     errlog = tmp_path / "server.err"
     with_server(repo, errlog, body, "--log-level", "INFO")
@@ -150,6 +153,8 @@ def test_mcp_tools_apply_replay_and_errors(repo: Repo, tmp_path: Path) -> None:
     assert structured(seen["verify"])["ok"] is True
     assert structured(seen["recover"])["rows"] == []
     assert is_error(seen["elsewhere"]) and structured(seen["elsewhere"])["error"]["type"] == "usage"
+    sub = structured(seen["subfolder"])
+    assert not is_error(seen["subfolder"]) and sub["replayed"] is True and sub["commit"] == doc["commit"], sub
 
     # The repository shows exactly one new commit, and it is the one the receipt names.
     assert repo.count() == before + 1
