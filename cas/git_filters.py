@@ -42,11 +42,21 @@ def needs_git(repo: pygit2.Repository, path: str) -> bool:
         return False
 
 
+#: Variables that would point git at another repository, index or object store than ``workdir``'s.
+_LOCATION_VARS = frozenset({"GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY",
+                            "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_COMMON_DIR", "GIT_NAMESPACE",
+                            "GIT_PREFIX", "GIT_CEILING_DIRECTORIES", "GIT_DISCOVERY_ACROSS_FILESYSTEM"})
+
+
 def _git(workdir: str, *args: str) -> bytes | None:
-    """``git args`` in ``workdir`` (no ``GIT_*`` of ours leaks in): its output, or ``None`` when it failed."""
+    """``git args`` in ``workdir``: its output, or ``None`` when it failed.
+
+    Without the variables that locate a repository (a hook's ``GIT_DIR``, say);
+    the others stay: ``GIT_CONFIG_*`` may be where a filter driver is configured.
+    """
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env = {k: v for k, v in os.environ.items() if k not in _LOCATION_VARS}
     try:
         res = subprocess.run(["git", *args], cwd=workdir, env=env, capture_output=True, check=False, timeout=300)
     except (OSError, subprocess.SubprocessError):

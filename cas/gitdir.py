@@ -15,7 +15,7 @@ from cas.record import record
 from cas.errors import UsageError
 
 __all__ = ["GitLayout", "discover", "read_head", "common_dir_of", "worktrees_on", "read_gitfile", "core_worktree",
-           "main_worktree_of", "resolve_symbolic", "MainWorktreeUnknown"]
+           "main_worktree_of", "all_worktrees", "resolve_symbolic", "MainWorktreeUnknown"]
 
 
 class MainWorktreeUnknown(UsageError):
@@ -75,7 +75,10 @@ def discover(path: str) -> GitLayout:
         dotgit = os.path.join(cur, ".git")
         if os.path.isdir(dotgit) and _is_git_dir(dotgit):
             git_dir = os.path.realpath(dotgit)
-            return GitLayout(cur, git_dir, common_dir_of(git_dir))
+            # A '.git' folder set bare (a "bare repository with worktrees" kept as '.git'):
+            # git sees no worktree above it, and neither does oncepatch.
+            bare = _core(git_dir).get("bare", "").lower() in ("true", "yes", "on", "1")
+            return GitLayout(None if bare else cur, git_dir, common_dir_of(git_dir))
         if os.path.isfile(dotgit):
             target = read_gitfile(dotgit)
             if target and _is_git_dir(target):
@@ -187,6 +190,29 @@ def main_worktree_of(common_dir: str) -> str | None:
     if workdir is None and os.path.basename(common_dir) == ".git":
         workdir = os.path.dirname(common_dir)
     return workdir
+
+
+def all_worktrees(common_dir: str) -> list[str]:
+    """The real folders of the repository's worktrees that exist: its main one (when found), then the linked ones."""
+    found = []
+    main = main_worktree_of(common_dir)
+    if main is not None and os.path.isdir(main):
+        found.append(main)
+    wt_root = os.path.join(common_dir, "worktrees")
+    try:
+        names = sorted(os.listdir(wt_root))
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            with open(os.path.join(wt_root, name, "gitdir"), "rb") as fh:
+                dotgit = fh.read().decode("utf-8", "surrogateescape").strip()
+        except OSError:
+            continue
+        workdir = os.path.dirname(os.path.realpath(os.path.join(wt_root, name, dotgit)))
+        if os.path.isdir(workdir):
+            found.append(workdir)
+    return found
 
 
 def _head_names(git_dir: str, common_dir: str, ref: str) -> bool:

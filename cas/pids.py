@@ -29,6 +29,10 @@ def gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             state = fh.read().rsplit(b")", 1)[1].split()[0]
+        if state not in (b"Z", b"X"):
+            return False
+        # A process whose main thread has ended while others run shows its leader as a
+        # zombie too: it is gone only when no other thread is left.
+        return len(os.listdir(f"/proc/{pid}/task")) <= 1
     except (OSError, IndexError):
         return False  # no /proc (not Linux), or it went meanwhile: the next look decides
-    return state in (b"Z", b"X")

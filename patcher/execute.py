@@ -198,21 +198,29 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore) -> _
 
 
 def _refuse_store_paths(args: CallArgs, store_root: str, paths: list[str]) -> None:
-    """Refuse a patch that writes into the receipt store, when the store lies inside a worktree.
+    """Refuse a patch that writes into the receipt store, when the store lies inside a worktree of the repository.
 
     (``--store .opstore`` from a worktree.)  Committed, such a file would be
     checked out over the store's own receipts, by this call or by any later
-    checkout of the branch.  Nothing is written before this check.
+    checkout of the branch.  Every worktree of the repository is looked at
+    (the main one, the linked ones, the one the call came from), all by their
+    real paths (a store named through a symlink is the same folder).
+    Nothing is written before this check.
 
     Raises:
         UnsafePath: a touched path is the store's folder, lies in it, or is a folder above it.
     """
+    from cas.gitdir import all_worktrees
     from patcher.errors import UnsafePath
 
-    for workdir in {w for w in (args.layout.workdir, args.repo) if w}:
-        inside = os.path.relpath(store_root, workdir).replace(os.sep, "/")
-        if inside == "." or inside.startswith("../") or inside == "..":
+    store = os.path.realpath(store_root)
+    workdirs = set(all_worktrees(args.layout.common_dir))
+    if args.layout.workdir:
+        workdirs.add(os.path.realpath(args.layout.workdir))
+    for workdir in sorted(workdirs):
+        if not store.startswith(workdir.rstrip("/") + "/"):
             continue
+        inside = store[len(workdir.rstrip("/")) + 1:]
         for path in paths:
             if path == inside or path.startswith(inside + "/") or inside.startswith(path + "/"):
                 raise UnsafePath(

@@ -86,7 +86,9 @@ class GitAdapter:
         try:
             gstore = open_store(repo, self._stores)
             opened = gstore.repo.workdir or gstore.git_dir
-            if os.path.realpath(opened) != os.path.realpath(repo):
+            # A call names its repository by a worktree or, where none can be found (a linked
+            # worktree of a --separate-git-dir repository), by its git dir: either is this one.
+            if os.path.realpath(repo) not in {os.path.realpath(p) for p in (opened, gstore.git_dir, gstore.common_dir)}:
                 raise GitStoreError(f"repository '{repo}' is gone ('{opened.rstrip(os.sep)}' encloses its folder)")
         except (GitStoreError, UsageError):
             if home is None:
@@ -312,8 +314,10 @@ class GitAdapter:
                 shutil.rmtree(path, ignore_errors=True)
                 if repo is not None:
                     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+                    # Run from the repository, not from here: recover may have been started inside
+                    # the folder just removed, where git cannot even read its working folder.
                     subprocess.run(["git", "--git-dir", repo, "worktree", "prune"], capture_output=True,
-                                   env=env, check=False)
+                                   env=env, check=False, cwd=repo)
             finally:
                 lk.release()
         return removed
@@ -416,12 +420,20 @@ def _stop_processes_in(folder: str) -> None:
 
     Told by ``/proc/<pid>/cwd`` (Linux; elsewhere nothing is done): a process
     working in a check worktree of a call that is gone is that check, or one it
-    started.  Looked for again until none is left (a shell may start another
-    meanwhile), a few rounds at most.
+    started; a shell leading its own process group (the check's, started in a
+    session of its own) takes its group along.  Never this process, its
+    ancestors or anything of its session (someone who ran ``recover`` from
+    inside that folder, piped into a pager), nor its own group; never a
+    folder reached through a symlink.  Looked for again until
+    none is left (a shell may start another meanwhile), a few rounds at most.
     """
     import signal
 
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        return
     real = os.path.realpath(folder)
+    spared = _self_and_ancestors()
+    own_group, own_session = os.getpgid(0), os.getsid(0)
     for _round in range(5):
         try:
             pids = [int(n) for n in os.listdir("/proc") if n.isdigit()]
@@ -429,22 +441,39 @@ def _stop_processes_in(folder: str) -> None:
             return
         found = []
         for pid in pids:
+            if pid in spared:
+                continue
             try:
+                if os.getsid(pid) == own_session:
+                    continue  # started from where this recover was (a pipe's other end): not the check
                 cwd = os.readlink(f"/proc/{pid}/cwd")
             except OSError:
                 continue
-            if cwd.removesuffix(" (deleted)") in (real, folder) or cwd.startswith((real + "/", folder + "/")):
+            if cwd.removesuffix(" (deleted)") == real or cwd.startswith(real + "/"):
                 found.append(pid)
         if not found:
             return
         for pid in found:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                if os.getpgid(pid) == pid:
-                    # The check's shell leads a process group of its own (start_new_session):
-                    # the whole group goes, what it started elsewhere too, as a timeout kills it.
+                if os.getpgid(pid) == pid and pid != own_group:
                     os.killpg(pid, signal.SIGKILL)
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
+
+
+def _self_and_ancestors() -> set[int]:
+    """This process and its ancestors, by ``/proc/<pid>/stat``'s parent pids."""
+    found = {os.getpid()}
+    pid = os.getppid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                pid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    found.add(1)
+    return found
 
 
 def _pid_of_tmp(rest: str) -> int | None:

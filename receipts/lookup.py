@@ -48,7 +48,8 @@ def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = No
         gone = _recorded_without_file(rstore, key)
         if gone is not None:
             raise CorruptReceipt(rstore.receipt_path(gone),
-                                 "the ledger records this key's receipt, but its file is missing", key=gone)
+                                 "the ledger records this key's receipt, but its file is missing", key=gone,
+                                 next_action="none")  # recover cannot bring it back: a person looks
         raise ReceiptNotFound(f"no receipt for key or call_id '{key}'", key=key)
     return found
 

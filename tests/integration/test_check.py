@@ -347,3 +347,15 @@ def test_recover_stops_the_check_a_killed_call_left_running(repo: Repo, patch: P
         for pid in _running(str(beacon)):  # whatever the test left running
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_recover_run_from_inside_a_stale_check_worktree_survives_and_removes_it(repo: Repo, patch: Path) -> None:
+    """Someone looking around in the check's folder runs recover there, piped into a pager: neither is killed."""
+    r = apply(repo, patch, "--check", "true", env={"ONCEPATCH_CRASH_AT": "check-running"})
+    assert r.code == 137, r.out + r.err
+    (left,) = check_worktrees(repo)
+    res = subprocess.run(f"{sys.executable} -m patcher.cli recover --repo '{repo.path}' --json --tmp-age 0 | cat",
+                         shell=True, cwd=left, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert any(os.path.realpath(p) == os.path.realpath(left) for p in json.loads(res.stdout)["removed"])
+    assert check_worktrees(repo) == []

@@ -205,3 +205,54 @@ def test_core_file_mode_false_ignores_the_executable_bit_as_git_does(tmp_path: P
     r = run_cli("apply", "-", "--repo", str(repo.path), "--json", input=patch)
     assert r.code == 0, r.out + r.err  # it was dirty_path, 'retryable', for ever
     assert repo.git("show", "HEAD:run.sh").endswith("echo there\n") and _clean(repo.path)
+
+
+def test_a_bare_repository_takes_a_patch_under_a_folder_named_like_its_store(tmp_path: Path) -> None:
+    """The default store is <git dir>/oncepatch: a bare repository's tree may still have an 'oncepatch/' folder."""
+    src = make_repo(tmp_path / "src", {"f.txt": "hi\n"})
+    bare = tmp_path / "bare.git"
+    git(tmp_path, "clone", "-q", "--bare", str(src.path), str(bare))
+    patch = b"--- /dev/null\n+++ b/oncepatch/notes.txt\n@@ -0,0 +1 @@\n+n\n"
+    r = run_cli("apply", "-", "--repo", str(bare), "--branch", "main", "--json", input=patch)
+    assert r.code == 0, r.out + r.err
+    assert git(bare, "show", "main:oncepatch/notes.txt") == "n\n"
+
+
+def test_a_bare_repository_kept_as_dotgit_with_worktrees_is_one_repository(tmp_path: Path) -> None:
+    """'git clone --bare . proj/.git' plus linked worktrees: the folder above .git is no worktree (git says so too).
+
+    A call from that folder and one from a linked worktree are the same intent (they landed twice).
+    """
+    src = make_repo(tmp_path / "src", {"f.txt": "hi\n"})
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    git(tmp_path, "clone", "-q", "--bare", str(src.path), str(proj / ".git"))
+    git(proj / ".git", "branch", "side", "main")
+    git(proj / ".git", "worktree", "add", "-q", str(proj / "wb"), "side")
+    envelope = b"*** Begin Patch\n*** Update File: f.txt\n@@\n+# once\n*** End Patch\n"
+    first = run_cli("apply", "-", "--repo", str(proj), "--branch", "side", "--json", input=envelope)
+    assert first.code == 0, first.out + first.err
+    again = run_cli("apply", "-", "--repo", str(proj / "wb"), "--json", input=envelope)
+    assert again.code == 0 and again.json["replayed"] is True, again.out + again.err
+    assert git(proj / ".git", "show", "side:f.txt") == "hi\n# once\n"
+    assert _clean(proj / "wb")
+    assert not (proj / "f.txt").exists()  # nothing written into the folder above the bare git dir
+
+
+def test_a_linked_worktree_of_a_separate_git_dir_repository_verifies_with_an_outside_store(tmp_path: Path) -> None:
+    """Its calls name the common git dir (the main worktree cannot be found from there): that opens as the repository."""
+    repo = _separate(tmp_path, tmp_path / "repo.git")
+    repo.git("branch", "side")
+    linked = tmp_path / "linked"
+    repo.git("worktree", "add", "-q", str(linked), "side")
+    store = tmp_path / "store"
+    r = _apply(linked, "--store", str(store))
+    assert r.code == 0, r.out + r.err
+    other = b"diff --git a/f.txt b/f.txt\n--- a/f.txt\n+++ b/f.txt\n@@ -1,2 +1,3 @@\n hi\n there\n+again\n"
+    crashed = run_cli("apply", "-", "--repo", str(linked), "--store", str(store), "--key", "k", "--json",
+                      input=other, env={"ONCEPATCH_CRASH_AT": "after-ref"})
+    assert crashed.code == 137, crashed.out + crashed.err
+    assert run_cli("recover", "--repo", str(linked), "--store", str(store)).code == 0
+    assert _clean(linked)
+    v = run_cli("verify", "--repo", str(linked), "--store", str(store))
+    assert v.code == 0, v.out + v.err

@@ -549,6 +549,11 @@ def test_a_patch_into_a_store_inside_the_worktree_is_refused(repo: Repo) -> None
     err = refuse(repo, b"--- /dev/null\n+++ b/var\n@@ -0,0 +1 @@\n+x\n", "--store", str(nested), code=4,
                  type="unsafe_path")
     assert err["reason"] == "in_store"
+    # The same store named through a symlink to the repository is the same folder.
+    (repo.path.parent / "alias").symlink_to(repo.path)
+    err = refuse(repo, b"--- /dev/null\n+++ b/.opstore/note.txt\n@@ -0,0 +1 @@\n+x\n", "--store",
+                 str(repo.path.parent / "alias" / ".opstore"), code=4, type="unsafe_path")
+    assert err["reason"] == "in_store"
     # Other paths apply as usual.
     ok = run_cli("apply", "-", "--repo", str(repo.path), "--store", str(store), "--json",
                  input=b"--- /dev/null\n+++ b/other.txt\n@@ -0,0 +1 @@\n+x\n")

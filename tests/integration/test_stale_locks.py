@@ -251,3 +251,28 @@ def test_a_store_that_cannot_be_made_is_a_usage_error_and_nothing_changes(repo: 
     err = r.json["error"]
     assert err["type"] == "usage" and err["effect_status"] == "not_started" and "cannot make" in err["message"]
     assert snapshot(repo) == before
+
+
+def test_a_process_whose_main_thread_ended_while_others_run_is_not_gone(tmp_path: Path) -> None:
+    """Its leader shows as a zombie in /proc, but the process lives on: its locks are still held."""
+    if not os.path.exists(f"/proc/{os.getpid()}/task"):
+        pytest.skip("no /proc to tell a zombie by")
+    from cas.pids import gone
+
+    code = ("import ctypes, os, sys, threading, time\n"
+            "threading.Thread(target=lambda: (time.sleep(30), os._exit(0))).start()\n"
+            "sys.stdout.write('ready\\n'); sys.stdout.flush()\n"
+            "ctypes.CDLL(None).pthread_exit(None)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        for _ in range(200):
+            if _zombie_state(proc.pid) == b"Z":
+                break
+            time.sleep(0.02)
+        assert _zombie_state(proc.pid) == b"Z"  # the leader, as /proc shows it
+        assert not gone(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert gone(proc.pid)
