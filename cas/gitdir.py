@@ -154,15 +154,20 @@ def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tup
                 details={"reason": "main_worktree_unknown"})
         if os.path.isdir(workdir):
             found.append((workdir, common_dir))
+    found += [(workdir, gd) for workdir, gd in _linked_worktrees(common_dir) if _head_names(gd, common_dir, ref)]
+    return found
+
+
+def _linked_worktrees(common_dir: str) -> list[tuple[str, str]]:
+    """``(workdir, git_dir)`` of the linked worktrees listed under ``worktrees/`` whose folder exists."""
     wt_root = os.path.join(common_dir, "worktrees")
     try:
         names = sorted(os.listdir(wt_root))
-    except FileNotFoundError:
-        names = []
+    except OSError:
+        return []
+    found = []
     for name in names:
         gd = os.path.join(wt_root, name)
-        if not _head_names(gd, common_dir, ref):
-            continue
         try:
             with open(os.path.join(gd, "gitdir"), "rb") as fh:
                 dotgit = fh.read().decode("utf-8", "surrogateescape").strip()
@@ -194,25 +199,9 @@ def main_worktree_of(common_dir: str) -> str | None:
 
 def all_worktrees(common_dir: str) -> list[str]:
     """The real folders of the repository's worktrees that exist: its main one (when found), then the linked ones."""
-    found = []
     main = main_worktree_of(common_dir)
-    if main is not None and os.path.isdir(main):
-        found.append(main)
-    wt_root = os.path.join(common_dir, "worktrees")
-    try:
-        names = sorted(os.listdir(wt_root))
-    except OSError:
-        names = []
-    for name in names:
-        try:
-            with open(os.path.join(wt_root, name, "gitdir"), "rb") as fh:
-                dotgit = fh.read().decode("utf-8", "surrogateescape").strip()
-        except OSError:
-            continue
-        workdir = os.path.dirname(os.path.realpath(os.path.join(wt_root, name, dotgit)))
-        if os.path.isdir(workdir):
-            found.append(workdir)
-    return found
+    found = [main] if main is not None and os.path.isdir(main) else []
+    return found + [workdir for workdir, _gd in _linked_worktrees(common_dir)]
 
 
 def _head_names(git_dir: str, common_dir: str, ref: str) -> bool:
