@@ -77,8 +77,7 @@ def discover(path: str) -> GitLayout:
             git_dir = os.path.realpath(dotgit)
             # A '.git' folder set bare (a "bare repository with worktrees" kept as '.git'):
             # git sees no worktree above it, and neither does oncepatch.
-            bare = _core(git_dir).get("bare", "").lower() in ("true", "yes", "on", "1")
-            return GitLayout(None if bare else cur, git_dir, common_dir_of(git_dir))
+            return GitLayout(None if _is_bare(_core(git_dir)) else cur, git_dir, common_dir_of(git_dir))
         if os.path.isfile(dotgit):
             target = read_gitfile(dotgit)
             if target and _is_git_dir(target):
@@ -141,7 +140,7 @@ def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tup
     """
     found: list[tuple[str, str]] = []
     core = _core(common_dir) if _head_names(common_dir, common_dir, ref) else None
-    if core is not None and core.get("bare", "").lower() not in ("true", "yes", "on", "1"):
+    if core is not None and not _is_bare(core):
         workdir = main or core_worktree(common_dir, core)
         if workdir is None and os.path.basename(common_dir) == ".git":
             workdir = os.path.dirname(common_dir)
@@ -189,7 +188,7 @@ def main_worktree_of(common_dir: str) -> str | None:
     file; from a linked worktree it is not, as for ``git worktree list``.)
     """
     core = _core(common_dir)
-    if core.get("bare", "").lower() in ("true", "yes", "on", "1"):
+    if _is_bare(core):
         return None
     workdir = core_worktree(common_dir, core)
     if workdir is None and os.path.basename(common_dir) == ".git":
@@ -208,6 +207,11 @@ def _head_names(git_dir: str, common_dir: str, ref: str) -> bool:
     """Whether the HEAD of ``git_dir`` is ``ref``, directly or through branch aliases."""
     head = _read_head_safe(git_dir)
     return head is not None and (head == ref or resolve_symbolic(common_dir, head) == ref)
+
+
+def _is_bare(core: dict[str, str]) -> bool:
+    """``core.bare`` true in ``[core]`` settings read by :func:`_core` (git's boolean spellings)."""
+    return core.get("bare", "").lower() in ("true", "yes", "on", "1")
 
 
 def _read_head_safe(git_dir: str) -> str | None:

@@ -743,18 +743,20 @@ def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None
 
 def file_mode_on(store: GitStore, workdir: str) -> bool:
     """``core.fileMode`` of the worktree (true unless set false): whether git compares the executable bit."""
+    return _setting_on(store, workdir, "core.fileMode")
+
+
+def _setting_on(store: GitStore, workdir: str, name: str) -> bool:
+    """A boolean setting of the worktree's configuration that is true unless set false."""
     try:
-        return bool(store.worktree_repo(workdir).config.get_bool("core.fileMode"))
+        return bool(store.worktree_repo(workdir).config.get_bool(name))
     except (KeyError, pygit2.GitError, ValueError):
         return True
 
 
 def symlinks_on(store: GitStore, workdir: str) -> bool:
     """``core.symlinks`` of the worktree (true unless set false): git checks symlinks out as plain files then."""
-    try:
-        return bool(store.worktree_repo(workdir).config.get_bool("core.symlinks"))
-    except (KeyError, pygit2.GitError, ValueError):
-        return True
+    return _setting_on(store, workdir, "core.symlinks")
 
 
 def cleaned(workdir: str, path: str, data: bytes) -> bytes:

@@ -9,7 +9,6 @@ progress go to stderr.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Sequence
 

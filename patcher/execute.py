@@ -214,6 +214,8 @@ def _refuse_store_paths(args: CallArgs, store_root: str, paths: list[str]) -> No
     from patcher.errors import UnsafePath
 
     store = os.path.realpath(store_root)
+    if store.startswith(args.layout.common_dir + "/"):
+        return  # the default store, inside the git dir: no worktree is there (nor any look at them per call)
     workdirs = set(all_worktrees(args.layout.common_dir))
     if args.layout.workdir:
         workdirs.add(os.path.realpath(args.layout.workdir))
@@ -279,8 +281,7 @@ def _execute(
     pre: _PreCheck | None,
 ) -> ApplyResult:
     from patcher.stage import plan_stage, touched_paths, write_stage
-    from patcher.worktrees import (IndexesAhead, check_worktrees, hold_index_locks, materialise_all,
-                                   release_index_locks, settle_dead_calls)
+    from patcher.worktrees import IndexesAhead, check_worktrees, hold_index_locks, materialise_all, settle_dead_calls
 
     use_fast_json()
     parsed = pre.patch if pre is not None else parse_patch(args.patch, args.format)

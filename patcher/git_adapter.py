@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from cas.gitdir import worktrees_on
+from cas.pids import gone
 from cas.objects import GitStore, TreeEntry
 from receipts.adapter import QueryResult
 from receipts.identity import key_hash
@@ -482,12 +483,6 @@ def _pid_of_tmp(rest: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _pid_dead(pid: int) -> bool:
-    from cas.pids import gone
-
-    return gone(pid)
-
-
 def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:
     """Where cas leaves tmp files beside the index (``index.optmp-<pid>…``, ``.index.lock.optmp-<pid>``) and
     in the common git dir (a ref lock's content before its link: ``.ref.optmp-<pid>-…``, a key ref's
@@ -534,7 +529,7 @@ def _remove_dead_tmp_files(workdir: str | None, git_dir: str, touched: list[str]
             if not entry.startswith(prefix):
                 continue
             pid = _pid_of_tmp(entry[len(prefix):])
-            if pid is None or not _pid_dead(pid):
+            if pid is None or not gone(pid):
                 continue
             path = os.path.join(folder, entry)
             if not remove:

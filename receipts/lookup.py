@@ -7,7 +7,7 @@ import os
 from cas.gitdir import discover
 from receipts.errors import CorruptReceipt, InProgress, ReceiptNotFound
 from receipts.receipt import Receipt
-from receipts.store import ReceiptStore
+from receipts.store import FILE_MISSING, ReceiptStore
 
 __all__ = ["status", "store_root"]
 
@@ -47,8 +47,7 @@ def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = No
                              f"receipt yet: ask again when it ends", key=key)
         gone = _recorded_without_file(rstore, key)
         if gone is not None:
-            raise CorruptReceipt(rstore.receipt_path(gone),
-                                 "the ledger records this key's receipt, but its file is missing", key=gone,
+            raise CorruptReceipt(rstore.receipt_path(gone), FILE_MISSING, key=gone,
                                  next_action="none")  # recover cannot bring it back: a person looks
         raise ReceiptNotFound(f"no receipt for key or call_id '{key}'", key=key)
     return found

@@ -42,7 +42,7 @@ from receipts.flock import FileLock
 from receipts.jsonio import use_fast as use_fast_json
 from receipts.receipt import Receipt, parse_receipt, written_as_is
 from receipts.states import needs_resolution
-from receipts.store import ReceiptStore
+from receipts.store import FILE_MISSING, ReceiptStore
 
 __all__ = [
     "RecoveryRow",
@@ -258,10 +258,8 @@ def _missing_receipts(store: ReceiptStore, paths: list[str], keys: set[str]) -> 
     """Keys the ledger records receipts of whose receipt file is gone: a store changed by hand (as verify says)."""
     from receipts.identity import key_hash
 
-    present = {os.path.basename(p)[:-5] for p in paths}
-    return [{"path": store.receipt_path(k), "key": k,
-             "reason": "the ledger records this key's receipt, but its file is missing"}
-            for k in sorted(keys) if key_hash(k) not in present and not os.path.exists(store.receipt_path(k))]
+    return [{"path": store.receipt_path(k), "key": k, "reason": FILE_MISSING}
+            for k in store.missing_files({key_hash(k): k for k in keys}, paths)]
 
 
 def _settled_digest(data: bytes, h: str) -> str:

@@ -18,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from cas.record import record
+from cas.errors import UsageError
 from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_regular
 from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress
@@ -29,9 +30,12 @@ from receipts.identity import key_hash
 from receipts.ledger import Ledger
 from receipts.receipt import DIGEST_FIELD, Receipt, parse_receipt, receipt_doc_bytes
 
-__all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT"]
+__all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT", "FILE_MISSING"]
 
 DEFAULT_LOCK_TIMEOUT = 30.0
+
+#: The reason given for a key the ledger records a receipt of, whose receipt file is gone.
+FILE_MISSING = "the ledger records this key's receipt, but its file is missing"
 
 
 @record
@@ -170,8 +174,6 @@ class ReceiptStore:
         except FileExistsError:
             return
         except OSError as exc:
-            from cas.errors import UsageError
-
             raise UsageError(f"cannot use the store '{self.root}': cannot make '{path}': "
                              f"{exc.strerror or exc}") from exc
         fsync_dir(parent)
@@ -190,8 +192,6 @@ class ReceiptStore:
         try:
             taken = lk.acquire(timeout, poll=0.01)
         except OSError as exc:  # the lock file cannot be made (a store this process may not write)
-            from cas.errors import UsageError
-
             raise UsageError(f"cannot use the store '{self.root}': cannot take the lock of key '{key}' "
                              f"('{self.lock_path(key)}': {exc.strerror or exc})", key=key) from exc
         if not taken:
@@ -294,6 +294,16 @@ class ReceiptStore:
             return read_receipt_file(path) == mine
         except (FileNotFoundError, CorruptReceipt):
             return False
+
+    def missing_files(self, keys_by_hash: Mapping[str, str], paths: list[str]) -> list[str]:
+        """The keys of ``keys_by_hash`` (key hash -> key; the ledger's) with no receipt file, sorted.
+
+        ``paths``: the receipt files listed (:meth:`receipt_paths`); a file that
+        appeared since the listing counts as there.
+        """
+        present = {os.path.basename(p)[:-5] for p in paths}
+        return sorted(k for h, k in keys_by_hash.items()
+                      if h not in present and not os.path.exists(self.path_for_hash(h)))
 
     def receipt_paths(self) -> list[str]:
         """Every receipt file's path, in file order (shard, then name), unread."""

@@ -29,7 +29,7 @@ from receipts.errors import CorruptReceipt
 from receipts.jsonio import use_fast as use_fast_json
 from receipts.receipt import Receipt
 from receipts.recovery import receipt_age
-from receipts.store import ReceiptStore, StoredReceipt
+from receipts.store import FILE_MISSING, ReceiptStore, StoredReceipt
 
 __all__ = ["Failure", "VerifyReport", "CommitVerifier", "verify", "DEFAULT_GRACE"]
 
@@ -159,9 +159,8 @@ def _missing_receipts(store: ReceiptStore, paths: list[str], hashed: dict[str, t
 
     (Every ledger event that names a key is a receipt's.)
     """
-    gone = set(hashed).difference(os.path.basename(p)[:-5] for p in paths)
-    return [Failure(k, store.receipt_path(k), "the ledger records this key's receipt, but its file is missing")
-            for k in sorted(hashed[h][0] for h in gone) if not os.path.exists(store.receipt_path(k))]
+    return [Failure(k, store.receipt_path(k), FILE_MISSING)
+            for k in store.missing_files({h: key for h, (key, _seq) in hashed.items()}, paths)]
 
 
 def _in_call_order(paths: list[str], hashed: dict[str, tuple[str, int]], events: int) -> list[str]:
