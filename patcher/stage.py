@@ -39,7 +39,7 @@ from typing import Any
 from cas.record import record, field, replace as replace_record
 from cas.objects import GitStore, TreeEntry
 from cas.hashing import git_blob_oid
-from patcher.binary import apply_delta
+from patcher.formats.binary import apply_delta
 from patcher.errors import ContextNotFound, PartiallyApplied, PatchError, UnsafePath, UnsupportedPatch
 from patcher.formats import FileApplier, get_format
 from patcher.matching import apply_hunks

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from conftest import Repo, make_repo, run_cli
-from patcher.cli_recovery import _adapters
+from patcher.cli.recovery import _adapters
 from patcher.protocol import apply
 from receipts.recovery import recover
 from receipts.store import ReceiptStore

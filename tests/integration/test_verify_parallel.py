@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from conftest import make_repo
-from patcher.cli_recovery import _adapters
+from patcher.cli.recovery import _adapters
 from patcher.protocol import apply
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 from receipts.verifier import verify
 
-FACTORY = "patcher.cli_recovery:_adapters"
+FACTORY = "patcher.cli.recovery:_adapters"
 
 
 def _patch(i: int) -> bytes:

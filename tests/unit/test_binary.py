@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from cas.hashing import git_blob_oid
-from patcher.binary import apply_delta, b85decode, read_binary_hunks
+from patcher.formats.binary import apply_delta, b85decode, read_binary_hunks
 from patcher.errors import ContextNotFound, ParseError
 
 
@@ -131,7 +131,7 @@ def test_b85decode_refuses_what_base64_refuses(text: bytes) -> None:
 
 
 def test_results_over_the_limit_are_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
-    import patcher.binary as binary
+    import patcher.formats.binary as binary
     from patcher.errors import TooLarge
 
     monkeypatch.setattr(binary, "MAX_BINARY_BYTES", 1000)

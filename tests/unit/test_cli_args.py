@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from cas.errors import UsageError
 from patcher import cli
-from patcher.cli_parser import untranslated
+from patcher.cli.parser import untranslated
 
 
 def parsed(argv: list[str]) -> dict[str, object] | None:

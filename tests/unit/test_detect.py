@@ -94,7 +94,7 @@ def test_a_combined_diff_is_detected_as_unified_and_refused_by_name() -> None:
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from patcher import detection  # noqa: E402
+from patcher.formats import detection  # noqa: E402
 
 # Pieces the patterns look for, and what sits near them, joined in any order: the generated
 # inputs reach every branch of the cheap checks (and the patterns' corners: \s, \r, heredocs).

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from patcher.editblocks import apply_sequential, parse_search_replace, parse_str_replace
+from patcher.formats.editblocks import apply_sequential, parse_search_replace, parse_str_replace
 from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied
 from patcher.model import FileEdit, Hunk
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from patcher.convert import make_unified, unified_to_envelope
-from patcher.envelope import looks_envelope, parse_envelope
+from patcher.formats.convert import make_unified, unified_to_envelope
+from patcher.formats.envelope import looks_envelope, parse_envelope
 from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, UnsupportedPatch
 from patcher.matching import apply_hunks
 from patcher.model import FileEdit, Hunk
-from patcher.unified import parse_unified
+from patcher.formats.unified import parse_unified
 
 
 def env(body: str) -> bytes:

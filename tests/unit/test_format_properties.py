@@ -17,14 +17,14 @@ import json
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from patcher.convert import make_unified, unified_to_envelope
-from patcher.editblocks import apply_sequential, parse_search_replace, parse_str_replace
-from patcher.envelope import parse_envelope
+from patcher.formats.convert import make_unified, unified_to_envelope
+from patcher.formats.editblocks import apply_sequential, parse_search_replace, parse_str_replace
+from patcher.formats.envelope import parse_envelope
 from patcher.errors import AmbiguousMatch
 from patcher.matching import apply_hunks
 from patcher.model import Hunk
-from patcher.unified import parse_unified
-from patcher.wholefile import parse_whole_file
+from patcher.formats.unified import parse_unified
+from patcher.formats.wholefile import parse_whole_file
 
 ALPHABET = ["a", "b", "c", "", "  a", "a  ", "x = 1", "}", "caf\u00e9", "\u201cq\u201d"]
 line = st.sampled_from(ALPHABET)

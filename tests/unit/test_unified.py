@@ -12,7 +12,7 @@ import pytest
 from patcher.errors import ContextNotFound, ParseError, UnsafePath, UnsupportedPatch
 from patcher.matching import apply_hunks
 from patcher.model import MODE_EXEC, MODE_FILE, MODE_LINK, FileEdit, Hunk
-from patcher.unified import looks_unified, parse_unified
+from patcher.formats.unified import looks_unified, parse_unified
 
 
 def _p(*lines: str | bytes) -> bytes:

@@ -10,7 +10,7 @@ import pytest
 from patcher.errors import ParseError
 from patcher.formats import get_format
 from patcher.model import MODE_EXEC, MODE_FILE, FileEdit
-from patcher.wholefile import looks_whole_file, parse_whole_file
+from patcher.formats.wholefile import looks_whole_file, parse_whole_file
 
 
 def parse(items: object) -> tuple[FileEdit, ...]:

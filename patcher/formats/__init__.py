@@ -5,9 +5,9 @@ Each format registers a cheap ``looks(data)`` test and a ``parse(data)``.
 guesses between two formats that both accept it: each ``looks`` is specific
 (``docs/FORMATS.md``, "Detection"), and two that accept → :class:`ParseError`.
 
-Built in: ``unified`` (:mod:`patcher.unified`), ``apply_patch``
-(:mod:`patcher.envelope`), ``search_replace`` and ``str_replace``
-(:mod:`patcher.editblocks`), ``whole_file`` (:mod:`patcher.wholefile`).
+Built in: ``unified`` (:mod:`patcher.formats.unified`), ``apply_patch``
+(:mod:`patcher.formats.envelope`), ``search_replace`` and ``str_replace``
+(:mod:`patcher.formats.editblocks`), ``whole_file`` (:mod:`patcher.formats.wholefile`).
 
 A format may also say how its edits apply (read by :mod:`patcher.stage`):
 ``apply_file(original, hunks, path=...)`` replaces
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from cas.record import record, replace as replace_record
-from patcher.detection import DETECTORS
+from patcher.formats.detection import DETECTORS
 from patcher.errors import ParseError
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
@@ -62,7 +62,7 @@ def known_format(name: str) -> bool:
 
 
 def _load_builtin() -> None:
-    from patcher import editblocks, envelope, unified, wholefile
+    from patcher.formats import editblocks, envelope, unified, wholefile
 
     register(Format("unified", unified.looks_unified, unified.parse_unified))
     for module in (envelope, editblocks, wholefile):

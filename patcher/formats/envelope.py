@@ -52,14 +52,14 @@ makes a file without a final newline; in a hunk it makes the hunk exact about
 line endings (its lines keep their bytes, ``\\r`` included, and end in ``\\n``
 unless marked) and anchors it to the end of the file.  That is how a change of
 the final newline, which an agnostic hunk cannot express, is written (the
-converter :mod:`patcher.convert` emits it).
+converter :mod:`patcher.formats.convert` emits it).
 """
 
 from __future__ import annotations
 
 import re
 
-from patcher.detection import looks_envelope
+from patcher.formats.detection import looks_envelope
 from patcher.errors import ParseError
 from patcher.formats import Format
 from patcher.model import FileEdit, Hunk, Patch

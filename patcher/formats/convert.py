@@ -16,7 +16,7 @@ lines whose line ending differs from the file's dominant one (an envelope
 hunk writes added lines with the file's line ending).
 
 The envelope uses the oncepatch extension ``\\ No newline at end of file``
-(see :mod:`patcher.envelope`) where a final newline is absent or changes.
+(see :mod:`patcher.formats.envelope`) where a final newline is absent or changes.
 
 :func:`make_unified` writes a git-style unified diff of one file from its old
 and new bytes (used by tests and by the converter's users).
@@ -28,11 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 
-from patcher.envelope import parse_envelope
+from patcher.formats.envelope import parse_envelope
 from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied, UnsupportedPatch
 from patcher.matching import apply_hunks, chomp, eol_of, split_lines
 from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Hunk
-from patcher.unified import parse_unified
+from patcher.formats.unified import parse_unified
 
 __all__ = ["Conversion", "unified_to_envelope", "make_unified", "edit_to_envelope"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from patcher.cli_common import path_given
+from patcher.cli.common import path_given
 
 __all__ = ["register", "HANDLERS"]
 

@@ -69,7 +69,7 @@ from collections.abc import Sequence
 from typing import Any
 
 
-from patcher.detection import WHOLE_KEYS, json_items, looks_search_replace, looks_str_replace
+from patcher.formats.detection import WHOLE_KEYS, json_items, looks_search_replace, looks_str_replace
 from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied
 from patcher.formats import Format
 from patcher.matching import apply_hunks, chomp, split_lines

@@ -13,13 +13,13 @@ import sys
 from collections.abc import Callable, Sequence
 
 from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, UsageError
-from patcher.cli_common import COMMON_OPTIONS, at_least_one, positive_seconds, seconds, store_root
+from patcher.cli.common import COMMON_OPTIONS, at_least_one, positive_seconds, seconds, store_root
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
     import argparse
     from typing import Any
-    from patcher.cli_common import Option
+    from patcher.cli.common import Option
 
 __all__ = ["main", "build_parser"]
 
@@ -41,7 +41,7 @@ APPLY_OPTIONS: tuple[Option, ...] = (
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; with ``only``, just that command's subparser is filled in."""
-    from patcher.cli_parser import build_parser as build
+    from patcher.cli.parser import build_parser as build
 
     return build(APPLY_OPTIONS, _EXTRA_COMMANDS, only)
 
@@ -60,7 +60,7 @@ def _plain_apply(argv: list[str]) -> _Args | None:
     """``apply``'s arguments read without argparse, or ``None``: argparse then reads (and judges) them.
 
     Read here: ``apply``, one patch (a file, or ``-``), and the options of
-    :data:`APPLY_OPTIONS` and :data:`~patcher.cli_common.COMMON_OPTIONS`
+    :data:`APPLY_OPTIONS` and :data:`~patcher.cli.common.COMMON_OPTIONS`
     as ``--name VALUE`` or ``--name=VALUE``, each value converted as
     argparse converts it.  Anything else — ``--help``, an unknown option, a
     value that starts with ``-``, a second patch, a value its conversion
@@ -181,7 +181,7 @@ def _load_extra_commands() -> None:
     # Each module appends to _EXTRA_COMMANDS and _HANDLERS when imported.
     import importlib
 
-    for name in ("patcher.cli_recovery", "patcher.cli_mcp"):
+    for name in ("patcher.cli.recovery", "patcher.cli.mcp"):
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             keep_lean()  # one call, then exit: start-up counts more than JSON speed
         args = _plain_apply(argv) if command == "apply" else None
         if args is None:
-            from patcher.cli_parser import untranslated
+            from patcher.cli.parser import untranslated
 
             with untranslated():
                 args = build_parser(command if known else None).parse_args(argv)

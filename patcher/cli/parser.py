@@ -16,12 +16,12 @@ import sys
 from collections.abc import Callable, Iterator
 
 from cas.errors import UsageError
-from patcher.cli_common import add_common, add_options
+from patcher.cli.common import add_common, add_options
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
     from typing import Any, NoReturn
-    from patcher.cli_common import Option
+    from patcher.cli.common import Option
 
 __all__ = ["build_parser", "untranslated"]
 

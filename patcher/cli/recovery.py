@@ -14,7 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from cas.errors import EXIT_IN_PROGRESS, EXIT_OK, EXIT_VERIFY, UsageError
-from patcher.cli_common import add_common, at_least_one, positive_seconds, seconds, store_root
+from patcher.cli.common import add_common, at_least_one, positive_seconds, seconds, store_root
 from receipts import jsonio
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
     rstore = ReceiptStore(store_root(args))
     report = verify(rstore, _adapters(rstore), grace=args.grace, progress=_progress,
-                    jobs=args.jobs or (os.cpu_count() or 1), verifiers_factory="patcher.cli_recovery:_adapters")
+                    jobs=args.jobs or (os.cpu_count() or 1), verifiers_factory="patcher.cli.recovery:_adapters")
     doc = report.to_json()
     if report.ok:
         text = f"ok: {report.receipts} receipt(s), {report.ledger_events} ledger event(s) verified\n"

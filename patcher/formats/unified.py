@@ -12,7 +12,7 @@ What is read:
   ``rename from``/``rename to`` (also the old ``rename old``/``rename new``),
   ``copy from``/``copy to``, ``similarity index``, ``dissimilarity index``,
   ``index <old>..<new> [mode]``), then ``---``/``+++`` and hunks, or a binary
-  payload: ``GIT binary patch`` and its hunks (:mod:`patcher.binary`), or
+  payload: ``GIT binary patch`` and its hunks (:mod:`patcher.formats.binary`), or
   ``Binary files ... differ`` (no data).  Names come from ``rename from/to`` first,
   then ``---``/``+++``, then the ``diff --git`` line.  The prefixes are those
   of the ``diff --git`` line: ``a/``/``b/``, the mnemonic pairs (``c/``,
@@ -77,8 +77,8 @@ from __future__ import annotations
 import re
 
 from cas.hashing import git_blob_oid
-from patcher.binary import BinaryHunk, read_binary_hunks
-from patcher.detection import looks_unified
+from patcher.formats.binary import BinaryHunk, read_binary_hunks
+from patcher.formats.detection import looks_unified
 from patcher.errors import ParseError, UnsupportedPatch
 from patcher.matching import chomp, split_lines
 from patcher.model import MODE_EXEC, MODE_FILE, MODE_LINK, FileEdit, Hunk, Patch

@@ -33,7 +33,7 @@ import binascii
 from typing import Any
 
 
-from patcher.detection import EDIT_KEYS, json_items, looks_whole_file
+from patcher.formats.detection import EDIT_KEYS, json_items, looks_whole_file
 from patcher.errors import ParseError
 from patcher.formats import Format
 from patcher.model import MODE_EXEC, MODE_FILE, FileEdit, Patch
