@@ -26,13 +26,19 @@ def gone(pid: int) -> bool:
         return True
     except PermissionError:
         return False
+    # A process whose main thread has ended while others run shows its leader as a zombie
+    # too: it is gone only when every thread is (those of an exit_group may linger a moment,
+    # as zombies themselves).
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            state = fh.read().rsplit(b")", 1)[1].split()[0]
-        if state not in (b"Z", b"X"):
-            return False
-        # A process whose main thread has ended while others run shows its leader as a
-        # zombie too: it is gone only when no other thread is left.
-        return len(os.listdir(f"/proc/{pid}/task")) <= 1
+        return all(_state(f"/proc/{pid}/task/{tid}/stat") in (b"Z", b"X") for tid in os.listdir(f"/proc/{pid}/task"))
     except (OSError, IndexError):
         return False  # no /proc (not Linux), or it went meanwhile: the next look decides
+
+
+def _state(stat_path: str) -> bytes:
+    """The state letter of a ``/proc/.../stat`` file (after the command name, which may hold ')'); ``X`` once gone."""
+    try:
+        with open(stat_path, "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return b"X"  # a thread released between the listing and the read
