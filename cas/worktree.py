@@ -315,15 +315,53 @@ class IndexLock:
         self._marker = marker
 
     def release(self) -> None:
-        """Remove the lock file — only if it is still the one we created — then the marker (safe to repeat)."""
-        with contextlib.suppress(FileNotFoundError):
-            st = os.lstat(self.path)
-            if (st.st_dev, st.st_ino) == self._identity:
-                os.unlink(self.path)
+        """Remove the lock file — only if it is still the one we created — then the marker (safe to repeat).
+
+        Each removal is tried up to :data:`RELEASE_ATTEMPTS` times.  Race
+        guarded: a transient I/O error (EIO, EINTR, ...) on the unlink left
+        ``index.lock`` behind a call that had ended; its process alive, the
+        lock is never taken for a dead call's, so a long-lived caller met its
+        own lock on every later call (``in_progress``) until it exited.
+
+        Raises:
+            OSError: the lock file (or then the marker) could not be removed on
+                any attempt; the lock is still ours, and ``release`` may be
+                called again.
+        """
+        _with_retries(self._unlink_lock)
         if self._marker is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._marker)
+            marker = self._marker
+            _with_retries(lambda: _unlink_if_there(marker))
             self._marker = None
+
+    def _unlink_lock(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._identity:
+            _unlink_if_there(self.path)
+
+
+#: How many times :meth:`IndexLock.release` tries each removal before it gives up.
+RELEASE_ATTEMPTS = 4
+
+
+def _unlink_if_there(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _with_retries(step: Callable[[], None]) -> None:
+    """Run ``step``; on an ``OSError``, again (short pauses), up to :data:`RELEASE_ATTEMPTS` times in all."""
+    for attempt in range(RELEASE_ATTEMPTS):
+        try:
+            step()
+            return
+        except OSError:
+            if attempt == RELEASE_ATTEMPTS - 1:
+                raise
+            time.sleep(0.005 * (4 ** attempt))  # 5, 20, 80 ms: a busy device, an interrupted call
 
 
 # Mark files kept for a thread's next index lock: {(git dir, pid, thread): path} (hold_index_lock's keep_mark).

@@ -15,6 +15,14 @@ Normalised args are what the identity hashes (DESIGN.md section 2):
   explicit name are the same intent);
 * ``check``, ``message``: ``None`` when not given.
 
+A ``message`` (the commit's subject and body, from the agent) is refused
+(:func:`check_message`, a usage error) when it holds a control character
+other than newline and tab (a NUL byte, which ``git fsck`` reports as
+``nulInCommit``; a carriage return or an escape sequence that rewrites what
+``git log`` shows), or a line of its own starting ``Oncepatch-`` (in any
+case): the ``Oncepatch-Call`` and ``Oncepatch-Key`` trailers name the call
+that made a commit, and only oncepatch writes them.
+
 ``TOOL_VERSION`` names the semantics of the tool, not the package release: it
 changes only when the same args would produce a different effect, because a
 new version gives every call a new identity (a retry across such an upgrade
@@ -35,7 +43,8 @@ TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECI
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["TOOL", "TOOL_VERSION", "MAX_PATCH_BYTES", "CallArgs", "normalise_args", "normalise_branch", "repository_path"]
+__all__ = ["TOOL", "TOOL_VERSION", "MAX_PATCH_BYTES", "CallArgs", "check_message", "normalise_args",
+           "normalise_branch", "repository_path"]
 
 TOOL = "apply_patch"
 TOOL_VERSION = "1"
@@ -54,6 +63,36 @@ def bad_branch_name(name: str) -> bool:
     """
     return (not name or name.startswith(".") or name.endswith(("/", ".lock")) or "/." in name or ".." in name
             or "@{" in name or ".lock/" in name or "//" in name or not _BAD_CHARS.isdisjoint(name))
+
+
+#: Control characters a commit message may not hold: C0 but tab and newline, DEL, C1.
+_MESSAGE_CONTROLS = frozenset(map(chr, [*range(0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0)]))
+#: The trailers oncepatch writes under every message (any case: git matches trailer keys so).
+_OWN_TRAILER = "oncepatch-"
+
+
+def check_message(message: object) -> str | None:
+    """``message`` if a commit may carry it (``None`` or empty: the default subject).
+
+    Raises:
+        UsageError: not a string; a control character other than newline and
+            tab; a line starting ``Oncepatch-`` (any case, after any blanks).
+    """
+    if message is None:
+        return None
+    if not isinstance(message, str):
+        raise UsageError(f"the message must be text, not {type(message).__name__}")
+    if not _MESSAGE_CONTROLS.isdisjoint(message):
+        at = next(i for i, c in enumerate(message) if c in _MESSAGE_CONTROLS)
+        raise UsageError(f"the message holds a control character ({message[at]!r} at character {at}): "
+                         "only newline and tab are allowed",
+                         details={"reason": "control_character", "at": at})
+    for n, line in enumerate(message.split("\n"), 1):
+        if line.lstrip(" \t").lower().startswith(_OWN_TRAILER):
+            raise UsageError(f"the message's line {n} starts with 'Oncepatch-': oncepatch writes its own "
+                             "trailers (Oncepatch-Call, Oncepatch-Key) and no message may forge them",
+                             details={"reason": "own_trailer", "line": n})
+    return message
 
 
 @record
@@ -127,9 +166,11 @@ def normalise_args(
     """Normalise one call's arguments; ``detect(bytes) -> str`` resolves ``auto``.
 
     Raises:
-        UsageError: no repository, bad branch, unknown format.
+        UsageError: no repository, bad branch, unknown format, a message
+            :func:`check_message` refuses.
         TooLarge: the patch is over :data:`MAX_PATCH_BYTES`.
     """
+    message = check_message(message)
     if not isinstance(patch, (str, bytes, bytearray, memoryview)):
         # bytes(5) would be five NUL bytes, bytes(None) a TypeError outside the error tree.
         raise UsageError(f"the patch must be its content as str or bytes, not {type(patch).__name__}")

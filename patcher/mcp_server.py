@@ -85,34 +85,51 @@ def _import_sdk() -> tuple[Any, Any]:
     return server_cls, mcp_types
 
 
-def _same_repository(path: str, served: str) -> bool:
-    """Whether ``path`` lies in the served repository (a subfolder, or another of its worktrees: as the CLI's --repo)."""
-    from cas.gitdir import discover
-
-    if os.path.realpath(path) == os.path.realpath(served):
-        return True
-    try:
-        return discover(path).common_dir == discover(served).common_dir
-    except UsageError:
-        return False
-
-
 class _Tools:
     """The tool bodies: plain functions over one :class:`Client`, returning ``CallToolResult``."""
 
     def __init__(self, client: Any, types: Any, *, allow_other_repos: bool) -> None:
+        from cas.gitdir import discover
+
         self.client = client
         self.types = types
         self.allow_other_repos = allow_other_repos
+        # The served repository, resolved once: what every 'repo' argument is checked against.
+        self.served = discover(str(client.repo)).common_dir
 
-    def _repo(self, repo: str | None) -> str:
+    def _resolve(self, repo: str | None) -> tuple[str, str | None]:
+        """The repository a call's ``repo`` names, resolved once: (its root, as a real path; its common git dir).
+
+        Race guarded: the check and the apply used to resolve ``repo`` each on
+        its own; a symlink on the path flipped in between (by hand, or by the
+        client's own ``apply_patch`` calls committing a symlink into the served
+        worktree) landed the commit in another repository.  Now the path is made
+        real once, its repository found once, and the call is given that
+        repository's root (no symlink on it, nothing a patch can change) and
+        its common git dir, which the apply checks again on the repository it
+        opens (:func:`patcher.protocol.apply`'s ``common_dir``).
+
+        Raises:
+            UsageError: not the served repository (unless the server serves any).
+        """
+        from cas.gitdir import discover
+
         if repo is None or repo == "":
-            return str(self.client.repo)
-        path = os.path.abspath(repo)
-        if not self.allow_other_repos and not _same_repository(path, str(self.client.repo)):
-            raise UsageError(f"this server serves '{self.client.repo}' only, not '{repo}' "
-                             "(start it with --any-repo to allow others)")
-        return path
+            return str(self.client.repo), self.served
+        real = os.path.realpath(repo)
+        try:
+            layout = discover(real)
+        except UsageError:
+            if self.allow_other_repos:
+                return real, None  # the apply names what is wrong with it
+            raise self._not_served(repo) from None
+        if not self.allow_other_repos and layout.common_dir != self.served:
+            raise self._not_served(repo)
+        return layout.workdir or layout.git_dir, layout.common_dir
+
+    def _not_served(self, repo: str) -> UsageError:
+        return UsageError(f"this server serves '{self.client.repo}' only, not '{repo}' "
+                          "(start it with --any-repo to allow others)")
 
     def _ok(self, doc: dict[str, Any]) -> Any:
         text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
@@ -142,22 +159,24 @@ class _Tools:
 
     def apply_patch(self, patch: str, idempotency_key: str, repo: str | None, branch: str | None,
                     format: str, message: str | None) -> dict[str, Any]:
-        res = self.client.apply(patch, key=idempotency_key, repo=self._repo(repo), branch=branch or None,
-                                format=format or "auto", message=message or None)
+        where, common_dir = self._resolve(repo)
+        res = self.client.apply(patch, key=idempotency_key, repo=where, branch=branch or None,
+                                format=format or "auto", message=message or None, common_dir=common_dir)
         doc: dict[str, Any] = res.to_json()
         return doc
 
     def receipt_status(self, key: str, repo: str | None) -> dict[str, Any]:
-        receipt = self.client.status(key, repo=self._repo(repo))
+        where, _common = self._resolve(repo)
+        receipt = self.client.status(key, repo=where)
         return {"ok": True, "receipt": receipt.to_doc(),
-                "path": self.client.receipt_store(self._repo(repo)).receipt_path(receipt.key)}
+                "path": self.client.receipt_store(where).receipt_path(receipt.key)}
 
     def recover(self, repo: str | None, dry_run: bool) -> dict[str, Any]:
-        doc: dict[str, Any] = self.client.recover(repo=self._repo(repo), dry_run=dry_run).to_json()
+        doc: dict[str, Any] = self.client.recover(repo=self._resolve(repo)[0], dry_run=dry_run).to_json()
         return doc
 
     def verify(self, repo: str | None) -> dict[str, Any]:
-        doc: dict[str, Any] = self.client.verify(repo=self._repo(repo)).to_json()
+        doc: dict[str, Any] = self.client.verify(repo=self._resolve(repo)[0]).to_json()
         return doc
 
 

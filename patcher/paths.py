@@ -17,15 +17,34 @@ form, or raises :class:`~patcher.errors.UnsafePath` (``details`` =
   emits it and it usually means a path was glued together wrongly;
 * a ``..`` component;
 * a component that is git's directory under any spelling git itself refuses
-  (``verify_path`` with ``core.protectNTFS``/``core.protectHFS``): ``.git`` in
-  any case, followed by any run of spaces and dots, or by ``:`` (an NTFS
+  (``verify_path`` in git's ``read-cache.c`` with ``core.protectNTFS`` and
+  ``core.protectHFS`` both on, whatever the platform): ``.git`` in any
+  (ASCII) case, followed by any run of spaces and dots, or by ``:`` (an NTFS
   stream, ``.git::$INDEX_ALLOCATION``); the NTFS short name ``git~1``;
-  ``.git`` with HFS+-ignorable code points (zero-width joiners, ...) inside.
+  ``.git`` with HFS+-ignorable code points (zero-width joiners, ...) anywhere.
 
 ``.`` components are removed (``./a/./b`` → ``a/b``); nothing else is
 rewritten.  :func:`check_paths` checks a whole patch's paths together: no
 duplicates, and no path that is a leading directory of another (``a`` and
 ``a/b`` cannot both be files) unless the patch removes it.
+
+:func:`verify_path` adds what depends on the mode of the entry a patch writes,
+known once the patch is planned against its base (a rename keeps a symlink's
+mode): a **symlink** named ``.gitmodules``, ``.gitattributes``, ``.gitignore``
+or ``.mailmap`` -- or any name git reads as one of them: HFS+-ignorable code
+points inside, any ASCII case, NTFS trailing spaces and dots or a ``:``
+stream, NTFS short names (``gitmod~1``, ``gi7eba~1``, ``maba30~1``, ...) --
+is refused.  Git's ``verify_path`` refuses ``.gitmodules`` as a symlink (no
+checkout, no ``git add``; ``git fsck``: ``gitmodulesSymlink``, an error), and
+``git fsck`` reports the other three (``gitattributesSymlink``,
+``gitignoreSymlink``, ``mailmapSymlink``) while git reads them without
+following a symlink: a symlink there is a file git would read elsewhere (or,
+for ``.gitmodules``, a way to steer a clone's submodules).  A symlink is
+never needed there, so all four are refused alike.
+
+The matching follows git's ``is_hfs_dot*`` (``utf8.c``), ``is_ntfs_dot*``
+(``path.c``) and ``verify_dotfile`` (``read-cache.c``) rule for rule: each is
+tried at the start of every component, on the rest of the path.
 
 Whether a path runs through a symlink in the target tree needs the tree and is
 checked by the apply protocol, not here.
@@ -38,16 +57,112 @@ from collections.abc import Iterable
 
 from patcher.errors import UnsafePath
 
-__all__ = ["check_path", "check_paths"]
+__all__ = ["check_path", "check_paths", "verify_path"]
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 _DRIVE = re.compile(r"^[A-Za-z]:")
-# NTFS: '.git' or 'git~1' (any case) then only spaces/dots, then the end or ':'.
-_NTFS_DOTGIT = re.compile(r"^(?:\.git|git~1)[ .]*(?::.*)?$", re.IGNORECASE | re.DOTALL)
-# Code points HFS+ ignores when comparing names (git's is_hfs_dotgit list).
-_HFS_IGNORABLE = dict.fromkeys(
-    [0x200C, 0x200D, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x206A, 0x2070), 0xFEFF]
-)
+# Code points HFS+ ignores when comparing names (git's next_hfs_char).
+_HFS_IGNORABLE = frozenset([0x200C, 0x200D, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x206A, 0x2070), 0xFEFF])
+_MODE_LINK = 0o120000
+# ASCII case only: git folds with tolower() on ASCII needles (no Unicode case folding:
+# 'ſ' is not 's' to git, so '.gitmoduleſ' is an ordinary name).
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+#: The files git reads from the working tree that may not be symlinks: (name without the
+#: dot, the NTFS short-name prefix git derives from its hash: path.c's is_ntfs_dot_str calls).
+_LINK_REFUSED = (("gitmodules", "gi7eba"), ("gitattributes", "gi7d29"), ("gitignore", "gi250a"),
+                 ("mailmap", "maba30"))
+
+
+def _lower(text: str) -> str:
+    return text.translate(_ASCII_LOWER)
+
+
+def _is_hfs_dot(rest: str, needle: str) -> bool:
+    """git's ``is_hfs_dot_generic``: ``rest`` starts with ``.<needle>`` (ignorables skipped), then ``/`` or the end."""
+    chars = (c for c in rest if ord(c) not in _HFS_IGNORABLE)
+    if next(chars, "") != ".":
+        return False
+    for want in needle:
+        c = next(chars, "")
+        if not c.isascii() or _lower(c) != want:  # ('' is ASCII, and never equal)
+            return False
+    return next(chars, "/") == "/"
+
+
+def _only_spaces_and_periods(rest: str, start: int) -> bool:
+    """The tail of git's ``is_ntfs_dot_generic``: from ``start`` only spaces and dots, up to the end or a ``:``."""
+    for c in rest[start:]:
+        if c == ":":
+            return True
+        if c not in " .":
+            return False
+    return True
+
+
+def _is_ntfs_dotgit(rest: str) -> bool:
+    """git's ``is_ntfs_dotgit``: ``.git`` or ``git~1``, then only spaces and dots up to a separator, ``:`` or the end."""
+    if _lower(rest[:4]) == ".git":
+        tail = rest[4:]
+    elif _lower(rest[:3]) == "git" and rest[3:5] == "~1":
+        tail = rest[5:]
+    else:
+        return False
+    for c in tail:
+        if c in "\\/:":
+            return True
+        if c not in ". ":
+            return False
+    return True
+
+
+def _is_ntfs_dot(rest: str, name: str, short_prefix: str) -> bool:
+    """git's ``is_ntfs_dot_generic``: ``.<name>``, its short name ``<name[:6]>~1..4``, or a fall-back short name."""
+    if rest[:1] == "." and _lower(rest[1:1 + len(name)]) == name:
+        return _only_spaces_and_periods(rest, len(name) + 1)
+    if _lower(rest[:6]) == name[:6] and rest[6:7] == "~" and rest[7:8] in ("1", "2", "3", "4"):
+        return _only_spaces_and_periods(rest, 8)
+    # A fall-back short name: up to six characters of the hashed prefix, '~', a digit 1-9, digits.
+    saw_tilde = False
+    i = 0
+    while i < 8:
+        if i >= len(rest):
+            return False
+        c = rest[i]
+        if saw_tilde:
+            if not "0" <= c <= "9":
+                return False
+        elif c == "~":
+            i += 1
+            if i >= len(rest) or not "1" <= rest[i] <= "9":
+                return False
+            saw_tilde = True
+        elif i >= 6 or not c.isascii() or _lower(c) != short_prefix[i]:
+            return False
+        i += 1
+    return _only_spaces_and_periods(rest, 8)
+
+
+def _rest(components: list[str], n: int) -> str:
+    """What git's checks see of the rest of the path from component ``n``: it, and ``/`` when more follow.
+
+    Every check stops at the separator, so the components after it never matter
+    (and the cost stays linear in the path's length).
+    """
+    return components[n] + "/" if n + 1 < len(components) else components[n]
+
+
+def _names_git_dir(rest: str) -> bool:
+    """Whether the component starting ``rest`` (the rest of the path) is git's directory to git."""
+    return (_is_hfs_dot(rest, "git") or _is_ntfs_dotgit(rest)
+            or (_lower(rest[:4]) == ".git" and rest[4:5] in ("", "/")))  # verify_dotfile
+
+
+def _link_refused(rest: str) -> str | None:
+    """The git file (``.gitmodules``, ...) the component starting ``rest`` names, if git refuses it as a symlink."""
+    for name, short in _LINK_REFUSED:
+        if _is_hfs_dot(rest, name) or _is_ntfs_dot(rest, name, short):
+            return "." + name
+    return None
 
 
 def _show(path: str) -> str:
@@ -60,12 +175,6 @@ def _refuse(path: str, reason: str, **extra: str) -> UnsafePath:
         f"unsafe path '{_show(path)}': {reason}",
         details={"path": path, "reason": reason, **extra},
     )
-
-
-def _is_git_dir(component: str) -> bool:
-    if _NTFS_DOTGIT.match(component):
-        return True
-    return component.translate(_HFS_IGNORABLE).casefold() == ".git"
 
 
 def check_path(path: str) -> str:
@@ -96,19 +205,40 @@ def check_path(path: str) -> str:
     if path.endswith("/"):
         raise _refuse(path, "trailing slash")
     parts: list[str] = []
-    for component in path.split("/"):
+    components = path.split("/")
+    for n, component in enumerate(components):
         if component == "":
             raise _refuse(path, "empty path component")
         if component == ".":
             continue
         if component == "..":
             raise _refuse(path, "'..' component")
-        if _is_git_dir(component):
+        if _names_git_dir(_rest(components, n)):
             raise _refuse(path, "'.git' component")
         parts.append(component)
     if not parts:
         raise _refuse(path, "empty path")
     return "/".join(parts)
+
+
+def verify_path(path: str, mode: int) -> str:
+    """:func:`check_path`, and git's refusal of its own files as symlinks (``mode`` ``0o120000``).
+
+    ``mode``: the git mode of the entry the patch leaves at ``path``.
+
+    Raises:
+        UnsafePath: as :func:`check_path`; or a symlink that git would read as
+            ``.gitmodules``, ``.gitattributes``, ``.gitignore`` or ``.mailmap``
+            (reason ``'<name>' as a symlink``).
+    """
+    norm = check_path(path)
+    if mode & 0o170000 == _MODE_LINK:
+        components = norm.split("/")
+        for n in range(len(components)):
+            name = _link_refused(_rest(components, n))
+            if name is not None:
+                raise _refuse(path, f"'{name}' as a symlink")
+    return norm
 
 
 def check_paths(paths: Iterable[str], *, removed: Iterable[str] = ()) -> None:

@@ -151,6 +151,7 @@ def apply(
     format: str = "auto",
     check: str | None = None,
     message: str | None = None,
+    common_dir: str | None = None,
     store: str | None = None,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     check_timeout: float = 600.0,
@@ -159,6 +160,12 @@ def apply(
     """Apply ``patch`` (its content, never a file name) to ``branch`` of ``repo`` effectively once.
 
     Returns the committed (or replayed) outcome.
+
+    ``common_dir``: the common git dir (a real path) of the repository the
+    caller checked ``repo`` against; the repository ``repo`` opens as here must
+    be that one, else nothing is done (a usage error).  Race guarded: a caller
+    that checks a path and then hands it over (the MCP server) would otherwise
+    act on whatever the path names by then.
 
     Raises:
         OncepatchError: a subclass with the envelope fields; ``exit_code`` gives
@@ -170,6 +177,9 @@ def apply(
         _check_options(attempt, lock_timeout, check_timeout, store)
         args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message,
                               detect=detect)
+        if common_dir is not None and args.layout.common_dir != common_dir:
+            raise UsageError(f"'{repo}' is no longer the repository it was checked as ('{common_dir}'): "
+                             f"it is '{args.layout.common_dir}' now; nothing was done")
     except OncepatchError as exc:
         raise exc.with_key(key) if key is not None else exc
     identity = make_identity(TOOL, TOOL_VERSION, args.as_dict(), contract_sha256=contract_sha256, attempt=attempt)

@@ -44,6 +44,7 @@ from patcher.errors import ContextNotFound, PartiallyApplied, PatchError, Unsafe
 from patcher.formats import FileApplier, get_format
 from patcher.matching import apply_hunks
 from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Patch
+from patcher.paths import verify_path
 
 __all__ = ["Staged", "StagePlan", "plan_stage", "write_stage", "stage", "touched_paths"]
 
@@ -243,8 +244,11 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
     """Apply ``patch`` to ``base_commit`` in memory; nothing is written.
 
     Raises:
-        ContextNotFound, AmbiguousMatch, PartiallyApplied, UnsafePath: the patch
-            does not apply to this base.
+        ContextNotFound, AmbiguousMatch, PartiallyApplied: the patch does not
+            apply to this base.
+        UnsafePath: a path through a symlink or into a submodule, or an entry
+            git refuses with its mode (:func:`patcher.paths.verify_path`:
+            ``.gitmodules`` as a symlink, ...).
     """
     base_tree = store.commit_tree(base_commit) if base_commit else None
     fmt = get_format(patch.format)
@@ -312,6 +316,7 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
             if current is None:
                 raise ContextNotFound(f"cannot copy '{edit.path}': it does not exist", details={"path": edit.path})
             content, mode, g, _same = _apply_one(store, edit, current, applier)
+            verify_path(edit.target, mode)
             if g:
                 grades[edit.target] = g
             missing.append(edit.target)
@@ -335,6 +340,9 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
                     details={"path": edit.target},
                 )
         content, mode, g, done = _apply_one(store, edit, current, applier)
+        # The mode is known here (a rename or a modify keeps a symlink's): git refuses
+        # '.gitmodules' and its kin as symlinks, already present or not.
+        verify_path(edit.target, mode)
         if g:
             grades[edit.target] = g
         if done and edit.op != "rename":

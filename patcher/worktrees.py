@@ -202,8 +202,23 @@ def hold_index_locks(rstore: ReceiptStore, worktrees: list[tuple[str, str]], key
 
 
 def release_index_locks(held: dict[str, IndexLock]) -> None:
+    """Release every lock of ``held`` (:meth:`cas.worktree.IndexLock.release`), each even when another fails.
+
+    Raises:
+        OSError: a lock could not be removed (the first such error, once all were tried).
+    """
+    failed: OSError | None = None
     for lock in held.values():
-        lock.release()
+        try:
+            lock.release()
+        except OSError as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+
+
+#: How many times :meth:`IndexesAhead.settle` tries to settle a worktree's index.
+SETTLE_ATTEMPTS = 3
 
 
 class IndexesAhead:
@@ -250,10 +265,22 @@ class IndexesAhead:
             OSError: an index could not be put back; the caller must then leave
                 the index locks held (a marked dead lock is settled by whoever breaks it).
         """
+        from cas.durable import fsync_dir
         from cas.index_ahead import settle_ahead
 
         for git_dir in self._staged:
-            settle_ahead(git_dir, moved, sync_index=not materialised)
+            # A transient fault (EIO on the rename or the folder's sync) is tried again:
+            # a settle that fails leaves the call's index.lock held (see _settle_and_release).
+            # settle_ahead repeats safely: a kept index already put back is not there any more.
+            for attempt in range(SETTLE_ATTEMPTS):
+                try:
+                    settle_ahead(git_dir, moved, sync_index=not materialised)
+                    if attempt:
+                        fsync_dir(git_dir)  # the rename of the attempt that failed on its sync
+                    break
+                except OSError:
+                    if attempt == SETTLE_ATTEMPTS - 1:
+                        raise
         self._staged.clear()
 
 

@@ -136,6 +136,94 @@ def test_unsafe_path_tracked_folder_swapped_for_symlink(repo: Repo, tmp_path: Pa
     assert (outside / "guide.txt").read_text() == "guide\n"
 
 
+def new_symlink_patch(path: bytes, target: bytes = b"../../../../etc/passwd") -> bytes:
+    """A unified diff adding ``path`` as a symlink (mode 120000) to ``target``, as git writes one."""
+    return (b"diff --git a/" + path + b" b/" + path + b"\nnew file mode 120000\n--- /dev/null\n+++ b/" + path
+            + b"\n@@ -0,0 +1 @@\n+" + target + b"\n\\ No newline at end of file\n")
+
+
+GIT_FILE_LINKS = [
+    (".gitmodules", b".gitmodules", "'.gitmodules' as a symlink"),
+    ("gitmodules_nested", b"vendor/lib/.gitmodules", "'.gitmodules' as a symlink"),
+    ("gitmodules_case", b".GitModules", "'.gitmodules' as a symlink"),
+    ("gitmodules_ntfs_dots", b".gitmodules . .", "'.gitmodules' as a symlink"),
+    ("gitmodules_ntfs_short", b"GITMOD~1", "'.gitmodules' as a symlink"),
+    ("gitmodules_ntfs_hashed", b"gi7eba~2", "'.gitmodules' as a symlink"),
+    ("gitmodules_hfs", ".git\u200cmodules".encode(), "'.gitmodules' as a symlink"),
+    ("gitattributes", b".gitattributes", "'.gitattributes' as a symlink"),
+    ("gitignore", b"src/.gitignore", "'.gitignore' as a symlink"),
+    ("mailmap", b".mailmap", "'.mailmap' as a symlink"),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "reason"), GIT_FILE_LINKS, ids=[c[0] for c in GIT_FILE_LINKS])
+def test_git_files_as_symlinks_are_refused_and_nothing_changes(repo: Repo, name: str, path: bytes,
+                                                              reason: str) -> None:
+    """git's verify_path refuses them (fsck: gitmodulesSymlink, ...); they were committed."""
+    err = refuse(repo, new_symlink_patch(path), code=4, type="unsafe_path")
+    assert err["reason"] == reason and err["path"] == path.decode()
+    assert repo.git("fsck", "--strict", "--no-progress") == ""
+
+
+def test_a_file_turned_into_a_symlink_named_like_a_git_file_is_refused(repo: Repo) -> None:
+    """The mode change alone makes it a symlink ('old mode 100644' / 'new mode 120000')."""
+    repo.write(".mailmap", "A <a@example.com>\n")
+    repo.commit_all("a mailmap")
+    patch = (b"diff --git a/.mailmap b/.mailmap\nold mode 100644\nnew mode 120000\n--- a/.mailmap\n+++ b/.mailmap\n"
+             b"@@ -1 +1 @@\n-A <a@example.com>\n+/home/someone/.mailmap\n\\ No newline at end of file\n")
+    err = refuse(repo, patch, code=4, type="unsafe_path")
+    assert err["reason"] == "'.mailmap' as a symlink"
+
+
+def test_a_symlink_renamed_to_a_git_file_keeps_its_mode_and_is_refused(repo: Repo) -> None:
+    """A rename carries no mode line: the symlink's mode comes from the base tree."""
+    os.symlink("../outside", repo.path / "innocent")
+    repo.commit_all("a symlink")
+    patch = (b"diff --git a/innocent b/.gitmodules\nsimilarity index 100%\n"
+             b"rename from innocent\nrename to .gitmodules\n")
+    err = refuse(repo, patch, code=4, type="unsafe_path")
+    assert err["reason"] == "'.gitmodules' as a symlink"
+
+
+def test_git_files_as_regular_files_and_other_symlinks_still_commit(repo: Repo) -> None:
+    patch = (b"--- /dev/null\n+++ b/.gitmodules\n@@ -0,0 +1,3 @@\n+[submodule \"x\"]\n+\tpath = x\n"
+             b"+\turl = https://example.com/x\n" + new_symlink_patch(b".gitmodules-link", b".gitmodules"))
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", input=patch)
+    assert r.code == 0, r.out + r.err
+    assert os.readlink(repo.path / ".gitmodules-link") == ".gitmodules"
+    assert repo.git("fsck", "--strict", "--no-progress") == ""
+
+
+@pytest.mark.parametrize("path", [
+    ".gitmodules", "sub/.gitmodules", ".GITMODULES", ".git\u200cmodules", "\u200c.gitmodules\u200d", ".gitmodules ",
+    ".gitmodules. .", ".gitmodules::$DATA", "gitmod~1", "GITMOD~4", "gi7eba~1", "gi7eb~12", ".gitmodules/below",
+    ".gitattributes", "gitatt~1", ".gitignore", "gi250a~1", ".mailmap", "MAILMA~1",
+    ".gitmodulesx", "x.gitmodules", "gitmod~5", "gitmod~1x", "gi7eba~0", "gi7eba1~1", "gitmod~1/below",
+    ".gitmodule\u017f", ".mailmapx", "link",
+])
+def test_symlink_paths_git_refuses_are_the_ones_refused(repo: Repo, path: str) -> None:
+    """Conformance: git's own verify_path (update-index, both protections on) against patcher.paths.
+
+    git refuses only '.gitmodules' as a symlink at checkout; '.gitattributes', '.gitignore' and
+    '.mailmap' it reports in fsck, and oncepatch refuses them too: those differ on purpose.
+    """
+    from patcher.errors import UnsafePath
+    from patcher.paths import verify_path
+
+    oid = repo.git("hash-object", "-w", "--stdin", input=b"target").strip()
+    res = subprocess.run(["git", "-c", "core.protectHFS=true", "-c", "core.protectNTFS=true", "update-index",
+                          "--add", "--cacheinfo", f"120000,{oid},{path}"], cwd=repo.path, capture_output=True)
+    try:
+        verify_path(path, 0o120000)
+        refused = None
+    except UnsafePath as exc:
+        refused = exc.details["reason"]
+    if refused is None or refused == "'.gitmodules' as a symlink":
+        assert (res.returncode != 0) == (refused is not None), (path, res.stderr)
+    else:
+        assert refused in ("'.gitattributes' as a symlink", "'.gitignore' as a symlink", "'.mailmap' as a symlink")
+
+
 # -- does not apply -----------------------------------------------------------------------
 
 

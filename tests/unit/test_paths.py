@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from patcher.errors import UnsafePath
-from patcher.paths import check_path, check_paths
+from patcher.paths import check_path, check_paths, verify_path
 
 
 @pytest.mark.parametrize(
@@ -109,3 +109,132 @@ def test_check_paths_allows_a_removed_file_to_become_a_directory() -> None:
     check_paths(["folder/a", "folder"], removed=["./folder/a"])
     with pytest.raises(UnsafePath):
         check_paths(["x", "x/y", "z"], removed=["z"])
+
+
+# -- git's verify_path: '.git' as git spells it, and git's files refused as symlinks ----------
+
+U200C = "\u200c"  # ZERO WIDTH NON-JOINER: HFS+ ignores it when comparing names
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".git\u200d/config",
+        "\u206a.git/x",
+        f"a/.gi{U200C}t{U200C}/b",
+        ".GiT::$INDEX_ALLOCATION",
+        "git~1:stream/x",
+        ".git. . :x",
+    ],
+)
+def test_more_spellings_of_dotgit_are_refused(path: str) -> None:
+    with pytest.raises(UnsafePath) as info:
+        check_path(path)
+    assert info.value.details["reason"] == "'.git' component"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".g\u0131t/x",  # dotless i: git folds ASCII case only
+        ".git\u00a0/x",  # a no-break space is not NTFS's trailing space
+        ".gitx/y",
+        "git~2/x",
+        "xgit~1/y",
+        ".git~1/x",
+    ],
+)
+def test_names_git_does_not_read_as_dotgit_are_kept(path: str) -> None:
+    assert check_path(path) == path
+
+
+LINK = 0o120000
+
+# Every spelling git's is_hfs_dot*/is_ntfs_dot* match (git's t0060-path-utils.sh 'match .gitmodules', ...).
+GIT_FILE_SPELLINGS = [
+    (".gitmodules", ".gitmodules"),
+    ("sub/dir/.gitmodules", ".gitmodules"),
+    (".GITMODULES", ".gitmodules"),
+    (".gitmoduleS", ".gitmodules"),
+    (f".git{U200C}modules", ".gitmodules"),
+    (f"{U200C}.gitmodules{U200C}", ".gitmodules"),
+    (".gitmodules ", ".gitmodules"),
+    (".gitmodules.", ".gitmodules"),
+    (".gitmodules . .", ".gitmodules"),
+    (".gitmodules:$DATA", ".gitmodules"),
+    (".gitmodules::$INDEX_ALLOCATION", ".gitmodules"),
+    ("gitmod~1", ".gitmodules"),
+    ("GITMOD~4", ".gitmodules"),
+    ("gitmod~2 .", ".gitmodules"),
+    ("gi7eba~1", ".gitmodules"),
+    ("GI7EBA~9", ".gitmodules"),
+    ("gi7eb~12", ".gitmodules"),
+    ("gi7e~123", ".gitmodules"),
+    (".gitattributes", ".gitattributes"),
+    (f".git{U200C}attributes", ".gitattributes"),
+    (".gitattributes .", ".gitattributes"),
+    ("gitatt~1", ".gitattributes"),
+    ("gi7d29~1", ".gitattributes"),
+    (".gitignore", ".gitignore"),
+    (f".git{U200C}ignore", ".gitignore"),
+    ("gitign~1", ".gitignore"),
+    ("gi250a~1", ".gitignore"),
+    (".mailmap", ".mailmap"),
+    (".Mailmap", ".mailmap"),
+    (f".mail{U200C}map", ".mailmap"),
+    (".mailmap .", ".mailmap"),
+    ("MAILMA~1", ".mailmap"),
+    ("maba30~1", ".mailmap"),
+    (".gitmodules/below", ".gitmodules"),  # HFS: a separator ends the name
+]
+
+
+@pytest.mark.parametrize(("path", "name"), GIT_FILE_SPELLINGS)
+def test_git_files_are_refused_as_symlinks(path: str, name: str) -> None:
+    with pytest.raises(UnsafePath) as info:
+        verify_path(path, LINK)
+    assert info.value.details == {"path": path, "reason": f"'{name}' as a symlink"}
+    assert info.value.error_type == "unsafe_path"
+
+
+@pytest.mark.parametrize(("path", "name"), GIT_FILE_SPELLINGS)
+def test_git_files_are_kept_as_files(path: str, name: str) -> None:
+    for mode in (0o100644, 0o100755):
+        assert verify_path(path, mode) == path
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".gitmodulesx",
+        "x.gitmodules",
+        "gitmodules",
+        ".gitmodule",
+        ".gitmodule\u017f",  # long s: Unicode folds it to 's', git does not
+        "gitmod~5",  # short names of the name itself go to ~4 only
+        "gitmod~1x",
+        "gi7eba~0",
+        "gi7eba1~1",
+        "gitmod~1/below",  # NTFS: only spaces, dots or a stream may follow
+        ".mailmapx",
+        ".github/workflows",
+        "docs/.gitkeep",
+        "link",
+    ],
+)
+def test_other_names_may_be_symlinks(path: str) -> None:
+    assert verify_path(path, LINK) == path
+
+
+def test_verify_path_checks_the_path_first() -> None:
+    with pytest.raises(UnsafePath) as info:
+        verify_path("../.gitmodules", 0o100644)
+    assert info.value.details["reason"] == "'..' component"
+    assert verify_path("./a/./.gitmodules", 0o100644) == "a/.gitmodules"
+
+
+def test_path_checks_cost_grows_linearly_with_the_path() -> None:
+    # Every check stops at its component's end: a deep path is checked once per component.
+    deep = "/".join([".git" + U200C * 50 + "x"] * 20_000)
+    assert check_path(deep) == deep
+    assert verify_path(deep, LINK) == deep
