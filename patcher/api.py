@@ -107,7 +107,7 @@ class Client:
         from receipts.adapters import builtin_adapters
 
         adapters: dict[str, Any] = builtin_adapters()
-        git = GitAdapter(rstore, self._stores(), read_only=read_only)
+        git = GitAdapter(rstore, self._stores(), read_only=read_only, lock_timeout=self.lock_timeout)
         adapters[git.tool] = git
         return adapters
 

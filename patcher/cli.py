@@ -35,7 +35,8 @@ APPLY_OPTIONS: tuple[Option, ...] = (
     (("--check",), "check", None, None, "CMD", "run CMD in a temporary worktree of the candidate"),
     (("--check-timeout",), "check_timeout", 600.0, positive_seconds, None, "seconds before --check is stopped"),
     (("--message", "-m"), "message", None, None, None, "commit subject (default: names the touched files)"),
-    (("--lock-timeout",), "lock_timeout", 30.0, seconds, None, "seconds to wait for the key's lock"),
+    (("--lock-timeout",), "lock_timeout", 30.0, seconds, None,
+     "seconds to wait for each lock of the call (key, index.lock, branch)"),
 )
 
 
