@@ -1,4 +1,4 @@
-"""The public Python API (DESIGN.md section 7): one-shot :func:`apply`, and a long-lived :class:`Client`.
+"""The public Python API (docs/DESIGN.md section 7): one-shot :func:`apply`, and a long-lived :class:`Client`.
 
 The CLI and the MCP server are thin layers over this module.  Every error is
 an :class:`~cas.errors.OncepatchError` carrying the envelope fields

@@ -1,4 +1,4 @@
-"""``oncepatch`` command line: a thin layer over the Python API (DESIGN.md section 6).
+"""``oncepatch`` command line: a thin layer over the Python API (docs/DESIGN.md section 6).
 
 Start-up stays lean: argparse and the receipts layer only; pygit2 is imported
 inside the commands that need it (a replayed ``apply`` and ``status`` never

@@ -1,4 +1,4 @@
-"""Steps 1 to 7 of the apply protocol (DESIGN.md section 4): a call that is not a replay.
+"""Steps 1 to 7 of the apply protocol (docs/DESIGN.md section 4): a call that is not a replay.
 
 :func:`patcher.protocol.apply` normalises the call, computes its identity
 and replays a final receipt; what is left comes here, under the key's lock

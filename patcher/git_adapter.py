@@ -1,6 +1,6 @@
 """The ``apply_patch`` adapter: after a crash, ask git whether a call's commit landed.
 
-:meth:`GitAdapter.query` (DESIGN.md section 5), for a ``prepared`` or
+:meth:`GitAdapter.query` (docs/DESIGN.md section 5), for a ``prepared`` or
 ``unknown`` receipt, in order:
 
 1. lock files the dead owner left in the middle of its ref update are
