@@ -1,8 +1,10 @@
-"""Author and committer identities as git reads and writes them (pure but for libgit2's checks).
+"""Author and committer identities as git reads and writes them.
 
 :func:`git_identity` finds an identity where git looks (``GIT_<KIND>_NAME``,
-``_EMAIL``, ``_DATE``, then the configuration); :func:`signature_line` writes
-it as a commit or reflog line, after libgit2's own checks (``pygit2.Signature``),
+``_EMAIL``, ``_DATE``, then the configuration, then git's guesses from the
+account and the host) and refuses, with git's advice, where ``git commit``
+would (:class:`IdentityUnknown`); :func:`signature_line` writes it as a
+commit or reflog line, after libgit2's own checks (``pygit2.Signature``),
 so that a name git would refuse is refused before anything is written.
 """
 
@@ -111,9 +113,14 @@ class IdentityUnknown(ValueError):
     def __init__(self, kind: str, reason: str, name: str | None = None, email: str | None = None) -> None:
         self.kind = kind
         self.reason = reason
-        #: What git would write in a reflog instead (:func:`guessed_identity`).
-        self.guess = guessed_identity(name, email)
+        self.name = name  # what was found, if anything
+        self.email = email
         super().__init__(f"{kind.capitalize()} identity unknown{IDENTITY_ADVICE}{reason}")
+
+    @property
+    def guess(self) -> Signature:
+        """What git would write in a reflog instead (:func:`guessed_identity`)."""
+        return guessed_identity(self.name, self.email)
 
 
 def _account() -> tuple[str, str] | None:
