@@ -6,7 +6,7 @@ atexit, no flush, exactly as if the machine had killed it there.  Production
 code calls :func:`crash_point` once per point; with the variable unset the
 cost is one dict lookup.
 
-Points (DESIGN.md section 4, and recovery's own):
+Points (docs/DESIGN.md section 4, and recovery's own):
 ``after-stage``, ``after-prepare``, ``after-index-ahead`` (under the branch's lock, the worktrees'
 indexes show the candidate, the branch has not moved), ``after-ref``, ``after-materialise``,
 ``before-receipt-replace``, ``recover-after-resolve``,

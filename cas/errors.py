@@ -13,7 +13,7 @@
     ├── receipts.errors.ReceiptError    identity, receipts, locks, ledger
     └── patcher.errors.PatchError       parsing, matching, the apply protocol
 
-Every error carries the fields of the CLI's error envelope (DESIGN.md section 6):
+Every error carries the fields of the CLI's error envelope (docs/DESIGN.md section 6):
 ``type``, ``message``, ``retryable``, ``effect_status``, ``key``, ``next_action``,
 plus ``exit_code`` and free-form ``details`` (merged into the envelope's error
 object).  The message is built from the attributes by the raiser; it follows

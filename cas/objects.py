@@ -142,7 +142,8 @@ class GitStore(RefUpdates):
             if isinstance(exc, KeyError) or "not found" in why.lower():
                 raise UsageError(f"not a git repository: '{path}'") from exc
             # A repository libgit2 refuses (an object format or extension it does not know).
-            raise UsageError(f"cannot open the git repository '{path}': {why} "
+            setting = " (extensions.objectFormat, from 'git init --object-format')" if "object format" in why else ""
+            raise UsageError(f"cannot open the git repository '{path}': {why}{setting} "
                              "(not supported by libgit2, the git library oncepatch uses)") from exc
         self.git_dir = os.path.realpath(self.repo.path)
         self.common_dir = common_dir_of(self.git_dir)

@@ -27,7 +27,7 @@ import pygit2
 from cas.durable import DurableBatch, fsync_all
 from cas.errors import DurableWriteError, GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown
 from cas.loose_refs import Unsupported, reflogs_for, swap, write_lock_content
-from cas.signature import Signature, signature_line
+from cas.signature import IdentityUnknown, Signature, guessed_identity, signature_line
 
 TYPE_CHECKING = False  # what RefUpdates needs of GitStore is declared for mypy only
 
@@ -305,8 +305,10 @@ class RefUpdates:
     def _reflog_line(self, old: str | None, new: str, message: str) -> bytes:
         try:
             who = signature_line(self.default_signature())
+        except IdentityUnknown as exc:  # git too writes a reflog line with its guess (git_committer_info(0))
+            who = signature_line(exc.guess)
         except (ValueError, pygit2.GitError):
-            who = signature_line(Signature("oncepatch", "oncepatch@localhost"))
+            who = signature_line(guessed_identity())
         one_line = " ".join(message.split())
         return b"%s %s %s\t%s\n" % ((old or "0" * 40).encode(), new.encode(), who, one_line.encode("utf-8"))
 

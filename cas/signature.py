@@ -1,15 +1,20 @@
-"""Author and committer identities as git reads and writes them (pure but for libgit2's checks).
+"""Author and committer identities as git reads and writes them.
 
 :func:`git_identity` finds an identity where git looks (``GIT_<KIND>_NAME``,
-``_EMAIL``, ``_DATE``, then the configuration); :func:`signature_line` writes
-it as a commit or reflog line, after libgit2's own checks (``pygit2.Signature``),
+``_EMAIL``, ``_DATE``, then the configuration, then git's guesses from the
+account and the host) and refuses, with git's advice, where ``git commit``
+would (:class:`IdentityUnknown`); :func:`signature_line` writes it as a
+commit or reflog line, after libgit2's own checks (``pygit2.Signature``),
 so that a name git would refuse is refused before anything is written.
 """
 
 from __future__ import annotations
 
 import calendar
+import os
+import pwd
 import re
+import socket
 import time
 from collections.abc import Callable, Mapping
 
@@ -17,7 +22,8 @@ import pygit2
 
 from cas.record import record
 
-__all__ = ["Signature", "git_clean", "git_identity", "local_offset", "parse_git_date", "signature_line"]
+__all__ = ["IDENTITY_ADVICE", "IdentityUnknown", "Signature", "default_email", "git_clean", "git_identity",
+           "guessed_identity", "local_offset", "parse_git_date", "signature_line"]
 
 
 @record
@@ -87,16 +93,84 @@ def parse_git_date(text: str) -> tuple[int, int]:
     return int(dt.timestamp()), int(offset.total_seconds()) // 60 if offset is not None else 0
 
 
+#: git's advice when it cannot tell who commits (``ident_env_hint()`` in git's ident.c), word for word.
+IDENTITY_ADVICE = (
+    "\n\n*** Please tell me who you are.\n\nRun\n\n"
+    "  git config --global user.email \"you@example.com\"\n"
+    "  git config --global user.name \"Your Name\"\n\n"
+    "to set your account's default identity.\n"
+    "Omit --global to set the identity only in this repository.\n\n"
+)
+
+
+class IdentityUnknown(ValueError):
+    """git would refuse to commit: no name or email configured, and none it could detect.
+
+    The message is git's own: the kind (``Author identity unknown``), its advice
+    (:data:`IDENTITY_ADVICE`) and the reason git gives.
+    """
+
+    def __init__(self, kind: str, reason: str, name: str | None = None, email: str | None = None) -> None:
+        self.kind = kind
+        self.reason = reason
+        self.name = name  # what was found, if anything
+        self.email = email
+        super().__init__(f"{kind.capitalize()} identity unknown{IDENTITY_ADVICE}{reason}")
+
+    @property
+    def guess(self) -> Signature:
+        """What git would write in a reflog instead (:func:`guessed_identity`)."""
+        return guessed_identity(self.name, self.email)
+
+
+def _account() -> tuple[str, str] | None:
+    """(user name, name from the GECOS field) of this process's account, as git's ``copy_gecos()`` reads it."""
+    try:
+        pw = pwd.getpwuid(os.getuid())
+    except KeyError:
+        return None
+    gecos = (pw.pw_gecos or "").split(",", 1)[0]
+    return pw.pw_name, gecos.replace("&", pw.pw_name[:1].upper() + pw.pw_name[1:]).strip()
+
+
+def _host_domain() -> str | None:
+    """This host's name with a domain, as git's ``add_domainname()`` finds it; ``None`` if it has none."""
+    try:
+        host = socket.gethostname()
+    except OSError:
+        return None
+    if "." in host:
+        return host
+    try:
+        infos = socket.getaddrinfo(host, None, flags=socket.AI_CANONNAME)
+    except (OSError, UnicodeError):
+        return None
+    canon = infos[0][3] if infos else ""
+    return canon if "." in canon else None
+
+
+def default_email() -> tuple[str, bool]:
+    """git's guessed email, ``<user>@<host>``, and whether git calls it bogus (no domain: ``.(none)``)."""
+    account = _account()
+    user = account[0] if account else "unknown"
+    domain = _host_domain()
+    return (f"{user}@{domain}", account is None) if domain else (f"{user}@{socket.gethostname()}.(none)", True)
+
+
 def git_identity(kind: str, config: Callable[[str], str | None], env: Mapping[str, str]) -> Signature:
-    """The ``author`` or ``committer`` identity as git reads it.
+    """The ``author`` or ``committer`` identity as ``git commit`` reads it (git's strict mode).
 
     ``GIT_<KIND>_NAME`` / ``_EMAIL`` / ``_DATE`` first, then ``<kind>.name`` /
     ``.email``, then ``user.name`` / ``.email`` (the email then ``$EMAIL``),
     each cleaned as git cleans it (:func:`git_clean`); one empty once cleaned
-    is passed over.  What is still missing is ``oncepatch`` /
-    ``oncepatch@localhost``, where git would refuse to commit.
+    is passed over.  What is still missing git guesses, and so does this: the
+    name from the account (its GECOS name, else its user name), the email as
+    ``<user>@<host>`` when the host has a domain.  Where git would refuse
+    (``user.useConfigOnly``, or an email it cannot guess), this refuses with
+    git's advice: an identity is never invented.
 
     Raises:
+        IdentityUnknown: git would refuse to commit for want of a name or email.
         ValueError: ``GIT_<KIND>_DATE`` is set in a form :func:`parse_git_date` refuses.
     """
     up = kind.upper()
@@ -108,15 +182,46 @@ def git_identity(kind: str, config: Callable[[str], str | None], env: Mapping[st
                 return cleaned
         return None
 
-    name = first(env.get(f"GIT_{up}_NAME"), config(f"{kind}.name"), config("user.name")) or "oncepatch"
-    email = first(env.get(f"GIT_{up}_EMAIL"), config(f"{kind}.email"), config("user.email"),
-                  env.get("EMAIL")) or "oncepatch@localhost"
+    config_only = (config("user.useConfigOnly") or "").strip().lower() in ("true", "yes", "on", "1")
+    email = first(env.get(f"GIT_{up}_EMAIL"), config(f"{kind}.email"), config("user.email"))
+    if email is None:
+        if config_only:
+            raise IdentityUnknown(kind, "no email was given and auto-detection is disabled",
+                                  first(env.get(f"GIT_{up}_NAME"), config(f"{kind}.name"), config("user.name")))
+        email = first(env.get("EMAIL"))
+        if email is None:
+            guessed, bogus = default_email()
+            if bogus:
+                raise IdentityUnknown(kind, f"unable to auto-detect email address (got '{guessed}')",
+                                      first(env.get(f"GIT_{up}_NAME"), config(f"{kind}.name"),
+                                            config("user.name")), guessed)
+            email = guessed
+    name = first(env.get(f"GIT_{up}_NAME"), config(f"{kind}.name"), config("user.name"))
+    if name is None:
+        if config_only:
+            raise IdentityUnknown(kind, "no name was given and auto-detection is disabled", None, email)
+        account = _account()
+        if account is None:
+            raise IdentityUnknown(kind, "unable to auto-detect name (got 'unknown')", None, email)
+        name = first(account[1])
+        if name is None:
+            raise IdentityUnknown(kind, f"empty ident name (for <{email}>) not allowed", None, email)
     date = env.get(f"GIT_{up}_DATE")
     try:
         when = parse_git_date(date) if date else None
     except ValueError as exc:
         raise ValueError(f"GIT_{up}_DATE: {exc}") from None
     return Signature(name, email, when)
+
+
+def guessed_identity(name: str | None = None, email: str | None = None) -> Signature:
+    """What git writes where it does not insist on an identity (a reflog line, ``git_committer_info(0)``).
+
+    ``name`` and ``email`` where known, else git's guesses, ``.(none)`` domain
+    and all.  Never used for a commit: :func:`git_identity` refuses there.
+    """
+    account = _account()
+    return Signature(name or (account[1] or account[0] if account else "unknown"), email or default_email()[0])
 
 
 def signature_line(sig: Signature, now: int | None = None) -> bytes:

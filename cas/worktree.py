@@ -205,6 +205,7 @@ def materialise(
     *,
     lock_marker: str | None = None,
     held: IndexLock | None = None,
+    timeout: float = 0.0,
     tree: str | None = None,
     sync_first: list[str] | None = None,
     defer_dir: list[str] | None = None,
@@ -220,13 +221,14 @@ def materialise(
     Deletions go first (a file may give way to a folder of the same name), then
     writes in path order.  ``lock_marker``: a file to hold while the index lock
     is ours (see the module docstring).  ``held``: the worktree's index lock,
-    already taken by the caller (and left held).  ``tree``: the commit's tree
+    already taken by the caller (and left held); else ``index.lock`` is waited
+    for up to ``timeout`` seconds (the caller's lock timeout).  ``tree``: the commit's tree
     the changes come from; given, :func:`plain_checkout` may skip libgit2's
     filters.
 
     Raises:
         UnsafeWorktreePath: a folder on a path is a symlink.
-        RefLockedError: the worktree's ``index.lock`` is held.
+        RefLockedError: the worktree's ``index.lock`` stayed held.
         GitStoreError: libgit2 failed.
     """
     deletes = sorted((p for p, e in changes.items() if e is None), reverse=True)
@@ -285,6 +287,7 @@ def materialise(
             raise GitStoreError(f"cannot write worktree '{workdir}': {exc}") from exc
         try:
             update_index(workdir, [p for p in deletes], [p for p, _ in writes], lock_marker=lock_marker, held=held,
+                         timeout=timeout,
                          known=dict(writes), also_sync=last_folders, defer_dir=defer_dir)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -414,7 +417,7 @@ def drop_lock_marks() -> None:
             os.unlink(path)
 
 
-def hold_index_lock(workdir: str, *, timeout: float = 10.0, lock_marker: str | None = None,
+def hold_index_lock(workdir: str, *, timeout: float, lock_marker: str | None = None,
                     git_dir: str | None = None, keep_mark: bool = False,
                     on_dead: Callable[[str], None] | None = None, owner: str | None = None) -> IndexLock:
     """Take ``workdir``'s ``index.lock``, waiting up to ``timeout`` seconds while someone else holds it.
@@ -576,7 +579,7 @@ def update_index(
     added: list[str],
     *,
     lock_marker: str | None = None,
-    timeout: float = 10.0,
+    timeout: float = 0.0,
     held: IndexLock | None = None,
     known: Mapping[str, TreeEntry | None] | None = None,
     also_sync: list[str | int] | None = None,
@@ -604,7 +607,8 @@ def update_index(
     which ``git commit`` could take the lock and commit the old index.
 
     Raises:
-        RefLockedError: ``index.lock`` stayed held for ``timeout`` seconds.
+        RefLockedError: ``index.lock`` (unless ``held``) stayed held for ``timeout`` seconds (the
+            caller's lock timeout; 0: not waited for).
         GitStoreError: libgit2 failed.
     """
     lock = held if held is not None else hold_index_lock(workdir, timeout=timeout, lock_marker=lock_marker)

@@ -1,4 +1,4 @@
-"""The public Python API (DESIGN.md section 7): one-shot :func:`apply`, and a long-lived :class:`Client`.
+"""The public Python API (docs/DESIGN.md section 7): one-shot :func:`apply`, and a long-lived :class:`Client`.
 
 The CLI and the MCP server are thin layers over this module.  Every error is
 an :class:`~cas.errors.OncepatchError` carrying the envelope fields
@@ -107,7 +107,7 @@ class Client:
         from receipts.adapters import builtin_adapters
 
         adapters: dict[str, Any] = builtin_adapters()
-        git = GitAdapter(rstore, self._stores(), read_only=read_only)
+        git = GitAdapter(rstore, self._stores(), read_only=read_only, lock_timeout=self.lock_timeout)
         adapters[git.tool] = git
         return adapters
 

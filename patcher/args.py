@@ -1,6 +1,6 @@
 """The ``apply_patch`` tool's schema: normalising a call's arguments (no pygit2).
 
-Normalised args are what the identity hashes (DESIGN.md section 2):
+Normalised args are what the identity hashes (docs/DESIGN.md section 2):
 
 * ``repo``: the repository, absolute and real: its main worktree's folder (or
   its git dir when bare), whichever of its worktrees the call came from — a

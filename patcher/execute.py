@@ -1,4 +1,4 @@
-"""Steps 1 to 7 of the apply protocol (DESIGN.md section 4): a call that is not a replay.
+"""Steps 1 to 7 of the apply protocol (docs/DESIGN.md section 4): a call that is not a replay.
 
 :func:`patcher.protocol.apply` normalises the call, computes its identity
 and replays a final receipt; what is left comes here, under the key's lock
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from patcher.stage import Staged, StagePlan
     from patcher.worktrees import IndexesAhead
 
-__all__ = ["locked_apply", "open_store", "owner_info", "MAX_RESTAGE_ROUNDS", "WRITER_TURN_TIMEOUT", "PAUSE_ENV"]
+__all__ = ["locked_apply", "open_store", "owner_info", "MAX_RESTAGE_ROUNDS", "PAUSE_ENV"]
 
 MAX_RESTAGE_ROUNDS = 16
 
@@ -70,7 +70,7 @@ def _pause_point(name: str) -> None:
 
 
 @contextlib.contextmanager
-def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str) -> Iterator[None]:
+def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str, timeout: float) -> Iterator[None]:
     """Hold this branch's turn: oncepatch writers of one branch re-stage and swap one at a time.
 
     Race guarded: writers that all stage optimistically and then compare-and-swap
@@ -81,8 +81,8 @@ def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str) -> Iterato
 
     Only progress depends on this lock, never correctness (the swap is still a
     compare-and-swap under git's ref lock): it is an flock the kernel drops when
-    its holder dies, and a call that cannot get it within
-    :data:`WRITER_TURN_TIMEOUT` (its holder is stopped, say) goes ahead without it.
+    its holder dies, and a call that cannot get it within ``timeout`` (the call's
+    lock timeout; its holder is stopped, say) goes ahead without it.
     """
     from cas.hashing import sha256_hex
     from receipts.errors import InProgress
@@ -90,7 +90,7 @@ def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str) -> Iterato
 
     os.makedirs(rstore.locks_dir, exist_ok=True)
     name = "branch-" + sha256_hex(f"{gstore.common_dir}\0{branch}".encode()) + ".lock"
-    turn = flocked(os.path.join(rstore.locks_dir, name), WRITER_TURN_TIMEOUT)
+    turn = flocked(os.path.join(rstore.locks_dir, name), timeout)
     try:
         turn.__enter__()
     except InProgress:
@@ -136,7 +136,7 @@ def locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any],
         # First call: every input error is found before the lock is taken, so a
         # rejected patch leaves the store (and the repository) exactly as it was.
         try:
-            pre = _precheck(args, _stores, rstore)
+            pre = _precheck(args, _stores, rstore, lock_timeout)
         except GitStoreError as exc:
             # Read before anything is written (say, a blob a partial clone never fetched):
             # nothing happened, whatever libgit2's failure would mean later on.
@@ -154,12 +154,12 @@ def locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any],
                 from receipts.recovery import resolve_receipt
 
                 # A live owner would hold the lock: this one is dead. Settle it first.
-                existing = resolve_receipt(rstore, existing, GitAdapter(rstore, _stores))
+                existing = resolve_receipt(rstore, existing, GitAdapter(rstore, _stores, lock_timeout=lock_timeout))
             if existing.is_final:
                 return replay_final(existing, path, rstore)
         try:
             return _execute(rstore, args, identity, call_id, the_key, args_sha, existing, check_timeout,
-                            _stores, pre)
+                            _stores, pre, lock_timeout)
         except OncepatchError as exc:
             raise exc.with_key(the_key)
         finally:
@@ -175,7 +175,7 @@ class _PreCheck:
     worktrees: list[tuple[str, str]]
 
 
-def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore) -> _PreCheck:
+def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore, lock_timeout: float) -> _PreCheck:
     """Parse, plan against the branch's current head and check worktrees; write nothing.
 
     (Unless a dead call's ``index.lock`` is met: that call is settled first, see
@@ -192,7 +192,7 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore) -> _
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
     worktrees = (check_worktrees(gstore, args.branch, touched_paths(parsed), settle_dead_calls(rstore, stores),
-                                 owner=rstore.root)
+                                 owner=rstore.root, timeout=lock_timeout)
                  if not plan.already_applied else [])
     return _PreCheck(parsed, plan, worktrees)
 
@@ -279,6 +279,7 @@ def _execute(
     check_timeout: float,
     stores: dict[str, Any] | None,
     pre: _PreCheck | None,
+    lock_timeout: float,
 ) -> ApplyResult:
     from patcher.stage import plan_stage, touched_paths, write_stage
     from patcher.worktrees import IndexesAhead, check_worktrees, hold_index_locks, materialise_all, settle_dead_calls
@@ -302,7 +303,7 @@ def _execute(
     else:
         plan = plan_stage(gstore, base, parsed)
         worktrees = (check_worktrees(gstore, args.branch, paths, settle_dead_calls(rstore, stores, key),
-                                     owner=rstore.root)
+                                     owner=rstore.root, timeout=lock_timeout)
                      if not plan.already_applied else [])
     staged, candidate = write_stage(gstore, plan, message, parsed)
     if candidate is None:
@@ -335,9 +336,9 @@ def _execute(
 
     _fence(rstore, key, token)
     _pause_point("before-ref")
-    with _writer_turn(rstore, gstore, args.branch):
+    with _writer_turn(rstore, gstore, args.branch, lock_timeout):
         try:
-            held = hold_index_locks(rstore, worktrees, key, on_dead=settle_dead_calls(rstore, stores, key))
+            held = hold_index_locks(rstore, worktrees, key, lock_timeout, on_dead=settle_dead_calls(rstore, stores, key))
         except RefLockedError as exc:
             _reject(rstore, identity, call_id, key, args_sha, receipt, args, exc, base, candidate, retryable=True)
             raise
@@ -377,7 +378,8 @@ def _execute(
                 # first (they end before the committed receipt is renamed).
                 # The candidate is staged in the worktrees' indexes under the branch's lock, before it moves.
                 receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args,
-                                             defer_sync=True, before_libgit2=write_marker, before_swap=ahead.stage)
+                                             lock_timeout, defer_sync=True, before_libgit2=write_marker,
+                                             before_swap=ahead.stage)
                 moved = True
             finally:
                 # Reached on every outcome but a crash: our ref locks are released by now.
@@ -390,7 +392,7 @@ def _execute(
             _pause_point("after-ref")
 
             try:
-                warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key, held)
+                warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key, held, lock_timeout)
                 materialised = not warnings
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -536,6 +538,7 @@ def _move_refs(
     paths: list[str],
     token: int,
     args: CallArgs,
+    lock_timeout: float,
     *,
     defer_sync: bool = False,
     before_libgit2: Callable[[], None] | None = None,
@@ -583,7 +586,7 @@ def _move_refs(
 
     while True:
         try:
-            gstore.compare_and_swap(args.branch, base, candidate, f"oncepatch: {call_id}",
+            gstore.compare_and_swap(args.branch, base, candidate, f"oncepatch: {call_id}", lock_timeout=lock_timeout,
                                     precondition=under_ref_lock, defer_sync=defer_sync,
                                     before_libgit2=before_libgit2)
             break

@@ -1,6 +1,6 @@
 """The ``apply_patch`` adapter: after a crash, ask git whether a call's commit landed.
 
-:meth:`GitAdapter.query` (DESIGN.md section 5), for a ``prepared`` or
+:meth:`GitAdapter.query` (docs/DESIGN.md section 5), for a ``prepared`` or
 ``unknown`` receipt, in order:
 
 1. lock files the dead owner left in the middle of its ref update are
@@ -32,7 +32,7 @@ from cas.objects import GitStore, TreeEntry
 from receipts.adapter import QueryResult
 from receipts.identity import key_hash
 from receipts.receipt import Receipt
-from receipts.store import ReceiptStore
+from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL
 from patcher.markers import foreign_index_lock, index_marker, ref_lock_marker
 
@@ -45,8 +45,9 @@ class GitAdapter:
     tool = TOOL
 
     def __init__(self, rstore: ReceiptStore | None = None, stores: dict[str, Any] | None = None, *,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
         self._rstore = rstore
+        self._lock_timeout = lock_timeout  # for a worktree's index.lock (recover's --lock-timeout)
         self._stores = stores if stores is not None else {}
         # ``recover --dry-run`` and a flag-only ``watch`` query too: then a stale lock is
         # only reported, never removed (a dry run changes nothing).
@@ -220,12 +221,13 @@ class GitAdapter:
                     os.makedirs(self._rstore.tmp_dir, exist_ok=True)
                     marker = index_marker(self._rstore, receipt.key)
                 if stale:
-                    materialise(gstore, workdir, stale, lock_marker=marker)
+                    materialise(gstore, workdir, stale, lock_marker=marker, timeout=self._lock_timeout)
                     done.append(f"materialised {len(stale)} path(s) in '{workdir}'")
                 if index_only:
                     kept = [p for p, e in index_only.items() if e is not None]
                     update_index(workdir, [p for p, e in index_only.items() if e is None], kept,
-                                 lock_marker=marker, known=index_only, unstat=set(kept))
+                                 lock_marker=marker, timeout=self._lock_timeout, known=index_only,
+                                 unstat=set(kept))
                     done.append(f"staged the commit's version of {len(index_only)} path(s) in the index of "
                                 f"'{workdir}' (the files keep their edits)")
             if left:

@@ -48,6 +48,7 @@ from typing import Any
 import orjson
 
 from cas.errors import OncepatchError, UsageError
+from receipts.store import DEFAULT_LOCK_TIMEOUT
 
 __all__ = ["build_server", "serve", "SERVER_NAME", "INSTRUCTIONS"]
 
@@ -180,14 +181,18 @@ class _Tools:
         return doc
 
 
-def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos: bool = False) -> Any:
-    """The MCP server object (not yet running), with the four tools registered."""
+def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos: bool = False,
+                 lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> Any:
+    """The MCP server object (not yet running), with the four tools registered.
+
+    ``lock_timeout``: how long each tool call waits for each lock (the CLI's ``--lock-timeout``).
+    """
     import anyio
 
     from patcher.api import Client
 
     server_cls, types = _import_sdk()
-    client = Client(repo, store=store)
+    client = Client(repo, store=store, lock_timeout=lock_timeout)
     tools = _Tools(client, types, allow_other_repos=allow_other_repos)
     server = server_cls(SERVER_NAME, instructions=INSTRUCTIONS)
     server._oncepatch_client = client  # closed by serve()
@@ -255,7 +260,7 @@ def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos
 
 
 def serve(repo: str = ".", *, store: str | None = None, allow_other_repos: bool = False,
-          log_level: str = "WARNING") -> None:
+          log_level: str = "WARNING", lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
     """Run the server on stdin/stdout until the client closes it.
 
     Raises:
@@ -266,7 +271,7 @@ def serve(repo: str = ".", *, store: str | None = None, allow_other_repos: bool 
     discover(repo)  # fail fast, before the client waits on a silent server
     logging.basicConfig(stream=sys.stderr, level=getattr(logging, log_level.upper(), logging.WARNING),
                         format="oncepatch mcp: %(levelname)s %(message)s")
-    server = build_server(repo, store=store, allow_other_repos=allow_other_repos)
+    server = build_server(repo, store=store, allow_other_repos=allow_other_repos, lock_timeout=lock_timeout)
     logging.getLogger().setLevel(getattr(logging, log_level.upper(), logging.WARNING))
     try:
         server.run("stdio")

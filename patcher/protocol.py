@@ -1,4 +1,4 @@
-"""The apply protocol (DESIGN.md section 4) for a git branch: its public face and the replay.
+"""The apply protocol (docs/DESIGN.md section 4) for a git branch: its public face and the replay.
 
 :func:`apply` is what the CLI and the MCP server call.  Steps:
 

@@ -123,8 +123,8 @@ def _left_locked(index_lock: str, details: dict[str, Any], by: str) -> RefLocked
 SETTLE_WAIT = 10.0
 
 
-def check_worktrees(gstore: GitStore, branch: str, paths: list[str],
-                    on_dead: Callable[[str], None] | None = None, owner: str | None = None) -> list[tuple[str, str]]:
+def check_worktrees(gstore: GitStore, branch: str, paths: list[str], on_dead: Callable[[str], None] | None = None,
+                    owner: str | None = None, *, timeout: float) -> list[tuple[str, str]]:
     """The worktrees on ``branch``, after refusing dirty or symlinked touched paths (before prepare).
 
     ``on_dead``: see :func:`settle_dead_calls`.
@@ -145,7 +145,8 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str],
         # Race guarded: another call moves the branch (holding index.lock) and only
         # then brings the index along; read in between, HEAD and the index disagree
         # and a clean path looks dirty.  Under index.lock both are read as one state.
-        lock = hold_index_lock(workdir, git_dir=_git_dir, keep_mark=True, on_dead=on_dead, owner=owner)
+        lock = hold_index_lock(workdir, timeout=timeout, git_dir=_git_dir, keep_mark=True, on_dead=on_dead,
+                               owner=owner)
         try:
             tip = gstore.resolve(branch)
             tip_tree = gstore.commit_tree(tip) if tip else None
@@ -174,7 +175,7 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str],
 
 
 def hold_index_locks(rstore: ReceiptStore, worktrees: list[tuple[str, str]], key: str,
-                     timeout: float = 10.0, on_dead: Callable[[str], None] | None = None) -> dict[str, IndexLock]:
+                     timeout: float, on_dead: Callable[[str], None] | None = None) -> dict[str, IndexLock]:
     """Take the ``index.lock`` of every worktree on the branch (in path order), before the branch moves.
 
     They stay held until the touched paths are materialised
@@ -291,7 +292,8 @@ def materialise_all(
     branch: str,
     paths: list[str],
     key: str,
-    held: dict[str, IndexLock] | None = None,
+    held: dict[str, IndexLock] | None,
+    timeout: float,
 ) -> list[str]:
     """Bring each worktree's touched paths and index to the branch's *current* head; return warnings.
 
@@ -301,6 +303,8 @@ def materialise_all(
     shared path back to its own older version.
 
     ``held``: index locks taken by :func:`hold_index_locks` (used, not released).
+    ``timeout``: the call's lock timeout, for each worktree's materialise lock
+    (and its ``index.lock`` when not ``held``).
 
     The commit has landed when this runs, so a failure here does not undo it:
     it becomes a warning in the receipt, and ``recover`` materialises again.
@@ -315,7 +319,7 @@ def materialise_all(
     for workdir, _git_dir in worktrees:
         wt_lock = os.path.join(rstore.locks_dir, "worktree-" + sha256_hex(workdir.encode()) + ".lock")
         lk = FileLock(wt_lock)
-        if not lk.acquire(60, poll=0.005):
+        if not lk.acquire(timeout, poll=0.005):
             warnings.append(f"worktree '{workdir}' not updated: its materialise lock '{wt_lock}' stayed held")
             continue
         try:
@@ -331,7 +335,7 @@ def materialise_all(
             renamed: list[str] = []
             try:
                 materialise(gstore, workdir, changes, lock_marker=None if lock else index_marker(rstore, key),
-                            held=lock, tree=tree, sync_first=gstore.unsynced(), defer_dir=renamed)
+                            held=lock, timeout=timeout, tree=tree, sync_first=gstore.unsynced(), defer_dir=renamed)
             finally:
                 gstore.defer_sync(renamed)
         except OncepatchError as exc:

@@ -1,7 +1,7 @@
 """The generic effect ledger: any tool's side effect, executed effectively once per key.
 
 ``receipts`` already knows keys, receipts, locks and the ledger; this module
-puts them in the order a tool needs (DESIGN.md section 1: "any tool with side
+puts them in the order a tool needs (docs/DESIGN.md section 1: "any tool with side
 effects can use it" — e-mail, tickets, payments, HTTP calls, files):
 
 1. compute the identity of ``(tool, tool_version, args)`` and the key (the

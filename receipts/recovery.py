@@ -1,4 +1,4 @@
-"""Recovery after a crash (DESIGN.md section 5), generic over tools.
+"""Recovery after a crash (docs/DESIGN.md section 5), generic over tools.
 
 :func:`plan` computes what :func:`recover` would do (``--dry-run`` prints it);
 :func:`recover` does it.  For every ``prepared`` or ``unknown`` receipt whose

@@ -1,4 +1,4 @@
-"""``verify``: prove that every receipt matches what it claims (DESIGN.md section 5).
+"""``verify``: prove that every receipt matches what it claims (docs/DESIGN.md section 5).
 
 Checks, each failure naming the receipt and the reason:
 

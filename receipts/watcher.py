@@ -1,4 +1,4 @@
-"""``watch``: flag orphaned ``prepared`` receipts as they appear (DESIGN.md section 5).
+"""``watch``: flag orphaned ``prepared`` receipts as they appear (docs/DESIGN.md section 5).
 
 A watchdog observer on ``<store>/receipts`` feeds receipt paths (created,
 modified, and moved events read by their *destination*, since every receipt
@@ -14,7 +14,7 @@ then ``cleanup`` runs (the tool's tidying that ``recover`` does after its
 resolutions: for git, a dead call's ``index.lock`` and the index it kept).
 
 A receipt file that does not verify is flagged too (``corrupt_receipt``,
-once per version of the file): DESIGN.md section 3 has a corrupt receipt
+once per version of the file): docs/DESIGN.md section 3 has a corrupt receipt
 reported, never skipped, and ``verify`` fails on it.
 
 The rescan keeps each file's mtime and last status, so files that have not

@@ -1,4 +1,4 @@
-"""``oncepatch`` command line: a thin layer over the Python API (DESIGN.md section 6).
+"""``oncepatch`` command line: a thin layer over the Python API (docs/DESIGN.md section 6).
 
 Start-up stays lean: argparse and the receipts layer only; pygit2 is imported
 inside the commands that need it (a replayed ``apply`` and ``status`` never
@@ -35,7 +35,8 @@ APPLY_OPTIONS: tuple[Option, ...] = (
     (("--check",), "check", None, None, "CMD", "run CMD in a temporary worktree of the candidate"),
     (("--check-timeout",), "check_timeout", 600.0, positive_seconds, None, "seconds before --check is stopped"),
     (("--message", "-m"), "message", None, None, None, "commit subject (default: names the touched files)"),
-    (("--lock-timeout",), "lock_timeout", 30.0, seconds, None, "seconds to wait for the key's lock"),
+    (("--lock-timeout",), "lock_timeout", 30.0, seconds, None,
+     "seconds to wait for each lock of the call (key, index.lock, branch)"),
 )
 
 

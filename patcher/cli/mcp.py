@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from patcher.cli.common import path_given
+from patcher.cli.common import path_given, seconds
+from receipts.store import DEFAULT_LOCK_TIMEOUT
 
 __all__ = ["register", "HANDLERS"]
 
@@ -22,6 +23,8 @@ def register(sub: Any) -> None:
                    help="receipt store (default: $ONCEPATCH_STORE or <git-common-dir>/oncepatch)")
     p.add_argument("--any-repo", action="store_true",
                    help="let tool calls name other repositories than --repo")
+    p.add_argument("--lock-timeout", type=seconds, default=DEFAULT_LOCK_TIMEOUT,
+                   help=f"seconds each tool call waits for each lock (default {DEFAULT_LOCK_TIMEOUT:g})")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level on stderr (default WARNING)")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
@@ -31,7 +34,8 @@ def _cmd_mcp(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from cas.errors import EXIT_OK
     from patcher.mcp_server import serve
 
-    serve(args.repo, store=args.store, allow_other_repos=args.any_repo, log_level=args.log_level)
+    serve(args.repo, store=args.store, allow_other_repos=args.any_repo, log_level=args.log_level,
+          lock_timeout=args.lock_timeout)
     return EXIT_OK, {}, ""
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from cas.errors import EXIT_IN_PROGRESS, EXIT_OK, EXIT_VERIFY, UsageError
 from patcher.cli.common import add_common, at_least_one, positive_seconds, seconds, store_root
 from receipts import jsonio
+from receipts.store import DEFAULT_LOCK_TIMEOUT
 
 if TYPE_CHECKING:
     from cas.gitdir import GitLayout
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["register", "HANDLERS"]
 
 
-def _adapters(rstore: Any, *, read_only: bool = False) -> dict[str, Any]:
+def _adapters(rstore: Any, *, read_only: bool = False, lock_timeout: float | None = None) -> dict[str, Any]:
     import pygit2
 
     from patcher.git_adapter import GitAdapter
@@ -33,7 +34,8 @@ def _adapters(rstore: Any, *, read_only: bool = False) -> dict[str, Any]:
     # grow (to hundreds of MiB over 100k receipts) without ever being hit.
     pygit2.settings.enable_caching(False)
 
-    git = GitAdapter(rstore, {}, read_only=read_only)
+    git = (GitAdapter(rstore, {}, read_only=read_only) if lock_timeout is None
+           else GitAdapter(rstore, {}, read_only=read_only, lock_timeout=lock_timeout))
     return {**builtin_adapters(), git.tool: git}
 
 
@@ -54,6 +56,8 @@ def register(sub: Any) -> None:
     p.add_argument("--jobs", type=at_least_one, default=None,
                    help="worker processes for the first look at a large store (default: one per CPU; "
                         "1 = no workers)")
+    p.add_argument("--lock-timeout", type=seconds, default=DEFAULT_LOCK_TIMEOUT,
+                   help=f"seconds to wait for a worktree's index.lock (default {DEFAULT_LOCK_TIMEOUT:g})")
 
     p = sub.add_parser("verify", help="prove every receipt matches its commits and files")
     add_common(p)
@@ -76,6 +80,9 @@ def register(sub: Any) -> None:
     p.add_argument("key")
     p.add_argument("--as", dest="as_", required=True, choices=["committed", "rejected"])
     p.add_argument("--note", default="", help="why (recorded in the ledger)")
+    p.add_argument("--lock-timeout", type=seconds, default=DEFAULT_LOCK_TIMEOUT,
+                   help=f"seconds to wait for the key's lock and a worktree's index.lock "
+                        f"(default {DEFAULT_LOCK_TIMEOUT:g})")
 
     p = sub.add_parser("install-hook", help="install a git pre-commit hook that runs 'oncepatch verify'")
     add_common(p)
@@ -91,7 +98,7 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from receipts.store import ReceiptStore
 
     rstore = ReceiptStore(store_root(args))
-    adapters = _adapters(rstore, read_only=args.dry_run)
+    adapters = _adapters(rstore, read_only=args.dry_run, lock_timeout=args.lock_timeout)
     git = adapters["apply_patch"]
     report = recover(rstore, adapters, dry_run=args.dry_run, tmp_age=args.tmp_age, progress=_progress,
                      extra_cleanup=git.cleanup, jobs=args.jobs or (os.cpu_count() or 1))
@@ -191,8 +198,9 @@ def _cmd_resolve(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from receipts.store import ReceiptStore
 
     rstore = ReceiptStore(store_root(args))
-    receipt = resolve_by_hand(rstore, args.key, args.as_, args.note, adapters=_adapters(rstore),
-                              probes=_adapters(rstore, read_only=True))
+    receipt = resolve_by_hand(rstore, args.key, args.as_, args.note, lock_timeout=args.lock_timeout,
+                              adapters=_adapters(rstore, lock_timeout=args.lock_timeout),
+                              probes=_adapters(rstore, read_only=True, lock_timeout=args.lock_timeout))
     return EXIT_OK, {"ok": True, "receipt": receipt.to_doc()}, f"{receipt.key}: {receipt.status}\n"
 
 

@@ -104,7 +104,7 @@ def detect(data: bytes) -> str:
 
 
 def parse_patch(data: bytes, fmt: str) -> Patch:
-    """Parse with format ``fmt`` and check every path (DESIGN.md section 4, step 1).
+    """Parse with format ``fmt`` and check every path (docs/DESIGN.md section 4, step 1).
 
     Raises:
         ParseError, UnsafePath, UnsupportedPatch.

@@ -4,7 +4,7 @@ Nobody can tell from outside whether an arbitrary command did its work, so
 :meth:`CommandAdapter.query` always answers ``unknown``: a crash while the
 command runs, or a timeout, leaves the receipt ``unknown`` until a person
 looks and runs ``oncepatch resolve KEY --as committed|rejected --note ...``.
-This is the path every non-queryable tool takes (DESIGN.md section 1).
+This is the path every non-queryable tool takes (docs/DESIGN.md section 1).
 
 Args (the identity): ``argv``, ``cwd`` (absolute, real), ``env`` (only the
 variables the caller sets, sorted; ``None``: inherit), ``stdin_sha256``.  The

@@ -1,4 +1,4 @@
-"""The Python API (DESIGN.md section 7), in-process: no oncepatch subprocess anywhere here.
+"""The Python API (docs/DESIGN.md section 7), in-process: no oncepatch subprocess anywhere here.
 
 `patcher.protocol.apply(repo, patch, ...)` commits, replays, raises
 `IdempotencyConflict` for a reused key and the patcher errors for a refusal,
@@ -122,7 +122,7 @@ def test_rejection_raises_dirty_path(repo: Repo) -> None:
 
 
 def test_public_api_is_exported_from_patcher(repo: Repo) -> None:
-    """DESIGN.md section 7 names `patcher.apply`."""
+    """docs/DESIGN.md section 7 names `patcher.apply`."""
     assert patcher.apply is apply
     res = patcher.apply(str(repo.path), P2)
     assert res.status == "committed" and (repo.path / "README").read_text() == "hello, world\n"

@@ -5,7 +5,7 @@ Each shape of change is made with the git CLI, turned into a patch with
 `git apply --index` + `git commit` in a clone (the reference), once by
 oncepatch.  The trees must be the same object, and the receipt, the worktree,
 the index, the key ref, the commit trailer and `git fsck --strict` must all
-agree with it.  The second half covers replays (DESIGN.md sections 2 and 4).
+agree with it.  The second half covers replays (docs/DESIGN.md sections 2 and 4).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cas.errors import UsageError
-from cas.signature import Signature, git_identity, parse_git_date, signature_line
+from cas.signature import IdentityUnknown, Signature, git_identity, parse_git_date, signature_line
 from conftest import Repo, make_repo, run_cli, snapshot
 from patcher.protocol import apply
 
@@ -87,11 +88,96 @@ def test_git_date_forms_refused(text: str) -> None:
         parse_git_date(text)
 
 
-def test_identity_falls_back_where_git_would_refuse() -> None:
-    sig = git_identity("author", lambda _name: None, {})
-    assert (sig.name, sig.email, sig.when) == ("oncepatch", "oncepatch@localhost", None)
-    sig = git_identity("committer", lambda _name: None, {"EMAIL": "e@example.com"})
-    assert sig.email == "e@example.com"
+def _no_identity(home: Path, monkeypatch: pytest.MonkeyPatch, config: str = "") -> None:
+    """No name or email anywhere git looks (and ``config`` in the global configuration)."""
+    for name in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL", "EMAIL"):
+        monkeypatch.delenv(name, raising=False)
+    (home / ".gitconfig").write_text("[init]\n\tdefaultBranch = main\n" + config)
+
+
+def _tree_bytes(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (the git dir with its store included) by content."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_no_identity_is_refused_with_gits_advice_and_changes_nothing(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "repo")
+    (repo.path / "p.diff").write_bytes(PATCH)
+    # user.useConfigOnly: git refuses whatever the host's name (a host with a domain lets git guess an email).
+    _no_identity(Path(os.environ["HOME"]), monkeypatch, "[user]\n\tuseConfigOnly = true\n")
+    git_says = subprocess.run(["git", "commit", "--allow-empty", "-m", "x"], cwd=repo.path, capture_output=True,
+                              text=True, check=False)
+    assert git_says.returncode != 0 and "*** Please tell me who you are." in git_says.stderr
+    before, git_files = snapshot(repo), _tree_bytes(repo.path / ".git")
+    r = run_cli("apply", "p.diff", "--key", "k1", "--json", cwd=repo.path)
+    assert r.code == 2, (r.out, r.err)
+    err = r.json["error"]
+    assert err["type"] == "usage" and err["next_action"] == "fix_input"
+    assert "*** Please tell me who you are." in err["message"]
+    assert 'git config --global user.email "you@example.com"' in err["message"]
+    assert 'git config --global user.name "Your Name"' in err["message"]
+    assert "no email was given and auto-detection is disabled" in err["message"]
+    assert snapshot(repo) == before and _tree_bytes(repo.path / ".git") == git_files
+    human = run_cli("apply", "p.diff", "--key", "k1", cwd=repo.path)
+    assert human.code == 2 and "*** Please tell me who you are." in human.err
+    assert "oncepatch@localhost" not in r.out + human.err
+    # Once configured, the same call commits with that identity.
+    repo.git("config", "user.name", "Now Known")
+    repo.git("config", "user.email", "known@example.com")
+    assert run_cli("apply", "p.diff", "--key", "k1", "--json", cwd=repo.path).code == 0
+    assert _log(repo)[:2] == ["Now Known", "known@example.com"]
+
+
+def _git_var(kind: str, cwd: Path, env: dict[str, str]) -> tuple[str, str] | None:
+    """(name, email) as ``git var GIT_<KIND>_IDENT`` (git's strict reading) gives it; ``None``: git refuses."""
+    res = subprocess.run(["git", "var", f"GIT_{kind.upper()}_IDENT"], cwd=cwd, env=env, capture_output=True,
+                         text=True, check=False)
+    if res.returncode != 0:
+        assert "*** Please tell me who you are." in res.stderr or "not allowed" in res.stderr, res.stderr
+        return None
+    name, _, rest = res.stdout.partition(" <")
+    return name, rest.split(">", 1)[0]
+
+
+@pytest.mark.parametrize("env, config", [
+    ({}, ""),
+    ({"GIT_AUTHOR_NAME": "Only Name"}, ""),
+    ({"GIT_AUTHOR_EMAIL": "only@example.com"}, ""),
+    ({"GIT_AUTHOR_NAME": "A", "GIT_AUTHOR_EMAIL": "a@example.com"}, ""),
+    ({"GIT_COMMITTER_NAME": "C", "GIT_COMMITTER_EMAIL": "c@example.com"}, ""),
+    ({"EMAIL": "from-env@example.com"}, ""),
+    ({}, "[user]\n\tname = Config Name\n"),
+    ({}, "[user]\n\temail = config@example.com\n"),
+    ({"EMAIL": "from-env@example.com"}, "[user]\n\tuseConfigOnly = true\n"),
+    ({}, "[user]\n\tuseConfigOnly = true\n\tname = N\n\temail = n@example.com\n"),
+    ({}, "[user]\n\tuseConfigOnly = true\n\temail = n@example.com\n"),
+])
+def test_identity_found_or_refused_as_git_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               env: dict[str, str], config: str) -> None:
+    """Against ``git var``: where git commits, the same name and email; where git refuses, a refusal.
+
+    (Not matched: with only ``author.email`` configured git 2.39 gives the committer an empty email.)
+    """
+    repo = make_repo(tmp_path / "repo")
+    _no_identity(Path(os.environ["HOME"]), monkeypatch, config)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    def config_value(name: str) -> str | None:  # read by git (libgit2 keeps the first HOME it saw in a process)
+        return repo.git("config", "--get", name, check=False).strip() or None
+
+    for kind in ("author", "committer"):
+        expected = _git_var(kind, repo.path, dict(os.environ))
+        if expected is None:
+            with pytest.raises(IdentityUnknown) as exc:
+                git_identity(kind, config_value, os.environ)
+            assert "*** Please tell me who you are." in str(exc.value)
+            assert "oncepatch" not in f"{exc.value.guess}"
+        else:
+            sig = git_identity(kind, config_value, os.environ)
+            assert (sig.name, sig.email) == expected, kind
 
 
 @pytest.fixture(params=["Europe/Berlin", "America/St_Johns", "UTC"])

@@ -2,7 +2,7 @@
 
 For each case: ``apply`` with ``ONCEPATCH_CRASH_AT=<point>`` dies with 137;
 ``recover --json --tmp-age 0`` brings the store to exactly the predicted
-outcome (DESIGN.md section 4: one commit for the key or none, and a receipt
+outcome (docs/DESIGN.md section 4: one commit for the key or none, and a receipt
 that says which); the same ``apply`` again exits 0; in the end exactly one
 commit carries the call's ``Oncepatch-Call:`` trailer, ``verify`` passes and
 ``git fsck --strict`` is clean.

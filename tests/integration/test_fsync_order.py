@@ -1,4 +1,4 @@
-"""The order of fsyncs and renames, observed with strace on real processes (DESIGN.md section 4).
+"""The order of fsyncs and renames, observed with strace on real processes (docs/DESIGN.md section 4).
 
 * ``write_durable``: openat(tmp, O_EXCL|O_NOFOLLOW) → write → fsync(tmp) → rename(tmp, target)
   → fsync(folder).

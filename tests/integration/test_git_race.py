@@ -432,7 +432,7 @@ def test_a_call_that_never_gets_the_branchs_lock_never_stages_the_index(tmp_path
     log = tmp_path / "apply.strace"
     run = subprocess.run([strace, "-f", "-qq", "-o", str(log), "-e", "trace=link,linkat,rename,renameat,renameat2",
                           sys.executable, "-m", "patcher.cli", "apply", str(patch), "--repo", str(repo.path),
-                          "--json", "--key", "K"], capture_output=True, text=True)
+                          "--json", "--key", "K", "--lock-timeout", "1"], capture_output=True, text=True)
     assert run.returncode == 5, run.stdout + run.stderr
     trace = log.read_text()
     assert "index.lock" in trace  # the call did get as far as the index locks

@@ -1,4 +1,4 @@
-"""The pre-commit hook: ``.pre-commit-hooks.yaml`` and ``oncepatch install-hook`` (DESIGN.md section 5).
+"""The pre-commit hook: ``.pre-commit-hooks.yaml`` and ``oncepatch install-hook`` (docs/DESIGN.md section 5).
 
 The installed ``.git/hooks/pre-commit`` runs inside a real ``git commit`` with a
 PATH that has no ``oncepatch`` on it (as when a venv is not activated): it

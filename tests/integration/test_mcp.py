@@ -181,3 +181,33 @@ def test_mcp_server_prints_nothing_after_the_protocol(repo: Repo) -> None:
         r = run_cli("mcp", "--repo", str(repo.path), *extra, input=b"")
         assert r.code == 0, r.err
         assert r.out == ""
+
+
+def test_mcp_lock_timeout_governs_the_index_lock(repo: Repo, tmp_path: Path) -> None:
+    """``oncepatch mcp --lock-timeout 0.5``: a tool call meeting a held ``index.lock`` answers in_progress at once."""
+    import subprocess
+    import time
+
+    lock = repo.path / ".git" / "index.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys; fd = os.open(sys.argv[1], os.O_CREAT | "
+                               "os.O_EXCL | os.O_WRONLY); print('held', flush=True); sys.stdin.read(); "
+                               "os.unlink(sys.argv[1])", str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    seen: dict[str, Any] = {}
+
+    async def body(s: ClientSession) -> None:
+        t0 = time.monotonic()
+        seen["held"] = await s.call_tool("apply_patch", {"patch": EDIT, "idempotency_key": "k"})
+        seen["elapsed"] = time.monotonic() - t0
+
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        with_server(repo, tmp_path / "server.err", body, "--lock-timeout", "0.5")
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait()
+    assert is_error(seen["held"])
+    err = structured(seen["held"])["error"]
+    assert err["type"] == "in_progress" and err["lock_path"] == os.path.realpath(lock)
+    assert seen["elapsed"] < 5  # the server's 0.5 s, not the 30 s default (nor the old 10 s)
+    assert repo.count() == 1

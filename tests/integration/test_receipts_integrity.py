@@ -1,4 +1,4 @@
-"""A receipt is trusted only after it verifies on read (DESIGN.md section 3).
+"""A receipt is trusted only after it verifies on read (docs/DESIGN.md section 3).
 
 A committed receipt is edited by hand; then `oncepatch status` must report it
 corrupt (exit 6, `corrupt_receipt`) and `oncepatch apply` of the same call must

@@ -1,4 +1,4 @@
-"""``oncepatch recover`` through the CLI on real repositories (DESIGN.md section 5).
+"""``oncepatch recover`` through the CLI on real repositories (docs/DESIGN.md section 5).
 
 * idempotent: a second run reports ``changed: false`` and touches nothing;
 * crash-safe: killed at its own crash points, a second run ends in the same

@@ -1,4 +1,4 @@
-"""Every refusal of `oncepatch apply` changes nothing (DESIGN.md sections 4 and 6).
+"""Every refusal of `oncepatch apply` changes nothing (docs/DESIGN.md sections 4 and 6).
 
 For each refusal path: the exit code, the error envelope, and a `snapshot()`
 of refs, HEAD, index, worktree and store taken before and after must be equal.

@@ -1,6 +1,6 @@
 """`oncepatch resolve` on git calls: the adapter is asked first; a person's word never overrides it.
 
-A git call can always be queried (DESIGN.md section 1), so `resolve` settles a
+A git call can always be queried (docs/DESIGN.md section 1), so `resolve` settles a
 crashed call as `recover` would when the claim agrees with what the adapter
 finds, and refuses a claim that contradicts it (exit 2, `not_resolvable`,
 nothing written).  Before, `--as committed` after a crash before the branch

@@ -1,8 +1,8 @@
 """Stale git lock files left by "a crashed git" (issue 4).
 
 A ``refs/heads/main.lock`` or ``index.lock`` that nobody will ever release
-looks exactly like one a live git holds for a moment, so oncepatch waits a
-little (ref lock: 1 s, index lock: 10 s), then gives up with a clear error —
+looks exactly like one a live git holds for a moment, so oncepatch waits
+(every lock of a call for the one ``--lock-timeout``), then gives up with a clear error —
 exit 5, ``in_progress``, the file named, and how to check that it is stale —
 and never deletes it.  Nothing moves: the branch, HEAD, the index and the
 worktree stay as they were.
@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def allowed_store_change(path: str) -> bool:
 
 
 def apply(repo: Repo, patch: Path) -> Any:
-    return run_cli("apply", str(patch), "--repo", str(repo.path), "--json", "--key", "K")
+    return run_cli("apply", str(patch), "--repo", str(repo.path), "--json", "--key", "K", "--lock-timeout", "0.5")
 
 
 @pytest.fixture
@@ -168,23 +169,23 @@ def test_a_kept_mark_serves_the_next_lock_and_is_dropped(repo: Repo) -> None:
 
     git_dir = os.path.realpath(repo.path / ".git")
     lock_path = repo.path / ".git/index.lock"
-    first = hold_index_lock(str(repo.path), git_dir=git_dir, keep_mark=True)
+    first = hold_index_lock(str(repo.path), timeout=0, git_dir=git_dir, keep_mark=True)
     ino = lock_path.stat().st_ino
     assert lock_path.read_bytes().startswith(b"oncepatch-index-lock %d " % os.getpid())
     first.release()
     assert not lock_path.exists() and len(lock_tmp_files(repo)) == 1  # kept
-    second = hold_index_lock(str(repo.path), git_dir=git_dir, keep_mark=True)
+    second = hold_index_lock(str(repo.path), timeout=0, git_dir=git_dir, keep_mark=True)
     assert lock_path.stat().st_ino == ino  # the same mark: no second file made
     second.release()
     (kept,) = lock_tmp_files(repo)
     os.unlink(repo.path / ".git" / kept)  # removed behind the thread's back
-    third = hold_index_lock(str(repo.path), git_dir=git_dir, keep_mark=True)
+    third = hold_index_lock(str(repo.path), timeout=0, git_dir=git_dir, keep_mark=True)
     (remade,) = lock_tmp_files(repo)
     assert remade != kept and lock_path.read_bytes() == (repo.path / ".git" / remade).read_bytes()
     third.release()
     drop_lock_marks()
     assert lock_tmp_files(repo) == [] and not lock_path.exists()
-    plain = hold_index_lock(str(repo.path))  # without keep_mark: nothing stays
+    plain = hold_index_lock(str(repo.path), timeout=0)  # without keep_mark: nothing stays
     plain.release()
     assert lock_tmp_files(repo) == []
 
@@ -276,3 +277,129 @@ def test_a_process_whose_main_thread_ended_while_others_run_is_not_gone(tmp_path
         proc.kill()
         proc.wait()
     assert gone(proc.pid)
+
+
+_HOLDER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+os.write(fd, b"held by a live process")
+sys.stdout.write("held\\n"); sys.stdout.flush()
+sys.stdin.read()
+os.close(fd); os.unlink(sys.argv[1])
+"""
+
+
+def _hold(lock: Path) -> subprocess.Popen[bytes]:
+    """A live process holding ``lock`` (git's way: the file exists) until its stdin is closed."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(lock)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+    return holder
+
+
+def _release(holder: subprocess.Popen[bytes]) -> None:
+    assert holder.stdin is not None
+    holder.stdin.close()
+    assert holder.wait() == 0
+
+
+def test_a_short_lock_timeout_governs_the_index_lock(repo: Repo, patch: Path) -> None:
+    """``--lock-timeout 0.5`` against an ``index.lock`` a live process holds: exit 5 at once, nothing written.
+
+    (The index lock used to be waited for 10 s whatever the option said.)
+    """
+    lock = repo.path / ".git" / "index.lock"
+    holder = _hold(lock)
+    try:
+        before = snapshot(repo)
+        t0 = time.monotonic()
+        r = run_cli("apply", str(patch), "--repo", str(repo.path), "--json", "--key", "K", "--lock-timeout", "0.5")
+        elapsed = time.monotonic() - t0
+        assert r.code == 5, r.out + r.err
+        assert r.json["error"]["type"] == "in_progress" and r.json["error"]["lock_path"] == os.path.realpath(lock)
+        assert elapsed < 5, elapsed  # 0.5 s of waiting (and the interpreter's start), not 10 s
+        after = snapshot(repo)
+        for part in ("refs", "head", "index", "worktree"):
+            assert after[part] == before[part], part
+        assert after["store"] == before["store"]  # met before the key's lock: nothing at all written
+        assert lock.read_bytes() == b"held by a live process"
+    finally:
+        _release(holder)
+    assert not lock.exists()
+    again = run_cli("apply", str(patch), "--repo", str(repo.path), "--json", "--key", "K", "--lock-timeout", "0.5")
+    assert again.code == 0 and repo.head() == again.json["commit"], again.out + again.err
+    assert repo.git("status", "--porcelain") == ""
+
+
+def test_a_long_lock_timeout_governs_the_branch_lock(repo: Repo, patch: Path) -> None:
+    """The branch's lock is waited for as long as ``--lock-timeout`` says (it used to be 1 s whatever it said).
+
+    The call is stopped just before its ref move (the ``ONCEPATCH_PAUSE_AT`` seam), the
+    branch's lock taken by a live process, the call resumed: 2 s later it still waits;
+    once the lock is let go, it lands.
+    """
+    env = dict(os.environ, ONCEPATCH_PAUSE_AT="before-ref")
+    proc = subprocess.Popen([sys.executable, "-m", "patcher.cli", "apply", str(patch), "--repo", str(repo.path),
+                             "--json", "--key", "K", "--lock-timeout", "60"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    holder = None
+    try:
+        while True:  # stopped by itself (SIGSTOP) at the seam
+            with open(f"/proc/{proc.pid}/stat", "rb") as fh:
+                if fh.read().rsplit(b")", 1)[1].split()[0] == b"T":
+                    break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        base = repo.head()
+        holder = _hold(repo.path / ".git/refs/heads/main.lock")
+        os.kill(proc.pid, signal.SIGCONT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=2)  # still waiting for the lock, past the old 1 s
+        assert repo.head() == base
+        _release(holder)
+        holder = None
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if holder is not None:
+            _release(holder)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out + err
+    assert json.loads(out)["commit"] == repo.head() != base
+    assert repo.git("status", "--porcelain") == ""
+
+
+def test_recover_waits_for_an_index_lock_as_long_as_its_lock_timeout(repo: Repo, patch: Path) -> None:
+    """``recover --lock-timeout 0.5``: a worktree whose ``index.lock`` a live process holds is left for later.
+
+    A call killed after its branch moved leaves the worktree to bring along; while a
+    live git holds ``index.lock``, recover settles the receipt, notes the follow-up it
+    could not do, and returns after its own timeout (it used to wait 10 s); run again
+    once the lock is let go, it brings the worktree along.
+    """
+    crashed = subprocess.run([sys.executable, "-m", "patcher.cli", "apply", str(patch), "--repo", str(repo.path),
+                              "--json", "--key", "K"], env=dict(os.environ, ONCEPATCH_CRASH_AT="after-ref"),
+                             capture_output=True, check=False)
+    assert crashed.returncode == 137, crashed.stderr
+    lock = repo.path / ".git/index.lock"
+    lock.unlink()  # the dead call's own lock (recover would settle it), taken over by a live git
+    holder = _hold(lock)
+    try:
+        t0 = time.monotonic()
+        r = run_cli("recover", "--repo", str(repo.path), "--json", "--tmp-age", "0", "--lock-timeout", "0.5")
+        elapsed = time.monotonic() - t0
+        assert r.code == 0, r.out + r.err
+        (row,) = r.json["rows"]
+        assert (row["key"], row["to"]) == ("K", "committed")
+        assert any("follow-up not done" in n and str(lock) in n for n in row["notes"]), row["notes"]
+        assert elapsed < 5, elapsed
+        assert lock.read_bytes() == b"held by a live process"
+    finally:
+        _release(holder)
+    again = run_cli("recover", "--repo", str(repo.path), "--json", "--tmp-age", "0", "--lock-timeout", "0.5")
+    assert again.code == 0, again.out + again.err
+    assert (repo.path / "README").read_text() == "hello\nafter the stale lock\n"
+    assert repo.git("status", "--porcelain") == ""
+    assert run_cli("verify", "--repo", str(repo.path), "--json").code == 0

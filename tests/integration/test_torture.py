@@ -1,4 +1,4 @@
-"""Kill -9 torture (DESIGN.md section 4): SIGKILL ``apply`` processes at random moments, recover, re-run.
+"""Kill -9 torture (docs/DESIGN.md section 4): SIGKILL ``apply`` processes at random moments, recover, re-run.
 
 The driver is :mod:`torture_driver` (its docstring has the recipe): per round,
 50 calls on non-overlapping files of one repository, each started as its own

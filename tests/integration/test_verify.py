@@ -1,4 +1,4 @@
-"""``oncepatch verify`` catches each way a store can stop telling the truth (DESIGN.md section 5).
+"""``oncepatch verify`` catches each way a store can stop telling the truth (docs/DESIGN.md section 5).
 
 Two real calls commit two receipts (and four ledger lines); then one thing is
 broken per case and ``verify`` must exit 6 with a line naming that receipt (or

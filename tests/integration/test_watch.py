@@ -1,4 +1,4 @@
-"""``oncepatch watch``: a real watchdog observer in a real subprocess (DESIGN.md section 5).
+"""``oncepatch watch``: a real watchdog observer in a real subprocess (docs/DESIGN.md section 5).
 
 * an orphan made by a crash (``after-prepare``) while the watcher runs is
   flagged within grace + 2 s, from its file events (the periodic rescan is
