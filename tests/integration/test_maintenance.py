@@ -55,6 +55,7 @@ from maintenance_driver import (
     rng_for,
     run_workers,
     seed_from_env,
+    settled_events,
     tmp_leftovers,
 )
 
@@ -161,7 +162,7 @@ def test_git_writers_beside_the_same_maintenance_stay_clean(tmp_path: Path) -> N
 # -- kill -9 at random moments, with the maintenance loop beside ----------------------------
 
 
-def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int) -> None:
+def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_settled: bool) -> None:
     seed = seed_from_env()
     print(f"maintenance kill -9 torture: seed {seed} ({SEED_ENV}={seed} to replay)")
     repo, branch, base = _setup(tmp_path, checked_out=False)
@@ -171,10 +172,10 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int) -> Non
     schedule: list[str] = []
     procs = Procs()
     try:
-        scratch = make_repo(tmp_path / "scratch", {"README": "measure\n"})
-        scratch.git("checkout", "-q", "-b", "side")
-        measured = measure_apply(procs, scratch.path, list(patches.values())[:3], "main")
-        print(f"measured clean apply: {measured:.3f}s")
+        # The time a call takes under the load it meets here: four at a time beside the loop.
+        scratch, _, _ = _setup(tmp_path / "scratch", checked_out=False)
+        measured = measure_apply(procs, scratch.path, list(patches.values())[:WORKERS], "main", WORKERS)
+        print(f"measured clean apply (4 at a time, maintenance beside): {measured:.3f}s")
 
         # Phase 1: every key is started kills_per_key times, each attempt SIGKILLed at a moment
         # drawn uniformly from the measured time (one that finishes first is left finished).
@@ -224,22 +225,28 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int) -> Non
         left = tmp_leftovers(repo.path)
         if left:
             problems.append(f"temporary files left at the end: {left}")
+        settled = settled_events(procs, repo.path)
     finally:
         procs.reap()
     kills = sum(1 for s in schedule if ":killed" in s)
-    report = f"seed {seed} ({SEED_ENV}={seed} to replay): {len(schedule)} attempts, {kills} killed"
+    report = (f"seed {seed} ({SEED_ENV}={seed} to replay): {len(schedule)} attempts, {kills} killed, "
+              f"{settled} left a receipt that was settled afterwards")
     print(report)
     assert not problems, report + "\n" + "\n".join(problems) + "\nschedule: " + ", ".join(sorted(schedule))
     assert kills >= len(schedule) // 3, f"too few kills landed: {report}"
+    if want_settled:
+        # Kills landed inside the protocol, not only during start-up: receipts were left to settle.
+        # (Asked of the soak only: a few dozen kills may all miss the short prepared window.)
+        assert settled > 0, f"no kill landed inside the protocol: {report}"
 
 
 @pytest.mark.timeout(300)
 def test_kill9_beside_git_maintenance_then_recover(tmp_path: Path) -> None:
-    _kill_torture(tmp_path, per_worker=3, kills_per_key=2)
+    _kill_torture(tmp_path, per_worker=2, kills_per_key=2, want_settled=False)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_kill9_beside_git_maintenance_soak(tmp_path: Path) -> None:
-    _kill_torture(tmp_path, per_worker=25, kills_per_key=3)
+    _kill_torture(tmp_path, per_worker=25, kills_per_key=3, want_settled=True)
 
