@@ -172,25 +172,32 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_s
     schedule: list[str] = []
     procs = Procs()
     try:
-        # The time a call takes under the load it meets here: four at a time beside the loop.
+        # The time a call takes under the load it meets here (four at a time beside the loop).
+        # Kill moments are drawn uniformly from [0.5, 1.1] times it: the interpreter's start-up
+        # and the patch's parsing fill the first half or more of a call (a kill there proves
+        # little); its objects, receipt, ref move and final receipt are written in the rest.
         scratch, _, _ = _setup(tmp_path / "scratch", checked_out=False)
         measured = measure_apply(procs, scratch.path, list(patches.values())[:WORKERS], "main", WORKERS)
-        print(f"measured clean apply (4 at a time, maintenance beside): {measured:.3f}s")
+        lo, hi = 0.5 * measured, 1.1 * measured
+        print(f"measured clean apply (4 at a time, maintenance beside): {measured:.3f}s; "
+              f"kills drawn from [{lo:.3f}s, {hi:.3f}s)")
 
-        # Phase 1: every key is started kills_per_key times, each attempt SIGKILLed at a moment
-        # drawn uniformly from the measured time (one that finishes first is left finished).
+        # Phase 1: every key is started up to kills_per_key times, each attempt SIGKILLed at a
+        # moment drawn as above; an attempt that finishes first ends the key's turn (its later
+        # attempts would only replay).
         with MaintenanceLoop(repo.path, procs) as loop:
             def work(w: int) -> None:
                 rng = rng_for(seed, "worker", w)
                 for key in keys[w::WORKERS]:
                     for attempt in range(kills_per_key):
-                        at = rng.uniform(0.0, measured)
+                        at = rng.uniform(lo, hi)
                         what, code, out = kill_at(procs, apply_argv(repo.path, patches[key], key, branch), at)
                         schedule.append(f"{key}#{attempt}@{at:.3f}s:{what}{'' if code is None else code}")
                         if what == "finished":
                             p = outcome_problem(outcome_of(key, code or 0, out, b""))
                             if p is not None:
                                 problems.append(f"{key} (attempt {attempt}, not killed): {p}")
+                            break
 
             run_workers(WORKERS, work)
         print(loop.describe())
@@ -233,7 +240,7 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_s
               f"{settled} left a receipt that was settled afterwards")
     print(report)
     assert not problems, report + "\n" + "\n".join(problems) + "\nschedule: " + ", ".join(sorted(schedule))
-    assert kills >= len(schedule) // 3, f"too few kills landed: {report}"
+    assert kills >= len(keys) // 2, f"too few kills landed: {report}"
     if want_settled:
         # Kills landed inside the protocol, not only during start-up: receipts were left to settle.
         # (Asked of the soak only: a few dozen kills may all miss the short prepared window.)
@@ -242,7 +249,7 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_s
 
 @pytest.mark.timeout(300)
 def test_kill9_beside_git_maintenance_then_recover(tmp_path: Path) -> None:
-    _kill_torture(tmp_path, per_worker=2, kills_per_key=2, want_settled=False)
+    _kill_torture(tmp_path, per_worker=2, kills_per_key=3, want_settled=False)
 
 
 @pytest.mark.slow
