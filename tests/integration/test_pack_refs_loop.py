@@ -14,7 +14,12 @@ verify`` are clean.
 
 Four workers apply twelve keys each (each key adds its own file) through
 ``python -m patcher.cli apply``, one process per call, while the loop runs;
-the work is bounded by counts, never by time.
+the work is bounded by counts, never by time.  The branch is ``main`` or
+``agent/work``: a branch in a folder, whose folder ``pack-refs`` removes each
+time it prunes the branch's loose file, as it removes the emptied
+``refs/oncepatch/keys``.  The baseline runs git's own writers (``update-ref``
+with the old value) on the same branches beside the same loop: fsck clean,
+every commit on the branch.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import pytest
 from conftest import make_repo
 from maintenance_driver import (
     MaintenanceLoop,
+    fsck_full,
+    git_apply_commit,
     Outcome,
     Procs,
     apply_until_settled,
@@ -36,18 +43,20 @@ from maintenance_driver import (
 )
 
 WORKERS = 4
-#: 48 applies: enough to meet, one run in two or so, the window the soak below meets about
-#: once per hundred applies (``pack-refs --prune`` removing the emptied ``refs/oncepatch/keys``
-#: folder between a call's making it and its creating the key ref's lock there).
+#: 48 applies.  On ``agent/work`` every run meets the window (``pack-refs --prune`` removes
+#: the emptied ``refs/heads/agent`` folder after each move the loop packs, and the next move
+#: makes it again); on ``main`` (``refs/heads`` is never removed) the window is the emptied
+#: ``refs/oncepatch/keys`` folder, met by about one apply in a hundred.
 PER_WORKER = 12
 
 
-def _pack_refs_loop(tmp_path: Path, checked_out: bool, per_worker: int) -> None:
+def _pack_refs_loop(tmp_path: Path, checked_out: bool, per_worker: int, name: str = "main") -> None:
     repo = make_repo(tmp_path / "repo", {"README": "pack-refs loop\n"})
-    if not checked_out:
-        repo.git("checkout", "-q", "-b", "side")
-    branch = None if checked_out else "main"
-    base = repo.count("main")
+    if name != "main":
+        repo.git("branch", name)
+    repo.git("checkout", "-q", name if checked_out else "-b", *(() if checked_out else ("side",)))
+    branch = None if checked_out else name
+    base = repo.count(name)
     patches: dict[str, Path] = {}
     for w in range(WORKERS):
         for i in range(per_worker):
@@ -69,7 +78,7 @@ def _pack_refs_loop(tmp_path: Path, checked_out: bool, per_worker: int) -> None:
                     if (p := outcome_problem(o)) is not None]
         problems += [f"{key}: never committed: {[o.describe() for o in seen]}"
                      for key, seen in outcomes.items() if not seen[-1].committed]
-        problems += final_problems(procs, repo.path, "main", base, keys, all_committed=True)
+        problems += final_problems(procs, repo.path, name, base, keys, all_committed=True)
     finally:
         procs.reap()
     retries = sum(len(seen) - 1 for seen in outcomes.values())
@@ -79,8 +88,9 @@ def _pack_refs_loop(tmp_path: Path, checked_out: bool, per_worker: int) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_applies_beside_a_pack_refs_loop_never_end_internal_or_unknown(tmp_path: Path) -> None:
-    _pack_refs_loop(tmp_path, False, PER_WORKER)
+@pytest.mark.parametrize("name", ["main", "agent/work"])
+def test_applies_beside_a_pack_refs_loop_never_end_internal_or_unknown(tmp_path: Path, name: str) -> None:
+    _pack_refs_loop(tmp_path, False, PER_WORKER, name)
 
 
 @pytest.mark.slow
@@ -88,3 +98,32 @@ def test_applies_beside_a_pack_refs_loop_never_end_internal_or_unknown(tmp_path:
 @pytest.mark.parametrize("checked_out", [False, True], ids=["branch-not-checked-out", "branch-checked-out"])
 def test_applies_beside_a_pack_refs_loop_soak(tmp_path: Path, checked_out: bool) -> None:
     _pack_refs_loop(tmp_path, checked_out, 50)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["main", "agent/work"])
+def test_git_writers_beside_a_pack_refs_loop_stay_clean(tmp_path: Path, name: str) -> None:
+    """The baseline: git's writers beside the same loop (a lost lock or swap is retried, nothing breaks)."""
+    repo = make_repo(tmp_path / "repo", {"README": "pack-refs loop\n"})
+    if name != "main":
+        repo.git("branch", name)
+    repo.git("checkout", "-q", "-b", "side")
+    base = repo.count(name)
+    procs = Procs()
+    retried: list[str] = []
+    try:
+        with MaintenanceLoop(repo.path, procs, commands=(("pack-refs", "--all"),), min_cycles=5) as loop:
+            def work(w: int) -> None:
+                for i in range(15):
+                    p = tmp_path / f"g-w{w}-k{i}.diff"
+                    p.write_bytes(new_file_patch(f"w{w}/k{i}.txt", f"worker {w} key {i}"))
+                    retried.extend(git_apply_commit(procs, repo.path, p, tmp_path / f"index-{w}", branch=name))
+
+            run_workers(WORKERS, work)
+        clean, out = fsck_full(repo.path)
+        count = repo.count(name)
+    finally:
+        procs.reap()
+    print(f"{loop.describe()}; git's writers started over {len(retried)} times: {sorted(set(retried))[:3]}")
+    assert clean, out
+    assert count == base + WORKERS * 15
