@@ -74,8 +74,8 @@ def _pack_refs_loop(tmp_path: Path, checked_out: bool, per_worker: int, name: st
                     outcomes[key] = apply_until_settled(procs, repo.path, patches[key], key, branch)
 
             run_workers(WORKERS, work)
-        problems = [f"{key}: {p}" for key, seen in outcomes.items() for o in seen
-                    if (p := outcome_problem(o)) is not None]
+        problems = [f"{key}: {why}" for key, seen in outcomes.items() for o in seen
+                    if (why := outcome_problem(o)) is not None]
         problems += [f"{key}: never committed: {[o.describe() for o in seen]}"
                      for key, seen in outcomes.items() if not seen[-1].committed]
         problems += final_problems(procs, repo.path, name, base, keys, all_committed=True)
