@@ -389,7 +389,10 @@ def final_problems(procs: Procs, repo: Path, branch: str, base_count: int, keys:
     if not clean:
         problems.append("git fsck --full --strict:\n    " + "\n    ".join(out.splitlines()[:20]))
     receipts = committed_receipts(repo)
-    on_branch = set(git(repo, "rev-list", branch, check=False).split())
+    listed = subprocess.run(["git", "rev-list", branch], cwd=repo, capture_output=True, check=False)
+    if listed.returncode != 0:
+        problems.append(f"git rev-list {branch} failed: {listed.stderr.decode(errors='replace').strip()}")
+    on_branch = set(listed.stdout.decode().split())
     for key, doc in receipts.items():
         commit = doc.get("commit")
         ref = (doc.get("base") or {}).get("ref")
@@ -410,7 +413,7 @@ def final_problems(procs: Procs, repo: Path, branch: str, base_count: int, keys:
     for key in receipts:
         if counts.get(key_hash(key), 0) != 1:
             problems.append(f"{key}: its trailer is on {counts.get(key_hash(key), 0)} commits of {branch}, not 1")
-    count = int(git(repo, "rev-list", "--count", branch, check=False).strip() or 0)
+    count = len(on_branch)
     if count != base_count + len(receipts):
         problems.append(f"{branch} has {count} commits, expected {base_count} + {len(receipts)} committed keys")
     code, vout, verr = procs.run([sys.executable, "-m", "patcher.cli", "verify", "--repo", str(repo), "--json"])

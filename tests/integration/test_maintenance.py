@@ -137,11 +137,11 @@ def test_applies_beside_git_maintenance_soak(tmp_path: Path, checked_out: bool) 
 def test_git_writers_beside_the_same_maintenance_stay_clean(tmp_path: Path) -> None:
     """The baseline: git's own writers beside the same loop leave fsck clean and every commit on the branch."""
     repo, _, base = _setup(tmp_path, checked_out=False)
-    patches = _patches(tmp_path, WORKERS, 10, "g")
+    patches = _patches(tmp_path, WORKERS, 25, "g")
     retried: list[str] = []
     procs = Procs()
     try:
-        with MaintenanceLoop(repo.path, procs, min_cycles=2) as loop:
+        with MaintenanceLoop(repo.path, procs, min_cycles=5) as loop:
             def work(w: int) -> None:
                 for key in list(patches)[w::WORKERS]:
                     retried.extend(git_apply_commit(procs, repo.path, patches[key], tmp_path / f"index-{w}"))
@@ -249,7 +249,7 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_s
 
 @pytest.mark.timeout(300)
 def test_kill9_beside_git_maintenance_then_recover(tmp_path: Path) -> None:
-    _kill_torture(tmp_path, per_worker=2, kills_per_key=3, want_settled=False)
+    _kill_torture(tmp_path, per_worker=3, kills_per_key=3, want_settled=False)
 
 
 @pytest.mark.slow
