@@ -345,16 +345,16 @@ def tmp_leftovers(repo: Path) -> list[str]:
     The store's ``locks/`` folder is left out of the ``*.lock`` rule: its key
     and branch lock files stay after every clean call (flock locks: taking one
     is locking the file, not creating it); a tmp file there is still found.
-    Everything under the store's ``tmp/`` is a leftover.
+    Every file under the store's ``tmp/`` is a leftover (an empty folder is not).
     """
     git_dir = repo / ".git"
     found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(git_dir):
+    for dirpath, _, filenames in os.walk(git_dir):
         here = Path(dirpath)
         rel = here.relative_to(git_dir)
         in_store_tmp = rel.parts[:2] == ("oncepatch", "tmp")
         in_store_locks = rel.parts[:2] == ("oncepatch", "locks")
-        for name in filenames + [d for d in dirnames if in_store_tmp]:
+        for name in filenames:
             if in_store_tmp or (_is_tmp_name(name) and not (in_store_locks and name.endswith(".lock")
                                                              and ".optmp-" not in name)):
                 found.append(str((here / name).relative_to(git_dir)))
