@@ -123,7 +123,7 @@ def _torture(tmp_path: Path, *, checked_out: bool, per_worker: int) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("checked_out", [False, True], ids=["branch-not-checked-out", "branch-checked-out"])
 def test_applies_beside_git_maintenance_lose_nothing(tmp_path: Path, checked_out: bool) -> None:
-    _torture(tmp_path, checked_out=checked_out, per_worker=6)
+    _torture(tmp_path, checked_out=checked_out, per_worker=8)
 
 
 @pytest.mark.slow
