@@ -1,0 +1,501 @@
+"""git maintenance beside ``oncepatch apply``: the pieces shared by the maintenance tests.
+
+A user's repository is not quiet while an agent applies patches: ``git gc``,
+``git maintenance`` (run by cron or by git itself), an IDE's background fetch
+and repack.  git documents what is safe beside concurrent writers: every
+command of :data:`MAINTENANCE` keeps any object younger than its prune grace
+period (two weeks by default) and any object a ref names.  A writer that
+follows git's convention — new objects written loose, the ref moved only to an
+object that exists (``git update-ref`` refuses a missing one) — is never hurt by
+them.  The tests here hold oncepatch to the same standard.
+
+Everything is driven through the documented CLI only (``python -m
+patcher.cli apply PATCH --repo R --key K --json``, ``recover``, ``verify``):
+each call is its own process, as an agent's would be.  Every process started
+here is registered with a :class:`Procs` and reaped, whatever happens.
+
+The checks after a run (:func:`final_problems`):
+
+* ``git fsck --full --strict`` is clean (dangling objects, a lost race's
+  garbage, are fine; a missing object or a ref at one is not);
+* every committed receipt's commit is reachable from its branch;
+* each key's ``Oncepatch-Key`` trailer is on exactly one commit of the branch;
+* the branch grew by exactly one commit per committed key;
+* ``oncepatch verify --json`` exits 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MAINTENANCE",
+    "Procs",
+    "MaintenanceLoop",
+    "Outcome",
+    "new_file_patch",
+    "apply",
+    "apply_argv",
+    "apply_until_settled",
+    "outcome_of",
+    "kill_at",
+    "rng_for",
+    "run_workers",
+    "outcome_problem",
+    "measure_apply",
+    "fsck_full",
+    "tmp_leftovers",
+    "committed_receipts",
+    "settled_events",
+    "final_problems",
+    "key_hash",
+    "git_apply_commit",
+    "seed_from_env",
+    "SEED_ENV",
+]
+
+#: What git supports beside concurrent writers (each keeps young and referenced objects).
+MAINTENANCE: tuple[tuple[str, ...], ...] = (
+    ("gc", "--quiet"),
+    ("repack", "-a", "-d", "-q"),
+    ("repack", "--geometric=2", "-d", "-q"),
+    ("maintenance", "run", "--task=incremental-repack"),
+    ("maintenance", "run", "--task=loose-objects"),
+    ("multi-pack-index", "write"),
+    ("multi-pack-index", "repack"),
+    ("multi-pack-index", "expire"),
+    ("commit-graph", "write", "--reachable"),
+    ("pack-refs", "--all"),
+)
+
+SEED_ENV = "ONCEPATCH_MAINTENANCE_SEED"
+DEFAULT_SEED = 20261202
+
+#: A hang detector, never a performance assertion.
+DEADLINE = 300.0
+
+
+def seed_from_env() -> int:
+    return int(os.environ.get(SEED_ENV) or DEFAULT_SEED)
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def git(cwd: Path, *args: str, check: bool = True, env: dict[str, str] | None = None) -> str:
+    res = subprocess.run(["git", *args], cwd=cwd, capture_output=True, check=False, env=env)
+    if check and res.returncode != 0:
+        raise AssertionError(f"git {' '.join(args)} failed ({res.returncode}): {res.stderr.decode()}")
+    return res.stdout.decode("utf-8", "surrogateescape")
+
+
+class Procs:
+    """Every process a test starts, from any thread; :meth:`reap` kills and waits for what still runs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[subprocess.Popen[bytes]] = set()
+        self.closed = False
+
+    def start(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen[bytes]:
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("the test is over: no new process")
+            proc = subprocess.Popen(list(argv), **kw)
+            self._live.add(proc)
+            return proc
+
+    def done(self, proc: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._live.discard(proc)
+
+    def run(self, argv: Sequence[str], *, timeout: float = DEADLINE, **kw: Any) -> tuple[int, bytes, bytes]:
+        proc = self.start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{' '.join(argv)} hung past {timeout:g}s") from None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+            self.done(proc)
+        return proc.returncode, out, err
+
+    def reap(self) -> None:
+        with self._lock:
+            self.closed = True
+            live = list(self._live)
+        for proc in live:
+            if proc.poll() is None:
+                # A process paused at a pause point is stopped: SIGKILL ends it all the same.
+                proc.kill()
+            proc.communicate()
+        with self._lock:
+            self._live.clear()
+
+
+@dataclass
+class MaintenanceLoop:
+    """A thread running :data:`MAINTENANCE` (or ``commands``) in turn until stopped.
+
+    It runs at least ``min_cycles`` full cycles, so a fast batch of applies
+    still meets every command.  Each command's exit status is recorded: git may
+    refuse a step beside a writer (a ref lock held, say) and that is not a
+    finding of ours, but it is printed with the report.
+    """
+
+    repo: Path
+    procs: Procs
+    commands: tuple[tuple[str, ...], ...] = MAINTENANCE
+    min_cycles: int = 1
+    env: dict[str, str] | None = None
+    runs: int = 0
+    cycles: int = 0
+    failures: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _started: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _error: BaseException | None = None
+
+    def __enter__(self) -> MaintenanceLoop:
+        self._thread = threading.Thread(target=self._main, name="maintenance", daemon=True)
+        self._thread.start()
+        assert self._started.wait(DEADLINE), "the maintenance loop never started"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(DEADLINE)
+            assert not self._thread.is_alive(), "the maintenance loop hung"
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+
+    def _main(self) -> None:
+        try:
+            while True:
+                for cmd in self.commands:
+                    rc, _, err = self.procs.run(["git", *cmd], cwd=self.repo, env=self.env)
+                    self.runs += 1
+                    self._started.set()
+                    if rc != 0:
+                        tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+                        self.failures.append(f"git {' '.join(cmd)}: exit {rc}: {tail[0]}")
+                self.cycles += 1
+                if self._stop.is_set() and self.cycles >= self.min_cycles:
+                    return
+        except BaseException as exc:  # reported by stop(), in the test's thread
+            self._error = exc
+            self._started.set()
+
+    def describe(self) -> str:
+        fails = "; ".join(self.failures[:8]) + (" ..." if len(self.failures) > 8 else "")
+        return f"maintenance: {self.cycles} cycles, {self.runs} commands, {len(self.failures)} refused" + (
+            f" ({fails})" if fails else "")
+
+
+def new_file_patch(path: str, line: str) -> bytes:
+    """A patch adding ``path`` with one line: applies on any base, so distinct keys never conflict."""
+    return f"--- /dev/null\n+++ b/{path}\n@@ -0,0 +1 @@\n+{line}\n".encode()
+
+
+@dataclass
+class Outcome:
+    key: str
+    code: int
+    doc: dict[str, Any] | None
+    stderr: str = ""
+
+    @property
+    def committed(self) -> bool:
+        return self.code == 0 and self.doc is not None and self.doc.get("status") == "committed"
+
+    @property
+    def error(self) -> dict[str, Any]:
+        return (self.doc or {}).get("error") or {}
+
+    @property
+    def retryable(self) -> bool:
+        """Rejected retryable (exit 4) or the key's lock not had in time (exit 5, nothing started)."""
+        err = self.error
+        if self.code == 4:
+            return err.get("retryable") is True
+        return self.code == 5 and err.get("type") == "in_progress" and err.get("effect_status") != "unknown"
+
+    def describe(self) -> str:
+        if self.doc is None:
+            return f"{self.key}: exit {self.code}, no JSON; stderr {self.stderr[-300:]!r}"
+        if self.code == 0:
+            return f"{self.key}: exit 0 {self.doc.get('status')} {str(self.doc.get('commit'))[:12]}"
+        err = self.error
+        return (f"{self.key}: exit {self.code} {err.get('type')} effect {err.get('effect_status')} "
+                f"retryable {err.get('retryable')}: {str(err.get('message'))[:300]}")
+
+
+def apply_argv(repo: Path, patch: Path, key: str, branch: str | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--repo", str(repo), "--key", key, "--json"]
+    if branch is not None:
+        argv += ["--branch", branch]
+    return argv
+
+
+def outcome_of(key: str, code: int, out: bytes, err: bytes) -> Outcome:
+    try:
+        doc = json.loads(out) if out.strip() else None
+    except ValueError:
+        doc = None
+    return Outcome(key, code, doc, err.decode(errors="replace"))
+
+
+def apply(procs: Procs, repo: Path, patch: Path, key: str, branch: str | None = None,
+          env: dict[str, str] | None = None) -> Outcome:
+    code, out, err = procs.run(apply_argv(repo, patch, key, branch), env=env)
+    return outcome_of(key, code, out, err)
+
+
+def outcome_problem(o: Outcome) -> str | None:
+    """What the contract forbids here: ``internal`` (exit 1), effect ``unknown``, anything not retryable."""
+    if o.code == 0 and o.doc is not None and o.doc.get("ok") is True:
+        return None
+    if o.doc is None:
+        return "no JSON envelope: " + o.describe()
+    if o.code == 1 or o.error.get("type") == "internal":
+        return "internal: " + o.describe()
+    if o.error.get("effect_status") == "unknown":
+        return "effect unknown: " + o.describe()
+    if not o.retryable:
+        return "rejected, not retryable: " + o.describe()
+    return None
+
+
+def apply_until_settled(procs: Procs, repo: Path, patch: Path, key: str, branch: str | None = None,
+                        attempts: int = 4) -> list[Outcome]:
+    """Apply under ``key`` until it commits, ends in a forbidden way, or ``attempts`` retryable rejections."""
+    seen: list[Outcome] = []
+    for _ in range(attempts):
+        o = apply(procs, repo, patch, key, branch)
+        seen.append(o)
+        if o.committed or outcome_problem(o) is not None:
+            break
+    return seen
+
+
+def measure_apply(procs: Procs, repo: Path, patches: Sequence[Path], branch: str | None,
+                  workers: int = 1) -> float:
+    """Seconds of one clean apply, process start to exit: the median over ``patches`` applied in ``repo``.
+
+    With ``workers`` > 1 they run that many at a time, beside a maintenance
+    loop: the time a call takes under the load it will meet in the test (an
+    apply that fails there is timed all the same: the test's own checks judge
+    outcomes, not the measurement).
+    """
+    times: list[float] = []
+
+    def work(w: int) -> None:
+        for n in range(w, len(patches), workers):
+            t0 = time.monotonic()
+            o = apply(procs, repo, patches[n], f"measure-{n}", branch)
+            times.append(time.monotonic() - t0)
+            assert workers > 1 or o.committed, f"a clean apply failed: {o.describe()}"
+
+    if workers == 1:
+        work(0)
+    else:
+        with MaintenanceLoop(repo, procs):
+            run_workers(workers, work)
+    return sorted(times)[len(times) // 2]
+
+
+def fsck_full(repo: Path) -> tuple[bool, str]:
+    """``git fsck --full --strict``: (clean, its output).  Dangling objects (a lost race's garbage) are fine."""
+    res = subprocess.run(["git", "fsck", "--full", "--strict", "--no-progress"], cwd=repo, capture_output=True,
+                         check=False)
+    out = (res.stdout + res.stderr).decode("utf-8", "replace")
+    bad = [ln for ln in out.splitlines() if ln and not ln.startswith(("dangling ", "Checking ", "notice: "))]
+    return res.returncode == 0 and not bad, out
+
+
+#: Names of temporary files oncepatch (cas/durable.py, cas/objects.py, cas/loose_refs.py) or the
+#: libgit2 it drives (loose objects, ref and index locks) creates; none may outlive ``recover``.
+def _is_tmp_name(name: str) -> bool:
+    return (".optmp-" in name or name.startswith(("tmp_", ".tmp-")) or name.endswith(".lock"))
+
+
+def tmp_leftovers(repo: Path) -> list[str]:
+    """Temporary files left in the git dir or the store (``<git dir>/oncepatch``).
+
+    The store's ``locks/`` folder is left out of the ``*.lock`` rule: its key
+    and branch lock files stay after every clean call (flock locks: taking one
+    is locking the file, not creating it); a tmp file there is still found.
+    Every file under the store's ``tmp/`` is a leftover (an empty folder is not).
+    """
+    git_dir = repo / ".git"
+    found: list[str] = []
+    for dirpath, _, filenames in os.walk(git_dir):
+        here = Path(dirpath)
+        rel = here.relative_to(git_dir)
+        in_store_tmp = rel.parts[:2] == ("oncepatch", "tmp")
+        in_store_locks = rel.parts[:2] == ("oncepatch", "locks")
+        for name in filenames:
+            if in_store_tmp or (_is_tmp_name(name) and not (in_store_locks and name.endswith(".lock")
+                                                             and ".optmp-" not in name)):
+                found.append(str((here / name).relative_to(git_dir)))
+    return sorted(found)
+
+
+def settled_events(procs: Procs, repo: Path) -> int:
+    """How often a receipt a killed call left was settled (ledger events ``recovered`` / ``resolved``).
+
+    Each is a kill that landed inside the protocol, past the process's start-up.
+    """
+    code, out, err = procs.run([sys.executable, "-m", "patcher.cli", "log", "--repo", str(repo), "--json"])
+    assert code == 0, f"log --json exited {code}: {out!r} {err!r}"
+    return sum(1 for e in json.loads(out)["events"] if e.get("event") in ("recovered", "resolved"))
+
+
+def committed_receipts(repo: Path) -> dict[str, dict[str, Any]]:
+    """The store's committed receipts by key (read from their files: DESIGN.md section 3)."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted((repo / ".git" / "oncepatch" / "receipts").glob("*/*.json")):
+        doc = json.loads(path.read_bytes())
+        if doc.get("status") == "committed":
+            out[doc["key"]] = doc
+    return out
+
+
+def final_problems(procs: Procs, repo: Path, branch: str, base_count: int, keys: Sequence[str], *,
+                   all_committed: bool) -> list[str]:
+    """The checks of the module docstring; ``all_committed``: every key of ``keys`` must have landed."""
+    problems: list[str] = []
+    clean, out = fsck_full(repo)
+    if not clean:
+        problems.append("git fsck --full --strict:\n    " + "\n    ".join(out.splitlines()[:20]))
+    receipts = committed_receipts(repo)
+    listed = subprocess.run(["git", "rev-list", branch], cwd=repo, capture_output=True, check=False)
+    if listed.returncode != 0:
+        problems.append(f"git rev-list {branch} failed: {listed.stderr.decode(errors='replace').strip()}")
+    on_branch = set(listed.stdout.decode().split())
+    for key, doc in receipts.items():
+        commit = doc.get("commit")
+        ref = (doc.get("base") or {}).get("ref")
+        if ref not in (branch, f"refs/heads/{branch}"):
+            problems.append(f"{key}: committed receipt names branch {ref!r}, expected {branch!r}")
+        elif commit not in on_branch:
+            exists = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=repo,
+                                    capture_output=True, check=False).returncode == 0
+            problems.append(f"{key}: committed receipt's commit {commit} is not reachable from {branch} "
+                            f"(the object {'exists' if exists else 'is missing'})")
+    missing = [k for k in keys if k not in receipts]
+    if all_committed and missing:
+        problems.append(f"{len(missing)} keys have no committed receipt: {missing[:10]}")
+    trailers = git(repo, "log", branch, "--format=%(trailers:key=Oncepatch-Key,valueonly)", check=False)
+    counts: dict[str, int] = {}
+    for line in trailers.split():
+        counts[line] = counts.get(line, 0) + 1
+    for key in receipts:
+        if counts.get(key_hash(key), 0) != 1:
+            problems.append(f"{key}: its trailer is on {counts.get(key_hash(key), 0)} commits of {branch}, not 1")
+    count = len(on_branch)
+    if count != base_count + len(receipts):
+        problems.append(f"{branch} has {count} commits, expected {base_count} + {len(receipts)} committed keys")
+    code, vout, verr = procs.run([sys.executable, "-m", "patcher.cli", "verify", "--repo", str(repo), "--json"])
+    if code != 0:
+        problems.append(f"verify --json exited {code}: {vout.decode(errors='replace')[:1500]} "
+                        f"{verr.decode(errors='replace')[-500:]}")
+    return problems
+
+
+def git_apply_commit(procs: Procs, repo: Path, patch: Path, index: Path, branch: str = "main",
+                     attempts: int = 200) -> list[str]:
+    """git's own writers, as a script would drive them: apply to a private index, commit-tree, update-ref (CAS).
+
+    A step that fails starts the attempt over: a lost compare-and-swap, or git
+    failing to write a loose object because a concurrent ``prune-packed`` /
+    ``loose-objects`` removed the empty ``objects/xx`` folder it had just made
+    ("unable to create temporary file") — git's writer fails cleanly there and
+    nothing is moved.  Returns why each earlier attempt failed; raises when
+    ``attempts`` are spent.
+    """
+    env = dict(os.environ, GIT_INDEX_FILE=str(index))
+    failed: list[str] = []
+
+    def run(*args: str) -> str | None:
+        code, out, err = procs.run(["git", *args], cwd=repo, env=env)
+        if code != 0:
+            failed.append(f"git {args[0]}: {err.decode(errors='replace').strip().splitlines()[-1:]}")
+            return None
+        return out.decode().strip()
+
+    for _ in range(attempts):
+        old = run("rev-parse", f"refs/heads/{branch}")
+        if old is None or run("read-tree", old) is None or run("apply", "--cached", str(patch)) is None:
+            continue
+        tree = run("write-tree")
+        if tree is None:
+            continue
+        commit = run("commit-tree", tree, "-p", old, "-m", f"git writer: {patch.name}")
+        if commit is None:
+            continue
+        if run("update-ref", "-m", "git writer", f"refs/heads/{branch}", commit, old) is not None:
+            return failed
+    raise AssertionError(f"git's writers failed {attempts} times in a row for {patch.name}: {failed[-5:]}")
+
+
+def run_workers(n: int, work: Callable[[int], None]) -> None:
+    """Run ``work(i)`` for ``i in range(n)`` in threads; re-raise the first error after all have ended."""
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,), name=f"worker-{i}", daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE * 4)
+        assert not t.is_alive(), f"{t.name} hung"
+    if errors:
+        raise errors[0]
+
+
+def kill_at(procs: Procs, argv: Sequence[str], delay: float) -> tuple[str, int | None, bytes]:
+    """Start ``argv``; SIGKILL it ``delay`` seconds later unless it ended first: ('killed'|'finished', code, out)."""
+    proc = procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        try:
+            out, _ = proc.communicate(timeout=delay)
+            return "finished", proc.returncode, out
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+            return "killed", None, b""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        procs.done(proc)
+
+
+def rng_for(seed: int, *parts: object) -> random.Random:
+    return random.Random("/".join(str(p) for p in (seed, *parts)))

@@ -1,0 +1,259 @@
+"""git maintenance beside applies (issue 23): nothing committed is ever lost, the history stays exact.
+
+Four workers apply distinct keys (each key adds its own one-line file, so no
+two conflict and every key must land) through ``python -m patcher.cli apply``,
+one process per call, while a loop runs every command of
+:data:`maintenance_driver.MAINTENANCE` — what git supports beside concurrent
+writers: ``gc``, ``repack -a -d``, ``repack --geometric=2 -d``, ``maintenance
+run --task=incremental-repack|loose-objects``, ``multi-pack-index
+write|repack|expire``, ``commit-graph write``, ``pack-refs --all``.  The work
+is bounded by counts (applies per worker, at least one full maintenance
+cycle), never by time.  Afterwards (``maintenance_driver.final_problems``):
+``git fsck --full --strict`` clean, every committed receipt's commit reachable
+from its branch, one commit per committed key, ``verify`` passes; and no apply
+ended ``internal`` (exit 1) or with effect ``unknown``.
+
+The branch is ``main``, not checked out (HEAD on another branch) and checked
+out (the worktree and index follow each commit: ``git status`` stays clean).
+
+The baseline runs the same loop beside git's own writers (``git apply
+--cached`` on a private index, ``commit-tree``, ``update-ref`` with the old
+value): it must stay clean, which shows the checks ask nothing of oncepatch
+that git's writers do not already give.
+
+The kill -9 variant SIGKILLs the applies at random moments (a seeded schedule,
+printed; ``ONCEPATCH_MAINTENANCE_SEED`` replays it) drawn from a measured clean
+apply time, with the loop beside them; then ``recover --json --tmp-age 0``
+must leave no temporary file of oncepatch's, and every key, run once more,
+lands exactly once.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import Repo, make_repo
+from maintenance_driver import (
+    SEED_ENV,
+    MaintenanceLoop,
+    Outcome,
+    Procs,
+    apply_argv,
+    apply_until_settled,
+    final_problems,
+    fsck_full,
+    git_apply_commit,
+    kill_at,
+    measure_apply,
+    new_file_patch,
+    outcome_of,
+    outcome_problem,
+    rng_for,
+    run_workers,
+    seed_from_env,
+    settled_events,
+    tmp_leftovers,
+)
+
+WORKERS = 4
+
+
+def _setup(tmp_path: Path, checked_out: bool) -> tuple[Repo, str | None, int]:
+    repo = make_repo(tmp_path / "repo", {"README": "maintenance torture\n", "src/a.txt": "a\n"})
+    # Some history and a pack already there, so the first repack has work to do.
+    for i in range(3):
+        repo.write(f"hist/h{i}.txt", f"history {i}\n")
+        repo.commit_all(f"history {i}")
+    repo.git("repack", "-q")
+    if not checked_out:
+        repo.git("checkout", "-q", "-b", "side")
+    base = repo.count("main")
+    return repo, (None if checked_out else "main"), base
+
+
+def _patches(tmp_path: Path, workers: int, per_worker: int, tag: str) -> dict[str, Path]:
+    """key → patch file: worker w's key i adds ``w<w>/k<i>.txt``."""
+    folder = tmp_path / "patches"
+    folder.mkdir(exist_ok=True)
+    out: dict[str, Path] = {}
+    for w in range(workers):
+        for i in range(per_worker):
+            key = f"{tag}-w{w}-k{i:03d}"
+            p = folder / f"{key}.diff"
+            p.write_bytes(new_file_patch(f"w{w}/k{i:03d}.txt", f"worker {w} key {i}"))
+            out[key] = p
+    return out
+
+
+def _torture(tmp_path: Path, *, checked_out: bool, per_worker: int) -> None:
+    repo, branch, base = _setup(tmp_path, checked_out)
+    patches = _patches(tmp_path, WORKERS, per_worker, "m")
+    keys = list(patches)
+    outcomes: dict[str, list[Outcome]] = {}
+    procs = Procs()
+    try:
+        with MaintenanceLoop(repo.path, procs) as loop:
+            def work(w: int) -> None:
+                for key in keys[w::WORKERS]:
+                    outcomes[key] = apply_until_settled(procs, repo.path, patches[key], key, branch)
+
+            run_workers(WORKERS, work)
+        problems = [f"{key}: {p}" for key, seen in outcomes.items() for o in seen
+                    if (p := outcome_problem(o)) is not None]
+        problems += [f"{key}: never committed: {[o.describe() for o in seen]}"
+                     for key, seen in outcomes.items() if not seen[-1].committed]
+        problems += final_problems(procs, repo.path, "main", base, keys, all_committed=True)
+        if checked_out:
+            res = subprocess.run(["git", "status", "--porcelain"], cwd=repo.path, capture_output=True, check=False)
+            if res.returncode != 0 or res.stdout:
+                problems.append(f"git status --porcelain (exit {res.returncode}) is not clean: "
+                                f"{(res.stdout + res.stderr).decode(errors='replace')[:1000]}")
+    finally:
+        procs.reap()
+    retries = sum(len(seen) - 1 for seen in outcomes.values())
+    report = f"{len(keys)} keys, {retries} retried after a retryable rejection; {loop.describe()}"
+    print(report)
+    assert not problems, report + "\n" + "\n".join(problems)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checked_out", [False, True], ids=["branch-not-checked-out", "branch-checked-out"])
+def test_applies_beside_git_maintenance_lose_nothing(tmp_path: Path, checked_out: bool) -> None:
+    _torture(tmp_path, checked_out=checked_out, per_worker=8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("checked_out", [False, True], ids=["branch-not-checked-out", "branch-checked-out"])
+def test_applies_beside_git_maintenance_soak(tmp_path: Path, checked_out: bool) -> None:
+    _torture(tmp_path, checked_out=checked_out, per_worker=75)
+
+
+@pytest.mark.timeout(300)
+def test_git_writers_beside_the_same_maintenance_stay_clean(tmp_path: Path) -> None:
+    """The baseline: git's own writers beside the same loop leave fsck clean and every commit on the branch."""
+    repo, _, base = _setup(tmp_path, checked_out=False)
+    patches = _patches(tmp_path, WORKERS, 25, "g")
+    retried: list[str] = []
+    procs = Procs()
+    try:
+        with MaintenanceLoop(repo.path, procs, min_cycles=5) as loop:
+            def work(w: int) -> None:
+                for key in list(patches)[w::WORKERS]:
+                    retried.extend(git_apply_commit(procs, repo.path, patches[key], tmp_path / f"index-{w}"))
+
+            run_workers(WORKERS, work)
+        clean, out = fsck_full(repo.path)
+        count = repo.count("main")
+        files = repo.git("ls-tree", "-r", "--name-only", "main").split()
+    finally:
+        procs.reap()
+    kinds = sorted({r.split(":")[0] for r in retried})
+    print(f"{loop.describe()}; git's writers started over {len(retried)} times ({', '.join(kinds)} failed)")
+    assert clean, out
+    assert count == base + len(patches)
+    assert sum(1 for f in files if f.startswith("w")) == len(patches)
+
+
+# -- kill -9 at random moments, with the maintenance loop beside ----------------------------
+
+
+def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_settled: bool) -> None:
+    seed = seed_from_env()
+    print(f"maintenance kill -9 torture: seed {seed} ({SEED_ENV}={seed} to replay)")
+    repo, branch, base = _setup(tmp_path, checked_out=False)
+    patches = _patches(tmp_path, WORKERS, per_worker, "k")
+    keys = list(patches)
+    problems: list[str] = []
+    schedule: list[str] = []
+    procs = Procs()
+    try:
+        # The time a call takes under the load it meets here (four at a time beside the loop).
+        # Kill moments are drawn uniformly from [0.5, 1.1] times it: the interpreter's start-up
+        # and the patch's parsing fill the first half or more of a call (a kill there proves
+        # little); its objects, receipt, ref move and final receipt are written in the rest.
+        scratch, _, _ = _setup(tmp_path / "scratch", checked_out=False)
+        measured = measure_apply(procs, scratch.path, list(patches.values())[:WORKERS], "main", WORKERS)
+        lo, hi = 0.5 * measured, 1.1 * measured
+        print(f"measured clean apply (4 at a time, maintenance beside): {measured:.3f}s; "
+              f"kills drawn from [{lo:.3f}s, {hi:.3f}s)")
+
+        # Phase 1: every key is started up to kills_per_key times, each attempt SIGKILLed at a
+        # moment drawn as above; an attempt that finishes first ends the key's turn (its later
+        # attempts would only replay).
+        with MaintenanceLoop(repo.path, procs) as loop:
+            def work(w: int) -> None:
+                rng = rng_for(seed, "worker", w)
+                for key in keys[w::WORKERS]:
+                    for attempt in range(kills_per_key):
+                        at = rng.uniform(lo, hi)
+                        what, code, out = kill_at(procs, apply_argv(repo.path, patches[key], key, branch), at)
+                        schedule.append(f"{key}#{attempt}@{at:.3f}s:{what}{'' if code is None else code}")
+                        if what == "finished":
+                            p = outcome_problem(outcome_of(key, code or 0, out, b""))
+                            if p is not None:
+                                problems.append(f"{key} (attempt {attempt}, not killed): {p}")
+                            break
+
+            run_workers(WORKERS, work)
+        print(loop.describe())
+
+        # Phase 2: nothing of oncepatch's runs any more: recover removes every leftover.
+        code, out, err = procs.run([sys.executable, "-m", "patcher.cli", "recover", "--repo", str(repo.path),
+                                    "--json", "--tmp-age", "0"])
+        if code != 0:
+            problems.append(f"recover --json --tmp-age 0 exited {code}: {out[-1000:]!r} {err[-500:]!r}")
+        left = tmp_leftovers(repo.path)
+        if left:
+            problems.append(f"temporary files left after recover: {left}")
+        # What recover settled already holds: fsck clean, committed receipts reachable, verify.
+        problems += [f"after recover: {p}" for p in
+                     final_problems(procs, repo.path, "main", base, keys, all_committed=False)]
+
+        # Phase 3: every key once more (the maintenance loop beside): each lands exactly once.
+        with MaintenanceLoop(repo.path, procs) as loop2:
+            outcomes: dict[str, list[Outcome]] = {}
+
+            def rerun(w: int) -> None:
+                for key in keys[w::WORKERS]:
+                    outcomes[key] = apply_until_settled(procs, repo.path, patches[key], key, branch)
+
+            run_workers(WORKERS, rerun)
+        print(loop2.describe())
+        problems += [f"re-run {key}: {p}" for key, seen in outcomes.items() for o in seen
+                     if (p := outcome_problem(o)) is not None]
+        problems += [f"re-run {key}: never committed: {[o.describe() for o in seen]}"
+                     for key, seen in outcomes.items() if not seen[-1].committed]
+        problems += final_problems(procs, repo.path, "main", base, keys, all_committed=True)
+        left = tmp_leftovers(repo.path)
+        if left:
+            problems.append(f"temporary files left at the end: {left}")
+        settled = settled_events(procs, repo.path)
+    finally:
+        procs.reap()
+    kills = sum(1 for s in schedule if ":killed" in s)
+    report = (f"seed {seed} ({SEED_ENV}={seed} to replay): {len(schedule)} attempts, {kills} killed, "
+              f"{settled} left a receipt that was settled afterwards")
+    print(report)
+    assert not problems, report + "\n" + "\n".join(problems) + "\nschedule: " + ", ".join(sorted(schedule))
+    assert kills >= len(keys) // 2, f"too few kills landed: {report}"
+    if want_settled:
+        # Kills landed inside the protocol, not only during start-up: receipts were left to settle.
+        # (Asked of the soak only: a few dozen kills may all miss the short prepared window.)
+        assert settled > 0, f"no kill landed inside the protocol: {report}"
+
+
+@pytest.mark.timeout(300)
+def test_kill9_beside_git_maintenance_then_recover(tmp_path: Path) -> None:
+    _kill_torture(tmp_path, per_worker=3, kills_per_key=3, want_settled=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_kill9_beside_git_maintenance_soak(tmp_path: Path) -> None:
+    _kill_torture(tmp_path, per_worker=25, kills_per_key=3, want_settled=True)
+
