@@ -39,6 +39,7 @@ from typing import Any
 from cas.record import record, field, replace as replace_record
 from cas.objects import GitStore, TreeEntry
 from cas.hashing import git_blob_oid
+from patcher.budget import work_budget
 from patcher.formats.binary import apply_delta
 from patcher.errors import ContextNotFound, PartiallyApplied, PatchError, UnsafePath, UnsupportedPatch
 from patcher.formats import FileApplier, get_format
@@ -242,10 +243,18 @@ def stage(store: GitStore, base_commit: str | None, patch: Patch, message: str) 
 def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StagePlan:
     """Apply ``patch`` to ``base_commit`` in memory; nothing is written.
 
+    All the patch's files are matched under one work budget (:mod:`patcher.budget`).
+
     Raises:
         ContextNotFound, AmbiguousMatch, PartiallyApplied, UnsafePath: the patch
             does not apply to this base.
+        TooLarge: matching it would cost more than the call's work budget.
     """
+    with work_budget():
+        return _plan_stage(store, base_commit, patch)
+
+
+def _plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StagePlan:
     base_tree = store.commit_tree(base_commit) if base_commit else None
     fmt = get_format(patch.format)
     applier: FileApplier = fmt.apply_file if fmt is not None and fmt.apply_file is not None else apply_hunks
