@@ -404,11 +404,19 @@ def capped_candidates(lines: Sequence[int]) -> dict[str, Any]:
 
 def _at_positions(f: _File, seq: Sequence[bytes], positions: Sequence[int], grades: Sequence[str],
                   agnostic: bool) -> _Loc | None:
-    """``seq`` at one of ``positions``, at the strictest of ``grades`` that has it there."""
+    """``seq`` at one of ``positions``, at the strictest of ``grades`` that has it there.
+
+    Many positions (an ambiguous old side found at every line) are looked up among
+    ``seq``'s starts found by one search, not compared one by one.
+    """
     for grade in grades:
         fn = _key_fn(grade, agnostic)
         hkeys = [fn(line) for line in seq]
-        hits = tuple(p for p in positions if f.match_at(grade, agnostic, p, hkeys))
+        if hkeys and len(positions) * len(hkeys) > 4 * (len(f.lines) + len(hkeys)):
+            starts = set(f.scan(grade, agnostic, hkeys, 0))
+            hits = tuple(p for p in positions if p in starts)
+        else:
+            hits = tuple(p for p in positions if f.match_at(grade, agnostic, p, hkeys))
         if hits:
             return _Loc(grade, hits)
     return None

@@ -500,3 +500,16 @@ def test_work_over_the_budget_is_too_large() -> None:
     with pytest.raises(TooLarge) as info:
         apply_hunks(data, [hunk], path="f", budget=WorkBudget(50))
     assert info.value.details == {"path": "f", "limit": 50, "reason": "work"}
+
+
+@pytest.mark.timeout(60)
+def test_an_ambiguous_old_side_is_checked_for_its_new_side_in_linear_work() -> None:
+    """Found at every line at ``rstrip``, its new side is looked for at each place: one search, not 30,000."""
+    from patcher.budget import WorkBudget
+
+    budget = WorkBudget()
+    hunk = _hunk((b"a \n",) * 19_999 + (b"a \n",), (b"a \n",) * 19_999 + (b"c\n",))
+    with pytest.raises(AmbiguousMatch) as info:
+        apply_hunks(_A_FILE, [hunk], path="f", budget=budget)
+    assert info.value.details["candidate_count"] == 30_001
+    assert budget.spent < 200 * (50_000 + 20_000), budget.spent
