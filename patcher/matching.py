@@ -91,7 +91,11 @@ the old side under ``strip``, ties → nearest the stated position; ``None`` if
 no line is shared) and, when ambiguous, ``candidates`` (1-based lines).
 
 **Cost.**  The usual case (exact at the stated position) is O(hunk) after
-:func:`split_lines`; a search is O(file x hunk) at worst.
+:func:`split_lines`; a search is O(file + hunk) (:mod:`patcher.lines`), and
+every step is paid from the call's :class:`patcher.budget.WorkBudget`
+(:class:`patcher.errors.TooLarge` past it).  Errors list at most 20
+``candidates`` (``candidate_count``: all); ``closest`` and the pairing of kept
+lines are bounded too (:func:`_closest`, :func:`_opcodes`).
 """
 
 from __future__ import annotations
