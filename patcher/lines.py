@@ -249,18 +249,18 @@ class Lines:
         compared = 0
         while pos <= last:
             try:
-                at = keys.index(first, pos, last + 1)
+                hit = keys.index(first, pos, last + 1)
             except ValueError:
                 self._walk(grade, agnostic, last + 1 - pos)
                 break
-            self._walk(grade, agnostic, at + 1 - pos)
+            self._walk(grade, agnostic, hit + 1 - pos)
             compared += m
             if compared > allowed:
-                return found + self._kmp(keys, hkeys, at)
+                return found + self._kmp(keys, hkeys, hit)
             self.spend(m)
-            if keys[at:at + m] == hkeys:
-                found.append(at)
-            pos = at + 1
+            if keys[hit:hit + m] == hkeys:
+                found.append(hit)
+            pos = hit + 1
         return found
 
     def first(self, grade: str, agnostic: bool, key: Any, lo: int) -> int | None:
