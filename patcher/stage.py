@@ -40,7 +40,7 @@ from cas.record import record, field, replace as replace_record
 from cas.objects import GitStore, TreeEntry
 from cas.hashing import git_blob_oid
 from patcher.budget import work_budget
-from patcher.formats.binary import apply_delta
+from patcher.formats.binary import InflateBudget, apply_delta, delta_result_size
 from patcher.errors import ContextNotFound, PartiallyApplied, PatchError, UnsafePath, UnsupportedPatch
 from patcher.formats import FileApplier, get_format
 from patcher.matching import apply_hunks
@@ -250,6 +250,12 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
             does not apply to this base.
         TooLarge: matching it would cost more than the call's work budget.
     """
+    # A delta's result is held as a whole new blob: the patch's deltas together, like its
+    # literals, may make at most ONCEPATCH_MAX_BINARY_BYTES (checked before applying any).
+    results = InflateBudget()
+    for edit in patch.edits:
+        if edit.binary == "delta" and edit.delta is not None:
+            results.take(delta_result_size(edit.delta), edit.target or edit.path, None, held=True)
     with work_budget():
         return _plan_stage(store, base_commit, patch)
 

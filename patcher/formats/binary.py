@@ -30,7 +30,7 @@ import zlib
 from patcher.errors import ContextNotFound, ParseError, TooLarge
 from patcher.matching import chomp
 
-__all__ = ["BinaryHunk", "InflateBudget", "MAX_BINARY_BYTES", "read_binary_hunks", "apply_delta", "b85decode"]
+__all__ = ["BinaryHunk", "InflateBudget", "MAX_BINARY_BYTES", "read_binary_hunks", "apply_delta", "delta_result_size", "b85decode"]
 
 #: The largest file a binary hunk may inflate to, or a delta may make (bytes).  The
 #: patch's own limit does not bound them: deflated data and deltas are far smaller.
@@ -58,19 +58,23 @@ class InflateBudget:
         self.held = 0
         self.streamed = 0
 
-    def take(self, size: int, path: str, line: int, *, held: bool) -> None:
-        """Reserve ``size`` inflated bytes before inflating them.
+    def take(self, size: int, path: str, line: int | None, *, held: bool) -> None:
+        """Reserve ``size`` inflated bytes before inflating them (``line``: the hunk's, if known).
 
         Raises:
             TooLarge: the patch's binary hunks would inflate past the limit.
         """
         total = (self.held if held else self.streamed) + size
         if total > self.limit:
+            where = "" if line is None else f" (line {line})"
+            details: dict[str, object] = {"path": path, "size": size, "total": total, "limit": self.limit}
+            if line is not None:
+                details["line"] = line
             raise TooLarge(
-                f"binary data for '{path}' (line {line}) would bring the patch's "
+                f"binary data for '{path}'{where} would bring the patch's "
                 f"{'new' if held else 'reverse'} binary data to {total} bytes, over the limit of "
                 f"{self.limit} (ONCEPATCH_MAX_BINARY_BYTES)",
-                details={"path": path, "line": line, "size": size, "total": total, "limit": self.limit},
+                details=details,
             )
         if held:
             self.held = total
@@ -254,6 +258,14 @@ def _varint(delta: bytes, at: int) -> tuple[int, int]:
         shift += 7
         if not c & 0x80:
             return value, at
+
+
+def delta_result_size(delta: bytes) -> int:
+    """The size a git delta says its result has (0 if its header is cut: :func:`apply_delta` says why)."""
+    try:
+        return _varint(delta, _varint(delta, 0)[1])[0]
+    except ValueError:
+        return 0
 
 
 def apply_delta(src: bytes, delta: bytes, path: str) -> bytes:

@@ -407,3 +407,22 @@ def test_an_unsafe_path_is_refused_before_its_binary_data_is_inflated(brepo: Rep
     patch = (b"diff --git a/../out.bin b/../out.bin\nnew file mode 100644\nindex " + b"0" * 40 + b".."
              + b"1" * 40 + b"\nGIT binary patch\n" + corrupt)
     _refused(brepo, patch, "unsafe_path")
+
+
+def test_deltas_whose_results_together_are_over_the_limit_are_too_large(brepo: Repo) -> None:
+    """Small deltas, big results (copies of the old bytes): the patch's results are bounded together."""
+    brepo.write("img/b.bin", BLOB[::-1])
+    brepo.commit_all("second binary")
+
+    def edit(r: Repo) -> None:
+        r.write("img/a.bin", BLOB * 15)  # 600 KB each, made of copies
+        r.write("img/b.bin", BLOB[::-1] * 15)
+
+    patch, _tree = _change(brepo, edit)
+    assert patch.count(b"\ndelta ") >= 2 and len(patch) < 100_000
+    before = snapshot(brepo)
+    env = {"ONCEPATCH_MAX_BINARY_BYTES": str(1 << 20)}
+    r = run_cli("apply", "-", "--repo", str(brepo.path), "--json", input=patch, env=env)
+    assert r.code == 4, r.out + r.err
+    assert r.json["error"]["type"] == "too_large" and r.json["error"]["path"] == "img/b.bin", r.json
+    assert snapshot(brepo) == before
