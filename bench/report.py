@@ -297,6 +297,21 @@ def render(res: dict[str, Any]) -> str:
                 for r in w["rows"]]
         parts.append(_table(["watcher", "receipts", "start-up scan", "latency median", "p90", "n", "target",
                              "peak RSS MiB"], rows))
+    mt = res.get("matching")
+    if mt:
+        parts.append("\n### Matching cost against input size (in-process matcher; `git apply --check` on the "
+                     f"same input, a process each; median of {mt['rounds']})\n\n"
+                     "Doubling the input should at most about double the time: ratios near 2, never near 4.\n\n")
+        rows = []
+        for r in mt["rows"]:
+            prev = next((x for x in mt["rows"] if x["case"] == r["case"] and x["scale"] * 2 == r["scale"]), None)
+            rows.append([r["case"], f"{r['scale']}x", f"{r['file_lines']:,}", f"{r['patch_bytes']:,}", r["outcome"],
+                         fmt_ms(r["median_s"]), f"{r['median_s'] / prev['median_s']:.2f}" if prev else "–",
+                         fmt_ms(r["git_median_s"]),
+                         f"{r['git_median_s'] / prev['git_median_s']:.2f}" if prev else "–",
+                         "applies" if r["git_rc"] == 0 else "refuses"])
+        parts.append(_table(["case", "size", "file lines", "patch bytes", "oncepatch outcome", "oncepatch median",
+                             "vs half size", "git apply --check", "vs half size", "git outcome"], rows))
     fs = res.get("fsync")
     if fs:
         parts.append("\n### 6. fsync per transaction\n\n**strace** (`strace -f -T -y`, one cold process each; "

@@ -91,82 +91,40 @@ the old side under ``strip``, ties → nearest the stated position; ``None`` if
 no line is shared) and, when ambiguous, ``candidates`` (1-based lines).
 
 **Cost.**  The usual case (exact at the stated position) is O(hunk) after
-:func:`split_lines`; a search is O(file x hunk) at worst.
+:func:`split_lines`; a search is O(file + hunk) (:mod:`patcher.lines`), and
+every step is paid from the call's :class:`patcher.budget.WorkBudget`
+(:class:`patcher.errors.TooLarge` past it).  Errors list at most 20
+``candidates`` (``candidate_count``: all); ``closest`` and the pairing of kept
+lines are bounded too (:func:`_closest`, :func:`_opcodes`).
 """
 
 from __future__ import annotations
 
-import re
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any, Literal
 
 from cas.record import record
+from patcher.budget import WorkBudget, current_budget
 from patcher.errors import AmbiguousMatch, ContextNotFound, PartiallyApplied
+from patcher.lines import Lines as _File
+from patcher.lines import chomp, eol_of, find_all, split_lines
+from patcher.lines import key_fn as _key_fn
 from patcher.model import AppliedFile, Hunk
 
-__all__ = ["GRADES", "apply_hunks", "split_lines", "chomp", "eol_of"]
+__all__ = ["GRADES", "apply_hunks", "split_lines", "chomp", "eol_of", "shown_lines", "capped_candidates"]
 
 GRADES: tuple[str, ...] = ("exact", "rstrip", "strip", "punct")
 
-_PUNCT_TABLE = str.maketrans(
-    {
-        **dict.fromkeys([*range(0x2010, 0x2016), 0x2212], "-"),
-        **dict.fromkeys([0x2018, 0x2019, 0x201A, 0x201B], "'"),
-        **dict.fromkeys([0x201C, 0x201D, 0x201E, 0x201F], '"'),
-        **dict.fromkeys([0x00A0, *range(0x2000, 0x200B), 0x202F, 0x205F, 0x3000], " "),
-    }
-)
 _CLOSEST_LINES = 6
 _DIFF_LIMIT = 40
+_SHOWN = 20  # candidate lines an error lists (and how many there are in all)
+_PAIRS = 40_000  # line pairs difflib compares in full (beyond: the common head and tail first)
+_SCORE_PAIRS = 1_000_000  # (hunk line, file line) pairs an error's "closest" counts
+_PAIR_COST = 8  # budget units per pair difflib may compare (a dict lookup in Python)
+_HINT_LINES = 200  # lines a side that an error's diff compares in full
 
-
-_LINE = re.compile(rb"[^\n]*\n|[^\n]+\Z")
-
-
-def split_lines(data: bytes) -> list[bytes]:
-    """Split ``data`` into lines, each keeping its ``\\n``; a lone ``\\r`` does not break a line.
-
-    One pass that makes each line once (``split`` and then appending the
-    ``\\n`` held two copies of every line at the peak).
-    """
-    return _LINE.findall(data)
-
-
-def chomp(line: bytes) -> bytes:
-    """``line`` without its terminator (``\\r\\n`` or ``\\n``)."""
-    if line.endswith(b"\r\n"):
-        return line[:-2]
-    if line.endswith(b"\n"):
-        return line[:-1]
-    return line
-
-
-def eol_of(line: bytes) -> bytes:
-    """The terminator ``line`` ends with (``b""`` for none)."""
-    if line.endswith(b"\r\n"):
-        return b"\r\n"
-    if line.endswith(b"\n"):
-        return b"\n"
-    return b""
-
-
-def _punct(line: bytes) -> str:
-    return line.decode("utf-8", "replace").strip().translate(_PUNCT_TABLE).strip()
-
-
-def _identity(line: bytes) -> bytes:
-    return line
-
-
-def _key_fn(grade: str, agnostic: bool) -> Callable[[bytes], object]:
-    if grade == "exact":
-        return chomp if agnostic else _identity
-    if grade == "rstrip":
-        return bytes.rstrip
-    if grade == "strip":
-        return bytes.strip
-    return _punct
 
 
 def _dominant(lines: Sequence[bytes]) -> bytes:
@@ -180,62 +138,6 @@ def _dominant(lines: Sequence[bytes]) -> bytes:
     if crlf == lf == 0:
         return b""
     return b"\r\n" if crlf > lf else b"\n"
-
-
-class _File:
-    """The file's lines plus per-grade comparison keys, computed only when a search needs them."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.lines = split_lines(data)
-        self._keys: dict[tuple[str, bool], list[Any]] = {}
-        self._eol: bytes | None = None
-
-    @property
-    def eol(self) -> bytes:
-        if self._eol is None:
-            crlf = self.data.count(b"\r\n")
-            self._eol = b"\r\n" if crlf > self.data.count(b"\n") - crlf else b"\n"
-        return self._eol
-
-    def keys(self, grade: str, agnostic: bool) -> list[Any]:
-        if grade == "exact" and not agnostic:
-            return self.lines
-        cache = (grade, agnostic if grade == "exact" else False)
-        if cache not in self._keys:
-            fn = _key_fn(grade, agnostic)
-            self._keys[cache] = [fn(line) for line in self.lines]
-        return self._keys[cache]
-
-    def match_at(self, grade: str, agnostic: bool, pos: int, hkeys: list[Any]) -> bool:
-        end = pos + len(hkeys)
-        if pos < 0 or end > len(self.lines):
-            return False
-        cached = self._keys.get((grade, agnostic if grade == "exact" else False))
-        if grade == "exact" and not agnostic:
-            cached = self.lines
-        if cached is not None:
-            return cached[pos:end] == hkeys
-        fn = _key_fn(grade, agnostic)
-        return all(fn(self.lines[pos + k]) == hkeys[k] for k in range(len(hkeys)))
-
-    def scan(self, grade: str, agnostic: bool, hkeys: list[Any], lo: int) -> list[int]:
-        """Every start position ``>= lo`` where ``hkeys`` matches (``hkeys`` not empty)."""
-        keys = self.keys(grade, agnostic)
-        m = len(hkeys)
-        last = len(keys) - m
-        found: list[int] = []
-        pos = lo
-        first = hkeys[0]
-        while pos <= last:
-            try:
-                pos = keys.index(first, pos, last + 1)
-            except ValueError:
-                break
-            if keys[pos : pos + m] == hkeys:
-                found.append(pos)
-            pos += 1
-        return found
 
 
 @record
@@ -286,9 +188,9 @@ def _locate(
         if starts is not None:
             firsts = set()
             for start in starts:
-                after = [p for p in cands if p >= start]
-                if after:
-                    firsts.add(after[0])
+                at = bisect_left(cands, start)
+                if at < len(cands):
+                    firsts.add(cands[at])
             if firsts:
                 return _Loc(grade, tuple(sorted(firsts)))
             continue
@@ -311,12 +213,22 @@ def _find_line(f: _File, line: bytes, lo: int) -> list[int]:
     return []
 
 
+def _next_line(f: _File, line: bytes, lo: int) -> int | None:
+    """``_find_line(f, line, lo)[0]``, found without listing the others."""
+    for grade in GRADES:
+        found = f.first(grade, True, _key_fn(grade, True)(line), lo)
+        if found is not None:
+            return found
+    return None
+
+
 def _resolve_scopes(f: _File, scopes: Sequence[bytes], lo: int) -> tuple[list[int], bytes | None]:
     """Positions just after the last scope line, one per occurrence of the first scope line.
 
     When no occurrence leads through every scope line, also returns the scope line not found.
     """
     starts: list[int] = []
+    seen: set[int] = set()
     firsts = _find_line(f, scopes[0], lo)
     if not firsts:
         return [], scopes[0]
@@ -324,13 +236,14 @@ def _resolve_scopes(f: _File, scopes: Sequence[bytes], lo: int) -> tuple[list[in
     for first in firsts:
         pos = first + 1
         for scope in scopes[1:]:
-            found = _find_line(f, scope, pos)
-            if not found:
+            found = _next_line(f, scope, pos)
+            if found is None:
                 missing = scope
                 break
-            pos = found[0] + 1
+            pos = found + 1
         else:
-            if pos not in starts:
+            if pos not in seen:
+                seen.add(pos)
                 starts.append(pos)
     return starts, (missing if not starts else None)
 
@@ -429,7 +342,8 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
             # that is none of them (added lines that repeat them -- a blank after a blank,
             # 'a' x4 made 'a' x5, a CSV row duplicated -- stand around the old lines before
             # any application too).  Such hunks are applied, as git applies them.
-            inside = [d for d in range(extra + 1) if keys[d:d + len(old_keys)] == old_keys]
+            f.spend((len(keys) + len(old_keys)) * 4)
+            inside = [d for d in find_all(keys, old_keys) if d <= extra][:2]
             begin = pos - inside[0] if len(inside) == 1 else -1
             if kw["expected"] is not None and begin != kw["expected"]:
                 # With line numbers, once applied its new lines stand at its stated line
@@ -471,23 +385,42 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
         where = "at end of file " if kw["at_eof"] else ""
         return _Verdict("missing", reason=f"context not found {where}(tried {', '.join(GRADES)})")
     if len(old.positions) > 1:
-        lines = ", ".join(str(p + 1) for p in old.positions)
         raise _Failure(
             AmbiguousMatch,
-            f"context matches at lines {lines} (grade {old.grade}); add context to make it unique",
-            candidates=[p + 1 for p in old.positions],
+            f"context matches at lines {shown_lines([p + 1 for p in old.positions])} (grade {old.grade}); "
+            "add context to make it unique",
+            **capped_candidates([p + 1 for p in old.positions]),
             grade_tried=list(GRADES[: GRADES.index(old.grade) + 1]),
         )
     return _Verdict("applies", old.positions[0], old.grade)
 
 
+def shown_lines(lines: Sequence[int]) -> str:
+    """Line numbers for a message: the first :data:`_SHOWN`, then how many more."""
+    text = ", ".join(map(str, lines[:_SHOWN]))
+    return text if len(lines) <= _SHOWN else f"{text} and {len(lines) - _SHOWN} more"
+
+
+def capped_candidates(lines: Sequence[int]) -> dict[str, Any]:
+    """An error's ``candidates`` (the first :data:`_SHOWN` lines) and ``candidate_count`` (all of them)."""
+    return {"candidates": list(lines[:_SHOWN]), "candidate_count": len(lines)}
+
+
 def _at_positions(f: _File, seq: Sequence[bytes], positions: Sequence[int], grades: Sequence[str],
                   agnostic: bool) -> _Loc | None:
-    """``seq`` at one of ``positions``, at the strictest of ``grades`` that has it there."""
+    """``seq`` at one of ``positions``, at the strictest of ``grades`` that has it there.
+
+    Many positions (an ambiguous old side found at every line) are looked up among
+    ``seq``'s starts found by one search, not compared one by one.
+    """
     for grade in grades:
         fn = _key_fn(grade, agnostic)
         hkeys = [fn(line) for line in seq]
-        hits = tuple(p for p in positions if f.match_at(grade, agnostic, p, hkeys))
+        if hkeys and len(positions) * len(hkeys) > 4 * (len(f.lines) + len(hkeys)):
+            starts = set(f.scan(grade, agnostic, hkeys, 0))
+            hits = tuple(p for p in positions if p in starts)
+        else:
+            hits = tuple(p for p in positions if f.match_at(grade, agnostic, p, hkeys))
         if hits:
             return _Loc(grade, hits)
     return None
@@ -502,7 +435,7 @@ def _insertion_point(f: _File, hunk: Hunk, lo: int, carry: int, starts: list[int
             raise _Failure(
                 AmbiguousMatch,
                 "insertion point is ambiguous: the scope occurs at several places",
-                candidates=[p for p in starts],
+                **capped_candidates(starts),
                 grade_tried=list(GRADES),
             )
         return max(starts[0], lo)
@@ -517,22 +450,60 @@ def _insertion_point(f: _File, hunk: Hunk, lo: int, carry: int, starts: list[int
     return pos
 
 
+def _opcodes(f: _File, a: Sequence[Any], b: Sequence[Any], *,
+             bound: bool = False) -> list[tuple[str, int, int, int, int]]:
+    """``difflib``'s opcodes from ``a`` to ``b``, in bounded time.
+
+    ``SequenceMatcher`` may compare every line of one side with every line of the
+    other (20,000 equal lines: 400 million steps).  Up to :data:`_PAIRS` pairs
+    (:data:`_HINT_LINES` lines a side for a hint, ``bound``) it runs on the whole;
+    beyond, the common head and tail are paired first and it runs on what lies
+    between -- which the call's budget pays for, or for a hint, on the first
+    :data:`_HINT_LINES` lines of it (the rest is one replaced block).
+    """
+    from difflib import SequenceMatcher  # only inexact matches and hints need it
+
+    head = tail = 0
+    if len(a) * len(b) > (_HINT_LINES ** 2 if bound else _PAIRS):
+        top = min(len(a), len(b))
+        while head < top and a[head] == b[head]:
+            head += 1
+        while tail < top - head and a[-1 - tail] == b[-1 - tail]:
+            tail += 1
+        f.spend(head + tail)
+    mid_a, mid_b = list(a[head:len(a) - tail]), list(b[head:len(b) - tail])
+    rest: list[tuple[str, int, int, int, int]] = []
+    if bound and len(mid_a) * len(mid_b) > _HINT_LINES ** 2:
+        cut_a, cut_b = min(len(mid_a), _HINT_LINES), min(len(mid_b), _HINT_LINES)
+        rest = [("replace", cut_a, len(mid_a), cut_b, len(mid_b))]
+        mid_a, mid_b = mid_a[:cut_a], mid_b[:cut_b]
+    f.spend(len(mid_a) * len(mid_b) * _PAIR_COST)
+    ops = SequenceMatcher(None, mid_a, mid_b, autojunk=False).get_opcodes() + rest
+    out = [("equal", 0, head, 0, head)] if head else []
+    out += [(tag, a0 + head, a1 + head, b0 + head, b1 + head) for tag, a0, a1, b0, b1 in ops]
+    if tail:
+        out.append(("equal", len(a) - tail, len(a), len(b) - tail, len(b)))
+    return out
+
+
+def _kept_lines(f: _File, old: list[bytes], new: list[bytes]) -> dict[int, int]:
+    """Lines the hunk keeps: new line index -> old line index, paired by content."""
+    kept: dict[int, int] = {}
+    for tag, a0, a1, b0, _b1 in _opcodes(f, old, new):
+        if tag == "equal":
+            for k in range(a1 - a0):
+                kept[b0 + k] = a0 + k
+    return kept
+
+
 def _new_block(f: _File, hunk: Hunk, pos: int, grade: str) -> list[bytes]:
     """The lines that replace the matched old lines (see **Writing** in the module docstring)."""
     if grade == "exact" and not hunk.eol_agnostic:
         return list(hunk.new_lines)
     m = len(hunk.old_lines)
     matched = f.lines[pos : pos + m]
-    norm: Callable[[bytes], bytes] = chomp if hunk.eol_agnostic else _identity
-    from difflib import SequenceMatcher  # only inexact matches need it
-
-    pairs = SequenceMatcher(
-        None, [norm(x) for x in hunk.old_lines], [norm(x) for x in hunk.new_lines], autojunk=False
-    )
-    kept: dict[int, int] = {}
-    for block in pairs.get_matching_blocks():
-        for k in range(block.size):
-            kept[block.b + k] = block.a + k
+    norm: Callable[[bytes], bytes] = chomp if hunk.eol_agnostic else bytes
+    kept = _kept_lines(f, [norm(x) for x in hunk.old_lines], [norm(x) for x in hunk.new_lines])
     eol = f.eol
     patch_eol = region_eol = b""
     if not hunk.eol_agnostic:
@@ -579,16 +550,17 @@ def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict]]) -> bytes:
         ends_line = piece[-1:] == b"\n"
 
     lines = f.lines
+    walk = iter(lines)  # one pass over the lines for all hunks (islice from 0 per hunk: O(hunks x file))
     prev = off = 0
     for hunk, verdict in plan:
-        run = sum(map(len, islice(lines, prev, verdict.pos)))
+        run = sum(map(len, islice(walk, verdict.pos - prev)))
         emit(view[off:off + run])
         emit(b"".join(_new_block(f, hunk, verdict.pos, verdict.grade)))
         prev = verdict.pos + len(hunk.old_lines)
-        off += run + sum(map(len, islice(lines, verdict.pos, prev)))
+        off += run + sum(map(len, islice(walk, len(hunk.old_lines))))
     emit(view[off:])
     del lines
-    f.lines, f._keys = [], {}  # the caller is done with them: freed before the join
+    f.lines, f.keys_cache = [], {}  # the caller is done with them: freed before the join
     return b"".join(pieces)
 
 
@@ -597,30 +569,47 @@ def _text(line: bytes) -> str:
 
 
 def _closest(f: _File, seq: Sequence[bytes], ref: int) -> dict[str, Any] | None:
-    """The window of ``len(seq)`` file lines sharing most lines with ``seq`` under ``strip``."""
+    """The window of ``len(seq)`` file lines sharing most lines with ``seq`` under ``strip``.
+
+    Bounded: lines of ``seq`` are counted rarest first, up to :data:`_SCORE_PAIRS` (line of
+    ``seq``, line of the file) pairs; lines too common to count (``a`` in a file of
+    ``a``) are left out, and if none is left, the window at ``ref`` is taken when it
+    shares a line.  The diff is :func:`_opcodes`' (bounded: a hint).
+    """
     if not seq or not f.lines:
         return None
     want: dict[bytes, list[int]] = {}
     for k, line in enumerate(seq):
         want.setdefault(line.strip(), []).append(k)
-    score: dict[int, int] = {}
+    keys = f.keys("strip", False)
     last = max(len(f.lines) - len(seq), 0)
-    for i, key in enumerate(f.keys("strip", False)):
+    from collections import Counter  # errors only
+
+    f.spend(len(keys) * 2)
+    counts = Counter(keys)
+    pairs = 0
+    for key in sorted(want, key=lambda x: len(want[x]) * counts[x]):
+        pairs += len(want[key]) * counts[key]
+        if pairs > _SCORE_PAIRS:
+            del want[key]
+    score: dict[int, int] = {}
+    for i, key in enumerate(keys):
         for k in want.get(key, ()):
             start = i - k
             if 0 <= start <= last:
                 score[start] = score.get(start, 0) + 1
     if not score:
-        return None
+        at = min(max(ref, 0), last)
+        shared = sum(1 for x, y in zip(keys[at:at + len(seq)], seq) if x == y.strip())
+        if not shared:
+            return None
+        score[at] = shared
     start = min(score, key=lambda p: (-score[p], abs(p - ref), p))
     found = f.lines[start : start + len(seq)]
     expected_text = [_text(x) for x in seq]
     found_text = [_text(x) for x in found]
     diff: list[str] = []
-    from difflib import SequenceMatcher
-
-    matcher = SequenceMatcher(None, expected_text, found_text, autojunk=False)
-    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+    for tag, a0, a1, b0, b1 in _opcodes(f, expected_text, found_text, bound=True):
         if tag == "equal":
             diff.extend(" " + x for x in expected_text[a0:a1])
         else:
@@ -658,7 +647,8 @@ def _error(
     return failure.kind(message, details=details)
 
 
-def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str) -> AppliedFile:
+def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str,
+                budget: WorkBudget | None = None) -> AppliedFile:
     """Apply ``hunks`` (in order) to ``original`` by the rules of the module docstring.
 
     ``path`` is used only in messages and error details.  Returns the new
@@ -669,8 +659,14 @@ def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Applied
         ContextNotFound: a hunk (or one of its scopes) is neither applicable nor present.
         AmbiguousMatch: a hunk matches in several places equally well.
         PartiallyApplied: some hunks are present, the others still apply.
+        TooLarge: matching would cost more than the call's work budget
+            (``budget``, already allowed for this file; by default
+            :func:`patcher.budget.current_budget`, allowed here).
     """
-    f = _File(original)
+    if budget is None:
+        budget = current_budget()
+        budget.allow(original.count(b"\n") + 1 + sum(len(h.old_lines) + len(h.new_lines) for h in hunks))
+    f = _File(original, budget, path)
     plan: list[tuple[Hunk, _Verdict]] = []
     lo = carry = shift = 0
     for index, hunk in enumerate(hunks):

@@ -39,7 +39,8 @@ from typing import Any
 from cas.record import record, field, replace as replace_record
 from cas.objects import GitStore, TreeEntry
 from cas.hashing import git_blob_oid
-from patcher.formats.binary import apply_delta
+from patcher.budget import work_budget
+from patcher.formats.binary import InflateBudget, apply_delta, delta_result_size
 from patcher.errors import ContextNotFound, PartiallyApplied, PatchError, UnsafePath, UnsupportedPatch
 from patcher.formats import FileApplier, get_format
 from patcher.matching import apply_hunks
@@ -243,13 +244,27 @@ def stage(store: GitStore, base_commit: str | None, patch: Patch, message: str) 
 def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StagePlan:
     """Apply ``patch`` to ``base_commit`` in memory; nothing is written.
 
+    All the patch's files are matched under one work budget (:mod:`patcher.budget`).
+
     Raises:
         ContextNotFound, AmbiguousMatch, PartiallyApplied: the patch does not
             apply to this base.
         UnsafePath: a path through a symlink or into a submodule, or an entry
             git refuses with its mode (:func:`patcher.paths.verify_path`:
             ``.gitmodules`` as a symlink, ...).
+        TooLarge: matching it would cost more than the call's work budget.
     """
+    # A delta's result is held as a whole new blob: the patch's deltas together, like its
+    # literals, may make at most ONCEPATCH_MAX_BINARY_BYTES (checked before applying any).
+    results = InflateBudget()
+    for edit in patch.edits:
+        if edit.binary == "delta" and edit.delta is not None:
+            results.take(delta_result_size(edit.delta), edit.target or edit.path, None, held=True)
+    with work_budget():
+        return _plan_stage(store, base_commit, patch)
+
+
+def _plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StagePlan:
     base_tree = store.commit_tree(base_commit) if base_commit else None
     fmt = get_format(patch.format)
     applier: FileApplier = fmt.apply_file if fmt is not None and fmt.apply_file is not None else apply_hunks

@@ -30,7 +30,7 @@ import zlib
 from patcher.errors import ContextNotFound, ParseError, TooLarge
 from patcher.matching import chomp
 
-__all__ = ["BinaryHunk", "read_binary_hunks", "apply_delta", "b85decode"]
+__all__ = ["BinaryHunk", "InflateBudget", "MAX_BINARY_BYTES", "read_binary_hunks", "apply_delta", "delta_result_size", "b85decode"]
 
 #: The largest file a binary hunk may inflate to, or a delta may make (bytes).  The
 #: patch's own limit does not bound them: deflated data and deltas are far smaller.
@@ -38,6 +38,48 @@ MAX_BINARY_BYTES = int(os.environ.get("ONCEPATCH_MAX_BINARY_BYTES", str(512 << 2
 
 #: (method, inflated bytes): method is ``"literal"`` or ``"delta"``.
 BinaryHunk = tuple[str, bytes]
+
+_STREAM_CHUNK = 1 << 20  # bytes a reverse hunk is inflated by at a time (checked, then dropped)
+
+
+class InflateBudget:
+    """The bytes one patch's binary hunks may inflate to, all files together.
+
+    Forward hunks are held (they are the new content): at most
+    :data:`MAX_BINARY_BYTES` in all.  Reverse hunks are only checked, inflated as
+    a stream and dropped: at most as many again.  Without it, four zlib bombs
+    of 512 MiB each (a few KiB of patch apiece) held 3 GiB.
+    """
+
+    __slots__ = ("held", "streamed", "limit")
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = MAX_BINARY_BYTES if limit is None else limit
+        self.held = 0
+        self.streamed = 0
+
+    def take(self, size: int, path: str, line: int | None, *, held: bool) -> None:
+        """Reserve ``size`` inflated bytes before inflating them (``line``: the hunk's, if known).
+
+        Raises:
+            TooLarge: the patch's binary hunks would inflate past the limit.
+        """
+        total = (self.held if held else self.streamed) + size
+        if total > self.limit:
+            where = "" if line is None else f" (line {line})"
+            details: dict[str, object] = {"path": path, "size": size, "total": total, "limit": self.limit}
+            if line is not None:
+                details["line"] = line
+            raise TooLarge(
+                f"binary data for '{path}'{where} would bring the patch's "
+                f"{'new' if held else 'reverse'} binary data to {total} bytes, over the limit of "
+                f"{self.limit} (ONCEPATCH_MAX_BINARY_BYTES)",
+                details=details,
+            )
+        if held:
+            self.held = total
+        else:
+            self.streamed = total
 
 
 _B85 = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz!#$%&()*+-;<=>?@^_`{|}~"
@@ -86,8 +128,13 @@ def _length_byte(c: int) -> int:
     return -1
 
 
-def _read_hunk(lines: list[bytes], i: int, path: str) -> tuple[BinaryHunk | None, int]:
-    """One ``literal``/``delta`` hunk at ``lines[i]``; ``(None, i)`` when ``lines[i]`` starts none."""
+def _read_hunk(lines: list[bytes], i: int, path: str, budget: InflateBudget,
+               keep: bool = True) -> tuple[BinaryHunk | None, int]:
+    """One ``literal``/``delta`` hunk at ``lines[i]``; ``(None, i)`` when ``lines[i]`` starts none.
+
+    ``keep=False`` (a reverse hunk): the data is checked as a stream, never held
+    whole; the hunk's bytes are returned empty.
+    """
     if i >= len(lines):
         return None, i
     head = chomp(lines[i])
@@ -98,6 +145,7 @@ def _read_hunk(lines: list[bytes], i: int, path: str) -> tuple[BinaryHunk | None
     start = i + 1
     if size > MAX_BINARY_BYTES:
         raise _too_large(path, size, i + 1)
+    budget.take(size, path, i + 1, held=keep)
 
     def corrupt(at: int, why: str) -> ParseError:
         return ParseError(f"corrupt binary patch for '{path}' at line {at}: {why}",
@@ -136,15 +184,35 @@ def _read_hunk(lines: list[bytes], i: int, path: str) -> tuple[BinaryHunk | None
     else:
         deflated = decoded[: sum(lengths)]
     try:
-        z = zlib.decompressobj()
-        data = z.decompress(deflated, size + 1)
-        if len(data) > size or not z.eof or z.unconsumed_tail:
-            raise zlib.error("more data than stated")
+        data, got = _inflate(deflated, size, keep)
     except zlib.error as exc:
         raise corrupt(start, f"the data does not inflate to {size} bytes ({exc})") from None
-    if len(data) != size:
-        raise corrupt(start, f"the data inflates to {len(data)} bytes, not {size}")
+    if got != size:
+        raise corrupt(start, f"the data inflates to {got} bytes, not {size}")
     return (method.decode("ascii"), data), j
+
+
+def _inflate(deflated: bytes, size: int, keep: bool) -> tuple[bytes, int]:
+    """``deflated`` inflated (``b""`` unless ``keep``) and its inflated length, never past ``size + 1`` bytes.
+
+    Raises:
+        zlib.error: not zlib data, or more data than ``size``.
+    """
+    z = zlib.decompressobj()
+    if keep:
+        data = z.decompress(deflated, size + 1)
+        got = len(data)
+    else:
+        data, got = b"", 0
+        pending = deflated
+        while True:  # one chunk at a time: a reverse hunk is checked, never held
+            got += len(z.decompress(pending, _STREAM_CHUNK))
+            pending = z.unconsumed_tail
+            if got > size or z.eof or not pending:
+                break
+    if got > size or not z.eof or z.unconsumed_tail:
+        raise zlib.error("more data than stated" if got > size else "incomplete or trailing data")
+    return data, got
 
 
 def _too_large(path: str, size: int, line: int | None = None) -> TooLarge:
@@ -155,20 +223,27 @@ def _too_large(path: str, size: int, line: int | None = None) -> TooLarge:
                     "(ONCEPATCH_MAX_BINARY_BYTES)", details=details)
 
 
-def read_binary_hunks(lines: list[bytes], i: int, path: str) -> tuple[BinaryHunk, BinaryHunk | None, int]:
+def read_binary_hunks(lines: list[bytes], i: int, path: str,
+                      budget: InflateBudget | None = None) -> tuple[BinaryHunk, BinaryHunk | None, int]:
     """The forward and (optional) reverse hunks after a ``GIT binary patch`` line.
 
     ``lines[i]`` is the line after ``GIT binary patch``.  Returns both hunks and
-    the index of the first line after them.
+    the index of the first line after them.  The reverse hunk is checked (it
+    inflates to its stated size) but not kept: its bytes are returned empty.
+    ``budget`` is the patch's (a fresh one if ``None``).
 
     Raises:
         ParseError: no forward hunk, or a hunk that is not what git writes.
+        TooLarge: a hunk states more than :data:`MAX_BINARY_BYTES`, or the
+            patch's hunks together more than ``budget`` allows.
     """
-    forward, j = _read_hunk(lines, i, path)
+    if budget is None:
+        budget = InflateBudget()
+    forward, j = _read_hunk(lines, i, path, budget)
     if forward is None:
         raise ParseError(f"binary patch for '{path}' at line {i} has no 'literal' or 'delta' hunk",
                          details={"line": i, "path": path})
-    reverse, j = _read_hunk(lines, j, path)
+    reverse, j = _read_hunk(lines, j, path, budget, keep=False)
     return forward, reverse, j
 
 
@@ -183,6 +258,14 @@ def _varint(delta: bytes, at: int) -> tuple[int, int]:
         shift += 7
         if not c & 0x80:
             return value, at
+
+
+def delta_result_size(delta: bytes) -> int:
+    """The size a git delta says its result has (0 if its header is cut: :func:`apply_delta` says why)."""
+    try:
+        return _varint(delta, _varint(delta, 0)[1])[0]
+    except ValueError:
+        return 0
 
 
 def apply_delta(src: bytes, delta: bytes, path: str) -> bytes:

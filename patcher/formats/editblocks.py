@@ -72,7 +72,8 @@ from typing import Any
 from patcher.formats.detection import WHOLE_KEYS, json_items, looks_search_replace, looks_str_replace
 from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied
 from patcher.formats import Format
-from patcher.matching import apply_hunks, chomp, split_lines
+from patcher.budget import current_budget
+from patcher.matching import apply_hunks, capped_candidates, chomp, shown_lines, split_lines
 from patcher.model import AppliedFile, FileEdit, Hunk, Patch
 
 __all__ = [
@@ -94,6 +95,7 @@ _DIVIDER = re.compile(rb"={5,9}[ \t]*\r?")
 _REPLACE = re.compile(rb">{5,9} REPLACE[ \t]*\r?")
 _FENCE = re.compile(rb"\s*(```|~~~).*")
 
+_SHOWN = 20  # line numbers an ambiguous match lists (patcher.matching's)
 _STR_KEYS = {"path", "old", "new", "old_str", "new_str"}
 _WHOLE_KEYS = WHOLE_KEYS
 
@@ -282,7 +284,15 @@ def _substring(content: bytes, hunk: Hunk) -> tuple[str, bytes | None, list[int]
     while pos >= 0:
         starts.append(pos)
         pos = content.find(old, pos + 1)
-    lines = [content.count(b"\n", 0, p) + 1 for p in starts]
+    # Line numbers of the first few only (errors list those and a count), each counted from the
+    # one before: counting from the start for each of 524,288 one-byte matches was quadratic.
+    lines: list[int] = []
+    line, prev = 1, 0
+    for p in starts[:_SHOWN + 1]:
+        line += content.count(b"\n", prev, p)
+        prev = p
+        lines.append(line)
+    lines += [0] * (len(starts) - len(lines))  # counted, not numbered
     if len(starts) == 1:
         at = starts[0]
         # Inside the new text, written before?  ('import os' -> 'import os, sys' sent again:
@@ -309,7 +319,11 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
     Raises:
         ContextNotFound, AmbiguousMatch: an edit matches nowhere / more than once.
         PartiallyApplied: some edits are already present, the others not.
+        TooLarge: the edits together cost more than the call's work budget
+            (:mod:`patcher.budget`: each edit reads the whole file again).
     """
+    budget = current_budget()
+    budget.allow(original.count(b"\n") + 1 + sum(len(h.old_lines) + len(h.new_lines) for h in hunks))
     content = original
     grades: list[str] = []
     present: list[int] = []
@@ -318,7 +332,7 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
         lined: AppliedFile | None = None
         failure: ContextNotFound | None = None
         try:
-            lined = apply_hunks(content, [hunk], path=path)
+            lined = apply_hunks(content, [hunk], path=path, budget=budget)
         except AmbiguousMatch as exc:
             raise _with_index(exc, index) from None
         except ContextNotFound as exc:
@@ -334,11 +348,11 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
             elif state == "ambiguous":
                 raise AmbiguousMatch(
                     f"hunk {index} of '{path}' does not apply: its text occurs at lines "
-                    f"{', '.join(map(str, lines))}; add context to make it unique",
+                    f"{shown_lines(lines)}; add context to make it unique",
                     details={"path": path, "hunk": index, "hunk_header": hunk.header,
                              "expected": "\n".join(x.decode("utf-8", "replace") for x in hunk.old_lines[:3]),
                              "grade_tried": ["exact", "rstrip", "strip", "punct", "substring"],
-                             "candidates": lines, "sequential": True},
+                             **capped_candidates(lines), "sequential": True},
                 )
             elif state == "present":
                 chosen = ("lines", AppliedFile(content, ("substring",), already_applied=True))

@@ -77,7 +77,7 @@ from __future__ import annotations
 import re
 
 from cas.hashing import git_blob_oid
-from patcher.formats.binary import BinaryHunk, read_binary_hunks
+from patcher.formats.binary import BinaryHunk, InflateBudget, read_binary_hunks
 from patcher.formats.detection import looks_unified
 from patcher.errors import ParseError, UnsupportedPatch
 from patcher.matching import chomp, split_lines
@@ -468,7 +468,7 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
     return j
 
 
-def _read_git_block(lines: list[bytes], i: int) -> tuple[_Block, int]:
+def _read_git_block(lines: list[bytes], i: int, budget: InflateBudget) -> tuple[_Block, int]:
     block = _Block(line=i + 1, git=True)
     block.header = _header_names(chomp(lines[i])[len(b"diff --git ") :], i + 1)
     if block.header is not None:
@@ -477,7 +477,10 @@ def _read_git_block(lines: list[bytes], i: int) -> tuple[_Block, int]:
     while i < len(lines) and _extended(block, chomp(lines[i]), i + 1):
         i += 1
         if block.binary == "patch":
-            block.binary_data, _reverse, i = read_binary_hunks(lines, i, block.display())
+            for name in _names(block):  # an unsafe path is refused before its data is inflated
+                if name is not None:
+                    _decode(name)
+            block.binary_data, _reverse, i = read_binary_hunks(lines, i, block.display(), budget)
             return block, _read_hunks(lines, i, block)  # hunks here are an error (_to_edit)
     if i + 1 < len(lines) and lines[i].startswith(b"--- ") and lines[i + 1].startswith(b"+++ "):
         block.minus, block.minus_epoch = _name_field(lines[i][4:], i + 1)
@@ -721,7 +724,10 @@ def parse_unified(data: bytes) -> Patch:
     Raises:
         ParseError: malformed hunk or header, a path changed twice, or no file change found.
         UnsupportedPatch: a binary change without data, submodule or combined-diff content.
-        UnsafePath: a path that :func:`patcher.paths.check_path` refuses.
+        UnsafePath: a path that :func:`patcher.paths.check_path` refuses (a binary
+            block's before its data is inflated).
+        TooLarge: binary data over :data:`patcher.formats.binary.MAX_BINARY_BYTES`
+            (one hunk, or the patch's hunks together: :class:`InflateBudget`).
     """
     if data and not data.endswith(b"\n"):
         # Only a '\\ No newline' marker says a line has no terminator; a patch whose own
@@ -729,6 +735,7 @@ def parse_unified(data: bytes) -> Patch:
         last = data.rfind(b"\n")
         data += b"\r\n" if last > 0 and data[last - 1] == 0x0D else b"\n"
     lines = split_lines(data)
+    inflate = InflateBudget()  # one for the whole patch: its binary hunks together are bounded
     edits: list[FileEdit] = []
     removed: set[str] = set()  # paths whose old content the patch takes away (changed, deleted, moved)
     written: set[str] = set()  # paths the patch writes new content to
@@ -737,7 +744,7 @@ def parse_unified(data: bytes) -> Patch:
     while i < len(lines):
         line = lines[i]
         if line.startswith(b"diff --git "):
-            block, i = _read_git_block(lines, i)
+            block, i = _read_git_block(lines, i, inflate)
         elif _plain_header_at(lines, i):
             block, i = _read_plain_block(lines, i)
         elif line.startswith((b"diff --cc ", b"diff --combined ")):

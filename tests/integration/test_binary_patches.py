@@ -15,6 +15,7 @@ import random
 import pytest
 
 from conftest import Repo, git, run_cli, snapshot
+from cas.hashing import git_blob_oid
 
 BLOB = random.Random(1).randbytes(40_000)
 
@@ -364,3 +365,64 @@ def test_a_symlink_retarget_sent_again_is_already_applied(brepo: Repo) -> None:
     again = _apply(brepo, patch, "--attempt", "2")  # the same patch as a new intent
     assert again["already_applied"] is True and again["commit"] == first["commit"] == head == brepo.head()
     _clean(brepo)
+
+
+def _literal(data: bytes) -> bytes:
+    """A ``literal`` hunk as git writes it."""
+    import base64
+    import zlib
+
+    deflated = zlib.compress(data, 9)
+    out = [f"literal {len(data)}\n".encode()]
+    for at in range(0, len(deflated), 52):
+        chunk = deflated[at:at + 52]
+        n = len(chunk)
+        out.append((chr(ord("A") + n - 1) if n <= 26 else chr(ord("a") + n - 27)).encode()
+                   + base64.b85encode(chunk + b"\0" * (-n % 4)) + b"\n")
+    return b"".join(out) + b"\n"
+
+
+def test_zlib_bombs_together_over_the_limit_are_too_large(brepo: Repo) -> None:
+    """Each literal under the file limit, together over it: one budget per patch, nothing changed."""
+    bomb = bytes(600 << 10)  # 600 KiB of zeros: about 600 bytes of patch
+    patch = b"".join(
+        b"diff --git a/bomb%d.bin b/bomb%d.bin\nnew file mode 100644\nindex " % (k, k) + b"0" * 40 + b".."
+        + git_blob_oid(bomb).encode() + b"\nGIT binary patch\n" + _literal(bomb) + _literal(b"")
+        for k in range(4))
+    before = snapshot(brepo)
+    env = {"ONCEPATCH_MAX_BINARY_BYTES": str(1 << 20)}
+    r = run_cli("apply", "-", "--repo", str(brepo.path), "--json", input=patch, env=env)
+    assert r.code == 4, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "too_large" and err["path"] == "bomb1.bin" and err["limit"] == 1 << 20, err
+    assert snapshot(brepo) == before
+    # One of them alone fits.
+    one = patch[:patch.index(b"diff --git a/bomb1.bin")]
+    r = run_cli("apply", "-", "--repo", str(brepo.path), "--json", input=one, env=env)
+    assert r.code == 0, r.out + r.err
+
+
+def test_an_unsafe_path_is_refused_before_its_binary_data_is_inflated(brepo: Repo) -> None:
+    corrupt = b"literal 5\nHcmV?d00001\n\n"  # inflates to 0 bytes, not 5
+    patch = (b"diff --git a/../out.bin b/../out.bin\nnew file mode 100644\nindex " + b"0" * 40 + b".."
+             + b"1" * 40 + b"\nGIT binary patch\n" + corrupt)
+    _refused(brepo, patch, "unsafe_path")
+
+
+def test_deltas_whose_results_together_are_over_the_limit_are_too_large(brepo: Repo) -> None:
+    """Small deltas, big results (copies of the old bytes): the patch's results are bounded together."""
+    brepo.write("img/b.bin", BLOB[::-1])
+    brepo.commit_all("second binary")
+
+    def edit(r: Repo) -> None:
+        r.write("img/a.bin", BLOB * 15)  # 600 KB each, made of copies
+        r.write("img/b.bin", BLOB[::-1] * 15)
+
+    patch, _tree = _change(brepo, edit)
+    assert patch.count(b"\ndelta ") >= 2 and len(patch) < 100_000
+    before = snapshot(brepo)
+    env = {"ONCEPATCH_MAX_BINARY_BYTES": str(1 << 20)}
+    r = run_cli("apply", "-", "--repo", str(brepo.path), "--json", input=patch, env=env)
+    assert r.code == 4, r.out + r.err
+    assert r.json["error"]["type"] == "too_large" and r.json["error"]["path"] == "img/b.bin", r.json
+    assert snapshot(brepo) == before

@@ -687,3 +687,16 @@ def test_a_store_this_process_cannot_write_replays_and_refuses_new_calls_cleanly
     finally:
         for f in [store / "events.jsonl", *folders]:
             _immutable(f, False)
+
+
+def test_matching_over_the_work_budget_is_too_large(repo: Repo) -> None:
+    """Many edit blocks of one file, each reading it whole: refused past the call's budget, nothing changed."""
+    repo.write("big.txt", "".join(f"line {i}\n" for i in range(400)))
+    repo.commit_all("big")
+    blocks = "".join(f"big.txt\n<<<<<<< SEARCH\nline {i}\n=======\nLINE {i}\n>>>>>>> REPLACE\n\n"
+                     for i in range(0, 400, 2))
+    err = refuse(repo, blocks.encode(), code=4, type="too_large", env={"ONCEPATCH_MAX_MATCH_WORK": "0"})
+    assert err["path"] == "big.txt" and err["reason"] == "work"
+    # The same call under the default budget applies.
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "K", input=blocks.encode())
+    assert r.code == 0, r.out + r.err

@@ -33,7 +33,7 @@ def test_hunks_round_trip(size: int) -> None:
     lines = encode_hunk("literal", data) + encode_hunk("literal", b"reverse") + [b"diff --git a/x b/x\n"]
     forward, reverse, end = read_binary_hunks(lines, 0, "x")
     assert forward == ("literal", data)
-    assert reverse == ("literal", b"reverse")
+    assert reverse == ("literal", b"")  # checked as a stream, not kept
     assert lines[end] == b"diff --git a/x b/x\n"
 
 
@@ -141,3 +141,47 @@ def test_results_over_the_limit_are_too_large(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(TooLarge):
         read_binary_hunks(encode_hunk("literal", bytes(1001)), 0, "x")
     assert read_binary_hunks(encode_hunk("literal", bytes(1000)), 0, "x")[0] == ("literal", bytes(1000))
+
+
+def test_reverse_hunks_are_checked_as_a_stream() -> None:
+    """A reverse hunk is inflated a chunk at a time and must still inflate to its stated size."""
+    import tracemalloc
+
+    big = bytes(32 << 20)  # 32 MiB of zeros: 32 KiB deflated
+    lines = encode_hunk("literal", b"new") + encode_hunk("literal", big)
+    tracemalloc.start()
+    try:
+        forward, reverse, _end = read_binary_hunks(lines, 0, "x")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert forward == ("literal", b"new") and reverse == ("literal", b"")
+    assert peak < 8 << 20, peak  # never held whole
+    short = encode_hunk("literal", b"new") + encode_hunk("literal", big)
+    short[len(encode_hunk("literal", b"new"))] = f"literal {len(big) - 1}\n".encode()
+    with pytest.raises(ParseError, match="does not inflate"):
+        read_binary_hunks(short, 0, "x")
+    long = encode_hunk("literal", b"new") + encode_hunk("literal", big)
+    long[len(encode_hunk("literal", b"new"))] = f"literal {len(big) + 1}\n".encode()
+    with pytest.raises(ParseError, match="inflates to|does not inflate"):
+        read_binary_hunks(long, 0, "x")
+
+
+def test_one_inflate_budget_bounds_a_whole_patch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each hunk under the per-file limit, together over it: refused before inflating the next."""
+    import patcher.formats.binary as binary
+    from patcher.errors import TooLarge
+    from patcher.formats.binary import InflateBudget
+
+    monkeypatch.setattr(binary, "MAX_BINARY_BYTES", 1000)
+    budget = InflateBudget()
+    hunk = encode_hunk("literal", bytes(600))
+    assert read_binary_hunks(hunk, 0, "a", budget)[0] == ("literal", bytes(600))
+    with pytest.raises(TooLarge) as info:
+        read_binary_hunks(hunk, 0, "b", budget)
+    assert info.value.details["total"] == 1200 and info.value.details["limit"] == 1000
+    # Reverse hunks have an allowance of their own (checked, never held), bounded the same way.
+    budget = InflateBudget()
+    read_binary_hunks(encode_hunk("literal", b"x") + hunk, 0, "a", budget)
+    with pytest.raises(TooLarge):
+        read_binary_hunks(encode_hunk("literal", b"y") + hunk, 0, "b", budget)

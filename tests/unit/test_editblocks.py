@@ -185,3 +185,40 @@ def test_a_replace_marker_inside_replace_text_is_refused_not_cut_short() -> None
     with pytest.raises(ParseError, match="outside any block") as info:
         parse_search_replace(data)
     assert info.value.details["line"] == 8
+
+
+# --------------------------------------------------------------------------- bounded work
+
+
+@pytest.mark.timeout(60)
+def test_a_one_character_str_replace_in_512_kib_lists_twenty_candidates_and_a_count() -> None:
+    """It took 40 s and its error listed 524,288 line numbers."""
+    with pytest.raises(AmbiguousMatch) as info:
+        apply_sequential(b"a" * (512 << 10), [hunk(b"a", b"b")], path="f")
+    details = info.value.details
+    assert details["candidates"] == [1] * 20 and details["candidate_count"] == 512 << 10
+    assert len(info.value.message) < 400 and "and 524268 more" in info.value.message
+
+
+def test_candidate_lines_are_counted_from_the_one_before() -> None:
+    data = b"".join(b"x%d = 1\n" % i for i in range(30))
+    with pytest.raises(AmbiguousMatch) as info:
+        apply_sequential(data, [hunk(b" = 1", b" = 2")], path="f")
+    assert info.value.details["candidates"] == list(range(1, 21))
+    assert info.value.details["candidate_count"] == 30
+
+
+@pytest.mark.timeout(60)
+def test_twenty_thousand_blocks_on_one_file_are_refused_within_the_budget() -> None:
+    """Each block reads the whole file again: 124 s before; now refused as too large."""
+    from patcher.budget import WorkBudget, work_budget
+    from patcher.errors import TooLarge
+
+    data = b"".join(b"line %d\n" % i for i in range(20_000))
+    blocks = [hunk(b"line %d" % i, b"LINE %d" % i) for i in range(20_000)]
+    with work_budget() as budget, pytest.raises(TooLarge) as info:
+        apply_sequential(data, blocks, path="f")
+    assert isinstance(budget, WorkBudget) and info.value.details["reason"] == "work"
+    # A hundred of them fit.
+    out = apply_sequential(data, blocks[:100], path="f")
+    assert out.content.count(b"LINE") == 100

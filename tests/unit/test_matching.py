@@ -428,3 +428,88 @@ def test_a_hunk_out_of_file_order_is_named_as_such() -> None:
         apply_hunks(_text(*NUMBERS), [late, early], path="f")
     assert info.value.details["found_before_previous_hunk"] == 3
     assert "file order" in info.value.message
+
+
+# --------------------------------------------------------------------------- bounded work
+# Each was quadratic before (95-150 s for the first): they must finish, and spend a number of
+# steps that grows with the input, not with its square.
+
+_A_FILE = b"a\n" * 50_000
+_NEAR_MISS = (b"a\n",) * 19_999 + (b"b\n",)  # 20k lines, only the last differs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("old_start", [None, 7])
+def test_a_near_miss_of_repeated_lines_is_searched_in_linear_work(old_start: int | None) -> None:
+    from patcher.budget import WorkBudget
+
+    budget = WorkBudget()
+    with pytest.raises(ContextNotFound) as info:
+        apply_hunks(_A_FILE, [_hunk(_NEAR_MISS, (b"c\n",), old_start=old_start)], path="f", budget=budget)
+    assert budget.spent < 200 * (50_000 + 20_000), budget.spent
+    assert info.value.details["closest"] is not None  # a hint still, from the rarer lines or the stated one
+
+
+@pytest.mark.timeout(60)
+def test_a_match_at_every_position_is_found_in_linear_work() -> None:
+    """At ``rstrip`` every start matches: all 30,001 of them, listed in the error as 20 and a count."""
+    from patcher.budget import WorkBudget
+
+    budget = WorkBudget()
+    hunk = _hunk((b"a \n",) * 20_000, (b"c\n",))
+    with pytest.raises(AmbiguousMatch) as info:
+        apply_hunks(_A_FILE, [hunk], path="f", budget=budget)
+    details = info.value.details
+    assert details["candidates"] == list(range(1, 21)) and details["candidate_count"] == 30_001
+    assert len(info.value.message) < 400
+    assert budget.spent < 200 * (50_000 + 20_000), budget.spent
+
+
+@pytest.mark.timeout(60)
+def test_scopes_found_everywhere_are_resolved_in_linear_work() -> None:
+    """A first scope line on 30,000 lines, each followed by the second one only at the end."""
+    from patcher.budget import WorkBudget
+
+    budget = WorkBudget()
+    data = b"def f():\n" * 30_000 + b"class C:\n" + b"x = 1\n"
+    hunk = _hunk((b"x = 1\n",), (b"x = 2\n",), scopes=(b"def f():\n", b"class C:\n"))
+    out = apply_hunks(data, [hunk], path="f", budget=budget)  # every 'def f():' leads to one place
+    assert out.content.endswith(b"class C:\nx = 2\n")
+    assert budget.spent < 200 * 30_000, budget.spent
+
+
+@pytest.mark.timeout(60)
+def test_many_hunks_without_line_numbers_cost_what_the_file_does() -> None:
+    from patcher.budget import WorkBudget
+
+    lines = [f"line {i}\n".encode() for i in range(50_000)]
+    hunks = [_hunk((lines[i],), (lines[i].upper(),)) for i in range(0, 50_000, 10)]
+    budget = WorkBudget()
+    out = apply_hunks(b"".join(lines), hunks, path="f", budget=budget)
+    assert out.content.count(b"LINE") == 5000
+    assert budget.spent < 100 * 50_000, budget.spent
+
+
+def test_work_over_the_budget_is_too_large() -> None:
+    from patcher.budget import WorkBudget
+    from patcher.errors import TooLarge
+
+    data = _text(*NUMBERS)
+    hunk = _hunk(_lines("line 5 "), _lines("five"))  # found at rstrip: every grade's keys made
+    assert apply_hunks(data, [hunk], path="f", budget=WorkBudget(10_000)).content.count(b"five") == 1
+    with pytest.raises(TooLarge) as info:
+        apply_hunks(data, [hunk], path="f", budget=WorkBudget(50))
+    assert info.value.details == {"path": "f", "limit": 50, "reason": "work"}
+
+
+@pytest.mark.timeout(60)
+def test_an_ambiguous_old_side_is_checked_for_its_new_side_in_linear_work() -> None:
+    """Found at every line at ``rstrip``, its new side is looked for at each place: one search, not 30,000."""
+    from patcher.budget import WorkBudget
+
+    budget = WorkBudget()
+    hunk = _hunk((b"a \n",) * 19_999 + (b"a \n",), (b"a \n",) * 19_999 + (b"c\n",))
+    with pytest.raises(AmbiguousMatch) as info:
+        apply_hunks(_A_FILE, [hunk], path="f", budget=budget)
+    assert info.value.details["candidate_count"] == 30_001
+    assert budget.spent < 200 * (50_000 + 20_000), budget.spent
