@@ -154,11 +154,12 @@ FIX_DIFF = '--- a/greet.py\n+++ b/greet.py\n@@ -1,2 +1,2 @@\n def greet(name):\n
 OTHER_DIFF = "--- a/README\n+++ b/README\n@@ -1 +1 @@\n-greet\n+greetings\n"
 
 CRASHED_CALLS = r"""
-# Two calls killed (as in scripts/demo's step 5): one after its branch moved, one before.
+# Two calls killed (as in scripts/demo's step 5): one before its branch moved, then one after
+# (in this order: a later call on the branch would settle the earlier one).
 printf -- '--- a/README\n+++ b/README\n@@ -1 +1 @@\n-greet\n+greet, typo fixed\n' > ../fix-typo.diff
 printf -- '--- /dev/null\n+++ b/NOTES\n@@ -0,0 +1 @@\n+notes\n' > ../add-file.diff
-if ONCEPATCH_CRASH_AT=after-ref oncepatch apply ../fix-typo.diff --key fix-typo; then exit 1; fi
 if ONCEPATCH_CRASH_AT=after-prepare oncepatch apply ../add-file.diff --key add-file; then exit 1; fi
+if ONCEPATCH_CRASH_AT=after-ref oncepatch apply ../fix-typo.diff --key fix-typo; then exit 1; fi
 oncepatch status fix-typo | grep -q '^prepared'
 oncepatch status add-file | grep -q '^prepared'
 """
@@ -355,9 +356,18 @@ def test_untagged_block_is_not_a_command(block: Block) -> None:
 
 def test_walker_finds_the_blocks() -> None:
     """The walker sees the blocks this test exists for (a broken parser would pass vacuously)."""
-    names = {b.name for b in RUN_BLOCKS}
-    assert "README.md:27" in names or any(b.path.name == "README.md" and "fix.diff" in b.text for b in RUN_BLOCKS)
+    assert any(b.path.name == "README.md" and "oncepatch apply fix.diff" in b.text for b in RUN_BLOCKS)
     assert any(b.path.name == "AGENTS.md" and b.tag == "python" for b in RUN_BLOCKS)
     assert any(b.path.name == "EFFECTS.md" and b.tag == "python" for b in RUN_BLOCKS)
-    assert all(b.tag != "python" or "docs/FORMATS.md" not in b.name for b in RUN_BLOCKS), \
-        "a fence inside a longer fence is content, not a block"
+    assert any(b.tag == "console" for b in RUN_BLOCKS)
+    # docs/FORMATS.md shows a ```python fence inside a ````-fence: content, not a block of its own.
+    assert not any(b.path.name == "FORMATS.md" and b.tag == "python" for b in RUN_BLOCKS)
+    assert any(b.path.name == "FORMATS.md" and "```python" in b.text for b in ALL_BLOCKS)
+
+
+def test_documented_exit_status_is_read_from_the_comment() -> None:
+    block = Block(ROOT / "README.md", 1, "sh",
+                  "a --x   # first call\n   # more words\nb 'q # not a comment'  # same key: exit 3, nothing\n"
+                  "c <<'EOF'\nbody\nEOF\nd   # flag them; Ctrl-C ends it\n")
+    assert [(c.line, c.expected, c.until_stopped) for c in commands_of(block)] == [
+        (2, 0, False), (4, 3, False), (5, 0, False), (8, 0, True)]
