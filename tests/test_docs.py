@@ -284,6 +284,9 @@ def substitute(text: str, repo: Path) -> str:
 def run_shell(block: Block, cwd: Path, env: dict[str, str], repo: Path, scratch: Path) -> list[str]:
     """Runs the block's commands one after another in one bash; returns the mismatches."""
     commands = commands_of(block)
+    for prefix in block.skip_lines:
+        assert any(c.code.lstrip().startswith(prefix) for c in commands), \
+            f"{block.name}: skip-line={prefix} matches no command of the block"
     status = scratch / "status"
     parts = []
     for i, cmd in enumerate(commands):
