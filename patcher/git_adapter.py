@@ -36,9 +36,23 @@ from receipts.store import ReceiptStore
 from patcher.args import TOOL
 from patcher.markers import foreign_index_lock, index_marker, ref_lock_marker
 
-__all__ = ["GitAdapter", "KEY_REF_PREFIX"]
+__all__ = ["GitAdapter", "KEY_REF_PREFIX", "adapters"]
 
 KEY_REF_PREFIX = "refs/oncepatch/keys/"
+
+
+def adapters(rstore: ReceiptStore, stores: dict[str, Any] | None = None, *,
+             read_only: bool = False) -> dict[str, Any]:
+    """The adapter registry, ``{tool: adapter}``: the generic tools' (:mod:`receipts.adapters`) and git's.
+
+    What ``recover``, ``watch``, ``verify`` and ``resolve`` ask, for every
+    tool alike (the engine, :mod:`receipts.engine`, settles each call through
+    its tool's adapter).  ``read_only``: a stale lock is only reported.
+    """
+    from receipts.adapters import builtin_adapters
+
+    git = GitAdapter(rstore, stores, read_only=read_only)
+    return {**builtin_adapters(), git.tool: git}
 
 
 class GitAdapter:
