@@ -70,12 +70,12 @@ import os
 import socket
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from cas.record import record
 from cas.crash import crash_point
 from cas.errors import EXIT_REJECTED, OncepatchError, UsageError
-from receipts.adapter import QueryResult
+from receipts.adapter import EffectAdapter, QueryResult
 from receipts.canonical import canonical_json
 from receipts.engine import Call
 from receipts.errors import ReceiptError, StillUnknown
@@ -198,20 +198,8 @@ def result_digest(result: Mapping[str, Any] | None) -> str | None:
 # -- adapters ---------------------------------------------------------------------------
 
 
-@runtime_checkable
-class GenericAdapter(Protocol):
-    """What :func:`effect` needs of a tool's adapter (``prepare`` is optional).
-
-    ``query(receipt)`` must answer from the world, not from the receipt:
-    ``applied`` (with ``fields={"result": ...}`` when it can rebuild the
-    result), ``not_applied``, or ``unknown``.
-    """
-
-    tool: str
-
-    def query(self, receipt: Receipt) -> QueryResult: ...
-
-    def settle(self, receipt: Receipt) -> list[str]: ...
+#: What :func:`effect` needs of a tool's adapter: the one adapter protocol (``prepare`` is optional).
+GenericAdapter = EffectAdapter
 
 
 class NoQueryAdapter:
