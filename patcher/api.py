@@ -103,13 +103,9 @@ class Client:
         return ReceiptStore(self.store_root(repo))
 
     def _adapters(self, rstore: ReceiptStore, *, read_only: bool) -> dict[str, Any]:
-        from patcher.git_adapter import GitAdapter
-        from receipts.adapters import builtin_adapters
+        from patcher.git_adapter import adapters
 
-        adapters: dict[str, Any] = builtin_adapters()
-        git = GitAdapter(rstore, self._stores(), read_only=read_only, lock_timeout=self.lock_timeout)
-        adapters[git.tool] = git
-        return adapters
+        return adapters(rstore, self._stores(), read_only=read_only, lock_timeout=self.lock_timeout)
 
     # -- calls ---------------------------------------------------------------
 

@@ -1,12 +1,33 @@
-"""Steps 1 to 7 of the apply protocol (docs/DESIGN.md section 4): a call that is not a replay.
+"""The git steps of the apply protocol (docs/DESIGN.md section 4): a call that is not a replay.
 
-:func:`patcher.protocol.apply` normalises the call, computes its identity
-and replays a final receipt; what is left comes here, under the key's lock
-(:func:`locked_apply`): the pre-check made before the lock, the stage, the
-``prepared`` receipt, the branch's compare-and-swap (re-staged onto a moved
-head), the worktrees, the key ref and the ``committed`` receipt.  The crash
-points armed on the way are the ones ``tests/integration/test_crash_matrix.py``
-predicts.
+:func:`patcher.protocol.apply` normalises the call and builds its
+:class:`receipts.engine.Call`; the engine does what every tool shares (the
+key's lock, lookup, replay, conflict, settling a dead owner's call, the
+``prepared`` receipt with its fencing token, the fence, ``committed`` /
+``rejected`` / ``unknown`` and their ledger events).  What is git's is here,
+one function per step, in the order :func:`_execute` runs them:
+
+1. :func:`_precheck` (before the key's lock, first calls only) and
+   :func:`_open`: decode the patch, refuse unsafe paths, open the repository;
+2. :func:`_plan`: plan against the branch's head, check the worktrees;
+3. stage (``write_stage``), :func:`_check_candidate` (``--check``), ``after-stage``;
+4. :func:`_prepare`: the staged objects and the ``prepared`` receipt, one
+   batch (``after-prepare``); the fence;
+5. :func:`_land` under the branch writers' turn: :func:`_hold_index_locks`,
+   :func:`_refuse_changed_worktrees`, :func:`_move_branch` (the branch's
+   compare-and-swap, :func:`_move_refs`, re-staged onto a moved head by
+   :func:`_restage`; ``after-index-ahead``, ``after-ref``),
+   :func:`_materialise` the worktrees (``after-materialise``);
+6. :func:`_finalise`: the key ref and the ``committed`` receipt, one batch
+   (``before-receipt-replace``).
+
+The crash points armed on the way are the ones
+``tests/integration/test_crash_matrix.py`` predicts; the pause points
+(``ONCEPATCH_PAUSE_AT``, :func:`receipts.engine.pause_point`) are
+``after-prepare`` and ``before-finalise`` (the engine's), ``before-ref``
+(after the fence check made without locks, before the branch's locks) and
+``after-ref`` (the branch moved; the worktrees' index locks still held, their
+files not yet written).
 """
 
 from __future__ import annotations
@@ -21,52 +42,29 @@ from cas.durable import DurableBatch, fsync_all
 from cas.errors import (DurableWriteError, GitStoreError, OncepatchError, RefLockedError, RefMovedError,
                         RefUpdateUnknown, UsageError)
 from cas.gitdir import read_head
-from receipts.errors import FencedOff, IdempotencyConflict
+from receipts.engine import Call, pause_point
+from receipts.errors import IdempotencyConflict
 from receipts.jsonio import use_fast as use_fast_json
 from receipts.identity import key_hash
-from receipts.receipt import Receipt, now_iso
 from receipts.store import ReceiptStore
-from patcher.args import TOOL, TOOL_VERSION, CallArgs
+from patcher.args import CallArgs
 from patcher.errors import Conflict, PatchError
 from patcher.formats import parse_patch
 from patcher.markers import ref_lock_marker
 from patcher.model import Patch
-from patcher.protocol import KEY_REF_PREFIX, ApplyResult, check_same_intent, replay_final
+from patcher.protocol import KEY_REF_PREFIX, ApplyResult, replay_final
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
     from typing import Any
-    from receipts.states import Status
     from cas.objects import GitStore
     from cas.worktree import IndexLock
     from patcher.stage import Staged, StagePlan
     from patcher.worktrees import IndexesAhead
 
-__all__ = ["locked_apply", "open_store", "owner_info", "MAX_RESTAGE_ROUNDS", "PAUSE_ENV"]
+__all__ = ["locked_apply", "open_store", "MAX_RESTAGE_ROUNDS"]
 
 MAX_RESTAGE_ROUNDS = 16
-
-
-#: Seconds a call waits for its turn among the oncepatch writers of one branch
-#: (:func:`_writer_turn`); past it the call goes ahead without its turn.
-WRITER_TURN_TIMEOUT = 30.0
-
-
-#: Test seam (like ``ONCEPATCH_CRASH_AT``): ``ONCEPATCH_PAUSE_AT=<point>`` makes the
-#: process stop itself with SIGSTOP at that point, so a test can break its key lock
-#: and let another process take the key over before sending SIGCONT.  Points:
-#: ``after-prepare``, ``before-ref`` (after the fence check made without locks,
-#: before the branch's locks), ``after-ref`` (the branch moved; the worktrees'
-#: index locks still held, their files not yet written), ``before-finalise`` (the
-#: branch moved; before the final fence).
-PAUSE_ENV = "ONCEPATCH_PAUSE_AT"
-
-
-def _pause_point(name: str) -> None:
-    if os.environ.get(PAUSE_ENV) == name:
-        import signal
-
-        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 @contextlib.contextmanager
@@ -102,70 +100,69 @@ def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str, timeout: f
         turn.__exit__(None, None, None)
 
 
-def _proc_start_time() -> str | None:
-    try:
-        with open(f"/proc/{os.getpid()}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-        return fields[19].decode()
-    except (OSError, IndexError):
-        return None
-
-
-#: (pid, start time) of this process, read from /proc once per process (a forked child reads its own).
-_STARTED: tuple[int, str | None] | None = None
-
-
-def owner_info() -> dict[str, Any]:
-    global _STARTED
-    pid = os.getpid()
-    if _STARTED is None or _STARTED[0] != pid:
-        _STARTED = (pid, _proc_start_time())
-    return {"host": os.uname().nodename, "pid": pid, "start_time": _STARTED[1], "since": now_iso()}
-
-
-def locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any], call_id: str, the_key: str,
-                 args_sha: str, existing: Receipt | None, path: str, lock_timeout: float, check_timeout: float,
+def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout: float,
                  _stores: dict[str, Any]) -> ApplyResult:
-    """Steps 1 to 7 for a call with no final receipt (``existing``: the one read without the lock, if any).
+    """Steps 1 to 7 for a call with no final receipt (``call.previous``: the one read without the lock, if any).
 
     Raises:
-        OncepatchError: a subclass with the envelope fields, carrying ``the_key``.
+        OncepatchError: a subclass with the envelope fields, carrying the call's key.
     """
+    from patcher.git_adapter import GitAdapter
+
     pre: _PreCheck | None = None
-    if existing is None:
+    if call.previous is None:
         # First call: every input error is found before the lock is taken, so a
         # rejected patch leaves the store (and the repository) exactly as it was.
         try:
-            pre = _precheck(args, _stores, rstore, lock_timeout)
+            pre = _precheck(args, _stores, call.store, lock_timeout)
         except GitStoreError as exc:
             # Read before anything is written (say, a blob a partial clone never fetched):
             # nothing happened, whatever libgit2's failure would mean later on.
             exc.effect_status, exc.next_action = "not_started", "fix_input"
-            raise exc.with_key(the_key) from None
+            raise exc.with_key(call.key) from None
         except OncepatchError as exc:
-            raise exc.with_key(the_key)
+            raise exc.with_key(call.key)
 
-    with rstore.lock(the_key, timeout=lock_timeout):
-        existing = rstore.read(the_key)
-        if existing is not None:
-            check_same_intent(existing, args_sha, the_key)
-            if existing.status in ("prepared", "unknown"):
-                from patcher.git_adapter import GitAdapter
-                from receipts.recovery import resolve_receipt
-
-                # A live owner would hold the lock: this one is dead. Settle it first.
-                existing = resolve_receipt(rstore, existing, GitAdapter(rstore, _stores, lock_timeout=lock_timeout))
-            if existing.is_final:
-                return replay_final(existing, path, rstore)
+    call.adapter = GitAdapter(call.store, _stores, lock_timeout=lock_timeout)  # settles a dead owner's call of the key
+    with call.claimed(lock_timeout) as final:
+        if final is not None:
+            return replay_final(call, final)
         try:
-            return _execute(rstore, args, identity, call_id, the_key, args_sha, existing, check_timeout,
-                            _stores, pre, lock_timeout)
+            return _execute(_Run(call, args, _stores, check_timeout, lock_timeout), pre)
         except OncepatchError as exc:
-            raise exc.with_key(the_key)
+            raise exc.with_key(call.key)
         finally:
             gstore = _stores.get(args.where)
             if gstore is not None:
                 gstore.drop_ref_content()  # unused: a re-staged or libgit2 move, or no move at all
+
+
+class _Run:
+    """What the steps of one execution share (under the key's lock)."""
+
+    __slots__ = ("call", "args", "stores", "check_timeout", "lock_timeout", "gstore", "patch", "paths", "message",
+                 "worktrees")
+
+    def __init__(self, call: Call, args: CallArgs, stores: dict[str, Any] | None, check_timeout: float,
+                 lock_timeout: float) -> None:
+        self.call = call
+        self.args = args
+        self.stores = stores
+        self.check_timeout = check_timeout
+        self.lock_timeout = lock_timeout  # every lock of the call is waited for this long
+        self.gstore: GitStore
+        self.patch: Patch
+        self.paths: list[str]
+        self.message: str
+        self.worktrees: list[tuple[str, str]] = []
+
+    @property
+    def rstore(self) -> ReceiptStore:
+        return self.call.store
+
+    @property
+    def key(self) -> str:
+        return self.call.key
 
 
 @record
@@ -268,178 +265,258 @@ def open_store(repo_path: str, stores: dict[str, Any] | None) -> GitStore:
     return found
 
 
-def _execute(
-    rstore: ReceiptStore,
-    args: CallArgs,
-    identity: dict[str, Any],
-    call_id: str,
-    key: str,
-    args_sha: str,
-    previous: Receipt | None,
-    check_timeout: float,
-    stores: dict[str, Any] | None,
-    pre: _PreCheck | None,
-    lock_timeout: float,
-) -> ApplyResult:
-    from patcher.stage import plan_stage, touched_paths, write_stage
-    from patcher.worktrees import IndexesAhead, check_worktrees, hold_index_locks, materialise_all, settle_dead_calls
+def _execute(run: _Run, pre: _PreCheck | None) -> ApplyResult:
+    """The steps, in order (module docstring)."""
+    from patcher.stage import write_stage
 
     use_fast_json()
-    parsed = pre.patch if pre is not None else parse_patch(args.patch, args.format)
+    _open(run, pre)
+    plan = _plan(run, pre)
+    base = plan.base_commit
+    staged, candidate = write_stage(run.gstore, plan, run.message, run.patch)
+    if candidate is None:
+        return _already_applied(run, staged)
+    _check_candidate(run, base, candidate)
+    crash_point("after-stage")
+
+    _prepare(run, base, candidate, staged)
+    run.call.fence()
+    pause_point("before-ref")
+    with _writer_turn(run.rstore, run.gstore, run.args.branch, run.lock_timeout):
+        staged, warnings = _land(run, staged)
+    crash_point("after-materialise")
+    return _finalise(run, staged, warnings)
+
+
+def _open(run: _Run, pre: _PreCheck | None) -> None:
+    """Decode the patch (the pre-check's, if any), refuse unsafe paths, open the repository."""
+    from patcher.stage import touched_paths
+
+    args = run.args
+    run.patch = pre.patch if pre is not None else parse_patch(args.patch, args.format)
+    run.paths = touched_paths(run.patch)
     if pre is None:
-        _refuse_store_paths(args, rstore.root, touched_paths(parsed))
-    gstore = open_store(args.where, stores)
+        _refuse_store_paths(args, run.rstore.root, run.paths)
+    gstore = run.gstore = open_store(args.where, run.stores)
     gstore.discard_pending()  # whatever an earlier call staged and never wrote
     if pre is None:
         _read_identities(gstore)  # (read by the pre-check otherwise)
-    message = _commit_message(args, parsed, call_id, key)
-    paths = touched_paths(parsed)
+    run.message = _commit_message(args, run.patch, run.call.call_id, run.key)
+
+
+def _plan(run: _Run, pre: _PreCheck | None) -> StagePlan:
+    """The change against the branch's head now (the pre-check's, if the head is the same), worktrees checked."""
+    from patcher.stage import plan_stage
+    from patcher.worktrees import check_worktrees, settle_dead_calls
+
+    gstore, args = run.gstore, run.args
     # Under the key lock: a call of this store that holds the key has written its
-    # receipt by the time the lock is ours (read above, and replayed).
-    _check_key_ref_free(gstore, key)
+    # receipt by the time the lock is ours (read by the engine, and replayed).
+    _check_key_ref_free(gstore, run.key)
     base = _branch_head(gstore, args)
     if pre is not None and pre.plan.base_commit == base:
-        plan, worktrees = pre.plan, pre.worktrees
-    else:
-        plan = plan_stage(gstore, base, parsed)
-        worktrees = (check_worktrees(gstore, args.branch, paths, settle_dead_calls(rstore, stores, key),
-                                     owner=rstore.root, timeout=lock_timeout)
+        run.worktrees = pre.worktrees
+        return pre.plan
+    plan = plan_stage(gstore, base, run.patch)
+    run.worktrees = (check_worktrees(gstore, args.branch, run.paths,
+                                     settle_dead_calls(run.rstore, run.stores, run.key), owner=run.rstore.root,
+                                     timeout=run.lock_timeout)
                      if not plan.already_applied else [])
-    staged, candidate = write_stage(gstore, plan, message, parsed)
-    if candidate is None:
-        return _already_applied(rstore, identity, call_id, key, args_sha, previous, args, staged)
-    if args.check is not None:
-        from patcher.check import run_check
+    return plan
 
-        gstore.flush_objects()  # git checks the candidate out: its objects must be on disk
-        run_check(rstore, gstore, candidate, args.check, key=key, timeout=check_timeout,
-                  on_fail=lambda err: _reject(rstore, identity, call_id, key, args_sha, previous, args, err,
-                                              base, candidate))
-    crash_point("after-stage")
 
-    token = (previous.fencing_token if previous is not None else 0) + 1
-    receipt = _new_receipt(
-        identity, call_id, key, args_sha, previous, "prepared", token,
-        base={"ref": args.branch, "commit": base},
+def _check_candidate(run: _Run, base: str | None, candidate: str) -> None:
+    """``--check CMD`` on the candidate's tree; a failing check is recorded ``rejected``.
+
+    Raises:
+        CheckFailed: the check failed (or timed out).
+    """
+    if run.args.check is None:
+        return
+    from patcher.check import run_check
+
+    run.gstore.flush_objects()  # git checks the candidate out: its objects must be on disk
+    run_check(run.rstore, run.gstore, candidate, run.args.check, key=run.key, timeout=run.check_timeout,
+              on_fail=lambda err: _reject(run, err, base, candidate))
+
+
+def _prepare(run: _Run, base: str | None, candidate: str, staged: Staged) -> None:
+    """The staged objects and the ``prepared`` receipt naming them: one batch, synced together.
+
+    With them, the branch lock's content (the move then needs no sync of its
+    own; removed if unused: :func:`locked_apply`).
+    """
+    batch = DurableBatch()
+    run.gstore.add_pending_to(batch)
+    run.gstore.stage_ref_content(run.args.branch, candidate, batch)
+    run.call.prepare(
+        batch=batch,
+        base={"ref": run.args.branch, "commit": base},
         candidate=candidate,
         outputs=staged.outputs,
-        extra={"touched": paths, "grades": {k: list(v) for k, v in staged.grades.items()}},
+        extra={"touched": run.paths, "grades": {k: list(v) for k, v in staged.grades.items()}},
     )
-    # The staged objects and the receipt naming them: one batch, synced together;
-    # with them, the branch lock's content (the move then needs no sync of its own).
-    batch = DurableBatch()
-    gstore.add_pending_to(batch)
-    gstore.stage_ref_content(args.branch, candidate, batch)  # removed if unused: locked_apply
-    rstore.record(receipt, "prepared", batch=batch)
-    crash_point("after-prepare")
-    _pause_point("after-prepare")
 
-    _fence(rstore, key, token)
-    _pause_point("before-ref")
-    with _writer_turn(rstore, gstore, args.branch, lock_timeout):
-        try:
-            held = hold_index_locks(rstore, worktrees, key, lock_timeout, on_dead=settle_dead_calls(rstore, stores, key))
-        except RefLockedError as exc:
-            _reject(rstore, identity, call_id, key, args_sha, receipt, args, exc, base, candidate, retryable=True)
-            raise
-        ahead = IndexesAhead(gstore, held, paths)
-        materialised = False
-        moved: bool | None = None  # unknown until the swap returns
-        try:
-            # Race guarded: a 'git checkout' or 'git switch' (or a rebase ending) in
-            # some worktree since the pre-check put the branch there or took it away.
-            # Moving it now would leave that worktree's index a staged revert of the
-            # commit, or write the branch's files into a worktree on another branch.
-            if _worktrees_now(gstore, args.branch) != sorted(worktrees):
-                switched = Conflict(
-                    f"a worktree checked '{args.branch}' out or switched away from it while the call ran; "
-                    f"nothing was moved: retry", details={"reason": "worktree_switched"})
-                _reject(rstore, identity, call_id, key, args_sha, receipt, args, switched, base, candidate)
-                raise switched
-            if args.check is not None and worktrees:
-                # The check ran for seconds since the touched paths were found clean: a
-                # person may have edited one meanwhile.  Under the index locks, look again.
-                _dirty_again(gstore, worktrees, args.branch, base, paths, lambda err: _reject(
-                    rstore, identity, call_id, key, args_sha, receipt, args, err, base, candidate))
-            # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter):
-            # written only when libgit2 moves the branch (its lock is born empty).
-            ref_marker = ref_lock_marker(rstore, key)
-            marked: list[str] = []
 
-            def write_marker() -> None:
-                os.makedirs(rstore.tmp_dir, exist_ok=True)
-                with open(ref_marker, "wb") as fh:
-                    fh.write(args.branch.encode() + b"\n")
-                marked.append(ref_marker)
+def _land(run: _Run, staged: Staged) -> tuple[Staged, list[str]]:
+    """Move the branch and bring its worktrees along, under their index locks; return what landed and warnings."""
+    from patcher.worktrees import IndexesAhead
 
-            try:
-                # The move's syncs join the next round: a worktree's first (its files change
-                # only after the move is durable), and in any case the finalise batch's
-                # first (they end before the committed receipt is renamed).
-                # The candidate is staged in the worktrees' indexes under the branch's lock, before it moves.
-                receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args,
-                                             lock_timeout, defer_sync=True, before_libgit2=write_marker,
-                                             before_swap=ahead.stage)
-                moved = True
-            finally:
-                # Reached on every outcome but a crash: our ref locks are released by now.
-                if marked:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(ref_marker)
-            candidate = receipt.candidate
-            assert candidate is not None
-            crash_point("after-ref")
-            _pause_point("after-ref")
-
-            try:
-                warnings = materialise_all(gstore, rstore, worktrees, args.branch, paths, key, held, lock_timeout)
-                materialised = not warnings
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    gstore.sync_refs()  # the move is made durable even when this fails
-                raise
-            failed_sync = gstore.take_sync_failure()
-            if failed_sync is not None:  # the move's own sync failed in a worktree's round
-                _record_unknown(rstore, receipt, failed_sync)
-                raise failed_sync
-        except BaseException as exc:
-            _settle_and_release(ahead, held, materialised, moved, exc)
-            raise
-        else:
-            _settle_and_release(ahead, held, materialised, moved, None)
-        finally:
-            gstore.forget_recent()  # the worktrees were the last readers of this call's blobs
-    crash_point("after-materialise")
-
-    _pause_point("before-finalise")
-    ref_folders = gstore.take_unsynced()
+    held = _hold_index_locks(run)
+    ahead = IndexesAhead(run.gstore, held, run.paths)
+    materialised = False
+    moved: bool | None = None  # unknown until the swap returns
     try:
-        _fence(rstore, key, token)
-        final = receipt.evolve(status="committed", commit=candidate, tree=staged.tree, error=None)
-        if warnings:
-            final = final.evolve(extra={**final.extra, "warnings": warnings})
-        # The key ref and the committed receipt: one batch, the key ref renamed first
-        # (a committed receipt always has its key ref); its first round also syncs
-        # the branch's folder when the move left that to it.
-        batch = DurableBatch()
+        _refuse_changed_worktrees(run)
+        staged = _move_branch(run, staged, ahead)
+        moved = True
+        crash_point("after-ref")
+        pause_point("after-ref")
+        warnings = _materialise(run, held)
+        materialised = not warnings
+    except BaseException as exc:
+        _settle_and_release(ahead, held, materialised, moved, exc)
+        raise
+    else:
+        _settle_and_release(ahead, held, materialised, moved, None)
+    finally:
+        run.gstore.forget_recent()  # the worktrees were the last readers of this call's blobs
+    return staged, warnings
+
+
+def _hold_index_locks(run: _Run) -> dict[str, IndexLock]:
+    """The index locks of the worktrees on the branch; a held one is ``rejected``, retryable.
+
+    Raises:
+        RefLockedError: an index lock is held by someone else.
+    """
+    from patcher.worktrees import hold_index_locks, settle_dead_calls
+
+    try:
+        return hold_index_locks(run.rstore, run.worktrees, run.key, run.lock_timeout,
+                                on_dead=settle_dead_calls(run.rstore, run.stores, run.key))
+    except RefLockedError as exc:
+        _reject(run, exc, *_base_and_candidate(run), retryable=True)
+        raise
+
+
+def _refuse_changed_worktrees(run: _Run) -> None:
+    """Refuse (``rejected``, retryable, nothing moved) when the worktrees changed since they were checked.
+
+    Raises:
+        Conflict: a worktree checked the branch out or switched away from it.
+        DirtyPath: with ``--check``, a touched path was edited while the check ran.
+    """
+    args = run.args
+    base, candidate = _base_and_candidate(run)
+    # Race guarded: a 'git checkout' or 'git switch' (or a rebase ending) in
+    # some worktree since the pre-check put the branch there or took it away.
+    # Moving it now would leave that worktree's index a staged revert of the
+    # commit, or write the branch's files into a worktree on another branch.
+    if _worktrees_now(run.gstore, args.branch) != sorted(run.worktrees):
+        switched = Conflict(
+            f"a worktree checked '{args.branch}' out or switched away from it while the call ran; "
+            f"nothing was moved: retry", details={"reason": "worktree_switched"})
+        _reject(run, switched, base, candidate)
+        raise switched
+    if args.check is not None and run.worktrees:
+        # The check ran for seconds since the touched paths were found clean: a
+        # person may have edited one meanwhile.  Under the index locks, look again.
+        _dirty_again(run.gstore, run.worktrees, args.branch, base, run.paths,
+                     lambda err: _reject(run, err, base, candidate))
+
+
+def _move_branch(run: _Run, staged: Staged, ahead: IndexesAhead) -> Staged:
+    """The branch's compare-and-swap with the candidate staged in the worktrees' indexes first.
+
+    The move's syncs join the next round: a worktree's first (its files change
+    only after the move is durable), and in any case the finalise batch's first
+    (they end before the committed receipt is renamed).
+    """
+    # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter):
+    # written only when libgit2 moves the branch (its lock is born empty).
+    ref_marker = ref_lock_marker(run.rstore, run.key)
+    marked: list[str] = []
+
+    def write_marker() -> None:
+        os.makedirs(run.rstore.tmp_dir, exist_ok=True)
+        with open(ref_marker, "wb") as fh:
+            fh.write(run.args.branch.encode() + b"\n")
+        marked.append(ref_marker)
+
+    try:
+        return _move_refs(run, staged, defer_sync=True, before_libgit2=write_marker, before_swap=ahead.stage)
+    finally:
+        # Reached on every outcome but a crash: our ref locks are released by now.
+        if marked:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(ref_marker)
+
+
+def _materialise(run: _Run, held: dict[str, IndexLock]) -> list[str]:
+    """Bring the touched paths of the worktrees on the branch to the new commit; return warnings.
+
+    Raises:
+        RefUpdateUnknown: the move's own sync failed in a worktree's round (receipt ``unknown``).
+    """
+    from patcher.worktrees import materialise_all
+
+    gstore = run.gstore
+    try:
+        warnings = materialise_all(gstore, run.rstore, run.worktrees, run.args.branch, run.paths, run.key, held,
+                                   run.lock_timeout)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            gstore.sync_refs()  # the move is made durable even when this fails
+        raise
+    failed_sync = gstore.take_sync_failure()
+    if failed_sync is not None:  # the move's own sync failed in a worktree's round
+        _record_unknown(run, failed_sync)
+        raise failed_sync
+    return warnings
+
+
+def _finalise(run: _Run, staged: Staged, warnings: list[str]) -> ApplyResult:
+    """The key ref and the ``committed`` receipt: one batch, the key ref renamed first.
+
+    A committed receipt always has its key ref; the batch's first round also
+    syncs the branch's folder when the move left that to it.
+
+    Raises:
+        IdempotencyConflict: the key ref was created meanwhile through another store.
+        RefUpdateUnknown: the move's own sync failed (receipt ``unknown``).
+    """
+    call, gstore = run.call, run.gstore
+    candidate = _base_and_candidate(run)[1]
+    assert candidate is not None
+    ref_folders = gstore.take_unsynced()
+
+    def add_key_ref(batch: DurableBatch) -> None:
         batch.sync_first(ref_folders)
         try:
-            gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}", batch=batch)
+            gstore.create_key_ref(KEY_REF_PREFIX + key_hash(run.key), candidate, f"oncepatch: {call.call_id}",
+                                  batch=batch)
         except RefMovedError as exc:
             # Another store committed the same key since the pre-check: the branch *has* moved.
             raise IdempotencyConflict(
-                f"the branch moved to {candidate[:12]}, but the key ref of '{key}' was created meanwhile by a "
-                f"call through another store: run 'oncepatch recover', and use one store per repository",
-                key=key, effect_status="applied", next_action="recover",
+                f"the branch moved to {candidate[:12]}, but the key ref of '{run.key}' was created meanwhile by "
+                f"a call through another store: run 'oncepatch recover', and use one store per repository",
+                key=run.key, effect_status="applied", next_action="recover",
                 details={"commit": candidate}) from exc
-        path = rstore.record(final, "committed", before_replace=crash_hook("before-receipt-replace"), batch=batch)
+
+    fields: dict[str, Any] = {"commit": candidate, "tree": staged.tree}
+    if warnings:
+        assert call.receipt is not None
+        fields["extra"] = {**call.receipt.extra, "warnings": warnings}
+    try:
+        path = call.commit(before_replace=crash_hook("before-receipt-replace"), add_to_batch=add_key_ref, **fields)
     except DurableWriteError as exc:
         gstore.sync_failed(exc, ref_folders)
         unknown = gstore.take_sync_failure()
         if unknown is not None:
             # The branch moved and its own sync failed: never retried as if nothing
             # happened (a second fsync may succeed with the data lost).
-            _record_unknown(rstore, receipt, unknown)
+            _record_unknown(run, unknown)
             raise unknown from exc
         with contextlib.suppress(Exception):
             fsync_all(ref_folders)  # the move is made durable even when finalising failed
@@ -448,8 +525,16 @@ def _execute(
         with contextlib.suppress(Exception):
             fsync_all(ref_folders)  # the move is made durable even when finalising failed
         raise
-    return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
-                       warnings=tuple(warnings))
+    assert call.receipt is not None
+    return ApplyResult(run.key, call.call_id, "committed", False, candidate, staged.tree, call.receipt.outputs,
+                       path, warnings=tuple(warnings))
+
+
+def _base_and_candidate(run: _Run) -> tuple[str | None, str | None]:
+    """The base commit and the candidate of this attempt's prepared receipt (as last re-staged)."""
+    receipt = run.call.receipt
+    assert receipt is not None
+    return (receipt.base or {}).get("commit"), receipt.candidate
 
 
 def _settle_and_release(ahead: IndexesAhead, held: dict[str, IndexLock], materialised: bool, moved: bool | None,
@@ -529,126 +614,123 @@ def _worktrees_now(gstore: GitStore, branch: str) -> list[tuple[str, str]]:
 
 
 def _move_refs(
-    gstore: GitStore,
-    rstore: ReceiptStore,
-    receipt: Receipt,
-    parsed: Patch,
-    message: str,
+    run: _Run,
     staged: Staged,
-    paths: list[str],
-    token: int,
-    args: CallArgs,
-    lock_timeout: float,
     *,
     defer_sync: bool = False,
     before_libgit2: Callable[[], None] | None = None,
     before_swap: Callable[[str], None] | None = None,
-) -> tuple[Receipt, Staged]:
-    """Compare-and-swap the branch to the candidate (re-staging onto a moved head).
+) -> Staged:
+    """Compare-and-swap the branch to the candidate (re-staging onto a moved head, :func:`_restage`).
 
     ``defer_sync``: the move's folder syncs are left to the next batch
     (:meth:`GitStore.take_unsynced`).  ``before_libgit2``: see
     :meth:`GitStore.compare_and_swap`.  ``before_swap``: called with the
     candidate under the branch's lock, after the compare and the fence, before the move.
 
-    Returns the receipt as last recorded (its base and candidate may have been
-    re-staged) and the staged change that landed.
+    Returns the staged change that landed (the prepared receipt names its base and candidate).
 
     Raises:
         Conflict: the branch moved and the patch no longer applies (rejected, retryable).
         RefLockedError: the branch's lock file is held (rejected, retryable).
         RefUpdateUnknown: the ref update failed half way (receipt ``unknown``).
-        FencedOff: a newer attempt owns the key.
+        FencedOff: another process took the key over or settled this attempt.
     """
-    from patcher.stage import stage
-
-    key, call_id = receipt.key, receipt.call_id
-    base = (receipt.base or {}).get("commit")
-    candidate = receipt.candidate
-    assert candidate is not None
     rounds = 0
+    while True:
+        base, candidate = _base_and_candidate(run)
+        assert candidate is not None
+        try:
+            run.gstore.compare_and_swap(run.args.branch, base, candidate, f"oncepatch: {run.call.call_id}",
+                                        lock_timeout=run.lock_timeout, precondition=_under_ref_lock(run, candidate, before_swap),
+                                        defer_sync=defer_sync, before_libgit2=before_libgit2)
+            return staged
+        except _NotStaged as failed:
+            err = failed.error
+            err.effect_status = "not_applied"
+            if isinstance(err, GitStoreError):  # an I/O failure, not the repository's state
+                err.retryable, err.next_action = True, "retry"
+            _reject(run, err, base, candidate)
+            raise err from None
+        except RefMovedError as moved:
+            rounds += 1
+            staged = _restage(run, moved.actual, rounds)
+        except RefLockedError as exc:
+            _reject(run, exc, base, candidate, retryable=True)
+            raise
+        except RefUpdateUnknown as exc:
+            _record_unknown(run, exc)
+            raise
 
-    def under_ref_lock() -> None:
+
+def _under_ref_lock(run: _Run, candidate: str, before_swap: Callable[[str], None] | None) -> Callable[[], None]:
+    """What runs under the branch's ref lock, after the compare, before the move."""
+
+    def precondition() -> None:
         # The fence is checked again under the branch's ref lock: between the
         # caller's check and the swap this process may have been paused, its key
         # lock broken and the key taken over (then the ref must not move).
-        _fence(rstore, key, token)
+        run.call.fence()
         if before_swap is not None:
             # Staged after the compare and the fence; only the reflog lines, the lock's
             # sync and the rename follow.  Later, a crash would leave the reflog naming
             # a candidate that never landed (cas.loose_refs writes it before the rename).
-            assert candidate is not None
             try:
                 before_swap(candidate)
             except OncepatchError as exc:  # an index could not be staged: nothing has moved
                 raise _NotStaged(exc) from exc
             crash_point("after-index-ahead")
 
-    while True:
+    return precondition
+
+
+def _restage(run: _Run, new_base: str | None, rounds: int) -> Staged:
+    """Stage the patch again onto the branch's new head and record it (``restaged``); else reject.
+
+    Raises:
+        Conflict: too many rounds, a ``--check`` that ran on the old candidate,
+            a patch that no longer applies or is already in the new head.
+        FencedOff: another process took the key over or settled this attempt.
+    """
+    from patcher.stage import stage
+
+    args, paths = run.args, run.paths
+    conflict: OncepatchError | None = None
+    new_candidate: str | None = None
+    if rounds > MAX_RESTAGE_ROUNDS:
+        conflict = Conflict(f"branch '{args.branch}' kept moving: gave up after {MAX_RESTAGE_ROUNDS} rounds",
+                            details={"paths": paths})
+    elif args.check is not None:
+        # A re-staged candidate is another tree than the one the check passed:
+        # it must not land unchecked.  The retry checks the new head's candidate.
+        conflict = Conflict(
+            f"branch '{args.branch}' moved to {str(new_base)[:12]} while --check ran on the "
+            f"candidate: nothing was moved; retry to check the change on the new head",
+            details={"paths": paths, "reason": "moved_during_check"},
+        )
+    else:
         try:
-            gstore.compare_and_swap(args.branch, base, candidate, f"oncepatch: {call_id}", lock_timeout=lock_timeout,
-                                    precondition=under_ref_lock, defer_sync=defer_sync,
-                                    before_libgit2=before_libgit2)
-            break
-        except _NotStaged as failed:
-            err = failed.error
-            err.effect_status = "not_applied"
-            if isinstance(err, GitStoreError):  # an I/O failure, not the repository's state
-                err.retryable, err.next_action = True, "retry"
-            _reject(rstore, receipt.identity, call_id, key, receipt.args_sha256, receipt, args, err, base, candidate)
-            raise err from None
-        except RefMovedError as moved:
-            rounds += 1
-            new_base = moved.actual
-            conflict: OncepatchError | None = None
-            new_candidate: str | None = None
-            if rounds > MAX_RESTAGE_ROUNDS:
+            staged, new_candidate = stage(run.gstore, new_base, run.patch, run.message)
+        except PatchError as exc:
+            conflict = Conflict(
+                f"branch '{args.branch}' moved to {str(new_base)[:12]} and the patch no longer "
+                f"applies there: {exc.message}",
+                details={"paths": paths, "cause": exc.envelope()},
+            )
+        else:
+            if new_candidate is None:
                 conflict = Conflict(
-                    f"branch '{args.branch}' kept moving: gave up after {MAX_RESTAGE_ROUNDS} rounds",
-                    details={"paths": paths},
-                )
-            elif args.check is not None:
-                # A re-staged candidate is another tree than the one the check passed:
-                # it must not land unchecked.  The retry checks the new head's candidate.
-                conflict = Conflict(
-                    f"branch '{args.branch}' moved to {str(new_base)[:12]} while --check ran on the "
-                    f"candidate: nothing was moved; retry to check the change on the new head",
-                    details={"paths": paths, "reason": "moved_during_check"},
-                )
-            else:
-                try:
-                    staged, new_candidate = stage(gstore, new_base, parsed, message)
-                except PatchError as exc:
-                    conflict = Conflict(
-                        f"branch '{args.branch}' moved to {str(new_base)[:12]} and the patch no longer "
-                        f"applies there: {exc.message}",
-                        details={"paths": paths, "cause": exc.envelope()},
-                    )
-                else:
-                    if new_candidate is None:
-                        conflict = Conflict(
-                            f"branch '{args.branch}' moved to {str(new_base)[:12]}, which already "
-                            "contains this change", details={"paths": paths})
-            if conflict is not None:
-                _reject(rstore, receipt.identity, call_id, key, receipt.args_sha256, receipt, args, conflict,
-                        base, candidate)
-                raise conflict
-            assert new_candidate is not None
-            base, candidate = new_base, new_candidate
-            receipt = receipt.evolve(base={"ref": args.branch, "commit": base}, candidate=candidate,
-                                     outputs=staged.outputs)
-            _fence(rstore, key, token)
-            batch = DurableBatch()
-            gstore.add_pending_to(batch)
-            rstore.record(receipt, "restaged", batch=batch)
-        except RefLockedError as exc:
-            _reject(rstore, receipt.identity, call_id, key, receipt.args_sha256, receipt, args, exc, base,
-                    candidate, retryable=True)
-            raise
-        except RefUpdateUnknown as exc:
-            _record_unknown(rstore, receipt, exc)
-            raise
-    return receipt, staged
+                    f"branch '{args.branch}' moved to {str(new_base)[:12]}, which already "
+                    "contains this change", details={"paths": paths})
+    if conflict is not None or new_candidate is None:
+        assert conflict is not None
+        _reject(run, conflict, *_base_and_candidate(run))
+        raise conflict
+    batch = DurableBatch()
+    run.gstore.add_pending_to(batch)
+    run.call.update("restaged", batch=batch, base={"ref": args.branch, "commit": new_base},
+                    candidate=new_candidate, outputs=staged.outputs)
+    return staged
 
 
 class _NotStaged(Exception):
@@ -659,96 +741,31 @@ class _NotStaged(Exception):
         self.error = error
 
 
-def _record_unknown(rstore: ReceiptStore, receipt: Receipt, exc: RefUpdateUnknown) -> None:
+def _record_unknown(run: _Run, exc: OncepatchError) -> None:
     """The branch may have moved and no one can tell yet: the receipt says ``unknown``."""
-    rstore.record(receipt.evolve(status="unknown", error=exc.envelope()), "unknown")
+    run.call.unknown(exc.envelope())
 
 
-def _fence(rstore: ReceiptStore, key: str, token: int) -> None:
-    """The receipt on disk must still be this attempt's own ``prepared`` one; else another process took over.
-
-    Races guarded: this process lost its key lock (stopped, lock file broken by
-    hand, NFS) and resumes after another process took the key — with the next
-    token, or by settling this attempt's receipt (``recover`` and the takeover in
-    :func:`apply` keep the token and change the status).
-    """
-    if rstore.unchanged_since_written(key):
-        return  # the bytes this process wrote last: its own prepared receipt
-    current = rstore.read(key)
-    if current is None:
-        return
-    if current.fencing_token != token:
-        raise FencedOff(
-            f"key '{key}' was taken over by attempt {current.fencing_token} (this is attempt {token})",
-            key=key,
-            details={"fencing_token": token, "current_token": current.fencing_token},
-        )
-    if current.status != "prepared":
-        raise FencedOff(
-            f"key '{key}' was settled as {current.status} by another process while attempt {token} ran",
-            key=key,
-            details={"fencing_token": token, "current_token": current.fencing_token,
-                     "current_status": current.status},
-        )
-
-
-def _reject(
-    rstore: ReceiptStore,
-    identity: dict[str, Any],
-    call_id: str,
-    key: str,
-    args_sha: str,
-    previous: Receipt | None,
-    args: CallArgs,
-    err: OncepatchError,
-    base: str | None,
-    candidate: str | None,
-    *,
-    retryable: bool | None = None,
-) -> None:
-    """Record a rejection after staging (conflict, failed check, stale lock)."""
-    envelope = err.with_key(key).envelope()
+def _reject(run: _Run, err: OncepatchError, base: str | None, candidate: str | None, *,
+            retryable: bool | None = None) -> None:
+    """Record a rejection after staging (conflict, failed check, stale lock): base and candidate, no outputs."""
+    envelope = err.with_key(run.key).envelope()
     if retryable is not None:
         envelope["retryable"] = retryable
-    token = previous.fencing_token if previous is not None and previous.status == "prepared" else (
-        (previous.fencing_token if previous is not None else 0) + 1)
-    receipt = _new_receipt(identity, call_id, key, args_sha, previous, "rejected", token,
-                           retryable=bool(envelope["retryable"]), base={"ref": args.branch, "commit": base},
-                           candidate=candidate, error=envelope)
-    if previous is not None and previous.status == "prepared":
-        _fence(rstore, key, token)
-    rstore.record(receipt, "rejected")
+    run.call.reject(envelope, base={"ref": run.args.branch, "commit": base}, candidate=candidate, outputs=(),
+                    extra={})
 
 
-def _new_receipt(identity: dict[str, Any], call_id: str, key: str, args_sha: str, previous: Receipt | None,
-                 status: Status, token: int, **fields: Any) -> Receipt:
-    """A receipt of this call with ``status`` and ``token``, owned by this process, born with the key's first one."""
-    now = now_iso()
-    return Receipt(key=key, call_id=call_id, identity=identity, args_sha256=args_sha, tool=TOOL,
-                   tool_version=TOOL_VERSION, status=status, fencing_token=token, owner=owner_info(),
-                   created_at=previous.created_at if previous is not None else now, updated_at=now, **fields)
-
-
-def _already_applied(
-    rstore: ReceiptStore,
-    identity: dict[str, Any],
-    call_id: str,
-    key: str,
-    args_sha: str,
-    previous: Receipt | None,
-    args: CallArgs,
-    staged: Staged,
-) -> ApplyResult:
+def _already_applied(run: _Run, staged: Staged) -> ApplyResult:
     """Every edit is already in the branch: committed, naming the commit that has it; no new commit."""
-    receipt = _new_receipt(
-        identity, call_id, key, args_sha, previous, "committed", (previous.fencing_token if previous else 0) + 1,
-        base={"ref": args.branch, "commit": staged.base_commit}, candidate=None,
+    path = run.call.commit(
+        event={"already_applied": True},
+        base={"ref": run.args.branch, "commit": staged.base_commit}, candidate=None,
         commit=staged.base_commit, tree=staged.base_tree, outputs=staged.outputs,
         extra={"already_applied": True},
     )
-    path = rstore.record(receipt, "committed", already_applied=True)
-    return ApplyResult(key, call_id, "committed", False, staged.base_commit, staged.base_tree, staged.outputs,
-                       path, already_applied=True)
+    return ApplyResult(run.key, run.call.call_id, "committed", False, staged.base_commit, staged.base_tree,
+                       staged.outputs, path, already_applied=True)
 
 
 def _commit_message(args: CallArgs, patch: Patch, call_id: str, key: str) -> str:

@@ -36,9 +36,25 @@ from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL
 from patcher.markers import foreign_index_lock, index_marker, ref_lock_marker
 
-__all__ = ["GitAdapter", "KEY_REF_PREFIX"]
+__all__ = ["GitAdapter", "KEY_REF_PREFIX", "adapters"]
 
 KEY_REF_PREFIX = "refs/oncepatch/keys/"
+
+
+def adapters(rstore: ReceiptStore, stores: dict[str, Any] | None = None, *,
+             read_only: bool = False, lock_timeout: float | None = None) -> dict[str, Any]:
+    """The adapter registry, ``{tool: adapter}``: the generic tools' (:mod:`receipts.adapters`) and git's.
+
+    What ``recover``, ``watch``, ``verify`` and ``resolve`` ask, for every
+    tool alike (the engine, :mod:`receipts.engine`, settles each call through
+    its tool's adapter).  ``read_only``: a stale lock is only reported;
+    ``lock_timeout``: how long git's locks are waited for (the default's when ``None``).
+    """
+    from receipts.adapters import builtin_adapters
+
+    git = (GitAdapter(rstore, stores, read_only=read_only) if lock_timeout is None
+           else GitAdapter(rstore, stores, read_only=read_only, lock_timeout=lock_timeout))
+    return {**builtin_adapters(), git.tool: git}
 
 
 class GitAdapter:

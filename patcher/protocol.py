@@ -5,7 +5,7 @@
 0. normalise args, compute the identity and key; **replay fast path**: a final
    receipt is read without the lock and without importing pygit2 (this module
    holds no more than that path needs: a replay's start-up imports it);
-1. under the key's lock: re-read the receipt (replay / conflict / resolve a
+1. under the key's lock: re-read the receipt (replay / conflict / settle a
    ``prepared`` or ``unknown`` one through :class:`patcher.git_adapter.GitAdapter`);
 2. decode the patch, check paths; open the repository;
 3. stage blobs, trees and the candidate commit (``after-stage``); refuse dirty
@@ -16,12 +16,11 @@
 6. materialise touched paths in every worktree on the branch (``after-materialise``);
 7. write the ``committed`` receipt (``before-receipt-replace``) and its ledger event.
 
-Steps 1 to 7 are :mod:`patcher.execute`'s, imported by the first call that
-is not a replay.
-
-Fencing: before moving the ref and before finalising, the receipt on disk must
-still carry this attempt's token; a newer attempt's receipt is never
-overwritten.
+The protocol's generic steps (lookup, replay, conflict, the key lock,
+settling a dead owner's call, ``prepared`` with the fencing token, the fence,
+``committed`` / ``rejected`` / ``unknown``, the ledger) are
+:class:`receipts.engine.Call`'s, as for every tool; the git steps 1 to 7 are
+:mod:`patcher.execute`'s, imported by the first call that is not a replay.
 """
 
 from __future__ import annotations
@@ -30,12 +29,13 @@ import os
 import sys
 
 from cas.record import record
-from cas.errors import DurableWriteError, OncepatchError, UsageError
-from receipts.errors import IdempotencyConflict
-from receipts.identity import check_key, compute_args_sha256, compute_call_id, make_identity
+from cas.errors import OncepatchError, UsageError
+from receipts.engine import Call
+from receipts.identity import make_identity
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL, TOOL_VERSION, normalise_args
-from patcher.errors import PatchError
+from patcher.errors import (AmbiguousMatch, CheckFailed, Conflict, ContextNotFound, DirtyPath, ParseError,
+                            PartiallyApplied, PatchError, TooLarge, UnsafePath)
 from patcher.formats import detect
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
@@ -43,9 +43,13 @@ if TYPE_CHECKING:
     from typing import Any
     from receipts.receipt import Receipt
 
-__all__ = ["ApplyResult", "apply", "store_root_for", "replay_final", "check_same_intent", "KEY_REF_PREFIX"]
+__all__ = ["ApplyResult", "apply", "store_root_for", "replay_final", "KEY_REF_PREFIX", "REJECTIONS"]
 
 KEY_REF_PREFIX = "refs/oncepatch/keys/"
+
+#: The error classes a stored rejection of ``apply_patch`` is rebuilt as, by type (else :class:`PatchError`).
+REJECTIONS: tuple[type[OncepatchError], ...] = (ParseError, UnsafePath, TooLarge, ContextNotFound, AmbiguousMatch,
+                                                PartiallyApplied, DirtyPath, Conflict, CheckFailed)
 
 
 @record
@@ -87,21 +91,13 @@ def store_root_for(common_dir: str, store: str | None = None) -> str:
     return os.path.abspath(root)
 
 
-def replay_final(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResult:
-    """Return the stored outcome of a final receipt; nothing is re-executed.
+def replay_final(call: Call, receipt: Receipt) -> ApplyResult:
+    """The stored outcome of a final receipt (:meth:`receipts.engine.Call.replay`); nothing is re-executed.
 
-    The replay is noted in the ledger; a store this process may read but not
-    write (another user's, read-only) still replays, with a warning: the note
-    records nothing a receipt or verify depends on.
+    Raises:
+        PatchError: the stored rejection, as an error of its type.
     """
-    warnings: tuple[str, ...] = ()
-    try:
-        store.ledger.append_receipt_event("replayed", receipt)
-    except (OSError, DurableWriteError) as exc:
-        warnings = (f"the replay was not noted in the ledger ({exc})",)
-    if receipt.status == "rejected":
-        err = dict(receipt.error or {})
-        raise _error_from_envelope(err, receipt.key, replayed=True)
+    warnings = call.replay(receipt)
     return ApplyResult(
         key=receipt.key,
         call_id=receipt.call_id,
@@ -110,33 +106,9 @@ def replay_final(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResul
         commit=receipt.commit,
         tree=receipt.tree,
         outputs=receipt.outputs,
-        receipt=path,
+        receipt=call.path,
         already_applied=bool(receipt.extra.get("already_applied")),
         warnings=warnings,
-    )
-
-
-def _error_from_envelope(err: dict[str, Any], key: str, *, replayed: bool) -> OncepatchError:
-    """Rebuild the stored rejection as an error of the same type and exit code."""
-    from patcher import errors as pe
-
-    by_type: dict[str, type[OncepatchError]] = {
-        cls.type: cls
-        for cls in (pe.ParseError, pe.UnsafePath, pe.TooLarge, pe.ContextNotFound, pe.AmbiguousMatch,
-                    pe.PartiallyApplied, pe.DirtyPath, pe.Conflict, pe.CheckFailed)
-    }
-    cls = by_type.get(str(err.get("type")), PatchError)
-    fixed = {"type", "message", "retryable", "effect_status", "key", "next_action"}
-    details = {k: v for k, v in err.items() if k not in fixed}
-    details["replayed"] = replayed
-    return cls(
-        str(err.get("message", "rejected")),
-        retryable=bool(err.get("retryable", False)),
-        effect_status=err.get("effect_status") or "not_applied",
-        key=key,
-        next_action=err.get("next_action") or "none",
-        details=details,
-        error_type=str(err.get("type") or "rejected"),
     )
 
 
@@ -183,24 +155,18 @@ def apply(
     except OncepatchError as exc:
         raise exc.with_key(key) if key is not None else exc
     identity = make_identity(TOOL, TOOL_VERSION, args.as_dict(), contract_sha256=contract_sha256, attempt=attempt)
-    call_id = compute_call_id(identity)
-    the_key = check_key(key) if key is not None else call_id
-    args_sha = compute_args_sha256(TOOL, TOOL_VERSION, args.as_dict())
     rstore = ReceiptStore(store_root_for(args.layout.common_dir, store))
-    path = rstore.receipt_path(the_key)
+    call = Call(rstore, None, identity, key, errors=REJECTIONS, default_error=PatchError)
 
     # Fast path: a final receipt is immutable, so it can be read without the lock.
-    existing = rstore.read(the_key)
-    if existing is not None:
-        check_same_intent(existing, args_sha, the_key)
-        if existing.is_final:
-            return replay_final(existing, path, rstore)
+    final = call.lookup()
+    if final is not None:
+        return replay_final(call, final)
 
     try:
         from patcher.execute import locked_apply
 
-        return locked_apply(rstore, args, identity, call_id, the_key, args_sha, existing, path, lock_timeout,
-                             check_timeout, _stores)
+        return locked_apply(call, args, lock_timeout, check_timeout, _stores)
     finally:
         # The index locks' mark files kept between this call's two locks (cas.worktree).
         worktree = sys.modules.get("cas.worktree")
@@ -223,19 +189,3 @@ def _check_options(attempt: int, lock_timeout: float, check_timeout: float, stor
         raise UsageError(f"check timeout must be more than 0 seconds, not {check_timeout!r}")
     if store is not None and not str(store):
         raise UsageError("store must be a path, not empty (leave it out for the default)")
-
-
-def check_same_intent(existing: Receipt, args_sha: str, key: str) -> None:
-    """Refuse a key whose receipt was written for other args.
-
-    Raises:
-        IdempotencyConflict: the tool, its version or the args differ.
-    """
-    if existing.args_sha256 != args_sha:
-        raise IdempotencyConflict(
-            f"key '{key}' was used for a different call (tool, version or args differ)",
-            key=key,
-            details={"existing_call_id": existing.call_id, "existing_status": existing.status},
-        )
-
-

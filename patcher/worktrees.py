@@ -55,8 +55,8 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
 
     def on_dead(index_lock: str) -> None:
         from patcher.git_adapter import GitAdapter
+        from receipts.engine import settle
         from receipts.flock import FileLock
-        from receipts.recovery import resolve_receipt
         from receipts.states import needs_resolution
 
         other = foreign_index_lock(index_lock, rstore)
@@ -92,7 +92,7 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
                     continue
                 adapter = GitAdapter(rstore, stores if stores is not None else {})
                 if needs_resolution(current.status):
-                    current = resolve_receipt(rstore, current, adapter)
+                    current = settle(rstore, current, adapter)
                 elif current.status == "committed":
                     adapter.settle(current)
                 if needs_resolution(current.status):

@@ -17,7 +17,7 @@ queried, so it never stays ``unknown``.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from cas.record import record, field
 from receipts.receipt import Receipt
@@ -34,7 +34,17 @@ class QueryResult:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
+@runtime_checkable
 class EffectAdapter(Protocol):
+    """What the engine (:mod:`receipts.engine`) needs of a tool's adapter.
+
+    ``query(receipt)`` must answer from the world, not from the receipt:
+    ``applied`` (with ``fields={"result": ...}`` when it can rebuild the
+    result, or the commit and outputs), ``not_applied``, or ``unknown``.
+    Optional: ``prepare(args) -> dict`` (validate before anything is sent,
+    fields for the receipt) and ``verify_committed(receipt) -> list[str]``.
+    """
+
     tool: str
 
     def query(self, receipt: Receipt) -> QueryResult: ...

@@ -1,8 +1,9 @@
 """The generic effect ledger: any tool's side effect, executed effectively once per key.
 
-``receipts`` already knows keys, receipts, locks and the ledger; this module
-puts them in the order a tool needs (docs/DESIGN.md section 1: "any tool with side
-effects can use it" — e-mail, tickets, payments, HTTP calls, files):
+The protocol itself is :mod:`receipts.engine`'s (the one every tool goes
+through, ``apply_patch`` included); this module gives it the shape a tool
+written in Python needs (docs/DESIGN.md section 1: "any tool with side effects can
+use it" — e-mail, tickets, payments, HTTP calls, files):
 
 1. compute the identity of ``(tool, tool_version, args)`` and the key (the
    caller's business key, else the call_id); a **final** receipt is replayed
@@ -14,7 +15,9 @@ effects can use it" — e-mail, tickets, payments, HTTP calls, files):
 3. **prepare phase**: ``adapter.prepare(args)`` (optional) validates and
    returns extra fields for the receipt; an error here is a *validation
    error before sending*: ``rejected``, not retryable, replayed as such;
-4. write ``prepared`` (the next fencing token, the owner), durable;
+4. write ``prepared`` (the next fencing token, the owner), durable; the
+   fence (the receipt is still this attempt's own) is checked before the tool
+   runs and before every later write;
 5. run the tool (the ``with`` body, or ``fn`` of :func:`perform`);
 6. record ``committed`` with the result and its digest — or, when the tool
    raised, ``rejected`` or ``unknown`` per :func:`classify`;
@@ -67,18 +70,17 @@ import os
 import socket
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from cas.record import record
 from cas.crash import crash_point
 from cas.errors import EXIT_REJECTED, OncepatchError, UsageError
-from receipts.adapter import QueryResult
+from receipts.adapter import EffectAdapter, QueryResult
 from receipts.canonical import canonical_json
-from receipts.errors import FencedOff, IdempotencyConflict, ReceiptError, StillUnknown
-from receipts.identity import check_key, compute_args_sha256, compute_call_id, make_identity
-from receipts.receipt import Receipt, now_iso
-from receipts.recovery import resolve_receipt
-from receipts.states import needs_resolution
+from receipts.engine import Call
+from receipts.errors import ReceiptError, StillUnknown
+from receipts.identity import make_identity
+from receipts.receipt import Receipt
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 
 if TYPE_CHECKING:
@@ -196,20 +198,8 @@ def result_digest(result: Mapping[str, Any] | None) -> str | None:
 # -- adapters ---------------------------------------------------------------------------
 
 
-@runtime_checkable
-class GenericAdapter(Protocol):
-    """What :func:`effect` needs of a tool's adapter (``prepare`` is optional).
-
-    ``query(receipt)`` must answer from the world, not from the receipt:
-    ``applied`` (with ``fields={"result": ...}`` when it can rebuild the
-    result), ``not_applied``, or ``unknown``.
-    """
-
-    tool: str
-
-    def query(self, receipt: Receipt) -> QueryResult: ...
-
-    def settle(self, receipt: Receipt) -> list[str]: ...
+#: What :func:`effect` needs of a tool's adapter: the one adapter protocol (``prepare`` is optional).
+GenericAdapter = EffectAdapter
 
 
 class NoQueryAdapter:
@@ -241,10 +231,6 @@ def open_store(store: ReceiptStore | str | os.PathLike[str] | None) -> ReceiptSt
     return ReceiptStore(os.fspath(store))
 
 
-def _owner() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "since": now_iso()}
-
-
 # -- the call ----------------------------------------------------------------------------
 
 
@@ -268,7 +254,7 @@ class EffectResult:
 
 
 class EffectCall:
-    """One claimed effect: a context manager (see :func:`effect`).
+    """One claimed effect: a context manager (see :func:`effect`) over one :class:`receipts.engine.Call`.
 
     Inside the ``with`` body the key's lock is held and the receipt says
     ``prepared``; :attr:`replayed` is True when the body must not run (the
@@ -294,15 +280,18 @@ class EffectCall:
         self.adapter = adapter if adapter is not None else NoQueryAdapter(tool)
         if getattr(self.adapter, "tool", tool) != tool:
             raise UsageError(f"adapter is for tool '{self.adapter.tool}', not '{tool}'")
-        self.identity = make_identity(tool, tool_version, args, contract_sha256=contract_sha256, attempt=attempt)
-        self.call_id: str = compute_call_id(self.identity)  # refuses non-canonical args first
-        self.args_sha256 = compute_args_sha256(tool, tool_version, args)
-        self.key: str = check_key(key) if key is not None else self.call_id
+        identity = make_identity(tool, tool_version, args, contract_sha256=contract_sha256, attempt=attempt)
+        self._call = Call(store, self.adapter, identity, key, errors=(EffectRejected, InvalidEffectArgs),
+                          default_error=EffectRejected)
+        self.identity = identity
+        self.call_id: str = self._call.call_id
+        self.args_sha256 = self._call.args_sha256
+        self.key: str = self._call.key
         self.lock_timeout = lock_timeout
         self.replayed = False
         self.result: dict[str, Any] | None = None
         self.status: str | None = None
-        self.receipt_path = store.receipt_path(self.key)
+        self.receipt_path = self._call.path
         self._receipt: Receipt | None = None
         self._stack: contextlib.ExitStack | None = None
         self._sent = True
@@ -349,7 +338,8 @@ class EffectCall:
 
         Raises:
             RuntimeError: called on a replayed or already recorded call.
-            FencedOff: a newer attempt took the key over (only after a lost lock).
+            FencedOff: another process took the key over or settled this attempt
+                (only after a lost lock; :mod:`receipts.engine`).
         """
         if self.replayed or self._finished or self._receipt is None:
             raise RuntimeError(f"effect '{self.key}' is already recorded: commit() must not run again")
@@ -366,10 +356,8 @@ class EffectCall:
             # The effect happened: record that truthfully even if its result cannot be kept.
             bad, doc = exc, None
             extra["result_unrecorded"] = f"{type(exc).__name__}: {exc}"
-        self._fence()
-        final = self._receipt.evolve(status="committed", result=doc, error=None, retryable=None, extra=extra)
-        self.store.record(final, "committed")
-        self._receipt, self.status, self.result = final, "committed", doc
+        self._call.commit(result=doc, extra=extra)
+        self._receipt, self.status, self.result = self._call.receipt, "committed", doc
         if bad is not None:
             raise bad
         return self.outcome
@@ -379,33 +367,23 @@ class EffectCall:
     def __enter__(self) -> EffectCall:
         if self._stack is not None:
             raise RuntimeError("an EffectCall is not reusable")
-        # Fast path: a final receipt is immutable, so it is read without the lock.
-        existing = self.store.read(self.key)
-        if existing is not None:
-            self._check_same_intent(existing)
-            if existing.is_final:
-                self._replay(existing)
-                self._stack = contextlib.ExitStack()
-                return self
+        final = self._call.lookup()
+        if final is not None:
+            self._replay(final)
+            self._stack = contextlib.ExitStack()
+            return self
         stack = contextlib.ExitStack()
-        stack.enter_context(self.store.lock(self.key, timeout=self.lock_timeout))
         try:
-            existing = self.store.read(self.key)
-            if existing is not None:
-                self._check_same_intent(existing)
-                if needs_resolution(existing.status):
-                    # A live owner would hold the lock: this one died. Ask the world first.
-                    try:
-                        existing = resolve_receipt(self.store, existing, self.adapter)
-                    except StillUnknown as exc:
-                        raise EffectUnknown(exc.message, key=self.key,
-                                            details={"receipt": self.receipt_path}) from exc
-                if existing.is_final:
-                    self._replay(existing)
-                    stack.close()
-                    self._stack = contextlib.ExitStack()
-                    return self
-            self._prepare(existing)
+            try:
+                final = stack.enter_context(self._call.claimed(self.lock_timeout))
+            except StillUnknown as exc:
+                raise EffectUnknown(exc.message, key=self.key, details={"receipt": self.receipt_path}) from exc
+            if final is not None:
+                stack.close()
+                self._stack = contextlib.ExitStack()
+                self._replay(final)
+                return self
+            self._prepare()
         except BaseException:
             stack.close()
             raise
@@ -434,45 +412,28 @@ class EffectCall:
 
     # -- internals -----------------------------------------------------------
 
-    def _check_same_intent(self, existing: Receipt) -> None:
-        if existing.args_sha256 != self.args_sha256:
-            raise IdempotencyConflict(
-                f"key '{self.key}' was used for a different call (tool, version or args differ)",
-                key=self.key,
-                details={"existing_call_id": existing.call_id, "existing_status": existing.status,
-                         "existing_tool": existing.tool},
-            )
-
     def _replay(self, receipt: Receipt) -> None:
         """Return the stored outcome; a stored rejection is raised again, nothing re-executed."""
-        self.store.ledger.append_receipt_event("replayed", receipt)
         self._receipt, self.status, self.replayed = receipt, receipt.status, True
-        if receipt.status == "rejected":
-            raise _error_from_envelope(receipt.error or {}, receipt.key)
+        self._call.replay(receipt)
         self.result = receipt.result
 
-    def _prepare(self, previous: Receipt | None) -> None:
-        token = (previous.fencing_token if previous is not None else 0) + 1
-        now = now_iso()
-        base = Receipt(
-            key=self.key, call_id=self.call_id, identity=self.identity, args_sha256=self.args_sha256,
-            tool=self.tool, tool_version=self.tool_version, status="prepared", fencing_token=token,
-            owner=_owner(), created_at=previous.created_at if previous is not None else now, updated_at=now,
-        )
+    def _prepare(self) -> None:
+        """The adapter's validation (before anything is sent), ``prepared``, then the fence before the body."""
+        fields: dict[str, Any] = {}
         prepare = getattr(self.adapter, "prepare", None)
         if prepare is not None:
             try:
-                fields = prepare(self.identity["args"]) or {}
+                fields = dict(prepare(self.identity["args"]) or {})
             except Exception as exc:
-                self._receipt = base
                 raise self._record_failure(exc, sent=False) from exc
-            base = base.evolve(extra={**base.extra, **dict(fields)})
-        self.store.record(base, "prepared")
-        self._receipt = base
+        self._receipt = self._call.prepare(extra=fields)
+        # The body is the effect: it runs only while the key is still this attempt's (a
+        # process paused after prepare may have lost its lock to a takeover or a settle).
+        self._call.fence()
 
     def _record_failure(self, exc: BaseException, *, sent: bool | None = None) -> OncepatchError:
         """Write ``rejected``/``unknown`` for ``exc``; return the error to raise."""
-        assert self._receipt is not None
         self._finished = True
         if sent is None:
             sent = self._sent and exc is not self._unsent
@@ -498,43 +459,12 @@ class EffectCall:
         err.retryable, err.effect_status, err.next_action = c.retryable, c.effect_status, c.next_action
         err.details.setdefault("receipt", self.receipt_path)
         if c.status == "rejected":
-            new = self._receipt.evolve(status="rejected", retryable=c.retryable, error=envelope)
-            self._fence()
-            self.store.record(new, "rejected")
+            new = self._call.reject(envelope)
         else:
-            new = self._receipt.evolve(status="unknown", error=envelope,
-                                       extra={**self._receipt.extra, "unknown_reason": c.type})
-            self._fence()
-            self.store.record(new, "unknown", reason=c.type)
+            extra = {**(self._receipt.extra if self._receipt is not None else {}), "unknown_reason": c.type}
+            new = self._call.unknown(envelope, reason=c.type, extra=extra)
         self._receipt, self.status = new, new.status
         return err
-
-    def _fence(self) -> None:
-        """The receipt on disk must still be this attempt's (a newer one is never overwritten)."""
-        assert self._receipt is not None
-        current = self.store.read(self.key)
-        if current is not None and current.fencing_token > self._receipt.fencing_token:
-            raise FencedOff(
-                f"key '{self.key}' was taken over by attempt {current.fencing_token} "
-                f"(this is attempt {self._receipt.fencing_token})",
-                key=self.key,
-            )
-
-
-def _error_from_envelope(err: Mapping[str, Any], key: str) -> OncepatchError:
-    """Rebuild a stored rejection as an error carrying the same envelope."""
-    etype = str(err.get("type") or "effect_rejected")
-    cls = InvalidEffectArgs if etype == "validation_error" else EffectRejected
-    fixed = {"type", "message", "retryable", "effect_status", "key", "next_action"}
-    details = {k: v for k, v in err.items() if k not in fixed}
-    details["replayed"] = True
-    return cls(
-        str(err.get("message") or "rejected"),
-        retryable=bool(err.get("retryable", False)),
-        effect_status=err.get("effect_status") or "not_applied",
-        next_action=err.get("next_action") or "none",
-        key=key, details=details, error_type=etype,
-    )
 
 
 # -- entry points ------------------------------------------------------------------------

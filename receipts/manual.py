@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from cas.errors import OncepatchError
 from receipts.adapter import EffectAdapter, QueryResult
+from receipts.engine import settle
 from receipts.errors import InProgress, NotResolvable, ReceiptNotFound
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
@@ -62,8 +63,6 @@ def resolve_by_hand(store: ReceiptStore, key: str, as_: str, note: str, *, lock_
         NotResolvable: the receipt is already final, or its adapter finds the
             opposite of ``as_`` (nothing written).
     """
-    from receipts.recovery import resolve_receipt
-
     if as_ not in _AGREES:
         raise ValueError(as_)
     found = store.find(key)
@@ -87,7 +86,7 @@ def resolve_by_hand(store: ReceiptStore, key: str, as_: str, note: str, *, lock_
                     if settled is not None and settled.status != "unknown":
                         _refuse_if_contradicted(current, as_, settled)
                         noted = current.evolve(extra={**current.extra, "resolved_by_hand": note})
-                        return resolve_receipt(store, noted, adapter, settled, note=note)
+                        return settle(store, noted, adapter, settled, note=note)
             extra = {**current.extra, "resolved_by_hand": note}
             if as_ == "committed":
                 new = current.evolve(status="committed", commit=current.commit or current.candidate, error=None,

@@ -33,10 +33,10 @@ from typing import Any
 
 import orjson
 
-from cas.crash import crash_hook, crash_point
 from cas.durable import is_own_tmp
 from cas.errors import OncepatchError
-from receipts.adapter import EffectAdapter, QueryResult
+from receipts.adapter import EffectAdapter
+from receipts.engine import settle
 from receipts.errors import CorruptReceipt, StillUnknown
 from receipts.flock import FileLock
 from receipts.jsonio import use_fast as use_fast_json
@@ -47,7 +47,6 @@ from receipts.store import FILE_MISSING, ReceiptStore
 __all__ = [
     "RecoveryRow",
     "RecoveryReport",
-    "resolve_receipt",
     "recover",
     "receipt_age",
     "DEFAULT_TMP_AGE",
@@ -107,68 +106,6 @@ def receipt_age(receipt: Receipt, now: float | None = None) -> float:
     except ValueError:
         return 0.0
     return max(0.0, (now if now is not None else time.time()) - ts)
-
-
-def resolve_receipt(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapter,
-                    result: QueryResult | None = None, *, note: str | None = None) -> Receipt:
-    """Settle one ``prepared``/``unknown`` receipt; the caller holds the key's lock.
-
-    ``note``: a person resolved it (``oncepatch resolve``) with the adapter's
-    agreement; the ledger event is ``resolved`` with the note, not ``recovered``.
-
-    Raises:
-        StillUnknown: the adapter cannot tell; the receipt is written ``unknown``.
-    """
-    if result is None:
-        result = adapter.query(receipt)
-    crash_point("recover-after-resolve")
-    hook = crash_hook("recover-before-receipt-replace")
-    notes = [str(n) for n in result.fields.get("notes", [])]
-    if result.status == "applied":
-        fields = {k: v for k, v in result.fields.items() if k in ("commit", "tree", "outputs", "result")}
-        new = receipt.evolve(status="committed", error=None, retryable=None,
-                             extra={**receipt.extra, "recovered": result.reason}, **fields)
-        try:
-            notes += adapter.settle(new)
-        except OncepatchError as exc:
-            note = f"follow-up not done: {exc.message}"
-            notes.append(note)
-            # A warning, as apply leaves one: the next recover settles it again.
-            new = new.evolve(extra={**new.extra, "warnings": [*new.extra.get("warnings", []), note]})
-        if notes:
-            new = new.evolve(extra={**new.extra, "recovery_notes": notes})
-        _record_settled(store, new, hook, result.reason, note)
-        return new
-    if result.status == "not_applied":
-        err = {
-            "type": "crashed_before_commit",
-            "message": "the call stopped before its effect happened; a retry executes it once",
-            "retryable": True,
-            "effect_status": "not_applied",
-            "key": receipt.key,
-            "next_action": "retry",
-        }
-        new = receipt.evolve(status="rejected", retryable=True, error=err,
-                             extra={**receipt.extra, "recovered": result.reason,
-                                    **({"recovery_notes": notes} if notes else {})})
-        _record_settled(store, new, hook, result.reason, note)
-        return new
-    if receipt.status != "unknown":
-        new = receipt.evolve(status="unknown", extra={**receipt.extra, "unknown_reason": result.reason})
-        store.record(new, "unknown", reason=result.reason)
-    raise StillUnknown(
-        f"outcome of key '{receipt.key}' cannot be told ({result.reason}): "
-        "check by hand, then 'oncepatch resolve KEY --as committed|rejected'",
-        key=receipt.key,
-    )
-
-
-def _record_settled(store: ReceiptStore, new: Receipt, hook: Callable[[], None] | None, reason: str,
-                    note: str | None) -> None:
-    if note is None:
-        store.record(new, "recovered", before_replace=hook, reason=reason)
-    else:
-        store.record(new, "resolved", before_replace=hook, reason=reason, note=note)
 
 
 #: Below this many receipt files workers do not pay for their start (a tie at 10,000, measured).
@@ -361,7 +298,7 @@ def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, E
             report.rows.append(RecoveryRow(current.key, current.call_id, current.status, to, reason, commit))
             return
         try:
-            new = resolve_receipt(store, current, adapter, result)
+            new = settle(store, current, adapter, result)
         except StillUnknown:
             if current.status != "unknown":
                 report.rows.append(RecoveryRow(current.key, current.call_id, current.status, "unknown", reason, None))

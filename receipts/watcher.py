@@ -37,7 +37,8 @@ from receipts.adapter import EffectAdapter
 from receipts.errors import CorruptReceipt
 from receipts.jsonio import use_fast as use_fast_json
 from receipts.receipt import Receipt
-from receipts.recovery import receipt_age, resolve_receipt
+from receipts.engine import settle
+from receipts.recovery import receipt_age
 from receipts.store import ReceiptStore
 
 __all__ = ["Watcher"]
@@ -191,7 +192,7 @@ class Watcher:
                 })
             if self.recover and adapter is not None:
                 try:
-                    new = resolve_receipt(self.store, current, adapter)
+                    new = settle(self.store, current, adapter)
                     recovered = {"recovered": current.key, "status": new.status, "commit": new.commit}
                 except Exception as exc:  # noqa: BLE001
                     self.on_error(f"recovery of '{current.key}' failed: {exc}")

@@ -27,16 +27,12 @@ __all__ = ["register", "HANDLERS"]
 def _adapters(rstore: Any, *, read_only: bool = False, lock_timeout: float | None = None) -> dict[str, Any]:
     import pygit2
 
-    from patcher.git_adapter import GitAdapter
-    from receipts.adapters import builtin_adapters
+    from patcher.git_adapter import adapters
 
     # A scan reads each commit and blob once: libgit2's object cache would only
     # grow (to hundreds of MiB over 100k receipts) without ever being hit.
     pygit2.settings.enable_caching(False)
-
-    git = (GitAdapter(rstore, {}, read_only=read_only) if lock_timeout is None
-           else GitAdapter(rstore, {}, read_only=read_only, lock_timeout=lock_timeout))
-    return {**builtin_adapters(), git.tool: git}
+    return adapters(rstore, {}, read_only=read_only, lock_timeout=lock_timeout)
 
 
 def _env_seconds(name: str, default: float) -> float:

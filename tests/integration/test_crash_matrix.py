@@ -191,16 +191,19 @@ def test_crash_then_recover_then_retry_lands_once(tmp_path: Path, point: str, ed
 
 
 def test_matrix_covers_every_crash_point_of_the_apply_protocol() -> None:
-    """Every crash point the apply protocol arms (``patcher/protocol.py``, ``patcher/execute.py``) is a row here.
+    """Every crash point the apply protocol arms is a row here.
 
-    A new one needs its prediction.
+    The protocol is ``patcher/protocol.py`` and ``patcher/execute.py`` (git's
+    steps) on ``receipts/engine.py`` (every tool's steps; its ``recover-*``
+    points are recovery's, tested with it).  A new one needs its prediction.
     """
     import re
 
     from cas.crash import POINTS as DEFINED
 
-    patcher = Path(__file__).resolve().parents[2] / "patcher"
-    source = "".join((patcher / name).read_text() for name in ("protocol.py", "execute.py"))
-    armed = set(re.findall(r"crash_(?:point|hook)\(\"([a-z-]+)\"\)", source))
+    root = Path(__file__).resolve().parents[2]
+    source = "".join((root / name).read_text()
+                     for name in ("patcher/protocol.py", "patcher/execute.py", "receipts/engine.py"))
+    armed = {p for p in re.findall(r"crash_(?:point|hook)\(\"([a-z-]+)\"\)", source) if not p.startswith("recover-")}
     assert armed == set(POINTS)
     assert armed <= DEFINED

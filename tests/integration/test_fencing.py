@@ -6,6 +6,9 @@ key's lock.  The test then breaks the lock the way a broken NFS lock or a
 careless person would — it deletes the lock file, so the next process locks a
 new file — lets another process take the key over, and sends SIGCONT.
 
+The same rule holds for every tool (``receipts.engine``): a generic effect
+(``file_write``) paused the same way is fenced off as ``apply_patch`` is.
+
 Points used: ``before-ref`` (after the worker's last check made without the
 branch's lock, just before it takes that lock and swaps), ``after-prepare``,
 ``before-finalise`` (the branch has moved; the receipt is not final yet).
@@ -39,11 +42,14 @@ def key_hash(key: str) -> str:
 class Paused:
     """An ``oncepatch apply`` process that stops itself at a pause point; always reaped."""
 
-    def __init__(self, repo: Repo, patch: Path, point: str, key: str = "K") -> None:
+    def __init__(self, repo: Repo | None, patch: Path | None, point: str, key: str = "K",
+                 argv: list[str] | None = None) -> None:
         env = dict(os.environ, ONCEPATCH_PAUSE_AT=point)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--repo", str(repo.path), "--json",
-             "--key", key], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        if argv is None:
+            assert repo is not None and patch is not None
+            argv = [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--repo", str(repo.path), "--json",
+                    "--key", key]
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + DEADLINE
         while self.state() != "T":
             assert self.proc.poll() is None, f"exited before pausing: {self.proc.communicate()}"
@@ -218,3 +224,92 @@ def test_paused_worker_cannot_overwrite_the_receipt_after_a_takeover(repo: Repo,
     assert receipt_file(repo).read_bytes() == settled
     assert repo.head() == head and commits_with_key(repo) == 1
     assert run_cli("verify", "--repo", str(repo.path), "--json").code == 0
+
+
+# -- the same rule for a generic effect --------------------------------------------------------------
+
+WRITE_FILE = r"""
+import json, sys
+import receipts
+from cas.errors import OncepatchError
+try:
+    done = receipts.write_file(sys.argv[1], b"fenced\n", key="K", store=sys.argv[2])
+except OncepatchError as exc:
+    print(json.dumps({"ok": False, "error": exc.envelope()}))
+    sys.exit(exc.exit_code)
+print(json.dumps(done.to_json()))
+"""
+
+
+def settle_by_recover(tool: str, repo: Repo, store: Path) -> list[tuple[str, str]]:
+    """``recover`` run by another process than the paused one (here: the test's, or the CLI's)."""
+    if tool == "apply_patch":
+        rec = run_cli("recover", "--repo", str(repo.path), "--json")
+        assert rec.code == 0, rec.out + rec.err
+        return [(r["from"], r["to"]) for r in rec.json["rows"]]
+    from receipts.adapters import builtin_adapters
+    from receipts.recovery import recover
+    from receipts.store import ReceiptStore
+
+    return [(r.from_, r.to) for r in recover(ReceiptStore(str(store)), builtin_adapters()).rows]
+
+
+@pytest.mark.parametrize("tool", ["file_write", "apply_patch"])
+@pytest.mark.parametrize("point", ["after-prepare", "before-finalise"])
+def test_one_fencing_rule_for_every_tool_a_call_settled_while_it_ran_is_fenced_off(
+        repo: Repo, patch: Path, paused: Any, tmp_path: Path, tool: str, point: str) -> None:
+    """A call whose prepared receipt another process settled while it was paused writes nothing more.
+
+    The settle keeps the token and changes the status: a rule that fences only
+    on a newer token (the generic engine's, before there was one engine) lets
+    the paused call run its effect after a ``rejected`` or write its own
+    ``committed`` over the settled receipt.  Paused after prepare, the effect
+    has not run: recover settles it ``rejected`` and the call must not run it.
+    Paused before finalising, the effect ran: recover settles it ``committed``
+    and the call must not write its receipt again.
+    """
+    executed = point == "before-finalise"
+    if tool == "apply_patch":
+        store = repo.store
+        base = repo.head()
+        a = paused(repo, patch, point)
+
+        def effect_done() -> bool:
+            return commits_with_key(repo) == 1 and repo.head() != base
+    else:
+        store = tmp_path / "store"
+        target = tmp_path / "out.txt"
+        target.write_bytes(b"before\n")
+        a = paused(None, None, point, argv=[sys.executable, "-c", WRITE_FILE, str(target), str(store)])
+
+        def effect_done() -> bool:
+            return target.read_bytes() == b"fenced\n"
+    receipt = store / "receipts" / key_hash("K")[:2] / f"{key_hash('K')}.json"
+    assert json.loads(receipt.read_text())["status"] == "prepared"
+    assert effect_done() is executed
+    (store / "locks" / f"{key_hash('K')}.lock").unlink()  # the paused call's lock is lost
+
+    to = "committed" if executed else "rejected"
+    assert settle_by_recover(tool, repo, store) == [("prepared", to)]
+    settled = receipt.read_bytes()
+    events = ReceiptStoreEvents(store)
+
+    code, doc = a.resume()
+    assert_fenced(code, doc)
+    assert doc["error"]["current_status"] == to and doc["error"]["current_token"] == 1
+    assert receipt.read_bytes() == settled  # the settled receipt is not overwritten
+    assert effect_done() is executed  # nor the effect run after a settle said it did not happen
+    assert events.new() == []  # the fenced call appended nothing to the ledger
+
+
+class ReceiptStoreEvents:
+    """The ledger events appended since it was made."""
+
+    def __init__(self, store: Path) -> None:
+        from receipts.store import ReceiptStore
+
+        self.store = ReceiptStore(str(store))
+        self.seen = len(list(self.store.ledger.events()))
+
+    def new(self) -> list[str]:
+        return [str(e["event"]) for e in list(self.store.ledger.events())[self.seen:]]

@@ -78,7 +78,7 @@ def test_long_lived_calls_leave_no_content_files(tmp_path: Path) -> None:
 
 def test_a_call_fenced_off_after_prepare_leaves_no_content_file(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import patcher.execute as execute
+    from receipts.engine import Call
     from receipts.errors import FencedOff
 
     repo = make_repo(tmp_path / "repo")
@@ -95,7 +95,7 @@ def test_a_call_fenced_off_after_prepare_leaves_no_content_file(tmp_path: Path,
             raise FencedOff("another attempt owns the key")
 
     monkeypatch.setattr(GitStore, "stage_ref_content", stage)
-    monkeypatch.setattr(execute, "_fence", fence)
+    monkeypatch.setattr(Call, "fence", fence)
     before = repo.git("rev-parse", "side")
     with pytest.raises(FencedOff):
         apply(str(repo.path), PATCH, branch="side", key="k1")

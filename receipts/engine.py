@@ -1,0 +1,420 @@
+"""The protocol engine: one call of a tool under one key, effectively once (DESIGN.md sections 3 and 4).
+
+Every tool goes through it: ``apply_patch`` (:mod:`patcher.execute`) exactly
+as ``file_write`` and ``command`` (:mod:`receipts.effects`).  So there is one
+lookup and replay, one conflict check, one owner record, one fencing rule, one
+error rebuilt from a stored envelope, and one way to settle a dead owner's
+call.  A tool brings only its effect (what it stages and executes) and its
+adapter (:mod:`receipts.adapter`: ``query`` the world after a crash).
+
+A :class:`Call`, step by step::
+
+    call = Call(store, adapter, identity, key)
+    final = call.lookup()                 # 1. without the lock: a final receipt is replayed
+    if final is not None:
+        return call.replay(final)
+    with call.claimed(timeout) as final:  # 2. the key's lock; read again; conflict check;
+        if final is not None:             #    a dead owner's prepared/unknown call settled
+            return call.replay(final)     #    through adapter.query (settle); final: replay
+        call.prepare(**fields)            # 3. `prepared`: the next fencing token, this owner
+        call.fence()                      # 4. still ours?  then execute the effect
+        call.commit(**fields)             # 5. `committed`; or call.reject() / call.unknown()
+
+Each write appends its event to the ledger (:meth:`ReceiptStore.record`).
+
+**Fencing, the one rule.**  Once this attempt wrote ``prepared``, its effect
+runs and every later write of it happens only while the receipt on disk is
+still this attempt's own: its ``prepared`` receipt with its token (or a write
+of its own that failed half way).  Another process writes that file only after
+taking the key over — with the next token (a lost key lock: a stopped process,
+a lock file removed by hand, NFS) or by settling this attempt through the
+adapter's ``query`` (``recover``, the next call), which keeps the token and
+changes the status.  Either way this attempt is fenced off
+(:class:`~receipts.errors.FencedOff`) and writes nothing more.
+
+Test seams: ``ONCEPATCH_CRASH_AT`` (:mod:`cas.crash`) and ``ONCEPATCH_PAUSE_AT``
+(:func:`pause_point`: the process stops itself with SIGSTOP, so a test can
+break its key lock and take the key over before sending SIGCONT).  The engine's
+own points: ``after-prepare`` (crash and pause) and ``before-finalise`` (pause,
+before the final fence).
+
+This module is on the replay path of a cold CLI process: it imports nothing
+a replay does not need (no typing at run time, no pygit2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+
+from cas.crash import crash_hook, crash_point
+from cas.durable import DurableBatch
+from cas.errors import DurableWriteError, OncepatchError
+from receipts.errors import FencedOff, IdempotencyConflict, StillUnknown
+from receipts.identity import check_key, compute_args_sha256, compute_call_id
+from receipts.receipt import Receipt, now_iso
+from receipts.states import needs_resolution
+from receipts.store import ReceiptStore
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
+if TYPE_CHECKING:
+    from typing import Any
+    from receipts.adapter import EffectAdapter, QueryResult
+    from receipts.states import Status
+
+__all__ = ["Call", "PAUSE_ENV", "pause_point", "owner_record", "check_same_intent", "error_from_envelope",
+           "settle"]
+
+#: Test seam (like ``ONCEPATCH_CRASH_AT``): ``ONCEPATCH_PAUSE_AT=<point>`` makes the process
+#: stop itself with SIGSTOP at that point (docs/CONCURRENCY.md lists the points).
+PAUSE_ENV = "ONCEPATCH_PAUSE_AT"
+
+
+def pause_point(name: str) -> None:
+    if os.environ.get(PAUSE_ENV) == name:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+# -- the owner record ------------------------------------------------------------------------
+
+#: (pid, start time) of this process, read from /proc once per process (a forked child reads its own).
+_STARTED: tuple[int, str | None] | None = None
+
+
+def _proc_start_time() -> str | None:
+    try:
+        with open(f"/proc/{os.getpid()}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return fields[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def owner_record() -> dict[str, Any]:
+    """Who writes a receipt: host, pid, the pid's start time (a reused pid is another process), since when."""
+    global _STARTED
+    pid = os.getpid()
+    if _STARTED is None or _STARTED[0] != pid:
+        _STARTED = (pid, _proc_start_time())
+    return {"host": os.uname().nodename, "pid": pid, "start_time": _STARTED[1], "since": now_iso()}
+
+
+# -- conflict, error rebuild -----------------------------------------------------------------
+
+
+def check_same_intent(existing: Receipt, args_sha: str, key: str) -> None:
+    """Refuse a key whose receipt was written for another call.
+
+    Raises:
+        IdempotencyConflict: the tool, its version or the args differ.
+    """
+    if existing.args_sha256 != args_sha:
+        raise IdempotencyConflict(
+            f"key '{key}' was used for a different call (tool, version or args differ)",
+            key=key,
+            details={"existing_call_id": existing.call_id, "existing_status": existing.status,
+                     "existing_tool": existing.tool},
+        )
+
+
+_ENVELOPE_FIELDS = frozenset({"type", "message", "retryable", "effect_status", "key", "next_action"})
+
+
+def error_from_envelope(err: Mapping[str, Any], key: str, classes: Mapping[str, type[OncepatchError]],
+                        default: type[OncepatchError]) -> OncepatchError:
+    """A stored rejection rebuilt as an error of its type (``classes``, else ``default``), same envelope.
+
+    The envelope's extra fields become details, with ``replayed: true``.
+    """
+    etype = str(err.get("type") or "rejected")
+    details = {k: v for k, v in err.items() if k not in _ENVELOPE_FIELDS}
+    details["replayed"] = True
+    return classes.get(etype, default)(
+        str(err.get("message") or "rejected"),
+        retryable=bool(err.get("retryable", False)),
+        effect_status=err.get("effect_status") or "not_applied",
+        key=key,
+        next_action=err.get("next_action") or "none",
+        details=details,
+        error_type=etype,
+    )
+
+
+# -- settling a dead owner's call ------------------------------------------------------------
+
+
+def settle(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapter, result: QueryResult | None = None,
+           *, note: str | None = None) -> Receipt:
+    """Settle one ``prepared``/``unknown`` receipt through the adapter's ``query``; the caller holds the key's lock.
+
+    ``applied`` → ``committed`` (then the adapter's ``settle`` follow-up);
+    ``not_applied`` → ``rejected``, retryable; ``unknown`` → ``unknown``.
+    The token is kept: the attempt that wrote the receipt is fenced off.
+    ``note``: a person resolved it (``oncepatch resolve``) with the adapter's
+    agreement; the ledger event is ``resolved`` with the note, not ``recovered``.
+
+    Raises:
+        StillUnknown: the adapter cannot tell; the receipt is written ``unknown``.
+    """
+    if result is None:
+        result = adapter.query(receipt)
+    crash_point("recover-after-resolve")
+    hook = crash_hook("recover-before-receipt-replace")
+    notes = [str(n) for n in result.fields.get("notes", [])]
+    if result.status == "applied":
+        fields = {k: v for k, v in result.fields.items() if k in ("commit", "tree", "outputs", "result")}
+        new = receipt.evolve(status="committed", error=None, retryable=None,
+                             extra={**receipt.extra, "recovered": result.reason}, **fields)
+        try:
+            notes += adapter.settle(new)
+        except OncepatchError as exc:
+            warning = f"follow-up not done: {exc.message}"
+            notes.append(warning)
+            # A warning, as apply leaves one: the next recover settles it again.
+            new = new.evolve(extra={**new.extra, "warnings": [*new.extra.get("warnings", []), warning]})
+        if notes:
+            new = new.evolve(extra={**new.extra, "recovery_notes": notes})
+        _record_settled(store, new, hook, result.reason, note)
+        return new
+    if result.status == "not_applied":
+        err = {
+            "type": "crashed_before_commit",
+            "message": "the call stopped before its effect happened; a retry executes it once",
+            "retryable": True,
+            "effect_status": "not_applied",
+            "key": receipt.key,
+            "next_action": "retry",
+        }
+        new = receipt.evolve(status="rejected", retryable=True, error=err,
+                             extra={**receipt.extra, "recovered": result.reason,
+                                    **({"recovery_notes": notes} if notes else {})})
+        _record_settled(store, new, hook, result.reason, note)
+        return new
+    if receipt.status != "unknown":
+        new = receipt.evolve(status="unknown", extra={**receipt.extra, "unknown_reason": result.reason})
+        store.record(new, "unknown", reason=result.reason)
+    raise StillUnknown(
+        f"outcome of key '{receipt.key}' cannot be told ({result.reason}): "
+        "check by hand, then 'oncepatch resolve KEY --as committed|rejected'",
+        key=receipt.key,
+    )
+
+
+def _record_settled(store: ReceiptStore, new: Receipt, hook: Callable[[], None] | None, reason: str,
+                    note: str | None) -> None:
+    if note is None:
+        store.record(new, "recovered", before_replace=hook, reason=reason)
+    else:
+        store.record(new, "resolved", before_replace=hook, reason=reason, note=note)
+
+
+# -- the call ------------------------------------------------------------------------------------
+
+
+class Call:
+    """One call of a tool under a key (the steps in the module docstring); not reusable.
+
+    ``identity``: :func:`receipts.identity.make_identity` of the normalised
+    args.  ``adapter`` may be set later, before :meth:`claimed` (a replay
+    needs none).  ``errors``: the tool's error classes, by their ``type``, that
+    a stored rejection is rebuilt as (``default_error`` for any other type).
+    """
+
+    def __init__(self, store: ReceiptStore, adapter: EffectAdapter | None, identity: dict[str, Any],
+                 key: str | None = None, *, errors: tuple[type[OncepatchError], ...] = (),
+                 default_error: type[OncepatchError] = OncepatchError) -> None:
+        self.store = store
+        self.adapter = adapter
+        self.identity = identity
+        self.tool: str = identity["tool"]
+        self.tool_version: str = identity["tool_version"]
+        self.call_id: str = compute_call_id(identity)  # refuses non-canonical args first
+        self.args_sha256 = compute_args_sha256(self.tool, self.tool_version, identity["args"])
+        self.key: str = check_key(key) if key is not None else self.call_id
+        self.path = store.receipt_path(self.key)
+        #: The key's receipt as found before this attempt (by :meth:`lookup`, then under the lock).
+        self.previous: Receipt | None = None
+        #: This attempt's receipt as last written.
+        self.receipt: Receipt | None = None
+        self._errors = {cls.type: cls for cls in errors}
+        self._default_error = default_error
+        self._prepared = False  # this attempt's prepared receipt is written: later writes are fenced
+        self._attempted: Receipt | None = None  # the receipt this attempt tried to write last
+
+    @property
+    def token(self) -> int:
+        """This attempt's fencing token: one more than the key's previous receipt's."""
+        if self._prepared and self.receipt is not None:
+            return self.receipt.fencing_token
+        return (self.previous.fencing_token if self.previous is not None else 0) + 1
+
+    # -- 1, 2: lookup, lock, conflict, settle, replay ---------------------------------------
+
+    def lookup(self) -> Receipt | None:
+        """The key's final receipt, read without the lock (a final receipt is immutable), else ``None``.
+
+        Raises:
+            IdempotencyConflict: the key's receipt is another call's.
+            CorruptReceipt: its file fails verification.
+        """
+        existing = self.previous = self.store.read(self.key)
+        if existing is None:
+            return None
+        check_same_intent(existing, self.args_sha256, self.key)
+        return existing if existing.is_final else None
+
+    @contextlib.contextmanager
+    def claimed(self, timeout: float) -> Iterator[Receipt | None]:
+        """Hold the key's lock; yield its final receipt (to replay), else ``None`` (execute).
+
+        Under the lock the receipt is read again; a ``prepared`` or ``unknown``
+        one belongs to a dead owner (a live one would hold the lock): it is
+        settled through the adapter first (:func:`settle`).
+
+        Raises:
+            InProgress: the lock is still held by another call after ``timeout``.
+            IdempotencyConflict: the key's receipt is another call's.
+            StillUnknown: a dead owner's call whose outcome the adapter cannot tell.
+        """
+        with self.store.lock(self.key, timeout=timeout):
+            existing = self.store.read(self.key)
+            if existing is not None:
+                check_same_intent(existing, self.args_sha256, self.key)
+                if needs_resolution(existing.status):
+                    assert self.adapter is not None, "an adapter settles a dead owner's call"
+                    existing = settle(self.store, existing, self.adapter)
+            self.previous = existing
+            yield existing if existing is not None and existing.is_final else None
+
+    def replay(self, receipt: Receipt) -> tuple[str, ...]:
+        """Note the replay of a final receipt in the ledger; a stored rejection is raised again.
+
+        A store this process may read but not write (another user's, read-only)
+        still replays, with a warning (returned): the note records nothing a
+        receipt or verify depends on.
+
+        Raises:
+            OncepatchError: the rejection, rebuilt from its envelope (:func:`error_from_envelope`).
+        """
+        warnings: tuple[str, ...] = ()
+        try:
+            self.store.ledger.append_receipt_event("replayed", receipt)
+        except (OSError, DurableWriteError) as exc:
+            warnings = (f"the replay was not noted in the ledger ({exc})",)
+        if receipt.status == "rejected":
+            raise error_from_envelope(receipt.error or {}, receipt.key, self._errors, self._default_error)
+        return warnings
+
+    # -- 3, 4: prepare, fence ---------------------------------------------------------------
+
+    def prepare(self, *, batch: DurableBatch | None = None, **fields: Any) -> Receipt:
+        """Write ``prepared`` with the next fencing token (``batch``: files made durable with it)."""
+        receipt = self._fresh("prepared", **fields)
+        self._record(receipt, "prepared", batch=batch)
+        self._prepared = True
+        crash_point("after-prepare")
+        pause_point("after-prepare")
+        return receipt
+
+    def fence(self) -> None:
+        """The one fencing rule (module docstring); nothing to check before ``prepared`` is written.
+
+        Raises:
+            FencedOff: another process took the key over, or settled this attempt.
+        """
+        if not self._prepared:
+            return
+        if self.store.unchanged_since_written(self.key):
+            return  # the bytes this process wrote last: its own prepared receipt
+        current = self.store.read(self.key)
+        if current is None:
+            return
+        token = self.token
+        if current.fencing_token != token:
+            raise FencedOff(
+                f"key '{self.key}' was taken over by attempt {current.fencing_token} (this is attempt {token})",
+                key=self.key,
+                details={"fencing_token": token, "current_token": current.fencing_token},
+            )
+        if current.status != "prepared" and not (self._attempted is not None
+                                                 and current.digest == self._attempted.digest):
+            raise FencedOff(
+                f"key '{self.key}' was settled as {current.status} by another process while attempt {token} ran",
+                key=self.key,
+                details={"fencing_token": token, "current_token": current.fencing_token,
+                         "current_status": current.status},
+            )
+
+    def update(self, event: str, *, batch: DurableBatch | None = None, **fields: Any) -> Receipt:
+        """Rewrite this attempt's ``prepared`` receipt with ``fields`` (fenced), e.g. a re-staged candidate."""
+        assert self._prepared and self.receipt is not None
+        self.fence()
+        receipt = self.receipt.evolve(**fields)
+        self._record(receipt, event, batch=batch)
+        return receipt
+
+    # -- 5: the outcome --------------------------------------------------------------------
+
+    def commit(self, *, before_replace: Callable[[], None] | None = None,
+               add_to_batch: Callable[[DurableBatch], None] | None = None,
+               event: Mapping[str, object] | None = None, **fields: Any) -> str:
+        """Write ``committed`` (fenced); return the receipt's path.
+
+        Without a ``prepared`` receipt of this attempt (nothing to execute: the
+        effect was already there) a new receipt with the next token is written.
+        ``add_to_batch``: called after the fence with the batch the receipt is
+        written in (files renamed before it).  ``event``: fields of the ledger event.
+        """
+        if self._prepared:
+            assert self.receipt is not None
+            pause_point("before-finalise")
+            self.fence()
+            final = self.receipt.evolve(status="committed", error=None, retryable=None, **fields)
+        else:
+            final = self._fresh("committed", **fields)
+        batch = DurableBatch()
+        if add_to_batch is not None:
+            add_to_batch(batch)
+        return self._record(final, "committed", batch=batch, before_replace=before_replace, event_fields=event)
+
+    def reject(self, envelope: dict[str, Any], **fields: Any) -> Receipt:
+        """Write ``rejected`` with the error ``envelope`` (its ``retryable`` says whether a retry may execute)."""
+        fields.update(retryable=bool(envelope.get("retryable")), error=envelope)
+        if self._prepared:
+            assert self.receipt is not None
+            self.fence()
+            receipt = self.receipt.evolve(status="rejected", **fields)
+        else:
+            receipt = self._fresh("rejected", **fields)
+        self._record(receipt, "rejected")
+        return receipt
+
+    def unknown(self, envelope: dict[str, Any], *, reason: str | None = None, **fields: Any) -> Receipt:
+        """Write ``unknown``: the effect may have happened and no one can tell yet (never read as failed)."""
+        assert self._prepared and self.receipt is not None
+        self.fence()
+        receipt = self.receipt.evolve(status="unknown", error=envelope, **fields)
+        self._record(receipt, "unknown", event_fields={"reason": reason} if reason is not None else None)
+        return receipt
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _fresh(self, status: Status, **fields: Any) -> Receipt:
+        """A receipt of this call with ``status`` and this attempt's token, owned by this process."""
+        now = now_iso()
+        previous = self.previous
+        return Receipt(key=self.key, call_id=self.call_id, identity=self.identity, args_sha256=self.args_sha256,
+                       tool=self.tool, tool_version=self.tool_version, status=status, fencing_token=self.token,
+                       owner=owner_record(), created_at=previous.created_at if previous is not None else now,
+                       updated_at=now, **fields)
+
+    def _record(self, receipt: Receipt, event: str, *, batch: DurableBatch | None = None,
+                before_replace: Callable[[], None] | None = None,
+                event_fields: Mapping[str, object] | None = None) -> str:
+        self._attempted = receipt
+        path = self.store.record(receipt, event, batch=batch, before_replace=before_replace, **(event_fields or {}))
+        self.receipt = receipt
+        return path
