@@ -1,4 +1,4 @@
-"""The protocol engine: one call of a tool under one key, effectively once (DESIGN.md sections 3 and 4).
+"""The protocol engine: one call of a tool under one key, effectively once (docs/DESIGN.md sections 3 and 4).
 
 Every tool goes through it: ``apply_patch`` (:mod:`patcher.execute`) exactly
 as ``file_write`` and ``command`` (:mod:`receipts.effects`).  So there is one
