@@ -125,9 +125,9 @@ def racy_file_changed(workdir: str, path: bytes, mode: int, size: int, mtime_sec
         return False
     if mode == 0o120000:
         return True
-    from cas.worktree import cleaned  # only a file whose bytes are not its blob gets here
+    from cas.worktree import cleaned_oid  # only a file whose bytes are not its blob gets here
 
-    return git_blob_oid(cleaned(workdir, os.fsdecode(path), content)) != oid
+    return cleaned_oid(workdir, os.fsdecode(path), content) != oid
 
 
 class RawIndex:

@@ -53,7 +53,7 @@ __all__ = [
     "break_dead_own_index_lock",
     "dead_own_index_lock",
     "outside_sparse_checkout",
-    "cleaned",
+    "cleaned_oid",
     "update_index",
     "dirty_paths",
     "unsafe_worktree_paths",
@@ -657,8 +657,8 @@ def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, Tr
                 if by_git != entry.oid:
                     return False
                 continue
-        if data != smudged(workdir, path, store.read_blob(entry.oid), wt) and (
-                git_blob_oid(cleaned(workdir, path, data)) != entry.oid):
+        if data != smudged(workdir, path, store.read_blob(entry.oid), wt, oid=entry.oid) and (
+                cleaned_oid(workdir, path, data) != entry.oid):
             # Neither the bytes git would write nor bytes git stores as the blob: changed.
             # (A CRLF file under 'text=auto eol=lf' or 'core.autocrlf=input' that git
             # cleans to its LF blob is not: git's status compares the clean side.)
@@ -736,9 +736,13 @@ def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None
     if filters is None:
         return blob
     try:
-        return _apply_filters(filters, blob)
+        converted = _apply_filters(filters, blob)
     except pygit2.GitError:
         return blob
+    if converted is None:  # NUL bytes, which pygit2 would cut: git converts them
+        by_git = smudged_by_git(workdir, path, oid if oid is not None else git_blob_oid(blob))
+        return blob if by_git is None else by_git
+    return converted
 
 
 def file_mode_on(store: GitStore, workdir: str) -> bool:
@@ -759,10 +763,10 @@ def symlinks_on(store: GitStore, workdir: str) -> bool:
     return _setting_on(store, workdir, "core.symlinks")
 
 
-def cleaned(workdir: str, path: str, data: bytes) -> bytes:
-    """``data`` (a file of ``workdir`` at ``path``) as git would store it: its clean filters applied.
+def cleaned_oid(workdir: str, path: str, data: bytes) -> str:
+    """The blob id git gives ``data``, the file of ``workdir`` at ``path``: its clean filters applied.
 
-    Without filters for the path the bytes come back as they are.  The
+    Without filters for the path that is the id of the bytes themselves.  The
     worktree's repository is kept open per worktree (a few racily clean
     entries of one index are asked in a row).
     """
@@ -773,29 +777,28 @@ def cleaned(workdir: str, path: str, data: bytes) -> bytes:
                 _CLEAN_REPOS.clear()
             repo = _CLEAN_REPOS[workdir] = pygit2.Repository(workdir)
         filters = repo.load_filter_list(path, pygit2.enums.FilterMode.TO_ODB)
-        return data if filters is None else _apply_filters(filters, data)
+        converted = data if filters is None else _apply_filters(filters, data)
     except (pygit2.GitError, KeyError, ValueError):
-        return data
+        converted = data
+    if converted is None:  # NUL bytes, which pygit2 would cut: git hashes the file
+        return blob_id_by_git(workdir, path) or git_blob_oid(data)
+    return git_blob_oid(converted)
 
 
 _CLEAN_REPOS: dict[str, pygit2.Repository] = {}
 
 
-def _apply_filters(filters: "pygit2.filter.FilterList", data: bytes) -> bytes:
-    """libgit2's ``git_filter_list_apply_to_buffer``, every byte of the result kept.
+def _apply_filters(filters: pygit2.filter.FilterList, data: bytes) -> bytes | None:
+    """libgit2's filters applied to ``data``; ``None`` for data holding a NUL byte.
 
-    pygit2's ``FilterList.apply_to_buffer`` reads the result as a C string: a
-    binary file under ``* text=auto`` came back cut at its first NUL byte.
+    pygit2's ``FilterList.apply_to_buffer`` reads its result as a C string: a
+    binary file under ``text`` came back cut at its first NUL byte.  libgit2's
+    own filters (line endings) add no NUL byte, so a result of data without
+    one is whole; data with one is left to git (:mod:`cas.git_filters`).
     """
-    from pygit2.errors import check_error
-    from pygit2.ffi import C, ffi
-
-    buf = ffi.new("git_buf *")
-    check_error(C.git_filter_list_apply_to_buffer(buf, filters._pointer, data, len(data)))
-    try:
-        return bytes(ffi.buffer(buf.ptr, buf.size))
-    finally:
-        C.git_buf_dispose(buf)
+    if b"\0" in data:
+        return None
+    return filters.apply_to_buffer(data)
 
 
 def index_matches(workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:
