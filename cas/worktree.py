@@ -20,7 +20,7 @@ its owner is dead.
 The apply protocol takes ``index.lock`` *before* it moves the branch and keeps
 it until the index is written (:func:`hold_index_lock`, ``held=`` of
 :func:`materialise`), and stages the new entries in the index before the
-branch moves (:mod:`cas.index_ahead`): ``git commit`` reads HEAD and the index
+branch moves (:func:`cas.index.stage_ahead`): ``git commit`` reads HEAD and the index
 first and takes ``index.lock`` after, so it must never find the new HEAD
 beside the old index — its commit would silently revert the change just landed.
 """
@@ -73,11 +73,11 @@ def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str 
 
     A touched path that is a folder in the worktree (a folder giving way to a
     file) is dirty when it holds any file the patch does not touch itself.
-    The index is read through :func:`cas.index_cache.snapshot_for` (parsed
+    The index is read through :func:`cas.index.snapshot_for` (parsed
     once per process while unchanged); working files are compared by content.
     ``store`` reads the trees (a linked worktree shares the object database).
     """
-    from cas.index_cache import snapshot_for
+    from cas.index import snapshot_for
 
     git_dir = os.path.realpath(store.worktree_repo(workdir).path)
     snap = snapshot_for(git_dir)
@@ -521,7 +521,7 @@ def break_dead_own_index_lock(index_lock: str) -> bool:
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(index_lock)
             if (st.st_dev, st.st_ino) == (read_id.st_dev, read_id.st_ino):
-                from cas.index_ahead import settle_ahead
+                from cas.index import settle_ahead
 
                 # The dead call's index may be staged ahead of a branch that never moved:
                 # the index it replaced comes back before anyone else may write it.
@@ -552,7 +552,7 @@ def update_index(
     ``unstat``: paths of ``known`` set without stat data: their files hold
     something else (an edit by hand), which git then sees as a change.
     ``defer_dir``: the index's folder is appended here, not synced (the caller syncs it).
-    ``sync``: ``False`` writes the new index without syncing it (see :mod:`cas.index_ahead`).
+    ``sync``: ``False`` writes the new index without syncing it (see :func:`cas.index.stage_ahead`).
 
     The read-modify-write happens while we hold ``index.lock`` (``held``, or
     taken here and released after), so a concurrent ``git add``/``git commit``
@@ -585,7 +585,7 @@ def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[
 
     ``known``: the entries just written for these paths (their files are not re-hashed).
     """
-    from cas.index_cache import snapshot_for
+    from cas.index import snapshot_for
 
     snap = snapshot_for(lock.git_dir)
     entries: list[tuple[str, TreeEntry]] = []
@@ -807,7 +807,7 @@ def index_matches(workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool
     Raises:
         UsageError: an index libgit2 cannot read (a split or sparse index), with the fix named.
     """
-    from cas.index_cache import open_index
+    from cas.index import open_index
 
     index_path = os.path.join(pygit2.Repository(workdir).path, "index")
     index = open_index(index_path) if os.path.exists(index_path) else pygit2.Index()

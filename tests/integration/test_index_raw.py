@@ -23,7 +23,7 @@ import pytest
 
 from cas.errors import GitStoreError
 from cas.hashing import git_blob_oid
-from cas.index_cache import IndexSnapshot
+from cas.index import IndexSnapshot
 from cas.index_raw import RawIndex, Unsupported
 from cas.objects import TreeEntry
 from conftest import Repo, git, make_repo, snapshot
@@ -342,7 +342,7 @@ def test_corrupt_index_is_reported_before_anything_is_written(tmp_path: Path, mo
 
 def test_apply_on_a_checked_out_branch_goes_through_the_bytes(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import cas.index_cache as index_cache
+    import cas.index as index_cache
     from patcher.protocol import apply
 
     parsed: list[str] = []
@@ -498,7 +498,8 @@ def test_lookups_between_paths_found_before_match_a_whole_scan(tmp_path: Path) -
 
 @pytest.mark.parametrize("kind", ["split", "sparse"])
 def test_an_index_libgit2_cannot_read_is_refused_before_anything_is_written(tmp_path: Path, kind: str) -> None:
-    """A split index (``link``) or a sparse index (``sdir``): a usage error naming the fix, nothing changed."""
+    """A split index (``link``), or a sparse index (``sdir``) given a path new to it (an entry only
+    libgit2 could add): a usage error naming the fix, nothing changed."""
     from conftest import run_cli
 
     repo = make_repo(tmp_path / "repo", {"a/a.txt": "a\n", "b/b.txt": "b\n"})
@@ -509,7 +510,8 @@ def test_an_index_libgit2_cannot_read_is_refused_before_anything_is_written(tmp_
         repo.git("sparse-checkout", "init", "--cone", "--sparse-index")
         repo.git("sparse-checkout", "set", "a")
     patch = tmp_path / "p.diff"
-    patch.write_bytes(b"--- a/a/a.txt\n+++ b/a/a.txt\n@@ -1 +1 @@\n-a\n+A\n")
+    patch.write_bytes(b"--- a/a/a.txt\n+++ b/a/a.txt\n@@ -1 +1 @@\n-a\n+A\n" if kind == "split" else
+                      b"--- /dev/null\n+++ b/a/new.txt\n@@ -0,0 +1 @@\n+A\n")
     before = snapshot(repo)
     r = run_cli("apply", str(patch), "--key", "k1", "--json", cwd=repo.path)
     assert r.code == 2, r.out + r.err
@@ -526,7 +528,8 @@ def test_an_index_libgit2_cannot_read_is_refused_before_anything_is_written(tmp_
         repo.git("sparse-checkout", "init", "--cone", "--no-sparse-index")
     r = run_cli("apply", str(patch), "--key", "k1", "--json", cwd=repo.path)
     assert r.code == 0, r.out + r.err
-    assert repo.git("status", "--porcelain") == "" and (repo.path / "a/a.txt").read_text() == "A\n"
+    changed = "a/a.txt" if kind == "split" else "a/new.txt"
+    assert repo.git("status", "--porcelain") == "" and (repo.path / changed).read_text() == "A\n"
 
 
 def test_recover_names_the_fix_for_a_split_index_and_finishes_once_it_is_off(tmp_path: Path) -> None:
@@ -564,7 +567,7 @@ def test_a_written_index_ends_with_its_checksum_hashed_in_a_thread_or_inline(
     """Big indexes are hashed in a thread while written (their bulk synced meanwhile), small ones first."""
     import hashlib
 
-    import cas.index_cache as index_cache
+    import cas.index as index_cache
 
     monkeypatch.setattr(index_cache, "_HASH_INLINE_MAX", inline_max)
     parts = [b"DIRC" + os.urandom(5000), memoryview(os.urandom(300_000)), b"tail"]
