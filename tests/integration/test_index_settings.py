@@ -117,6 +117,12 @@ def _head_symlink(repo: Repo) -> None:
     assert repo.git("symbolic-ref", "HEAD").strip() == "refs/heads/main"
 
 
+def _head_symlink_to_branch(repo: Repo) -> None:
+    # git's own symlinked HEAD (core.preferSymlinkRefs): the link's target is the ref, the file a commit id.
+    repo.git("-c", "core.preferSymlinkRefs=true", "symbolic-ref", "HEAD", "refs/heads/main")
+    assert os.readlink(repo.path / ".git" / "HEAD") == "refs/heads/main"
+
+
 SETTINGS: dict[str, Callable[[Repo], None]] = {
     "index.version=4": _version_4,
     "feature.manyFiles": _many_files,
@@ -129,6 +135,7 @@ SETTINGS: dict[str, Callable[[Repo], None]] = {
     "intent-to-add": _intent_to_add,
     "core.splitIndex": _split_index,
     "HEAD-symlink": _head_symlink,
+    "HEAD-symlink-to-branch": _head_symlink_to_branch,
 }
 
 #: (setting, patch) pairs libgit2 cannot carry out: refused, nothing changed.
