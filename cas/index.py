@@ -229,6 +229,21 @@ class _ParsedIndex:
         # The copy in memory lacks the stat data the file got: read again when next asked.
         self.identity = None
 
+    @staticmethod
+    def _located(raw: RawIndex, workdir: str, paths: list[str]) -> list[tuple[int, TreeEntry, os.stat_result]]:
+        """Each path's entry in ``raw`` with its file's stat data, for :meth:`RawIndex.updated`.
+
+        Raises:
+            Unsupported: a path's entry is not proven.
+        """
+        changes = []
+        for path in paths:
+            e, te = raw.locate(path), raw.entry(path)
+            if e is None or te is None:
+                raise Unsupported("a path set is not in the written index")
+            changes.append((e, te, os.lstat(os.path.join(workdir, path))))
+        return changes
+
     def _stat_pass(self) -> None:
         """The file libgit2 wrote, through :mod:`cas.index_raw`: stat data set, racily clean entries smudged.
 
@@ -244,14 +259,16 @@ class _ParsedIndex:
         done = False
         with contextlib.suppress(Unsupported, OSError, ValueError):
             raw = RawIndex(self.tmp, stamp_ns=stamp)
-            raw.walk()
-            changes = []
-            for path in paths:
-                e, te = raw.locate(path), raw.entry(path)
-                if e is None or te is None:
-                    raise Unsupported("a path set is not in the written index")
-                changes.append((e, te, os.lstat(os.path.join(workdir, path))))
-            parts, state, hashed = raw.updated(workdir, changes)
+            try:
+                if raw.version == 4 or len(paths) > MAX_PATHS:
+                    raise Unsupported("entries read in order")
+                changes = self._located(raw, workdir, paths)
+                parts, state, hashed = raw.updated(workdir, changes)
+            except Unsupported:
+                raw = RawIndex(self.tmp, stamp_ns=stamp)
+                raw.walk()
+                changes = self._located(raw, workdir, paths)
+                parts, state, hashed = raw.updated(workdir, changes)
             filled = self.tmp + ".stat"
             try:
                 _write_with_checksum(filled, parts, state, hashed, raw.mode, sync=False)

@@ -597,7 +597,7 @@ def test_a_written_index_ends_with_its_checksum_hashed_in_a_thread_or_inline(
 
     import cas.index as index_module
 
-    monkeypatch.setattr(index_cache, "_HASH_INLINE_MAX", inline_max)
+    monkeypatch.setattr(index_module, "_HASH_INLINE_MAX", inline_max)
     parts = [b"DIRC" + os.urandom(5000), memoryview(os.urandom(300_000)), b"tail"]
     state = hashlib.sha1(parts[0][:1000])
     path = tmp_path / "index.new"
