@@ -333,14 +333,30 @@ class IndexSnapshot:
             self._looked_up.add(path)
             if len(self._looked_up) <= MAX_PATHS:
                 try:
-                    found = self._raw.entry(path)
-                    if found is not None or not self._raw.sparse():
-                        return found
-                    # A path new to a sparse index: only libgit2 could add it, and it refuses
-                    # that index; refused now, before anything is prepared.
+                    return self._raw.entry(path)
                 except Unsupported:
                     pass
         return self._use_parsed().entry(path)
+
+    def check_writable(self, paths: list[str]) -> None:
+        """Refuse now, before anything is prepared, an update only libgit2 could write and libgit2 cannot read.
+
+        A path new to a sparse index (or a patch that removes one) needs the
+        full parser, which refuses that index.
+
+        Raises:
+            UsageError: as :func:`open_index` does, the fix named.
+        """
+        if self._raw is None:
+            return
+        try:
+            if not self._raw.sparse():
+                return
+            if len(paths) <= MAX_PATHS and all(self._raw.entry(p) is not None for p in paths):
+                return
+        except Unsupported:
+            pass
+        self._use_parsed()
 
     def confirm(self) -> bool:
         """Whether what :meth:`entry` answered stands: ``False`` when the raw form's checksum failed.
@@ -700,9 +716,15 @@ def _on_branch(git_dir: str, candidate: str) -> bool:
 
 
 def _readable(index: str) -> bool:
-    """Whether libgit2 reads ``index`` whole (its checksum verified)."""
+    """Whether ``index`` reads whole (its checksum verified): by :mod:`cas.index_raw`, else by libgit2.
+
+    A sparse index, which libgit2 refuses, is read by the former.
+    """
     if not os.path.isfile(index):
         return False  # libgit2 would open it as an empty index
+    with contextlib.suppress(Unsupported, OSError, ValueError):
+        RawIndex(index).verified()
+        return True
     with contextlib.suppress(pygit2.GitError, OSError, ValueError):
         _Index(index)
         return True

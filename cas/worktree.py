@@ -102,6 +102,8 @@ def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str 
     dirty = check()
     if not snap.confirm():  # the raw index's checksum, verified meanwhile, failed: ask libgit2
         dirty = check()
+    if not dirty:
+        snap.check_writable(paths)
     return dirty
 
 
@@ -802,22 +804,19 @@ def _apply_filters(filters: pygit2.filter.FilterList, data: bytes) -> bytes | No
 
 
 def index_matches(workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:
-    """Whether the index entries of ``workdir`` equal ``changes``.
+    """Whether the index entries of ``workdir`` equal ``changes`` (read as :func:`cas.index.snapshot_for` reads it).
 
     Raises:
-        UsageError: an index libgit2 cannot read (a split or sparse index), with the fix named.
+        UsageError: an index neither the in-place reader nor libgit2 can read (a split index), with the fix named.
     """
-    from cas.index import open_index
+    from cas.index import snapshot_for
 
-    index_path = os.path.join(pygit2.Repository(workdir).path, "index")
-    index = open_index(index_path) if os.path.exists(index_path) else pygit2.Index()
-    for path, entry in changes.items():
-        try:
-            ie = index[path]
-        except KeyError:
-            if entry is not None:
-                return False
-            continue
-        if entry is None or str(ie.id) != entry.oid or int(ie.mode) != entry.mode:
-            return False
-    return True
+    snap = snapshot_for(os.path.realpath(pygit2.Repository(workdir).path))
+
+    def check() -> bool:
+        return all(snap.entry(path) == entry for path, entry in changes.items())
+
+    same = check()
+    if not snap.confirm():  # the raw index's checksum failed: libgit2 answers
+        same = check()
+    return same
