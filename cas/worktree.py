@@ -9,8 +9,8 @@
 * :func:`materialise` — write each touched file atomically (tmp beside it,
   fsync, rename; symlinks as symlinks; exec bit from the mode), reached
   through folder fds opened with ``O_NOFOLLOW``; then update just those
-  entries of the index and write it once (git's ``index.lock`` protocol,
-  through libgit2).
+  entries of the index and write it once (git's ``index.lock`` protocol;
+  in place where :mod:`cas.index` proves it, else through pygit2's ``Index``).
 
 While oncepatch holds ``index.lock`` it contains ``oncepatch-index-lock <pid> <host>``
 (see :func:`hold_index_lock`), and a marker file in the store names it: recovery
