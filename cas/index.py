@@ -165,6 +165,8 @@ class _ParsedIndex:
         self.index_path = os.path.join(git_dir, "index")
         self.tmp = _tmp_path(git_dir)
         self.identity = _identity(self.index_path)
+        # The mtime the entries in memory were read against (git's racy-clean rule), kept across writes.
+        self._stamp = self.identity[3] if self.identity is not None else None
         self._workdir: str | None = None
         self._stat: list[str] = []  # paths set whose stat data the written file gets
         with contextlib.suppress(FileNotFoundError):
@@ -225,9 +227,14 @@ class _ParsedIndex:
             finally:
                 os.close(fd)
 
-        _replace_index(self.git_dir, self.tmp, write, defer_dir, sync)
-        # The copy in memory lacks the stat data the file got: read again when next asked.
+        # A copy whose entries all went to the file as they are in memory (set without
+        # stat data: the index staged ahead) stays current; one that lacks the stat
+        # data the file got is read again when next asked.
+        reusable = not self._stat
         self.identity = None
+        _replace_index(self.git_dir, self.tmp, write, defer_dir, sync)
+        if reusable:
+            self.identity = _identity(self.index_path)
 
     @staticmethod
     def _located(raw: RawIndex, workdir: str, paths: list[str]) -> list[tuple[int, TreeEntry, os.stat_result]]:
@@ -251,7 +258,7 @@ class _ParsedIndex:
         its own mtime).  Where the pass cannot prove the file, it stays as
         libgit2 wrote it, with the old index's mtime (module docstring).
         """
-        stamp = self.identity[3] if self.identity is not None else None
+        stamp = self._stamp
         workdir, paths = self._workdir, sorted(set(self._stat))
         self._stat.clear()
         if stamp is None or workdir is None:
