@@ -697,24 +697,9 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 @functools.cache
 def _renameat2() -> tuple[Callable[[int, bytes, int, bytes, int], int], Callable[[], int]] | None:
-    """glibc's ``renameat2`` and its errno reader, through cffi's backend or else ctypes; ``None``: not there.
-
-    cffi's backend is loaded already wherever pygit2 is (its bindings are
-    cffi's) and binds the function in microseconds; importing ctypes costs a
-    cold process milliseconds.
-    """
+    """glibc's ``renameat2`` and its errno reader, through ctypes; ``None``: not there."""
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        import _cffi_backend as ffi  # type: ignore[import-untyped]  # cffi's C module, which pygit2 requires
-
-        c_int, c_char = ffi.new_primitive_type("int"), ffi.new_primitive_type("char")
-        signature = ffi.new_function_type(
-            (c_int, ffi.new_pointer_type(c_char), c_int, ffi.new_pointer_type(c_char),
-             ffi.new_primitive_type("unsigned int")), c_int, False)
-        return ffi.load_library(None).load_function(signature, "renameat2"), ffi.get_errno
-    except (ImportError, AttributeError, OSError, TypeError):
-        pass
     try:
         import ctypes
 

@@ -9,6 +9,7 @@ This module reads git's on-disk layout directly: a ``.git`` folder, or a
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from cas.record import record
@@ -92,8 +93,21 @@ def discover(path: str) -> GitLayout:
 
 
 def read_head(git_dir: str) -> str | None:
-    """The ref HEAD points at (``refs/heads/x``), or ``None`` when detached."""
-    with open(os.path.join(git_dir, "HEAD"), "rb") as fh:
+    """The ref HEAD points at (``refs/heads/x``), or ``None`` when detached.
+
+    A HEAD that is a symlink whose target starts with ``refs/`` names that
+    ref, as git reads it (``core.preferSymlinkRefs`` writes HEAD so): the
+    file it reaches holds the branch's commit, or a ``ref:`` line naming the
+    branch (then that branch).
+    """
+    head = os.path.join(git_dir, "HEAD")
+    with contextlib.suppress(OSError):
+        target = os.readlink(head)
+        if target.startswith("refs/"):
+            with open(head, "rb") as fh:
+                text = fh.read(4096).decode("utf-8", "surrogateescape").strip()
+            return text[4:].strip() if text.startswith("ref:") else target
+    with open(head, "rb") as fh:
         text = fh.read().decode("utf-8", "surrogateescape").strip()
     if text.startswith("ref:"):
         return text[4:].strip()

@@ -29,7 +29,7 @@ What this module handles, and how it proves it (anything else raises
   and ``EOIE`` are handled: ``UNTR``, ``FSMN``, ``sdir``, ``link`` and any
   other go to libgit2.  A split index (``sharedindex.*`` beside the index) is
   refused, as libgit2 refuses it (and the apply then refuses it with a usage
-  error: ``cas.index_cache``).
+  error: ``cas.index``).
 * **Cached trees** (``TREE``) of the changed files' folders are invalidated,
   as ``git add`` does (``cache_tree_invalidate_path``): their entry count
   becomes ``-1`` and their object id goes.  ``EOIE``'s hash over the
@@ -72,7 +72,8 @@ _CARRIED_PATHS = 4096
 
 _ENTRY_MODES = frozenset({0o100644, 0o100755, 0o120000})
 _OTHER_MODES = frozenset({0o160000, 0o040000})  # gitlinks, sparse-index folders: libgit2's
-_HANDLED_EXT = frozenset({b"TREE", b"REUC", b"IEOT", b"EOIE"})
+# "sdir" marks a sparse index: it holds no data, and a file entry in the cone is updated as in any index.
+_HANDLED_EXT = frozenset({b"TREE", b"REUC", b"IEOT", b"EOIE", b"sdir"})
 _NODE = re.compile(rb"([^\0]*)\0(-?[0-9]+) ([0-9]+)\n")
 _HEAD = struct.Struct(">10I20sH")  # an entry up to its flags: 62 bytes
 _THREADED_HASH = 1 << 18  # below this the checksum is verified inline
@@ -88,6 +89,22 @@ _Bytes = bytes | mmap.mmap
 
 def _be32(data: _Bytes, off: int) -> int:
     return int.from_bytes(data[off:off + 4], "big")
+
+
+def _varint(data: _Bytes, pos: int, end: int) -> tuple[int, int]:
+    """git's offset varint (``decode_varint``) at ``pos``: its value and the offset after it."""
+    if pos >= end:
+        raise Unsupported("a version 4 path")
+    c = data[pos]
+    pos += 1
+    value = c & 127
+    while c & 128:
+        if pos >= end or value >= 1 << 56:
+            raise Unsupported("a version 4 path")
+        c = data[pos]
+        pos += 1
+        value = ((value + 1) << 7) | (c & 127)
+    return value, pos
 
 
 def racy_file_changed(workdir: str, path: bytes, mode: int, size: int, mtime_sec: int, mtime_nsec: int,
@@ -125,16 +142,22 @@ def racy_file_changed(workdir: str, path: bytes, mode: int, size: int, mtime_sec
         return False
     if mode == 0o120000:
         return True
-    from cas.worktree import cleaned  # only a file whose bytes are not its blob gets here
+    from cas.worktree import cleaned_oid  # only a file whose bytes are not its blob gets here
 
-    return git_blob_oid(cleaned(workdir, os.fsdecode(path), content)) != oid
+    return cleaned_oid(workdir, os.fsdecode(path), content) != oid
 
 
 class RawIndex:
     """One read of an index file; see the module docstring."""
 
-    def __init__(self, path: str, *, written: tuple[int, RawIndex, list[tuple[int, int]]] | None = None) -> None:
+    def __init__(self, path: str, *, written: tuple[int, RawIndex, list[tuple[int, int]]] | None = None,
+                 stamp_ns: int | None = None) -> None:
         """Map the index at ``path`` and start verifying its checksum.
+
+        ``stamp_ns``: the mtime its entries' racy-clean rule is judged against,
+        when not the file's own (a file libgit2 has just written from the
+        index the entries were read from: :mod:`cas.index`).  Versions 2 to
+        4 are read then, through :meth:`walk`.
 
         ``written``: ``(fd, previous, edits)`` for the file this process has just
         written from ``previous`` with these ``(offset, size)`` edits and
@@ -142,7 +165,7 @@ class RawIndex:
         was computed here and is not verified again, and what ``previous`` had
         found carries over (entries keep their offsets: see :meth:`updated`).
         """
-        if written is None:
+        if written is None and stamp_ns is None:
             folder = os.path.dirname(path)
             if any(name.startswith("sharedindex.") for name in os.listdir(folder)):
                 raise Unsupported("split index")
@@ -163,7 +186,7 @@ class RawIndex:
         if len(data) != st.st_size or data[:4] != b"DIRC":
             raise Unsupported("not an index this module reads")
         self.version = _be32(data, 4)
-        if self.version not in (2, 3):
+        if self.version not in ((2, 3) if stamp_ns is None else (2, 3, 4)):
             raise Unsupported(f"index version {self.version}")
         self.data = data
         self._verified: bool | None = None
@@ -177,7 +200,10 @@ class RawIndex:
         self._sorted: list[tuple[bytes, int]] = []  # (path, offset) of the entries found, by path
         # git's racy-clean rule: an entry whose mtime is not older than the index
         # file may hide a change made in the same instant (see _racy_entries).
-        self._index_sec = (st.st_mtime_ns // 1_000_000_000) & 0xFFFFFFFF
+        self._index_sec = ((st.st_mtime_ns if stamp_ns is None else stamp_ns) // 1_000_000_000) & 0xFFFFFFFF
+        # Every entry's offset by path, and its path by offset, once read in order (walk).
+        self._walked: dict[bytes, int] | None = None
+        self._paths_at: dict[int, bytes] = {}
         self._stamped: list[int] = []  # offsets of the index's own mtime second
         self._scanned = False
         self.edits: list[tuple[int, int]] = []  # (offset, size) of what :meth:`updated` replaced
@@ -307,6 +333,52 @@ class RawIndex:
             return e
         return None
 
+    def walk(self) -> None:
+        """Read every entry in order, where the bytes around a path prove no entry (version 4's compressed paths).
+
+        A Python step per entry: the pass over a file libgit2 has just written
+        (:mod:`cas.index`), never the fast path.
+
+        Raises:
+            Unsupported: the entries do not parse.
+        """
+        if self._walked is not None:
+            return
+        data = self.data
+        end = len(data) - 20
+        walked: dict[bytes, int] = {}
+        pos, prev = 12, b""
+        for _ in range(_be32(data, 8)):
+            if pos + 62 > end:
+                raise Unsupported("entries run past the file")
+            flags = int.from_bytes(data[pos + 60:pos + 62], "big")
+            if flags & 0x4000 and self.version < 3:
+                raise Unsupported("extended flags before version 3")
+            p = pos + (64 if flags & 0x4000 else 62)
+            if self.version == 4:
+                strip, p = _varint(data, p, end)
+                nul = data.find(b"\0", p, end)
+                if nul == -1 or strip > len(prev):
+                    raise Unsupported("a version 4 path")
+                path = prev[:len(prev) - strip] + data[p:nul]
+                nxt = nul + 1
+            else:
+                nul = data.find(b"\0", p, end)
+                if nul == -1:
+                    raise Unsupported("an entry's path")
+                path = data[p:nul]
+                nxt = pos + ((p - pos + len(path) + 8) & ~7)
+            walked[path] = pos  # a conflict's last stage wins: locate leaves it to libgit2
+            self._paths_at[pos] = path
+            pos, prev = nxt, path
+        self._walked = walked
+        chain = self._chain(pos, end)
+        if chain is None:
+            raise Unsupported("no extensions after the entries")
+        if any(sig not in _HANDLED_EXT for sig, _off, _size in chain):
+            raise Unsupported("an extension left to libgit2")
+        self._ext = (pos, chain)
+
     def locate(self, path: str) -> int | None:
         """Offset of ``path``'s entry, ``None`` when the path is not in the index.
 
@@ -323,6 +395,12 @@ class RawIndex:
 
     def _locate(self, path: str) -> int | None:
         raw = os.fsencode(path)
+        if self._walked is not None:
+            e = self._walked.get(raw)
+            if e is not None and (int.from_bytes(self.data[e + 60:e + 62], "big") & 0xF000
+                                  or _be32(self.data, e + 24) not in _ENTRY_MODES):
+                raise Unsupported("a staged conflict, flags or mode left to libgit2")
+            return e
         if len(raw) >= 0xFFF or b"\0" in raw:
             raise Unsupported("path length")
         needle = raw + b"\0"
@@ -378,8 +456,14 @@ class RawIndex:
             Unsupported: more than :data:`MAX_RACY` of them, or a path too long to prove.
         """
         start = self.extensions()[0]
-        self.scan_stamps()
         data = self.data
+        if self._walked is not None:
+            stamp = self._index_sec.to_bytes(4, "big")
+            found = [e for e in self._walked.values() if data[e + 8:e + 12] == stamp]
+            if len(found) > MAX_RACY:
+                raise Unsupported("many racily clean entries")
+            return found
+        self.scan_stamps()
         found = []
         for q in self._stamped:
             e = q - 8
@@ -407,10 +491,24 @@ class RawIndex:
     def _changed_file(self, workdir: str, e: int) -> bool:
         """Whether the racily clean entry at ``e`` hides a change (:func:`racy_file_changed`)."""
         data = self.data
-        flags = int.from_bytes(data[e + 60:e + 62], "big")
-        p = e + 62 + (2 if flags & 0x4000 else 0)
-        return racy_file_changed(workdir, data[p:p + (flags & 0xFFF)], _be32(data, e + 24), _be32(data, e + 36),
+        return racy_file_changed(workdir, self._path_at(e), _be32(data, e + 24), _be32(data, e + 36),
                                  _be32(data, e + 8), _be32(data, e + 12), data[e + 40:e + 60].hex())
+
+    def sparse(self) -> bool:
+        """Whether this is a sparse index (its ``sdir`` extension): folders outside the cone are single entries.
+
+        Raises:
+            Unsupported: the extensions cannot be found.
+        """
+        return any(sig == b"sdir" for sig, _off, _size in self.extensions()[1])
+
+    def _path_at(self, e: int) -> bytes:
+        """The path of the entry at ``e``."""
+        if e in self._paths_at:
+            return self._paths_at[e]
+        flags = int.from_bytes(self.data[e + 60:e + 62], "big")
+        p = e + 62 + (2 if flags & 0x4000 else 0)
+        return bytes(self.data[p:p + (flags & 0xFFF)])
 
     def extensions(self) -> tuple[int, list[tuple[bytes, int, int]]]:
         """Where the entries end, and each extension as (signature, offset, size of its data)."""
@@ -543,7 +641,7 @@ class RawIndex:
             if te.mode not in _ENTRY_MODES or len(te.oid) != 40:
                 raise Unsupported("mode or object format")
             flags = int.from_bytes(data[e + 60:e + 62], "big")
-            path = data[e + 62:e + 62 + (flags & 0xFFF)]
+            path = self._path_at(e)
             edits.append((e, 62, _HEAD.pack(
                 int(st.st_ctime) & 0xFFFFFFFF, st.st_ctime_ns % 1_000_000_000,
                 int(st.st_mtime) & 0xFFFFFFFF, st.st_mtime_ns % 1_000_000_000,

@@ -9,8 +9,8 @@
 * :func:`materialise` — write each touched file atomically (tmp beside it,
   fsync, rename; symlinks as symlinks; exec bit from the mode), reached
   through folder fds opened with ``O_NOFOLLOW``; then update just those
-  entries of the index and write it once (git's ``index.lock`` protocol,
-  through libgit2).
+  entries of the index and write it once (git's ``index.lock`` protocol;
+  in place where :mod:`cas.index` proves it, else through pygit2's ``Index``).
 
 While oncepatch holds ``index.lock`` it contains ``oncepatch-index-lock <pid> <host>``
 (see :func:`hold_index_lock`), and a marker file in the store names it: recovery
@@ -20,7 +20,7 @@ its owner is dead.
 The apply protocol takes ``index.lock`` *before* it moves the branch and keeps
 it until the index is written (:func:`hold_index_lock`, ``held=`` of
 :func:`materialise`), and stages the new entries in the index before the
-branch moves (:mod:`cas.index_ahead`): ``git commit`` reads HEAD and the index
+branch moves (:func:`cas.index.stage_ahead`): ``git commit`` reads HEAD and the index
 first and takes ``index.lock`` after, so it must never find the new HEAD
 beside the old index — its commit would silently revert the change just landed.
 """
@@ -53,7 +53,7 @@ __all__ = [
     "break_dead_own_index_lock",
     "dead_own_index_lock",
     "outside_sparse_checkout",
-    "cleaned",
+    "cleaned_oid",
     "update_index",
     "dirty_paths",
     "unsafe_worktree_paths",
@@ -73,11 +73,11 @@ def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str 
 
     A touched path that is a folder in the worktree (a folder giving way to a
     file) is dirty when it holds any file the patch does not touch itself.
-    The index is read through :func:`cas.index_cache.snapshot_for` (parsed
+    The index is read through :func:`cas.index.snapshot_for` (parsed
     once per process while unchanged); working files are compared by content.
     ``store`` reads the trees (a linked worktree shares the object database).
     """
-    from cas.index_cache import snapshot_for
+    from cas.index import snapshot_for
 
     git_dir = os.path.realpath(store.worktree_repo(workdir).path)
     snap = snapshot_for(git_dir)
@@ -102,6 +102,8 @@ def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str 
     dirty = check()
     if not snap.confirm():  # the raw index's checksum, verified meanwhile, failed: ask libgit2
         dirty = check()
+    if not dirty:
+        snap.check_writable(paths)
     return dirty
 
 
@@ -562,7 +564,7 @@ def break_dead_own_index_lock(index_lock: str) -> bool:
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(index_lock)
             if (st.st_dev, st.st_ino) == (read_id.st_dev, read_id.st_ino):
-                from cas.index_ahead import settle_ahead
+                from cas.index import settle_ahead
 
                 # The dead call's index may be staged ahead of a branch that never moved:
                 # the index it replaced comes back before anyone else may write it.
@@ -593,7 +595,7 @@ def update_index(
     ``unstat``: paths of ``known`` set without stat data: their files hold
     something else (an edit by hand), which git then sees as a change.
     ``defer_dir``: the index's folder is appended here, not synced (the caller syncs it).
-    ``sync``: ``False`` writes the new index without syncing it (see :mod:`cas.index_ahead`).
+    ``sync``: ``False`` writes the new index without syncing it (see :func:`cas.index.stage_ahead`).
 
     The read-modify-write happens while we hold ``index.lock`` (``held``, or
     taken here and released after), so a concurrent ``git add``/``git commit``
@@ -627,7 +629,7 @@ def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[
 
     ``known``: the entries just written for these paths (their files are not re-hashed).
     """
-    from cas.index_cache import snapshot_for
+    from cas.index import snapshot_for
 
     snap = snapshot_for(lock.git_dir)
     entries: list[tuple[str, TreeEntry]] = []
@@ -699,8 +701,8 @@ def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, Tr
                 if by_git != entry.oid:
                     return False
                 continue
-        if data != smudged(workdir, path, store.read_blob(entry.oid), wt) and (
-                git_blob_oid(cleaned(workdir, path, data)) != entry.oid):
+        if data != smudged(workdir, path, store.read_blob(entry.oid), wt, oid=entry.oid) and (
+                cleaned_oid(workdir, path, data) != entry.oid):
             # Neither the bytes git would write nor bytes git stores as the blob: changed.
             # (A CRLF file under 'text=auto eol=lf' or 'core.autocrlf=input' that git
             # cleans to its LF blob is not: git's status compares the clean side.)
@@ -778,9 +780,13 @@ def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None
     if filters is None:
         return blob
     try:
-        return _apply_filters(filters, blob)
+        converted = _apply_filters(filters, blob)
     except pygit2.GitError:
         return blob
+    if converted is None:  # NUL bytes, which pygit2 would cut: git converts them
+        by_git = smudged_by_git(workdir, path, oid if oid is not None else git_blob_oid(blob))
+        return blob if by_git is None else by_git
+    return converted
 
 
 def file_mode_on(store: GitStore, workdir: str) -> bool:
@@ -801,10 +807,10 @@ def symlinks_on(store: GitStore, workdir: str) -> bool:
     return _setting_on(store, workdir, "core.symlinks")
 
 
-def cleaned(workdir: str, path: str, data: bytes) -> bytes:
-    """``data`` (a file of ``workdir`` at ``path``) as git would store it: its clean filters applied.
+def cleaned_oid(workdir: str, path: str, data: bytes) -> str:
+    """The blob id git gives ``data``, the file of ``workdir`` at ``path``: its clean filters applied.
 
-    Without filters for the path the bytes come back as they are.  The
+    Without filters for the path that is the id of the bytes themselves.  The
     worktree's repository is kept open per worktree (a few racily clean
     entries of one index are asked in a row).
     """
@@ -815,48 +821,44 @@ def cleaned(workdir: str, path: str, data: bytes) -> bytes:
                 _CLEAN_REPOS.clear()
             repo = _CLEAN_REPOS[workdir] = pygit2.Repository(workdir)
         filters = repo.load_filter_list(path, pygit2.enums.FilterMode.TO_ODB)
-        return data if filters is None else _apply_filters(filters, data)
+        converted = data if filters is None else _apply_filters(filters, data)
     except (pygit2.GitError, KeyError, ValueError):
-        return data
+        converted = data
+    if converted is None:  # NUL bytes, which pygit2 would cut: git hashes the file
+        return blob_id_by_git(workdir, path) or git_blob_oid(data)
+    return git_blob_oid(converted)
 
 
 _CLEAN_REPOS: dict[str, pygit2.Repository] = {}
 
 
-def _apply_filters(filters: "pygit2.filter.FilterList", data: bytes) -> bytes:
-    """libgit2's ``git_filter_list_apply_to_buffer``, every byte of the result kept.
+def _apply_filters(filters: pygit2.filter.FilterList, data: bytes) -> bytes | None:
+    """libgit2's filters applied to ``data``; ``None`` for data holding a NUL byte.
 
-    pygit2's ``FilterList.apply_to_buffer`` reads the result as a C string: a
-    binary file under ``* text=auto`` came back cut at its first NUL byte.
+    pygit2's ``FilterList.apply_to_buffer`` reads its result as a C string: a
+    binary file under ``text`` came back cut at its first NUL byte.  libgit2's
+    own filters (line endings) add no NUL byte, so a result of data without
+    one is whole; data with one is left to git (:mod:`cas.git_filters`).
     """
-    from pygit2.errors import check_error
-    from pygit2.ffi import C, ffi
-
-    buf = ffi.new("git_buf *")
-    check_error(C.git_filter_list_apply_to_buffer(buf, filters._pointer, data, len(data)))
-    try:
-        return bytes(ffi.buffer(buf.ptr, buf.size))
-    finally:
-        C.git_buf_dispose(buf)
+    if b"\0" in data:
+        return None
+    return filters.apply_to_buffer(data)
 
 
 def index_matches(workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:
-    """Whether the index entries of ``workdir`` equal ``changes``.
+    """Whether the index entries of ``workdir`` equal ``changes`` (read as :func:`cas.index.snapshot_for` reads it).
 
     Raises:
-        UsageError: an index libgit2 cannot read (a split or sparse index), with the fix named.
+        UsageError: an index neither the in-place reader nor libgit2 can read (a split index), with the fix named.
     """
-    from cas.index_cache import open_index
+    from cas.index import snapshot_for
 
-    index_path = os.path.join(pygit2.Repository(workdir).path, "index")
-    index = open_index(index_path) if os.path.exists(index_path) else pygit2.Index()
-    for path, entry in changes.items():
-        try:
-            ie = index[path]
-        except KeyError:
-            if entry is not None:
-                return False
-            continue
-        if entry is None or str(ie.id) != entry.oid or int(ie.mode) != entry.mode:
-            return False
-    return True
+    snap = snapshot_for(os.path.realpath(pygit2.Repository(workdir).path))
+
+    def check() -> bool:
+        return all(snap.entry(path) == entry for path, entry in changes.items())
+
+    same = check()
+    if not snap.confirm():  # the raw index's checksum failed: libgit2 answers
+        same = check()
+    return same

@@ -22,8 +22,8 @@ __all__ = ["prefetch_indexes", "settle_dead_calls", "check_worktrees", "hold_ind
 
 
 def prefetch_indexes(gstore: GitStore, branch: str) -> None:
-    """Start reading the index of every worktree on ``branch`` in the background (:func:`cas.index_cache.prefetch`)."""
-    from cas.index_cache import prefetch
+    """Start reading the index of every worktree on ``branch`` in the background (:func:`cas.index.prefetch`)."""
+    from cas.index import prefetch
 
     for workdir, _git_dir in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
         try:
@@ -223,7 +223,7 @@ SETTLE_ATTEMPTS = 3
 
 
 class IndexesAhead:
-    """The indexes of the worktrees on the branch, staged ahead of its move (:mod:`cas.index_ahead`), for one call.
+    """The indexes of the worktrees on the branch, staged ahead of its move (:func:`cas.index.stage_ahead`), for one call.
 
     Calling sequence: :meth:`stage` once, with the candidate, under the
     branch's lock just before it moves; then :meth:`settle` once, with the
@@ -242,7 +242,7 @@ class IndexesAhead:
         Raises:
             GitStoreError: an index could not be written (nothing has moved; :meth:`settle` restores).
         """
-        from cas.index_ahead import stage_ahead
+        from cas.index import stage_ahead
 
         assert not self._staged, "staged once per call"
         if not self._held:
@@ -258,7 +258,7 @@ class IndexesAhead:
         """Keep the staged indexes if the branch moved to the candidate, else bring back those they replaced.
 
         ``moved``: whether the swap moved the branch; ``None``: unknown (see
-        :func:`cas.index_ahead.settle_ahead`).  ``materialised``: the files and
+        :func:`cas.index.settle_ahead`).  ``materialised``: the files and
         their index were written after the move (else a staged index that
         stays is synced first).
 
@@ -267,7 +267,7 @@ class IndexesAhead:
                 the index locks held (a marked dead lock is settled by whoever breaks it).
         """
         from cas.durable import fsync_dir
-        from cas.index_ahead import settle_ahead
+        from cas.index import settle_ahead
 
         for git_dir in self._staged:
             # A transient fault (EIO on the rename or the folder's sync) is tried again:

@@ -140,7 +140,7 @@ def _resume(proc: subprocess.Popen[bytes]) -> tuple[int, Any]:
 PATCH_F = b"--- a/f.txt\n+++ b/f.txt\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n"
 
 #: Files enough for an index of more than 1 MiB, which is swapped into place when staged
-#: (``cas.index_cache._EXCHANGE_MIN``), where a small one is renamed.
+#: (``cas.index._EXCHANGE_MIN``), where a small one is renamed.
 BULK_FILES = 7_000
 
 

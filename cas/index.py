@@ -1,4 +1,7 @@
-"""One copy of a worktree's index per process, reused while the file is unchanged.
+"""A worktree's index: read once per process, updated in place or through pygit2's ``Index``, staged ahead.
+
+The one module that updates git's index without libgit2 writing all of it;
+everything it does not prove goes through pygit2's public :class:`pygit2.Index`.
 
 git's index is one file rewritten whole; at 100k entries libgit2 takes tens of
 milliseconds to parse it and as long to write it, and a call needs it twice
@@ -9,7 +12,14 @@ lookups and the update of entries a patch modifies go through the bytes,
 the rest passes through unparsed.  Whatever the raw form cannot prove
 switches the snapshot to libgit2 (:class:`_ParsedIndex`), which parses a hard
 link of the index (``index`` linked to ``index<TMP_MARK><pid>``, which
-libgit2 may rewrite without touching the real file).  Either way the file's
+libgit2 may rewrite without touching the real file).  pygit2's ``Index``
+sets an entry's path, id and mode only: the file libgit2 writes is then
+passed through :mod:`cas.index_raw` once more for the stat data of the files
+just written and git's racy-clean rule (judged against the index it was read
+from); where that pass cannot prove the file, the new index keeps the old
+one's mtime, so every entry git could take for racily clean still is
+(git compares those files' content), and the entries just set have no stat
+data (git compares their content too).  Either way the file's
 identity (inode, size, mtime) is remembered: while the real index still has
 it, the copy is current and is reused.  After an install the raw form maps
 the file it has just written (its checksum computed here, its entries where
@@ -22,6 +32,44 @@ Writing (:meth:`IndexSnapshot.install`) happens while the caller holds
 over it.  Entries get full stat data, so ``git diff-files`` sees the files
 clean without re-hashing them; racily clean entries whose files changed are
 smudged first, as git's writer does (see docs/DECISIONS.md).
+
+Staged ahead of the branch
+--------------------------
+
+Race guarded: ``git commit`` reads HEAD, then the index, and only then takes
+``index.lock``; it builds its tree from the index it read.  Had the branch
+moved first and the index followed, a ``git commit`` that read the new HEAD
+and the old index in between, and took ``index.lock`` the moment we released
+it, would commit the old index on top of the new commit: a silent revert of
+the change, with both commits in the log.  Git's own commands change the
+index first and HEAD after, and so does the apply protocol.  While it holds
+``index.lock`` and before the branch moves, :func:`stage_ahead` sets the
+touched entries of the index to the candidate's, without stat data (the files
+still hold the base: git compares their content and sees them changed).  After
+the move the files are written, and the index again with their stat data
+(:func:`cas.worktree.materialise`).
+
+The apply protocol stages the index under the branch's ref lock, after its
+compare-and-swap found the branch at the base and its fence held, just before
+the rename that moves the branch: a ``git commit`` that reads the staged
+index then also finds the branch moved by the time it can take
+``index.lock``.  Staged before the compare, a refused call (the ref lock
+held, a fence lost) would leave a window in which git could read the staged
+entries on the unmoved branch and commit them as its own.
+
+The index it replaced is kept, hard-linked, as
+``<git-dir>/index.oncepatch-base.<pid>.<candidate>`` until the call knows
+whether the branch moved (:func:`settle_ahead`): renamed back over ``index``
+when it did not (the ref's rename failed), removed when it did.  A call killed
+in between leaves it beside its marked ``index.lock``, and whoever breaks that
+lock settles the kept index of that lock's pid first (:func:`settle_ahead`
+with ``moved`` unknown): it comes back unless the candidate is on the
+worktree's branch and the index is readable.
+
+Not closed here: a ``git commit`` that read the index before the call took
+``index.lock`` and takes the lock after the call released it writes its stale
+index back (its commit then fails on HEAD, which moved).  That is git's own
+race; it loses a concurrent ``git add`` the same way (docs/CONCURRENCY.md).
 """
 
 from __future__ import annotations
@@ -31,21 +79,24 @@ import hashlib
 import os
 import re
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
 import pygit2
 
 from cas.durable import TMP_MARK, exchange, fsync_all, fsync_dir, write_all
 from cas.errors import DurableWriteError, GitStoreError, UsageError
+from cas.index_raw import MAX_PATHS, RawIndex, Unsupported
 from cas.objects import TreeEntry
 
 if TYPE_CHECKING:
-    from cas.index_raw import RawIndex
+    from cas.worktree import IndexLock
 
-__all__ = ["IndexSnapshot", "snapshot_for", "prefetch", "open_index", "unreadable_index"]
+__all__ = ["IndexSnapshot", "snapshot_for", "prefetch", "open_index", "unreadable_index",
+           "KEPT_PREFIX", "kept_indexes", "stage_ahead", "settle_ahead", "IN_PLACE"]
 
-_MODE_TREE = 0o040000
+#: Whether the in-place path (:mod:`cas.index_raw`) is tried first; ``False``: pygit2's ``Index`` for all.
+IN_PLACE = True
 _cache: dict[str, IndexSnapshot] = {}
 _loading: dict[str, threading.Thread] = {}
 _cache_lock = threading.Lock()
@@ -59,15 +110,18 @@ def _identity(path: str) -> tuple[int, int, int, int] | None:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _open_index(path: str) -> pygit2.Index:
-    """``pygit2.Index(path)``, without the half-made object whose ``__del__`` fails when the open fails."""
-    from pygit2.errors import check_error
-    from pygit2.ffi import C, ffi
+class _Index(pygit2.Index):
+    """pygit2's ``Index`` opened from a path, without a finaliser's traceback when the open failed.
 
-    cindex = ffi.new("git_index **")
-    check_error(C.git_index_open(cindex, os.fsencode(path)))
-    index: pygit2.Index = pygit2.Index.from_c(None, cindex)  # type: ignore[no-untyped-call]
-    return index
+    pygit2's ``__del__`` frees what ``__init__`` would have set, and raised
+    ``AttributeError`` (printed as "Exception ignored") for an index libgit2
+    refused, a split or sparse one say: an object whose ``__init__`` set
+    nothing is not finalised.
+    """
+
+    def __del__(self) -> None:
+        if vars(self):
+            super().__del__()
 
 
 def _mandatory_extension_refused(index_path: str, name: str) -> str:
@@ -90,7 +144,7 @@ def open_index(path: str) -> pygit2.Index:
         GitStoreError: any other failure.
     """
     try:
-        return _open_index(path)
+        return _Index(path)
     except (OSError, pygit2.GitError) as exc:
         raise unreadable_index(path, exc) from exc
 
@@ -104,19 +158,23 @@ def unreadable_index(index_path: str, exc: Exception) -> UsageError | GitStoreEr
 
 
 class _ParsedIndex:
-    """A copy of ``<git_dir>/index`` parsed by libgit2; see the module docstring."""
+    """A copy of ``<git_dir>/index`` parsed by libgit2 (pygit2's public ``Index``); see the module docstring."""
 
     def __init__(self, git_dir: str) -> None:
         self.git_dir = git_dir
         self.index_path = os.path.join(git_dir, "index")
         self.tmp = _tmp_path(git_dir)
         self.identity = _identity(self.index_path)
+        # The mtime the entries in memory were read against (git's racy-clean rule), kept across writes.
+        self._stamp = self.identity[3] if self.identity is not None else None
+        self._workdir: str | None = None
+        self._stat: list[str] = []  # paths set whose stat data the written file gets
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp)
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.link(self.index_path, self.tmp)  # no index yet: an empty one is written
-            self.index = _open_index(self.tmp)
+            self.index: pygit2.Index = _Index(self.tmp)
         except (OSError, pygit2.GitError) as exc:
             raise unreadable_index(self.index_path, exc) from exc
         finally:
@@ -125,7 +183,7 @@ class _ParsedIndex:
                 os.unlink(self.tmp)
 
     def current(self) -> bool:
-        """Whether the real index is still the file this copy was parsed from (or last wrote)."""
+        """Whether the real index is still the file this copy was parsed from."""
         return self.identity is not None and _identity(self.index_path) == self.identity
 
     def entry(self, path: str) -> TreeEntry | None:
@@ -141,62 +199,15 @@ class _ParsedIndex:
 
         ``unstat``: added paths whose file is not the entry's content; their stat
         data stays zero, so git compares the file's content and sees the change.
+        The stat data of the others is set as the file is written (:meth:`install`).
         """
-        from pygit2.errors import check_error
-        from pygit2.ffi import C, ffi
-
-        self._smudge_racy(workdir)
         for path in removed:
             with contextlib.suppress(OSError, KeyError, pygit2.GitError):
                 self.index.remove(path)
         for path, te in added:
-            if path in unstat:
-                e = ffi.new("git_index_entry *")
-                e.mode = te.mode
-                ffi.buffer(ffi.addressof(e, "id"))[:] = bytes.fromhex(te.oid)
-                c_path = ffi.new("char[]", os.fsencode(path))
-                e.path = c_path
-                check_error(C.git_index_add(self.index._index, e))
-                continue
-            st = os.lstat(os.path.join(workdir, path))
-            e = ffi.new("git_index_entry *")
-            e.ctime.seconds = int(st.st_ctime) & 0xFFFFFFFF
-            e.ctime.nanoseconds = st.st_ctime_ns % 1_000_000_000
-            e.mtime.seconds = int(st.st_mtime) & 0xFFFFFFFF
-            e.mtime.nanoseconds = st.st_mtime_ns % 1_000_000_000
-            e.dev = st.st_dev & 0xFFFFFFFF
-            e.ino = st.st_ino & 0xFFFFFFFF
-            e.mode = te.mode
-            e.uid = st.st_uid & 0xFFFFFFFF
-            e.gid = st.st_gid & 0xFFFFFFFF
-            e.file_size = st.st_size & 0xFFFFFFFF
-            ffi.buffer(ffi.addressof(e, "id"))[:] = bytes.fromhex(te.oid)
-            c_path = ffi.new("char[]", os.fsencode(path))
-            e.path = c_path
-            check_error(C.git_index_add(self.index._index, e))
-
-    def _smudge_racy(self, workdir: str) -> None:
-        """Smudge racily clean entries whose files changed (size 0), as git's writer does.
-
-        libgit2 does this only for an index opened through its repository; this
-        one is opened from a path.  Seconds are compared, as git without
-        nanosecond timestamps does: a superset of what git calls racy.
-        """
-        from pygit2.ffi import C, ffi
-
-        from cas.index_raw import racy_file_changed
-
-        if self.identity is None:
-            return
-        stamp = self.identity[3] // 1_000_000_000
-        raw = self.index._index
-        for i in range(C.git_index_entrycount(raw)):
-            e = C.git_index_get_byindex(raw, i)
-            if (e.mtime.seconds & 0xFFFFFFFF) < (stamp & 0xFFFFFFFF) or e.file_size == 0:
-                continue
-            if racy_file_changed(workdir, ffi.string(e.path), e.mode, e.file_size, e.mtime.seconds & 0xFFFFFFFF,
-                                 e.mtime.nanoseconds, bytes(ffi.buffer(ffi.addressof(e, "id"))[:20]).hex()):
-                ffi.cast("git_index_entry *", e).file_size = 0
+            self.index.add(pygit2.IndexEntry(path, pygit2.Oid(hex=te.oid), pygit2.enums.FileMode(te.mode)))
+        self._workdir = workdir
+        self._stat.extend(p for p, _te in added if p not in unstat)
 
     def install(self, also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None,
                 sync: bool = True) -> None:
@@ -207,6 +218,7 @@ class _ParsedIndex:
         """
         def write() -> None:
             self.index.write()
+            self._stat_pass()
             if not sync:
                 return
             fd = os.open(self.tmp, os.O_RDONLY)
@@ -215,9 +227,67 @@ class _ParsedIndex:
             finally:
                 os.close(fd)
 
+        # A copy whose entries all went to the file as they are in memory (set without
+        # stat data: the index staged ahead) stays current; one that lacks the stat
+        # data the file got is read again when next asked.
+        reusable = not self._stat
         self.identity = None
         _replace_index(self.git_dir, self.tmp, write, defer_dir, sync)
-        self.identity = _identity(self.index_path)
+        if reusable:
+            self.identity = _identity(self.index_path)
+
+    @staticmethod
+    def _located(raw: RawIndex, workdir: str, paths: list[str]) -> list[tuple[int, TreeEntry, os.stat_result]]:
+        """Each path's entry in ``raw`` with its file's stat data, for :meth:`RawIndex.updated`.
+
+        Raises:
+            Unsupported: a path's entry is not proven.
+        """
+        changes = []
+        for path in paths:
+            e, te = raw.locate(path), raw.entry(path)
+            if e is None or te is None:
+                raise Unsupported("a path set is not in the written index")
+            changes.append((e, te, os.lstat(os.path.join(workdir, path))))
+        return changes
+
+    def _stat_pass(self) -> None:
+        """The file libgit2 wrote, through :mod:`cas.index_raw`: stat data set, racily clean entries smudged.
+
+        Judged against the index the entries were read from (libgit2 writes
+        its own mtime).  Where the pass cannot prove the file, it stays as
+        libgit2 wrote it, with the old index's mtime (module docstring).
+        """
+        stamp = self._stamp
+        workdir, paths = self._workdir, sorted(set(self._stat))
+        self._stat.clear()
+        if stamp is None or workdir is None:
+            return
+        done = False
+        with contextlib.suppress(Unsupported, OSError, ValueError):
+            raw = RawIndex(self.tmp, stamp_ns=stamp)
+            try:
+                if raw.version == 4 or len(paths) > MAX_PATHS:
+                    raise Unsupported("entries read in order")
+                changes = self._located(raw, workdir, paths)
+                parts, state, hashed = raw.updated(workdir, changes)
+            except Unsupported:
+                raw = RawIndex(self.tmp, stamp_ns=stamp)
+                raw.walk()
+                changes = self._located(raw, workdir, paths)
+                parts, state, hashed = raw.updated(workdir, changes)
+            filled = self.tmp + ".stat"
+            try:
+                _write_with_checksum(filled, parts, state, hashed, raw.mode, sync=False)
+                os.replace(filled, self.tmp)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(filled)
+                raise
+            done = True
+        if not done:
+            st = os.stat(self.tmp)
+            os.utime(self.tmp, ns=(st.st_atime_ns, stamp))
 
 
 class IndexSnapshot:
@@ -231,17 +301,18 @@ class IndexSnapshot:
     """
 
     def __init__(self, git_dir: str) -> None:
-        from cas.index_raw import RawIndex, Unsupported
-
         self.git_dir = git_dir
         self.index_path = os.path.join(git_dir, "index")
         self._raw: RawIndex | None = None
         self._parsed: _ParsedIndex | None = None
         self._looked_up: set[str] = set()
         self._pending: tuple[list[bytes | memoryview], hashlib._Hash, int] | None = None
+        self.identity: tuple[int, int, int, int] | None = None
         try:
+            if not IN_PLACE:
+                raise Unsupported("the in-place path is off")
             self._raw = RawIndex(self.index_path)
-            self.identity: tuple[int, int, int, int] | None = self._raw.identity
+            self.identity = self._raw.identity
         except (Unsupported, FileNotFoundError):
             self._use_parsed()
         except OSError as exc:
@@ -265,8 +336,6 @@ class IndexSnapshot:
         return self.identity is not None and _identity(self.index_path) == self.identity
 
     def entry(self, path: str) -> TreeEntry | None:
-        from cas.index_raw import MAX_PATHS, Unsupported
-
         if self._raw is not None:
             self._looked_up.add(path)
             if len(self._looked_up) <= MAX_PATHS:
@@ -275,6 +344,26 @@ class IndexSnapshot:
                 except Unsupported:
                     pass
         return self._use_parsed().entry(path)
+
+    def check_writable(self, paths: list[str]) -> None:
+        """Refuse now, before anything is prepared, an update only libgit2 could write and libgit2 cannot read.
+
+        A path new to a sparse index (or a patch that removes one) needs the
+        full parser, which refuses that index.
+
+        Raises:
+            UsageError: as :func:`open_index` does, the fix named.
+        """
+        if self._raw is None:
+            return
+        try:
+            if not self._raw.sparse():
+                return
+            if len(paths) <= MAX_PATHS and all(self._raw.entry(p) is not None for p in paths):
+                return
+        except Unsupported:
+            pass
+        self._use_parsed()
 
     def confirm(self) -> bool:
         """Whether what :meth:`entry` answered stands: ``False`` when the raw form's checksum failed.
@@ -285,8 +374,6 @@ class IndexSnapshot:
         Raises:
             GitStoreError: the index is corrupt (reported by libgit2's parse).
         """
-        from cas.index_raw import Unsupported
-
         if self._raw is not None:
             self._raw.scan_stamps()  # while the checksum thread hashes
             try:
@@ -303,8 +390,6 @@ class IndexSnapshot:
 
         ``unstat``: see :meth:`_ParsedIndex.stage`.
         """
-        from cas.index_raw import MAX_PATHS, Unsupported
-
         if self._raw is not None and not removed and len(added) <= MAX_PATHS:
             try:
                 changes = []
@@ -328,7 +413,7 @@ class IndexSnapshot:
         index describes; the list is emptied once they are synced.
         ``defer_dir``: see :func:`_replace_index`.
         ``sync``: ``False`` writes the file without syncing it (an index that
-        only has to be *seen* until the next one replaces it: :mod:`cas.index_ahead`).
+        only has to be *seen* until the next one replaces it: :func:`stage_ahead`).
         """
         if self._parsed is not None:
             self._parsed.install(also_sync, defer_dir, sync)
@@ -336,8 +421,6 @@ class IndexSnapshot:
             return
         if self._pending is None:
             return
-        from cas.index_raw import RawIndex, Unsupported
-
         parts, state, hashed = self._pending
         self._pending = None
         previous = self._raw
@@ -535,3 +618,121 @@ def snapshot_for(git_dir: str) -> IndexSnapshot:
         with _cache_lock:
             _cache[key] = snap
     return snap
+
+
+# -- staged ahead of the branch (module docstring) ----------------------------
+
+#: ``<git-dir>/index.oncepatch-base.<pid>.<candidate>``: the index a call's staged index replaced.
+KEPT_PREFIX = "index.oncepatch-base."
+
+
+def kept_indexes(git_dir: str, pid: int | None = None) -> list[str]:
+    """The kept indexes in ``git_dir`` (of process ``pid`` only, if given)."""
+    try:
+        names = os.listdir(git_dir)
+    except OSError:
+        return []
+    want = KEPT_PREFIX if pid is None else f"{KEPT_PREFIX}{pid}."
+    return sorted(os.path.join(git_dir, n) for n in names if n.startswith(want))
+
+
+def _candidate_of(kept: str) -> str:
+    return os.path.basename(kept)[len(KEPT_PREFIX):].split(".", 1)[-1]
+
+
+def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry | None], candidate: str) -> bool:
+    """Set ``changes`` (path → the candidate's entry, ``None``: no file) in the index, keeping the index it replaces.
+
+    ``lock``: the worktree's ``index.lock``, held.  Once per call: only the
+    branch's rename follows.  The new index is not synced: it only has to be
+    seen until the index of the materialised files replaces it, and a crash
+    brings the kept one back.  Returns whether the index was staged
+    (``False``: the worktree has no index yet, and nothing was written).
+
+    Raises:
+        GitStoreError: the index could not be written (the kept one is left for :func:`settle_ahead`).
+    """
+    from cas.worktree import update_index  # its caller: the index lock and the files are its
+
+    git_dir = lock.git_dir
+    kept = os.path.join(git_dir, f"{KEPT_PREFIX}{os.getpid()}.{candidate}")
+    try:
+        for stale in kept_indexes(git_dir):
+            # Its index.lock was removed by hand, not broken (that settles it): the
+            # index has moved on since, and this is no longer the one to bring back.
+            os.unlink(stale)
+        try:
+            os.link(os.path.join(git_dir, "index"), kept)
+        except FileNotFoundError:
+            return False
+    except OSError as exc:
+        raise GitStoreError(f"cannot keep the index of '{workdir}' as '{kept}': {exc}") from exc
+    removed = sorted(p for p, e in changes.items() if e is None)
+    added = sorted(p for p, e in changes.items() if e is not None)
+    update_index(workdir, removed, added, held=lock, known=changes, unstat=set(added), sync=False)
+    return True
+
+
+def settle_ahead(git_dir: str, moved: bool | None, *, pid: int | None = None, sync_index: bool = False) -> None:
+    """The staged index of process ``pid`` (this one by default): kept if the branch moved, else the kept one back.
+
+    ``moved``: whether the branch moved to the candidate; ``None``: unknown
+    (the swap failed, maybe after its rename; a dead call), then the staged
+    index stays only when the candidate is on the worktree's branch and the
+    index is readable (a crash of the machine may leave the unsynced staged
+    index torn).  ``sync_index``: a staged index that stays is synced with its
+    folder first (the files could not be written after it).  A kept index
+    that cannot be removed is left for the next :func:`stage_ahead`.
+
+    Raises:
+        OSError: the kept index could not be put back.
+    """
+    index = os.path.join(git_dir, "index")
+    for kept in kept_indexes(git_dir, os.getpid() if pid is None else pid):
+        stays = moved if moved is not None else _on_branch(git_dir, _candidate_of(kept)) and _readable(index)
+        if not stays:
+            _restore(git_dir, kept)
+            continue
+        with contextlib.suppress(OSError):
+            if sync_index:
+                fsync_all([index, git_dir])
+            os.unlink(kept)
+
+
+def _restore(git_dir: str, kept: str) -> None:
+    index = os.path.join(git_dir, "index")
+    try:
+        same = os.path.samefile(kept, index)
+    except FileNotFoundError:
+        same = False
+    if same:  # killed between keeping it and writing the staged one
+        os.unlink(kept)
+        return
+    os.replace(kept, index)
+    fsync_dir(git_dir)
+
+
+def _on_branch(git_dir: str, candidate: str) -> bool:
+    """Whether ``candidate`` is the head of ``git_dir``'s checked-out branch, or behind it."""
+    try:
+        repo = pygit2.Repository(git_dir)
+        tip = str(repo.head.target)
+        return tip == candidate or bool(repo.descendant_of(tip, candidate))
+    except (pygit2.GitError, KeyError, ValueError):
+        return False
+
+
+def _readable(index: str) -> bool:
+    """Whether ``index`` reads whole (its checksum verified): by :mod:`cas.index_raw`, else by libgit2.
+
+    A sparse index, which libgit2 refuses, is read by the former.
+    """
+    if not os.path.isfile(index):
+        return False  # libgit2 would open it as an empty index
+    with contextlib.suppress(Unsupported, OSError, ValueError):
+        RawIndex(index).verified()
+        return True
+    with contextlib.suppress(pygit2.GitError, OSError, ValueError):
+        _Index(index)
+        return True
+    return False
