@@ -91,7 +91,7 @@ def test_a_transient_fault_writing_the_index_and_putting_it_back_releases_the_lo
     (Settling a worktree's index that cannot be put back leaves its lock held on purpose:
     released, git would commit the staged entries.  A transient fault must not get there.)
     """
-    from cas.index_ahead import KEPT_PREFIX
+    from cas.index import KEPT_PREFIX
 
     index = repo.path / ".git" / "index"
     lock = repo.path / ".git" / "index.lock"
