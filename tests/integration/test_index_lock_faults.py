@@ -122,7 +122,7 @@ def test_a_removal_that_keeps_failing_is_reported_and_the_lock_stays_ours(
     from cas.worktree import RELEASE_ATTEMPTS, hold_index_lock
 
     lock_path = repo.path / ".git" / "index.lock"
-    lock = hold_index_lock(str(repo.path))
+    lock = hold_index_lock(str(repo.path), timeout=0.0)
     monkeypatch.setattr(os, "unlink", failing(os.unlink, named(lock_path), set(range(1, RELEASE_ATTEMPTS + 1))))
     with pytest.raises(OSError):
         lock.release()
