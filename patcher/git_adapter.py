@@ -26,6 +26,8 @@ import os
 import time
 from typing import Any
 
+import filelock
+
 from cas.gitdir import worktrees_on
 from cas.pids import gone
 from cas.objects import GitStore, TreeEntry
@@ -619,11 +621,15 @@ def _check_worktree_repo(path: str) -> str | None:
 
 
 def _try_lock_hash(rstore: ReceiptStore, h: str) -> Any:
-    from receipts.flock import FileLock
+    from receipts.flock import file_lock
 
     os.makedirs(rstore.locks_dir, exist_ok=True)
-    lk = FileLock(os.path.join(rstore.locks_dir, f"{h}.lock"))
-    return lk if lk.acquire(0) else None
+    lk = file_lock(os.path.join(rstore.locks_dir, f"{h}.lock"))
+    try:
+        lk.acquire(timeout=0)
+    except filelock.Timeout:
+        return None
+    return lk
 
 
 def _matches(gstore: GitStore, workdir: str, path: str, entry: TreeEntry | None) -> bool:

@@ -7,6 +7,8 @@ import shlex
 from collections.abc import Callable
 from typing import Any
 
+import filelock
+
 from cas.errors import GitStoreError, OncepatchError, RefLockedError
 from cas.gitdir import worktrees_on
 from cas.hashing import sha256_hex
@@ -55,7 +57,7 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
 
     def on_dead(index_lock: str) -> None:
         from patcher.git_adapter import GitAdapter
-        from receipts.flock import FileLock
+        from receipts.flock import file_lock
         from receipts.recovery import resolve_receipt
         from receipts.states import needs_resolution
 
@@ -82,8 +84,10 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
                 if needs_resolution(receipt.status):
                     unsettled.append(receipt.key)
                 continue
-            lock = FileLock(rstore.lock_path(receipt.key))
-            if not lock.acquire(SETTLE_WAIT, poll=0.01):
+            lock = file_lock(rstore.lock_path(receipt.key))
+            try:
+                lock.acquire(timeout=SETTLE_WAIT, poll_interval=0.01)
+            except filelock.Timeout:
                 unsettled.append(receipt.key)  # still held by another process all this while
                 continue
             try:
@@ -278,7 +282,7 @@ def materialise_all(
     The commit has landed when this runs, so a failure here does not undo it:
     it becomes a warning in the receipt, and ``recover`` materialises again.
     """
-    from receipts.flock import FileLock
+    from receipts.flock import file_lock
 
     warnings: list[str] = []
     if not worktrees:
@@ -287,8 +291,10 @@ def materialise_all(
     os.makedirs(rstore.locks_dir, exist_ok=True)
     for workdir, _git_dir in worktrees:
         wt_lock = os.path.join(rstore.locks_dir, "worktree-" + sha256_hex(workdir.encode()) + ".lock")
-        lk = FileLock(wt_lock)
-        if not lk.acquire(60, poll=0.005):
+        lk = file_lock(wt_lock)
+        try:
+            lk.acquire(timeout=60, poll_interval=0.005)
+        except filelock.Timeout:
             warnings.append(f"worktree '{workdir}' not updated: its materialise lock '{wt_lock}' stayed held")
             continue
         try:

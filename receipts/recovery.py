@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import filelock
 import orjson
 
 from cas.crash import crash_hook, crash_point
@@ -38,7 +39,7 @@ from cas.durable import is_own_tmp
 from cas.errors import OncepatchError
 from receipts.adapter import EffectAdapter, QueryResult
 from receipts.errors import CorruptReceipt, StillUnknown
-from receipts.flock import FileLock
+from receipts.flock import file_lock
 from receipts.jsonio import use_fast as use_fast_json
 from receipts.receipt import Receipt, parse_receipt, written_as_is
 from receipts.states import needs_resolution
@@ -442,8 +443,10 @@ def _cleanup(store: ReceiptStore, dry_run: bool, tmp_age: float, now: float) -> 
         path = os.path.join(store.locks_dir, name)
         if os.path.exists(store.path_for_hash(h)) or not _old_enough(path, tmp_age, now):
             continue
-        lk = FileLock(path)
-        if not lk.acquire(0):
+        lk = file_lock(path)
+        try:
+            lk.acquire(timeout=0)
+        except filelock.Timeout:
             continue
         try:
             removed.append(path)

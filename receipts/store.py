@@ -20,12 +20,14 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
 
+import filelock
+
 from cas.record import record
 from cas.errors import UsageError
 from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_regular
 from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress
-from receipts.flock import FileLock
+from receipts.flock import file_lock
 from receipts.identity import key_hash
 from receipts.ledger import Ledger
 from receipts.receipt import DIGEST_FIELD, Receipt, parse_receipt, receipt_doc_bytes
@@ -188,28 +190,32 @@ class ReceiptStore:
         holder dies, so a crashed owner never leaves the key stuck.
         """
         self._ensure_dir(self.locks_dir)
-        lk = FileLock(self.lock_path(key))
+        lk = file_lock(self.lock_path(key))
         try:
-            taken = lk.acquire(timeout, poll=0.01)
-        except OSError as exc:  # the lock file cannot be made (a store this process may not write)
-            raise UsageError(f"cannot use the store '{self.root}': cannot take the lock of key '{key}' "
-                             f"('{self.lock_path(key)}': {exc.strerror or exc})", key=key) from exc
-        if not taken:
+            lk.acquire(timeout=timeout, poll_interval=0.01)
+        except filelock.Timeout:
             raise InProgress(
                 f"another call holds the lock of key '{key}' (waited {timeout:g}s)",
                 key=key,
                 details={"lock_path": self.lock_path(key)},
-            )
+            ) from None
+        except OSError as exc:  # the lock file cannot be made (a store this process may not write, a symlink)
+            raise UsageError(f"cannot use the store '{self.root}': cannot take the lock of key '{key}' "
+                             f"('{self.lock_path(key)}': {exc.strerror or exc})", key=key) from exc
         try:
             yield
         finally:
             lk.release()
 
-    def try_lock(self, key: str) -> FileLock | None:
+    def try_lock(self, key: str) -> filelock.FileLock | None:
         """Take the key's lock without waiting; ``None`` if a live process holds it."""
         self._ensure_dir(self.locks_dir)
-        lk = FileLock(self.lock_path(key))
-        return lk if lk.acquire(0) else None
+        lk = file_lock(self.lock_path(key))
+        try:
+            lk.acquire(timeout=0)
+        except filelock.Timeout:
+            return None
+        return lk
 
     # -- receipts --------------------------------------------------------------
 
