@@ -10,8 +10,8 @@ This module reads git's on-disk layout directly: a ``.git`` folder, or a
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
-from cas.record import record
 from cas.errors import UsageError
 
 __all__ = ["GitLayout", "discover", "read_head", "common_dir_of", "worktrees_on", "read_gitfile", "core_worktree",
@@ -22,7 +22,7 @@ class MainWorktreeUnknown(UsageError):
     """The branch is checked out in a main worktree whose folder cannot be found (exit 2)."""
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class GitLayout:
     """``workdir`` is ``None`` for a bare repository; paths are absolute and real."""
 

@@ -12,15 +12,15 @@ import calendar
 import re
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import pygit2
 
-from cas.record import record
 
 __all__ = ["Signature", "git_clean", "git_identity", "local_offset", "parse_git_date", "signature_line"]
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Signature:
     name: str
     email: str

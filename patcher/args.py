@@ -24,9 +24,9 @@ executes again).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from cas.hashing import sha256_hex
-from cas.record import record
 from cas.errors import UsageError
 from cas.gitdir import GitLayout, discover, main_worktree_of, read_head, resolve_symbolic
 from patcher.errors import TooLarge
@@ -56,7 +56,7 @@ def bad_branch_name(name: str) -> bool:
             or "@{" in name or ".lock/" in name or "//" in name or not _BAD_CHARS.isdisjoint(name))
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class CallArgs:
     layout: GitLayout
     repo: str  # the repository, as the identity names it (:func:`repository_path`)

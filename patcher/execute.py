@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-from cas.record import record
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
 from cas.errors import (DurableWriteError, GitStoreError, OncepatchError, RefLockedError, RefMovedError,
@@ -168,7 +168,7 @@ def locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any],
                 gstore.drop_ref_content()  # unused: a re-staged or libgit2 move, or no move at all
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class _PreCheck:
     patch: Patch
     plan: StagePlan

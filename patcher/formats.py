@@ -19,8 +19,8 @@ A format may also say how its edits apply (read by :mod:`patcher.stage`):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
-from cas.record import record, replace as replace_record
 from patcher.detection import DETECTORS
 from patcher.errors import ParseError
 
@@ -35,7 +35,7 @@ __all__ = ["Format", "FileApplier", "FORMATS", "register", "detect", "parse_patc
 FileApplier = Callable[..., "AppliedFile"]  # (original: bytes, hunks: Sequence[Hunk], *, path: str)
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Format:
     name: str
     looks: Callable[[bytes], bool]
@@ -118,7 +118,7 @@ def parse_patch(data: bytes, fmt: str) -> Patch:
         raise ParseError(f"unknown patch format '{fmt}'", details={"formats": format_names()})
     parsed = FORMATS[fmt].parse(data)
     edits = tuple(
-        replace_record(
+        replace(
             e,
             path=check_path(e.path),
             new_path=None if e.new_path is None else check_path(e.new_path),

@@ -98,10 +98,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Literal
 
-from cas.record import record
 from patcher.errors import AmbiguousMatch, ContextNotFound, PartiallyApplied
 from patcher.model import AppliedFile, Hunk
 
@@ -238,7 +238,7 @@ class _File:
         return found
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class _Loc:
     """Where a line sequence was found: one position, or several (ambiguous) at ``grade``."""
 
@@ -335,7 +335,7 @@ def _resolve_scopes(f: _File, scopes: Sequence[bytes], lo: int) -> tuple[list[in
     return starts, (missing if not starts else None)
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class _Verdict:
     """How one hunk relates to the file: ``applies`` / ``present`` at ``pos``, or ``missing``."""
 

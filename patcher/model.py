@@ -12,7 +12,7 @@ ending, so a CRLF file stays CRLF.
 
 from __future__ import annotations
 
-from cas.record import record, field
+from dataclasses import dataclass, field
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     Op = Literal["add", "modify", "delete", "rename", "copy"]
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Hunk:
     """One hunk: the old lines (context + removed) become the new lines (context + added).
 
@@ -61,7 +61,7 @@ class Hunk:
     header: str = ""
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class FileEdit:
     """An edit of one path.
 
@@ -114,13 +114,13 @@ class FileEdit:
         return (self.path,)
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Patch:
     format: str
     edits: tuple[FileEdit, ...]
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class AppliedFile:
     """Result of applying hunks to one file's bytes; ``grades`` names, per hunk, the grade that matched."""
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
-from cas.record import record
 from cas.errors import DurableWriteError, OncepatchError, UsageError
 from receipts.errors import IdempotencyConflict
 from receipts.identity import check_key, compute_args_sha256, compute_call_id, make_identity
@@ -48,7 +48,7 @@ __all__ = ["ApplyResult", "apply", "store_root_for", "replay_final", "check_same
 KEY_REF_PREFIX = "refs/oncepatch/keys/"
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class ApplyResult:
     key: str
     call_id: str

@@ -66,10 +66,10 @@ import inspect
 import os
 import socket
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
-from cas.record import record
 from cas.crash import crash_point
 from cas.errors import EXIT_REJECTED, OncepatchError, UsageError
 from receipts.adapter import QueryResult
@@ -150,7 +150,7 @@ class EffectUnknown(StillUnknown):
 # -- classification (pure) -------------------------------------------------------------
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Classification:
     """How a tool's failure is recorded."""
 
@@ -248,7 +248,7 @@ def _owner() -> dict[str, Any]:
 # -- the call ----------------------------------------------------------------------------
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class EffectResult:
     """The outcome of one effect call (fresh or replayed)."""
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from cas.hashing import sha256_hex
-from cas.record import record
 from cas.durable import NotRegularFile, append_durable, open_regular
 from receipts import jsonio
 from receipts.canonical import canonical_json
@@ -35,7 +35,7 @@ GENESIS = "0" * 64
 _TAIL = 1 << 16
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class LedgerProblem:
     line: int
     reason: str

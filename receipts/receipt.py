@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import sys
 import time as _time
+from dataclasses import dataclass, field, replace
 
 from cas.hashing import sha256_hex
-from cas.record import record, field, replace as replace_record
 from receipts import jsonio
 
 from receipts.canonical import canonical_json, normalise
@@ -75,7 +75,7 @@ def now_iso() -> str:
     return _time.strftime("%Y-%m-%dT%H:%M:%S", _time.gmtime(ns // 1_000_000_000)) + f".{ns // 1000 % 1_000_000:06d}Z"
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Receipt:
     key: str
     call_id: str
@@ -116,7 +116,7 @@ class Receipt:
         """A copy with ``changes`` and a fresh ``updated_at``."""
         changes.setdefault("updated_at", now_iso())
         changes.setdefault("parsed_digest", None)
-        return replace_record(self, **changes)
+        return replace(self, **changes)
 
     def to_doc(self) -> dict[str, Any]:
         doc: dict[str, Any] = dict(self.extra)

@@ -19,10 +19,10 @@ import contextlib
 import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import filelock
 
-from cas.record import record
 from cas.errors import UsageError
 from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_regular
 from receipts import jsonio
@@ -40,7 +40,7 @@ DEFAULT_LOCK_TIMEOUT = 30.0
 FILE_MISSING = "the ledger records this key's receipt, but its file is missing"
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class StoredReceipt:
     """A receipt file found by a scan: either a verified receipt or the error that file gave."""
 
