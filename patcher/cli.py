@@ -211,10 +211,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command not in _HANDLERS:
             _load_extra_commands()  # apply/status/log never need the other commands' modules
         known = command in _HANDLERS
-        if command == "apply":
-            from receipts.jsonio import keep_lean
-
-            keep_lean()  # one call, then exit: start-up counts more than JSON speed
         args = _plain_apply(argv) if command == "apply" else None
         if args is None:
             from patcher.cli_parser import untranslated

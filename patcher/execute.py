@@ -22,7 +22,6 @@ from cas.errors import (DurableWriteError, GitStoreError, OncepatchError, RefLoc
                         RefUpdateUnknown, UsageError)
 from cas.gitdir import read_head
 from receipts.errors import FencedOff, IdempotencyConflict
-from receipts.jsonio import use_fast as use_fast_json
 from receipts.identity import key_hash
 from receipts.receipt import Receipt, now_iso
 from receipts.store import ReceiptStore
@@ -181,7 +180,6 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore) -> _
     (Unless a dead call's ``index.lock`` is met: that call is settled first, see
     :func:`patcher.worktrees.settle_dead_calls`.)
     """
-    use_fast_json()  # this process executes: JSON speed now matters more than start-up
     from patcher.stage import plan_stage, touched_paths
     from patcher.worktrees import check_worktrees, prefetch_indexes, settle_dead_calls
 
@@ -283,7 +281,6 @@ def _execute(
     from patcher.stage import plan_stage, touched_paths, write_stage
     from patcher.worktrees import IndexesAhead, check_worktrees, hold_index_locks, materialise_all, settle_dead_calls
 
-    use_fast_json()
     parsed = pre.patch if pre is not None else parse_patch(args.patch, args.format)
     if pre is None:
         _refuse_store_paths(args, rstore.root, touched_paths(parsed))

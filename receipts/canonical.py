@@ -7,7 +7,7 @@ infinities (orjson would silently write ``null``: they are refused first);
 values are ``None``, ``bool``, ``int``, ``str``, ``list``/``tuple``, ``dict``.
 String escaping matches RFC 8785's (short escapes for ``\\b \\t \\n \\f \\r``,
 ``\\u00xx`` for other controls, everything else as is); the bytes come from
-:mod:`receipts.jsonio` (orjson or the stdlib: the same bytes).
+:mod:`receipts.jsonio` (orjson).
 """
 
 from __future__ import annotations

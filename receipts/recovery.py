@@ -40,7 +40,6 @@ from cas.errors import OncepatchError
 from receipts.adapter import EffectAdapter, QueryResult
 from receipts.errors import CorruptReceipt, StillUnknown
 from receipts.flock import file_lock
-from receipts.jsonio import use_fast as use_fast_json
 from receipts.receipt import Receipt, parse_receipt, written_as_is
 from receipts.states import needs_resolution
 from receipts.store import FILE_MISSING, ReceiptStore
@@ -194,7 +193,6 @@ def recover(
     everything else, every resolution and every write, is done here, in file
     order, from the file read again; the report is the one a single process gives.
     """
-    use_fast_json()  # a scan: JSON speed matters
     report = RecoveryReport(dry_run=dry_run)
     if _ledger_tail_torn(store.ledger.path):
         # A crash mid-append left a torn last line: not an event, and only the next
@@ -287,7 +285,6 @@ def _settled_digest(data: bytes, h: str) -> str:
 
 def _scan_chunk(root: str, paths: list[str]) -> list[str | None]:
     """Worker: :func:`_settled_digest` of each file (``""``: a closer look; ``None``: gone)."""
-    use_fast_json()
     store = ReceiptStore(root)
     out: list[str | None] = []
     for path in paths:

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from receipts.errors import CorruptReceipt
-from receipts.jsonio import use_fast as use_fast_json
 from receipts.receipt import Receipt
 from receipts.recovery import receipt_age
 from receipts.store import FILE_MISSING, ReceiptStore, StoredReceipt
@@ -82,7 +81,6 @@ def verify(
     that many worker processes; the ledger is checked here.  Results are the
     same as with one process, in file order.
     """
-    use_fast_json()  # a scan: JSON speed matters
     report = VerifyReport()
     paths = store.receipt_paths()
     if jobs > 1 and verifiers_factory is not None \
@@ -208,7 +206,6 @@ def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
     """Worker: verify these receipt files; return failures, (index, digest, ...) of each parsed receipt, files read."""
     import importlib
 
-    use_fast_json()  # a worker process: JSON and hashing speed matter
     module, _, func = factory.partition(":")
     store = ReceiptStore(root)
     verifiers = getattr(importlib.import_module(module), func)(store)

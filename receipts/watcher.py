@@ -35,7 +35,6 @@ from typing import Any
 
 from receipts.adapter import EffectAdapter
 from receipts.errors import CorruptReceipt
-from receipts.jsonio import use_fast as use_fast_json
 from receipts.receipt import Receipt
 from receipts.recovery import receipt_age, resolve_receipt
 from receipts.store import ReceiptStore
@@ -70,7 +69,6 @@ class Watcher:
         self._flagged: set[tuple[str, int]] = set()
         self._corrupt: set[tuple[str, float]] = set()  # (path, mtime) of corrupt files flagged
         self.flags = 0
-        use_fast_json()  # long-lived and scanning: JSON speed matters
 
     # -- feeding -------------------------------------------------------------------
 
