@@ -41,10 +41,10 @@ import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from cas.errors import DurableWriteError, UnsafeWorktreePath
 
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 

@@ -14,10 +14,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, UsageError
+from receipts import jsonio
+from receipts.lookup import status
+from receipts.store import ReceiptStore
 from patcher import cli_mcp, cli_recovery
 from patcher.cli_common import store_root
 from patcher.cli_parser import build_parser
-from receipts import jsonio
+from patcher.protocol import apply
 
 __all__ = ["main", "build_parser"]
 
@@ -33,8 +36,6 @@ def _read_patch(name: str) -> bytes:
 
 
 def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    from patcher.protocol import apply
-
     data = _read_patch(args.patch)
     res = apply(
         args.repo, data, key=args.key, branch=args.branch, contract_sha256=args.contract_sha256,
@@ -55,9 +56,6 @@ def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 
 def _cmd_status(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    from receipts.lookup import status
-    from receipts.store import ReceiptStore
-
     rstore = ReceiptStore(store_root(args))
     receipt = status(args.key, store=rstore)
     doc = {"ok": True, "receipt": receipt.to_doc(), "path": rstore.receipt_path(receipt.key)}
@@ -68,8 +66,6 @@ def _cmd_status(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 
 def _cmd_log(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    from receipts.store import ReceiptStore
-
     if args.limit is not None and args.limit < 0:
         raise UsageError(f"--limit must be 0 or more, not {args.limit}")
     events = list(ReceiptStore(store_root(args)).ledger.events())

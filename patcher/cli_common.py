@@ -7,6 +7,9 @@ import os
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from cas.gitdir import discover
+from patcher.protocol import store_root_for
+
 __all__ = ["Option", "COMMON_OPTIONS", "add_common", "add_options", "store_root", "seconds", "positive_seconds",
            "at_least_one", "path_given"]
 
@@ -75,9 +78,6 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def store_root(args: argparse.Namespace) -> str:
-    from cas.gitdir import discover
-    from patcher.protocol import store_root_for
-
     if args.store:
         return os.path.abspath(str(args.store))
     if os.environ.get("ONCEPATCH_STORE"):

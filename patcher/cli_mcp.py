@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from cas.errors import EXIT_OK
 from patcher.cli_common import path_given
+from patcher.mcp_server import serve
 
 __all__ = ["register", "HANDLERS"]
 
@@ -28,9 +30,6 @@ def register(sub: Any) -> None:
 
 
 def _cmd_mcp(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    from cas.errors import EXIT_OK
-    from patcher.mcp_server import serve
-
     serve(args.repo, store=args.store, allow_other_repos=args.any_repo, log_level=args.log_level)
     return EXIT_OK, {}, ""
 

@@ -15,6 +15,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
@@ -32,9 +33,7 @@ from patcher.markers import ref_lock_marker
 from patcher.model import Patch
 from patcher.protocol import KEY_REF_PREFIX, ApplyResult, check_same_intent, replay_final
 
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
-    from typing import Any
     from receipts.states import Status
     from cas.objects import GitStore
     from cas.worktree import IndexLock

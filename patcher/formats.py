@@ -23,12 +23,8 @@ from dataclasses import dataclass, replace
 
 from patcher.detection import DETECTORS
 from patcher.errors import ParseError
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    # (A replay detects the format and parses nothing: the model and the path checks are
-    # imported by parse_patch.)
-    from patcher.model import AppliedFile, Patch
+from patcher.model import AppliedFile, Patch
+from patcher.paths import check_path, check_paths
 
 __all__ = ["Format", "FileApplier", "FORMATS", "register", "detect", "parse_patch", "format_names", "get_format"]
 
@@ -62,6 +58,8 @@ def known_format(name: str) -> bool:
 
 
 def _load_builtin() -> None:
+    # Deferred: these modules import Format from here (a cycle at module level; Format belongs
+    # in a module below both).
     from patcher import editblocks, envelope, unified, wholefile
 
     register(Format("unified", unified.looks_unified, unified.parse_unified))
@@ -109,9 +107,6 @@ def parse_patch(data: bytes, fmt: str) -> Patch:
     Raises:
         ParseError, UnsafePath, UnsupportedPatch.
     """
-    from patcher.model import Patch
-    from patcher.paths import check_path, check_paths
-
     if not FORMATS:
         _load_builtin()
     if fmt not in FORMATS:

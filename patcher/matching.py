@@ -99,6 +99,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from difflib import SequenceMatcher
 from itertools import islice
 from typing import Any, Literal
 
@@ -524,8 +525,6 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str) -> list[bytes]:
     m = len(hunk.old_lines)
     matched = f.lines[pos : pos + m]
     norm: Callable[[bytes], bytes] = chomp if hunk.eol_agnostic else _identity
-    from difflib import SequenceMatcher  # only inexact matches need it
-
     pairs = SequenceMatcher(
         None, [norm(x) for x in hunk.old_lines], [norm(x) for x in hunk.new_lines], autojunk=False
     )
@@ -617,8 +616,6 @@ def _closest(f: _File, seq: Sequence[bytes], ref: int) -> dict[str, Any] | None:
     expected_text = [_text(x) for x in seq]
     found_text = [_text(x) for x in found]
     diff: list[str] = []
-    from difflib import SequenceMatcher
-
     matcher = SequenceMatcher(None, expected_text, found_text, autojunk=False)
     for tag, a0, a1, b0, b1 in matcher.get_opcodes():
         if tag == "equal":

@@ -48,6 +48,8 @@ from typing import Any
 import orjson
 
 from cas.errors import OncepatchError, UsageError
+from cas.gitdir import discover
+from patcher.api import Client
 
 __all__ = ["build_server", "serve", "SERVER_NAME", "INSTRUCTIONS"]
 
@@ -87,8 +89,6 @@ def _import_sdk() -> tuple[Any, Any]:
 
 def _same_repository(path: str, served: str) -> bool:
     """Whether ``path`` lies in the served repository (a subfolder, or another of its worktrees: as the CLI's --repo)."""
-    from cas.gitdir import discover
-
     if os.path.realpath(path) == os.path.realpath(served):
         return True
     try:
@@ -163,9 +163,7 @@ class _Tools:
 
 def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos: bool = False) -> Any:
     """The MCP server object (not yet running), with the four tools registered."""
-    import anyio
-
-    from patcher.api import Client
+    import anyio  # deferred: it comes with the optional mcp package
 
     server_cls, types = _import_sdk()
     client = Client(repo, store=store)
@@ -242,8 +240,6 @@ def serve(repo: str = ".", *, store: str | None = None, allow_other_repos: bool 
     Raises:
         UsageError: the ``mcp`` package is missing, or ``repo`` is not a repository.
     """
-    from cas.gitdir import discover
-
     discover(repo)  # fail fast, before the client waits on a silent server
     logging.basicConfig(stream=sys.stderr, level=getattr(logging, log_level.upper(), logging.WARNING),
                         format="oncepatch mcp: %(levelname)s %(message)s")

@@ -13,10 +13,7 @@ ending, so a CRLF file stays CRLF.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Literal
+from typing import Literal
 
 __all__ = [
     "MODE_FILE",
@@ -33,8 +30,7 @@ MODE_FILE = 0o100644
 MODE_EXEC = 0o100755
 MODE_LINK = 0o120000
 
-if TYPE_CHECKING:
-    Op = Literal["add", "modify", "delete", "rename", "copy"]
+Op = Literal["add", "modify", "delete", "rename", "copy"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,19 +29,17 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from cas.errors import DurableWriteError, OncepatchError, UsageError
 from receipts.errors import IdempotencyConflict
 from receipts.identity import check_key, compute_args_sha256, compute_call_id, make_identity
+from receipts.receipt import Receipt
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
+from patcher import errors as pe
 from patcher.args import TOOL, TOOL_VERSION, normalise_args
 from patcher.errors import PatchError
 from patcher.formats import detect
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Any
-    from receipts.receipt import Receipt
 
 __all__ = ["ApplyResult", "apply", "store_root_for", "replay_final", "check_same_intent", "KEY_REF_PREFIX"]
 
@@ -118,8 +116,6 @@ def replay_final(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResul
 
 def _error_from_envelope(err: dict[str, Any], key: str, *, replayed: bool) -> OncepatchError:
     """Rebuild the stored rejection as an error of the same type and exit code."""
-    from patcher import errors as pe
-
     by_type: dict[str, type[OncepatchError]] = {
         cls.type: cls
         for cls in (pe.ParseError, pe.UnsafePath, pe.TooLarge, pe.ContextNotFound, pe.AmbiguousMatch,
@@ -187,6 +183,7 @@ def apply(
             return replay_final(existing, path, rstore)
 
     try:
+        # Deferred: executing loads libgit2, which a replay (above) never needs.
         from patcher.execute import locked_apply
 
         return locked_apply(rstore, args, identity, call_id, the_key, args_sha, existing, path, lock_timeout,

@@ -12,11 +12,17 @@ import filelock
 from cas.errors import GitStoreError, OncepatchError, RefLockedError
 from cas.gitdir import worktrees_on
 from cas.hashing import sha256_hex
+from cas.index_ahead import settle_ahead, stage_ahead
+from cas.index_cache import prefetch
 from cas.objects import GitStore, TreeEntry
 from cas.worktree import (IndexLock, dirty_paths, hold_index_lock, materialise, outside_sparse_checkout,
-                          unsafe_worktree_paths)
+    unsafe_worktree_paths)
+from receipts.flock import file_lock
+from receipts.recovery import resolve_receipt
+from receipts.states import needs_resolution
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath, UnsafePath
+from patcher.git_adapter import GitAdapter
 from patcher.markers import foreign_index_lock, index_marker, index_markers
 
 __all__ = ["prefetch_indexes", "settle_dead_calls", "check_worktrees", "hold_index_locks", "release_index_locks",
@@ -25,8 +31,6 @@ __all__ = ["prefetch_indexes", "settle_dead_calls", "check_worktrees", "hold_ind
 
 def prefetch_indexes(gstore: GitStore, branch: str) -> None:
     """Start reading the index of every worktree on ``branch`` in the background (:func:`cas.index_cache.prefetch`)."""
-    from cas.index_cache import prefetch
-
     for workdir, _git_dir in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
         try:
             prefetch(os.path.realpath(gstore.worktree_repo(workdir).path))
@@ -56,11 +60,6 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
     """
 
     def on_dead(index_lock: str) -> None:
-        from patcher.git_adapter import GitAdapter
-        from receipts.flock import file_lock
-        from receipts.recovery import resolve_receipt
-        from receipts.states import needs_resolution
-
         other = foreign_index_lock(index_lock, rstore)
         if other is not None:
             # Another store's call: its receipt and marker are there, not here.  Removing
@@ -230,8 +229,6 @@ class IndexesAhead:
         Raises:
             GitStoreError: an index could not be written (nothing has moved; :meth:`settle` restores).
         """
-        from cas.index_ahead import stage_ahead
-
         assert not self._staged, "staged once per call"
         if not self._held:
             return
@@ -254,8 +251,6 @@ class IndexesAhead:
             OSError: an index could not be put back; the caller must then leave
                 the index locks held (a marked dead lock is settled by whoever breaks it).
         """
-        from cas.index_ahead import settle_ahead
-
         for git_dir in self._staged:
             settle_ahead(git_dir, moved, sync_index=not materialised)
         self._staged.clear()
@@ -282,8 +277,6 @@ def materialise_all(
     The commit has landed when this runs, so a failure here does not undo it:
     it becomes a warning in the receipt, and ``recover`` materialises again.
     """
-    from receipts.flock import file_lock
-
     warnings: list[str] = []
     if not worktrees:
         return warnings

@@ -12,14 +12,10 @@ String escaping matches RFC 8785's (short escapes for ``\\b \\t \\n \\f \\r``,
 
 from __future__ import annotations
 
+from typing import Any
 
 from receipts import jsonio
-
 from receipts.errors import CanonicalJsonError
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Any
 
 __all__ = ["MAX_SAFE_INT", "canonical_json", "normalise"]
 

@@ -21,6 +21,7 @@ from cas.errors import OncepatchError
 from receipts.adapter import EffectAdapter, QueryResult
 from receipts.errors import InProgress, NotResolvable, ReceiptNotFound
 from receipts.receipt import Receipt
+from receipts.recovery import resolve_receipt
 from receipts.store import ReceiptStore
 
 __all__ = ["resolve_by_hand"]
@@ -62,8 +63,6 @@ def resolve_by_hand(store: ReceiptStore, key: str, as_: str, note: str, *, lock_
         NotResolvable: the receipt is already final, or its adapter finds the
             opposite of ``as_`` (nothing written).
     """
-    from receipts.recovery import resolve_receipt
-
     if as_ not in _AGREES:
         raise ValueError(as_)
     found = store.find(key)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import time as _time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import orjson
 
@@ -32,12 +33,7 @@ from receipts import jsonio
 from receipts.canonical import canonical_json, normalise
 from receipts.errors import CorruptReceipt
 from receipts.identity import CALL_ID_TAG, key_hash
-from receipts.states import STATUSES
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from receipts.states import Status
-    from typing import Any
+from receipts.states import STATUSES, Status
 
 __all__ = ["SCHEMA", "DIGEST_FIELD", "Receipt", "parse_receipt", "receipt_bytes", "receipt_doc_bytes", "now_iso"]
 

@@ -40,9 +40,11 @@ from cas.errors import OncepatchError
 from receipts.adapter import EffectAdapter, QueryResult
 from receipts.errors import CorruptReceipt, StillUnknown
 from receipts.flock import file_lock
-from receipts.receipt import Receipt, parse_receipt, written_as_is
+from receipts.identity import key_hash
+from receipts.receipt import Receipt, now_iso, parse_receipt, written_as_is
 from receipts.states import needs_resolution
 from receipts.store import FILE_MISSING, ReceiptStore
+from receipts.workers import spawn_pool, split
 
 __all__ = [
     "RecoveryRow",
@@ -200,8 +202,6 @@ def recover(
         # (else "nothing to do" would leave verify failing until some later call).
         report.removed.append(f"{store.ledger.path} (torn last line)")
         if not dry_run:
-            from receipts.receipt import now_iso
-
             store.ledger.append({"event": "ledger_repaired", "at": now_iso(), "reason": "torn_last_line"})
     paths = store.receipt_paths()
     if jobs > 1 and len(paths) >= max(1, PARALLEL_MIN if parallel_min is None else parallel_min):
@@ -255,8 +255,6 @@ def _ledger_digests(store: ReceiptStore) -> tuple[set[str], set[str]]:
 
 def _missing_receipts(store: ReceiptStore, paths: list[str], keys: set[str]) -> list[dict[str, Any]]:
     """Keys the ledger records receipts of whose receipt file is gone: a store changed by hand (as verify says)."""
-    from receipts.identity import key_hash
-
     return [{"path": store.receipt_path(k), "key": k, "reason": FILE_MISSING}
             for k in store.missing_files({key_hash(k): k for k in keys}, paths)]
 
@@ -301,8 +299,6 @@ def _scan_chunk(root: str, paths: list[str]) -> list[str | None]:
 def _scan_parallel(store: ReceiptStore, paths: list[str], jobs: int
                    ) -> tuple[list[str | None], tuple[set[str], set[str]]]:
     """The first look at ``paths`` over ``jobs`` worker processes, and the ledger's digests, read meanwhile."""
-    from receipts.workers import spawn_pool, split
-
     chunks = split(paths, jobs)
     with spawn_pool(len(chunks)) as pool:
         futures = [pool.submit(_scan_chunk, store.root, chunk) for chunk in chunks]

@@ -22,9 +22,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import filelock
+import orjson
 
-from cas.errors import UsageError
 from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_regular
+from cas.errors import UsageError
 from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress
 from receipts.flock import file_lock
@@ -92,8 +93,6 @@ def _claimed_key(data: bytes) -> str | None:
 
 def _names_call_id(path: str, call_id: str) -> bool:
     """Whether a (corrupt) receipt file says it is the receipt of ``call_id``."""
-    import orjson
-
     try:
         doc = orjson.loads(read_receipt_file(path))
     except (OSError, CorruptReceipt, orjson.JSONDecodeError):
@@ -107,8 +106,6 @@ def check_store_root(root: str) -> None:
 
     A missing folder is made when first written to.
     """
-    from cas.errors import UsageError
-
     path = root
     while True:
         try:

@@ -33,6 +33,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
 from receipts.adapter import EffectAdapter
 from receipts.errors import CorruptReceipt
 from receipts.receipt import Receipt
@@ -218,9 +221,6 @@ class Watcher:
 
     def run(self, stop: threading.Event, *, tick: float = 0.1) -> None:
         """Watch until ``stop`` is set: events, due checks, and a full rescan every ``rescan_interval`` s."""
-        from watchdog.events import FileSystemEvent, FileSystemEventHandler
-        from watchdog.observers import Observer
-
         watcher = self
 
         def feed(path: bytes | str) -> None:
