@@ -1,6 +1,6 @@
 """oncepatch's top layer: the apply protocol, patch formats, the git adapter, the CLI, the MCP server.
 
-Public API::
+Public API (loaded on first use, so ``import patcher.cli`` stays lean)::
 
     import patcher
 
@@ -13,8 +13,33 @@ Errors are :class:`patcher.OncepatchError` instances carrying the envelope.
 
 from __future__ import annotations
 
-from cas.errors import OncepatchError
-from patcher.api import Client, status
-from patcher.protocol import ApplyResult, apply
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cas.errors import OncepatchError
+    from patcher.api import Client, status
+    from patcher.protocol import ApplyResult, apply
 
 __all__ = ["apply", "ApplyResult", "Client", "status", "OncepatchError"]
+
+_WHERE = {
+    "apply": "patcher.protocol",
+    "ApplyResult": "patcher.protocol",
+    "Client": "patcher.api",
+    "status": "patcher.api",
+    "OncepatchError": "cas.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'patcher' has no attribute '{name}'")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
