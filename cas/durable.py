@@ -33,18 +33,18 @@ folder, which is how worktree writes avoid following symlinked folders.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import errno
 import functools
 import os
 import stat
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from cas.errors import DurableWriteError, UnsafeWorktreePath
 
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -227,8 +227,7 @@ def open_dir_nofollow(root: str, rel_dir: str, *, create: bool = False) -> Itera
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_PID = 0
-# _thread, not threading: a process that syncs one or two files at a time (a replay) never imports threading.
-_POOL_GUARD = _thread.allocate_lock()
+_POOL_GUARD = threading.Lock()
 _POOL_THREADS = 8
 _INLINE_MAX = 2
 
@@ -237,7 +236,7 @@ def _forget_pool_in_child() -> None:
     # A forked child has none of the parent's threads, and a guard a parent thread
     # held at the fork would stay held for ever: start afresh.
     global _POOL, _POOL_PID, _POOL_GUARD
-    _POOL, _POOL_PID, _POOL_GUARD = None, 0, _thread.allocate_lock()
+    _POOL, _POOL_PID, _POOL_GUARD = None, 0, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):

@@ -22,10 +22,7 @@ git's style: lowercase, no trailing period, subjects in quotes.
 
 from __future__ import annotations
 
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Any, ClassVar, Literal
-
+from typing import Any, ClassVar, Literal
 
 __all__ = [
     "EffectStatus",
@@ -49,9 +46,8 @@ __all__ = [
     "EXIT_VERIFY",
 ]
 
-if TYPE_CHECKING:
-    EffectStatus = Literal["not_started", "not_applied", "applied", "unknown"]
-    NextAction = Literal["fix_input", "retry", "query_before_retry", "recover", "none"]
+EffectStatus = Literal["not_started", "not_applied", "applied", "unknown"]
+NextAction = Literal["fix_input", "retry", "query_before_retry", "recover", "none"]
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1

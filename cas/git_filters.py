@@ -21,10 +21,9 @@ the callers keep libgit2's answer.
 from __future__ import annotations
 
 import os
+import subprocess
 
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    import pygit2
+import pygit2
 
 __all__ = ["GIT_ONLY_ATTRIBUTES", "needs_git", "smudged_by_git", "blob_id_by_git"]
 
@@ -34,8 +33,6 @@ GIT_ONLY_ATTRIBUTES = ("filter", "working-tree-encoding", "ident")
 
 def needs_git(repo: pygit2.Repository, path: str) -> bool:
     """Whether an attribute of :data:`GIT_ONLY_ATTRIBUTES` is set for ``path`` in ``repo``'s worktree."""
-    import pygit2
-
     try:
         return any(repo.get_attr(path, name) not in (None, False) for name in GIT_ONLY_ATTRIBUTES)
     except (pygit2.GitError, ValueError):
@@ -54,8 +51,6 @@ def _git(workdir: str, *args: str) -> bytes | None:
     Without the variables that locate a repository (a hook's ``GIT_DIR``, say);
     the others stay: ``GIT_CONFIG_*`` may be where a filter driver is configured.
     """
-    import subprocess
-
     env = {k: v for k, v in os.environ.items() if k not in _LOCATION_VARS}
     try:
         res = subprocess.run(["git", *args], cwd=workdir, env=env, capture_output=True, check=False, timeout=300)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 
-from cas.record import record
 from cas.errors import UsageError
 
 __all__ = ["GitLayout", "discover", "read_head", "common_dir_of", "worktrees_on", "read_gitfile", "core_worktree",
@@ -23,7 +23,7 @@ class MainWorktreeUnknown(UsageError):
     """The branch is checked out in a main worktree whose folder cannot be found (exit 2)."""
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class GitLayout:
     """``workdir`` is ``None`` for a bare repository; paths are absolute and real."""
 

@@ -35,11 +35,11 @@ import os
 import time
 import zlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pygit2
 
-from cas.record import record
 from cas.durable import DurableBatch, write_all
 from cas.gitdir import common_dir_of, core_worktree, read_gitfile
 from cas.errors import GitStoreError, UsageError
@@ -110,13 +110,13 @@ def _parse_tree(raw: bytes) -> dict[bytes, tuple[int, bytes]]:
     return out
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class TreeEntry:
     oid: str
     mode: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class PathLookup:
     """Result of looking a path up in a tree.
 

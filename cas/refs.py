@@ -21,6 +21,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pygit2
 
@@ -28,8 +29,6 @@ from cas.durable import DurableBatch, fsync_all
 from cas.errors import DurableWriteError, GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown
 from cas.loose_refs import Unsupported, reflogs_for, swap, write_lock_content
 from cas.signature import IdentityUnknown, Signature, guessed_identity, signature_line
-
-TYPE_CHECKING = False  # what RefUpdates needs of GitStore is declared for mypy only
 
 __all__ = ["RefUpdates", "KEY_REF_PREFIX", "KEY_REF_TMP_PREFIX"]
 

@@ -10,23 +10,24 @@ so that a name git would refuse is refused before anything is written.
 
 from __future__ import annotations
 
-import calendar
+import datetime
+import email.utils
 import os
 import pwd
 import re
 import socket
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import pygit2
 
-from cas.record import record
 
 __all__ = ["IDENTITY_ADVICE", "IdentityUnknown", "Signature", "default_email", "git_clean", "git_identity",
            "guessed_identity", "local_offset", "parse_git_date", "signature_line"]
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Signature:
     name: str
     email: str
@@ -72,21 +73,15 @@ def parse_git_date(text: str) -> tuple[int, int]:
             raise ValueError(f"cannot read the date {text!r}: no time zone is {m.group(3)}{m.group(4)}{m.group(5)}")
         minutes += hours * 60
         return secs, -minutes if m.group(3) == "-" else minutes
-    import importlib
-
-    # email.utils.parsedate_tz() makes a missing zone UTC; git takes local time: the function under it tells.
-    parsed = importlib.import_module("email._parseaddr")._parsedate_tz(t)
-    if parsed is not None:
-        if parsed[9] is None:
-            secs = int(time.mktime((*parsed[:8], -1)))
-            return secs, local_offset(secs)
-        return int(calendar.timegm(tuple(parsed[:6]) + (0, 1, 0))) - parsed[9], parsed[9] // 60
-    import datetime
-
     try:
-        dt = datetime.datetime.fromisoformat(t)
-    except ValueError:
-        raise ValueError(f"cannot read the date {text!r}: give '<seconds> <+hhmm>', RFC 2822 or ISO 8601") from None
+        # An RFC 2822 date without a zone (or with -0000) comes back naive: git takes it as local time.
+        dt = email.utils.parsedate_to_datetime(t)
+    except (TypeError, ValueError):
+        try:
+            dt = datetime.datetime.fromisoformat(t)
+        except ValueError:
+            raise ValueError(f"cannot read the date {text!r}: give '<seconds> <+hhmm>', RFC 2822 or ISO 8601") \
+                from None
     if dt.tzinfo is None:
         dt = dt.astimezone()  # local time
     offset = dt.utcoffset()

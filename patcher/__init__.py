@@ -14,10 +14,9 @@ Errors are :class:`patcher.OncepatchError` instances carrying the envelope.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
-    from typing import Any
     from cas.errors import OncepatchError
     from patcher.api import Client, status
     from patcher.protocol import ApplyResult, apply

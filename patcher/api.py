@@ -22,11 +22,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from cas.errors import OncepatchError
-from patcher.protocol import ApplyResult, apply, store_root_for
+from cas.gitdir import discover
+from receipts.adapters import builtin_adapters
+from receipts.lookup import status as _status
 from receipts.receipt import Receipt
-from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport
+from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
-from receipts.verifier import DEFAULT_GRACE, VerifyReport
+from receipts.verifier import DEFAULT_GRACE, VerifyReport, verify
+from patcher.protocol import ApplyResult, apply, store_root_for
 
 __all__ = ["apply", "ApplyResult", "Client", "OncepatchError", "status"]
 
@@ -37,8 +40,6 @@ def status(key: str, *, repo: str = ".", store: str | None = None) -> Receipt:
     Raises:
         ReceiptNotFound, CorruptReceipt, UsageError.
     """
-    from receipts.lookup import status as _status
-
     return _status(key, store=store, repo=repo)
 
 
@@ -92,8 +93,6 @@ class Client:
         with self._guard:
             root = self._roots.get(path)
         if root is None:
-            from cas.gitdir import discover
-
             root = store_root_for(discover(path).common_dir, self.store)
             with self._guard:
                 self._roots[path] = root
@@ -103,7 +102,7 @@ class Client:
         return ReceiptStore(self.store_root(repo))
 
     def _adapters(self, rstore: ReceiptStore, *, read_only: bool) -> dict[str, Any]:
-        from patcher.git_adapter import adapters
+        from patcher.git_adapter import adapters  # deferred: status() must not load libgit2
 
         return adapters(rstore, self._stores(), read_only=read_only, lock_timeout=self.lock_timeout)
 
@@ -143,16 +142,12 @@ class Client:
         Raises:
             ReceiptNotFound, CorruptReceipt.
         """
-        from receipts.lookup import status as _status
-
         return _status(key, store=self.receipt_store(repo))
 
     def recover(self, *, repo: str | os.PathLike[str] | None = None, dry_run: bool = False,
                 tmp_age: float = DEFAULT_TMP_AGE,
                 adapters: Mapping[str, Any] | None = None) -> RecoveryReport:
         """Settle every ``prepared``/``unknown`` receipt (git and the built-in generic tools; more via ``adapters``)."""
-        from receipts.recovery import recover
-
         rstore = self.receipt_store(repo)
         known = self._adapters(rstore, read_only=dry_run)
         known.update(adapters or {})
@@ -162,8 +157,6 @@ class Client:
     def verify(self, *, repo: str | os.PathLike[str] | None = None, grace: float = DEFAULT_GRACE,
                verifiers: Mapping[str, Any] | None = None) -> VerifyReport:
         """Prove every receipt matches what it claims (read-only)."""
-        from receipts.verifier import verify
-
         rstore = self.receipt_store(repo)
         known = self._adapters(rstore, read_only=True)
         known.update(verifiers or {})

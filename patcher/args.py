@@ -32,16 +32,14 @@ executes again).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
-from cas.hashing import sha256_hex
-from cas.record import record
 from cas.errors import UsageError
 from cas.gitdir import GitLayout, discover, main_worktree_of, read_head, resolve_symbolic
+from cas.hashing import sha256_hex
 from patcher.errors import TooLarge
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Any
+from patcher.formats import BUILTIN_NAMES, known_format
 
 __all__ = ["TOOL", "TOOL_VERSION", "MAX_PATCH_BYTES", "CallArgs", "check_message", "normalise_args",
            "normalise_branch", "repository_path"]
@@ -95,7 +93,7 @@ def check_message(message: object) -> str | None:
     return message
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class CallArgs:
     layout: GitLayout
     repo: str  # the repository, as the identity names it (:func:`repository_path`)
@@ -184,8 +182,6 @@ def normalise_args(
             f"patch is {len(data)} bytes, over the limit of {MAX_PATCH_BYTES}",
             details={"size": len(data), "limit": MAX_PATCH_BYTES},
         )
-    from patcher.formats import BUILTIN_NAMES, known_format
-
     if not known_format(format):
         raise UsageError(f"unknown patch format '{format}': use auto, {', '.join(BUILTIN_NAMES)}")
     layout = discover(repo)

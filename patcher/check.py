@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Callable
 
 from cas.crash import crash_point
@@ -111,8 +112,6 @@ def _run(cmd: str, cwd: str, timeout: float) -> tuple[int, bytes, str, int, bool
     "timed out", or waited on forever when the process left the group).  The
     check's exit is what counts; what is left of its process group is killed.
     """
-    import tempfile
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_") and k != "ONCEPATCH_CRASH_AT"}
     with tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,

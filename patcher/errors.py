@@ -20,13 +20,9 @@ All of them are rejections that happen before anything is written (effect
 
 from __future__ import annotations
 
+from typing import ClassVar
 
-from cas.errors import EXIT_REJECTED, OncepatchError
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from cas.errors import EffectStatus, NextAction
-    from typing import ClassVar
+from cas.errors import EXIT_REJECTED, EffectStatus, NextAction, OncepatchError
 
 __all__ = [
     "PatchError",

@@ -35,8 +35,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from cas.record import record
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
 from cas.errors import (DurableWriteError, GitStoreError, OncepatchError, RefLockedError, RefMovedError,
@@ -44,7 +45,6 @@ from cas.errors import (DurableWriteError, GitStoreError, OncepatchError, RefLoc
 from cas.gitdir import read_head
 from receipts.engine import Call, pause_point
 from receipts.errors import IdempotencyConflict
-from receipts.jsonio import use_fast as use_fast_json
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.args import CallArgs
@@ -54,9 +54,7 @@ from patcher.markers import ref_lock_marker
 from patcher.model import Patch
 from patcher.protocol import KEY_REF_PREFIX, ApplyResult, replay_final
 
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
-    from typing import Any
     from cas.objects import GitStore
     from cas.worktree import IndexLock
     from patcher.stage import Staged, StagePlan
@@ -165,7 +163,7 @@ class _Run:
         return self.call.key
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class _PreCheck:
     patch: Patch
     plan: StagePlan
@@ -178,7 +176,6 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore, lock
     (Unless a dead call's ``index.lock`` is met: that call is settled first, see
     :func:`patcher.worktrees.settle_dead_calls`.)
     """
-    use_fast_json()  # this process executes: JSON speed now matters more than start-up
     from patcher.stage import plan_stage, touched_paths
     from patcher.worktrees import check_worktrees, prefetch_indexes, settle_dead_calls
 
@@ -269,7 +266,6 @@ def _execute(run: _Run, pre: _PreCheck | None) -> ApplyResult:
     """The steps, in order (module docstring)."""
     from patcher.stage import write_stage
 
-    use_fast_json()
     _open(run, pre)
     plan = _plan(run, pre)
     base = plan.base_commit

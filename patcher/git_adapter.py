@@ -22,19 +22,34 @@ creates a missing key ref.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import shutil
+import signal
+import subprocess
 import time
 from typing import Any
 
-from cas.gitdir import worktrees_on
-from cas.pids import gone
+import filelock
+
+from cas.durable import TMP_MARK
+from cas.errors import GitStoreError, UsageError
+from cas.gitdir import common_dir_of, worktrees_on
+from cas.loose_refs import REF_TMP_PREFIX
 from cas.objects import GitStore, TreeEntry
+from cas.pids import gone
+from cas.refs import KEY_REF_TMP_PREFIX
+from cas.worktree import (break_dead_own_index_lock, dead_own_index_lock, index_matches, materialise, update_index,
+    worktree_files_match)
 from receipts.adapter import QueryResult
+from receipts.flock import file_lock
 from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL
-from patcher.markers import foreign_index_lock, index_marker, ref_lock_marker
+from patcher.check import check_worktree_root
+from patcher.execute import open_store
+from patcher.markers import foreign_index_lock, index_marker, index_markers, ref_lock_marker
 
 __all__ = ["GitAdapter", "KEY_REF_PREFIX", "adapters"]
 
@@ -77,8 +92,6 @@ class GitAdapter:
             GitStoreError: it is gone (libgit2 would open an enclosing repository,
                 which knows nothing of the call: asking it would answer wrongly).
         """
-        from patcher.execute import open_store
-
         repo = str(receipt.args.get("repo"))
         where = self._where.get(repo)  # once per repository and run (verify asks per receipt)
         if where is None:
@@ -97,9 +110,6 @@ class GitAdapter:
                 repository, which knows nothing of the call) and the store is
                 not inside a repository.
         """
-        from cas.errors import GitStoreError, UsageError
-        from patcher.execute import open_store
-
         home = _store_home(self._rstore) if self._rstore is not None else None
         try:
             gstore = open_store(repo, self._stores)
@@ -182,8 +192,6 @@ class GitAdapter:
 
     def settle(self, receipt: Receipt) -> list[str]:
         """Create a missing key ref; bring worktrees whose touched paths still show the base."""
-        from cas.worktree import materialise, update_index
-
         done: list[str] = []
         gstore = self._store(receipt)
         candidate = receipt.commit or receipt.candidate
@@ -254,8 +262,6 @@ class GitAdapter:
 
     def verify_committed(self, receipt: Receipt) -> list[str]:
         """The commit exists, the key ref points at it, and every output digest matches its blob."""
-        import hashlib
-
         problems: list[str] = []
         commit = receipt.commit
         if not commit:
@@ -303,11 +309,6 @@ class GitAdapter:
     @staticmethod
     def _cleanup_check_worktrees(rstore: ReceiptStore, dry_run: bool) -> list[str]:
         """Remove temporary check worktrees whose owner is gone (its key lock is free)."""
-        import shutil
-        import subprocess
-
-        from patcher.check import check_worktree_root
-
         removed: list[str] = []
         root = check_worktree_root(rstore)
         try:
@@ -418,8 +419,6 @@ class GitAdapter:
                 except FileNotFoundError:
                     continue
                 with contextlib.suppress(FileNotFoundError):
-                    from cas.worktree import break_dead_own_index_lock, dead_own_index_lock
-
                     if index_lock.endswith("index.lock") and dead_own_index_lock(index_lock):
                         # cas breaks it under the folder's flock (a bare unlink could hit a
                         # live call's lock created in its place since the read).
@@ -446,8 +445,6 @@ def _stop_processes_in(folder: str) -> None:
     folder reached through a symlink.  Looked for again until
     none is left (a shell may start another meanwhile), a few rounds at most.
     """
-    import signal
-
     if os.path.islink(folder) or not os.path.isdir(folder):
         return
     real = os.path.realpath(folder)
@@ -505,12 +502,6 @@ def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:
     """Where cas leaves tmp files beside the index (``index.optmp-<pid>…``, ``.index.lock.optmp-<pid>``) and
     in the common git dir (a ref lock's content before its link: ``.ref.optmp-<pid>-…``, a key ref's
     ``.keyref.optmp-<pid>-…``)."""
-    from cas.durable import TMP_MARK
-
-    from cas.gitdir import common_dir_of
-    from cas.loose_refs import REF_TMP_PREFIX
-    from cas.refs import KEY_REF_TMP_PREFIX
-
     real = os.path.realpath(git_dir)
     common = os.path.realpath(common_dir_of(real))
     return [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}"),
@@ -526,8 +517,6 @@ def _remove_dead_tmp_files(workdir: str | None, git_dir: str, touched: list[str]
     pid is gone.  ``workdir=None``: only those beside the index.  ``remove=False``
     (a dry run): only list them.
     """
-    from cas.durable import TMP_MARK
-
     removed: list[str] = []
     candidates: list[tuple[str, str]] = []
     real_root = os.path.realpath(workdir) if workdir is not None else ""
@@ -573,8 +562,6 @@ def _remove_dead_marked_index_lock(git_dir: str, *, remove: bool = True) -> str 
 
     With ``remove=False`` only tell (a dry run).
     """
-    from cas.worktree import break_dead_own_index_lock, dead_own_index_lock
-
     lock = os.path.join(os.path.realpath(git_dir), "index.lock")
     if not dead_own_index_lock(lock):
         return None
@@ -609,8 +596,6 @@ def _reflog_left(common_dir: str, ref: str, oid: str) -> bool:
 
 def _protected_index_locks(rstore: ReceiptStore) -> frozenset[str]:
     """The ``index.lock`` paths the store's markers name for calls still unresolved."""
-    from patcher.markers import index_markers
-
     return frozenset(named for h, named in index_markers(rstore) if _unresolved(rstore, h))
 
 
@@ -624,8 +609,6 @@ def _unresolved(rstore: ReceiptStore, h: str) -> bool:
 
 def _check_worktree_repo(path: str) -> str | None:
     """The repository a temporary check worktree belongs to (from its ``.git`` file)."""
-    from cas.gitdir import common_dir_of
-
     try:
         with open(os.path.join(path, ".git"), "rb") as fh:
             text = fh.read().decode("utf-8", "surrogateescape").strip()
@@ -637,16 +620,16 @@ def _check_worktree_repo(path: str) -> str | None:
 
 
 def _try_lock_hash(rstore: ReceiptStore, h: str) -> Any:
-    from receipts.flock import FileLock
-
     os.makedirs(rstore.locks_dir, exist_ok=True)
-    lk = FileLock(os.path.join(rstore.locks_dir, f"{h}.lock"))
-    return lk if lk.acquire(0) else None
+    lk = file_lock(os.path.join(rstore.locks_dir, f"{h}.lock"))
+    try:
+        lk.acquire(timeout=0)
+    except filelock.Timeout:
+        return None
+    return lk
 
 
 def _matches(gstore: GitStore, workdir: str, path: str, entry: TreeEntry | None) -> bool:
-    from cas.worktree import worktree_files_match
-
     return worktree_files_match(gstore, workdir, {path: entry})
 
 
@@ -655,8 +638,6 @@ def _matches_any(gstore: GitStore, workdir: str, path: str, entries: tuple[TreeE
 
 
 def _index_matches(workdir: str, path: str, entry: TreeEntry | None) -> bool:
-    from cas.worktree import index_matches
-
     return index_matches(workdir, {path: entry})
 
 

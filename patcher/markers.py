@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from cas.worktree import index_lock_owner
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 
@@ -55,8 +56,6 @@ def foreign_index_lock(index_lock: str, rstore: ReceiptStore) -> str | None:
     this store, no store, or a store with no marker for it (its call died before
     writing one: before its branch moved).
     """
-    from cas.worktree import index_lock_owner
-
     owner = index_lock_owner(index_lock)
     if owner is None or os.path.abspath(owner) == rstore.root:
         return None

@@ -102,10 +102,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from difflib import SequenceMatcher
 from itertools import islice
 from typing import Any, Literal
 
-from cas.record import record
 from patcher.budget import WorkBudget, current_budget
 from patcher.errors import AmbiguousMatch, ContextNotFound, PartiallyApplied
 from patcher.lines import Lines as _File
@@ -140,7 +141,7 @@ def _dominant(lines: Sequence[bytes]) -> bytes:
     return b"\r\n" if crlf > lf else b"\n"
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class _Loc:
     """Where a line sequence was found: one position, or several (ambiguous) at ``grade``."""
 
@@ -248,7 +249,7 @@ def _resolve_scopes(f: _File, scopes: Sequence[bytes], lo: int) -> tuple[list[in
     return starts, (missing if not starts else None)
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class _Verdict:
     """How one hunk relates to the file: ``applies`` / ``present`` at ``pos``, or ``missing``."""
 

@@ -48,7 +48,9 @@ from typing import Any
 import orjson
 
 from cas.errors import OncepatchError, UsageError
+from cas.gitdir import discover
 from receipts.store import DEFAULT_LOCK_TIMEOUT
+from patcher.api import Client
 
 __all__ = ["build_server", "serve", "SERVER_NAME", "INSTRUCTIONS"]
 
@@ -187,9 +189,7 @@ def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos
 
     ``lock_timeout``: how long each tool call waits for each lock (the CLI's ``--lock-timeout``).
     """
-    import anyio
-
-    from patcher.api import Client
+    import anyio  # deferred: it comes with the optional mcp package
 
     server_cls, types = _import_sdk()
     client = Client(repo, store=store, lock_timeout=lock_timeout)
@@ -266,8 +266,6 @@ def serve(repo: str = ".", *, store: str | None = None, allow_other_repos: bool 
     Raises:
         UsageError: the ``mcp`` package is missing, or ``repo`` is not a repository.
     """
-    from cas.gitdir import discover
-
     discover(repo)  # fail fast, before the client waits on a silent server
     logging.basicConfig(stream=sys.stderr, level=getattr(logging, log_level.upper(), logging.WARNING),
                         format="oncepatch mcp: %(levelname)s %(message)s")

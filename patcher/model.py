@@ -12,11 +12,8 @@ ending, so a CRLF file stays CRLF.
 
 from __future__ import annotations
 
-from cas.record import record, field
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
 __all__ = [
     "MODE_FILE",
@@ -33,11 +30,10 @@ MODE_FILE = 0o100644
 MODE_EXEC = 0o100755
 MODE_LINK = 0o120000
 
-if TYPE_CHECKING:
-    Op = Literal["add", "modify", "delete", "rename", "copy"]
+Op = Literal["add", "modify", "delete", "rename", "copy"]
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Hunk:
     """One hunk: the old lines (context + removed) become the new lines (context + added).
 
@@ -61,7 +57,7 @@ class Hunk:
     header: str = ""
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class FileEdit:
     """An edit of one path.
 
@@ -114,13 +110,13 @@ class FileEdit:
         return (self.path,)
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Patch:
     format: str
     edits: tuple[FileEdit, ...]
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class AppliedFile:
     """Result of applying hunks to one file's bytes; ``grades`` names, per hunk, the grade that matched."""
 

@@ -27,21 +27,19 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
+from typing import Any
 
-from cas.record import record
 from cas.errors import OncepatchError, UsageError
 from receipts.engine import Call
 from receipts.identity import make_identity
+from receipts.receipt import Receipt
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
+from patcher import errors as pe
 from patcher.args import TOOL, TOOL_VERSION, normalise_args
 from patcher.errors import (AmbiguousMatch, CheckFailed, Conflict, ContextNotFound, DirtyPath, ParseError,
                             PartiallyApplied, PatchError, TooLarge, UnsafePath)
 from patcher.formats import detect
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Any
-    from receipts.receipt import Receipt
 
 __all__ = ["ApplyResult", "apply", "store_root_for", "replay_final", "KEY_REF_PREFIX", "REJECTIONS"]
 
@@ -52,7 +50,7 @@ REJECTIONS: tuple[type[OncepatchError], ...] = (ParseError, UnsafePath, TooLarge
                                                 PartiallyApplied, DirtyPath, Conflict, CheckFailed)
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class ApplyResult:
     key: str
     call_id: str
@@ -164,6 +162,7 @@ def apply(
         return replay_final(call, final)
 
     try:
+        # Deferred: executing loads libgit2, which a replay (above) never needs.
         from patcher.execute import locked_apply
 
         return locked_apply(call, args, lock_timeout, check_timeout, _stores)

@@ -34,9 +34,9 @@ default :func:`patcher.matching.apply_hunks`).
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cas.record import record, field, replace as replace_record
 from cas.objects import GitStore, TreeEntry
 from cas.hashing import git_blob_oid
 from patcher.budget import work_budget
@@ -53,7 +53,7 @@ _MODE_TREE = 0o040000
 _MODE_GITLINK = 0o160000
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Staged:
     base_commit: str | None
     base_tree: str | None
@@ -64,7 +64,7 @@ class Staged:
     already_applied: bool = False
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class StagePlan:
     """What the patch does to ``base_commit``, computed without writing anything."""
 
@@ -199,7 +199,7 @@ def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None,
     """New content, new mode, per-hunk grades, already-applied flag for a modify/rename/copy/add."""
     if edit.op == "add" and edit.binary is not None:
         content = _binary_result(store, edit, b"")
-        edit = replace_record(edit, content=content)
+        edit = replace(edit, content=content)
     if edit.op == "add":
         content = edit.content if edit.content is not None else b""
         mode = edit.new_mode or MODE_FILE
@@ -289,13 +289,13 @@ def _plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> Stage
                              f"write symlinks (delete it first, in its own call)",
                              details={"path": edit.path, "reason": "symlink"})
         if edit.op == "modify" and current is None and writes_create and edit.content is not None:
-            edit = replace_record(edit, op="add")
+            edit = replace(edit, op="add")
         elif edit.op == "modify" and _creates(edit) and (
                 current is None or store.read_blob(current.oid) == b"".join(edit.hunks[0].new_lines)):
             # '--- a/new' / '+++ b/new' / '@@ -0,0 +1,n @@' (no /dev/null, as agents write a new
             # file): git apply creates the file when it is missing, so does this; a file that
             # already holds exactly those lines is that file, created before (already applied).
-            edit = replace_record(edit, op="add", content=b"".join(edit.hunks[0].new_lines), hunks=())
+            edit = replace(edit, op="add", content=b"".join(edit.hunks[0].new_lines), hunks=())
         if edit.op == "delete":
             if current is None:
                 raise ContextNotFound(f"cannot delete '{edit.path}': it does not exist",

@@ -7,14 +7,22 @@ import shlex
 from collections.abc import Callable
 from typing import Any
 
+import filelock
+
 from cas.errors import GitStoreError, OncepatchError, RefLockedError
 from cas.gitdir import worktrees_on
 from cas.hashing import sha256_hex
+from cas.durable import fsync_dir
+from cas.index import prefetch, settle_ahead, stage_ahead
 from cas.objects import GitStore, TreeEntry
 from cas.worktree import (IndexLock, dirty_paths, hold_index_lock, materialise, outside_sparse_checkout,
-                          unsafe_worktree_paths)
+    unsafe_worktree_paths)
+from receipts.flock import file_lock
+from receipts.engine import settle
+from receipts.states import needs_resolution
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath, UnsafePath
+from patcher.git_adapter import GitAdapter
 from patcher.markers import foreign_index_lock, index_marker, index_markers
 
 __all__ = ["prefetch_indexes", "settle_dead_calls", "check_worktrees", "hold_index_locks", "release_index_locks",
@@ -23,8 +31,6 @@ __all__ = ["prefetch_indexes", "settle_dead_calls", "check_worktrees", "hold_ind
 
 def prefetch_indexes(gstore: GitStore, branch: str) -> None:
     """Start reading the index of every worktree on ``branch`` in the background (:func:`cas.index.prefetch`)."""
-    from cas.index import prefetch
-
     for workdir, _git_dir in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
         try:
             prefetch(os.path.realpath(gstore.worktree_repo(workdir).path))
@@ -54,11 +60,6 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
     """
 
     def on_dead(index_lock: str) -> None:
-        from patcher.git_adapter import GitAdapter
-        from receipts.engine import settle
-        from receipts.flock import FileLock
-        from receipts.states import needs_resolution
-
         other = foreign_index_lock(index_lock, rstore)
         if other is not None:
             # Another store's call: its receipt and marker are there, not here.  Removing
@@ -82,8 +83,10 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
                 if needs_resolution(receipt.status):
                     unsettled.append(receipt.key)
                 continue
-            lock = FileLock(rstore.lock_path(receipt.key))
-            if not lock.acquire(SETTLE_WAIT, poll=0.01):
+            lock = file_lock(rstore.lock_path(receipt.key))
+            try:
+                lock.acquire(timeout=SETTLE_WAIT, poll_interval=0.01)
+            except filelock.Timeout:
                 unsettled.append(receipt.key)  # still held by another process all this while
                 continue
             try:
@@ -242,8 +245,6 @@ class IndexesAhead:
         Raises:
             GitStoreError: an index could not be written (nothing has moved; :meth:`settle` restores).
         """
-        from cas.index import stage_ahead
-
         assert not self._staged, "staged once per call"
         if not self._held:
             return
@@ -266,9 +267,6 @@ class IndexesAhead:
             OSError: an index could not be put back; the caller must then leave
                 the index locks held (a marked dead lock is settled by whoever breaks it).
         """
-        from cas.durable import fsync_dir
-        from cas.index import settle_ahead
-
         for git_dir in self._staged:
             # A transient fault (EIO on the rename or the folder's sync) is tried again:
             # a settle that fails leaves the call's index.lock held (see _settle_and_release).
@@ -309,8 +307,6 @@ def materialise_all(
     The commit has landed when this runs, so a failure here does not undo it:
     it becomes a warning in the receipt, and ``recover`` materialises again.
     """
-    from receipts.flock import FileLock
-
     warnings: list[str] = []
     if not worktrees:
         return warnings
@@ -318,8 +314,10 @@ def materialise_all(
     os.makedirs(rstore.locks_dir, exist_ok=True)
     for workdir, _git_dir in worktrees:
         wt_lock = os.path.join(rstore.locks_dir, "worktree-" + sha256_hex(workdir.encode()) + ".lock")
-        lk = FileLock(wt_lock)
-        if not lk.acquire(timeout, poll=0.005):
+        lk = file_lock(wt_lock)
+        try:
+            lk.acquire(timeout=timeout, poll_interval=0.005)
+        except filelock.Timeout:
             warnings.append(f"worktree '{workdir}' not updated: its materialise lock '{wt_lock}' stayed held")
             continue
         try:

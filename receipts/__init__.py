@@ -13,10 +13,9 @@ on first use, so importing a submodule stays as cheap as before.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
-    from typing import Any
     from receipts.adapters.command import CommandAdapter, run_command
     from receipts.adapters.file_write import FileWriteAdapter, write_file
     from receipts.effects import (

@@ -17,9 +17,9 @@ queried, so it never stays ``unknown``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from cas.record import record, field
 from receipts.receipt import Receipt
 
 __all__ = ["QueryStatus", "QueryResult", "EffectAdapter"]
@@ -27,7 +27,7 @@ __all__ = ["QueryStatus", "QueryResult", "EffectAdapter"]
 QueryStatus = Literal["applied", "not_applied", "unknown"]
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class QueryResult:
     status: QueryStatus
     reason: str

@@ -7,19 +7,15 @@ infinities (orjson would silently write ``null``: they are refused first);
 values are ``None``, ``bool``, ``int``, ``str``, ``list``/``tuple``, ``dict``.
 String escaping matches RFC 8785's (short escapes for ``\\b \\t \\n \\f \\r``,
 ``\\u00xx`` for other controls, everything else as is); the bytes come from
-:mod:`receipts.jsonio` (orjson or the stdlib: the same bytes).
+:mod:`receipts.jsonio` (orjson).
 """
 
 from __future__ import annotations
 
+from typing import Any
 
 from receipts import jsonio
-
 from receipts.errors import CanonicalJsonError
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Any
 
 __all__ = ["MAX_SAFE_INT", "canonical_json", "normalise"]
 

@@ -69,10 +69,10 @@ import inspect
 import os
 import socket
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from cas.record import record
 from cas.crash import crash_point
 from cas.errors import EXIT_REJECTED, OncepatchError, UsageError
 from receipts.adapter import EffectAdapter, QueryResult
@@ -152,7 +152,7 @@ class EffectUnknown(StillUnknown):
 # -- classification (pure) -------------------------------------------------------------
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Classification:
     """How a tool's failure is recorded."""
 
@@ -234,7 +234,7 @@ def open_store(store: ReceiptStore | str | os.PathLike[str] | None) -> ReceiptSt
 # -- the call ----------------------------------------------------------------------------
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class EffectResult:
     """The outcome of one effect call (fresh or replayed)."""
 

@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 from cas.errors import (
     EXIT_CONFLICT,
@@ -30,10 +32,6 @@ from cas.errors import (
     EXIT_VERIFY,
     OncepatchError,
 )
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Any
 
 __all__ = [
     "ReceiptError",

@@ -15,14 +15,11 @@ stay fixed-width and safe whatever the key contains.
 
 from __future__ import annotations
 
+from typing import Any, NewType
 
 from cas.hashing import sha256_hex
 from receipts.canonical import canonical_json
 from receipts.errors import InvalidKey
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Any, NewType
 
 __all__ = [
     "CALL_ID_TAG",
@@ -39,11 +36,8 @@ __all__ = [
 CALL_ID_TAG = "opc1:"
 MAX_KEY_LEN = 512
 
-if TYPE_CHECKING:
-    CallId = NewType("CallId", str)
-    KeyHash = NewType("KeyHash", str)
-else:
-    CallId = KeyHash = str  # NewType is the identity at run time
+CallId = NewType("CallId", str)
+KeyHash = NewType("KeyHash", str)
 
 
 def make_identity(

@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
-from cas.hashing import sha256_hex
-from cas.record import record
 from cas.durable import NotRegularFile, append_durable, open_regular
+from cas.hashing import sha256_hex
 from receipts import jsonio
 from receipts.canonical import canonical_json
 from receipts.errors import CorruptLedger
 from receipts.flock import flocked
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Any, BinaryIO
-    from receipts.receipt import Receipt
+from receipts.receipt import Receipt, now_iso
 
 __all__ = ["Ledger", "LedgerProblem", "GENESIS"]
 
@@ -35,7 +32,7 @@ GENESIS = "0" * 64
 _TAIL = 1 << 16
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class LedgerProblem:
     line: int
     reason: str
@@ -129,8 +126,6 @@ class Ledger:
         Raises:
             InProgress, DurableWriteError: as :meth:`append`.
         """
-        from receipts.receipt import now_iso
-
         doc: dict[str, Any] = {
             "event": event,
             "at": now_iso(),

@@ -6,6 +6,7 @@ import os
 
 from cas.gitdir import discover
 from receipts.errors import CorruptReceipt, InProgress, ReceiptNotFound
+from receipts.flock import held_elsewhere
 from receipts.receipt import Receipt
 from receipts.store import FILE_MISSING, ReceiptStore
 
@@ -39,8 +40,6 @@ def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = No
     rstore = store if isinstance(store, ReceiptStore) else ReceiptStore(store_root(store, repo))
     found = rstore.find(key)
     if found is None:
-        from receipts.flock import held_elsewhere
-
         if held_elsewhere(rstore.lock_path(key)):
             # A first call holds the key and has not written its receipt yet: ask again.
             raise InProgress(f"key '{key}' is being applied by a running call, which has written no "

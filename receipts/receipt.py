@@ -20,22 +20,20 @@ States: ``prepared`` → ``committed`` | ``rejected`` | ``unknown``
 
 from __future__ import annotations
 
-import sys
+import re
 import time as _time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import orjson
 
 from cas.hashing import sha256_hex
-from cas.record import record, field, replace as replace_record
 from receipts import jsonio
 
 from receipts.canonical import canonical_json, normalise
 from receipts.errors import CorruptReceipt
 from receipts.identity import CALL_ID_TAG, key_hash
-from receipts.states import STATUSES
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from receipts.states import Status
-    from typing import Any
+from receipts.states import STATUSES, Status
 
 __all__ = ["SCHEMA", "DIGEST_FIELD", "Receipt", "parse_receipt", "receipt_bytes", "receipt_doc_bytes", "now_iso"]
 
@@ -75,7 +73,7 @@ def now_iso() -> str:
     return _time.strftime("%Y-%m-%dT%H:%M:%S", _time.gmtime(ns // 1_000_000_000)) + f".{ns // 1000 % 1_000_000:06d}Z"
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Receipt:
     key: str
     call_id: str
@@ -116,7 +114,7 @@ class Receipt:
         """A copy with ``changes`` and a fresh ``updated_at``."""
         changes.setdefault("updated_at", now_iso())
         changes.setdefault("parsed_digest", None)
-        return replace_record(self, **changes)
+        return replace(self, **changes)
 
     def to_doc(self) -> dict[str, Any]:
         doc: dict[str, Any] = dict(self.extra)
@@ -235,8 +233,6 @@ def written_as_is(doc: dict[str, Any], key_hash_hex: str) -> bool:
     matches the stored one and the key matches the file name; anything else
     (``False``) needs :func:`parse_receipt`, which decides and names the problem.
     """
-    import orjson  # scans load it anyway
-
     stored = doc.pop(DIGEST_FIELD, None)
     try:
         if not isinstance(stored, str) or not isinstance(doc.get("key"), str):
@@ -259,7 +255,7 @@ def _args_doc(identity: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fast_hashes(body: dict[str, Any]) -> tuple[str, str, str] | None:
-    """The receipt's three hashes from orjson's key-sorted dumps, when orjson is loaded (scans load it).
+    """The receipt's three hashes from orjson's key-sorted dumps (``None``: the checked walk decides).
 
     A match proves the same as the checked walk: the sorted dump of the parsed
     document is then byte for byte the canonical text the digest was made of,
@@ -267,15 +263,11 @@ def _fast_hashes(body: dict[str, Any]) -> tuple[str, str, str] | None:
     code-point order is not RFC 8785's UTF-16 order) goes to the checked walk,
     which decides and names the problem.
     """
-    orjson = sys.modules.get("orjson")
-    if orjson is None:
-        return None
     try:
         # Integers beyond ±(2^53-1) and lone surrogates make orjson raise.
         opt = orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER
         text = orjson.dumps(body, option=opt)
-        outside_fast, _string, float_ = _scan_patterns()
-        if outside_fast.search(text) or float_.search(_outside_strings(text)):
+        if _BEYOND_BMP_LOW.search(text) or _FLOAT.search(_outside_strings(text)):
             return None  # characters at or above U+E000 anywhere, or a float: the checked walk decides
         identity = body["identity"]
         return (sha256_hex(text),
@@ -285,30 +277,19 @@ def _fast_hashes(body: dict[str, Any]) -> tuple[str, str, str] | None:
         return None
 
 
-_patterns: tuple[Any, Any, Any] | None = None
-
-
-def _scan_patterns() -> tuple[Any, Any, Any]:
-    """Compiled when a scan first needs them (a replay, which never does, imports no ``re``).
-
-    UTF-8 lead bytes of U+E000 and above (where code-point order may differ from
-    UTF-16 order); a JSON string in compact text (escapes included); a float
-    once strings are emptied.
-    """
-    global _patterns
-    if _patterns is None:
-        import re
-
-        _patterns = (re.compile(rb"[\xee-\xf4]"), re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"'),
-                     re.compile(rb"[0-9][.eE]"))
-    return _patterns
+#: UTF-8 lead bytes of U+E000 and above (where code-point order may differ from UTF-16 order).
+_BEYOND_BMP_LOW = re.compile(rb"[\xee-\xf4]")
+#: A JSON string in compact text (escapes included).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+#: A float, once strings are emptied.
+_FLOAT = re.compile(rb"[0-9][.eE]")
 
 
 def _outside_strings(text: bytes) -> bytes:
     """``text`` (compact JSON) without the contents of its strings."""
     if b"\\" not in text:  # no escapes, so every '"' delimits a string: a split is enough
         return b"".join(text.split(b'"')[0::2])
-    emptied: bytes = _scan_patterns()[1].sub(b'""', text)
+    emptied: bytes = _STRING.sub(b'""', text)
     return emptied
 
 

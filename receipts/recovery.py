@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import filelock
 import orjson
 
 from cas.durable import is_own_tmp
@@ -38,11 +39,12 @@ from cas.errors import OncepatchError
 from receipts.adapter import EffectAdapter
 from receipts.engine import settle
 from receipts.errors import CorruptReceipt, StillUnknown
-from receipts.flock import FileLock
-from receipts.jsonio import use_fast as use_fast_json
-from receipts.receipt import Receipt, parse_receipt, written_as_is
+from receipts.flock import file_lock
+from receipts.identity import key_hash
+from receipts.receipt import Receipt, now_iso, parse_receipt, written_as_is
 from receipts.states import needs_resolution
 from receipts.store import FILE_MISSING, ReceiptStore
+from receipts.workers import spawn_pool, split
 
 __all__ = [
     "RecoveryRow",
@@ -130,7 +132,6 @@ def recover(
     everything else, every resolution and every write, is done here, in file
     order, from the file read again; the report is the one a single process gives.
     """
-    use_fast_json()  # a scan: JSON speed matters
     report = RecoveryReport(dry_run=dry_run)
     if _ledger_tail_torn(store.ledger.path):
         # A crash mid-append left a torn last line: not an event, and only the next
@@ -138,8 +139,6 @@ def recover(
         # (else "nothing to do" would leave verify failing until some later call).
         report.removed.append(f"{store.ledger.path} (torn last line)")
         if not dry_run:
-            from receipts.receipt import now_iso
-
             store.ledger.append({"event": "ledger_repaired", "at": now_iso(), "reason": "torn_last_line"})
     paths = store.receipt_paths()
     if jobs > 1 and len(paths) >= max(1, PARALLEL_MIN if parallel_min is None else parallel_min):
@@ -193,8 +192,6 @@ def _ledger_digests(store: ReceiptStore) -> tuple[set[str], set[str]]:
 
 def _missing_receipts(store: ReceiptStore, paths: list[str], keys: set[str]) -> list[dict[str, Any]]:
     """Keys the ledger records receipts of whose receipt file is gone: a store changed by hand (as verify says)."""
-    from receipts.identity import key_hash
-
     return [{"path": store.receipt_path(k), "key": k, "reason": FILE_MISSING}
             for k in store.missing_files({key_hash(k): k for k in keys}, paths)]
 
@@ -223,7 +220,6 @@ def _settled_digest(data: bytes, h: str) -> str:
 
 def _scan_chunk(root: str, paths: list[str]) -> list[str | None]:
     """Worker: :func:`_settled_digest` of each file (``""``: a closer look; ``None``: gone)."""
-    use_fast_json()
     store = ReceiptStore(root)
     out: list[str | None] = []
     for path in paths:
@@ -240,8 +236,6 @@ def _scan_chunk(root: str, paths: list[str]) -> list[str | None]:
 def _scan_parallel(store: ReceiptStore, paths: list[str], jobs: int
                    ) -> tuple[list[str | None], tuple[set[str], set[str]]]:
     """The first look at ``paths`` over ``jobs`` worker processes, and the ledger's digests, read meanwhile."""
-    from receipts.workers import spawn_pool, split
-
     chunks = split(paths, jobs)
     with spawn_pool(len(chunks)) as pool:
         futures = [pool.submit(_scan_chunk, store.root, chunk) for chunk in chunks]
@@ -379,8 +373,10 @@ def _cleanup(store: ReceiptStore, dry_run: bool, tmp_age: float, now: float) -> 
         path = os.path.join(store.locks_dir, name)
         if os.path.exists(store.path_for_hash(h)) or not _old_enough(path, tmp_age, now):
             continue
-        lk = FileLock(path)
-        if not lk.acquire(0):
+        lk = file_lock(path)
+        try:
+            lk.acquire(timeout=0)
+        except filelock.Timeout:
             continue
         try:
             removed.append(path)

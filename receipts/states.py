@@ -16,15 +16,12 @@ as failed.
 
 from __future__ import annotations
 
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Literal
-
+from typing import Literal
 
 __all__ = ["Status", "STATUSES", "ALLOWED", "can_move", "needs_resolution"]
 
-if TYPE_CHECKING:
-    Status = Literal["prepared", "committed", "rejected", "unknown"]
+Status = Literal["prepared", "committed", "rejected", "unknown"]
+
 STATUSES: frozenset[str] = frozenset({"prepared", "committed", "rejected", "unknown"})
 
 ALLOWED: dict[str | None, frozenset[str]] = {

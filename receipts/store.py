@@ -19,13 +19,16 @@ import contextlib
 import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
-from cas.record import record
-from cas.errors import UsageError
+import filelock
+import orjson
+
 from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_regular
+from cas.errors import UsageError
 from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress
-from receipts.flock import FileLock
+from receipts.flock import file_lock
 from receipts.identity import key_hash
 from receipts.ledger import Ledger
 from receipts.receipt import DIGEST_FIELD, Receipt, parse_receipt, receipt_doc_bytes
@@ -38,7 +41,7 @@ DEFAULT_LOCK_TIMEOUT = 30.0
 FILE_MISSING = "the ledger records this key's receipt, but its file is missing"
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class StoredReceipt:
     """A receipt file found by a scan: either a verified receipt or the error that file gave."""
 
@@ -90,8 +93,6 @@ def _claimed_key(data: bytes) -> str | None:
 
 def _names_call_id(path: str, call_id: str) -> bool:
     """Whether a (corrupt) receipt file says it is the receipt of ``call_id``."""
-    import orjson
-
     try:
         doc = orjson.loads(read_receipt_file(path))
     except (OSError, CorruptReceipt, orjson.JSONDecodeError):
@@ -105,8 +106,6 @@ def check_store_root(root: str) -> None:
 
     A missing folder is made when first written to.
     """
-    from cas.errors import UsageError
-
     path = root
     while True:
         try:
@@ -188,28 +187,32 @@ class ReceiptStore:
         holder dies, so a crashed owner never leaves the key stuck.
         """
         self._ensure_dir(self.locks_dir)
-        lk = FileLock(self.lock_path(key))
+        lk = file_lock(self.lock_path(key))
         try:
-            taken = lk.acquire(timeout, poll=0.01)
-        except OSError as exc:  # the lock file cannot be made (a store this process may not write)
-            raise UsageError(f"cannot use the store '{self.root}': cannot take the lock of key '{key}' "
-                             f"('{self.lock_path(key)}': {exc.strerror or exc})", key=key) from exc
-        if not taken:
+            lk.acquire(timeout=timeout, poll_interval=0.01)
+        except filelock.Timeout:
             raise InProgress(
                 f"another call holds the lock of key '{key}' (waited {timeout:g}s)",
                 key=key,
                 details={"lock_path": self.lock_path(key)},
-            )
+            ) from None
+        except OSError as exc:  # the lock file cannot be made (a store this process may not write, a symlink)
+            raise UsageError(f"cannot use the store '{self.root}': cannot take the lock of key '{key}' "
+                             f"('{self.lock_path(key)}': {exc.strerror or exc})", key=key) from exc
         try:
             yield
         finally:
             lk.release()
 
-    def try_lock(self, key: str) -> FileLock | None:
+    def try_lock(self, key: str) -> filelock.FileLock | None:
         """Take the key's lock without waiting; ``None`` if a live process holds it."""
         self._ensure_dir(self.locks_dir)
-        lk = FileLock(self.lock_path(key))
-        return lk if lk.acquire(0) else None
+        lk = file_lock(self.lock_path(key))
+        try:
+            lk.acquire(timeout=0)
+        except filelock.Timeout:
+            return None
+        return lk
 
     # -- receipts --------------------------------------------------------------
 

@@ -19,6 +19,7 @@ The watcher is never needed for any of this: verify reads the store itself.
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -26,10 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from receipts.errors import CorruptReceipt
-from receipts.jsonio import use_fast as use_fast_json
+from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.recovery import receipt_age
 from receipts.store import FILE_MISSING, ReceiptStore, StoredReceipt
+from receipts.workers import spawn_pool, split
 
 __all__ = ["Failure", "VerifyReport", "CommitVerifier", "verify", "DEFAULT_GRACE"]
 
@@ -82,7 +84,6 @@ def verify(
     that many worker processes; the ledger is checked here.  Results are the
     same as with one process, in file order.
     """
-    use_fast_json()  # a scan: JSON speed matters
     report = VerifyReport()
     paths = store.receipt_paths()
     if jobs > 1 and verifiers_factory is not None \
@@ -119,8 +120,6 @@ def verify(
 
 def _hashed(latest: dict[str, int]) -> dict[str, tuple[str, int]]:
     """``{key hash: (key, its last event number)}`` of the keys the ledger names."""
-    from receipts.identity import key_hash
-
     return {key_hash(k): (k, n) for k, n in latest.items()}
 
 
@@ -206,9 +205,6 @@ def _check_one(store: ReceiptStore, item: StoredReceipt, verifiers: Mapping[str,
 def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
                   ) -> tuple[list[tuple[str | None, str | None, str]], list[tuple[int, str, str, str]], int]:
     """Worker: verify these receipt files; return failures, (index, digest, ...) of each parsed receipt, files read."""
-    import importlib
-
-    use_fast_json()  # a worker process: JSON and hashing speed matter
     module, _, func = factory.partition(":")
     store = ReceiptStore(root)
     verifiers = getattr(importlib.import_module(module), func)(store)
@@ -253,8 +249,6 @@ def _read_ledger(store: ReceiptStore, report: VerifyReport,
 
 def _warm_up(factory: str) -> None:
     """Worker: import the verifiers' module while the parent reads the ledger."""
-    import importlib
-
     importlib.import_module(factory.partition(":")[0])
 
 
@@ -265,8 +259,6 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
     The receipts are handed out in ledger order (:func:`_in_call_order`).
     Failures are reported in file order, as with one process.
     """
-    from receipts.workers import spawn_pool, split
-
     with spawn_pool(jobs) as pool:
         # The workers start and import while the ledger is read here.
         warm = [pool.submit(_warm_up, factory) for _ in range(jobs)]

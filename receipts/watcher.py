@@ -33,9 +33,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
 from receipts.adapter import EffectAdapter
 from receipts.errors import CorruptReceipt
-from receipts.jsonio import use_fast as use_fast_json
 from receipts.receipt import Receipt
 from receipts.engine import settle
 from receipts.recovery import receipt_age
@@ -71,7 +73,6 @@ class Watcher:
         self._flagged: set[tuple[str, int]] = set()
         self._corrupt: set[tuple[str, float]] = set()  # (path, mtime) of corrupt files flagged
         self.flags = 0
-        use_fast_json()  # long-lived and scanning: JSON speed matters
 
     # -- feeding -------------------------------------------------------------------
 
@@ -221,9 +222,6 @@ class Watcher:
 
     def run(self, stop: threading.Event, *, tick: float = 0.1) -> None:
         """Watch until ``stop`` is set: events, due checks, and a full rescan every ``rescan_interval`` s."""
-        from watchdog.events import FileSystemEvent, FileSystemEventHandler
-        from watchdog.observers import Observer
-
         watcher = self
 
         def feed(path: bytes | str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from typing import TypeVar
 
@@ -13,8 +14,6 @@ T = TypeVar("T")
 def spawn_pool(workers: int) -> ProcessPoolExecutor:
     """A pool of ``workers`` processes started by spawn, not fork: the parent may hold libgit2 state and locks
     a fork would copy."""
-    import multiprocessing
-
     return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
 
 

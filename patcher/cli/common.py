@@ -1,26 +1,25 @@
-"""Pieces shared by the CLI's command modules (no pygit2, and no argparse until a parser is built)."""
+"""Pieces shared by the CLI's command modules (no pygit2)."""
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Callable
+from typing import Any, NoReturn
 
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    import argparse
-    from collections.abc import Callable
-    from typing import Any, NoReturn
+from cas.gitdir import discover
+from patcher.protocol import store_root_for
 
-    #: (flags, dest, default, type, metavar, help) of one option that takes a value
-    Option = tuple[tuple[str, ...], str, Any, Callable[[str], Any] | None, str | None, str]
-
-__all__ = ["COMMON_OPTIONS", "add_common", "add_options", "store_root", "seconds", "positive_seconds",
+__all__ = ["Option", "COMMON_OPTIONS", "add_common", "add_options", "store_root", "seconds", "positive_seconds",
            "at_least_one", "path_given"]
 
 
-def _refuse(message: str) -> NoReturn:
-    from argparse import ArgumentTypeError  # only when a value is refused: argparse then reports it
+#: (flags, dest, default, type, metavar, help) of one option that takes a value
+Option = tuple[tuple[str, ...], str, Any, Callable[[str], Any] | None, str | None, str]
 
-    raise ArgumentTypeError(message)
+
+def _refuse(message: str) -> NoReturn:
+    raise argparse.ArgumentTypeError(message)
 
 
 def seconds(text: str, *, zero: bool = True) -> float:
@@ -79,9 +78,6 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def store_root(args: argparse.Namespace) -> str:
-    from cas.gitdir import discover
-    from patcher.protocol import store_root_for
-
     if args.store:
         return os.path.abspath(str(args.store))
     if os.environ.get("ONCEPATCH_STORE"):

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from patcher.cli.common import path_given, seconds
+from cas.errors import EXIT_OK
 from receipts.store import DEFAULT_LOCK_TIMEOUT
+from patcher.cli.common import path_given, seconds
+from patcher.mcp_server import serve
 
 __all__ = ["register", "HANDLERS"]
 
@@ -31,9 +33,6 @@ def register(sub: Any) -> None:
 
 
 def _cmd_mcp(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    from cas.errors import EXIT_OK
-    from patcher.mcp_server import serve
-
     serve(args.repo, store=args.store, allow_other_repos=args.any_repo, log_level=args.log_level,
           lock_timeout=args.lock_timeout)
     return EXIT_OK, {}, ""

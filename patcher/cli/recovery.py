@@ -8,23 +8,29 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import stat
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from cas.durable import write_durable
 from cas.errors import EXIT_IN_PROGRESS, EXIT_OK, EXIT_VERIFY, UsageError
-from patcher.cli.common import add_common, at_least_one, positive_seconds, seconds, store_root
+from cas.gitdir import GitLayout, discover
 from receipts import jsonio
-from receipts.store import DEFAULT_LOCK_TIMEOUT
-
-if TYPE_CHECKING:
-    from cas.gitdir import GitLayout
+from receipts.adapters import builtin_adapters
+from receipts.manual import resolve_by_hand
+from receipts.recovery import DEFAULT_TMP_AGE, recover
+from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore, check_store_root
+from receipts.verifier import verify
+from receipts.watcher import Watcher
+from patcher.cli.common import add_common, at_least_one, positive_seconds, seconds, store_root
 
 __all__ = ["register", "HANDLERS"]
 
 
 def _adapters(rstore: Any, *, read_only: bool = False, lock_timeout: float | None = None) -> dict[str, Any]:
+    # Deferred: patcher.cli imports this module, and a replayed apply or status must not load libgit2.
     import pygit2
 
     from patcher.git_adapter import adapters
@@ -90,9 +96,6 @@ def _progress(n: int) -> None:
 
 
 def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    from receipts.recovery import recover
-    from receipts.store import ReceiptStore
-
     rstore = ReceiptStore(store_root(args))
     adapters = _adapters(rstore, read_only=args.dry_run, lock_timeout=args.lock_timeout)
     git = adapters["apply_patch"]
@@ -120,9 +123,6 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 
 def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    from receipts.store import ReceiptStore
-    from receipts.verifier import verify
-
     rstore = ReceiptStore(store_root(args))
     report = verify(rstore, _adapters(rstore), grace=args.grace, progress=_progress,
                     jobs=args.jobs or (os.cpu_count() or 1), verifiers_factory="patcher.cli.recovery:_adapters")
@@ -143,9 +143,6 @@ def _warn(message: str) -> None:
 
 
 def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    from receipts.store import ReceiptStore
-    from receipts.watcher import Watcher
-
     rstore = ReceiptStore(store_root(args))
     out_lock = threading.Lock()
 
@@ -168,8 +165,6 @@ def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     git = adapters["apply_patch"]
 
     def tidy() -> list[str]:
-        from receipts.recovery import DEFAULT_TMP_AGE
-
         removed: list[str] = git.cleanup(rstore, False, DEFAULT_TMP_AGE)
         return removed
 
@@ -190,9 +185,6 @@ def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 
 def _cmd_resolve(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    from receipts.manual import resolve_by_hand
-    from receipts.store import ReceiptStore
-
     rstore = ReceiptStore(store_root(args))
     receipt = resolve_by_hand(rstore, args.key, args.as_, args.note, lock_timeout=args.lock_timeout,
                               adapters=_adapters(rstore, lock_timeout=args.lock_timeout),
@@ -209,7 +201,7 @@ def _hooks_dir(layout: GitLayout) -> tuple[str, bool]:
     A relative ``core.hooksPath`` is taken from the top of the worktree (the
     git folder in a bare repository), ``~`` from the home folder, as git does.
     """
-    import pygit2
+    import pygit2  # deferred: a replayed apply or status imports this module and must not load libgit2
 
     try:
         value = pygit2.Repository(layout.git_dir).config["core.hooksPath"]
@@ -224,19 +216,12 @@ def _hooks_dir(layout: GitLayout) -> tuple[str, bool]:
 
 
 def _cmd_install_hook(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    from cas.durable import write_durable
-    from cas.gitdir import discover
-
     layout = discover(args.repo)
     if args.store:  # the hook runs verify on it: an unusable store would block every commit
-        from receipts.store import check_store_root
-
         check_store_root(os.path.abspath(args.store))
     hooks, configured = _hooks_dir(layout)
     hook = os.path.join(hooks, "pre-commit")
     chained = os.path.join(hooks, "pre-commit.before-oncepatch")
-    import shlex
-
     exe = shlex.quote(sys.executable)
     store_arg = f" --store {shlex.quote(os.path.abspath(args.store))}" if args.store else ""
     # git runs hooks with its own PATH, where 'oncepatch' may be missing (a venv not

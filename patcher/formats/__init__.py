@@ -19,23 +19,19 @@ A format may also say how its edits apply (read by :mod:`patcher.stage`):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
-from cas.record import record, replace as replace_record
 from patcher.formats.detection import DETECTORS
 from patcher.errors import ParseError
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    # (A replay detects the format and parses nothing: the model and the path checks are
-    # imported by parse_patch.)
-    from patcher.model import AppliedFile, Patch
+from patcher.model import AppliedFile, Patch
+from patcher.paths import check_path, check_paths
 
 __all__ = ["Format", "FileApplier", "FORMATS", "register", "detect", "parse_patch", "format_names", "get_format"]
 
 FileApplier = Callable[..., "AppliedFile"]  # (original: bytes, hunks: Sequence[Hunk], *, path: str)
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Format:
     name: str
     looks: Callable[[bytes], bool]
@@ -62,6 +58,8 @@ def known_format(name: str) -> bool:
 
 
 def _load_builtin() -> None:
+    # Deferred: these modules import Format from here (a cycle at module level; Format belongs
+    # in a module below both).
     from patcher.formats import editblocks, envelope, unified, wholefile
 
     register(Format("unified", unified.looks_unified, unified.parse_unified))
@@ -109,16 +107,13 @@ def parse_patch(data: bytes, fmt: str) -> Patch:
     Raises:
         ParseError, UnsafePath, UnsupportedPatch.
     """
-    from patcher.model import Patch
-    from patcher.paths import check_path, check_paths
-
     if not FORMATS:
         _load_builtin()
     if fmt not in FORMATS:
         raise ParseError(f"unknown patch format '{fmt}'", details={"formats": format_names()})
     parsed = FORMATS[fmt].parse(data)
     edits = tuple(
-        replace_record(
+        replace(
             e,
             path=check_path(e.path),
             new_path=None if e.new_path is None else check_path(e.new_path),

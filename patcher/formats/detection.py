@@ -8,13 +8,11 @@ Each test is specific: see ``docs/FORMATS.md`` ("Detection").
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from typing import Any
 
 from receipts import jsonio
-
-TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
-if TYPE_CHECKING:
-    from typing import Any
 
 __all__ = [
     "DETECTORS",
@@ -44,8 +42,6 @@ def _pattern(name: str) -> Any:
     """The compiled ``re`` pattern of :data:`_PATTERNS` (8 is ``re.MULTILINE``)."""
     found = _compiled.get(name)
     if found is None:
-        import re
-
         source, flags = _PATTERNS[name]
         found = _compiled[name] = re.compile(source, flags)
     return found

@@ -75,13 +75,14 @@ caller's.
 from __future__ import annotations
 
 import re
+from datetime import datetime
 
 from cas.hashing import git_blob_oid
 from patcher.formats.binary import BinaryHunk, InflateBudget, read_binary_hunks
 from patcher.formats.detection import looks_unified
 from patcher.errors import ParseError, UnsupportedPatch
 from patcher.matching import chomp, split_lines
-from patcher.model import MODE_EXEC, MODE_FILE, MODE_LINK, FileEdit, Hunk, Patch
+from patcher.model import FileEdit, Hunk, MODE_EXEC, MODE_FILE, MODE_LINK, Patch
 from patcher.paths import check_path
 
 __all__ = ["looks_unified", "parse_unified"]
@@ -162,8 +163,6 @@ def _unquote(text: bytes, start: int, lineno: int) -> tuple[bytes, int]:
 
 
 def _is_epoch(date: bytes, zone: bytes | None) -> bool:
-    from datetime import datetime  # only patches with dated headers need it
-
     try:
         stamp = datetime.fromisoformat(date.decode("ascii").replace(" ", "T")[:19])
     except ValueError:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from receipts.adapters.command import CommandAdapter
+from receipts.adapters.file_write import FileWriteAdapter
+
 __all__ = ["builtin_adapters"]
 
 
 def builtin_adapters() -> dict[str, Any]:
     """``{tool: adapter}`` for the generic tools shipped here."""
-    from receipts.adapters.command import CommandAdapter
-    from receipts.adapters.file_write import FileWriteAdapter
-
     return {a.tool: a for a in (FileWriteAdapter(), CommandAdapter())}

@@ -539,15 +539,15 @@ def test_the_api_refuses_options_no_call_can_mean(repo: Repo) -> None:
 def test_status_of_a_key_a_running_call_holds_is_in_progress(repo: Repo, cli: Any) -> None:
     """Before its receipt exists, a call holds its key's lock; a rival told 'in_progress, ask (status)' used to
     get 'not_found' from status. Nothing is created by asking."""
-    from receipts.flock import FileLock
+    from receipts.flock import file_lock
     from receipts.store import ReceiptStore
 
     rstore = ReceiptStore(str(repo.store))
     assert cli("status", "k", "--repo", str(repo.path), "--json").code == 2  # no call, no receipt
     assert not os.path.exists(rstore.lock_path("k"))
     os.makedirs(os.path.dirname(rstore.lock_path("k")), exist_ok=True)
-    lock = FileLock(rstore.lock_path("k"))
-    assert lock.acquire(1)
+    lock = file_lock(rstore.lock_path("k"))
+    lock.acquire(timeout=1)
     try:
         r = cli("status", "k", "--repo", str(repo.path), "--json")
         assert r.code == 5 and r.json["error"]["type"] == "in_progress", r.out

@@ -4,7 +4,7 @@ Two real calls commit two receipts (and four ledger lines); then one thing is
 broken per case and ``verify`` must exit 6 with a line naming that receipt (or
 the ledger) and the reason, and the same failure in ``--json``'s list.
 Tampered receipts that should still *parse* are rewritten through the
-receipt helpers (``parse_receipt`` → ``cas.record.replace`` →
+receipt helpers (``parse_receipt`` → ``dataclasses.replace`` →
 ``receipt_bytes``), which recompute ``receipt_sha256``: only the deeper
 checks (commit, blobs, ledger) can catch them.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,6 @@ import pytest
 
 from conftest import Repo, make_repo, run_cli
 
-from cas.record import replace
 from receipts.receipt import parse_receipt, receipt_bytes
 from receipts.store import ReceiptStore
 

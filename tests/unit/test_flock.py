@@ -1,89 +1,73 @@
-"""receipts/flock.py: our flock locks and filelock's exclude each other, across processes and within one."""
+"""receipts/flock.py: the store's locks as filelock takes them, across processes and within one."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import filelock
 import pytest
 
 from receipts.errors import InProgress
-from receipts.flock import FileLock, flocked
+from receipts.flock import file_lock, flocked, held_elsewhere
 
-HOLD_WITH_FILELOCK = (
-    "import sys, filelock\n"
-    "lk = filelock.FileLock(sys.argv[1], thread_local=False)\n"
-    "lk.acquire()\n"
+HOLD = (
+    "import sys\n"
+    "from receipts.flock import file_lock\n"
+    "lk = file_lock(sys.argv[1])\n"
+    "lk.acquire(timeout=0)\n"
     "print('locked', flush=True)\n"
     "sys.stdin.read()\n"
 )
-TRY_WITH_FILELOCK = (
-    "import sys, filelock\n"
-    "lk = filelock.FileLock(sys.argv[1], thread_local=False)\n"
-    "try:\n"
-    "    lk.acquire(timeout=0)\n"
-    "except filelock.Timeout:\n"
-    "    print('held')\n"
-    "else:\n"
-    "    print('free')\n"
-)
 
 
-def test_acquire_release_and_a_second_holder_in_one_process(tmp_path: Path) -> None:
+def test_two_holders_in_one_process_exclude_each_other(tmp_path: Path) -> None:
     path = str(tmp_path / "k.lock")
-    a, b = FileLock(path), FileLock(path)
-    assert a.acquire(0) and a.is_locked
+    a, b = file_lock(path), file_lock(path)
+    a.acquire(timeout=0)
+    assert a.is_locked and held_elsewhere(path)
     t0 = time.monotonic()
-    assert not b.acquire(0.2)  # each acquire has its own descriptor: excluded like another process
+    with pytest.raises(filelock.Timeout):
+        b.acquire(timeout=0.2, poll_interval=0.01)  # its own descriptor: excluded like another process
     assert 0.15 <= time.monotonic() - t0 < 2
     a.release()
-    assert not a.is_locked
-    assert b.acquire(0)
+    assert not a.is_locked and not held_elsewhere(path)
+    b.acquire(timeout=0)
     b.release()
-    assert os.path.exists(path)  # the lock file stays
-    with pytest.raises(RuntimeError):
-        a.acquire(0)
-        a.acquire(0)
-    a.release()
+    assert os.path.exists(path)  # the lock file stays: waiters share one inode
 
 
-def test_filelock_holder_excludes_us_and_we_exclude_filelock(tmp_path: Path) -> None:
+def test_a_killed_holder_leaves_no_lock(tmp_path: Path) -> None:
     path = str(tmp_path / "k.lock")
-    p = subprocess.Popen([sys.executable, "-c", HOLD_WITH_FILELOCK, path], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE)
+    p = subprocess.Popen([sys.executable, "-c", HOLD, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert p.stdout is not None and p.stdout.readline() == b"locked\n"
-        assert not FileLock(path).acquire(0.1)
-        with pytest.raises(InProgress):
+        assert held_elsewhere(path)
+        with pytest.raises(InProgress) as exc:
             with flocked(path, 0.1):
                 pass
+        assert exc.value.details["lock_path"] == path
     finally:
         p.kill()
         p.wait(timeout=10)
-    ours = FileLock(path)
-    assert ours.acquire(2)  # the kernel dropped the dead holder's lock
-    try:
-        out = subprocess.run([sys.executable, "-c", TRY_WITH_FILELOCK, path], capture_output=True, check=True)
-        assert out.stdout == b"held\n"
-    finally:
-        ours.release()
-    out = subprocess.run([sys.executable, "-c", TRY_WITH_FILELOCK, path], capture_output=True, check=True)
-    assert out.stdout == b"free\n"
+    assert not held_elsewhere(path)  # the kernel dropped the dead holder's lock
+    with flocked(path, 2):
+        assert held_elsewhere(path)
 
 
-def test_waits_for_a_release(tmp_path: Path) -> None:
+def test_waits_for_a_release_from_another_thread(tmp_path: Path) -> None:
     path = str(tmp_path / "k.lock")
-    holder = FileLock(path)
-    assert holder.acquire(0)
-    import threading
-
+    holder = file_lock(path)
+    holder.acquire(timeout=0)
     threading.Timer(0.2, holder.release).start()
-    waiter = FileLock(path)
+    waiter = file_lock(path)
     t0 = time.monotonic()
-    assert waiter.acquire(5)
+    waiter.acquire(timeout=5, poll_interval=0.01)
     assert 0.1 <= time.monotonic() - t0 < 3
     waiter.release()
 
@@ -91,22 +75,39 @@ def test_waits_for_a_release(tmp_path: Path) -> None:
 def test_a_waiter_that_locked_a_removed_file_takes_the_file_there_now(tmp_path: Path) -> None:
     """H holds the lock and removes its file (recover does, under the lock); W, waiting meanwhile on
     the old inode, must not end up holding that one while X locks a new file of the same name."""
-    import threading
-
     path = str(tmp_path / "k.lock")
-    holder = FileLock(path)
-    assert holder.acquire(0)
-    waiter = FileLock(path)
-    got: list[bool] = []
-    t = threading.Thread(target=lambda: got.append(waiter.acquire(5, poll=0.01)))
+    holder = file_lock(path)
+    holder.acquire(timeout=0)
+    waiter = file_lock(path)
+    t = threading.Thread(target=lambda: waiter.acquire(timeout=5, poll_interval=0.01))
     t.start()
     time.sleep(0.1)  # W has opened the file and is polling
     os.unlink(path)
     holder.release()
     t.join()
-    assert got == [True]
-    third = FileLock(path)
-    assert not third.acquire(0.2)  # W holds the file the name holds now
+    assert waiter.is_locked
+    third = file_lock(path)
+    with pytest.raises(filelock.Timeout):
+        third.acquire(timeout=0.2, poll_interval=0.01)  # W holds the file the name holds now
     waiter.release()
-    assert third.acquire(0)
+    third.acquire(timeout=0)
     third.release()
+
+
+def test_a_symlinked_lock_file_is_refused_and_its_target_not_made(tmp_path: Path) -> None:
+    path, target = tmp_path / "k.lock", tmp_path / "elsewhere"
+    path.symlink_to(target)
+    with pytest.raises(OSError) as exc:
+        file_lock(str(path)).acquire(timeout=0)
+    assert exc.value.errno == errno.ELOOP
+    assert not target.exists()
+    with pytest.raises(OSError):
+        with flocked(str(path), 0):
+            pass
+    assert not held_elsewhere(str(path))
+
+
+def test_held_elsewhere_creates_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "k.lock"
+    assert not held_elsewhere(str(path))
+    assert not path.exists()
