@@ -23,7 +23,6 @@ from typing import Any
 
 from cas.errors import OncepatchError
 from cas.gitdir import discover
-from receipts.adapters import builtin_adapters
 from receipts.lookup import status as _status
 from receipts.receipt import Receipt
 from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport, recover

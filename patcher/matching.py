@@ -462,8 +462,6 @@ def _opcodes(f: _File, a: Sequence[Any], b: Sequence[Any], *,
     between -- which the call's budget pays for, or for a hint, on the first
     :data:`_HINT_LINES` lines of it (the rest is one replaced block).
     """
-    from difflib import SequenceMatcher  # only inexact matches and hints need it
-
     head = tail = 0
     if len(a) * len(b) > (_HINT_LINES ** 2 if bound else _PAIRS):
         top = min(len(a), len(b))

@@ -35,7 +35,6 @@ from receipts.engine import Call
 from receipts.identity import make_identity
 from receipts.receipt import Receipt
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
-from patcher import errors as pe
 from patcher.args import TOOL, TOOL_VERSION, normalise_args
 from patcher.errors import (AmbiguousMatch, CheckFailed, Conflict, ContextNotFound, DirtyPath, ParseError,
                             PartiallyApplied, PatchError, TooLarge, UnsafePath)

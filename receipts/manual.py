@@ -22,7 +22,6 @@ from receipts.adapter import EffectAdapter, QueryResult
 from receipts.engine import settle
 from receipts.errors import InProgress, NotResolvable, ReceiptNotFound
 from receipts.receipt import Receipt
-from receipts.recovery import resolve_receipt
 from receipts.store import ReceiptStore
 
 __all__ = ["resolve_by_hand"]

@@ -18,7 +18,6 @@ from cas.durable import write_durable
 from cas.errors import EXIT_IN_PROGRESS, EXIT_OK, EXIT_VERIFY, UsageError
 from cas.gitdir import GitLayout, discover
 from receipts import jsonio
-from receipts.adapters import builtin_adapters
 from receipts.manual import resolve_by_hand
 from receipts.recovery import DEFAULT_TMP_AGE, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore, check_store_root

@@ -28,7 +28,7 @@ from patcher.paths import check_path, check_paths
 
 __all__ = ["Format", "FileApplier", "FORMATS", "register", "detect", "parse_patch", "format_names", "get_format"]
 
-FileApplier = Callable[..., "AppliedFile"]  # (original: bytes, hunks: Sequence[Hunk], *, path: str)
+FileApplier = Callable[..., AppliedFile]  # (original: bytes, hunks: Sequence[Hunk], *, path: str)
 
 
 @dataclass(frozen=True, slots=True)
