@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from cas.record import record
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
-from cas.errors import (DurableWriteError, GitStoreError, OncepatchError, RefLockedError, RefMovedError,
-                        RefUpdateUnknown, UsageError)
+from cas.errors import (DurableWriteError, GitStoreError, ObjectsMissing, OncepatchError, RefLockedError,
+                        RefMovedError, RefUpdateUnknown, UsageError)
 from cas.gitdir import read_head
 from receipts.errors import FencedOff, IdempotencyConflict
 from receipts.jsonio import use_fast as use_fast_json
@@ -162,10 +162,6 @@ def locked_apply(rstore: ReceiptStore, args: CallArgs, identity: dict[str, Any],
                             _stores, pre)
         except OncepatchError as exc:
             raise exc.with_key(the_key)
-        finally:
-            gstore = _stores.get(args.where)
-            if gstore is not None:
-                gstore.drop_ref_content()  # unused: a re-staged or libgit2 move, or no move at all
 
 
 @record
@@ -324,12 +320,8 @@ def _execute(
         outputs=staged.outputs,
         extra={"touched": paths, "grades": {k: list(v) for k, v in staged.grades.items()}},
     )
-    # The staged objects and the receipt naming them: one batch, synced together;
-    # with them, the branch lock's content (the move then needs no sync of its own).
-    batch = DurableBatch()
-    gstore.add_pending_to(batch)
-    gstore.stage_ref_content(args.branch, candidate, batch)  # removed if unused: locked_apply
-    rstore.record(receipt, "prepared", batch=batch)
+    gstore.flush_objects()  # loose objects, synced by libgit2, before the receipt naming them
+    rstore.record(receipt, "prepared")
     crash_point("after-prepare")
     _pause_point("after-prepare")
 
@@ -377,7 +369,7 @@ def _execute(
                 # first (they end before the committed receipt is renamed).
                 # The candidate is staged in the worktrees' indexes under the branch's lock, before it moves.
                 receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args,
-                                             defer_sync=True, before_libgit2=write_marker, before_swap=ahead.stage)
+                                             before_libgit2=write_marker, before_swap=ahead.stage)
                 moved = True
             finally:
                 # Reached on every outcome but a crash: our ref locks are released by now.
@@ -416,13 +408,12 @@ def _execute(
         final = receipt.evolve(status="committed", commit=candidate, tree=staged.tree, error=None)
         if warnings:
             final = final.evolve(extra={**final.extra, "warnings": warnings})
-        # The key ref and the committed receipt: one batch, the key ref renamed first
-        # (a committed receipt always has its key ref); its first round also syncs
-        # the branch's folder when the move left that to it.
+        # The key ref, then the committed receipt (a committed receipt always has its
+        # key ref); the receipt's first round also syncs the folders left unsynced.
         batch = DurableBatch()
         batch.sync_first(ref_folders)
         try:
-            gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}", batch=batch)
+            gstore.create_key_ref(KEY_REF_PREFIX + key_hash(key), candidate, f"oncepatch: {call_id}")
         except RefMovedError as exc:
             # Another store committed the same key since the pre-check: the branch *has* moved.
             raise IdempotencyConflict(
@@ -537,14 +528,12 @@ def _move_refs(
     token: int,
     args: CallArgs,
     *,
-    defer_sync: bool = False,
     before_libgit2: Callable[[], None] | None = None,
     before_swap: Callable[[str], None] | None = None,
 ) -> tuple[Receipt, Staged]:
     """Compare-and-swap the branch to the candidate (re-staging onto a moved head).
 
-    ``defer_sync``: the move's folder syncs are left to the next batch
-    (:meth:`GitStore.take_unsynced`).  ``before_libgit2``: see
+    ``before_libgit2``: see
     :meth:`GitStore.compare_and_swap`.  ``before_swap``: called with the
     candidate under the branch's lock, after the compare and the fence, before the move.
 
@@ -554,6 +543,8 @@ def _move_refs(
     Raises:
         Conflict: the branch moved and the patch no longer applies (rejected, retryable).
         RefLockedError: the branch's lock file is held (rejected, retryable).
+        ObjectsMissing: under the branch's lock, the candidate's objects were gone and could not be
+            written again (rejected, retryable).
         RefUpdateUnknown: the ref update failed half way (receipt ``unknown``).
         FencedOff: a newer attempt owns the key.
     """
@@ -571,9 +562,8 @@ def _move_refs(
         # lock broken and the key taken over (then the ref must not move).
         _fence(rstore, key, token)
         if before_swap is not None:
-            # Staged after the compare and the fence; only the reflog lines, the lock's
-            # sync and the rename follow.  Later, a crash would leave the reflog naming
-            # a candidate that never landed (cas.loose_refs writes it before the rename).
+            # Staged after the compare, the objects' check and the fence; only libgit2's
+            # commit of the transaction follows.
             assert candidate is not None
             try:
                 before_swap(candidate)
@@ -584,8 +574,7 @@ def _move_refs(
     while True:
         try:
             gstore.compare_and_swap(args.branch, base, candidate, f"oncepatch: {call_id}",
-                                    precondition=under_ref_lock, defer_sync=defer_sync,
-                                    before_libgit2=before_libgit2)
+                                    precondition=under_ref_lock, before_libgit2=before_libgit2)
             break
         except _NotStaged as failed:
             err = failed.error
@@ -635,10 +624,9 @@ def _move_refs(
             receipt = receipt.evolve(base={"ref": args.branch, "commit": base}, candidate=candidate,
                                      outputs=staged.outputs)
             _fence(rstore, key, token)
-            batch = DurableBatch()
-            gstore.add_pending_to(batch)
-            rstore.record(receipt, "restaged", batch=batch)
-        except RefLockedError as exc:
+            gstore.flush_objects()
+            rstore.record(receipt, "restaged")
+        except (RefLockedError, ObjectsMissing) as exc:
             _reject(rstore, receipt.identity, call_id, key, receipt.args_sha256, receipt, args, exc, base,
                     candidate, retryable=True)
             raise
