@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import pygit2
 
-from cas.durable import fsync_all, make_dirs, write_durable
+from cas.durable import fsync_all, make_dirs
 from cas.errors import DurableWriteError, GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown
 
 TYPE_CHECKING = False  # what RefUpdates needs of GitStore is declared for mypy only
@@ -207,17 +207,21 @@ class RefUpdates:
     def _create_reflog(self, ref: str) -> None:
         """An empty reflog for ``ref`` if it has none (git's ``update-ref --create-reflog``): libgit2 appends to it.
 
+        Created empty in one step, not synced: libgit2 syncs the file and its
+        folder when it appends the entry (``enable_fsync_gitdir``).
+
         Raises:
-            GitStoreError: the file could not be written.
+            GitStoreError: the file could not be created.
         """
         path = os.path.join(self.common_dir, "logs", ref)
-        if os.path.exists(path):
-            return
         try:
-            make_dirs(os.path.dirname(path), 0o777)
-            write_durable(path, b"", mode=0o666 & ~_umask())
-        except (OSError, DurableWriteError) as exc:
+            make_dirs(os.path.dirname(path), 0o777)  # 0777 and 0666 less the umask, as git makes them
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            return
+        except OSError as exc:
             raise GitStoreError(f"cannot create the reflog of '{ref}': {exc}") from exc
+        os.close(fd)
 
     def unsynced(self) -> list[str]:
         """The folders left unsynced with :meth:`defer_sync`, not yet synced (they stay listed)."""
@@ -280,9 +284,3 @@ class RefUpdates:
         except FileNotFoundError:
             return False
         return False
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

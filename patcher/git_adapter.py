@@ -496,20 +496,12 @@ def _pid_of_tmp(rest: str) -> int | None:
 
 
 def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:
-    """Where cas leaves tmp files of its own beside the index (``index.optmp-<pid>…``,
-    ``.index.lock.optmp-<pid>``) and beside a key ref's reflog it creates (``.<h>.optmp-<pid>-…``)."""
-    from cas.durable import TMP_MARK, is_own_tmp
-
-    from cas.gitdir import common_dir_of
+    """Where cas leaves tmp files of its own in a git dir: beside the index (``index.optmp-<pid>…``,
+    ``.index.lock.optmp-<pid>``).  (libgit2's tmp files of objects: :func:`_remove_old_object_tmp_files`.)"""
+    from cas.durable import TMP_MARK
 
     real = os.path.realpath(git_dir)
-    common = os.path.realpath(common_dir_of(real))
-    found = [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}")]
-    key_logs = os.path.join(common, "logs", KEY_REF_PREFIX.rstrip("/"))
-    with contextlib.suppress(OSError):
-        names = {name[:name.index(TMP_MARK) + len(TMP_MARK)] for name in os.listdir(key_logs) if is_own_tmp(name)}
-        found += [(key_logs, prefix) for prefix in sorted(names)]
-    return found
+    return [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}")]
 
 
 #: libgit2 writes a loose object to ``objects/tmp_object_git2_XXXXXX`` before renaming it into place.

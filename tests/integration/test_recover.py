@@ -611,8 +611,7 @@ def test_a_call_killed_writing_an_object_leaves_no_tmp_file_after_recover(tmp_pa
 def test_dead_calls_tmp_files_in_the_worktree_are_removed(tmp_path: Path) -> None:
     """A call killed while writing a touched file leaves ``.<name>.optmp-<pid>-<rand>`` beside it
     (found by the torture: an untracked file in the user's worktree), ``index.optmp-<pid>``
-    beside the index, or ``.<h>.optmp-<pid>-<rand>`` beside a key ref's new reflog.  Settling removes those of
-    dead pids — never a live process's."""
+    beside the index.  Settling removes those of dead pids — never a live process's."""
     repo, _pf = crashed(tmp_path, "after-ref")  # touches src/app.py and pkg/added.txt
     dead = dead_pid()
     (repo.path / "pkg").mkdir(exist_ok=True)
@@ -622,19 +621,15 @@ def test_dead_calls_tmp_files_in_the_worktree_are_removed(tmp_path: Path) -> Non
     index_tmp.write_bytes(b"DIRC")
     lock_tmp = repo.path / ".git" / f".index.lock.optmp-{dead}"  # a mark not yet linked to index.lock
     lock_tmp.write_bytes(b"oncepatch-index-lock %d\n" % dead)
-    key_logs = repo.path / ".git/logs/refs/oncepatch/keys"
-    key_logs.mkdir(parents=True, exist_ok=True)
-    ref_tmp = key_logs / f".{'ab' * 32}.optmp-{dead}-0badf00d"  # a key ref's reflog, not yet renamed
-    ref_tmp.write_bytes(b"")
-    live_ref_tmp = key_logs / f".{'cd' * 32}.optmp-{os.getpid()}-0badf00d"
-    live_ref_tmp.write_bytes(b"")
+    live_index_tmp = repo.path / ".git" / f"index.optmp-{os.getpid()}"
+    live_index_tmp.write_bytes(b"DIRC")
     live = repo.path / "src" / f".app.py.optmp-{os.getpid()}-12345678"
     live.write_bytes(b"being written")
     rec = recover(repo)
     assert rec.code == 0, rec.err
-    assert not stray.exists() and not index_tmp.exists() and not lock_tmp.exists() and not ref_tmp.exists()
-    assert live.exists() and live_ref_tmp.exists()
-    live_ref_tmp.unlink()
+    assert not stray.exists() and not index_tmp.exists() and not lock_tmp.exists()
+    assert live.exists() and live_index_tmp.exists()
+    live_index_tmp.unlink()
     notes = rec.json["rows"][0]["notes"]
     assert any(str(stray) in n for n in notes) and any(str(index_tmp) in n for n in notes), notes
     live.unlink()
