@@ -364,9 +364,7 @@ def _execute(
                 marked.append(ref_marker)
 
             try:
-                # The move's syncs join the next round: a worktree's first (its files change
-                # only after the move is durable), and in any case the finalise batch's
-                # first (they end before the committed receipt is renamed).
+                # libgit2 syncs the move before it returns (its files change only after).
                 # The candidate is staged in the worktrees' indexes under the branch's lock, before it moves.
                 receipt, staged = _move_refs(gstore, rstore, receipt, parsed, message, staged, paths, token, args,
                                              before_libgit2=write_marker, before_swap=ahead.stage)
