@@ -31,6 +31,7 @@ import pygit2
 
 from cas.durable import fsync_all, make_dirs
 from cas.errors import DurableWriteError, GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown
+from cas.signature import Signature, git_clean
 
 TYPE_CHECKING = False  # what RefUpdates needs of GitStore is declared for mypy only
 
@@ -53,6 +54,7 @@ class RefUpdates:
     if TYPE_CHECKING:  # GitStore's, called from here
         def flush_objects(self) -> None: ...
         def ensure_objects(self, ref: str, new: str) -> None: ...
+        def default_signature(self, kind: str = "committer") -> Signature: ...
 
     def _init_refs(self) -> None:
         # Folders the caller left unsynced (defer_sync), which a later batch syncs.
@@ -127,6 +129,7 @@ class RefUpdates:
                                precondition: Callable[[], None] | None) -> None:
         committing = False
         try:
+            self._use_reflog_identity()
             with self.repo.transaction() as txn:
                 try:
                     txn.lock_ref(ref)
@@ -185,6 +188,7 @@ class RefUpdates:
     def _create_once(self, ref: str, target: str, message: str) -> bool:
         committing = False
         try:
+            self._use_reflog_identity()
             with self.repo.transaction() as txn:
                 try:
                     txn.lock_ref(ref)
@@ -203,6 +207,20 @@ class RefUpdates:
                 raise GitStoreError(f"cannot create ref '{ref}': {exc}") from exc
             raise RefUpdateUnknown(f"creation of ref '{ref}' failed after locking: {exc}") from exc
         return True
+
+    def _use_reflog_identity(self) -> None:
+        """Make the committer identity git writes in reflogs (``GIT_COMMITTER_*``, then the configuration) libgit2's.
+
+        libgit2 reads only the configuration for a reflog entry's identity; the
+        repository's ident (``set_ident``) takes precedence there.  Its time is
+        the moment of the move (a ``GIT_COMMITTER_DATE`` is not carried over).
+        When git would not take the identity, libgit2 keeps its own.
+        """
+        try:
+            sig = self.default_signature("committer")
+            self.repo.set_ident(git_clean(sig.name), git_clean(sig.email))
+        except (ValueError, pygit2.GitError):
+            pass
 
     def _create_reflog(self, ref: str) -> None:
         """An empty reflog for ``ref`` if it has none (git's ``update-ref --create-reflog``): libgit2 appends to it.
