@@ -328,9 +328,7 @@ def render(res: dict[str, Any]) -> str:
                          "*round* is one `fsync_all` — its files synced at once, on threads (one or two files: "
                          "one after the other on the calling thread) — and counts once, whichever module calls it; "
                          "*single* are `os.fsync` calls made alone; libgit2's own are its ref and reflog syncs for "
-                         "the branch, one after another (from the strace kinds above), counted only when a libgit2 "
-                         "transaction moved the branch (`cas/loose_refs.py` moves a plain branch itself, its syncs "
-                         "are in the first two columns). The protocol's floor is two flush points (before and "
+                         "the branch, one after another (from the strace kinds above). The protocol's floor is two flush points (before and "
                          "after the branch moves).\n\n")
             prow = []
             for p in fs["points"]:

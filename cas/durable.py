@@ -16,7 +16,8 @@
 ``append_durable(path, line)`` appends one record and fsyncs it (the ledger).
 
 :class:`DurableBatch` is the same sequence for several files that must be
-durable together (a transaction's git objects and its receipt): every tmp file
+durable together (a receipt and the folders it relies on, a worktree's
+files): every tmp file
 is written first, then all are fsynced *at once* (one thread each, so the
 filesystem commits them as one group instead of one journal commit after
 another), then renamed in the order they were added, then every folder
@@ -59,7 +60,6 @@ __all__ = [
     "fsync_dir",
     "open_dir_nofollow",
     "is_own_tmp",
-    "link_as_lock",
     "make_dirs",
     "write_all",
     "write_new",
@@ -326,24 +326,13 @@ def fsync_all(paths: Iterable[str | int | tuple[int, str]]) -> None:
 
 
 class _Item:
-    __slots__ = ("path", "data", "writer", "mode", "tmp_prefix", "lock", "lock_tmp_dir", "locked", "tmp",
-                 "existing", "dir_mode", "dir_fd", "symlink", "fd")
+    __slots__ = ("path", "data", "mode", "tmp", "dir_fd", "symlink", "fd")
 
     def __init__(self, path: str, data: bytes | memoryview | None, mode: int, *,
-                 writer: Callable[[int], None] | None = None, tmp_prefix: str | None = None,
-                 lock: str | None = None, lock_tmp_dir: str | None = None,
-                 locked: Callable[[], BaseException] | None = None, existing: bool = False,
-                 dir_mode: int = 0o755, dir_fd: int | None = None, symlink: str | None = None) -> None:
+                 dir_fd: int | None = None, symlink: str | None = None) -> None:
         self.path = path  # a name in ``dir_fd`` when that is given
         self.data = data
-        self.writer = writer
         self.mode = mode
-        self.tmp_prefix = tmp_prefix
-        self.lock = lock
-        self.lock_tmp_dir = lock_tmp_dir
-        self.locked = locked
-        self.existing = existing  # content-addressed and already there: only synced
-        self.dir_mode = dir_mode
         self.dir_fd = dir_fd
         self.symlink = symlink
         self.tmp: str | None = None
@@ -353,50 +342,29 @@ class _Item:
 class DurableBatch:
     """Files made durable together, with two rounds of concurrent fsyncs (module docstring).
 
-    ``add`` queues a file; ``commit`` writes, syncs and renames them all.  A
-    *content-addressed* file (``content_addressed=True``: its name is the hash
-    of its bytes, like a git loose object) that already exists is not written
-    again, only synced.
+    ``add`` queues a file; ``commit`` writes, syncs and renames them all.
     """
 
     def __init__(self) -> None:
         self._items: list[_Item] = []
         self._paths: set[str] = set()
-        self._appends: list[tuple[str, bytes]] = []
         self._open: dict[int, str] = {}  # descriptors to sync, and the file each is
         self._kept = 0  # tmp files still open from their write
         self._also: list[str] = []  # synced in the first round, written by someone else
-        self._when_durable: list[Callable[[], None]] = []
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, path: str, data: bytes | memoryview | None = None, *, writer: Callable[[int], None] | None = None,
-            mode: int = 0o644, content_addressed: bool = False, tmp_prefix: str | None = None,
-            lock: str | None = None, lock_tmp_dir: str | None = None,
-            locked: Callable[[], BaseException] | None = None, dir_mode: int = 0o755) -> None:
-        """Queue ``path`` with ``data`` (or ``writer(fd)``, which writes the bytes itself: for streaming).
+    def add(self, path: str, data: bytes | memoryview, *, mode: int = 0o644) -> None:
+        """Queue ``path`` with ``data`` (its tmp file is ``.<name>`` + :data:`TMP_MARK` + pid, beside it).
 
-        ``tmp_prefix`` names the tmp file (default ``.<name>``; it always carries
-        :data:`TMP_MARK`).  ``lock``: the file renamed to ``path`` is exactly
-        this one instead (git's ``<ref>.lock``: creating it takes the lock); if
-        it exists, ``locked()`` is raised.  The lock is born complete: the bytes
-        go to a tmp file in ``lock_tmp_dir`` (default: the lock's folder), which
-        is then hard-linked to the lock name — exclusive like ``O_EXCL``, and a
-        crash can never leave an empty lock that nobody could prove was ours.  A path queued twice keeps its first entry only
-        when ``content_addressed`` (same name, same bytes); otherwise it is an error.
-        ``dir_mode``: for folders made on the way (the umask applies).
+        Raises:
+            ValueError: ``path`` is already in this batch.
         """
-        if (data is None) == (writer is None):
-            raise ValueError("give exactly one of data and writer")
         if path in self._paths:
-            if content_addressed:
-                return
             raise ValueError(f"'{path}' is already in this batch")
         self._paths.add(path)
-        self._items.append(_Item(path, data, mode, writer=writer, tmp_prefix=tmp_prefix, lock=lock,
-                                 lock_tmp_dir=lock_tmp_dir, locked=locked, dir_mode=dir_mode,
-                                 existing=content_addressed and os.path.exists(path)))
+        self._items.append(_Item(path, data, mode))
 
     def add_in_dir(self, dir_fd: int, name: str, data: bytes | memoryview | None = None, *, mode: int = 0o644,
                    symlink: str | None = None) -> None:
@@ -421,23 +389,6 @@ class DurableBatch:
         """
         self._also.extend(paths)
 
-    def when_durable(self, action: Callable[[], None]) -> None:
-        """Run ``action`` once :meth:`commit` has made the whole batch durable (never on failure).
-
-        For clean-up that the batch's files make safe (removing what they
-        replace).  Not with ``defer_folders``: the batch is durable only later.
-        """
-        self._when_durable.append(action)
-
-    def append(self, path: str, data: bytes) -> None:
-        """Queue an append to ``path`` (created if missing): written after the tmp files, synced with them.
-
-        An append cannot be taken back: if the batch fails after writing it, it
-        stays (a log line for a change that did not land; readers of such logs
-        must not take a line as proof on its own).
-        """
-        self._appends.append((path, data))
-
     def commit(self, *, before_replace: Callable[[], None] | None = None,
                after_renames: Callable[[], Iterable[str]] | None = None,
                defer_folders: list[str | int] | None = None) -> None:
@@ -457,8 +408,6 @@ class DurableBatch:
                 target unchanged) — or, with ``effect_status="unknown"``, the
                 renames happened and only the last round's syncs failed.
         """
-        if defer_folders is not None and self._when_durable:
-            raise ValueError("when_durable actions need the batch's own last round")
         folders: dict[str | int, None] = {}
         try:
             for item in self._items:
@@ -467,24 +416,10 @@ class DurableBatch:
                     self._write_tmp(item)
                     continue
                 folder = os.path.dirname(item.path)
-                for made in make_dirs(folder, item.dir_mode):
+                for made in make_dirs(folder):
                     folders[os.path.dirname(made)] = None  # a new folder's entry lives in its parent
                 folders[folder] = None
-                if item.existing:
-                    continue
                 self._write_tmp(item)
-            for path, data in self._appends:
-                folder = os.path.dirname(path)
-                for made in make_dirs(folder):
-                    folders[os.path.dirname(made)] = None
-                folders[folder] = None
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_BINARY | _O_CLOEXEC, 0o644)
-                try:
-                    _write_all(fd, data)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                self._open[fd] = path
             targets: list[str | int | tuple[int, str]] = []
             for item in self._items:
                 if item.symlink is not None:
@@ -495,7 +430,6 @@ class DurableBatch:
                     item.fd = None
                 else:
                     targets.append(_synced_file(item))
-            targets += self._open.keys() - set(targets)  # the appends
             targets += self._also
             try:
                 fsync_all(targets)
@@ -524,8 +458,6 @@ class DurableBatch:
                 except BaseException:
                     self._discard(start=n)
                     raise
-            if item.existing:
-                continue
             assert item.tmp is not None
             try:
                 os.replace(item.tmp, item.path, src_dir_fd=item.dir_fd, dst_dir_fd=item.dir_fd)
@@ -541,14 +473,10 @@ class DurableBatch:
             fsync_all([*folders, *extra])
         except DurableWriteError as exc:
             raise DurableWriteError(exc.path, exc.cause, effect_status="unknown") from exc.cause
-        for action in self._when_durable:
-            action()
 
     def _write_tmp(self, item: _Item) -> None:
         folder, name = os.path.split(item.path)
-        prefix = item.tmp_prefix if item.tmp_prefix is not None else "." + name
-        tmp = os.path.join(item.lock_tmp_dir or folder if item.lock else folder,
-                           f"{prefix}{TMP_MARK}{os.getpid()}-{_token()}")
+        tmp = os.path.join(folder, f".{name}{TMP_MARK}{os.getpid()}-{_token()}")
         if item.symlink is not None:
             os.symlink(item.symlink, tmp, dir_fd=item.dir_fd)
             item.tmp = tmp
@@ -558,11 +486,8 @@ class DurableBatch:
         item.tmp = tmp
         keep = len(self._open) + self._kept < _KEEP_OPEN_MAX
         try:
-            if item.writer is not None:
-                item.writer(fd)
-            else:
-                assert item.data is not None
-                _write_all(fd, item.data)
+            assert item.data is not None
+            _write_all(fd, item.data)
             os.fchmod(fd, item.mode)
         except BaseException:
             os.close(fd)
@@ -572,14 +497,6 @@ class DurableBatch:
             self._kept += 1
         else:
             os.close(fd)
-        if item.lock is not None:
-            try:
-                link_as_lock(tmp, item.lock)
-            except FileExistsError:
-                if item.locked is not None:
-                    raise item.locked() from None
-                raise
-            item.tmp = item.lock
 
     def _close_open(self) -> None:
         for fd in self._open:
@@ -603,8 +520,6 @@ class DurableBatch:
 
 
 def _synced_file(item: _Item) -> str | tuple[int, str]:
-    if item.existing:
-        return item.path
     assert item.tmp is not None
     return (item.dir_fd, item.tmp) if item.dir_fd is not None else item.tmp
 
@@ -654,7 +569,7 @@ def open_regular(path: str) -> int:
 def write_new(path: str, data: bytes, mode: int = 0o666) -> None:
     """Create ``path`` exclusively (not following a symlink) holding ``data``; not synced.
 
-    For the tmp files locks are linked from: on any failure nothing is left.
+    For a lock file born holding its content: on any failure nothing is left.
 
     Raises:
         FileExistsError: ``path`` exists.
@@ -668,22 +583,6 @@ def write_new(path: str, data: bytes, mode: int = 0o666) -> None:
             os.unlink(path)
         raise
     os.close(fd)
-
-
-def link_as_lock(tmp: str, lock: str) -> None:
-    """Take git's ``lock`` file by hard-linking the complete ``tmp`` to it (exclusive, like ``O_EXCL``).
-
-    The lock is born holding its content: a crash never leaves an empty lock
-    nobody could prove was ours.  ``tmp`` is removed either way.
-
-    Raises:
-        FileExistsError: the lock is held.
-    """
-    try:
-        os.link(tmp, lock)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:

@@ -8,6 +8,7 @@
     │   ├── RefLockedError              a ref or index ``.lock`` is held (maybe stale)
     │   ├── RefMovedError               compare-and-swap lost: ref is not at the expected oid
     │   ├── RefUpdateUnknown            the ref transaction failed after it may have landed
+    │   ├── ObjectsMissing              under the ref lock, an object the move needs is gone
     │   ├── UnsafeWorktreePath          a worktree path runs through a symlink
     │   └── GitStoreError               any other libgit2 failure, translated once
     ├── receipts.errors.ReceiptError    identity, receipts, locks, ledger
@@ -33,6 +34,7 @@ __all__ = [
     "RefLockedError",
     "RefMovedError",
     "RefUpdateUnknown",
+    "ObjectsMissing",
     "UnsafeWorktreePath",
     "GitStoreError",
     "UsageError",
@@ -200,6 +202,29 @@ class RefUpdateUnknown(CasError):
     exit_code = EXIT_IN_PROGRESS
     default_effect_status = "unknown"
     default_next_action = "recover"
+
+
+class ObjectsMissing(CasError):
+    """Under the ref's lock, objects the new value needs are gone and could not be written again.
+
+    (A ``git gc --prune=now`` or ``git prune --expire=now`` beside the call.)
+    Nothing moved: like ``git update-ref``, the ref is never pointed at a
+    missing object.
+    """
+
+    type = "objects_missing"
+    exit_code = EXIT_REJECTED
+    default_retryable = True
+    default_effect_status = "not_applied"
+    default_next_action = "retry"
+
+    def __init__(self, ref: str, missing: list[str], **kw: Any) -> None:
+        details = dict(kw.pop("details", None) or {})
+        details.setdefault("missing", missing)
+        super().__init__(f"cannot update ref '{ref}': {len(missing)} object(s) it needs are missing "
+                         f"(first {missing[0][:12]}); nothing was moved", details=details, **kw)
+        self.ref = ref
+        self.missing = missing
 
 
 class UnsafeWorktreePath(CasError):

@@ -14,18 +14,19 @@ What it offers the apply protocol:
 * refs: reading, the branch's compare-and-swap and the create-only key ref,
   from :class:`cas.refs.RefUpdates` (its half of :class:`GitStore`).
 
-Objects are hashed and serialised here, in Python (blobs, trees, commits are
-simple formats), and *staged*: held until the protocol writes them, in the same
-:class:`cas.durable.DurableBatch` as the receipt that names them — all synced
-in one round instead of one fsync per object and one per folder, one after
-another.  A call's objects go into one pack (:mod:`cas.packs`: two files in
-one folder, whatever the number of objects); a lone object, or one too big to
-hold twice, is written loose.  Anything that reads through libgit2 or moves a
-ref writes the staged objects first (:meth:`GitStore.flush_objects`).
+Objects are hashed here (the id is known before anything is written) and
+*staged*; :meth:`GitStore.flush_objects` writes them as loose objects through
+libgit2's object database, as git's own writers do: a new object is a new
+file, an existing one is freshened (its mtime, which ``git gc``'s prune grace
+period reads).  oncepatch never packs, merges or deletes anything in
+``objects/``: maintenance is git's.  Anything that reads through libgit2 or
+moves a ref writes the staged objects first.  The objects a call wrote are
+kept at hand until it ends, so that a ref move can check, under the ref's
+lock, that they still exist, and write them again if a ``git gc
+--prune=now`` removed them meanwhile (:meth:`GitStore.ensure_objects`).
 
 Durability: ``enable_fsync_gitdir`` is switched on when the first store opens,
-so libgit2 fsyncs the refs and reflogs it writes (a branch it moves when
-:mod:`cas.loose_refs` leaves it to libgit2) and any object it writes itself.
+so libgit2 fsyncs every object, ref and reflog it writes (and their folders).
 """
 
 from __future__ import annotations
@@ -33,17 +34,14 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import pygit2
 
-from cas.durable import DurableBatch, write_all
+from cas.durable import fsync_dir
 from cas.gitdir import common_dir_of, core_worktree, read_gitfile
-from cas.errors import GitStoreError, UsageError
-from cas import packs
+from cas.errors import GitStoreError, ObjectsMissing, UsageError
 from cas.signature import Signature, git_identity, signature_line
 from cas.refs import KEY_REF_PREFIX, RefUpdates
 
@@ -52,11 +50,6 @@ __all__ = ["GitStore", "TreeEntry", "PathLookup", "Signature", "KEY_REF_PREFIX"]
 _FSYNC_ON = False
 _TREE_MODE = 0o40000
 _OBJECT_TYPES = {b"commit": 1, b"tree": 2, b"blob": 3}
-#: zlib level of loose objects: git's default ``core.looseCompression`` (best speed).
-_LOOSE_LEVEL = 1
-_CHUNK = 1 << 20
-#: The object database is reopened once this many packs it may hold open are gone (descriptors, disk space).
-_REOPEN_AFTER = 32
 
 
 def _canon_mode(mode: int) -> int:
@@ -69,26 +62,24 @@ def _canon_mode(mode: int) -> int:
     return mode
 
 
-def _deflate_writer(header: bytes, data: bytes | memoryview) -> Callable[[int], None]:
-    """Writes a loose object's zlib stream to an fd, a chunk at a time (a big blob is never copied whole)."""
-    def write(fd: int) -> None:
-        if len(header) + len(data) <= packs.DEFLATE_SMALL:
-            write_all(fd, packs.deflate(header + data, _LOOSE_LEVEL))
-            return
-        z = zlib.compressobj(_LOOSE_LEVEL)
-        view = memoryview(data)
-        write_all(fd, z.compress(header))
-        for start in range(0, len(view), _CHUNK):
-            out = z.compress(view[start:start + _CHUNK])
-            if out:
-                write_all(fd, out)
-        write_all(fd, z.flush())
-    return write
-
-
 def _oid(hex_or_oid: str | pygit2.Oid) -> pygit2.Oid:
     """A full hex id as an ``Oid``: looked up directly, not as a prefix (libgit2's slow path)."""
     return hex_or_oid if isinstance(hex_or_oid, pygit2.Oid) else pygit2.Oid(hex=hex_or_oid)
+
+
+def _write_object(odb: pygit2.Odb, oid: str, header: bytes, data: bytes | memoryview) -> None:
+    """Write one object through ``odb`` (loose, or freshened if there); it must get the id hashed here.
+
+    Raises:
+        GitStoreError: libgit2 failed, or named the object otherwise.
+    """
+    kind = _OBJECT_TYPES[header[:header.index(b" ")]]
+    try:
+        written = odb.write(kind, bytes(data) if isinstance(data, memoryview) else data)
+    except pygit2.GitError as exc:
+        raise GitStoreError(f"cannot write object '{oid}': {exc}") from exc
+    if str(written) != oid:
+        raise GitStoreError(f"object '{oid}' was written as '{written}'")
 
 
 def _enable_fsync() -> None:
@@ -151,20 +142,14 @@ class GitStore(RefUpdates):
         self._main_workdir: tuple[str | None] | None = None
         # Objects staged by this store and not yet written: {hex id: (header, bytes)}.
         self._pending: dict[str, tuple[bytes, bytes | memoryview]] = {}
+        # The objects this call wrote, kept until it ends: checked (and written again if
+        # gone) under the ref's lock before the ref moves (ensure_objects).
+        self._written: dict[str, tuple[bytes, bytes | memoryview]] = {}
         self._recent: dict[str, bytes] = {}
         # The trees and commits of this store's last durable batch, {hex id: (kind, body)}: the
         # next call's base is usually the last call's commit, read back here without libgit2.
         self._made: dict[str, tuple[bytes, bytes]] = {}
         self._made_entries: dict[str, dict[bytes, tuple[int, bytes]]] = {}  # those trees parsed, once
-        self._backends: list[pygit2.OdbBackend] | None = None
-        self._pack_names: frozenset[str] | None = None  # the idx files last seen in objects/pack
-        self._unmergeable: set[str] = set()  # small packs a merge may not copy (read once)
-        self._pack_sizes: dict[str, tuple[int, int] | None] = {}  # cas.packs.small_packs's cache
-        # The entries of the small packs this store built, by stem: a merge copies them
-        # without reading the files back and checking them (a pack's name is its checksum).
-        self._built: dict[str, list[tuple[bytes, bytes, int]]] = {}
-        self._swept: dict[str, Any] = {}  # cas.packs.sweep's memory of the retired list
-        self._packs_gone = 0  # packs removed since the object database was opened
         self._signature: dict[str, Signature] = {}  # by kind: author, committer
         self._init_refs()
 
@@ -360,7 +345,7 @@ class GitStore(RefUpdates):
     # -- writing immutable objects ------------------------------------------------
 
     def write_blob(self, data: bytes) -> str:
-        """Stage a blob of ``data``; return its id (written by :meth:`add_pending_to`)."""
+        """Stage a blob of ``data``; return its id (written by :meth:`flush_objects`)."""
         header = b"blob %d\0" % len(data)
         h = hashlib.sha1(header)
         h.update(data)
@@ -373,7 +358,7 @@ class GitStore(RefUpdates):
 
         Only the trees on the changed paths are read and rewritten.  A folder
         left empty disappears (git stores no empty trees).  The trees are staged,
-        not yet written (see :meth:`add_pending_to`).
+        not yet written (see :meth:`flush_objects`).
         """
         try:
             oid = self._edit(base_tree, {tuple(p.split("/")): e for p, e in changes.items()})
@@ -443,159 +428,87 @@ class GitStore(RefUpdates):
         if oid not in self._pending:
             self._pending[oid] = (header, data)
 
-    def add_pending_to(self, batch: DurableBatch) -> None:
-        """Queue every staged object in ``batch``; they count as written after its commit.
+    def flush_objects(self) -> None:
+        """Write every staged object as a loose object through libgit2 (synced: ``enable_fsync_gitdir``).
 
-        Two or more go into one pack (:mod:`cas.packs`), which may also take in
-        small packs found beside it: noted once the batch is durable, they are
-        removed by a later call (:func:`cas.packs.sweep`).
-        A single object, or one bigger than :data:`cas.packs.OBJECT_MAX`
-        (streamed, never held twice), is written loose, unless the repository
-        already has it (one already loose is synced with the batch).  The tmp
-        files follow git's ``tmp_obj_`` / ``tmp_pack_`` / ``tmp_idx_`` naming,
-        which ``git prune`` removes if a crash leaves one.
+        An object the repository has already is freshened, not written again
+        (libgit2's ``git_odb_write``).  The fan-out folders libgit2 had to
+        create are made durable here too (their entries live in ``objects/``).
+
+        Raises:
+            GitStoreError: libgit2 could not write an object, or ``objects/`` could not be synced.
         """
-        objects = os.path.join(self.common_dir, "objects")
+        if not self._pending:
+            return
         # Blobs stay at hand until the call ends (forget_recent): materialising a
         # worktree reads them back, and a 100 MiB blob would be inflated again
         # beside the bytes it was made from.
-        self._recent = {oid: data for oid, (header, data) in self._pending.items()
-                        if isinstance(data, bytes) and header.startswith(b"blob ")}
+        self._recent.update({oid: data for oid, (header, data) in self._pending.items()
+                             if isinstance(data, bytes) and header.startswith(b"blob ")})
         made = {oid: (header[:header.index(b" ")], bytes(data)) for oid, (header, data) in self._pending.items()
                 if header.startswith((b"tree ", b"commit "))}
-        if made:
-            batch.when_durable(lambda: self._keep_made(made))
-        pack_dir = os.path.join(objects, "pack")
-        listing = self._forget_removed_packs(pack_dir)
-        loose: list[tuple[str, bytes, bytes | memoryview]] = []
-        packable: list[tuple[str, bytes, bytes | memoryview]] = []
-        in_packs = fresh = False
-        for oid, (header, data) in self._pending.items():
-            known = self._known(oid)
-            if known and not fresh:
-                # Trusted only as the folder is now: a pack libgit2 still holds open may
-                # have been removed since (git gc --prune=now of unreferenced objects).
-                self.reopen_objects()
-                known, fresh = self._known(oid), True
-            if not known:
-                (packable if len(data) <= packs.OBJECT_MAX else loose).append((oid, header, data))
-            elif os.path.exists(os.path.join(objects, oid[:2], oid[2:])):
-                loose.append((oid, header, data))  # synced with the batch, as it is
-            else:
-                in_packs = True
+        self._write_all(self.repo.odb, self._pending)
+        self._written.update(self._pending)
         self._pending.clear()
-        if in_packs:
-            # A pack is trusted for an object it holds: its folder is synced with this
-            # batch (it may be the pack of an earlier batch whose last round failed).
-            batch.sync_first([pack_dir])
-        if len(packable) >= 2 and sum(len(data) for _o, _h, data in packable) <= packs.PACK_BYTES_MAX:
-            self._add_pack(batch, pack_dir, packable, listing)
-        else:
-            loose += packable
-        for oid, header, data in loose:
-            path = os.path.join(objects, oid[:2], oid[2:])
-            # Folders as git and libgit2 make them: 0777 less the umask (a shared
-            # repository's umask keeps them group-writable).
-            batch.add(path, writer=_deflate_writer(header, data), mode=0o444, content_addressed=True,
-                      tmp_prefix="tmp_obj_", dir_mode=0o777)
+        self._keep_made(made)
 
-    def _add_pack(self, batch: DurableBatch, pack_dir: str, objects: list[tuple[str, bytes, bytes | memoryview]],
-                  listing: frozenset[str]) -> None:
-        builder = packs.PackBuilder()
-        for oid, header, data in objects:
-            builder.add_object(oid, header, data)
-        merged: list[packs.SmallPack] = []
-        retired_list = os.path.join(self.common_dir, "objects", "info", "oncepatch-retired")
-        if self._pack_names is not None and len(self._pack_names) < packs.MERGE_TRIGGER - 1:
-            candidates = []  # too few packs of any size for a merge: not even looked at
-        else:
-            if self._unmergeable and self._pack_names is not None:  # forget the ones gone since
-                self._unmergeable &= {os.path.join(pack_dir, n[:-4]) for n in self._pack_names}
-            # Noted as merged before (waiting), or removed just now (still in the listing): not again.
-            removed: set[str] = set()
-            taken = packs.sweep(pack_dir, retired_list, time.time(), self._swept, removed) | removed
-            candidates = [p for p in packs.small_packs(pack_dir, listing, self._pack_sizes)
-                          if p.stem not in self._unmergeable and p.stem not in taken]
-        if self._built:  # forget the ones gone since (merged by another process, or never written)
-            for gone in [stem for stem in self._built if os.path.basename(stem) + ".idx" not in listing]:
-                del self._built[gone]
-        for pack in packs.choose_merge(len(builder), candidates):
-            entries = self._built.pop(pack.stem, None) or packs.read_entries(pack.stem)
-            if entries is None:
-                self._unmergeable.add(pack.stem)  # gone, or not one a merge may copy: left as it is
-                continue
-            for oid_raw, entry, crc in entries:
-                builder.add_entry(oid_raw, entry, crc)
-            merged.append(pack)
-        checksum, pack_bytes, idx_bytes = builder.build()
-        stem = os.path.join(pack_dir, f"pack-{checksum}")
-        if self._pack_names is not None:  # libgit2 may open it: its removal must be noticed too
-            self._pack_names |= {f"pack-{checksum}.idx"}
-        # The new pack may be one of those merged (same objects, same name): never removed.
-        merged = [p for p in merged if p.stem != stem]
-        if len(builder) <= packs.SMALL_MAX and len(pack_bytes) <= packs.MERGE_BYTES_MAX:
-            self._built[stem] = builder.entries()
-        # The pack before its idx: readers find packs by their idx.
-        batch.add(stem + ".pack", pack_bytes, mode=0o444, content_addressed=True, tmp_prefix="tmp_pack_",
-                  dir_mode=0o777)
-        batch.add(stem + ".idx", idx_bytes, mode=0o444, content_addressed=True, tmp_prefix="tmp_idx_",
-                  dir_mode=0o777)
-        if merged:
-            batch.when_durable(lambda: packs.retire(retired_list, merged, time.time()))
+    def _write_all(self, odb: pygit2.Odb, todo: Mapping[str, tuple[bytes, bytes | memoryview]]) -> None:
+        objects = os.path.join(self.common_dir, "objects")
+        new_fanout = any(not os.path.isdir(os.path.join(objects, oid[:2])) for oid in todo)
+        for oid, (header, data) in todo.items():
+            _write_object(odb, oid, header, data)
+        if new_fanout:
+            try:
+                fsync_dir(objects)
+            except OSError as exc:
+                raise GitStoreError(f"cannot sync '{objects}': {exc}") from exc
 
-    def _forget_removed_packs(self, pack_dir: str) -> frozenset[str]:
-        """Reopen the object database once :data:`_REOPEN_AFTER` packs it may hold open were removed.
+    def ensure_objects(self, ref: str, new: str) -> None:
+        """Make sure ``new`` and every object this call wrote exist, writing the missing ones again.
 
-        libgit2 keeps every pack it has read open and mapped until its database
-        is reopened: a long-lived store would hold every removed pack's
-        descriptor and disk space.  (A hit it answers from such a pack is
-        checked after a reopen anyway: see :meth:`add_pending_to`.)  Returns the
-        folder's listing, for the merge to choose from.
+        Called under ``ref``'s lock, just before it moves to ``new`` (as
+        ``git update-ref`` refuses to point a ref at a missing object): a ``git
+        gc --prune=now`` or ``git prune --expire=now`` since the objects were
+        written may have removed them, unreferenced as they were.  Loose files
+        are looked at directly; anything else through a freshly opened object
+        database (an open one may still map a pack git has removed since).
+
+        Raises:
+            ObjectsMissing: an object is still missing (one this call never
+                wrote, or written again and gone again): the ref must not move.
+            GitStoreError: the object database could not be read or written.
         """
+        self.flush_objects()
+        objects = os.path.join(self.common_dir, "objects")
+        wanted = dict.fromkeys([new, *self._written])
+        unsure = [oid for oid in wanted if not os.path.isfile(os.path.join(objects, oid[:2], oid[2:]))]
+        if not unsure:
+            return
         try:
-            listing = frozenset(os.listdir(pack_dir))
-        except OSError:
-            listing = frozenset()
-        names = frozenset(n for n in listing if n.endswith(".idx"))
-        if self._pack_names is not None:
-            self._packs_gone += len(self._pack_names - names)
-            if self._packs_gone >= _REOPEN_AFTER:
-                self.reopen_objects()
-        self._pack_names = names
-        return listing
+            odb = pygit2.Odb(objects)
+            missing = [oid for oid in unsure if _oid(oid) not in odb]
+            if missing and all(oid in self._written for oid in missing):
+                self._write_all(odb, {oid: self._written[oid] for oid in missing})  # re-staged
+                odb = pygit2.Odb(objects)
+                missing = [oid for oid in missing if _oid(oid) not in odb]
+        except pygit2.GitError as exc:
+            raise GitStoreError(f"cannot check the objects of ref '{ref}': {exc}") from exc
+        if missing:
+            raise ObjectsMissing(ref, missing)
+        # The packs libgit2 had mapped may be gone since: later reads start afresh.
+        self.reopen_objects()
 
     def reopen_objects(self) -> None:
-        """Open the object database afresh (worktrees' repositories are opened again when asked for)."""
+        """Open the object database afresh (worktrees' repositories are opened again when asked for).
+
+        Raises:
+            GitStoreError: libgit2 cannot open it.
+        """
         try:
             self.repo.set_odb(pygit2.Odb(os.path.join(self.common_dir, "objects")))
         except pygit2.GitError as exc:
             raise GitStoreError(f"cannot open the object database: {exc}") from exc
-        self._backends = None
         self._worktrees = {}
-        self._packs_gone = 0
-
-    def _known(self, oid: str) -> bool:
-        """Whether a backend of the object database has ``oid`` *as last listed*.
-
-        Asked of each backend, not of the database: a miss there (the usual case
-        for a new object) makes libgit2 rescan the pack folder.  A pack another
-        process added since is not seen, and a second copy of an object is harmless.
-        """
-        if self._backends is None:
-            self._backends = list(self.repo.odb.backends)
-        try:
-            found = _oid(oid)
-            return any(backend.exists(found) for backend in self._backends)
-        except (ValueError, pygit2.GitError):
-            return False
-
-    def flush_objects(self) -> None:
-        """Write every staged object durably now (before anything outside this store reads them)."""
-        if not self._pending:
-            return
-        batch = DurableBatch()
-        self.add_pending_to(batch)
-        batch.commit()
 
     def discard_pending(self) -> None:
         """Forget staged objects that were never written (a call that stopped before preparing).
@@ -604,13 +517,14 @@ class GitStore(RefUpdates):
         :meth:`read_identities`: a long-lived caller sees configuration changes).
         """
         self._pending.clear()
+        self._written.clear()
         self._recent = {}
         self._sync_failure = None
-        self.drop_ref_content()
 
     def forget_recent(self) -> None:
-        """Drop the blobs the last :meth:`add_pending_to` kept at hand (the call is over)."""
+        """Drop the objects this call wrote and kept at hand (the call is over)."""
         self._recent = {}
+        self._written.clear()
 
     def default_signature(self, kind: str = "committer") -> Signature:
         """The ``author`` or ``committer`` identity (:func:`git_identity`), read once per call (:meth:`discard_pending`).

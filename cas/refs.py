@@ -1,12 +1,18 @@
 """The refs half of :class:`cas.objects.GitStore`: reading refs, moving the branch, the key ref.
 
-* :meth:`RefUpdates.compare_and_swap`: one reference transaction — git's
-  ``.lock`` protocol on the branch, the value re-read *under the lock*, checked
-  against the expected old value, then set (with a reflog entry); written by
-  :mod:`cas.loose_refs` for a plain loose or packed branch, else by libgit2;
-* :meth:`RefUpdates.create_key_ref`: the create-only ``refs/oncepatch/keys/<h>``;
-* the syncs a move leaves to the caller's next round (``defer_sync``), and
-  what is known when one of them fails.
+Every ref is written by libgit2, through a reference transaction
+(``Repository.transaction()``: git's ``<ref>.lock`` protocol, the reflog
+entry, and with ``enable_fsync_gitdir`` the syncs of the lock and its folder):
+
+* :meth:`RefUpdates.compare_and_swap`: lock the branch, re-read it *under the
+  lock* and compare it with the expected old value, check that the new
+  value's objects exist (:meth:`cas.objects.GitStore.ensure_objects`), run
+  the caller's precondition, set it;
+* :meth:`RefUpdates.create_key_ref`: the create-only ``refs/oncepatch/keys/<h>``,
+  with a reflog entry (its reflog is created as ``git update-ref
+  --create-reflog`` would; libgit2 appends as ``core.logAllRefUpdates`` allows);
+* folders the caller left unsynced (a worktree's new index, see
+  :func:`cas.worktree.materialise`), and what is known when their sync fails.
 
 Why the key ref is not in the branch's transaction: libgit2 commits a
 transaction's refs one lock-file rename at a time, so a crash between them can
@@ -17,7 +23,6 @@ its key ref is found by recovery through reachability and the reflog.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -25,17 +30,13 @@ from typing import TYPE_CHECKING
 
 import pygit2
 
-from cas.durable import DurableBatch, fsync_all
+from cas.durable import fsync_all, make_dirs
 from cas.errors import DurableWriteError, GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown
-from cas.loose_refs import Unsupported, reflogs_for, swap, write_lock_content
-from cas.signature import IdentityUnknown, Signature, guessed_identity, signature_line
+from cas.signature import IdentityUnknown, Signature, git_clean
 
-__all__ = ["RefUpdates", "KEY_REF_PREFIX", "KEY_REF_TMP_PREFIX"]
+__all__ = ["RefUpdates", "KEY_REF_PREFIX"]
 
 KEY_REF_PREFIX = "refs/oncepatch/keys/"
-#: A key ref's content is written here (in the common git dir, outside refs/) before
-#: it is linked to ``<ref>.lock``; a crash in between leaves ``.keyref<TMP_MARK><pid>-…``.
-KEY_REF_TMP_PREFIX = ".keyref"
 
 
 def _sync_unknown(exc: DurableWriteError) -> RefUpdateUnknown:
@@ -51,13 +52,11 @@ class RefUpdates:
 
     if TYPE_CHECKING:  # GitStore's, called from here
         def flush_objects(self) -> None: ...
+        def ensure_objects(self, ref: str, new: str) -> None: ...
         def default_signature(self, kind: str = "committer") -> Signature: ...
 
     def _init_refs(self) -> None:
-        self._files_refs: bool | None = None
-        # (ref, new oid, tmp file): a ref lock's content written and synced ahead (stage_ref_content).
-        self._ref_content: tuple[str, str, str] | None = None
-        # Folders and reflogs of refs moved with defer_sync, which a later batch syncs.
+        # Folders the caller left unsynced (defer_sync), which a later batch syncs.
         self._unsynced: dict[str, None] = {}
         self._sync_failure: DurableWriteError | None = None
 
@@ -74,56 +73,29 @@ class RefUpdates:
         except (pygit2.GitError, KeyError):
             return None
 
-    def stage_ref_content(self, ref: str, new: str, batch: DurableBatch) -> None:
-        """Write what ``ref``'s lock will hold to move to ``new``, synced in ``batch``'s first round.
-
-        The move (:meth:`compare_and_swap`, when :mod:`cas.loose_refs` makes it)
-        then links that file as the lock and makes no sync of its own before
-        the rename: the apply protocol syncs it with the objects and the
-        ``prepared`` receipt, one flush point less per call.  A move to another
-        oid (re-staged on a moved branch), or through libgit2, does without it;
-        :meth:`drop_ref_content` removes it if it was never used.
-        """
-        self.drop_ref_content()
-        if not (ref.startswith("refs/") and self._files_backend()):
-            return
-        try:
-            tmp = write_lock_content(self.common_dir, new)
-        except (OSError, Unsupported):
-            return  # the move writes its lock as usual
-        self._ref_content = (ref, new, tmp)
-        batch.sync_first([tmp])
-
-    def drop_ref_content(self) -> None:
-        """Remove the file :meth:`stage_ref_content` wrote if no move used it."""
-        if self._ref_content is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._ref_content[2])
-            self._ref_content = None
-
     def _lock_path(self, ref: str) -> str:
         folder = self.common_dir if ref.startswith("refs/") else self.git_dir
         return os.path.join(folder, ref + ".lock")
 
     def compare_and_swap(self, ref: str, expected: str | None, new: str, message: str,
                          *, lock_timeout: float = 1.0, precondition: Callable[[], None] | None = None,
-                         defer_sync: bool = False, before_libgit2: Callable[[], None] | None = None) -> None:
-        """Move ``ref`` from ``expected`` to ``new`` atomically, or not at all.
+                         before_libgit2: Callable[[], None] | None = None) -> None:
+        """Move ``ref`` from ``expected`` to ``new`` atomically, or not at all (one libgit2 transaction).
 
-        A branch held as a loose or packed oid is moved here, the way git's files
-        backend moves it (:mod:`cas.loose_refs`); anything else through a libgit2
-        transaction.  With ``defer_sync`` the syncs that make the rename (and the
-        reflog line) durable are left to the caller's next batch (:meth:`take_unsynced`);
-        :meth:`sync_refs` makes them at once.
+        Calling sequence, all under ``<ref>.lock``: the ref is re-read and
+        compared with ``expected``; ``new`` and the objects this call wrote
+        are checked to exist, and written again if gone
+        (:meth:`cas.objects.GitStore.ensure_objects`); ``precondition`` runs;
+        the ref is set, with a reflog entry carrying ``message``.
 
         A held ``<ref>.lock`` is waited for up to ``lock_timeout`` seconds (git
         holds its ref locks for milliseconds; like git's
         ``core.filesRefLockTimeout``), then reported.
 
-        ``before_libgit2`` runs once before libgit2's transaction takes the lock
-        (libgit2 creates ``<ref>.lock`` empty and fills it only when committing;
-        the files-backend path's lock is born complete): the apply protocol
-        writes the marker that proves such an empty lock its own.
+        ``before_libgit2`` runs once before the transaction first takes the
+        lock (libgit2 creates ``<ref>.lock`` empty and fills it only when
+        committing): the apply protocol writes the marker that proves such an
+        empty lock its own.
 
         ``precondition`` runs while ``<ref>.lock`` is held, after the compare and
         before the swap; whatever it raises aborts the transaction (the ref is
@@ -133,20 +105,14 @@ class RefUpdates:
         Raises:
             RefLockedError: ``<ref>.lock`` stayed held (a live git, or a stale lock).
             RefMovedError: under the lock, the ref is not at ``expected``.
+            ObjectsMissing: under the lock, an object ``new`` needs is gone (nothing moved).
             RefUpdateUnknown: the commit of the transaction failed; the ref may have moved.
         """
         self.flush_objects()  # the objects a ref will name are durable before it moves
         deadline = time.monotonic() + lock_timeout
         delay = 0.001
-        files = self._files_backend() and expected is not None and ref.startswith("refs/")
         while True:
             try:
-                if files and expected is not None:
-                    try:
-                        self._swap_loose(ref, expected, new, message, precondition, defer_sync)
-                        return
-                    except Unsupported:
-                        files = False
                 if before_libgit2 is not None:
                     before_libgit2()
                     before_libgit2 = None
@@ -158,78 +124,144 @@ class RefUpdates:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
 
-    def _files_backend(self) -> bool:
-        """Refs in files and SHA-1 ids: what :mod:`cas.loose_refs` writes (read once per store)."""
-        if self._files_refs is None:
-            cfg = self.repo.config
-            plain = True
-            for name, ok in (("extensions.refstorage", ("files",)), ("extensions.objectformat", ("sha1",))):
-                try:
-                    value = cfg[name]
-                except KeyError:
-                    continue
-                plain = plain and str(value).strip().lower() in ok
-            self._files_refs = plain
-        return self._files_refs
-
-    def _swap_loose(self, ref: str, expected: str, new: str, message: str,
-                    precondition: Callable[[], None] | None, defer_sync: bool) -> None:
-        cfg = self.repo.config
-        log_all: bool | str | None
+    def _compare_and_swap_once(self, ref: str, expected: str | None, new: str, message: str,
+                               precondition: Callable[[], None] | None) -> None:
+        committing = False
         try:
-            raw = cfg["core.logAllRefUpdates"]
-        except KeyError:
-            log_all = None  # unset
-        else:
-            if raw is not None and str(raw).strip().lower() == "always":
-                log_all = "always"
-            else:
-                try:  # git's boolean: a key without a value is true, an empty value false
-                    log_all = cfg.get_bool("core.logAllRefUpdates")
-                except (pygit2.GitError, ValueError) as exc:
-                    raise Unsupported(f"core.logAllRefUpdates: {exc}") from exc
-        logs = reflogs_for(self.git_dir, self.common_dir, ref, log_all, self.repo.is_bare)
-        synced: str | None = None
-        if self._ref_content is not None and self._ref_content[:2] == (ref, new):
-            synced = self._ref_content[2]
-            self._ref_content = None  # swap consumes it, whatever happens
-        folders = swap(self.common_dir, ref, expected, new, self._reflog_line(expected, new, message), logs,
-                       precondition, synced)
-        self._unsynced.update(dict.fromkeys(folders))
-        if not defer_sync:
-            self.sync_refs()
+            self._use_reflog_identity()
+            with self.repo.transaction() as txn:
+                try:
+                    txn.lock_ref(ref)
+                except pygit2.GitError as exc:
+                    raise RefLockedError(self._lock_path(ref)) from exc
+                actual = self.resolve(ref)  # re-read under the lock: the compare of the CAS
+                if actual != expected:
+                    raise RefMovedError(ref, actual, expected)
+                # Race: a 'git gc --prune=now' since the objects were written removed them
+                # (unreferenced until this move): the ref must never name a missing object.
+                self.ensure_objects(ref, new)
+                if precondition is not None:
+                    # Race: a check made before taking the lock can be stale by the time
+                    # the ref moves (a paused owner whose key was taken over meanwhile).
+                    precondition()
+                txn.set_target(ref, pygit2.Oid(hex=new), message=" ".join(message.split()))
+                committing = True  # the context manager commits on a clean exit
+        except pygit2.GitError as exc:
+            if not committing:
+                raise GitStoreError(f"cannot update ref '{ref}': {exc}") from exc
+            # The rename of <ref>.lock may have happened before the failure
+            # (libgit2 fsyncs the folder after renaming): only a query can tell.
+            raise RefUpdateUnknown(f"update of ref '{ref}' failed after locking: {exc}") from exc
 
-    def sync_refs(self) -> None:
-        """Sync the folders and reflogs of refs moved with ``defer_sync`` that no batch has synced yet.
+    def create_key_ref(self, ref: str, target: str, message: str, *, lock_timeout: float = 1.0) -> bool:
+        """Create ``ref`` → ``target`` if it does not exist; ``False`` if it already points there.
+
+        One libgit2 transaction: ``<ref>.lock`` taken, the ref re-read under it
+        (create-only), ``target`` checked to exist, the ref set with a reflog
+        entry.  A held lock is waited for up to ``lock_timeout`` seconds (a
+        ``git pack-refs`` holds it for milliseconds).
 
         Raises:
-            RefUpdateUnknown: a sync failed: the ref moved, its durability is unknown.
+            RefMovedError: it exists and points elsewhere.
+            RefLockedError: ``<ref>.lock`` stayed held (a crashed or live writer).
+            ObjectsMissing: ``target`` is not in the repository.
+            RefUpdateUnknown: the commit of the transaction failed; the ref may exist.
         """
-        if not self._unsynced:
-            return
-        todo = list(self._unsynced)
-        self._unsynced.clear()
+        current = self.resolve(ref)
+        if current == target:
+            return False
+        if current is not None:
+            raise RefMovedError(ref, current, None)
+        self._create_reflog(ref)
+        deadline = time.monotonic() + lock_timeout
+        delay = 0.001
+        while True:
+            try:
+                return self._create_once(ref, target, message)
+            except RefLockedError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+    def _create_once(self, ref: str, target: str, message: str) -> bool:
+        committing = False
         try:
-            fsync_all(todo)
-        except DurableWriteError as exc:
-            raise _sync_unknown(exc) from exc
+            self._use_reflog_identity()
+            with self.repo.transaction() as txn:
+                try:
+                    txn.lock_ref(ref)
+                except pygit2.GitError as exc:
+                    raise RefLockedError(self._lock_path(ref)) from exc
+                current = self.resolve(ref)
+                if current == target:
+                    return False  # the transaction ends with nothing set: the lock is released
+                if current is not None:
+                    raise RefMovedError(ref, current, None)
+                self.ensure_objects(ref, target)
+                txn.set_target(ref, pygit2.Oid(hex=target), message=" ".join(message.split()))
+                committing = True
+        except pygit2.GitError as exc:
+            if not committing:
+                raise GitStoreError(f"cannot create ref '{ref}': {exc}") from exc
+            raise RefUpdateUnknown(f"creation of ref '{ref}' failed after locking: {exc}") from exc
+        return True
+
+    def _use_reflog_identity(self) -> None:
+        """Make the committer identity git writes in reflogs (``GIT_COMMITTER_*``, then the configuration) libgit2's.
+
+        libgit2 reads only the configuration for a reflog entry's identity; the
+        repository's ident (``set_ident``) takes precedence there.  Its time is
+        the moment of the move (a ``GIT_COMMITTER_DATE`` is not carried over).
+        With no identity configured git writes its guess, and so does this; an
+        identity libgit2 refuses leaves libgit2 its own.
+        """
+        try:
+            sig = self.default_signature("committer")
+        except IdentityUnknown as exc:  # git too writes a reflog line with its guess (git_committer_info(0))
+            sig = exc.guess
+        except (ValueError, pygit2.GitError):
+            return
+        try:
+            self.repo.set_ident(git_clean(sig.name), git_clean(sig.email))
+        except (ValueError, pygit2.GitError):
+            pass
+
+    def _create_reflog(self, ref: str) -> None:
+        """An empty reflog for ``ref`` if it has none (git's ``update-ref --create-reflog``): libgit2 appends to it.
+
+        Created empty in one step, not synced: libgit2 syncs the file and its
+        folder when it appends the entry (``enable_fsync_gitdir``).
+
+        Raises:
+            GitStoreError: the file could not be created.
+        """
+        path = os.path.join(self.common_dir, "logs", ref)
+        try:
+            make_dirs(os.path.dirname(path), 0o777)  # 0777 and 0666 less the umask, as git makes them
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            return
+        except OSError as exc:
+            raise GitStoreError(f"cannot create the reflog of '{ref}': {exc}") from exc
+        os.close(fd)
 
     def unsynced(self) -> list[str]:
-        """The folders and reflogs of refs moved with ``defer_sync`` not yet synced (they stay listed)."""
+        """The folders left unsynced with :meth:`defer_sync`, not yet synced (they stay listed)."""
         return list(self._unsynced)
 
     def sync_failed(self, exc: DurableWriteError, paths: list[str]) -> None:
         """A round that synced ``paths`` (from :meth:`unsynced`) failed: note it if one of them failed.
 
         A sync is not retried as if nothing happened (a second fsync after a
-        failed one can succeed with the data lost): the move's durability is
-        unknown from here on (:meth:`take_sync_failure`).
+        failed one can succeed with the data lost): the durability of what the
+        folder holds is unknown from here on (:meth:`take_sync_failure`).
         """
         if any(p in exc.failed for p in paths) and self._sync_failure is None:
             self._sync_failure = exc
 
     def take_sync_failure(self) -> RefUpdateUnknown | None:
-        """The failed sync of a moved ref's folder or reflog since the last call, as the error to report."""
+        """The failed sync of a deferred folder since the last call, as the error to report."""
         exc, self._sync_failure = self._sync_failure, None
         return None if exc is None else _sync_unknown(exc)
 
@@ -239,77 +271,28 @@ class RefUpdates:
             self._unsynced.pop(p, None)
 
     def defer_sync(self, paths: list[str]) -> None:
-        """Folders whose renames the caller left unsynced (a worktree's new index): synced with the moved refs'."""
+        """Folders whose renames the caller left unsynced (a worktree's new index): synced in a later round."""
         self._unsynced.update(dict.fromkeys(paths))
 
     def take_unsynced(self) -> list[str]:
-        """The folders and reflogs of refs moved with ``defer_sync``, not yet synced; the caller now syncs them."""
+        """The folders left unsynced with :meth:`defer_sync`, not yet synced; the caller now syncs them."""
         todo = list(self._unsynced)
         self._unsynced.clear()
         return todo
 
-    def _compare_and_swap_once(self, ref: str, expected: str | None, new: str, message: str,
-                               precondition: Callable[[], None] | None) -> None:
-        committing = False
-        try:
-            with self.repo.transaction() as txn:
-                try:
-                    txn.lock_ref(ref)
-                except pygit2.GitError as exc:
-                    raise RefLockedError(self._lock_path(ref)) from exc
-                actual = self.resolve(ref)  # re-read under the lock: the compare of the CAS
-                if actual != expected:
-                    raise RefMovedError(ref, actual, expected)
-                if precondition is not None:
-                    # Race: a check made before taking the lock can be stale by the time
-                    # the ref moves (a paused owner whose key was taken over meanwhile).
-                    precondition()
-                txn.set_target(ref, pygit2.Oid(hex=new), message=message)
-                committing = True  # the context manager commits on a clean exit
-        except pygit2.GitError as exc:
-            if not committing:
-                raise GitStoreError(f"cannot update ref '{ref}': {exc}") from exc
-            # The rename of <ref>.lock may have happened before the failure
-            # (libgit2 fsyncs the folder after renaming): only a query can tell.
-            raise RefUpdateUnknown(f"update of ref '{ref}' failed after locking: {exc}") from exc
-
-    def create_key_ref(self, ref: str, target: str, message: str, *, batch: DurableBatch | None = None) -> bool:
-        """Create ``ref`` → ``target`` if it does not exist; ``False`` if it already points there.
-
-        Written the way git writes a loose ref: ``<ref>.lock`` created
-        exclusively (the lock), filled, synced, renamed to ``<ref>``; its reflog
-        entry appended while the lock is held.  With ``batch`` this joins the
-        caller's batch (synced with the receipt, renamed before it); without,
-        it is written at once.
+    def sync_refs(self) -> None:
+        """Sync the folders left with :meth:`defer_sync` that no batch has synced yet.
 
         Raises:
-            RefMovedError: it exists and points elsewhere.
-            RefLockedError: ``<ref>.lock`` exists (a crashed or live writer).
+            RefUpdateUnknown: a sync failed: the branch moved, what the folder holds may not be durable.
         """
-        current = self.resolve(ref)
-        if current == target:
-            return False
-        if current is not None:
-            raise RefMovedError(ref, current, None)
-        path = os.path.join(self.common_dir, ref)
-        own = batch is None
-        batch = batch if batch is not None else DurableBatch()
-        batch.add(path, target.encode() + b"\n", lock=path + ".lock", lock_tmp_dir=self.common_dir,
-                  tmp_prefix=KEY_REF_TMP_PREFIX, locked=lambda: RefLockedError(path + ".lock"))
-        batch.append(os.path.join(self.common_dir, "logs", ref), self._reflog_line(None, target, message))
-        if own:
-            batch.commit()
-        return True
-
-    def _reflog_line(self, old: str | None, new: str, message: str) -> bytes:
+        if not self._unsynced:
+            return
+        todo = self.take_unsynced()
         try:
-            who = signature_line(self.default_signature())
-        except IdentityUnknown as exc:  # git too writes a reflog line with its guess (git_committer_info(0))
-            who = signature_line(exc.guess)
-        except (ValueError, pygit2.GitError):
-            who = signature_line(guessed_identity())
-        one_line = " ".join(message.split())
-        return b"%s %s %s\t%s\n" % ((old or "0" * 40).encode(), new.encode(), who, one_line.encode("utf-8"))
+            fsync_all(todo)
+        except DurableWriteError as exc:
+            raise _sync_unknown(exc) from exc
 
     def reflog_names(self, ref: str, oid: str) -> bool:
         """Whether the reflog of ``ref`` ever recorded ``oid`` as a new value."""

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
-from cas.errors import (DurableWriteError, GitStoreError, OncepatchError, RefLockedError, RefMovedError,
-                        RefUpdateUnknown, UsageError)
+from cas.errors import (DurableWriteError, GitStoreError, ObjectsMissing, OncepatchError, RefLockedError,
+                        RefMovedError, RefUpdateUnknown, UsageError)
 from cas.gitdir import read_head
 from receipts.engine import Call, pause_point
 from receipts.errors import IdempotencyConflict
@@ -129,10 +129,6 @@ def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout:
             return _execute(_Run(call, args, _stores, check_timeout, lock_timeout), pre)
         except OncepatchError as exc:
             raise exc.with_key(call.key)
-        finally:
-            gstore = _stores.get(args.where)
-            if gstore is not None:
-                gstore.drop_ref_content()  # unused: a re-staged or libgit2 move, or no move at all
 
 
 class _Run:
@@ -337,16 +333,9 @@ def _check_candidate(run: _Run, base: str | None, candidate: str) -> None:
 
 
 def _prepare(run: _Run, base: str | None, candidate: str, staged: Staged) -> None:
-    """The staged objects and the ``prepared`` receipt naming them: one batch, synced together.
-
-    With them, the branch lock's content (the move then needs no sync of its
-    own; removed if unused: :func:`locked_apply`).
-    """
-    batch = DurableBatch()
-    run.gstore.add_pending_to(batch)
-    run.gstore.stage_ref_content(run.args.branch, candidate, batch)
+    """The staged objects as loose objects (synced by libgit2), then the ``prepared`` receipt naming them."""
+    run.gstore.flush_objects()
     run.call.prepare(
-        batch=batch,
         base={"ref": run.args.branch, "commit": base},
         candidate=candidate,
         outputs=staged.outputs,
@@ -425,9 +414,7 @@ def _refuse_changed_worktrees(run: _Run) -> None:
 def _move_branch(run: _Run, staged: Staged, ahead: IndexesAhead) -> Staged:
     """The branch's compare-and-swap with the candidate staged in the worktrees' indexes first.
 
-    The move's syncs join the next round: a worktree's first (its files change
-    only after the move is durable), and in any case the finalise batch's first
-    (they end before the committed receipt is renamed).
+    libgit2 syncs the move before it returns (the worktrees' files change only after).
     """
     # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter):
     # written only when libgit2 moves the branch (its lock is born empty).
@@ -441,7 +428,7 @@ def _move_branch(run: _Run, staged: Staged, ahead: IndexesAhead) -> Staged:
         marked.append(ref_marker)
 
     try:
-        return _move_refs(run, staged, defer_sync=True, before_libgit2=write_marker, before_swap=ahead.stage)
+        return _move_refs(run, staged, before_libgit2=write_marker, before_swap=ahead.stage)
     finally:
         # Reached on every outcome but a crash: our ref locks are released by now.
         if marked:
@@ -490,8 +477,7 @@ def _finalise(run: _Run, staged: Staged, warnings: list[str]) -> ApplyResult:
     def add_key_ref(batch: DurableBatch) -> None:
         batch.sync_first(ref_folders)
         try:
-            gstore.create_key_ref(KEY_REF_PREFIX + key_hash(run.key), candidate, f"oncepatch: {call.call_id}",
-                                  batch=batch)
+            gstore.create_key_ref(KEY_REF_PREFIX + key_hash(run.key), candidate, f"oncepatch: {call.call_id}")
         except RefMovedError as exc:
             # Another store committed the same key since the pre-check: the branch *has* moved.
             raise IdempotencyConflict(
@@ -613,14 +599,12 @@ def _move_refs(
     run: _Run,
     staged: Staged,
     *,
-    defer_sync: bool = False,
     before_libgit2: Callable[[], None] | None = None,
     before_swap: Callable[[str], None] | None = None,
 ) -> Staged:
     """Compare-and-swap the branch to the candidate (re-staging onto a moved head, :func:`_restage`).
 
-    ``defer_sync``: the move's folder syncs are left to the next batch
-    (:meth:`GitStore.take_unsynced`).  ``before_libgit2``: see
+    ``before_libgit2``: see
     :meth:`GitStore.compare_and_swap`.  ``before_swap``: called with the
     candidate under the branch's lock, after the compare and the fence, before the move.
 
@@ -629,6 +613,8 @@ def _move_refs(
     Raises:
         Conflict: the branch moved and the patch no longer applies (rejected, retryable).
         RefLockedError: the branch's lock file is held (rejected, retryable).
+        ObjectsMissing: under the branch's lock, the candidate's objects were gone and could not be
+            written again (rejected, retryable).
         RefUpdateUnknown: the ref update failed half way (receipt ``unknown``).
         FencedOff: another process took the key over or settled this attempt.
     """
@@ -638,8 +624,9 @@ def _move_refs(
         assert candidate is not None
         try:
             run.gstore.compare_and_swap(run.args.branch, base, candidate, f"oncepatch: {run.call.call_id}",
-                                        lock_timeout=run.lock_timeout, precondition=_under_ref_lock(run, candidate, before_swap),
-                                        defer_sync=defer_sync, before_libgit2=before_libgit2)
+                                        lock_timeout=run.lock_timeout,
+                                        precondition=_under_ref_lock(run, candidate, before_swap),
+                                        before_libgit2=before_libgit2)
             return staged
         except _NotStaged as failed:
             err = failed.error
@@ -651,7 +638,7 @@ def _move_refs(
         except RefMovedError as moved:
             rounds += 1
             staged = _restage(run, moved.actual, rounds)
-        except RefLockedError as exc:
+        except (RefLockedError, ObjectsMissing) as exc:
             _reject(run, exc, base, candidate, retryable=True)
             raise
         except RefUpdateUnknown as exc:
@@ -668,9 +655,8 @@ def _under_ref_lock(run: _Run, candidate: str, before_swap: Callable[[str], None
         # lock broken and the key taken over (then the ref must not move).
         run.call.fence()
         if before_swap is not None:
-            # Staged after the compare and the fence; only the reflog lines, the lock's
-            # sync and the rename follow.  Later, a crash would leave the reflog naming
-            # a candidate that never landed (cas.loose_refs writes it before the rename).
+            # Staged after the compare, the objects' check and the fence; only libgit2's
+            # commit of the transaction follows.
             try:
                 before_swap(candidate)
             except OncepatchError as exc:  # an index could not be staged: nothing has moved
@@ -722,9 +708,8 @@ def _restage(run: _Run, new_base: str | None, rounds: int) -> Staged:
         assert conflict is not None
         _reject(run, conflict, *_base_and_candidate(run))
         raise conflict
-    batch = DurableBatch()
-    run.gstore.add_pending_to(batch)
-    run.call.update("restaged", batch=batch, base={"ref": args.branch, "commit": new_base},
+    run.gstore.flush_objects()
+    run.call.update("restaged", base={"ref": args.branch, "commit": new_base},
                     candidate=new_candidate, outputs=staged.outputs)
     return staged
 

@@ -26,6 +26,7 @@ import hashlib
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from typing import Any
@@ -35,10 +36,8 @@ import filelock
 from cas.durable import TMP_MARK
 from cas.errors import GitStoreError, UsageError
 from cas.gitdir import common_dir_of, worktrees_on
-from cas.loose_refs import REF_TMP_PREFIX
 from cas.objects import GitStore, TreeEntry
 from cas.pids import gone
-from cas.refs import KEY_REF_TMP_PREFIX
 from cas.worktree import (break_dead_own_index_lock, dead_own_index_lock, index_matches, materialise, update_index,
     worktree_files_match)
 from receipts.adapter import QueryResult
@@ -134,7 +133,8 @@ class GitAdapter:
         Proof, per lock file: it holds exactly the receipt's candidate oid (libgit2
         wrote it at commit time), or it is empty — libgit2 creates the lock empty
         and fills it only when committing; git fills its locks at once — and no
-        older than the marker the owner wrote just before locking.
+        older than the marker the owner wrote just before locking (the branch), or
+        it is the lock of a key ref that does not exist (only oncepatch writes one).
         """
         branch = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
         candidate = receipt.candidate or ""
@@ -152,6 +152,10 @@ class GitAdapter:
                 ours = bool(candidate) and content == candidate
                 if not ours and content == "" and marker_mtime is not None:
                     ours = os.stat(lock).st_mtime >= marker_mtime
+                if not ours and content == "" and ref == key_ref and gstore.resolve(key_ref) is None:
+                    # Only oncepatch writes a key ref, under the key's lock (held by the caller);
+                    # a git that locks refs it finds (pack-refs) finds none here.
+                    ours = True
                 if ours and self._read_only:
                     notes.append(f"would remove stale '{lock}' left by the crashed call")
                 elif ours:
@@ -342,6 +346,14 @@ class GitAdapter:
                 lk.release()
         return removed
 
+    def _common_dirs(self, rstore: ReceiptStore) -> list[str]:
+        """The repositories at hand: the one the store lives in, and every one this recovery opened."""
+        common_dirs = {os.path.realpath(str(g.common_dir)) for g in self._stores.values()}
+        home = _store_home(rstore)
+        if home is not None:
+            common_dirs.add(home)
+        return sorted(common_dirs)
+
     def _cleanup_dead_index_locks(self, rstore: ReceiptStore, dry_run: bool,
                                   protected: frozenset[str] = frozenset()) -> list[str]:
         """Remove marked ``index.lock`` files of dead calls in the repositories at hand.
@@ -352,12 +364,8 @@ class GitAdapter:
         store lives in (the default ``<git-common-dir>/oncepatch``) and every one this
         recovery opened for a receipt.
         """
-        common_dirs = {os.path.realpath(str(g.common_dir)) for g in self._stores.values()}
-        home = _store_home(rstore)
-        if home is not None:
-            common_dirs.add(home)
         removed: list[str] = []
-        for common_dir in sorted(common_dirs):
+        for common_dir in self._common_dirs(rstore):
             for git_dir in _git_dirs_of(common_dir):
                 # While a call the store's markers tie to an index lock is unresolved, no dead
                 # marked lock is removed here: the marker names the lock by the path it had,
@@ -382,6 +390,8 @@ class GitAdapter:
         removed: list[str] = self._cleanup_check_worktrees(rstore, dry_run)
         protected = _protected_index_locks(rstore)
         removed += self._cleanup_dead_index_locks(rstore, dry_run, protected)
+        for common_dir in self._common_dirs(rstore):
+            removed += _remove_old_object_tmp_files(common_dir, tmp_age, remove=not dry_run)
         try:
             names = sorted(os.listdir(rstore.tmp_dir))
         except FileNotFoundError:
@@ -499,13 +509,49 @@ def _pid_of_tmp(rest: str) -> int | None:
 
 
 def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:
-    """Where cas leaves tmp files beside the index (``index.optmp-<pid>…``, ``.index.lock.optmp-<pid>``) and
-    in the common git dir (a ref lock's content before its link: ``.ref.optmp-<pid>-…``, a key ref's
-    ``.keyref.optmp-<pid>-…``)."""
+    """Where cas leaves tmp files of its own in a git dir: beside the index (``index.optmp-<pid>…``,
+    ``.index.lock.optmp-<pid>``).  (libgit2's tmp files of objects: :func:`_remove_old_object_tmp_files`.)"""
+    from cas.durable import TMP_MARK
+
     real = os.path.realpath(git_dir)
-    common = os.path.realpath(common_dir_of(real))
-    return [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}"),
-            (common, f"{KEY_REF_TMP_PREFIX}{TMP_MARK}"), (common, f"{REF_TMP_PREFIX}{TMP_MARK}")]
+    return [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}")]
+
+
+#: libgit2 writes a loose object to ``objects/tmp_object_git2_XXXXXX`` before renaming it into place.
+LIBGIT2_OBJECT_TMP_PREFIX = "tmp_object_git2_"
+
+
+def _remove_old_object_tmp_files(common_dir: str, tmp_age: float, *, remove: bool = True) -> list[str]:
+    """Remove libgit2's tmp files of loose objects older than ``tmp_age`` seconds (a killed writer's).
+
+    Their names carry no pid: like ``git prune`` (which removes ``tmp_`` files
+    in ``objects/`` past its expiry), age is the proof that no writer is still
+    filling one.  ``remove=False`` (a dry run): only list them.
+    """
+    objects = os.path.join(os.path.realpath(common_dir), "objects")
+    now = time.time()
+    found: list[str] = []
+    try:
+        entries = os.listdir(objects)
+    except (FileNotFoundError, NotADirectoryError):
+        return found
+    for entry in sorted(entries):
+        if not entry.startswith(LIBGIT2_OBJECT_TMP_PREFIX):
+            continue
+        path = os.path.join(objects, entry)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < tmp_age:
+            continue
+        if remove:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+        found.append(path)
+    return found
 
 
 def _remove_dead_tmp_files(workdir: str | None, git_dir: str, touched: list[str], *,

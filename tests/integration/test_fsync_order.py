@@ -4,8 +4,10 @@
   → fsync(folder).
 * faults injected by strace (``-e inject=SYSCALL:error=ERRNO``): the process reports
   ``DurableWriteError``, the target is unchanged, no tmp file is left.
-* a full ``oncepatch apply``: prepared receipt renamed → branch ref renamed from its
-  ``.lock`` → committed receipt renamed, each rename preceded by an fsync of its file.
+* a full ``oncepatch apply``: the call's loose objects (libgit2's, with
+  ``enable_fsync_gitdir``) → prepared receipt renamed → branch ref renamed from its
+  ``.lock`` (libgit2's transaction) → key ref → committed receipt renamed, each rename
+  preceded by an fsync of its file.
 """
 
 from __future__ import annotations
@@ -293,18 +295,19 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
     assert os.path.realpath(out["receipt"]) == receipt
     branch = os.path.join(git_dir, "refs", "heads", name)
     key_ref = os.path.join(git_dir, "refs", "oncepatch", "keys", h)
-    pack_dir = os.path.join(git_dir, "objects", "pack")
+    objects = os.path.join(git_dir, "objects")
 
     landings = _landings(calls)
     receipt_moves = [(c, src) for c, src, dst in landings if dst == receipt]
     branch_moves = [(c, src) for c, src, dst in landings if dst == branch]
     key_moves = [c for c, _, dst in landings if dst == key_ref]
-    # the call's objects (blob, trees, commit): one pack, its idx renamed after it
-    pack_moves = [(c, src, dst) for c, src, dst in landings if os.path.dirname(dst) == pack_dir]
-    assert [os.path.splitext(dst)[1] for _, _, dst in pack_moves] == [".pack", ".idx"], pack_moves
-    assert os.path.splitext(pack_moves[0][2])[0] == os.path.splitext(pack_moves[1][2])[0]
-    assert commit in repo.git("verify-pack", "-v", pack_moves[1][2])  # the commit is in it
-    assert not [dst for _, _, dst in landings if dst.startswith(os.path.join(git_dir, "objects", commit[:2]))]
+    # the call's objects (blob, trees, commit): loose files, written by libgit2; no pack of ours
+    object_moves = [(c, src, dst) for c, src, dst in landings
+                    if os.path.dirname(os.path.dirname(dst)) == objects and len(os.path.basename(dst)) == 38]
+    tree = repo.git("rev-parse", f"{commit}^{{tree}}").strip()
+    landed = {os.path.basename(os.path.dirname(dst)) + os.path.basename(dst) for _, _, dst in object_moves}
+    assert {commit, tree} <= landed, object_moves
+    assert not [dst for _, _, dst in landings if dst.startswith(os.path.join(objects, "pack") + "/")]
     assert len(receipt_moves) == 2, [c.args for c, _ in receipt_moves]  # prepared, then committed
     assert len(branch_moves) == 1 and branch_moves[0][1] == branch + ".lock"
     assert len(key_moves) == 1
@@ -312,8 +315,8 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
     branch_move = branch_moves[0][0]
 
     # the protocol's order: objects → prepared receipt → branch ref → key ref → committed receipt
-    idx_move = pack_moves[1][0]
-    assert pack_moves[0][0].n < idx_move.n < prepared.n < branch_move.n < key_moves[0].n < committed.n
+    last_object = max(c.n for c, _, _ in object_moves)
+    assert last_object < prepared.n < branch_move.n < key_moves[0].n < committed.n
 
     # every receipt rename: its tmp file was fsynced before, its folder after
     for move, src in receipt_moves:
@@ -321,15 +324,14 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
         assert _synced_before(calls, src, move.n), f"receipt tmp {src} renamed without fsync"
     assert _folder_synced_between(calls, os.path.dirname(receipt), prepared.n, branch_move.n), \
         "receipts folder not synced between the prepared receipt and the ref move"
+    # every object (enable_fsync_gitdir) is synced before its rename, and its folder before
+    # the prepared receipt names it
+    for move, src, dst in object_moves:
+        assert _synced_before(calls, src, move.n), f"object {dst} renamed without fsync"
+        assert _folder_synced_between(calls, os.path.dirname(dst), move.n, prepared.n), dst
     # the branch's lock file is fsynced before it becomes the ref; the ref's folder after,
-    # with the reflog, and both before the committed receipt lands (without a worktree to
-    # follow: in the finalise batch's first round); the commit object, and its folder,
-    # before the ref moves (synced with the prepared receipt, in one batch)
+    # with the reflog, and both before the committed receipt lands
     assert _synced_before(calls, branch + ".lock", branch_move.n)
-    # ... in fact with the prepared receipt: the lock is then linked and renamed with no sync between
-    lock_links = [(c, src) for c, src, dst in landings if dst == branch + ".lock"]
-    assert len(lock_links) == 1 and _synced_before(calls, lock_links[0][1], prepared.n)
-    assert not [c for c in calls if c.name in ("fsync", "fdatasync") and lock_links[0][0].n < c.n < branch_move.n]
     reflog = os.path.join(git_dir, "logs", "refs", "heads", name)
     assert _synced_before(calls, reflog, committed.n), "reflog not synced before the committed receipt"
     assert _folder_synced_between(calls, os.path.dirname(branch), branch_move.n, committed.n), \
@@ -349,21 +351,17 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
         # the worktree file's folder is synced (with the new index) before the index names it
         index_moves = staged_moves[1:]
         assert worktree_moves[0].n < index_moves[0].n < committed.n
-        # the index's folder after its rename, in the finalise batch's first round (with the key
-        # ref's tmp file, before its rename), not in a flush point of its own
-        keyref_tmp = next(c for c in calls if c.name == "openat" and c.ret >= 0
-                          and os.path.basename(c.path_arg(1)).startswith(".keyref" + TMP_MARK))
-        assert index_moves[0].n < keyref_tmp.n
-        assert _folder_synced_between(calls, git_dir, keyref_tmp.n, key_moves[0].n)
-        assert not _folder_synced_between(calls, git_dir, index_moves[0].n, keyref_tmp.n)
+        # the index's folder after its rename, in the finalise batch's first round (with the
+        # committed receipt's tmp file, before its rename), not in a flush point of its own
+        assert _folder_synced_between(calls, git_dir, key_moves[0].n, committed.n)
+        assert not _folder_synced_between(calls, git_dir, index_moves[0].n, key_moves[0].n)
         folder_fd = int(worktree_moves[0].arg(0))  # renameat(dirfd, …): the folder, opened without following links
         assert any(c.n < index_moves[0].n for c in _fd_calls(calls, folder_fd, worktree_moves[0].n, {"fsync"}))
     else:
         assert worktree_moves == []
-    for (move, src, _dst), prefix in zip(pack_moves, ("tmp_pack_", "tmp_idx_")):
-        assert os.path.basename(src).startswith(prefix + TMP_MARK)  # git prune's names for its own tmp files
-        assert _synced_before(calls, src, move.n), f"{src} renamed without fsync"
-    assert _folder_synced_between(calls, pack_dir, idx_move.n, branch_move.n)
+    for move, src, _dst in object_moves:
+        # git prune's names for tmp files in objects/: a killed writer's are removed by recover too
+        assert os.path.basename(src).startswith("tmp_object_git2_"), src
 
     fsyncs = [c for c in calls if c.name in ("fsync", "fdatasync")]
     print(f"full apply: {len(fsyncs)} fsync/fdatasync calls, {len(landings)} renames/links")

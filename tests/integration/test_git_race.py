@@ -389,10 +389,11 @@ def test_an_index_that_cannot_be_staged_rejects_the_call_and_changes_nothing(tmp
     patch.write_bytes(PATCH_F)
     before = snapshot(repo)
     log = tmp_path / "apply.strace"
-    # The call's fourth link(): its index.lock twice (the dirty check, the move), the branch's lock,
-    # then, under it, the kept index.
+    # The call's sixth link(): its index.lock (the dirty check), its three loose objects (libgit2
+    # links each into place), its index.lock again (the move), then, under the branch's lock, the
+    # kept index.
     run = subprocess.run([strace, "-f", "-qq", "-o", str(log), "-e", "trace=link,linkat",
-                          "-e", "inject=link,linkat:error=EIO:when=4", sys.executable, "-m", "patcher.cli",
+                          "-e", "inject=link,linkat:error=EIO:when=6", sys.executable, "-m", "patcher.cli",
                           "apply", str(patch), "--repo", str(repo.path), "--json", "--key", "K"],
                          capture_output=True, text=True)
     failed = [line for line in log.read_text().splitlines() if "EIO" in line]

@@ -11,6 +11,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
+import pygit2
 
 from cas.errors import RefLockedError, RefMovedError
 from cas.hashing import git_blob_oid, sha256_file, sha256_hex
@@ -255,11 +256,9 @@ def test_lookup_path_and_blocked_by(repo: Repo, gs: GitStore) -> None:
     assert gs.lookup_path(tree, "README/x").blocked_by == "README"
 
 
-def test_a_durable_batchs_trees_and_commit_are_read_back_without_libgit2(repo: Repo, gs: GitStore) -> None:
+def test_written_trees_and_commit_are_read_back_without_libgit2(repo: Repo, gs: GitStore) -> None:
     """The next call's base is usually the last call's commit: its commit and the trees it wrote are
     answered from the store, and every answer is the one libgit2 gives for the same tree."""
-    from cas.durable import DurableBatch
-
     os.symlink("src", repo.path / "lnk")
     repo.write("old/inner/file.txt", "old\n")
     repo.commit_all("link")
@@ -268,9 +267,7 @@ def test_a_durable_batchs_trees_and_commit_are_read_back_without_libgit2(repo: R
     tree = gs.edit_tree(gs.commit_tree(base), {"src/deep/new.txt": TreeEntry(blob, BLOB),
                                                "src/deep/x.sh": TreeEntry(blob, EXEC)})
     commit = gs.create_commit(tree, [base], "made\n")
-    batch = DurableBatch()
-    gs.add_pending_to(batch)
-    batch.commit()
+    gs.flush_objects()
     fresh = GitStore(str(repo.path))  # reads everything through libgit2
     paths = ["src/deep/new.txt", "src/deep/x.sh", "src/deep", "src", "src/app.py", "src/none.py",
              "src/deep/none/x", "src/deep/new.txt/x", "lnk/app.py", "README/x", "README", "none/x",
@@ -291,29 +288,72 @@ def test_a_durable_batchs_trees_and_commit_are_read_back_without_libgit2(repo: R
     assert gs.lookup_path(tree, "old/inner/file.txt/x/y").blocked_by == "old/inner/file.txt"
 
 
-def test_a_batch_that_failed_keeps_nothing_at_hand(repo: Repo, gs: GitStore,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only what a batch made durable is answered from memory: after a failed sync, libgit2 is asked."""
-    from cas.durable import DurableBatch
-    from cas.errors import DurableWriteError
+def test_a_failed_write_keeps_nothing_at_hand(repo: Repo, gs: GitStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only what was written is answered from memory: after a failed write, libgit2 is asked."""
+    from cas.errors import GitStoreError
 
     base = repo.git("rev-parse", "HEAD").strip()
     tree = gs.edit_tree(gs.commit_tree(base), {"src/new.txt": TreeEntry(gs.write_blob(b"n\n"), BLOB)})
     gs.create_commit(tree, [base], "failed\n")
 
-    def fail(fd: int) -> None:
-        raise OSError(5, "EIO")
+    class FailingOdb:
+        def write(self, kind: int, data: bytes) -> Any:
+            raise pygit2.GitError("failed to write object: no space left on device")
 
-    batch = DurableBatch()
-    gs.add_pending_to(batch)
-    with monkeypatch.context() as m:
-        m.setattr(os, "fsync", fail)
-        with pytest.raises(DurableWriteError):
-            batch.commit()
+    class FailingRepo:
+        odb = FailingOdb()
+
+    with mock.patch.object(gs, "repo", FailingRepo()), pytest.raises(GitStoreError):
+        gs.flush_objects()
+    gs.discard_pending()
     counter = CountingRepo(gs.repo)
     with mock.patch.object(gs, "repo", counter), pytest.raises(KeyError):  # the tree was never written
         gs.lookup_path(tree, "src/new.txt")
-    assert counter.reads == [tree], "answered from a batch that never became durable"
+    assert counter.reads == [tree], "answered from objects that were never written"
+
+
+def test_objects_are_written_loose_never_packed(repo: Repo, gs: GitStore) -> None:
+    """A call's objects are loose files, as git's own writers make them; nothing in objects/pack changes."""
+    packs_before = sorted(os.listdir(repo.path / ".git/objects/pack"))
+    base = repo.head()
+    blobs = [gs.write_blob(b"loose %d\n" % i) for i in range(5)]
+    tree = gs.edit_tree(gs.commit_tree(base), {f"d/f{i}.txt": TreeEntry(b, BLOB) for i, b in enumerate(blobs)})
+    commit = gs.create_commit(tree, [base], "loose\n")
+    gs.flush_objects()
+    for oid in [*blobs, tree, commit]:
+        assert (repo.path / ".git/objects" / oid[:2] / oid[2:]).is_file(), oid
+    assert sorted(os.listdir(repo.path / ".git/objects/pack")) == packs_before
+    assert repo.git("cat-file", "-t", commit).strip() == "commit"
+    repo.git("fsck", "--full", "--strict")
+
+
+def test_compare_and_swap_writes_pruned_objects_again_under_the_lock(repo: Repo, gs: GitStore) -> None:
+    """A 'git gc --prune=now' between the write and the move removed the unreferenced objects: the move
+    writes them again under the ref's lock, never pointing the ref at a missing object."""
+    base = repo.head()
+    cand = new_commit(gs, base, b"pruned")
+    gs.flush_objects()
+    repo.git("gc", "-q", "--prune=now")
+    assert subprocess.run(["git", "cat-file", "-e", cand], cwd=repo.path).returncode != 0, "gc kept it"
+    gs.compare_and_swap("refs/heads/main", base, cand, "oncepatch: pruned")
+    assert repo.head("refs/heads/main") == cand
+    repo.git("fsck", "--full", "--strict")
+
+
+def test_compare_and_swap_refuses_a_missing_object_it_cannot_write(repo: Repo, gs: GitStore) -> None:
+    """An object the move needs and this store never wrote cannot be written again: rejected, nothing moved."""
+    from cas.errors import ObjectsMissing
+
+    base = repo.head()
+    other = GitStore(str(repo.path))
+    cand = new_commit(other, base, b"elsewhere")
+    other.flush_objects()
+    repo.git("gc", "-q", "--prune=now")
+    with pytest.raises(ObjectsMissing) as ei:
+        gs.compare_and_swap("refs/heads/main", base, cand, "oncepatch: missing")
+    assert ei.value.retryable and ei.value.effect_status == "not_applied" and cand in ei.value.missing
+    assert repo.head("refs/heads/main") == base
+    assert not (repo.path / ".git/refs/heads/main.lock").exists()
 
 
 def test_verification_asks_the_repository_not_the_last_batch(repo: Repo) -> None:
@@ -431,10 +471,7 @@ def test_lock_path_of_a_linked_worktree_is_in_the_common_dir(repo: Repo, tmp_pat
     assert ei.value.lock_path == os.path.join(os.path.realpath(repo.path / ".git"), "refs/heads/feat.lock")
 
 
-@pytest.mark.parametrize("backend", ["loose", "libgit2"])
-def test_git_commit_fails_while_our_transaction_holds_the_lock(repo: Repo, gs: GitStore, backend: str) -> None:
-    if backend == "libgit2":
-        gs._files_refs = False  # the fallback for refs oncepatch does not write itself
+def test_git_commit_fails_while_our_transaction_holds_the_lock(repo: Repo, gs: GitStore) -> None:
     base = repo.head()
     cand = new_commit(gs, base)
     seen: dict[str, Any] = {}
@@ -469,7 +506,7 @@ def test_create_key_ref_is_create_only(repo: Repo, gs: GitStore) -> None:
         gs.create_key_ref(ref, c2, "elsewhere")
     assert ei.value.actual == c1 and ei.value.expected is None
     assert gs.resolve(ref) == c1
-    # written as git writes a loose ref, with its reflog entry: git reads both
+    # a loose ref with its reflog entry (libgit2's): git reads both
     assert (repo.path / ".git" / ref).read_text() == c1 + "\n"
     assert not (repo.path / ".git" / (ref + ".lock")).exists()
     log = repo.git("reflog", "show", "--format=%H %gs", ref).splitlines()

@@ -593,32 +593,11 @@ def test_batch_last_round_failure_is_unknown(tmp_path: Path, monkeypatch: pytest
     assert info.value.envelope()["effect_status"] == "unknown"
 
 
-def test_batch_content_addressed_existing_file_is_synced_not_rewritten(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    obj = tmp_path / "ab" / "cdef"
-    obj.parent.mkdir()
-    obj.write_bytes(b"same bytes")
-    inode = obj.stat().st_ino
-    events = _record_syncs_and_renames(monkeypatch)
+def test_batch_refuses_a_path_queued_twice(tmp_path: Path) -> None:
     batch = durable.DurableBatch()
-    batch.add(str(obj), b"same bytes", content_addressed=True, mode=0o444, tmp_prefix="tmp_obj_")
-    batch.add(str(obj), b"same bytes", content_addressed=True)  # queued twice: kept once
-    batch.add(str(tmp_path / "ab" / "new"), b"n", content_addressed=True, mode=0o444, tmp_prefix="tmp_obj_")
-    batch.commit()
-    monkeypatch.undo()
-    assert obj.stat().st_ino == inode
-    assert str(obj) in [p for k, p in events if k == "fsync"]
-    assert [os.path.basename(p) for k, p in events if k == "replace"] == ["new"]
-    assert stat.S_IMODE((tmp_path / "ab" / "new").stat().st_mode) == 0o444
+    batch.add(str(tmp_path / "new"), b"n")
     with pytest.raises(ValueError):
-        batch.add(str(tmp_path / "ab" / "new"), b"other")  # not content-addressed: a second entry is a bug
-
-
-def test_batch_streaming_writer(tmp_path: Path) -> None:
-    batch = durable.DurableBatch()
-    batch.add(str(tmp_path / "s"), writer=lambda fd: [durable.write_all(fd, b"%d," % i) for i in range(5)] and None)
-    batch.commit()
-    assert (tmp_path / "s").read_bytes() == b"0,1,2,3,4,"
+        batch.add(str(tmp_path / "new"), b"other")  # a second entry for one path is a bug
 
 
 def test_fsync_pool_is_remade_in_a_forked_child(tmp_path: Path) -> None:
@@ -638,50 +617,6 @@ def test_fsync_pool_is_remade_in_a_forked_child(tmp_path: Path) -> None:
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-
-
-class _Crash(BaseException):
-    pass
-
-
-def test_batch_lock_is_born_with_its_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ref-style lock: taken by link(), so the moment it exists it holds the whole value."""
-    refs, scratch = tmp_path / "refs", tmp_path / "scratch"
-    refs.mkdir()
-    scratch.mkdir()
-    ref = refs / "k"
-    seen: list[bytes] = []
-    real_link = os.link
-
-    def watching_link(src: str, dst: str, **kw: object) -> None:
-        real_link(src, dst, **kw)  # type: ignore[arg-type]
-        seen.append(Path(dst).read_bytes())  # the lock's content the instant it appears
-
-    def crash(src: str, dst: str, **kw: object) -> None:
-        raise _Crash  # a kill before the rename
-
-    monkeypatch.setattr(os, "link", watching_link)
-    monkeypatch.setattr(os, "replace", crash)
-    batch = durable.DurableBatch()
-    batch.add(str(ref), b"c" * 40 + b"\n", lock=str(ref) + ".lock", lock_tmp_dir=str(scratch), tmp_prefix=".kr")
-    with pytest.raises(_Crash):
-        batch.commit()
-    monkeypatch.undo()
-    assert seen == [b"c" * 40 + b"\n"]
-    assert (refs / "k.lock").read_bytes() == b"c" * 40 + b"\n" and not ref.exists()
-    assert os.listdir(scratch) == []  # the tmp was unlinked once linked
-
-
-def test_batch_held_lock_raises_the_callers_error(tmp_path: Path) -> None:
-    lock = tmp_path / "k.lock"
-    lock.write_bytes(b"")
-    batch = durable.DurableBatch()
-    batch.add(str(tmp_path / "other"), b"o")
-    batch.add(str(tmp_path / "k"), b"v\n", lock=str(lock), locked=lambda: RuntimeError("held"))
-    with pytest.raises(RuntimeError, match="held"):
-        batch.commit()
-    assert lock.read_bytes() == b"" and not (tmp_path / "k").exists() and not (tmp_path / "other").exists()
-    assert _residue(tmp_path) == []
 
 
 @pytest.mark.parametrize("n", [2, 5])  # inline, and on the threads
