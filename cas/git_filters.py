@@ -25,7 +25,9 @@ import subprocess
 
 import pygit2
 
-__all__ = ["GIT_ONLY_ATTRIBUTES", "needs_git", "smudged_by_git", "blob_id_by_git"]
+from cas.hashing import git_blob_oid
+
+__all__ = ["GIT_ONLY_ATTRIBUTES", "needs_git", "smudged_by_git", "blob_id_by_git", "cleaned_oid", "apply_filters"]
 
 #: The attributes whose conversion only git reproduces (module docstring).
 GIT_ONLY_ATTRIBUTES = ("filter", "working-tree-encoding", "ident")
@@ -68,3 +70,41 @@ def blob_id_by_git(workdir: str, path: str) -> str | None:
     """The blob id git gives the working file ``path`` of ``workdir`` (``None``: git could not say)."""
     out = _git(workdir, "hash-object", "--", path)
     return None if out is None else out.strip().decode("ascii", "replace")
+
+
+def cleaned_oid(workdir: str, path: str, data: bytes) -> str:
+    """The blob id git gives ``data``, the file of ``workdir`` at ``path``: its clean filters applied.
+
+    Without filters for the path that is the id of the bytes themselves.  The
+    worktree's repository is kept open per worktree (a few racily clean
+    entries of one index are asked in a row).
+    """
+    try:
+        repo = _CLEAN_REPOS.get(workdir)
+        if repo is None:
+            if len(_CLEAN_REPOS) > 8:
+                _CLEAN_REPOS.clear()
+            repo = _CLEAN_REPOS[workdir] = pygit2.Repository(workdir)
+        filters = repo.load_filter_list(path, pygit2.enums.FilterMode.TO_ODB)
+        converted = data if filters is None else apply_filters(filters, data)
+    except (pygit2.GitError, KeyError, ValueError):
+        converted = data
+    if converted is None:  # NUL bytes, which pygit2 would cut: git hashes the file
+        return blob_id_by_git(workdir, path) or git_blob_oid(data)
+    return git_blob_oid(converted)
+
+
+_CLEAN_REPOS: dict[str, pygit2.Repository] = {}
+
+
+def apply_filters(filters: pygit2.filter.FilterList, data: bytes) -> bytes | None:
+    """libgit2's filters applied to ``data``; ``None`` for data holding a NUL byte.
+
+    pygit2's ``FilterList.apply_to_buffer`` reads its result as a C string: a
+    binary file under ``text`` came back cut at its first NUL byte.  libgit2's
+    own filters (line endings) add no NUL byte, so a result of data without
+    one is whole; data with one is left to git (:mod:`cas.git_filters`).
+    """
+    if b"\0" in data:
+        return None
+    return filters.apply_to_buffer(data)

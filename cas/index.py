@@ -79,8 +79,7 @@ import hashlib
 import os
 import re
 import threading
-from collections.abc import Callable, Collection, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection
 
 import pygit2
 
@@ -89,11 +88,7 @@ from cas.errors import DurableWriteError, GitStoreError, UsageError
 from cas.index_raw import MAX_PATHS, RawIndex, Unsupported
 from cas.objects import TreeEntry
 
-if TYPE_CHECKING:
-    from cas.worktree import IndexLock
-
-__all__ = ["IndexSnapshot", "snapshot_for", "prefetch", "open_index", "unreadable_index",
-           "KEPT_PREFIX", "kept_indexes", "stage_ahead", "settle_ahead", "IN_PLACE"]
+__all__ = ["IndexSnapshot", "snapshot_for", "prefetch", "open_index", "unreadable_index", "IN_PLACE"]
 
 #: Whether the in-place path (:mod:`cas.index_raw`) is tried first; ``False``: pygit2's ``Index`` for all.
 IN_PLACE = True
@@ -618,121 +613,3 @@ def snapshot_for(git_dir: str) -> IndexSnapshot:
         with _cache_lock:
             _cache[key] = snap
     return snap
-
-
-# -- staged ahead of the branch (module docstring) ----------------------------
-
-#: ``<git-dir>/index.oncepatch-base.<pid>.<candidate>``: the index a call's staged index replaced.
-KEPT_PREFIX = "index.oncepatch-base."
-
-
-def kept_indexes(git_dir: str, pid: int | None = None) -> list[str]:
-    """The kept indexes in ``git_dir`` (of process ``pid`` only, if given)."""
-    try:
-        names = os.listdir(git_dir)
-    except OSError:
-        return []
-    want = KEPT_PREFIX if pid is None else f"{KEPT_PREFIX}{pid}."
-    return sorted(os.path.join(git_dir, n) for n in names if n.startswith(want))
-
-
-def _candidate_of(kept: str) -> str:
-    return os.path.basename(kept)[len(KEPT_PREFIX):].split(".", 1)[-1]
-
-
-def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry | None], candidate: str) -> bool:
-    """Set ``changes`` (path → the candidate's entry, ``None``: no file) in the index, keeping the index it replaces.
-
-    ``lock``: the worktree's ``index.lock``, held.  Once per call: only the
-    branch's rename follows.  The new index is not synced: it only has to be
-    seen until the index of the materialised files replaces it, and a crash
-    brings the kept one back.  Returns whether the index was staged
-    (``False``: the worktree has no index yet, and nothing was written).
-
-    Raises:
-        GitStoreError: the index could not be written (the kept one is left for :func:`settle_ahead`).
-    """
-    from cas.worktree import update_index  # its caller: the index lock and the files are its
-
-    git_dir = lock.git_dir
-    kept = os.path.join(git_dir, f"{KEPT_PREFIX}{os.getpid()}.{candidate}")
-    try:
-        for stale in kept_indexes(git_dir):
-            # Its index.lock was removed by hand, not broken (that settles it): the
-            # index has moved on since, and this is no longer the one to bring back.
-            os.unlink(stale)
-        try:
-            os.link(os.path.join(git_dir, "index"), kept)
-        except FileNotFoundError:
-            return False
-    except OSError as exc:
-        raise GitStoreError(f"cannot keep the index of '{workdir}' as '{kept}': {exc}") from exc
-    removed = sorted(p for p, e in changes.items() if e is None)
-    added = sorted(p for p, e in changes.items() if e is not None)
-    update_index(workdir, removed, added, held=lock, known=changes, unstat=set(added), sync=False)
-    return True
-
-
-def settle_ahead(git_dir: str, moved: bool | None, *, pid: int | None = None, sync_index: bool = False) -> None:
-    """The staged index of process ``pid`` (this one by default): kept if the branch moved, else the kept one back.
-
-    ``moved``: whether the branch moved to the candidate; ``None``: unknown
-    (the swap failed, maybe after its rename; a dead call), then the staged
-    index stays only when the candidate is on the worktree's branch and the
-    index is readable (a crash of the machine may leave the unsynced staged
-    index torn).  ``sync_index``: a staged index that stays is synced with its
-    folder first (the files could not be written after it).  A kept index
-    that cannot be removed is left for the next :func:`stage_ahead`.
-
-    Raises:
-        OSError: the kept index could not be put back.
-    """
-    index = os.path.join(git_dir, "index")
-    for kept in kept_indexes(git_dir, os.getpid() if pid is None else pid):
-        stays = moved if moved is not None else _on_branch(git_dir, _candidate_of(kept)) and _readable(index)
-        if not stays:
-            _restore(git_dir, kept)
-            continue
-        with contextlib.suppress(OSError):
-            if sync_index:
-                fsync_all([index, git_dir])
-            os.unlink(kept)
-
-
-def _restore(git_dir: str, kept: str) -> None:
-    index = os.path.join(git_dir, "index")
-    try:
-        same = os.path.samefile(kept, index)
-    except FileNotFoundError:
-        same = False
-    if same:  # killed between keeping it and writing the staged one
-        os.unlink(kept)
-        return
-    os.replace(kept, index)
-    fsync_dir(git_dir)
-
-
-def _on_branch(git_dir: str, candidate: str) -> bool:
-    """Whether ``candidate`` is the head of ``git_dir``'s checked-out branch, or behind it."""
-    try:
-        repo = pygit2.Repository(git_dir)
-        tip = str(repo.head.target)
-        return tip == candidate or bool(repo.descendant_of(tip, candidate))
-    except (pygit2.GitError, KeyError, ValueError):
-        return False
-
-
-def _readable(index: str) -> bool:
-    """Whether ``index`` reads whole (its checksum verified): by :mod:`cas.index_raw`, else by libgit2.
-
-    A sparse index, which libgit2 refuses, is read by the former.
-    """
-    if not os.path.isfile(index):
-        return False  # libgit2 would open it as an empty index
-    with contextlib.suppress(Unsupported, OSError, ValueError):
-        RawIndex(index).verified()
-        return True
-    with contextlib.suppress(pygit2.GitError, OSError, ValueError):
-        _Index(index)
-        return True
-    return False

@@ -58,6 +58,7 @@ import re
 import struct
 import threading
 
+from cas.git_filters import cleaned_oid
 from cas.hashing import git_blob_oid
 from cas.objects import TreeEntry
 
@@ -142,8 +143,6 @@ def racy_file_changed(workdir: str, path: bytes, mode: int, size: int, mtime_sec
         return False
     if mode == 0o120000:
         return True
-    from cas.worktree import cleaned_oid  # only a file whose bytes are not its blob gets here
-
     return cleaned_oid(workdir, os.fsdecode(path), content) != oid
 
 

@@ -56,7 +56,7 @@ from patcher.protocol import KEY_REF_PREFIX, ApplyResult, replay_final
 
 if TYPE_CHECKING:
     from cas.objects import GitStore
-    from cas.worktree import IndexLock
+    from cas.index_lock import IndexLock
     from patcher.stage import Staged, StagePlan
     from patcher.worktrees import IndexesAhead
 

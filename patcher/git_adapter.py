@@ -38,8 +38,8 @@ from cas.errors import GitStoreError, UsageError
 from cas.gitdir import common_dir_of, worktrees_on
 from cas.objects import GitStore, TreeEntry
 from cas.pids import gone
-from cas.worktree import (break_dead_own_index_lock, dead_own_index_lock, index_matches, materialise, update_index,
-    worktree_files_match)
+from cas.index_lock import break_dead_own_index_lock, dead_own_index_lock, update_index
+from cas.worktree import index_matches, materialise, worktree_files_match
 from receipts.adapter import QueryResult
 from receipts.flock import file_lock
 from receipts.identity import key_hash

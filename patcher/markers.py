@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from cas.worktree import index_lock_owner
+from cas.index_lock import index_lock_owner
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 

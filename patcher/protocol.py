@@ -166,8 +166,8 @@ def apply(
 
         return locked_apply(call, args, lock_timeout, check_timeout, _stores)
     finally:
-        # The index locks' mark files kept between this call's two locks (cas.worktree).
-        worktree = sys.modules.get("cas.worktree")
+        # The index locks' mark files kept between this call's two locks (cas.index_lock).
+        worktree = sys.modules.get("cas.index_lock")
         if worktree is not None:
             worktree.drop_lock_marks()
 

@@ -13,10 +13,10 @@ from cas.errors import GitStoreError, OncepatchError, RefLockedError
 from cas.gitdir import worktrees_on
 from cas.hashing import sha256_hex
 from cas.durable import fsync_dir
-from cas.index import prefetch, settle_ahead, stage_ahead
+from cas.index import prefetch
+from cas.index_lock import IndexLock, hold_index_lock, settle_ahead, stage_ahead
 from cas.objects import GitStore, TreeEntry
-from cas.worktree import (IndexLock, dirty_paths, hold_index_lock, materialise, outside_sparse_checkout,
-    unsafe_worktree_paths)
+from cas.worktree import dirty_paths, materialise, outside_sparse_checkout, unsafe_worktree_paths
 from receipts.flock import file_lock
 from receipts.engine import settle
 from receipts.states import needs_resolution
@@ -40,7 +40,7 @@ def prefetch_indexes(gstore: GitStore, branch: str) -> None:
 
 def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
                       own_key: str | None = None) -> Callable[[str], None]:
-    """An ``on_dead`` for :func:`cas.worktree.hold_index_lock`: settle the dead calls that held ``index_lock``.
+    """An ``on_dead`` for :func:`cas.index_lock.hold_index_lock`: settle the dead calls that held ``index_lock``.
 
     A call killed after its branch moved and before its worktree followed
     leaves its marked ``index.lock`` (and a marker in the store naming it).
@@ -206,7 +206,7 @@ def hold_index_locks(rstore: ReceiptStore, worktrees: list[tuple[str, str]], key
 
 
 def release_index_locks(held: dict[str, IndexLock]) -> None:
-    """Release every lock of ``held`` (:meth:`cas.worktree.IndexLock.release`), each even when another fails.
+    """Release every lock of ``held`` (:meth:`cas.index_lock.IndexLock.release`), each even when another fails.
 
     Raises:
         OSError: a lock could not be removed (the first such error, once all were tried).
@@ -226,7 +226,7 @@ SETTLE_ATTEMPTS = 3
 
 
 class IndexesAhead:
-    """The indexes of the worktrees on the branch, staged ahead of its move (:func:`cas.index.stage_ahead`), for one call.
+    """The indexes of the worktrees on the branch, staged ahead of its move (:func:`cas.index_lock.stage_ahead`), for one call.
 
     Calling sequence: :meth:`stage` once, with the candidate, under the
     branch's lock just before it moves; then :meth:`settle` once, with the
@@ -259,7 +259,7 @@ class IndexesAhead:
         """Keep the staged indexes if the branch moved to the candidate, else bring back those they replaced.
 
         ``moved``: whether the swap moved the branch; ``None``: unknown (see
-        :func:`cas.index.settle_ahead`).  ``materialised``: the files and
+        :func:`cas.index_lock.settle_ahead`).  ``materialised``: the files and
         their index were written after the move (else a staged index that
         stays is synced first).
 

@@ -91,7 +91,7 @@ def test_a_transient_fault_writing_the_index_and_putting_it_back_releases_the_lo
     (Settling a worktree's index that cannot be put back leaves its lock held on purpose:
     released, git would commit the staged entries.  A transient fault must not get there.)
     """
-    from cas.index import KEPT_PREFIX
+    from cas.index_lock import KEPT_PREFIX
 
     index = repo.path / ".git" / "index"
     lock = repo.path / ".git" / "index.lock"
@@ -119,7 +119,7 @@ def test_a_transient_fault_writing_the_index_and_putting_it_back_releases_the_lo
 def test_a_removal_that_keeps_failing_is_reported_and_the_lock_stays_ours(
         repo: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
     """Not transient: the error comes back (never a silent lock left), and a later release removes it."""
-    from cas.worktree import RELEASE_ATTEMPTS, hold_index_lock
+    from cas.index_lock import RELEASE_ATTEMPTS, hold_index_lock
 
     lock_path = repo.path / ".git" / "index.lock"
     lock = hold_index_lock(str(repo.path), timeout=0.0)

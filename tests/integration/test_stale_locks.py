@@ -165,7 +165,7 @@ def lock_tmp_files(repo: Repo) -> list[str]:
 def test_a_kept_mark_serves_the_next_lock_and_is_dropped(repo: Repo) -> None:
     """The apply protocol takes a worktree's index lock twice per call: both are linked from one
     mark file, which is removed as the call ends (even when the kept one was removed meanwhile)."""
-    from cas.worktree import drop_lock_marks, hold_index_lock
+    from cas.index_lock import drop_lock_marks, hold_index_lock
 
     git_dir = os.path.realpath(repo.path / ".git")
     lock_path = repo.path / ".git/index.lock"

@@ -1,0 +1,525 @@
+"""The worktree's index under git's ``index.lock``: the lock, entry updates, the index staged ahead.
+
+* :class:`IndexLock` / :func:`hold_index_lock` — ``<git-dir>/index.lock``
+  taken as git takes it (``O_CREAT|O_EXCL``, here a ``link()`` of a file
+  holding ``oncepatch-index-lock <pid> <host>``), waited for up to the
+  call's lock timeout; a lock oncepatch left on this host whose process is
+  gone is broken (:func:`break_dead_own_index_lock`), any other is waited
+  for, never removed;
+* :func:`update_index` — just these entries of the index, read and written
+  while the lock is held (:mod:`cas.index` reads and installs the file);
+* :func:`stage_ahead` / :func:`settle_ahead` — the candidate's entries
+  staged in the index before the branch moves, the index they replaced kept
+  until the move is known (:mod:`cas.index`'s docstring says which race).
+
+Below :mod:`cas.worktree` (which writes the files, then the index through
+here) and above :mod:`cas.index` (the index file itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping
+
+import pygit2
+
+from cas.durable import TMP_MARK, fsync_all, fsync_dir, write_new
+from cas.errors import GitStoreError, RefLockedError, UsageError
+from cas.hashing import git_blob_oid
+from cas.index import open_index, snapshot_for
+from cas.index_raw import RawIndex, Unsupported
+from cas.objects import TreeEntry
+from cas.pids import gone
+
+__all__ = [
+    "INDEX_LOCK_MARK",
+    "IndexLock",
+    "RELEASE_ATTEMPTS",
+    "hold_index_lock",
+    "drop_lock_marks",
+    "index_lock_owner",
+    "dead_own_index_lock",
+    "break_dead_own_index_lock",
+    "update_index",
+    "KEPT_PREFIX",
+    "kept_indexes",
+    "stage_ahead",
+    "settle_ahead",
+]
+
+_MODE_LINK = 0o120000
+_MODE_EXEC = 0o100755
+
+#: Content of an index.lock held by oncepatch (git's own locks hold index data).
+INDEX_LOCK_MARK = b"oncepatch-index-lock "
+
+
+class IndexLock:
+    """``<git-dir>/index.lock`` of one worktree, created by us (git's ``O_CREAT|O_EXCL`` protocol).
+
+    Calling sequence: :func:`hold_index_lock`, then any number of
+    :func:`update_index` calls with ``held=``, then :meth:`release` (also on
+    every error).  While it is held no git command writes the index, and
+    ``git commit`` cannot start.  The store marker (``lock_marker``) exists
+    exactly while the lock may be ours.
+    """
+
+    def __init__(self, path: str, git_dir: str, identity: tuple[int, int], marker: str | None) -> None:
+        self.path = path
+        self.git_dir = git_dir
+        self._identity = identity
+        self._marker = marker
+
+    def release(self) -> None:
+        """Remove the lock file — only if it is still the one we created — then the marker (safe to repeat).
+
+        Each removal is tried up to :data:`RELEASE_ATTEMPTS` times.  Race
+        guarded: a transient I/O error (EIO, EINTR, ...) on the unlink left
+        ``index.lock`` behind a call that had ended; its process alive, the
+        lock is never taken for a dead call's, so a long-lived caller met its
+        own lock on every later call (``in_progress``) until it exited.
+
+        Raises:
+            OSError: the lock file (or then the marker) could not be removed on
+                any attempt; the lock is still ours, and ``release`` may be
+                called again.
+        """
+        _with_retries(self._unlink_lock)
+        if self._marker is not None:
+            marker = self._marker
+            _with_retries(lambda: _unlink_if_there(marker))
+            self._marker = None
+
+    def _unlink_lock(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._identity:
+            _unlink_if_there(self.path)
+
+
+#: How many times :meth:`IndexLock.release` tries each removal before it gives up.
+RELEASE_ATTEMPTS = 4
+
+
+def _unlink_if_there(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _with_retries(step: Callable[[], None]) -> None:
+    """Run ``step``; on an ``OSError``, again (short pauses), up to :data:`RELEASE_ATTEMPTS` times in all."""
+    for attempt in range(RELEASE_ATTEMPTS):
+        try:
+            step()
+            return
+        except OSError:
+            if attempt == RELEASE_ATTEMPTS - 1:
+                raise
+            time.sleep(0.005 * (4 ** attempt))  # 5, 20, 80 ms: a busy device, an interrupted call
+
+
+# Mark files kept for a thread's next index lock: {(git dir, pid, thread): path} (hold_index_lock's keep_mark).
+_KEPT_MARKS: dict[tuple[str, int, int, str | None], str] = {}
+_KEPT_MARKS_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _KEPT_MARKS_LOCK
+    _KEPT_MARKS_LOCK = threading.Lock()  # a thread of the parent may have held it
+    _KEPT_MARKS.clear()  # the parent's (keyed by its pid): never the child's to use or remove
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _lock_mark(git_dir: str, keep: bool, *, fresh: bool, owner: str | None = None) -> str:
+    """A tmp file beside ``index.lock`` holding this process's mark (the kept one, unless ``fresh``).
+
+    ``owner``: the receipt store the call records in, named after pid and host (a
+    lock another store's call left is settled through that store).
+    """
+    key = (git_dir, os.getpid(), threading.get_ident(), owner)
+    if keep and not fresh:
+        with _KEPT_MARKS_LOCK:
+            found = _KEPT_MARKS.get(key)
+        if found is not None:
+            return found
+    tmp = os.path.join(git_dir, f".index.lock{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")  # per thread
+    named = f" {owner}" if owner and "\n" not in owner else ""
+    write_new(tmp, INDEX_LOCK_MARK + f"{os.getpid()} {socket.gethostname()}{named}\n".encode(
+        "utf-8", "surrogateescape"), 0o644)
+    if keep:
+        with _KEPT_MARKS_LOCK:
+            old, _KEPT_MARKS[key] = _KEPT_MARKS.get(key), tmp
+        if old is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old)
+    return tmp
+
+
+def drop_lock_marks() -> None:
+    """Remove the mark files this thread kept for its next index lock (see :func:`hold_index_lock`)."""
+    me = (os.getpid(), threading.get_ident())
+    with _KEPT_MARKS_LOCK:
+        paths = [_KEPT_MARKS.pop(k) for k in [k for k in _KEPT_MARKS if k[1:3] == me]]
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def hold_index_lock(workdir: str, *, timeout: float, lock_marker: str | None = None,
+                    git_dir: str | None = None, keep_mark: bool = False,
+                    on_dead: Callable[[str], None] | None = None, owner: str | None = None) -> IndexLock:
+    """Take ``workdir``'s ``index.lock``, waiting up to ``timeout`` seconds while someone else holds it.
+
+    The file holds ``oncepatch-index-lock <pid> <host>``; ``lock_marker`` (a
+    file in the store) is written to name it, and removed on release.  A lock
+    that oncepatch left on this host and whose process is gone is removed
+    (:func:`break_dead_own_index_lock`); any other is waited for, never removed.
+
+    ``git_dir``: the worktree's git dir (real path), when the caller knows it.
+    ``keep_mark``: the tmp file the lock is linked from is kept for this
+    thread's next lock of the same worktree, until :func:`drop_lock_marks`
+    (the apply protocol takes two locks per call, and drops them as it ends).
+    ``on_dead``: called once with the lock's path when a dead oncepatch call
+    holds it, before it is removed.  That call may have moved the branch and
+    died before bringing this worktree along; the lock is what keeps ``git
+    commit`` from committing the stale index, so the caller first settles the
+    calls it protects (the apply protocol: as ``recover`` does).
+
+    Raises:
+        RefLockedError: ``index.lock`` stayed held (a live git, or a stale lock of git's).
+        GitStoreError: ``workdir`` is not a worktree libgit2 can open.
+    """
+    if git_dir is None:
+        try:
+            git_dir = os.path.realpath(pygit2.Repository(workdir).path)
+        except (pygit2.GitError, KeyError) as exc:
+            raise GitStoreError(f"cannot open worktree '{workdir}': {exc}") from exc
+    index_lock = os.path.join(git_dir, "index.lock")
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    # The lock is born with its mark: written to a tmp file beside it, then
+    # link()ed to 'index.lock' (exclusive like O_CREAT|O_EXCL).  Race guarded: a
+    # call killed between creating an empty lock and writing its mark would leave
+    # a lock nothing could prove ours, blocking every later call.
+    tmp = _lock_mark(git_dir, keep_mark, fresh=False, owner=owner)
+    try:
+        remade = False
+        while True:
+            try:
+                os.link(tmp, index_lock)
+                break
+            except FileNotFoundError:
+                if remade or not keep_mark:
+                    raise
+                # The kept mark was removed (by hand, or by a recovery that took this pid for dead).
+                tmp, remade = _lock_mark(git_dir, keep_mark, fresh=True, owner=owner), True
+            except FileExistsError:
+                if on_dead is not None and dead_own_index_lock(index_lock):
+                    settle, on_dead = on_dead, None
+                    settle(index_lock)
+                    continue
+                if break_dead_own_index_lock(index_lock):
+                    continue
+                if time.monotonic() >= deadline:
+                    raise RefLockedError(index_lock) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+    finally:
+        if not keep_mark:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    st = os.lstat(index_lock)
+    lock = IndexLock(index_lock, git_dir, (st.st_dev, st.st_ino), None)
+    if lock_marker is not None:
+        try:
+            # Proof for recovery after a *process* crash: it must outlive the process,
+            # not the machine (a reboot ends every lock's owner), so it is not fsynced.
+            with open(lock_marker, "wb") as fh:
+                fh.write(index_lock.encode() + b"\n")
+        except BaseException:
+            lock.release()
+            raise
+        lock._marker = lock_marker
+    return lock
+
+
+def index_lock_owner(index_lock: str) -> str | None:
+    """The receipt store an oncepatch ``index.lock`` names (see :func:`_lock_mark`), ``None`` if none."""
+    try:
+        with open(index_lock, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return None
+    if not head.startswith(INDEX_LOCK_MARK):
+        return None
+    fields = head[len(INDEX_LOCK_MARK):].rstrip(b"\n").split(b" ", 2)
+    return fields[2].decode("utf-8", "surrogateescape") if len(fields) == 3 and fields[2] else None
+
+
+def _dead_own_pid(head: bytes) -> int | None:
+    """The pid of the oncepatch call on this host that wrote an ``index.lock`` starting with ``head``, if it is gone."""
+    fields = head[len(INDEX_LOCK_MARK):].split() if head.startswith(INDEX_LOCK_MARK) else []
+    if len(fields) < 2 or fields[1].decode("utf-8", "replace") != socket.gethostname():
+        return None  # not ours, or written elsewhere: its owner cannot be checked from here
+    try:
+        pid = int(fields[0])
+    except ValueError:
+        return None
+    # Alive (or its pid reused: waiting is the safe side), unless gone or a zombie.
+    return pid if gone(pid) else None
+
+
+def dead_own_index_lock(index_lock: str) -> bool:
+    """Whether ``index_lock`` is held by an oncepatch call on this host that is gone (nothing is removed)."""
+    try:
+        with open(index_lock, "rb") as fh:
+            return _dead_own_pid(fh.read(256)) is not None
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def break_dead_own_index_lock(index_lock: str) -> bool:
+    """Remove ``index_lock`` if oncepatch wrote it on this host and its process is gone; ``True`` if it is gone.
+
+    Only a lock whose content proves it ours (``oncepatch-index-lock <pid>
+    <host>``, this host, no such pid) is touched; git's own locks hold index
+    data and are never removed.  Race guarded: two processes finding the same
+    dead lock — the second must not remove the lock the first has just
+    created in its place — so the read and the unlink happen under an flock on
+    the lock's folder, which every breaker takes, and the file unlinked must be
+    the one read.
+    """
+    import fcntl
+
+    folder = os.path.dirname(index_lock)
+    dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX)
+        try:
+            fd = os.open(index_lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            return True
+        try:
+            head = os.read(fd, 256)
+            read_id = os.fstat(fd)
+        finally:
+            os.close(fd)
+        pid = _dead_own_pid(head)
+        if pid is None:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(index_lock)
+            if (st.st_dev, st.st_ino) == (read_id.st_dev, read_id.st_ino):
+                # The dead call's index may be staged ahead of a branch that never moved:
+                # the index it replaced comes back before anyone else may write it.
+                settle_ahead(folder, None, pid=pid)
+                os.unlink(index_lock)
+        return True
+    finally:
+        os.close(dfd)  # drops the flock
+
+
+def update_index(
+    workdir: str,
+    removed: list[str],
+    added: list[str],
+    *,
+    lock_marker: str | None = None,
+    timeout: float = 0.0,
+    held: IndexLock | None = None,
+    known: Mapping[str, TreeEntry | None] | None = None,
+    also_sync: list[str | int] | None = None,
+    defer_dir: list[str] | None = None,
+    unstat: Collection[str] = (),
+    sync: bool = True,
+) -> None:
+    """Update just these entries of ``workdir``'s index (stat data from the files), safely against git.
+
+    ``also_sync``: synced with the new index file before its rename (emptied once synced).
+    ``unstat``: paths of ``known`` set without stat data: their files hold
+    something else (an edit by hand), which git then sees as a change.
+    ``defer_dir``: the index's folder is appended here, not synced (the caller syncs it).
+    ``sync``: ``False`` writes the new index without syncing it (see :func:`stage_ahead`).
+
+    The read-modify-write happens while we hold ``index.lock`` (``held``, or
+    taken here and released after), so a concurrent ``git add``/``git commit``
+    either waits for us or we wait for it — neither update is lost.
+
+    libgit2 writes an index only through its own ``<index>.lock``, so it is
+    given a hard link of the index to rewrite (``index<TMP_MARK><pid>``,
+    replaced by libgit2's write, the original untouched), which is then
+    renamed over ``index`` while our ``index.lock`` is still held.  Race
+    guarded: handing ``index.lock`` itself over to libgit2 opened a gap in
+    which ``git commit`` could take the lock and commit the old index.
+
+    Raises:
+        RefLockedError: ``index.lock`` (unless ``held``) stayed held for ``timeout`` seconds (the
+            caller's lock timeout; 0: not waited for).
+        GitStoreError: libgit2 failed.
+    """
+    lock = held if held is not None else hold_index_lock(workdir, timeout=timeout, lock_marker=lock_marker)
+    try:
+        _write_index(workdir, lock, removed, added, known, also_sync, defer_dir, unstat, sync)
+    finally:
+        if held is None:
+            lock.release()
+
+
+def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[str],
+                 known: Mapping[str, TreeEntry | None] | None = None,
+                 also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None,
+                 unstat: Collection[str] = (), sync: bool = True) -> None:
+    """Set these entries in the parsed copy of the index and install it (``index.lock`` is held).
+
+    ``known``: the entries just written for these paths (their files are not re-hashed).
+    """
+    snap = snapshot_for(lock.git_dir)
+    entries: list[tuple[str, TreeEntry]] = []
+    for path in added:
+        given = (known or {}).get(path)
+        if given is not None:
+            entries.append((path, given))
+            continue
+        full = os.path.join(workdir, path)
+        try:
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                data = os.fsencode(os.readlink(full))
+                mode = _MODE_LINK
+            else:
+                with open(full, "rb") as fh:
+                    data = fh.read()
+                mode = _MODE_EXEC if st.st_mode & 0o100 else 0o100644
+        except OSError as exc:
+            raise GitStoreError(f"cannot stage '{path}' in '{workdir}': {exc}") from exc
+        entries.append((path, TreeEntry(git_blob_oid(data), mode)))
+    try:
+        snap.stage(workdir, removed, entries, unstat)
+    except pygit2.GitError as exc:
+        raise GitStoreError(f"cannot stage in '{workdir}': {exc}") from exc
+    snap.install(also_sync, defer_dir, sync)
+
+# -- staged ahead of the branch (module docstring) ----------------------------
+
+#: ``<git-dir>/index.oncepatch-base.<pid>.<candidate>``: the index a call's staged index replaced.
+KEPT_PREFIX = "index.oncepatch-base."
+
+
+def kept_indexes(git_dir: str, pid: int | None = None) -> list[str]:
+    """The kept indexes in ``git_dir`` (of process ``pid`` only, if given)."""
+    try:
+        names = os.listdir(git_dir)
+    except OSError:
+        return []
+    want = KEPT_PREFIX if pid is None else f"{KEPT_PREFIX}{pid}."
+    return sorted(os.path.join(git_dir, n) for n in names if n.startswith(want))
+
+
+def _candidate_of(kept: str) -> str:
+    return os.path.basename(kept)[len(KEPT_PREFIX):].split(".", 1)[-1]
+
+
+def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry | None], candidate: str) -> bool:
+    """Set ``changes`` (path → the candidate's entry, ``None``: no file) in the index, keeping the index it replaces.
+
+    ``lock``: the worktree's ``index.lock``, held.  Once per call: only the
+    branch's rename follows.  The new index is not synced: it only has to be
+    seen until the index of the materialised files replaces it, and a crash
+    brings the kept one back.  Returns whether the index was staged
+    (``False``: the worktree has no index yet, and nothing was written).
+
+    Raises:
+        GitStoreError: the index could not be written (the kept one is left for :func:`settle_ahead`).
+    """
+    git_dir = lock.git_dir
+    kept = os.path.join(git_dir, f"{KEPT_PREFIX}{os.getpid()}.{candidate}")
+    try:
+        for stale in kept_indexes(git_dir):
+            # Its index.lock was removed by hand, not broken (that settles it): the
+            # index has moved on since, and this is no longer the one to bring back.
+            os.unlink(stale)
+        try:
+            os.link(os.path.join(git_dir, "index"), kept)
+        except FileNotFoundError:
+            return False
+    except OSError as exc:
+        raise GitStoreError(f"cannot keep the index of '{workdir}' as '{kept}': {exc}") from exc
+    removed = sorted(p for p, e in changes.items() if e is None)
+    added = sorted(p for p, e in changes.items() if e is not None)
+    update_index(workdir, removed, added, held=lock, known=changes, unstat=set(added), sync=False)
+    return True
+
+
+def settle_ahead(git_dir: str, moved: bool | None, *, pid: int | None = None, sync_index: bool = False) -> None:
+    """The staged index of process ``pid`` (this one by default): kept if the branch moved, else the kept one back.
+
+    ``moved``: whether the branch moved to the candidate; ``None``: unknown
+    (the swap failed, maybe after its rename; a dead call), then the staged
+    index stays only when the candidate is on the worktree's branch and the
+    index is readable (a crash of the machine may leave the unsynced staged
+    index torn).  ``sync_index``: a staged index that stays is synced with its
+    folder first (the files could not be written after it).  A kept index
+    that cannot be removed is left for the next :func:`stage_ahead`.
+
+    Raises:
+        OSError: the kept index could not be put back.
+    """
+    index = os.path.join(git_dir, "index")
+    for kept in kept_indexes(git_dir, os.getpid() if pid is None else pid):
+        stays = moved if moved is not None else _on_branch(git_dir, _candidate_of(kept)) and _readable(index)
+        if not stays:
+            _restore(git_dir, kept)
+            continue
+        with contextlib.suppress(OSError):
+            if sync_index:
+                fsync_all([index, git_dir])
+            os.unlink(kept)
+
+
+def _restore(git_dir: str, kept: str) -> None:
+    index = os.path.join(git_dir, "index")
+    try:
+        same = os.path.samefile(kept, index)
+    except FileNotFoundError:
+        same = False
+    if same:  # killed between keeping it and writing the staged one
+        os.unlink(kept)
+        return
+    os.replace(kept, index)
+    fsync_dir(git_dir)
+
+
+def _on_branch(git_dir: str, candidate: str) -> bool:
+    """Whether ``candidate`` is the head of ``git_dir``'s checked-out branch, or behind it."""
+    try:
+        repo = pygit2.Repository(git_dir)
+        tip = str(repo.head.target)
+        return tip == candidate or bool(repo.descendant_of(tip, candidate))
+    except (pygit2.GitError, KeyError, ValueError):
+        return False
+
+
+def _readable(index: str) -> bool:
+    """Whether ``index`` reads whole (its checksum verified): by :mod:`cas.index_raw`, else by libgit2.
+
+    A sparse index, which libgit2 refuses, is read by the former.
+    """
+    if not os.path.isfile(index):
+        return False  # libgit2 would open it as an empty index
+    with contextlib.suppress(Unsupported, OSError, ValueError):
+        RawIndex(index).verified()
+        return True
+    with contextlib.suppress(UsageError, GitStoreError):
+        open_index(index)
+        return True
+    return False
