@@ -45,7 +45,7 @@ from cas.errors import GitStoreError, ObjectsMissing, UsageError
 from cas.signature import Signature, git_identity, signature_line
 from cas.refs import KEY_REF_PREFIX, RefUpdates
 
-__all__ = ["GitStore", "TreeEntry", "PathLookup", "Signature", "KEY_REF_PREFIX"]
+__all__ = ["GitStore", "TreeEntry", "PathLookup", "Signature", "KEY_REF_PREFIX", "open_store"]
 
 _FSYNC_ON = False
 _TREE_MODE = 0o40000
@@ -595,3 +595,12 @@ class GitStore(RefUpdates):
         except (KeyError, pygit2.GitError):
             return False
 
+
+def open_store(repo_path: str, stores: dict[str, GitStore] | None) -> GitStore:
+    """An open :class:`GitStore` of ``repo_path``, reused from ``stores`` (a long-lived caller's cache) when given."""
+    if stores is None:
+        return GitStore(repo_path)
+    found = stores.get(repo_path)
+    if found is None:
+        found = stores[repo_path] = GitStore(repo_path)
+    return found

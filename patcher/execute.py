@@ -43,6 +43,7 @@ from cas.durable import DurableBatch, fsync_all
 from cas.errors import (DurableWriteError, GitStoreError, ObjectsMissing, OncepatchError, RefLockedError,
                         RefMovedError, RefUpdateUnknown, UsageError)
 from cas.gitdir import read_head
+from cas.objects import GitStore, open_store
 from receipts.engine import Call, pause_point
 from receipts.errors import IdempotencyConflict
 from receipts.identity import key_hash
@@ -55,12 +56,11 @@ from patcher.model import Patch
 from patcher.protocol import KEY_REF_PREFIX, ApplyResult, replay_final
 
 if TYPE_CHECKING:
-    from cas.objects import GitStore
     from cas.index_lock import IndexLock
     from patcher.stage import Staged, StagePlan
     from patcher.worktrees import IndexesAhead
 
-__all__ = ["locked_apply", "open_store", "MAX_RESTAGE_ROUNDS"]
+__all__ = ["locked_apply", "MAX_RESTAGE_ROUNDS"]
 
 MAX_RESTAGE_ROUNDS = 16
 
@@ -244,18 +244,6 @@ def _branch_head(gstore: GitStore, args: CallArgs) -> str | None:
         raise UsageError(f"branch '{args.branch}' does not exist: create it first (e.g. 'git branch "
                          f"{args.branch.removeprefix('refs/heads/')}')")
     return head
-
-
-def open_store(repo_path: str, stores: dict[str, Any] | None) -> GitStore:
-    """An open :class:`GitStore`, reused from ``stores`` by long-lived callers."""
-    from cas.objects import GitStore
-
-    if stores is None:
-        return GitStore(repo_path)
-    found = stores.get(repo_path)
-    if found is None:
-        found = stores[repo_path] = GitStore(repo_path)
-    return found
 
 
 def _execute(run: _Run, pre: _PreCheck | None) -> ApplyResult:

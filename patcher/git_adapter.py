@@ -36,7 +36,7 @@ import filelock
 from cas.durable import TMP_MARK
 from cas.errors import GitStoreError, UsageError
 from cas.gitdir import common_dir_of, worktrees_on
-from cas.objects import GitStore, TreeEntry
+from cas.objects import GitStore, TreeEntry, open_store
 from cas.pids import gone
 from cas.index_lock import break_dead_own_index_lock, dead_own_index_lock, update_index
 from cas.worktree import index_matches, materialise, worktree_files_match
@@ -47,7 +47,6 @@ from receipts.receipt import Receipt
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL
 from patcher.check import check_worktree_root
-from patcher.execute import open_store
 from patcher.markers import foreign_index_lock, index_marker, index_markers, ref_lock_marker
 
 __all__ = ["GitAdapter", "KEY_REF_PREFIX", "adapters"]
