@@ -31,6 +31,7 @@ so libgit2 fsyncs every object, ref and reflog it writes (and their folders).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import time
@@ -67,6 +68,10 @@ def _oid(hex_or_oid: str | pygit2.Oid) -> pygit2.Oid:
     return hex_or_oid if isinstance(hex_or_oid, pygit2.Oid) else pygit2.Oid(hex=hex_or_oid)
 
 
+#: How many times one object's write is tried while git's maintenance removes its fan-out folder.
+_WRITE_ATTEMPTS = 16
+
+
 def _write_object(odb: pygit2.Odb, oid: str, header: bytes, data: bytes | memoryview) -> None:
     """Write one object through ``odb`` (loose, or freshened if there); it must get the id hashed here.
 
@@ -74,10 +79,23 @@ def _write_object(odb: pygit2.Odb, oid: str, header: bytes, data: bytes | memory
         GitStoreError: libgit2 failed, or named the object otherwise.
     """
     kind = _OBJECT_TYPES[header[:header.index(b" ")]]
-    try:
-        written = odb.write(kind, bytes(data) if isinstance(data, memoryview) else data)
-    except pygit2.GitError as exc:
-        raise GitStoreError(f"cannot write object '{oid}': {exc}") from exc
+    raw = bytes(data) if isinstance(data, memoryview) else data
+    for attempt in range(_WRITE_ATTEMPTS):
+        try:
+            written = odb.write(kind, raw)
+            break
+        except OSError as exc:
+            # (libgit2's OS errors arrive as a bare OSError, errno unset, strerror in the text.)
+            if not (exc.errno == errno.ENOENT or "No such file or directory" in str(exc)):
+                raise GitStoreError(f"cannot write object '{oid}': {exc}") from exc
+            # Race guarded: git's prune-packed and 'maintenance run --task=loose-objects'
+            # remove an emptied fan-out folder (objects/xx/) between libgit2 making it and
+            # renaming the object into it; git's own writer makes the folder again and
+            # retries (object-file.c, create_tmpfile), libgit2 does not: so here.
+            if attempt == _WRITE_ATTEMPTS - 1:
+                raise GitStoreError(f"cannot write object '{oid}': {exc}") from exc
+        except pygit2.GitError as exc:
+            raise GitStoreError(f"cannot write object '{oid}': {exc}") from exc
     if str(written) != oid:
         raise GitStoreError(f"object '{oid}' was written as '{written}'")
 
