@@ -107,13 +107,13 @@ from typing import Any, Literal
 
 from cas.record import record
 from patcher.budget import WorkBudget, current_budget
-from patcher.errors import AmbiguousMatch, ContextNotFound, PartiallyApplied
+from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, PartiallyApplied
 from patcher.lines import Lines as _File
 from patcher.lines import chomp, eol_of, find_all, split_lines
 from patcher.lines import key_fn as _key_fn
 from patcher.model import AppliedFile, Hunk
 
-__all__ = ["GRADES", "apply_hunks", "split_lines", "chomp", "eol_of", "shown_lines", "capped_candidates"]
+__all__ = ["GRADES", "LOOSE_INDENT_GRADES", "apply_hunks", "split_lines", "chomp", "eol_of", "shown_lines", "capped_candidates"]
 
 GRADES: tuple[str, ...] = ("exact", "rstrip", "strip", "punct")
 
@@ -486,8 +486,10 @@ def _opcodes(f: _File, a: Sequence[Any], b: Sequence[Any], *,
     return out
 
 
-def _kept_lines(f: _File, old: list[bytes], new: list[bytes]) -> dict[int, int]:
-    """Lines the hunk keeps: new line index -> old line index, paired by content."""
+def _kept_lines(f: _File, hunk: Hunk, old: list[bytes], new: list[bytes]) -> dict[int, int]:
+    """Lines the hunk keeps: new line index -> old line index, as the format says, else paired by content."""
+    if hunk.kept is not None:
+        return dict(hunk.kept)
     kept: dict[int, int] = {}
     for tag, a0, a1, b0, _b1 in _opcodes(f, old, new):
         if tag == "equal":
@@ -496,24 +498,125 @@ def _kept_lines(f: _File, old: list[bytes], new: list[bytes]) -> dict[int, int]:
     return kept
 
 
-def _new_block(f: _File, hunk: Hunk, pos: int, grade: str) -> list[bytes]:
-    """The lines that replace the matched old lines (see **Writing** in the module docstring)."""
+_INDENT = b" \t"
+LOOSE_INDENT_GRADES = ("strip", "punct")  # the grades that ignore leading whitespace
+
+
+def _indent(line: bytes) -> bytes:
+    return line[: len(line) - len(line.lstrip(_INDENT))]
+
+
+def _show_delta(sign: int, ws: bytes) -> str:
+    if not sign:
+        return "0"
+    what = f"{len(ws)} space(s)" if ws.strip(b" ") == b"" else f"{ws.decode()!r}"
+    return ("+" if sign > 0 else "-") + what
+
+
+def _indent_shift(f: _File, hunk: Hunk, pos: int, index: int) -> tuple[int, bytes]:
+    """The one indentation delta between the hunk's old lines and the file's (``(sign, whitespace)``).
+
+    Every non-blank matched line must be off by the same delta: the file's
+    indentation is the patch's plus (sign 1) or minus (sign -1) the same
+    whitespace.  Tabs against spaces (neither indentation a prefix of the
+    other) is no delta.
+
+    Raises:
+        IndentationMismatch: the lines are off by different deltas, or by none.
+    """
+    seen: dict[tuple[int, bytes] | None, list[int]] = {}
+    for k, pline in enumerate(hunk.old_lines):
+        fline = f.lines[pos + k]
+        if not pline.strip() or not fline.strip():
+            continue
+        pi, fi = _indent(chomp(pline)), _indent(chomp(fline))
+        delta: tuple[int, bytes] | None
+        if fi == pi:
+            delta = (0, b"")
+        elif fi.startswith(pi):
+            delta = (1, fi[len(pi):])
+        elif pi.startswith(fi):
+            delta = (-1, pi[len(fi):])
+        else:
+            delta = None
+        seen.setdefault(delta, []).append(pos + k + 1)
+    if None not in seen and len(seen) <= 1:
+        return next(iter(seen), (0, b""))
+    parts = [f"line(s) {', '.join(map(str, lines[:5]))}: "
+             + ("tabs against spaces" if d is None else f"off by {_show_delta(*d)}")
+             for d, lines in seen.items()]
+    raise IndentationMismatch(
+        f"hunk {index + 1} of '{f.path}' matches only ignoring indentation, and its lines are not all "
+        f"off by the same indentation ({'; '.join(parts)}): nothing was changed; send the lines as "
+        "they are in the file",
+        details={"path": f.path, "hunk": index + 1, "hunk_header": hunk.header,
+                 "lines": [{"line": line, "delta": None if d is None else _show_delta(*d)}
+                           for d, lines in seen.items() for line in lines[:_SHOWN]]},
+    )
+
+
+def _shifted(line: bytes, sign: int, ws: bytes, f: _File, hunk: Hunk, index: int) -> bytes:
+    """An added line moved by the hunk's indentation delta (blank lines stay as they are)."""
+    if not sign or not line.strip():
+        return line
+    if sign > 0:
+        return ws + line
+    if line.startswith(ws):
+        return line[len(ws):]
+    raise IndentationMismatch(
+        f"hunk {index + 1} of '{f.path}' matches only with {len(ws)} fewer indentation character(s), and "
+        f"its added line '{_text(line).strip()[:60]}' has fewer than that to remove: nothing was changed",
+        details={"path": f.path, "hunk": index + 1, "hunk_header": hunk.header, "line": _text(line)},
+    )
+
+
+def _new_block(f: _File, hunk: Hunk, pos: int, grade: str, index: int = 0) -> list[bytes]:
+    """The lines that replace the matched old lines (see **Writing** in the module docstring).
+
+    Raises:
+        IndentationMismatch: matched ignoring indentation, by unlike deltas.
+    """
     if grade == "exact" and not hunk.eol_agnostic:
         return list(hunk.new_lines)
     m = len(hunk.old_lines)
     matched = f.lines[pos : pos + m]
     norm: Callable[[bytes], bytes] = chomp if hunk.eol_agnostic else bytes
-    kept = _kept_lines(f, [norm(x) for x in hunk.old_lines], [norm(x) for x in hunk.new_lines])
+    kept = _kept_lines(f, hunk, [norm(x) for x in hunk.old_lines], [norm(x) for x in hunk.new_lines])
+    sign, ws = _indent_shift(f, hunk, pos, index) if grade in LOOSE_INDENT_GRADES else (0, b"")
     eol = f.eol
     patch_eol = region_eol = b""
     if not hunk.eol_agnostic:
         patch_eol, region_eol = _dominant(hunk.old_lines), _dominant(matched)
+    # Line endings by position (agnostic hunks): a replacing line takes the ending of the
+    # old line it replaces (the k-th added for the k-th removed, between two kept lines),
+    # an inserted one that of the line before it (the line after it at the start of a file).
+    removed_at: dict[int, int] = {}
+    if hunk.eol_agnostic:
+        pairs = sorted(kept.items())
+        prev_new = prev_old = -1
+        for nj, oj in [*pairs, (len(hunk.new_lines), m)]:
+            for k in range(nj - prev_new - 1):
+                if prev_old + 1 + k < oj:
+                    removed_at[prev_new + 1 + k] = prev_old + 1 + k
+            prev_new, prev_old = nj, oj
     out: list[bytes] = []
     for j, line in enumerate(hunk.new_lines):
         if j in kept:
             out.append(matched[kept[j]])
-        elif hunk.eol_agnostic:
-            out.append(chomp(line) + eol)
+            continue
+        line = _shifted(line, sign, ws, f, hunk, index)
+        if hunk.eol_agnostic:
+            if j in removed_at:
+                ending = eol_of(matched[removed_at[j]]) or eol
+            elif out:
+                ending = eol_of(out[-1]) or eol
+            elif pos > 0:
+                ending = eol_of(f.lines[pos - 1]) or eol
+            elif pos + m < len(f.lines) or m:
+                ending = eol_of((matched or f.lines[pos:pos + 1])[0]) or eol
+            else:
+                ending = eol
+            out.append(chomp(line) + ending)
         elif patch_eol and region_eol and patch_eol != region_eol and eol_of(line) == patch_eol:
             out.append(line[: -len(patch_eol)] + region_eol)
         else:
@@ -527,7 +630,31 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str) -> list[bytes]:
     return out
 
 
-def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict]]) -> bytes:
+def _out_of_order(f: _File, hunk: Hunk, plan: Sequence[tuple[Hunk, _Verdict]]) -> _Verdict | None:
+    """Where a hunk without line numbers stands before the earlier hunks' matches, if anywhere.
+
+    Taken (as codex takes it) only when it is found once in the whole file and its
+    old lines overlap no earlier hunk's; else ``None`` (the caller's error stands).
+    """
+    try:
+        verdict = _judge(f, hunk, 0, 0)
+    except _Failure:
+        return None
+    if verdict.state == "missing":
+        return None
+    size = len(hunk.old_lines if verdict.state == "applies" else hunk.new_lines)
+    start, end = verdict.pos, verdict.pos + size
+    for other, v in plan:
+        o_size = len(other.old_lines if v.state == "applies" else other.new_lines)
+        o_start, o_end = v.pos, v.pos + o_size
+        if start < o_end and o_start < end:
+            return None  # overlapping: refused
+        if not size and o_start < start < o_end or not o_size and start < o_start < end:
+            return None
+    return verdict
+
+
+def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict, int]]) -> bytes:
     """The new content: the file's unchanged runs as byte ranges of ``f.data``, the new blocks between.
 
     Memory is what bounds a big file here: joining a list of every line costs
@@ -552,10 +679,10 @@ def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict]]) -> bytes:
     lines = f.lines
     walk = iter(lines)  # one pass over the lines for all hunks (islice from 0 per hunk: O(hunks x file))
     prev = off = 0
-    for hunk, verdict in plan:
+    for hunk, verdict, index in plan:
         run = sum(map(len, islice(walk, verdict.pos - prev)))
         emit(view[off:off + run])
-        emit(b"".join(_new_block(f, hunk, verdict.pos, verdict.grade)))
+        emit(b"".join(_new_block(f, hunk, verdict.pos, verdict.grade, index)))
         prev = verdict.pos + len(hunk.old_lines)
         off += run + sum(map(len, islice(walk, len(hunk.old_lines))))
     emit(view[off:])
@@ -676,9 +803,15 @@ def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str,
         except _Failure as failure:
             raise _error(f, hunk, index, path, lo, expected, failure) from None
         if verdict.state == "missing":
-            raise _error(
-                f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason)
-            )
+            earlier = _out_of_order(f, hunk, plan) if hunk.old_start is None and lo > 0 else None
+            if earlier is None:
+                raise _error(
+                    f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason)
+                )
+            plan.append((hunk, earlier))
+            if earlier.state == "applies":
+                shift += len(hunk.new_lines) - len(hunk.old_lines)
+            continue  # placed before an earlier hunk: where the next one may start stays
         plan.append((hunk, verdict))
         if verdict.state == "applies":
             shift += len(hunk.new_lines) - len(hunk.old_lines)
@@ -691,7 +824,8 @@ def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str,
     grades = tuple(v.grade for _, v in plan)
     present = [i + 1 for i, (_, v) in enumerate(plan) if v.state == "present"]
     if not present:
-        return AppliedFile(content=_render(f, plan), grades=grades)
+        order = sorted(range(len(plan)), key=lambda i: (plan[i][1].pos, len(plan[i][0].old_lines) > 0, i))
+        return AppliedFile(content=_render(f, [(*plan[i], i) for i in order]), grades=grades)
     if len(present) == len(plan):
         return AppliedFile(content=original, grades=grades, already_applied=True)
     missing = [i + 1 for i, (_, v) in enumerate(plan) if v.state == "applies"]

@@ -70,10 +70,10 @@ from typing import Any
 
 
 from patcher.formats.detection import WHOLE_KEYS, json_items, looks_search_replace, looks_str_replace
-from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied
+from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, ParseError, PartiallyApplied
 from patcher.formats import Format
 from patcher.budget import current_budget
-from patcher.matching import apply_hunks, capped_candidates, chomp, shown_lines, split_lines
+from patcher.matching import LOOSE_INDENT_GRADES, apply_hunks, capped_candidates, chomp, shown_lines, split_lines
 from patcher.model import AppliedFile, FileEdit, Hunk, Patch
 
 __all__ = [
@@ -313,6 +313,15 @@ def _substring(content: bytes, hunk: Hunk) -> tuple[str, bytes | None, list[int]
     return "missing", None, []
 
 
+def _whole_lines(content: bytes, hunk: Hunk) -> bool:
+    """Whether the old text's one occurrence is whole lines but for leading whitespace."""
+    old = _joined(hunk.old_lines, _eol(content))
+    at = content.find(old)
+    begin = content.rfind(b"\n", 0, at) + 1
+    end = at + len(old)
+    return not content[begin:at].strip(b" \t") and content[end:end + 1] in (b"", b"\n", b"\r")
+
+
 def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> AppliedFile:
     """Apply ``hunks`` one after another, each to the result of the previous (module docstring).
 
@@ -331,16 +340,26 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
     for index, hunk in enumerate(hunks, 1):
         lined: AppliedFile | None = None
         failure: ContextNotFound | None = None
+        mismatch: IndentationMismatch | None = None
         try:
             lined = apply_hunks(content, [hunk], path=path, budget=budget)
         except AmbiguousMatch as exc:
             raise _with_index(exc, index) from None
         except ContextNotFound as exc:
             failure = exc
+        except IndentationMismatch as exc:
+            mismatch = exc
         if lined is not None and lined.grades and lined.grades[0] in ("exact", "rstrip"):
             chosen: tuple[str, AppliedFile] = ("lines", lined)
         else:
             state, new_content, lines = _substring(content, hunk)
+            if (state == "applies" and lined is not None and lined.grades
+                    and lined.grades[0] in LOOSE_INDENT_GRADES and len(hunk.new_lines) > 1
+                    and _whole_lines(content, hunk)):
+                # Whole lines but for their indentation ('  x = 1' in '    x = 1') becoming
+                # several: the matcher shifts every new line by the one delta; in place, only
+                # the first would be.
+                state = "lines"
             if state == "applies" and new_content is not None:
                 chosen = ("substring", AppliedFile(new_content, ("substring",)))
             elif lined is not None:
@@ -357,6 +376,8 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
             elif state == "present":
                 chosen = ("lines", AppliedFile(content, ("substring",), already_applied=True))
             else:
+                if mismatch is not None:
+                    raise _with_index(mismatch, index) from None
                 assert failure is not None
                 if lines:  # the new text is in the file (see _substring)
                     failure.details["new_text_at"] = lines[0]

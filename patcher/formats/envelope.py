@@ -180,12 +180,15 @@ def _hunk(buf: _HunkBuf, path: str, index: int) -> Hunk:
     exact = bool(buf.no_newline)
     old: list[bytes] = []
     new: list[bytes] = []
+    kept: list[tuple[int, int]] = []
     for k, (kind, ln) in enumerate(body):
         content = ln.raw[1:] if ln.raw[:1] in (b" ", b"-", b"+") else b""
         if exact:
             line = content if k in buf.no_newline else content + b"\n"
         else:
             line = content[:-1] if content.endswith(b"\r") else content
+        if kind == " ":
+            kept.append((len(new), len(old)))
         if kind in (" ", "-"):
             old.append(line)
         if kind in (" ", "+"):
@@ -202,6 +205,7 @@ def _hunk(buf: _HunkBuf, path: str, index: int) -> Hunk:
         at_eof=buf.at_eof or exact,
         eol_agnostic=not exact,
         header=buf.header,
+        kept=tuple(kept),
     )
 
 
