@@ -448,8 +448,11 @@ def _execute(
         with contextlib.suppress(Exception):
             fsync_all(ref_folders)  # the move is made durable even when finalising failed
         raise
+    from patcher.matching import grade_warnings
+
     return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
-                       warnings=tuple(warnings))
+                       warnings=(*grade_warnings(staged.grades), *warnings),
+                       grades={p: list(g) for p, g in staged.grades.items()})
 
 
 def _settle_and_release(ahead: IndexesAhead, held: dict[str, IndexLock], materialised: bool, moved: bool | None,

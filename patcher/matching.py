@@ -101,21 +101,31 @@ lines are bounded too (:func:`_closest`, :func:`_opcodes`).
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from itertools import islice
 from typing import Any, Literal
 
 from cas.record import record
 from patcher.budget import WorkBudget, current_budget
-from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, PartiallyApplied
+from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, InexactMatch, PartiallyApplied
 from patcher.lines import Lines as _File
 from patcher.lines import chomp, eol_of, find_all, split_lines
 from patcher.lines import key_fn as _key_fn
 from patcher.model import AppliedFile, Hunk
 
-__all__ = ["GRADES", "LOOSE_INDENT_GRADES", "apply_hunks", "split_lines", "chomp", "eol_of", "shown_lines", "capped_candidates"]
+__all__ = ["GRADES", "LOOSE_INDENT_GRADES", "STRICT", "refuse_inexact", "grade_warnings", "apply_hunks", "split_lines", "chomp", "eol_of", "shown_lines", "capped_candidates"]
 
 GRADES: tuple[str, ...] = ("exact", "rstrip", "strip", "punct")
+
+#: ``strict`` calls (``--strict``): a hunk that applies below ``exact`` is refused
+#: (:class:`patcher.errors.InexactMatch`) instead of applied; set by :func:`patcher.protocol.apply`.
+STRICT: ContextVar[bool] = ContextVar("oncepatch_strict", default=False)
+
+#: Grades a result warns about: every one below ``exact`` (``substring``: exact text, in place).
+_WARN_FREE = ("exact", "substring")
+_GRADE_WORDS = {"rstrip": "ignoring trailing whitespace", "strip": "ignoring indentation and trailing whitespace",
+                "punct": "ignoring whitespace and Unicode punctuation"}
 
 _CLOSEST_LINES = 6
 _DIFF_LIMIT = 40
@@ -393,6 +403,34 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
             grade_tried=list(GRADES[: GRADES.index(old.grade) + 1]),
         )
     return _Verdict("applies", old.positions[0], old.grade)
+
+
+def refuse_inexact(path: str, grades: Sequence[str], applied: Sequence[int]) -> None:
+    """Under :data:`STRICT`, refuse the first applied hunk (0-based in ``applied``) matched below ``exact``.
+
+    Raises:
+        InexactMatch: such a hunk.
+    """
+    if not STRICT.get():
+        return
+    for i in applied:
+        if grades[i] not in _WARN_FREE:
+            raise InexactMatch(
+                f"hunk {i + 1} of '{path}' matches only at grade {grades[i]} ({_GRADE_WORDS.get(grades[i], '')}), "
+                "and the call is strict: nothing was changed; send the lines exactly as they are in the file",
+                details={"path": path, "hunk": i + 1, "grade": grades[i], "grades": list(grades)},
+            )
+
+
+def grade_warnings(grades: Mapping[str, Sequence[str]]) -> list[str]:
+    """One warning per hunk matched below ``exact`` (a result's ``warnings``)."""
+    out = []
+    for path, per_hunk in grades.items():
+        for i, grade in enumerate(per_hunk):
+            if grade not in _WARN_FREE:
+                out.append(f"'{path}' hunk {i + 1} matched at grade {grade} "
+                           f"({_GRADE_WORDS.get(grade, 'loosely')}): check the result")
+    return out
 
 
 def shown_lines(lines: Sequence[int]) -> str:
@@ -824,6 +862,7 @@ def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str,
     grades = tuple(v.grade for _, v in plan)
     present = [i + 1 for i, (_, v) in enumerate(plan) if v.state == "present"]
     if not present:
+        refuse_inexact(path, grades, range(len(plan)))
         order = sorted(range(len(plan)), key=lambda i: (plan[i][1].pos, len(plan[i][0].old_lines) > 0, i))
         return AppliedFile(content=_render(f, [(*plan[i], i) for i in order]), grades=grades)
     if len(present) == len(plan):

@@ -61,6 +61,7 @@ class ApplyResult:
     already_applied: bool = False
     warnings: tuple[str, ...] = ()
     error: dict[str, Any] | None = None
+    grades: dict[str, list[str]] | None = None  # per touched file, the grade each hunk matched at
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -76,6 +77,8 @@ class ApplyResult:
         }
         if self.already_applied:
             doc["already_applied"] = True
+        if self.grades:
+            doc["grades"] = {path: list(g) for path, g in self.grades.items()}
         if self.warnings:
             doc["warnings"] = list(self.warnings)
         return doc
@@ -102,6 +105,11 @@ def replay_final(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResul
     if receipt.status == "rejected":
         err = dict(receipt.error or {})
         raise _error_from_envelope(err, receipt.key, replayed=True)
+    grades = receipt.extra.get("grades") or None
+    if grades and any(g != "exact" for per_hunk in grades.values() for g in per_hunk):
+        from patcher.matching import grade_warnings
+
+        warnings = (*grade_warnings(grades), *warnings)
     return ApplyResult(
         key=receipt.key,
         call_id=receipt.call_id,
@@ -113,6 +121,7 @@ def replay_final(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResul
         receipt=path,
         already_applied=bool(receipt.extra.get("already_applied")),
         warnings=warnings,
+        grades=grades,
     )
 
 
@@ -155,6 +164,7 @@ def apply(
     store: str | None = None,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     check_timeout: float = 600.0,
+    strict: bool = False,
     _stores: dict[str, Any] | None = None,
 ) -> ApplyResult:
     """Apply ``patch`` (its content, never a file name) to ``branch`` of ``repo`` effectively once.
@@ -166,6 +176,11 @@ def apply(
     be that one, else nothing is done (a usage error).  Race guarded: a caller
     that checks a path and then hands it over (the MCP server) would otherwise
     act on whatever the path names by then.
+
+    ``strict``: a hunk that would apply only below the ``exact`` grade is
+    refused (``inexact_match``) instead.  It is not part of the call's
+    identity: a strict call makes the same change, and replays the key's
+    final receipt as any call does (docs/DECISIONS.md).
 
     Raises:
         OncepatchError: a subclass with the envelope fields; ``exit_code`` gives
@@ -196,12 +211,19 @@ def apply(
         if existing.is_final:
             return replay_final(existing, path, rstore)
 
+    strictness = None
     try:
         from patcher.execute import locked_apply
 
+        if strict:
+            from patcher.matching import STRICT
+
+            strictness = STRICT.set(True)
         return locked_apply(rstore, args, identity, call_id, the_key, args_sha, existing, path, lock_timeout,
                              check_timeout, _stores)
     finally:
+        if strictness is not None:
+            STRICT.reset(strictness)
         # The index locks' mark files kept between this call's two locks (cas.worktree).
         worktree = sys.modules.get("cas.worktree")
         if worktree is not None:

@@ -73,7 +73,7 @@ def _plain_apply(argv: list[str]) -> _Args | None:
         return None
     options = {flag: option for option in COMMON_OPTIONS + APPLY_OPTIONS for flag in option[0]}
     values: dict[str, Any] = {option[1]: option[2] for option in options.values()}
-    values.update(command="apply", json=False, patch=None)
+    values.update(command="apply", json=False, patch=None, strict=False)  # (--strict: argparse reads it)
     rest = iter(argv[1:])
     for arg in rest:
         if arg == "--json":
@@ -124,7 +124,7 @@ def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     res = apply(
         args.repo, data, key=args.key, branch=args.branch, contract_sha256=args.contract_sha256,
         attempt=args.attempt, format=args.format, check=args.check, message=args.message,
-        store=args.store, lock_timeout=args.lock_timeout, check_timeout=args.check_timeout,
+        store=args.store, lock_timeout=args.lock_timeout, check_timeout=args.check_timeout, strict=args.strict,
     )
     doc = res.to_json()
     if res.replayed:
@@ -134,6 +134,9 @@ def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     else:
         text = f"committed {(res.commit or '')[:12]}: {len(res.outputs)} file(s)\n"
     text += f"key {res.key}\nreceipt {res.receipt}\n"
+    for path, grades in (res.grades or {}).items():
+        if any(g != "exact" for g in grades):
+            text += f"grades {path}: {' '.join(grades)}\n"
     for w in res.warnings:
         text += f"warning: {w}\n"
     return EXIT_OK, doc, text

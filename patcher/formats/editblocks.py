@@ -73,7 +73,7 @@ from patcher.formats.detection import WHOLE_KEYS, json_items, looks_search_repla
 from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, ParseError, PartiallyApplied
 from patcher.formats import Format
 from patcher.budget import current_budget
-from patcher.matching import LOOSE_INDENT_GRADES, apply_hunks, capped_candidates, chomp, shown_lines, split_lines
+from patcher.matching import LOOSE_INDENT_GRADES, STRICT, apply_hunks, refuse_inexact, capped_candidates, chomp, shown_lines, split_lines
 from patcher.model import AppliedFile, FileEdit, Hunk, Patch
 
 __all__ = [
@@ -341,6 +341,7 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
         lined: AppliedFile | None = None
         failure: ContextNotFound | None = None
         mismatch: IndentationMismatch | None = None
+        token = STRICT.set(False)  # judged below, once the substring had its chance
         try:
             lined = apply_hunks(content, [hunk], path=path, budget=budget)
         except AmbiguousMatch as exc:
@@ -349,6 +350,8 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
             failure = exc
         except IndentationMismatch as exc:
             mismatch = exc
+        finally:
+            STRICT.reset(token)
         if lined is not None and lined.grades and lined.grades[0] in ("exact", "rstrip"):
             chosen: tuple[str, AppliedFile] = ("lines", lined)
         else:
@@ -393,6 +396,7 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
             content = result.content
     if not applied:
         return AppliedFile(content=original, grades=tuple(grades), already_applied=True)
+    refuse_inexact(path, grades, [i - 1 for i in applied])
     if present:
         raise PartiallyApplied(
             f"patch is partially applied to '{path}': edits {', '.join(map(str, present))} "
