@@ -18,7 +18,10 @@ found no candidate:
 
 **Where a hunk may match.**  Hunks of a file are matched in order against the
 *original* file; hunk *i* may only match at or after the end of hunk *i-1*'s
-match (no overlap).
+match (no overlap) -- except that a hunk without ``old_start`` found nowhere
+there is taken *before* it (:func:`_out_of_order`, as codex takes envelope
+chunks) when it is found once in the whole file and overlaps no earlier
+hunk's lines.
 
 * With ``old_start`` (unified diffs) the *stated position* is
   ``old_start - 1`` plus the offset at which the previous hunk was found
@@ -49,17 +52,29 @@ match (no overlap).
   line, or at the end of the file.
 
 **Writing.**  Matched old lines are replaced by the hunk's new lines.  Lines
-that a hunk keeps (context, paired by content between old and new side) are
-written as the *file's* bytes whenever the match was not an exact one, or the
-hunk is ``eol_agnostic``.  Lines an ``eol_agnostic`` hunk adds get the file's
-dominant terminator (``\\r\\n`` if more lines end so than with a bare ``\\n``);
-when such a block ends the file and the file had no final newline, its last
-line gets none either.  For other hunks matched at a fuzzy grade, added lines
-keep the patch's bytes, except that if the patch's line ending differs from
-the matched region's (an LF patch on a CRLF file) they take the region's.
-A line left without terminator in the middle of the result (the old last line
-of a file without final newline, with lines now after it) gets the file's
+that a hunk keeps (context: as the format says, ``Hunk.kept``, else paired by
+content between old and new side) are written as the *file's* bytes whenever
+the match was not an exact one, or the hunk is ``eol_agnostic``.  Endings of
+an ``eol_agnostic`` hunk's other lines go **by position**: a line that
+replaces a removed line (the k-th added line between two kept ones, the k-th
+removed there) takes that line's ending; any other takes the ending of the
+line before it (at the start of the file, of the line after it); when such a
+block ends the file and the file had no final newline, its last line gets
+none either.  For other hunks matched at a fuzzy grade, added lines keep the
+patch's bytes, except that if the patch's line ending differs from the
+matched region's (an LF patch on a CRLF file) they take the region's.  A line
+left without terminator in the middle of the result (the old last line of a
+file without final newline, with lines now after it) gets the file's
 dominant terminator, so lines are never glued together.
+
+**Indentation.**  At the grades that ignore leading whitespace
+(:data:`LOOSE_INDENT_GRADES`) every non-blank matched line must be off by one
+same delta (the file's indentation is the patch's plus or minus one
+whitespace string; tabs against spaces is none): added lines move by it.
+Else :class:`IndentationMismatch`, before anything is written.
+
+**Strict.**  Under :data:`STRICT` (a ``strict`` call) a hunk that applies
+below ``exact`` is :class:`InexactMatch` (:func:`refuse_inexact`).
 
 **Already applied.**  A hunk whose old side is found exactly once, inside an
 exact occurrence of its new side (an insertion whose added lines end with a

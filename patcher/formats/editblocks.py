@@ -48,7 +48,10 @@ match **exactly once**:
    ``substring``: this keeps the indentation and the rest of the line that a
    partial-line ``old`` leaves out);
 3. otherwise a ``strip``/``punct`` whole-line match from step 1 (or the
-   matcher's "already present" verdict) is taken;
+   matcher's "already present" verdict) is taken -- also before step 2 when
+   the substring is whole lines but for indentation and the new text has
+   several lines (the matcher moves every new line by the indentation delta;
+   in place only the first would move);
 4. otherwise a substring found twice or more is :class:`AmbiguousMatch`; else
    :class:`ContextNotFound` with the matcher's details (and ``new_text_at``
    when the new text is in the file: applied before, or a coincidence — never

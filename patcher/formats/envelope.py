@@ -42,8 +42,9 @@ and no ``Move to``, a hunk without lines or that changes nothing, a path in
 two file sections, a move onto itself, an empty patch.
 
 Lines.  Update hunks are *line-ending agnostic* (``Hunk.eol_agnostic``): their
-lines carry no terminator, the matcher ignores the file's and writes added
-lines with the file's own line ending, so a CRLF file stays CRLF and a file
+lines carry no terminator, the matcher ignores the file's and writes each
+added line with the ending of the line it replaces or follows (by position,
+``Hunk.kept`` naming the context lines), so a CRLF file stays CRLF and a file
 without a final newline keeps none.  ``Add File`` lines keep the terminator
 they were sent with (``+x\\r\\n`` makes a CRLF line).  The extension line
 ``\\ No newline at end of file`` (any text after the backslash), as in unified
