@@ -593,8 +593,9 @@ def _indent_shift(f: _File, hunk: Hunk, pos: int, index: int) -> tuple[int, byte
         else:
             delta = None
         seen.setdefault(delta, []).append(pos + k + 1)
-    if None not in seen and len(seen) <= 1:
-        return next(iter(seen), (0, b""))
+    only = next(iter(seen), (0, b""))
+    if only is not None and len(seen) <= 1:
+        return only
     parts = [f"line(s) {', '.join(map(str, lines[:5]))}: "
              + ("tabs against spaces" if d is None else f"off by {_show_delta(*d)}")
              for d, lines in seen.items()]

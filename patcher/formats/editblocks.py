@@ -254,7 +254,8 @@ def parse_str_replace(data: bytes) -> Patch:
 # --------------------------------------------------------------------------- applying
 
 
-def _with_index(exc: ContextNotFound | AmbiguousMatch, index: int) -> ContextNotFound | AmbiguousMatch:
+def _with_index(exc: ContextNotFound | AmbiguousMatch | IndentationMismatch,
+                index: int) -> ContextNotFound | AmbiguousMatch | IndentationMismatch:
     """The matcher's error for a one-hunk call, renumbered to the edit's place in the file's list."""
     details = dict(exc.details)
     details["hunk"] = index
