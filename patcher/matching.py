@@ -4,6 +4,9 @@ These rules hold for every context-based patch format.
 
 **Lines.**  :func:`split_lines` splits on ``\\n`` only and keeps terminators; a
 lone ``\\r`` is part of its line.  Only the file's last line may lack ``\\n``.
+When ``eol_agnostic`` hunks are not found so and the file holds a lone
+``\\r``, the file is read again split at it too (a file that uses it as a
+line break; :func:`apply_hunks`), a line so ended keeping its ``\\r``.
 
 **Grades**, strictest first; a grade is tried only when every stricter grade
 found no candidate:
@@ -125,7 +128,7 @@ from cas.record import record
 from patcher.budget import WorkBudget, current_budget
 from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, InexactMatch, PartiallyApplied
 from patcher.lines import Lines as _File
-from patcher.lines import chomp, eol_of, find_all, split_lines
+from patcher.lines import chomp, cr_eol_of, eol_of, find_all, has_lone_cr, split_lines
 from patcher.lines import key_fn as _key_fn
 from patcher.model import AppliedFile, Hunk
 
@@ -637,6 +640,7 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str, index: int = 0) -> li
     norm: Callable[[bytes], bytes] = chomp if hunk.eol_agnostic else bytes
     kept = _kept_lines(f, hunk, [norm(x) for x in hunk.old_lines], [norm(x) for x in hunk.new_lines])
     sign, ws = _indent_shift(f, hunk, pos, index) if grade in LOOSE_INDENT_GRADES else (0, b"")
+    ending_of = cr_eol_of if f.cr_breaks else eol_of
     eol = f.eol
     patch_eol = region_eol = b""
     if not hunk.eol_agnostic:
@@ -661,13 +665,13 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str, index: int = 0) -> li
         line = _shifted(line, sign, ws, f, hunk, index)
         if hunk.eol_agnostic:
             if j in removed_at:
-                ending = eol_of(matched[removed_at[j]]) or eol
+                ending = ending_of(matched[removed_at[j]]) or eol
             elif out:
-                ending = eol_of(out[-1]) or eol
+                ending = ending_of(out[-1]) or eol
             elif pos > 0:
-                ending = eol_of(f.lines[pos - 1]) or eol
+                ending = ending_of(f.lines[pos - 1]) or eol
             elif pos + m < len(f.lines) or m:
-                ending = eol_of((matched or f.lines[pos:pos + 1])[0]) or eol
+                ending = ending_of((matched or f.lines[pos:pos + 1])[0]) or eol
             else:
                 ending = eol
             out.append(chomp(line) + ending)
@@ -676,10 +680,10 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str, index: int = 0) -> li
         else:
             out.append(line)
     for k in range(len(out) - 1):
-        if not out[k].endswith(b"\n"):
+        if not ending_of(out[k]):
             out[k] += eol
     n = len(f.lines)
-    if hunk.eol_agnostic and out and pos + m == n and n and not f.lines[-1].endswith(b"\n"):
+    if hunk.eol_agnostic and out and pos + m == n and n and not ending_of(f.lines[-1]):
         out[-1] = chomp(out[-1])
     return out
 
@@ -728,7 +732,7 @@ def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict, int]]) -> bytes:
         if not ends_line:
             pieces.append(f.eol)
         pieces.append(piece)
-        ends_line = piece[-1:] == b"\n"
+        ends_line = piece[-1:] == b"\n" or f.cr_breaks and piece[-1:] == b"\r"
 
     lines = f.lines
     walk = iter(lines)  # one pass over the lines for all hunks (islice from 0 per hunk: O(hunks x file))
@@ -847,7 +851,23 @@ def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str,
     if budget is None:
         budget = current_budget()
         budget.allow(original.count(b"\n") + 1 + sum(len(h.old_lines) + len(h.new_lines) for h in hunks))
-    f = _File(original, budget, path)
+    try:
+        return _apply(_File(original, budget, path), original, hunks, path)
+    except ContextNotFound as exc:
+        # A file that uses a lone CR as a line break ('two\rthree'): its lines as codex
+        # reads them.  Only for hunks without line endings of their own, and only when
+        # the lines as git reads them (split at LF) did not match.
+        if not (hunks and all(h.eol_agnostic for h in hunks) and has_lone_cr(original)):
+            raise
+        first = exc
+    try:
+        return _apply(_File(original, budget, path, cr_breaks=True), original, hunks, path)
+    except ContextNotFound:
+        raise first from None
+
+
+def _apply(f: _File, original: bytes, hunks: Sequence[Hunk], path: str) -> AppliedFile:
+    """:func:`apply_hunks` on ``f``, the lines of ``original``."""
     plan: list[tuple[Hunk, _Verdict]] = []
     lo = carry = shift = 0
     for index, hunk in enumerate(hunks):

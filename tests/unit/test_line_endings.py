@@ -55,3 +55,19 @@ def test_a_pure_addition_chunk_before_a_chunk_of_earlier_lines() -> None:
 def test_out_of_order_chunks_that_overlap_are_refused() -> None:
     with pytest.raises(ContextNotFound):
         run(b"a\nb\nc\nd\n", "@@\n b\n-c\n+C\n@@\n-b\n+B\n")
+
+
+def test_a_lone_cr_is_a_line_break_where_the_file_uses_one() -> None:
+    # codex's fixture 024: 'two\rthree' is two lines for it; the lines as git reads them
+    # (split at LF) hold no line 'two', so they are read again, split at the lone CR too.
+    got = run(b"one\r\ntwo\rthree\nfour\r\n", "@@\n one\n two\n-three\n+THREE\n four\n")
+    assert got == b"one\r\ntwo\rTHREE\nfour\r\n"  # THREE takes the ending of 'three' it replaces
+    # an inserted line after a line ended by a lone CR takes that CR
+    assert run(b"a\rb\n", "@@\n a\n+x\n b\n") == b"a\rx\rb\n"
+    # a file whose lone CR is no line break of the hunk: matched as git reads it
+    assert run(b"progress 10%\r20%\nnext\n", "@@\n-next\n+NEXT\n") == b"progress 10%\r20%\nNEXT\n"
+
+
+def test_a_lone_cr_does_not_make_a_missing_context_found() -> None:
+    with pytest.raises(ContextNotFound):
+        run(b"a\rb\n", "@@\n-c\n+C\n")
