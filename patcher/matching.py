@@ -118,7 +118,7 @@ lines are bounded too (:func:`_closest`, :func:`_opcodes`).
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from itertools import islice
@@ -688,11 +688,17 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str, index: int = 0) -> li
     return out
 
 
-def _out_of_order(f: _File, hunk: Hunk, plan: Sequence[tuple[Hunk, _Verdict]]) -> _Verdict | None:
+def _span(hunk: Hunk, verdict: _Verdict) -> tuple[int, int]:
+    """The file lines a planned hunk stands on: ``(start, end)``."""
+    return verdict.pos, verdict.pos + len(hunk.old_lines if verdict.state == "applies" else hunk.new_lines)
+
+
+def _out_of_order(f: _File, hunk: Hunk, spans: list[tuple[int, int]]) -> _Verdict | None:
     """Where a hunk without line numbers stands before the earlier hunks' matches, if anywhere.
 
     Taken (as codex takes it) only when it is found once in the whole file and its
-    old lines overlap no earlier hunk's; else ``None`` (the caller's error stands).
+    lines overlap no earlier hunk's (``spans``, sorted, their lines; an insertion
+    must not fall strictly inside one); else ``None`` (the caller's error stands).
     """
     try:
         verdict = _judge(f, hunk, 0, 0)
@@ -700,14 +706,16 @@ def _out_of_order(f: _File, hunk: Hunk, plan: Sequence[tuple[Hunk, _Verdict]]) -
         return None
     if verdict.state == "missing":
         return None
-    size = len(hunk.old_lines if verdict.state == "applies" else hunk.new_lines)
-    start, end = verdict.pos, verdict.pos + size
-    for other, v in plan:
-        o_size = len(other.old_lines if v.state == "applies" else other.new_lines)
-        o_start, o_end = v.pos, v.pos + o_size
-        if start < o_end and o_start < end:
-            return None  # overlapping: refused
-        if not size and o_start < start < o_end or not o_size and start < o_start < end:
+    start, end = _span(hunk, verdict)
+    at = bisect_left(spans, (start, start))
+    # The spans are disjoint: only the one before and those starting inside can overlap.
+    neighbours = spans[max(at - 1, 0):at]
+    while at < len(spans) and spans[at][0] <= end:
+        neighbours.append(spans[at])
+        at += 1
+    for o_start, o_end in neighbours:
+        if (start < o_end and o_start < end) or (start == end and o_start < start < o_end) \
+                or (o_start == o_end and start < o_start < end):
             return None
     return verdict
 
@@ -869,6 +877,7 @@ def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str,
 def _apply(f: _File, original: bytes, hunks: Sequence[Hunk], path: str) -> AppliedFile:
     """:func:`apply_hunks` on ``f``, the lines of ``original``."""
     plan: list[tuple[Hunk, _Verdict]] = []
+    spans: list[tuple[int, int]] = []  # the lines each planned hunk stands on, sorted
     lo = carry = shift = 0
     for index, hunk in enumerate(hunks):
         expected = None if hunk.old_start is None else hunk.old_start - 1 + carry
@@ -877,16 +886,18 @@ def _apply(f: _File, original: bytes, hunks: Sequence[Hunk], path: str) -> Appli
         except _Failure as failure:
             raise _error(f, hunk, index, path, lo, expected, failure) from None
         if verdict.state == "missing":
-            earlier = _out_of_order(f, hunk, plan) if hunk.old_start is None and lo > 0 else None
+            earlier = _out_of_order(f, hunk, spans) if hunk.old_start is None and lo > 0 else None
             if earlier is None:
                 raise _error(
                     f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason)
                 )
             plan.append((hunk, earlier))
+            insort(spans, _span(hunk, earlier))
             if earlier.state == "applies":
                 shift += len(hunk.new_lines) - len(hunk.old_lines)
             continue  # placed before an earlier hunk: where the next one may start stays
         plan.append((hunk, verdict))
+        insort(spans, _span(hunk, verdict))
         if verdict.state == "applies":
             shift += len(hunk.new_lines) - len(hunk.old_lines)
         size = len(hunk.old_lines if verdict.state == "applies" else hunk.new_lines)
