@@ -448,7 +448,7 @@ def _execute(
         with contextlib.suppress(Exception):
             fsync_all(ref_folders)  # the move is made durable even when finalising failed
         raise
-    from patcher.matching import grade_warnings
+    from patcher.grades import grade_warnings
 
     return ApplyResult(key, call_id, "committed", False, candidate, staged.tree, final.outputs, path,
                        warnings=(*grade_warnings(staged.grades), *warnings),

@@ -71,12 +71,12 @@ file without final newline, with lines now after it) gets the file's
 dominant terminator, so lines are never glued together.
 
 **Indentation.**  At the grades that ignore leading whitespace
-(:data:`LOOSE_INDENT_GRADES`) every non-blank matched line must be off by one
+(:data:`patcher.indentation.LOOSE_INDENT_GRADES`) every non-blank matched line must be off by one
 same delta (the file's indentation is the patch's plus or minus one
 whitespace string; tabs against spaces is none): added lines move by it.
 Else :class:`IndentationMismatch`, before anything is written.
 
-**Strict.**  Under :data:`STRICT` (a ``strict`` call) a hunk that applies
+**Strict.**  Under :data:`patcher.grades.STRICT` (a ``strict`` call) a hunk that applies
 below ``exact`` is :class:`InexactMatch` (:func:`refuse_inexact`).
 
 **Already applied.**  A hunk whose old side is found exactly once, inside an
@@ -113,45 +113,32 @@ no line is shared) and, when ambiguous, ``candidates`` (1-based lines).
 every step is paid from the call's :class:`patcher.budget.WorkBudget`
 (:class:`patcher.errors.TooLarge` past it).  Errors list at most 20
 ``candidates`` (``candidate_count``: all); ``closest`` and the pairing of kept
-lines are bounded too (:func:`_closest`, :func:`_opcodes`).
+lines are bounded too (:func:`patcher.hints.closest`, :func:`patcher.hints.opcodes`).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Callable, Mapping, Sequence
-from contextvars import ContextVar
+from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any, Literal
 
 from cas.record import record
 from patcher.budget import WorkBudget, current_budget
-from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, InexactMatch, PartiallyApplied
+from patcher.errors import AmbiguousMatch, ContextNotFound, PartiallyApplied
+from patcher.grades import refuse_inexact
+from patcher.hints import closest, opcodes
+from patcher.indentation import LOOSE_INDENT_GRADES, indent_shift, shifted
 from patcher.lines import Lines as _File
 from patcher.lines import chomp, cr_eol_of, eol_of, find_all, has_lone_cr, split_lines
 from patcher.lines import key_fn as _key_fn
 from patcher.model import AppliedFile, Hunk
 
-__all__ = ["GRADES", "LOOSE_INDENT_GRADES", "STRICT", "refuse_inexact", "grade_warnings", "apply_hunks", "split_lines", "chomp", "eol_of", "shown_lines", "capped_candidates"]
+__all__ = ["GRADES", "apply_hunks", "split_lines", "chomp", "eol_of", "shown_lines", "capped_candidates"]
 
 GRADES: tuple[str, ...] = ("exact", "rstrip", "strip", "punct")
 
-#: ``strict`` calls (``--strict``): a hunk that applies below ``exact`` is refused
-#: (:class:`patcher.errors.InexactMatch`) instead of applied; set by :func:`patcher.protocol.apply`.
-STRICT: ContextVar[bool] = ContextVar("oncepatch_strict", default=False)
-
-#: Grades a result warns about: every one below ``exact`` (``substring``: exact text, in place).
-_WARN_FREE = ("exact", "substring")
-_GRADE_WORDS = {"rstrip": "ignoring trailing whitespace", "strip": "ignoring indentation and trailing whitespace",
-                "punct": "ignoring whitespace and Unicode punctuation"}
-
-_CLOSEST_LINES = 6
-_DIFF_LIMIT = 40
 _SHOWN = 20  # candidate lines an error lists (and how many there are in all)
-_PAIRS = 40_000  # line pairs difflib compares in full (beyond: the common head and tail first)
-_SCORE_PAIRS = 1_000_000  # (hunk line, file line) pairs an error's "closest" counts
-_PAIR_COST = 8  # budget units per pair difflib may compare (a dict lookup in Python)
-_HINT_LINES = 200  # lines a side that an error's diff compares in full
 
 
 
@@ -423,34 +410,6 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
     return _Verdict("applies", old.positions[0], old.grade)
 
 
-def refuse_inexact(path: str, grades: Sequence[str], applied: Sequence[int]) -> None:
-    """Under :data:`STRICT`, refuse the first applied hunk (0-based in ``applied``) matched below ``exact``.
-
-    Raises:
-        InexactMatch: such a hunk.
-    """
-    if not STRICT.get():
-        return
-    for i in applied:
-        if grades[i] not in _WARN_FREE:
-            raise InexactMatch(
-                f"hunk {i + 1} of '{path}' matches only at grade {grades[i]} ({_GRADE_WORDS.get(grades[i], '')}), "
-                "and the call is strict: nothing was changed; send the lines exactly as they are in the file",
-                details={"path": path, "hunk": i + 1, "grade": grades[i], "grades": list(grades)},
-            )
-
-
-def grade_warnings(grades: Mapping[str, Sequence[str]]) -> list[str]:
-    """One warning per hunk matched below ``exact`` (a result's ``warnings``)."""
-    out = []
-    for path, per_hunk in grades.items():
-        for i, grade in enumerate(per_hunk):
-            if grade not in _WARN_FREE:
-                out.append(f"'{path}' hunk {i + 1} matched at grade {grade} "
-                           f"({_GRADE_WORDS.get(grade, 'loosely')}): check the result")
-    return out
-
-
 def shown_lines(lines: Sequence[int]) -> str:
     """Line numbers for a message: the first :data:`_SHOWN`, then how many more."""
     text = ", ".join(map(str, lines[:_SHOWN]))
@@ -506,125 +465,16 @@ def _insertion_point(f: _File, hunk: Hunk, lo: int, carry: int, starts: list[int
     return pos
 
 
-def _opcodes(f: _File, a: Sequence[Any], b: Sequence[Any], *,
-             bound: bool = False) -> list[tuple[str, int, int, int, int]]:
-    """``difflib``'s opcodes from ``a`` to ``b``, in bounded time.
-
-    ``SequenceMatcher`` may compare every line of one side with every line of the
-    other (20,000 equal lines: 400 million steps).  Up to :data:`_PAIRS` pairs
-    (:data:`_HINT_LINES` lines a side for a hint, ``bound``) it runs on the whole;
-    beyond, the common head and tail are paired first and it runs on what lies
-    between -- which the call's budget pays for, or for a hint, on the first
-    :data:`_HINT_LINES` lines of it (the rest is one replaced block).
-    """
-    from difflib import SequenceMatcher  # only inexact matches and hints need it
-
-    head = tail = 0
-    if len(a) * len(b) > (_HINT_LINES ** 2 if bound else _PAIRS):
-        top = min(len(a), len(b))
-        while head < top and a[head] == b[head]:
-            head += 1
-        while tail < top - head and a[-1 - tail] == b[-1 - tail]:
-            tail += 1
-        f.spend(head + tail)
-    mid_a, mid_b = list(a[head:len(a) - tail]), list(b[head:len(b) - tail])
-    rest: list[tuple[str, int, int, int, int]] = []
-    if bound and len(mid_a) * len(mid_b) > _HINT_LINES ** 2:
-        cut_a, cut_b = min(len(mid_a), _HINT_LINES), min(len(mid_b), _HINT_LINES)
-        rest = [("replace", cut_a, len(mid_a), cut_b, len(mid_b))]
-        mid_a, mid_b = mid_a[:cut_a], mid_b[:cut_b]
-    f.spend(len(mid_a) * len(mid_b) * _PAIR_COST)
-    ops = SequenceMatcher(None, mid_a, mid_b, autojunk=False).get_opcodes() + rest
-    out = [("equal", 0, head, 0, head)] if head else []
-    out += [(tag, a0 + head, a1 + head, b0 + head, b1 + head) for tag, a0, a1, b0, b1 in ops]
-    if tail:
-        out.append(("equal", len(a) - tail, len(a), len(b) - tail, len(b)))
-    return out
-
-
 def _kept_lines(f: _File, hunk: Hunk, old: list[bytes], new: list[bytes]) -> dict[int, int]:
     """Lines the hunk keeps: new line index -> old line index, as the format says, else paired by content."""
     if hunk.kept is not None:
         return dict(hunk.kept)
     kept: dict[int, int] = {}
-    for tag, a0, a1, b0, _b1 in _opcodes(f, old, new):
+    for tag, a0, a1, b0, _b1 in opcodes(f, old, new):
         if tag == "equal":
             for k in range(a1 - a0):
                 kept[b0 + k] = a0 + k
     return kept
-
-
-_INDENT = b" \t"
-LOOSE_INDENT_GRADES = ("strip", "punct")  # the grades that ignore leading whitespace
-
-
-def _indent(line: bytes) -> bytes:
-    return line[: len(line) - len(line.lstrip(_INDENT))]
-
-
-def _show_delta(sign: int, ws: bytes) -> str:
-    if not sign:
-        return "0"
-    what = f"{len(ws)} space(s)" if ws.strip(b" ") == b"" else f"{ws.decode()!r}"
-    return ("+" if sign > 0 else "-") + what
-
-
-def _indent_shift(f: _File, hunk: Hunk, pos: int, index: int) -> tuple[int, bytes]:
-    """The one indentation delta between the hunk's old lines and the file's (``(sign, whitespace)``).
-
-    Every non-blank matched line must be off by the same delta: the file's
-    indentation is the patch's plus (sign 1) or minus (sign -1) the same
-    whitespace.  Tabs against spaces (neither indentation a prefix of the
-    other) is no delta.
-
-    Raises:
-        IndentationMismatch: the lines are off by different deltas, or by none.
-    """
-    seen: dict[tuple[int, bytes] | None, list[int]] = {}
-    for k, pline in enumerate(hunk.old_lines):
-        fline = f.lines[pos + k]
-        if not pline.strip() or not fline.strip():
-            continue
-        pi, fi = _indent(chomp(pline)), _indent(chomp(fline))
-        delta: tuple[int, bytes] | None
-        if fi == pi:
-            delta = (0, b"")
-        elif fi.startswith(pi):
-            delta = (1, fi[len(pi):])
-        elif pi.startswith(fi):
-            delta = (-1, pi[len(fi):])
-        else:
-            delta = None
-        seen.setdefault(delta, []).append(pos + k + 1)
-    only = next(iter(seen), (0, b""))
-    if only is not None and len(seen) <= 1:
-        return only
-    parts = [f"line(s) {', '.join(map(str, lines[:5]))}: "
-             + ("tabs against spaces" if d is None else f"off by {_show_delta(*d)}")
-             for d, lines in seen.items()]
-    raise IndentationMismatch(
-        f"hunk {index + 1} of '{f.path}' matches only ignoring indentation, and its lines are not all "
-        f"off by the same indentation ({'; '.join(parts)}): nothing was changed; send the lines as "
-        "they are in the file",
-        details={"path": f.path, "hunk": index + 1, "hunk_header": hunk.header,
-                 "lines": [{"line": line, "delta": None if d is None else _show_delta(*d)}
-                           for d, lines in seen.items() for line in lines[:_SHOWN]]},
-    )
-
-
-def _shifted(line: bytes, sign: int, ws: bytes, f: _File, hunk: Hunk, index: int) -> bytes:
-    """An added line moved by the hunk's indentation delta (blank lines stay as they are)."""
-    if not sign or not line.strip():
-        return line
-    if sign > 0:
-        return ws + line
-    if line.startswith(ws):
-        return line[len(ws):]
-    raise IndentationMismatch(
-        f"hunk {index + 1} of '{f.path}' matches only with {len(ws)} fewer indentation character(s), and "
-        f"its added line '{_text(line).strip()[:60]}' has fewer than that to remove: nothing was changed",
-        details={"path": f.path, "hunk": index + 1, "hunk_header": hunk.header, "line": _text(line)},
-    )
 
 
 def _new_block(f: _File, hunk: Hunk, pos: int, grade: str, index: int = 0) -> list[bytes]:
@@ -639,7 +489,7 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str, index: int = 0) -> li
     matched = f.lines[pos : pos + m]
     norm: Callable[[bytes], bytes] = chomp if hunk.eol_agnostic else bytes
     kept = _kept_lines(f, hunk, [norm(x) for x in hunk.old_lines], [norm(x) for x in hunk.new_lines])
-    sign, ws = _indent_shift(f, hunk, pos, index) if grade in LOOSE_INDENT_GRADES else (0, b"")
+    sign, ws = indent_shift(f, hunk, pos, index) if grade in LOOSE_INDENT_GRADES else (0, b"")
     ending_of = cr_eol_of if f.cr_breaks else eol_of
     eol = f.eol
     patch_eol = region_eol = b""
@@ -662,7 +512,7 @@ def _new_block(f: _File, hunk: Hunk, pos: int, grade: str, index: int = 0) -> li
         if j in kept:
             out.append(matched[kept[j]])
             continue
-        line = _shifted(line, sign, ws, f, hunk, index)
+        line = shifted(line, sign, ws, f, hunk, index)
         if hunk.eol_agnostic:
             if j in removed_at:
                 ending = ending_of(matched[removed_at[j]]) or eol
@@ -761,60 +611,6 @@ def _text(line: bytes) -> str:
     return chomp(line).decode("utf-8", "replace")
 
 
-def _closest(f: _File, seq: Sequence[bytes], ref: int) -> dict[str, Any] | None:
-    """The window of ``len(seq)`` file lines sharing most lines with ``seq`` under ``strip``.
-
-    Bounded: lines of ``seq`` are counted rarest first, up to :data:`_SCORE_PAIRS` (line of
-    ``seq``, line of the file) pairs; lines too common to count (``a`` in a file of
-    ``a``) are left out, and if none is left, the window at ``ref`` is taken when it
-    shares a line.  The diff is :func:`_opcodes`' (bounded: a hint).
-    """
-    if not seq or not f.lines:
-        return None
-    want: dict[bytes, list[int]] = {}
-    for k, line in enumerate(seq):
-        want.setdefault(line.strip(), []).append(k)
-    keys = f.keys("strip", False)
-    last = max(len(f.lines) - len(seq), 0)
-    from collections import Counter  # errors only
-
-    f.spend(len(keys) * 2)
-    counts = Counter(keys)
-    pairs = 0
-    for key in sorted(want, key=lambda x: len(want[x]) * counts[x]):
-        pairs += len(want[key]) * counts[key]
-        if pairs > _SCORE_PAIRS:
-            del want[key]
-    score: dict[int, int] = {}
-    for i, key in enumerate(keys):
-        for k in want.get(key, ()):
-            start = i - k
-            if 0 <= start <= last:
-                score[start] = score.get(start, 0) + 1
-    if not score:
-        at = min(max(ref, 0), last)
-        shared = sum(1 for x, y in zip(keys[at:at + len(seq)], seq) if x == y.strip())
-        if not shared:
-            return None
-        score[at] = shared
-    start = min(score, key=lambda p: (-score[p], abs(p - ref), p))
-    found = f.lines[start : start + len(seq)]
-    expected_text = [_text(x) for x in seq]
-    found_text = [_text(x) for x in found]
-    diff: list[str] = []
-    for tag, a0, a1, b0, b1 in _opcodes(f, expected_text, found_text, bound=True):
-        if tag == "equal":
-            diff.extend(" " + x for x in expected_text[a0:a1])
-        else:
-            diff.extend("-" + x for x in expected_text[a0:a1])
-            diff.extend("+" + x for x in found_text[b0:b1])
-    return {
-        "line": start + 1,
-        "lines": [_text(x) for x in f.lines[start : start + _CLOSEST_LINES]],
-        "diff": diff[:_DIFF_LIMIT],
-    }
-
-
 def _error(
     f: _File, hunk: Hunk, index: int, path: str, lo: int, expected: int | None, failure: _Failure
 ) -> ContextNotFound | AmbiguousMatch:
@@ -826,7 +622,7 @@ def _error(
         "grade_tried": list(GRADES),
     }
     details.update(failure.extra)
-    details["closest"] = _closest(f, hunk.old_lines, lo if expected is None else expected)
+    details["closest"] = closest(f, hunk.old_lines, lo if expected is None else expected)
     message = f"hunk {index + 1} of '{path}' does not apply: {failure.reason}"
     if failure.kind is ContextNotFound and lo > 0 and hunk.old_lines:
         earlier = _locate(f, hunk.old_lines, agnostic=hunk.eol_agnostic, lo=0, expected=None, starts=None,

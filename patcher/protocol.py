@@ -107,7 +107,7 @@ def replay_final(receipt: Receipt, path: str, store: ReceiptStore) -> ApplyResul
         raise _error_from_envelope(err, receipt.key, replayed=True)
     grades = receipt.extra.get("grades") or None
     if grades and any(g != "exact" for per_hunk in grades.values() for g in per_hunk):
-        from patcher.matching import grade_warnings
+        from patcher.grades import grade_warnings
 
         warnings = (*grade_warnings(grades), *warnings)
     return ApplyResult(
@@ -216,7 +216,7 @@ def apply(
         from patcher.execute import locked_apply
 
         if strict:
-            from patcher.matching import STRICT
+            from patcher.grades import STRICT
 
             strictness = STRICT.set(True)
         return locked_apply(rstore, args, identity, call_id, the_key, args_sha, existing, path, lock_timeout,

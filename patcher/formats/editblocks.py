@@ -76,7 +76,9 @@ from patcher.formats.detection import WHOLE_KEYS, json_items, looks_search_repla
 from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, ParseError, PartiallyApplied
 from patcher.formats import Format
 from patcher.budget import current_budget
-from patcher.matching import LOOSE_INDENT_GRADES, STRICT, apply_hunks, refuse_inexact, capped_candidates, chomp, shown_lines, split_lines
+from patcher.grades import STRICT, refuse_inexact
+from patcher.indentation import LOOSE_INDENT_GRADES
+from patcher.matching import apply_hunks, capped_candidates, chomp, shown_lines, split_lines
 from patcher.model import AppliedFile, FileEdit, Hunk, Patch
 
 __all__ = [
