@@ -120,10 +120,11 @@ class Client:
         check: str | None = None,
         message: str | None = None,
         common_dir: str | None = None,
+        strict: bool = False,
     ) -> ApplyResult:
         """:func:`patcher.protocol.apply` with this client's defaults and open repositories.
 
-        ``common_dir``: see :func:`patcher.protocol.apply`.
+        ``common_dir``, ``strict``: see :func:`patcher.protocol.apply`.
 
         Raises:
             OncepatchError: as :func:`apply` (conflict 3, rejected 4, in progress / unknown 5).
@@ -132,7 +133,7 @@ class Client:
             self._repo(repo), patch, key=key, branch=branch if branch is not None else self.branch,
             contract_sha256=contract_sha256, attempt=attempt, format=format, check=check, message=message,
             common_dir=common_dir, store=self.store, lock_timeout=self.lock_timeout, check_timeout=self.check_timeout,
-            _stores=self._stores(),
+            strict=strict, _stores=self._stores(),
         )
 
     def status(self, key: str, *, repo: str | os.PathLike[str] | None = None) -> Receipt:

@@ -9,6 +9,9 @@
     ├── ContextNotFound       a hunk's context is not in the file    exit 4 context_not_found
     ├── AmbiguousMatch        a hunk matches in several places       exit 4 ambiguous_match
     ├── PartiallyApplied      some hunks already present, some not   exit 4 partially_applied
+    ├── IndentationMismatch   a loose match, lines off by unlike     exit 4 indentation_mismatch
+    │                         indentation (or tabs against spaces)
+    ├── InexactMatch          --strict, and a hunk matched loosely   exit 4 inexact_match
     ├── DirtyPath             touched path has uncommitted changes   exit 4 dirty_path
     ├── Conflict              branch moved; edit no longer applies   exit 4 conflict
     ├── CheckFailed           --check command failed                 exit 4 check_failed
@@ -32,6 +35,8 @@ __all__ = [
     "ContextNotFound",
     "AmbiguousMatch",
     "PartiallyApplied",
+    "IndentationMismatch",
+    "InexactMatch",
     "DirtyPath",
     "Conflict",
     "CheckFailed",
@@ -73,6 +78,18 @@ class AmbiguousMatch(PatchError):
 
 class PartiallyApplied(PatchError):
     type = "partially_applied"
+
+
+class IndentationMismatch(PatchError):
+    """A hunk matched only ignoring indentation, and its lines are not all off by one same indentation."""
+
+    type = "indentation_mismatch"
+
+
+class InexactMatch(PatchError):
+    """``strict``: a hunk matched only at a grade below ``exact``."""
+
+    type = "inexact_match"
 
 
 class DirtyPath(PatchError):

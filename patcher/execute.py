@@ -51,6 +51,7 @@ from receipts.store import ReceiptStore
 from patcher.args import CallArgs
 from patcher.errors import Conflict, PatchError
 from patcher.formats import parse_patch
+from patcher.grades import grade_warnings
 from patcher.markers import ref_lock_marker
 from patcher.model import Patch
 from patcher.protocol import KEY_REF_PREFIX, ApplyResult, replay_final
@@ -497,7 +498,8 @@ def _finalise(run: _Run, staged: Staged, warnings: list[str]) -> ApplyResult:
         raise
     assert call.receipt is not None
     return ApplyResult(run.key, call.call_id, "committed", False, candidate, staged.tree, call.receipt.outputs,
-                       path, warnings=tuple(warnings))
+                       path, warnings=(*grade_warnings(staged.grades), *warnings),
+                       grades={p: list(g) for p, g in staged.grades.items()})
 
 
 def _base_and_candidate(run: _Run) -> tuple[str | None, str | None]:

@@ -30,7 +30,7 @@ from typing import Any
 
 from patcher.budget import WorkBudget
 
-__all__ = ["Lines", "split_lines", "chomp", "eol_of", "key_fn", "find_all"]
+__all__ = ["Lines", "split_lines", "chomp", "eol_of", "key_fn", "find_all", "has_lone_cr", "cr_chomp", "cr_eol_of"]
 
 _PUNCT_TABLE = str.maketrans(
     {
@@ -49,6 +49,22 @@ _KMP_COST = 4  # per line of a Knuth-Morris-Pratt pass (a Python loop)
 _VERIFY_PASSES = 4  # comparing at candidate starts may cost this many passes before KMP takes over
 
 _LINE = re.compile(rb"[^\n]*\n|[^\n]+\Z")
+_CR_LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)|[^\r\n]+\Z")
+
+
+def has_lone_cr(data: bytes) -> bool:
+    """Whether ``data`` holds a ``\r`` that is not part of a ``\r\n``."""
+    return data.count(b"\r") != data.count(b"\r\n")
+
+
+def cr_chomp(line: bytes) -> bytes:
+    """``line`` without its terminator, a lone ``\r`` included (lines split at it)."""
+    return line[:-1] if line.endswith(b"\r") else chomp(line)
+
+
+def cr_eol_of(line: bytes) -> bytes:
+    """The terminator of ``line``, a lone ``\r`` included."""
+    return b"\r" if line.endswith(b"\r") else eol_of(line)
 
 
 def split_lines(data: bytes) -> list[bytes]:
@@ -139,13 +155,17 @@ def find_all(keys: Sequence[Any], pattern: Sequence[Any], lo: int = 0) -> list[i
 class Lines:
     """A file's lines plus per-grade keys and indexes, made when a search first needs them."""
 
-    def __init__(self, data: bytes, budget: WorkBudget, path: str) -> None:
+    def __init__(self, data: bytes, budget: WorkBudget, path: str, *, cr_breaks: bool = False) -> None:
         self.data = data
         self.budget = budget
         self.path = path
-        self.lines = split_lines(data)
+        #: A lone ``\r`` ends a line too (a file that uses it as a line break: :mod:`patcher.matching`).
+        self.cr_breaks = cr_breaks
+        self.lines = _CR_LINE.findall(data) if cr_breaks else split_lines(data)
         budget.spend(len(self.lines) * _SPLIT_COST, path)
         self.keys_cache: dict[tuple[str, bool], list[Any]] = {}
+        if cr_breaks:
+            self.keys_cache[("exact", True)] = [cr_chomp(line) for line in self.lines]
         self._index: dict[tuple[str, bool], dict[Any, list[int]]] = {}
         self._walked: dict[tuple[str, bool], int] = {}  # lines walked by searches, per grade
         self._eol: bytes | None = None

@@ -4,6 +4,9 @@ These rules hold for every context-based patch format.
 
 **Lines.**  :func:`split_lines` splits on ``\\n`` only and keeps terminators; a
 lone ``\\r`` is part of its line.  Only the file's last line may lack ``\\n``.
+When ``eol_agnostic`` hunks are not found so and the file holds a lone
+``\\r``, the file is read again split at it too (a file that uses it as a
+line break; :func:`apply_hunks`), a line so ended keeping its ``\\r``.
 
 **Grades**, strictest first; a grade is tried only when every stricter grade
 found no candidate:
@@ -18,7 +21,10 @@ found no candidate:
 
 **Where a hunk may match.**  Hunks of a file are matched in order against the
 *original* file; hunk *i* may only match at or after the end of hunk *i-1*'s
-match (no overlap).
+match (no overlap) -- except that a hunk without ``old_start`` found nowhere
+there is taken *before* it (:func:`_out_of_order`, as codex takes envelope
+chunks) when it is found once in the whole file and overlaps no earlier
+hunk's lines.
 
 * With ``old_start`` (unified diffs) the *stated position* is
   ``old_start - 1`` plus the offset at which the previous hunk was found
@@ -49,17 +55,29 @@ match (no overlap).
   line, or at the end of the file.
 
 **Writing.**  Matched old lines are replaced by the hunk's new lines.  Lines
-that a hunk keeps (context, paired by content between old and new side) are
-written as the *file's* bytes whenever the match was not an exact one, or the
-hunk is ``eol_agnostic``.  Lines an ``eol_agnostic`` hunk adds get the file's
-dominant terminator (``\\r\\n`` if more lines end so than with a bare ``\\n``);
-when such a block ends the file and the file had no final newline, its last
-line gets none either.  For other hunks matched at a fuzzy grade, added lines
-keep the patch's bytes, except that if the patch's line ending differs from
-the matched region's (an LF patch on a CRLF file) they take the region's.
-A line left without terminator in the middle of the result (the old last line
-of a file without final newline, with lines now after it) gets the file's
+that a hunk keeps (context: as the format says, ``Hunk.kept``, else paired by
+content between old and new side) are written as the *file's* bytes whenever
+the match was not an exact one, or the hunk is ``eol_agnostic``.  Endings of
+an ``eol_agnostic`` hunk's other lines go **by position**: a line that
+replaces a removed line (the k-th added line between two kept ones, the k-th
+removed there) takes that line's ending; any other takes the ending of the
+line before it (at the start of the file, of the line after it); when such a
+block ends the file and the file had no final newline, its last line gets
+none either.  For other hunks matched at a fuzzy grade, added lines keep the
+patch's bytes, except that if the patch's line ending differs from the
+matched region's (an LF patch on a CRLF file) they take the region's.  A line
+left without terminator in the middle of the result (the old last line of a
+file without final newline, with lines now after it) gets the file's
 dominant terminator, so lines are never glued together.
+
+**Indentation.**  At the grades that ignore leading whitespace
+(:data:`patcher.indentation.LOOSE_INDENT_GRADES`) every non-blank matched line must be off by one
+same delta (the file's indentation is the patch's plus or minus one
+whitespace string; tabs against spaces is none): added lines move by it.
+Else :class:`IndentationMismatch`, before anything is written.
+
+**Strict.**  Under :data:`patcher.grades.STRICT` (a ``strict`` call) a hunk that applies
+below ``exact`` is :class:`InexactMatch` (:func:`refuse_inexact`).
 
 **Already applied.**  A hunk whose old side is found exactly once, inside an
 exact occurrence of its new side (an insertion whose added lines end with a
@@ -95,22 +113,24 @@ no line is shared) and, when ambiguous, ``candidates`` (1-based lines).
 every step is paid from the call's :class:`patcher.budget.WorkBudget`
 (:class:`patcher.errors.TooLarge` past it).  Errors list at most 20
 ``candidates`` (``candidate_count``: all); ``closest`` and the pairing of kept
-lines are bounded too (:func:`_closest`, :func:`_opcodes`).
+lines are bounded too (:func:`patcher.hints.closest`, :func:`patcher.hints.opcodes`).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from difflib import SequenceMatcher
 from itertools import islice
 from typing import Any, Literal
 
 from patcher.budget import WorkBudget, current_budget
 from patcher.errors import AmbiguousMatch, ContextNotFound, PartiallyApplied
+from patcher.grades import refuse_inexact
+from patcher.hints import closest, opcodes
+from patcher.indentation import LOOSE_INDENT_GRADES, indent_shift, shifted
 from patcher.lines import Lines as _File
-from patcher.lines import chomp, eol_of, find_all, split_lines
+from patcher.lines import chomp, cr_eol_of, eol_of, find_all, has_lone_cr, split_lines
 from patcher.lines import key_fn as _key_fn
 from patcher.model import AppliedFile, Hunk
 
@@ -118,13 +138,7 @@ __all__ = ["GRADES", "apply_hunks", "split_lines", "chomp", "eol_of", "shown_lin
 
 GRADES: tuple[str, ...] = ("exact", "rstrip", "strip", "punct")
 
-_CLOSEST_LINES = 6
-_DIFF_LIMIT = 40
 _SHOWN = 20  # candidate lines an error lists (and how many there are in all)
-_PAIRS = 40_000  # line pairs difflib compares in full (beyond: the common head and tail first)
-_SCORE_PAIRS = 1_000_000  # (hunk line, file line) pairs an error's "closest" counts
-_PAIR_COST = 8  # budget units per pair difflib may compare (a dict lookup in Python)
-_HINT_LINES = 200  # lines a side that an error's diff compares in full
 
 
 
@@ -451,82 +465,112 @@ def _insertion_point(f: _File, hunk: Hunk, lo: int, carry: int, starts: list[int
     return pos
 
 
-def _opcodes(f: _File, a: Sequence[Any], b: Sequence[Any], *,
-             bound: bool = False) -> list[tuple[str, int, int, int, int]]:
-    """``difflib``'s opcodes from ``a`` to ``b``, in bounded time.
-
-    ``SequenceMatcher`` may compare every line of one side with every line of the
-    other (20,000 equal lines: 400 million steps).  Up to :data:`_PAIRS` pairs
-    (:data:`_HINT_LINES` lines a side for a hint, ``bound``) it runs on the whole;
-    beyond, the common head and tail are paired first and it runs on what lies
-    between -- which the call's budget pays for, or for a hint, on the first
-    :data:`_HINT_LINES` lines of it (the rest is one replaced block).
-    """
-    head = tail = 0
-    if len(a) * len(b) > (_HINT_LINES ** 2 if bound else _PAIRS):
-        top = min(len(a), len(b))
-        while head < top and a[head] == b[head]:
-            head += 1
-        while tail < top - head and a[-1 - tail] == b[-1 - tail]:
-            tail += 1
-        f.spend(head + tail)
-    mid_a, mid_b = list(a[head:len(a) - tail]), list(b[head:len(b) - tail])
-    rest: list[tuple[str, int, int, int, int]] = []
-    if bound and len(mid_a) * len(mid_b) > _HINT_LINES ** 2:
-        cut_a, cut_b = min(len(mid_a), _HINT_LINES), min(len(mid_b), _HINT_LINES)
-        rest = [("replace", cut_a, len(mid_a), cut_b, len(mid_b))]
-        mid_a, mid_b = mid_a[:cut_a], mid_b[:cut_b]
-    f.spend(len(mid_a) * len(mid_b) * _PAIR_COST)
-    ops = SequenceMatcher(None, mid_a, mid_b, autojunk=False).get_opcodes() + rest
-    out = [("equal", 0, head, 0, head)] if head else []
-    out += [(tag, a0 + head, a1 + head, b0 + head, b1 + head) for tag, a0, a1, b0, b1 in ops]
-    if tail:
-        out.append(("equal", len(a) - tail, len(a), len(b) - tail, len(b)))
-    return out
-
-
-def _kept_lines(f: _File, old: list[bytes], new: list[bytes]) -> dict[int, int]:
-    """Lines the hunk keeps: new line index -> old line index, paired by content."""
+def _kept_lines(f: _File, hunk: Hunk, old: list[bytes], new: list[bytes]) -> dict[int, int]:
+    """Lines the hunk keeps: new line index -> old line index, as the format says, else paired by content."""
+    if hunk.kept is not None:
+        return dict(hunk.kept)
     kept: dict[int, int] = {}
-    for tag, a0, a1, b0, _b1 in _opcodes(f, old, new):
+    for tag, a0, a1, b0, _b1 in opcodes(f, old, new):
         if tag == "equal":
             for k in range(a1 - a0):
                 kept[b0 + k] = a0 + k
     return kept
 
 
-def _new_block(f: _File, hunk: Hunk, pos: int, grade: str) -> list[bytes]:
-    """The lines that replace the matched old lines (see **Writing** in the module docstring)."""
+def _new_block(f: _File, hunk: Hunk, pos: int, grade: str, index: int = 0) -> list[bytes]:
+    """The lines that replace the matched old lines (see **Writing** in the module docstring).
+
+    Raises:
+        IndentationMismatch: matched ignoring indentation, by unlike deltas.
+    """
     if grade == "exact" and not hunk.eol_agnostic:
         return list(hunk.new_lines)
     m = len(hunk.old_lines)
     matched = f.lines[pos : pos + m]
     norm: Callable[[bytes], bytes] = chomp if hunk.eol_agnostic else bytes
-    kept = _kept_lines(f, [norm(x) for x in hunk.old_lines], [norm(x) for x in hunk.new_lines])
+    kept = _kept_lines(f, hunk, [norm(x) for x in hunk.old_lines], [norm(x) for x in hunk.new_lines])
+    sign, ws = indent_shift(f, hunk, pos, index) if grade in LOOSE_INDENT_GRADES else (0, b"")
+    ending_of = cr_eol_of if f.cr_breaks else eol_of
     eol = f.eol
     patch_eol = region_eol = b""
     if not hunk.eol_agnostic:
         patch_eol, region_eol = _dominant(hunk.old_lines), _dominant(matched)
+    # Line endings by position (agnostic hunks): a replacing line takes the ending of the
+    # old line it replaces (the k-th added for the k-th removed, between two kept lines),
+    # an inserted one that of the line before it (the line after it at the start of a file).
+    removed_at: dict[int, int] = {}
+    if hunk.eol_agnostic:
+        pairs = sorted(kept.items())
+        prev_new = prev_old = -1
+        for nj, oj in [*pairs, (len(hunk.new_lines), m)]:
+            for k in range(nj - prev_new - 1):
+                if prev_old + 1 + k < oj:
+                    removed_at[prev_new + 1 + k] = prev_old + 1 + k
+            prev_new, prev_old = nj, oj
     out: list[bytes] = []
     for j, line in enumerate(hunk.new_lines):
         if j in kept:
             out.append(matched[kept[j]])
-        elif hunk.eol_agnostic:
-            out.append(chomp(line) + eol)
+            continue
+        line = shifted(line, sign, ws, f, hunk, index)
+        if hunk.eol_agnostic:
+            if j in removed_at:
+                ending = ending_of(matched[removed_at[j]]) or eol
+            elif out:
+                ending = ending_of(out[-1]) or eol
+            elif pos > 0:
+                ending = ending_of(f.lines[pos - 1]) or eol
+            elif pos + m < len(f.lines) or m:
+                ending = ending_of((matched or f.lines[pos:pos + 1])[0]) or eol
+            else:
+                ending = eol
+            out.append(chomp(line) + ending)
         elif patch_eol and region_eol and patch_eol != region_eol and eol_of(line) == patch_eol:
             out.append(line[: -len(patch_eol)] + region_eol)
         else:
             out.append(line)
     for k in range(len(out) - 1):
-        if not out[k].endswith(b"\n"):
+        if not ending_of(out[k]):
             out[k] += eol
     n = len(f.lines)
-    if hunk.eol_agnostic and out and pos + m == n and n and not f.lines[-1].endswith(b"\n"):
+    if hunk.eol_agnostic and out and pos + m == n and n and not ending_of(f.lines[-1]):
         out[-1] = chomp(out[-1])
     return out
 
 
-def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict]]) -> bytes:
+def _span(hunk: Hunk, verdict: _Verdict) -> tuple[int, int]:
+    """The file lines a planned hunk stands on: ``(start, end)``."""
+    return verdict.pos, verdict.pos + len(hunk.old_lines if verdict.state == "applies" else hunk.new_lines)
+
+
+def _out_of_order(f: _File, hunk: Hunk, spans: list[tuple[int, int]]) -> _Verdict | None:
+    """Where a hunk without line numbers stands before the earlier hunks' matches, if anywhere.
+
+    Taken (as codex takes it) only when it is found once in the whole file and its
+    lines overlap no earlier hunk's (``spans``, sorted, their lines; an insertion
+    must not fall strictly inside one); else ``None`` (the caller's error stands).
+    """
+    try:
+        verdict = _judge(f, hunk, 0, 0)
+    except _Failure:
+        return None
+    if verdict.state == "missing":
+        return None
+    start, end = _span(hunk, verdict)
+    at = bisect_left(spans, (start, start))
+    # The spans are disjoint: only the one before and those starting inside can overlap.
+    neighbours = spans[max(at - 1, 0):at]
+    while at < len(spans) and spans[at][0] <= end:
+        neighbours.append(spans[at])
+        at += 1
+    for o_start, o_end in neighbours:
+        if (start < o_end and o_start < end) or (start == end and o_start < start < o_end) \
+                or (o_start == o_end and start < o_start < end):
+            return None
+    return verdict
+
+
+def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict, int]]) -> bytes:
     """The new content: the file's unchanged runs as byte ranges of ``f.data``, the new blocks between.
 
     Memory is what bounds a big file here: joining a list of every line costs
@@ -546,15 +590,15 @@ def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict]]) -> bytes:
         if not ends_line:
             pieces.append(f.eol)
         pieces.append(piece)
-        ends_line = piece[-1:] == b"\n"
+        ends_line = piece[-1:] == b"\n" or f.cr_breaks and piece[-1:] == b"\r"
 
     lines = f.lines
     walk = iter(lines)  # one pass over the lines for all hunks (islice from 0 per hunk: O(hunks x file))
     prev = off = 0
-    for hunk, verdict in plan:
+    for hunk, verdict, index in plan:
         run = sum(map(len, islice(walk, verdict.pos - prev)))
         emit(view[off:off + run])
-        emit(b"".join(_new_block(f, hunk, verdict.pos, verdict.grade)))
+        emit(b"".join(_new_block(f, hunk, verdict.pos, verdict.grade, index)))
         prev = verdict.pos + len(hunk.old_lines)
         off += run + sum(map(len, islice(walk, len(hunk.old_lines))))
     emit(view[off:])
@@ -565,60 +609,6 @@ def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict]]) -> bytes:
 
 def _text(line: bytes) -> str:
     return chomp(line).decode("utf-8", "replace")
-
-
-def _closest(f: _File, seq: Sequence[bytes], ref: int) -> dict[str, Any] | None:
-    """The window of ``len(seq)`` file lines sharing most lines with ``seq`` under ``strip``.
-
-    Bounded: lines of ``seq`` are counted rarest first, up to :data:`_SCORE_PAIRS` (line of
-    ``seq``, line of the file) pairs; lines too common to count (``a`` in a file of
-    ``a``) are left out, and if none is left, the window at ``ref`` is taken when it
-    shares a line.  The diff is :func:`_opcodes`' (bounded: a hint).
-    """
-    if not seq or not f.lines:
-        return None
-    want: dict[bytes, list[int]] = {}
-    for k, line in enumerate(seq):
-        want.setdefault(line.strip(), []).append(k)
-    keys = f.keys("strip", False)
-    last = max(len(f.lines) - len(seq), 0)
-    from collections import Counter  # errors only
-
-    f.spend(len(keys) * 2)
-    counts = Counter(keys)
-    pairs = 0
-    for key in sorted(want, key=lambda x: len(want[x]) * counts[x]):
-        pairs += len(want[key]) * counts[key]
-        if pairs > _SCORE_PAIRS:
-            del want[key]
-    score: dict[int, int] = {}
-    for i, key in enumerate(keys):
-        for k in want.get(key, ()):
-            start = i - k
-            if 0 <= start <= last:
-                score[start] = score.get(start, 0) + 1
-    if not score:
-        at = min(max(ref, 0), last)
-        shared = sum(1 for x, y in zip(keys[at:at + len(seq)], seq) if x == y.strip())
-        if not shared:
-            return None
-        score[at] = shared
-    start = min(score, key=lambda p: (-score[p], abs(p - ref), p))
-    found = f.lines[start : start + len(seq)]
-    expected_text = [_text(x) for x in seq]
-    found_text = [_text(x) for x in found]
-    diff: list[str] = []
-    for tag, a0, a1, b0, b1 in _opcodes(f, expected_text, found_text, bound=True):
-        if tag == "equal":
-            diff.extend(" " + x for x in expected_text[a0:a1])
-        else:
-            diff.extend("-" + x for x in expected_text[a0:a1])
-            diff.extend("+" + x for x in found_text[b0:b1])
-    return {
-        "line": start + 1,
-        "lines": [_text(x) for x in f.lines[start : start + _CLOSEST_LINES]],
-        "diff": diff[:_DIFF_LIMIT],
-    }
 
 
 def _error(
@@ -632,7 +622,7 @@ def _error(
         "grade_tried": list(GRADES),
     }
     details.update(failure.extra)
-    details["closest"] = _closest(f, hunk.old_lines, lo if expected is None else expected)
+    details["closest"] = closest(f, hunk.old_lines, lo if expected is None else expected)
     message = f"hunk {index + 1} of '{path}' does not apply: {failure.reason}"
     if failure.kind is ContextNotFound and lo > 0 and hunk.old_lines:
         earlier = _locate(f, hunk.old_lines, agnostic=hunk.eol_agnostic, lo=0, expected=None, starts=None,
@@ -665,8 +655,25 @@ def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str,
     if budget is None:
         budget = current_budget()
         budget.allow(original.count(b"\n") + 1 + sum(len(h.old_lines) + len(h.new_lines) for h in hunks))
-    f = _File(original, budget, path)
+    try:
+        return _apply(_File(original, budget, path), original, hunks, path)
+    except ContextNotFound as exc:
+        # A file that uses a lone CR as a line break ('two\rthree'): its lines as codex
+        # reads them.  Only for hunks without line endings of their own, and only when
+        # the lines as git reads them (split at LF) did not match.
+        if not (hunks and all(h.eol_agnostic for h in hunks) and has_lone_cr(original)):
+            raise
+        first = exc
+    try:
+        return _apply(_File(original, budget, path, cr_breaks=True), original, hunks, path)
+    except ContextNotFound:
+        raise first from None
+
+
+def _apply(f: _File, original: bytes, hunks: Sequence[Hunk], path: str) -> AppliedFile:
+    """:func:`apply_hunks` on ``f``, the lines of ``original``."""
     plan: list[tuple[Hunk, _Verdict]] = []
+    spans: list[tuple[int, int]] = []  # the lines each planned hunk stands on, sorted
     lo = carry = shift = 0
     for index, hunk in enumerate(hunks):
         expected = None if hunk.old_start is None else hunk.old_start - 1 + carry
@@ -675,10 +682,18 @@ def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str,
         except _Failure as failure:
             raise _error(f, hunk, index, path, lo, expected, failure) from None
         if verdict.state == "missing":
-            raise _error(
-                f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason)
-            )
+            earlier = _out_of_order(f, hunk, spans) if hunk.old_start is None and lo > 0 else None
+            if earlier is None:
+                raise _error(
+                    f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason)
+                )
+            plan.append((hunk, earlier))
+            insort(spans, _span(hunk, earlier))
+            if earlier.state == "applies":
+                shift += len(hunk.new_lines) - len(hunk.old_lines)
+            continue  # placed before an earlier hunk: where the next one may start stays
         plan.append((hunk, verdict))
+        insort(spans, _span(hunk, verdict))
         if verdict.state == "applies":
             shift += len(hunk.new_lines) - len(hunk.old_lines)
         size = len(hunk.old_lines if verdict.state == "applies" else hunk.new_lines)
@@ -690,7 +705,9 @@ def apply_hunks(original: bytes, hunks: Sequence[Hunk], *, path: str,
     grades = tuple(v.grade for _, v in plan)
     present = [i + 1 for i, (_, v) in enumerate(plan) if v.state == "present"]
     if not present:
-        return AppliedFile(content=_render(f, plan), grades=grades)
+        refuse_inexact(path, grades, range(len(plan)))
+        order = sorted(range(len(plan)), key=lambda i: (plan[i][1].pos, len(plan[i][0].old_lines) > 0, i))
+        return AppliedFile(content=_render(f, [(*plan[i], i) for i in order]), grades=grades)
     if len(present) == len(plan):
         return AppliedFile(content=original, grades=grades, already_applied=True)
     missing = [i + 1 for i, (_, v) in enumerate(plan) if v.state == "applies"]

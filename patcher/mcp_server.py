@@ -161,10 +161,11 @@ class _Tools:
     # -- bodies ----------------------------------------------------------------
 
     def apply_patch(self, patch: str, idempotency_key: str, repo: str | None, branch: str | None,
-                    format: str, message: str | None) -> dict[str, Any]:
+                    format: str, message: str | None, strict: bool = False) -> dict[str, Any]:
         where, common_dir = self._resolve(repo)
         res = self.client.apply(patch, key=idempotency_key, repo=where, branch=branch or None,
-                                format=format or "auto", message=message or None, common_dir=common_dir)
+                                format=format or "auto", message=message or None, common_dir=common_dir,
+                                strict=bool(strict))
         doc: dict[str, Any] = res.to_json()
         return doc
 
@@ -202,9 +203,9 @@ def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos
         return anyio.to_thread.run_sync(functools.partial(tools.run, name, fn))
 
     async def apply_patch(patch: str, idempotency_key: str, repo: str | None = None, branch: str | None = None,
-                          format: str = "auto", message: str | None = None) -> Any:
+                          format: str = "auto", message: str | None = None, strict: bool = False) -> Any:
         return await offload("apply_patch", lambda: tools.apply_patch(patch, idempotency_key, repo, branch,
-                                                                      format, message))
+                                                                      format, message, strict))
 
     async def receipt_status(key: str, repo: str | None = None) -> Any:
         return await offload("receipt_status", lambda: tools.receipt_status(key, repo))
@@ -225,7 +226,8 @@ def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos
             "attempt — repeating a call with the same key and patch replays the first result "
             "(replayed: true) and commits nothing. repo: path of the repository (default: the "
             "server's); branch: target branch (default: the checked-out one); format: auto, "
-            "unified or apply_patch. Errors carry error.type, error.retryable and "
+            "unified or apply_patch; strict: refuse a hunk that matches only loosely (the result's "
+            "grades and warnings say when one did). Errors carry error.type, error.retryable and "
             "error.next_action (retry, fix_input, query_before_retry, recover, none)."
         ),
         annotations=A(title="Apply a patch once", readOnlyHint=False, destructiveHint=False,

@@ -44,6 +44,8 @@ class Hunk:
     ``prefer_start`` / ``prefer_eof``: where git anchors a unified hunk (old side
     from line 1; context before the change and none after it), tried first:
     the hunk applies, or is found present, there before anywhere else.
+    ``kept``: when the format says which lines are context (apply_patch), the
+    ``(new index, old index)`` of each; ``None``: paired by content.
     """
 
     old_lines: tuple[bytes, ...]
@@ -55,6 +57,7 @@ class Hunk:
     prefer_start: bool = False
     prefer_eof: bool = False
     header: str = ""
+    kept: tuple[tuple[int, int], ...] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

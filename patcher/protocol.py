@@ -36,9 +36,10 @@ from receipts.identity import make_identity
 from receipts.receipt import Receipt
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL, TOOL_VERSION, normalise_args
-from patcher.errors import (AmbiguousMatch, CheckFailed, Conflict, ContextNotFound, DirtyPath, ParseError,
-                            PartiallyApplied, PatchError, TooLarge, UnsafePath)
+from patcher.errors import (AmbiguousMatch, CheckFailed, Conflict, ContextNotFound, DirtyPath, IndentationMismatch,
+                            InexactMatch, ParseError, PartiallyApplied, PatchError, TooLarge, UnsafePath)
 from patcher.formats import detect
+from patcher.grades import STRICT, grade_warnings
 
 __all__ = ["ApplyResult", "apply", "store_root_for", "replay_final", "KEY_REF_PREFIX", "REJECTIONS"]
 
@@ -46,7 +47,8 @@ KEY_REF_PREFIX = "refs/oncepatch/keys/"
 
 #: The error classes a stored rejection of ``apply_patch`` is rebuilt as, by type (else :class:`PatchError`).
 REJECTIONS: tuple[type[OncepatchError], ...] = (ParseError, UnsafePath, TooLarge, ContextNotFound, AmbiguousMatch,
-                                                PartiallyApplied, DirtyPath, Conflict, CheckFailed)
+                                                PartiallyApplied, DirtyPath, Conflict, CheckFailed,
+                                                IndentationMismatch, InexactMatch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,7 @@ class ApplyResult:
     already_applied: bool = False
     warnings: tuple[str, ...] = ()
     error: dict[str, Any] | None = None
+    grades: dict[str, list[str]] | None = None  # per touched file, the grade each hunk matched at
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -77,6 +80,8 @@ class ApplyResult:
         }
         if self.already_applied:
             doc["already_applied"] = True
+        if self.grades:
+            doc["grades"] = {path: list(g) for path, g in self.grades.items()}
         if self.warnings:
             doc["warnings"] = list(self.warnings)
         return doc
@@ -95,6 +100,9 @@ def replay_final(call: Call, receipt: Receipt) -> ApplyResult:
         PatchError: the stored rejection, as an error of its type.
     """
     warnings = call.replay(receipt)
+    grades = receipt.extra.get("grades") or None
+    if grades and any(g != "exact" for per_hunk in grades.values() for g in per_hunk):
+        warnings = (*grade_warnings(grades), *warnings)
     return ApplyResult(
         key=receipt.key,
         call_id=receipt.call_id,
@@ -106,6 +114,7 @@ def replay_final(call: Call, receipt: Receipt) -> ApplyResult:
         receipt=call.path,
         already_applied=bool(receipt.extra.get("already_applied")),
         warnings=warnings,
+        grades=grades,
     )
 
 
@@ -124,6 +133,7 @@ def apply(
     store: str | None = None,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     check_timeout: float = 600.0,
+    strict: bool = False,
     _stores: dict[str, Any] | None = None,
 ) -> ApplyResult:
     """Apply ``patch`` (its content, never a file name) to ``branch`` of ``repo`` effectively once.
@@ -135,6 +145,11 @@ def apply(
     be that one, else nothing is done (a usage error).  Race guarded: a caller
     that checks a path and then hands it over (the MCP server) would otherwise
     act on whatever the path names by then.
+
+    ``strict``: a hunk that would apply only below the ``exact`` grade is
+    refused (``inexact_match``) instead.  It is not part of the call's
+    identity: a strict call makes the same change, and replays the key's
+    final receipt as any call does (docs/DECISIONS.md).
 
     Raises:
         OncepatchError: a subclass with the envelope fields; ``exit_code`` gives
@@ -160,12 +175,17 @@ def apply(
     if final is not None:
         return replay_final(call, final)
 
+    strictness = None
     try:
         # Deferred: executing loads libgit2, which a replay (above) never needs.
         from patcher.execute import locked_apply
 
+        if strict:
+            strictness = STRICT.set(True)
         return locked_apply(call, args, lock_timeout, check_timeout, _stores)
     finally:
+        if strictness is not None:
+            STRICT.reset(strictness)
         # The index locks' mark files kept between this call's two locks (cas.index_lock).
         worktree = sys.modules.get("cas.index_lock")
         if worktree is not None:

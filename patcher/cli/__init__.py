@@ -40,7 +40,7 @@ def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     res = apply(
         args.repo, data, key=args.key, branch=args.branch, contract_sha256=args.contract_sha256,
         attempt=args.attempt, format=args.format, check=args.check, message=args.message,
-        store=args.store, lock_timeout=args.lock_timeout, check_timeout=args.check_timeout,
+        store=args.store, lock_timeout=args.lock_timeout, check_timeout=args.check_timeout, strict=args.strict,
     )
     doc = res.to_json()
     if res.replayed:
@@ -50,6 +50,9 @@ def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     else:
         text = f"committed {(res.commit or '')[:12]}: {len(res.outputs)} file(s)\n"
     text += f"key {res.key}\nreceipt {res.receipt}\n"
+    for path, grades in (res.grades or {}).items():
+        if any(g != "exact" for g in grades):
+            text += f"grades {path}: {' '.join(grades)}\n"
     for w in res.warnings:
         text += f"warning: {w}\n"
     return EXIT_OK, doc, text

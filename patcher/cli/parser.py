@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p)
     p.add_argument("patch", help="patch file, or - for standard input")
     add_options(p, APPLY_OPTIONS)
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a hunk that matches only loosely (below the exact grade)")
 
     p = sub.add_parser("status", help="the verified receipt of a key or call_id")
     add_common(p)

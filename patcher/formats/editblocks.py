@@ -48,7 +48,10 @@ match **exactly once**:
    ``substring``: this keeps the indentation and the rest of the line that a
    partial-line ``old`` leaves out);
 3. otherwise a ``strip``/``punct`` whole-line match from step 1 (or the
-   matcher's "already present" verdict) is taken;
+   matcher's "already present" verdict) is taken -- also before step 2 when
+   the substring is whole lines but for indentation and the new text has
+   several lines (the matcher moves every new line by the indentation delta;
+   in place only the first would move);
 4. otherwise a substring found twice or more is :class:`AmbiguousMatch`; else
    :class:`ContextNotFound` with the matcher's details (and ``new_text_at``
    when the new text is in the file: applied before, or a coincidence — never
@@ -70,9 +73,11 @@ from typing import Any
 
 
 from patcher.formats.detection import WHOLE_KEYS, json_items, looks_search_replace, looks_str_replace
-from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied
+from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, ParseError, PartiallyApplied
 from patcher.formats import Format
 from patcher.budget import current_budget
+from patcher.grades import STRICT, refuse_inexact
+from patcher.indentation import LOOSE_INDENT_GRADES
 from patcher.matching import apply_hunks, capped_candidates, chomp, shown_lines, split_lines
 from patcher.model import AppliedFile, FileEdit, Hunk, Patch
 
@@ -251,7 +256,8 @@ def parse_str_replace(data: bytes) -> Patch:
 # --------------------------------------------------------------------------- applying
 
 
-def _with_index(exc: ContextNotFound | AmbiguousMatch, index: int) -> ContextNotFound | AmbiguousMatch:
+def _with_index(exc: ContextNotFound | AmbiguousMatch | IndentationMismatch,
+                index: int) -> ContextNotFound | AmbiguousMatch | IndentationMismatch:
     """The matcher's error for a one-hunk call, renumbered to the edit's place in the file's list."""
     details = dict(exc.details)
     details["hunk"] = index
@@ -313,6 +319,15 @@ def _substring(content: bytes, hunk: Hunk) -> tuple[str, bytes | None, list[int]
     return "missing", None, []
 
 
+def _whole_lines(content: bytes, hunk: Hunk) -> bool:
+    """Whether the old text's one occurrence is whole lines but for leading whitespace."""
+    old = _joined(hunk.old_lines, _eol(content))
+    at = content.find(old)
+    begin = content.rfind(b"\n", 0, at) + 1
+    end = at + len(old)
+    return not content[begin:at].strip(b" \t") and content[end:end + 1] in (b"", b"\n", b"\r")
+
+
 def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> AppliedFile:
     """Apply ``hunks`` one after another, each to the result of the previous (module docstring).
 
@@ -331,16 +346,29 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
     for index, hunk in enumerate(hunks, 1):
         lined: AppliedFile | None = None
         failure: ContextNotFound | None = None
+        mismatch: IndentationMismatch | None = None
+        token = STRICT.set(False)  # judged below, once the substring had its chance
         try:
             lined = apply_hunks(content, [hunk], path=path, budget=budget)
         except AmbiguousMatch as exc:
             raise _with_index(exc, index) from None
         except ContextNotFound as exc:
             failure = exc
+        except IndentationMismatch as exc:
+            mismatch = exc
+        finally:
+            STRICT.reset(token)
         if lined is not None and lined.grades and lined.grades[0] in ("exact", "rstrip"):
             chosen: tuple[str, AppliedFile] = ("lines", lined)
         else:
             state, new_content, lines = _substring(content, hunk)
+            if (state == "applies" and lined is not None and lined.grades
+                    and lined.grades[0] in LOOSE_INDENT_GRADES and len(hunk.new_lines) > 1
+                    and _whole_lines(content, hunk)):
+                # Whole lines but for their indentation ('  x = 1' in '    x = 1') becoming
+                # several: the matcher shifts every new line by the one delta; in place, only
+                # the first would be.
+                state = "lines"
             if state == "applies" and new_content is not None:
                 chosen = ("substring", AppliedFile(new_content, ("substring",)))
             elif lined is not None:
@@ -357,6 +385,8 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
             elif state == "present":
                 chosen = ("lines", AppliedFile(content, ("substring",), already_applied=True))
             else:
+                if mismatch is not None:
+                    raise _with_index(mismatch, index) from None
                 assert failure is not None
                 if lines:  # the new text is in the file (see _substring)
                     failure.details["new_text_at"] = lines[0]
@@ -372,6 +402,7 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
             content = result.content
     if not applied:
         return AppliedFile(content=original, grades=tuple(grades), already_applied=True)
+    refuse_inexact(path, grades, [i - 1 for i in applied])
     if present:
         raise PartiallyApplied(
             f"patch is partially applied to '{path}': edits {', '.join(map(str, present))} "

@@ -42,8 +42,9 @@ and no ``Move to``, a hunk without lines or that changes nothing, a path in
 two file sections, a move onto itself, an empty patch.
 
 Lines.  Update hunks are *line-ending agnostic* (``Hunk.eol_agnostic``): their
-lines carry no terminator, the matcher ignores the file's and writes added
-lines with the file's own line ending, so a CRLF file stays CRLF and a file
+lines carry no terminator, the matcher ignores the file's and writes each
+added line with the ending of the line it replaces or follows (by position,
+``Hunk.kept`` naming the context lines), so a CRLF file stays CRLF and a file
 without a final newline keeps none.  ``Add File`` lines keep the terminator
 they were sent with (``+x\\r\\n`` makes a CRLF line).  The extension line
 ``\\ No newline at end of file`` (any text after the backslash), as in unified
@@ -180,12 +181,15 @@ def _hunk(buf: _HunkBuf, path: str, index: int) -> Hunk:
     exact = bool(buf.no_newline)
     old: list[bytes] = []
     new: list[bytes] = []
+    kept: list[tuple[int, int]] = []
     for k, (kind, ln) in enumerate(body):
         content = ln.raw[1:] if ln.raw[:1] in (b" ", b"-", b"+") else b""
         if exact:
             line = content if k in buf.no_newline else content + b"\n"
         else:
             line = content[:-1] if content.endswith(b"\r") else content
+        if kind == " ":
+            kept.append((len(new), len(old)))
         if kind in (" ", "-"):
             old.append(line)
         if kind in (" ", "+"):
@@ -202,6 +206,7 @@ def _hunk(buf: _HunkBuf, path: str, index: int) -> Hunk:
         at_eof=buf.at_eof or exact,
         eol_agnostic=not exact,
         header=buf.header,
+        kept=tuple(kept),
     )
 
 

@@ -167,6 +167,12 @@ def test_receipt_records_the_grade_of_every_hunk(repo: Repo) -> None:
     assert receipt["grades"] == {"q.txt": ["punct"], "ws.txt": ["rstrip", "exact"]}
     blocks = (b"src/util.py\n<<<<<<< SEARCH\nreturn 1\n=======\nreturn 3\n>>>>>>> REPLACE\n"
               b"<<<<<<< SEARCH\ndef f():\nreturn 3\n=======\ndef g():\n    return 3\n>>>>>>> REPLACE\n")
+    # Issue 24: 'def f():' is off by 0, 'return 3' by +4: no one delta, refused (it used to commit)
+    with pytest.raises(OncepatchError) as info:
+        apply(str(repo.path), blocks)
+    assert info.value.error_type == "indentation_mismatch"
+    blocks = (b"src/util.py\n<<<<<<< SEARCH\nreturn 1\n=======\nreturn 3\n>>>>>>> REPLACE\n"
+              b"<<<<<<< SEARCH\n  def f():\n      return 3\n=======\n  def g():\n      return 3\n>>>>>>> REPLACE\n")
     receipt = json.loads(Path(apply(str(repo.path), blocks).receipt).read_text())
     assert receipt["grades"] == {"src/util.py": ["substring", "strip"]}
     assert (repo.path / "src/util.py").read_text() == "def g():\n    return 3\n"

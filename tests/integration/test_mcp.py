@@ -126,7 +126,7 @@ def test_mcp_tools_apply_replay_and_errors(repo: Repo, tmp_path: Path) -> None:
                                        "openWorld": False}
     schema = _attr(tools["apply_patch"], "input_schema", "inputSchema")
     assert set(schema["required"]) == {"patch", "idempotency_key"}
-    assert {"repo", "branch", "format"} <= set(schema["properties"])
+    assert {"repo", "branch", "format", "strict"} <= set(schema["properties"])
 
     first = seen["apply"]
     assert not is_error(first)

@@ -139,7 +139,8 @@ def test_ambiguous_substring_is_refused_but_a_unique_whole_line_wins() -> None:
     assert info.value.details["candidates"] == [1, 2]
     # 'foo = 1' is a substring twice, but a whole line (ignoring indentation) once
     result = apply_sequential(b"  foo = 1\n  foo = 12\n", [hunk(b"foo = 1", b"foo = 3")], path="f")
-    assert result.content == b"foo = 3\n  foo = 12\n" and result.grades == ("strip",)
+    # (issue 24: the new line takes the matched line's indentation; it used to land at column 0)
+    assert result.content == b"  foo = 3\n  foo = 12\n" and result.grades == ("strip",)
 
 
 def test_substring_reads_lf_as_the_files_crlf() -> None:

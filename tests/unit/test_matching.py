@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from patcher.errors import AmbiguousMatch, ContextNotFound, PartiallyApplied
+from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, PartiallyApplied
 from patcher.matching import apply_hunks, split_lines
 from patcher.model import Hunk
 
@@ -65,16 +65,47 @@ def test_stricter_grade_anywhere_beats_looser_grade_at_stated_position() -> None
     assert result.content == _text("x  ", *NUMBERS, "y")
 
 
-def test_strip_grade_ignores_indentation() -> None:
+def test_strip_grade_with_unlike_indentation_deltas_is_refused() -> None:
+    # Issue 24: this used to commit 'def f():\n  a = 2\n    return a\n' (an IndentationError):
+    # the kept lines took the file's indentation, the added one kept the patch's.  'def' is
+    # off by 0, the body by +2: no one delta moves the added line right, so nothing is written.
     original = b"def f():\n    a = 1\n    return a\n"
     hunk = _hunk(
         _lines("def f():", "  a = 1", "  return a"),
         _lines("def f():", "  a = 2", "  return a"),
         old_start=1,
     )
+    with pytest.raises(IndentationMismatch) as err:
+        apply_hunks(original, [hunk], path="f.py")
+    assert err.value.error_type == "indentation_mismatch"
+    assert [x["line"] for x in err.value.details["lines"]] == [1, 2, 3]
+    assert "off by 0" in err.value.message and "off by +2 space(s)" in err.value.message
+
+
+def test_strip_grade_shifts_added_lines_by_the_one_delta() -> None:
+    original = b"def f():\n    a = 1\n    return a\n"
+    hunk = _hunk(_lines("  a = 1", "  return a"), _lines("  a = 1", "  if a:", "    a += 1", "  return a"))
     result = apply_hunks(original, [hunk], path="f.py")
     assert result.grades == ("strip",)
-    assert result.content == b"def f():\n  a = 2\n    return a\n"
+    # one delta (+2), Aider's rule: the nested line keeps its depth relative to the patch's lines
+    assert result.content == b"def f():\n    a = 1\n    if a:\n      a += 1\n    return a\n"
+
+
+def test_strip_grade_shifts_left_when_the_patch_is_indented_more() -> None:
+    original = b"if x:\n  a = 1\n  b = 2\n"
+    hunk = _hunk(_lines("\ta = 1", "\tb = 2"), _lines("\ta = 1", "\tc = 3", "\tb = 2"))
+    with pytest.raises(IndentationMismatch, match="tabs against spaces"):
+        apply_hunks(original, [hunk], path="f.py")
+    hunk = _hunk(_lines("      a = 1", "      b = 2"), _lines("      a = 1", "      c = 3", "      b = 2"))
+    result = apply_hunks(original, [hunk], path="f.py")
+    assert result.content == b"if x:\n  a = 1\n  c = 3\n  b = 2\n"
+
+
+def test_a_shift_left_past_an_added_line_s_indentation_is_refused() -> None:
+    original = b"a = 1\nb = 2\n"
+    hunk = _hunk(_lines("    a = 1", "    b = 2"), _lines("    a = 1", "c = 3", "    b = 2"))
+    with pytest.raises(IndentationMismatch, match="fewer"):
+        apply_hunks(original, [hunk], path="f.py")
 
 
 def test_punct_grade_folds_unicode_punctuation() -> None:
@@ -143,9 +174,21 @@ def test_hunks_match_in_order_without_overlap() -> None:
     original = _text("a", "b", "c", "d")
     h1 = _hunk(_lines("c"), _lines("C"))
     h2 = _hunk(_lines("a"), _lines("A"))
+    # Issue 24: a hunk without line numbers found once before the previous one's match is
+    # taken there, as codex takes it (this used to be refused: hunks in file order).
+    assert apply_hunks(original, [h1, h2], path="f").content == _text("A", "b", "C", "d")
+    # ... but never over a line an earlier hunk changes.
     with pytest.raises(ContextNotFound) as info:
-        apply_hunks(original, [h1, h2], path="f")
+        apply_hunks(original, [_hunk(_lines("b", "c"), _lines("B", "c")), _hunk(_lines("c"), _lines("X"))],
+                    path="f")
     assert info.value.details["hunk"] == 2
+    # ... nor where it is ambiguous
+    with pytest.raises(ContextNotFound):
+        apply_hunks(_text("a", "b", "a", "c"), [_hunk(_lines("c"), _lines("C")), h2], path="f")
+    # with line numbers (unified diffs), the file order is still the rule
+    with pytest.raises(ContextNotFound):
+        apply_hunks(original, [_hunk(_lines("c"), _lines("C"), old_start=3), _hunk(_lines("a"), _lines("A"), old_start=1)],
+                    path="f")
     # 'a' alone would be ambiguous; after hunk 1's match only one 'a' is left to find.
     first = _hunk(_lines("a", "b"), _lines("A", "b"))
     both = apply_hunks(_text("a", "b", "a"), [first, h2], path="f")
@@ -195,8 +238,9 @@ def test_ambiguous_scope_is_fine_when_the_hunk_resolves_it() -> None:
         (b"self.y = 2",), (b"self.y = 3",), scopes=(b"def __init__(self):",), eol_agnostic=True
     )
     result = apply_hunks(CLASSES, [hunk], path="c.py")
-    # only class B's __init__ leads to 'self.y = 2'; the added line is the patch's text
-    assert result.content == CLASSES.replace(b"        self.y = 2\n", b"self.y = 3\n")
+    # only class B's __init__ leads to 'self.y = 2'; the added line takes the matched
+    # line's indentation (issue 24: it used to keep the patch's, at column 0)
+    assert result.content == CLASSES.replace(b"        self.y = 2\n", b"        self.y = 3\n")
     assert result.grades == ("strip",)
 
 
