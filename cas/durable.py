@@ -173,7 +173,8 @@ def append_durable(path: str, data: bytes, *, sync: bool = True) -> None:
     """
     created = not os.path.exists(path)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_CLOEXEC, 0o644)
+        # O_NOFOLLOW: a log replaced by a symlink is refused, never appended through.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
         try:
             _write_all(fd, data)
             if sync:

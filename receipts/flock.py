@@ -26,6 +26,10 @@ from receipts.errors import InProgress
 
 __all__ = ["FileLock", "flocked", "held_elsewhere"]
 
+#: ``O_NOFOLLOW``: a symlink planted as a lock file is refused (``ELOOP``), never
+#: followed to lock -- or, with ``O_CREAT``, create -- its target (as filelock's Unix backend).
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 class FileLock:
     """An exclusive flock on ``path`` (created if missing); see the module docstring.
@@ -48,7 +52,7 @@ class FileLock:
         """Take the lock, waiting up to ``timeout`` seconds; ``False`` when it stayed held."""
         if self._fd is not None:
             raise RuntimeError(f"lock '{self.path}' is already held by this object")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(self.path, _LOCK_FLAGS, 0o644)
         deadline = time.monotonic() + timeout
         delay = poll
         while True:
@@ -74,7 +78,7 @@ class FileLock:
                 now = None
             if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 os.close(fd)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+                fd = os.open(self.path, _LOCK_FLAGS, 0o644)
                 continue
             self._fd = fd
             return True

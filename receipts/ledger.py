@@ -181,18 +181,19 @@ class Ledger:
         own = complete or (obj is None and _own_prefix(data, seq, prev))
         return TornTail(good_len, data, complete, own)
 
-    def append(self, event: dict[str, Any], *, sync: bool = True) -> dict[str, Any]:
+    def append(self, event: dict[str, Any], *, sync: bool = True, wait: float | None = None) -> dict[str, Any]:
         """Append ``event`` (seq and prev filled in) durably; return the stored object.
 
         ``sync=False``: not fsynced here; the caller syncs :attr:`path` before
-        relying on the event (a batch's last round).
+        relying on the event (a batch's last round).  ``wait``: seconds to wait
+        for the ledger lock (default :attr:`lock_timeout`; 0: only if free now).
 
         Raises:
             InProgress: the ledger lock could not be taken in time.
             DurableWriteError: the append failed.
         """
         os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
-        with flocked(self.lock_path, self.lock_timeout):
+        with flocked(self.lock_path, self.lock_timeout if wait is None else wait):
             seq, prev, good_len = self._tail()
             try:
                 size = os.path.getsize(self.path)
@@ -205,9 +206,12 @@ class Ledger:
                 seq, prev = seq + 1, sha256_hex(torn.data)
             elif torn is not None:
                 # Torn tail from a crash mid-append: not an event; cut it off.
-                with open(self.path, "r+b") as fh:
-                    fh.truncate(good_len)
-                    os.fsync(fh.fileno())
+                fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    os.ftruncate(fd, good_len)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             stored = dict(event)
             stored["seq"] = seq + 1
             stored["prev"] = prev
@@ -215,7 +219,7 @@ class Ledger:
             return stored
 
     def append_receipt_event(self, event: str, receipt: Receipt, *, sync: bool = True, digest: str | None = None,
-                             **fields: Any) -> dict[str, Any]:
+                             wait: float | None = None, **fields: Any) -> dict[str, Any]:
         """Append ``event`` for ``receipt``; ``digest``: its digest when the caller has it at hand.
 
         Raises:
@@ -235,7 +239,7 @@ class Ledger:
             "receipt_sha256": digest if digest is not None else receipt.digest,
         }
         doc.update(fields)
-        return self.append(doc, sync=sync)
+        return self.append(doc, sync=sync, wait=wait)
 
     def events(self) -> Iterator[dict[str, Any]]:
         """Every complete event, in order (a torn last line is skipped).

@@ -16,6 +16,7 @@ skipped or overwritten silently.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
@@ -24,15 +25,28 @@ from cas.record import record
 from cas.errors import UsageError
 from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_regular
 from receipts import jsonio
-from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress
+from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
 from receipts.flock import FileLock
 from receipts.identity import key_hash
 from receipts.ledger import Ledger
 from receipts.receipt import DIGEST_FIELD, Receipt, parse_receipt, receipt_doc_bytes
 
-__all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT", "FILE_MISSING"]
+__all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT", "FILE_MISSING", "MAX_RECEIPT_BYTES",
+           "TRANSIENT_ERRNOS"]
 
 DEFAULT_LOCK_TIMEOUT = 30.0
+
+#: The largest receipt file read.  A receipt holds one output (about 130 bytes and its path) and
+#: one touched path per path of its patch; the smallest way to name a path in a patch
+#: (``*** Delete File: p``) costs about 19 bytes, so a receipt is at most about 7 times its
+#: patch (measured: 300 deletions, a 6,522-byte patch, a 40,163-byte receipt), and a patch at
+#: most 64 MiB (ONCEPATCH_MAX_PATCH_BYTES).  Anything larger was not written by a call:
+#: refused by its size (fstat), never read.
+MAX_RECEIPT_BYTES = int(os.environ.get("ONCEPATCH_MAX_RECEIPT_BYTES", str(512 << 20)))
+
+#: Read errors that may pass: a retry may read the file (``io_error``, exit 5), not a corrupt store.
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EINTR, errno.ENOMEM, errno.EAGAIN, errno.ENFILE,
+                              errno.EMFILE, errno.ENOBUFS})
 
 #: The reason given for a key the ledger records a receipt of, whose receipt file is gone.
 FILE_MISSING = "the ledger records this key's receipt, but its file is missing"
@@ -53,7 +67,9 @@ def read_receipt_file(path: str) -> bytes:
 
     Raises:
         FileNotFoundError: there is none.
-        CorruptReceipt: a symlink, a folder, a FIFO or anything else, or unreadable.
+        CorruptReceipt: a symlink, a folder, a FIFO or anything else, larger than
+            :data:`MAX_RECEIPT_BYTES` (refused unread), or unreadable.
+        ReadFailed: a read error that may pass (:data:`TRANSIENT_ERRNOS`): retryable.
     """
     try:
         fd = open_regular(path)
@@ -64,15 +80,24 @@ def read_receipt_file(path: str) -> bytes:
     except NotRegularFile:
         raise CorruptReceipt(path, "not a regular file") from None
     except OSError as exc:
+        if exc.errno in TRANSIENT_ERRNOS:
+            raise ReadFailed(path, exc) from None
         reason = "a symlink, not a receipt file" if os.path.islink(path) else f"cannot be read ({exc.strerror})"
         raise CorruptReceipt(path, reason) from None
     try:
         size = os.fstat(fd).st_size
+        if size > MAX_RECEIPT_BYTES:
+            raise CorruptReceipt(path, f"{size} bytes, more than a receipt can hold ({MAX_RECEIPT_BYTES}): "
+                                       "refused unread")
         data = os.read(fd, size + 1)  # one read, as a rule
         while len(data) > size and (more := os.read(fd, 1 << 20)):  # it grew meanwhile
             data += more
+            if len(data) > MAX_RECEIPT_BYTES:
+                raise CorruptReceipt(path, f"more than a receipt can hold ({MAX_RECEIPT_BYTES} bytes)")
         return data
     except OSError as exc:
+        if exc.errno in TRANSIENT_ERRNOS:
+            raise ReadFailed(path, exc) from None
         raise CorruptReceipt(path, f"cannot be read ({exc.strerror})") from None
     finally:
         os.close(fd)
@@ -107,6 +132,10 @@ def check_store_root(root: str) -> None:
     """
     from cas.errors import UsageError
 
+    with contextlib.suppress(OSError):
+        if stat.S_ISLNK(os.lstat(root).st_mode) and os.path.exists(root):
+            # Followed, it would steer every receipt and lock into the folder it names.
+            raise UsageError(f"cannot use the store '{root}': it is a symlink (name the folder itself)")
     path = root
     while True:
         try:
@@ -159,12 +188,41 @@ class ReceiptStore:
 
     # -- folders ---------------------------------------------------------------
 
+    def check_folders(self, path: str, *, before_any_effect: bool = False) -> None:
+        """Refuse a store folder on the way from the root to ``path`` that is a symlink or no folder.
+
+        ``receipts/``, ``locks/``, ``tmp/`` or a shard folder replaced by a
+        symlink would steer writes (and reads) outside the store: it is
+        evidence of a store changed by hand, never followed.  Missing folders
+        are fine (made when first written to, by ``mkdir``, which follows nothing).
+        ``before_any_effect``: the caller has started nothing (the error says ``not_started``).
+
+        Raises:
+            CorruptReceipt: a folder on the way is a symlink or something else.
+        """
+        rel = os.path.relpath(path, self.root)
+        here = self.root
+        for part in [] if rel == "." else rel.split(os.sep):
+            here = os.path.join(here, part)
+            try:
+                st = os.lstat(here)
+            except FileNotFoundError:
+                return
+            status = "not_started" if before_any_effect else None
+            if stat.S_ISLNK(st.st_mode):
+                raise CorruptReceipt(here, "a symlink, not a store folder", effect_status=status)
+            if not stat.S_ISDIR(st.st_mode) and here != path:
+                raise CorruptReceipt(here, "not a folder", effect_status=status)
+            if not stat.S_ISDIR(st.st_mode):
+                return  # the file itself (a receipt): its reader opens it without following
+
     def _ensure_dir(self, path: str) -> None:
         """Create ``path`` and its missing parents, syncing each parent that gained an entry.
 
         Raises:
             UsageError: a folder cannot be made there (no such place, no permission): nothing was written.
         """
+        self.check_folders(path)
         if os.path.isdir(path):
             return
         parent = os.path.dirname(path)
@@ -186,7 +244,13 @@ class ReceiptStore:
 
         The lock is an flock on ``locks/<h>.lock``: the kernel drops it when the
         holder dies, so a crashed owner never leaves the key stuck.
+
+        Raises:
+            CorruptReceipt: a store folder on the way to the key's lock or
+                receipt is a symlink (:meth:`check_folders`); nothing was started.
         """
+        self.check_folders(self.locks_dir, before_any_effect=True)
+        self.check_folders(self.path_for_hash(key_hash(key)), before_any_effect=True)
         self._ensure_dir(self.locks_dir)
         lk = FileLock(self.lock_path(key))
         try:
@@ -213,14 +277,20 @@ class ReceiptStore:
 
     # -- receipts --------------------------------------------------------------
 
-    def read(self, key: str) -> Receipt | None:
+    def read(self, key: str, *, before_any_effect: bool = False) -> Receipt | None:
         """The verified receipt of ``key``, or ``None`` when there is none.
 
+        ``before_any_effect``: the caller has started nothing yet (a refused
+        store folder says ``not_started``: :meth:`check_folders`).
+
         Raises:
-            CorruptReceipt: the file exists but fails verification.
+            CorruptReceipt: the file exists but fails verification, or a store
+                folder on the way is a symlink.
+            ReadFailed: a read error that may pass.
         """
         h = key_hash(key)
         try:
+            self.check_folders(self.path_for_hash(h), before_any_effect=before_any_effect)
             return self.read_hash(h)
         except CorruptReceipt as exc:
             if exc.key is None:
@@ -229,6 +299,7 @@ class ReceiptStore:
 
     def read_hash(self, h: str) -> Receipt | None:
         path = self.path_for_hash(h)
+        self.check_folders(path)
         try:
             data = read_receipt_file(path)
         except FileNotFoundError:
@@ -256,6 +327,7 @@ class ReceiptStore:
     def _write(self, receipt: Receipt, event: str | None, before_replace: Callable[[], None] | None,
                batch: DurableBatch | None, fields: dict[str, object]) -> str:
         path = self.path_for_hash(key_hash(receipt.key))
+        self.check_folders(path)
         doc = receipt.to_doc()
         data = receipt_doc_bytes(doc)
         batch = batch if batch is not None else DurableBatch()
@@ -307,6 +379,7 @@ class ReceiptStore:
 
     def receipt_paths(self) -> list[str]:
         """Every receipt file's path, in file order (shard, then name), unread."""
+        self.check_folders(self.receipts_dir)
         try:
             shards = sorted(os.listdir(self.receipts_dir))
         except FileNotFoundError:
@@ -316,7 +389,10 @@ class ReceiptStore:
         out: list[str] = []
         for shard in shards:
             folder = os.path.join(self.receipts_dir, shard)
-            if len(shard) != 2 or not os.path.isdir(folder):
+            if len(shard) != 2:
+                continue
+            self.check_folders(folder)
+            if not os.path.isdir(folder):
                 continue
             out += [os.path.join(folder, name) for name in sorted(os.listdir(folder))
                     if name.endswith(".json") and not name.startswith(".")]
