@@ -253,15 +253,21 @@ def _progress(report: RecoveryReport, progress: Callable[[int], None] | None) ->
 
 
 def _ledger_digests(store: ReceiptStore) -> tuple[set[str], set[str]]:
-    """The receipt digests the ledger records, and the keys its events name."""
+    """The receipt digests the ledger records, and the keys its events name (less quarantined ones)."""
     digests: set[str] = set()
     keys: set[str] = set()
+    quarantined: set[str] = set()
     for e in store.ledger.events():
         digests.add(str(e.get("receipt_sha256")))
         key = e.get("key")
         if isinstance(key, str):
             keys.add(key)
-    return digests, keys
+            # A key whose last event is `quarantined` has no receipt file by a person's choice.
+            if e.get("event") == "quarantined":
+                quarantined.add(key)
+            else:
+                quarantined.discard(key)
+    return digests, keys - quarantined
 
 
 def _missing_receipts(store: ReceiptStore, paths: list[str], keys: set[str]) -> list[dict[str, Any]]:

@@ -147,3 +147,54 @@ def test_the_next_call_does_not_replay_a_key_ref_the_branch_never_held(tmp_path:
     assert repo.head() == head
     r = ReceiptStore(str(repo.store)).read("forged")
     assert r is not None and r.status == "prepared"
+
+
+# -- quarantine: a person moves the evidence aside ---------------------------------------------------
+
+
+def _quarantine(repo: Repo, *args: str) -> object:
+    return run_cli("quarantine", *args, "--repo", str(repo.path), "--json")
+
+
+def test_quarantining_a_ledger_that_lost_events_keeps_it_and_verify_says_so(tmp_path: Path) -> None:
+    repo = _committed(tmp_path, 3)
+    ledger = repo.store / "events.jsonl"
+    damaged = b"".join(_lines(repo)[:1])
+    ledger.write_bytes(damaged)
+    assert _recover(repo).code == 6  # type: ignore[attr-defined]
+    q = _quarantine(repo, "--ledger", "--note", "cut by hand")
+    assert q.code == 0, q.out + q.err  # type: ignore[attr-defined]
+    record = q.json["quarantined"]  # type: ignore[attr-defined]
+    assert record["what"] == "ledger" and sorted(record["adopted"]) == ["k0", "k1", "k2"]
+    moved = repo.store / record["to"]
+    assert moved.read_bytes() == damaged  # the evidence, byte for byte, never deleted
+    assert record["file_sha256"] == hashlib.sha256(damaged).hexdigest()
+    first = _lines(repo)[0]
+    assert b'"event":"quarantined"' in first and record["to"].encode() in first
+    v = _verify(repo)
+    assert v.code == 0, v.out + v.err  # type: ignore[attr-defined]
+    assert [qq["to"] for qq in v.json["quarantined"]] == [record["to"]]  # type: ignore[attr-defined]
+    text = run_cli("verify", "--repo", str(repo.path))
+    assert text.code == 0 and "quarantined: ledger moved to" in text.out
+    assert _recover(repo).json["changed"] is False  # type: ignore[attr-defined]
+
+
+def test_quarantining_a_corrupt_receipt_moves_it_aside_and_the_key_is_refused_clearly(tmp_path: Path) -> None:
+    repo = _committed(tmp_path, 2)
+    path = Path(ReceiptStore(str(repo.store)).receipt_path("k1"))
+    path.write_bytes(b"garbage\n")
+    assert _verify(repo).code == 6  # type: ignore[attr-defined]
+    assert _quarantine(repo).code == 2  # type: ignore[attr-defined]  # neither a key nor --ledger
+    q = _quarantine(repo, "k1")
+    assert q.code == 0, q.out + q.err  # type: ignore[attr-defined]
+    record = q.json["quarantined"]  # type: ignore[attr-defined]
+    assert not path.exists() and (repo.store / record["to"]).read_bytes() == b"garbage\n"
+    assert (repo.store / record["to"]).parent.parent.joinpath("record.json").exists()
+    v = _verify(repo)
+    assert v.code == 0, v.out + v.err  # type: ignore[attr-defined]
+    assert [(x["what"], x["key"]) for x in v.json["quarantined"]] == [("receipt", "k1")]  # type: ignore[attr-defined]
+    head = repo.head()
+    again = _apply(repo, 1, "k1")  # its change is on the branch, its receipt aside: refused, not re-applied
+    assert again.code == 3 and "no receipt" in again.json["error"]["message"]  # type: ignore[attr-defined]
+    assert repo.head() == head
+    assert _quarantine(repo, "k1").code == 2  # type: ignore[attr-defined]  # nothing left to move
