@@ -20,6 +20,7 @@ import errno
 import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from cas.record import record
 from cas.errors import UsageError
@@ -160,6 +161,10 @@ class ReceiptStore:
     """Receipts, locks and the ledger of one store folder.
 
     Cheap to construct; folders are created on first write.
+
+    Raises:
+        UsageError: the root is a file, lies under one, or is a symlink (:func:`check_store_root`).
+        CorruptReceipt: ``receipts/``, ``locks/`` or ``tmp/`` is a symlink (:meth:`check_folders`).
     """
 
     def __init__(self, root: str) -> None:
@@ -169,6 +174,9 @@ class ReceiptStore:
         self.locks_dir = os.path.join(self.root, "locks")
         self.tmp_dir = os.path.join(self.root, "tmp")
         self.ledger = Ledger(os.path.join(self.root, "events.jsonl"), self._ledger_lock_path())
+        for folder in (self.receipts_dir, self.locks_dir, self.tmp_dir):
+            # Refused before anything is read or written (tmp/ too: check worktrees are made there).
+            self.check_folders(folder, before_any_effect=True)
         self._written: dict[str, bytes] = {}  # path -> bytes of the prepared receipt this object wrote last
 
     # -- paths -----------------------------------------------------------------
@@ -325,7 +333,7 @@ class ReceiptStore:
         return self._write(receipt, event, before_replace, batch, fields)
 
     def _write(self, receipt: Receipt, event: str | None, before_replace: Callable[[], None] | None,
-               batch: DurableBatch | None, fields: dict[str, object]) -> str:
+               batch: DurableBatch | None, fields: dict[str, Any]) -> str:
         path = self.path_for_hash(key_hash(receipt.key))
         self.check_folders(path)
         doc = receipt.to_doc()

@@ -47,13 +47,13 @@ def repo(tmp_path: Path) -> Repo:
     return make_repo(tmp_path / "repo", {"README": "hello\n"})
 
 
-@pytest.mark.parametrize("folder", ["receipts", "shard", "locks"])
+@pytest.mark.parametrize("folder", ["receipts", "shard", "locks", "tmp"])
 def test_a_symlinked_store_folder_is_refused_not_followed(repo: Repo, tmp_path: Path, folder: str) -> None:
     first = _apply(repo, "first", patch=b"--- /dev/null\n+++ b/other\n@@ -0,0 +1 @@\n+x\n")
     assert first.code == 0, first.err
     outside = tmp_path / "outside"
     outside.mkdir()
-    target = {"receipts": repo.store / "receipts", "locks": repo.store / "locks",
+    target = {"receipts": repo.store / "receipts", "locks": repo.store / "locks", "tmp": repo.store / "tmp",
               "shard": repo.store / "receipts" / h("k")[:2]}[folder]
     if target.exists():
         for p in sorted(target.rglob("*"), reverse=True):
@@ -66,7 +66,7 @@ def test_a_symlinked_store_folder_is_refused_not_followed(repo: Repo, tmp_path: 
     assert "symlink" in r.json["error"]["message"] and r.json["error"]["effect_status"] == "not_started"
     assert _outside_unchanged(outside) == []  # nothing written where it points
     assert snapshot(repo) == before
-    if folder != "locks":
+    if folder not in ("locks", "tmp"):
         v = run_cli("verify", "--repo", str(repo.path), "--json")
         assert v.code == 6 and "symlink" in v.out, v.out + v.err
 
