@@ -66,8 +66,11 @@ class VerifyReport:
         return not self.failures
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "receipts": self.receipts, "ledger_events": self.ledger_events,
-                "failures": [f.to_json() for f in self.failures], "quarantined": self.quarantined}
+        doc: dict[str, Any] = {"ok": self.ok, "receipts": self.receipts, "ledger_events": self.ledger_events,
+                               "failures": [f.to_json() for f in self.failures]}
+        if self.quarantined:
+            doc["quarantined"] = self.quarantined
+        return doc
 
 
 def verify(
