@@ -259,6 +259,10 @@ class ReceiptStore:
         """
         self.check_folders(self.locks_dir, before_any_effect=True)
         self.check_folders(self.path_for_hash(key_hash(key)), before_any_effect=True)
+        ledger_lock = self._ledger_lock_path()
+        if os.path.islink(ledger_lock):
+            # The call would write its receipt, then fail to note it (O_NOFOLLOW): refuse first.
+            raise CorruptReceipt(ledger_lock, "a symlink, not a lock file", effect_status="not_started", key=key)
         self._ensure_dir(self.locks_dir)
         lk = FileLock(self.lock_path(key))
         try:

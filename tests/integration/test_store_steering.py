@@ -171,3 +171,16 @@ def test_a_transient_read_error_through_the_api_is_io_error(repo: Repo, monkeypa
     assert snapshot(repo) == before
     again = patcher.apply(str(repo.path), PATCH, key="k")
     assert again.replayed and again.commit == first.commit
+
+
+def test_a_symlinked_ledger_lock_is_refused_before_anything_is_written(repo: Repo, tmp_path: Path) -> None:
+    locks = repo.store / "locks"
+    locks.mkdir(parents=True)
+    target = tmp_path / "created-by-the-ledger-lock"
+    (locks / "ledger.lock").symlink_to(target)
+    before = snapshot(repo)
+    r = _apply(repo, "k")
+    assert r.code == 6, r.out + r.err
+    err = r.json["error"]
+    assert (err["type"], err["effect_status"]) == ("corrupt_receipt", "not_started") and "symlink" in err["message"]
+    assert not target.exists() and snapshot(repo) == before
