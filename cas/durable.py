@@ -631,8 +631,8 @@ class NotRegularFile(OSError):
     """A path that :func:`open_regular` refuses: a folder, a FIFO, a device, a socket."""
 
 
-def open_regular(path: str) -> int:
-    """A descriptor of the regular file ``path``, open for reading.
+def open_regular(path: str, *, dir_fd: int | None = None) -> int:
+    """A descriptor of the regular file ``path`` (relative to ``dir_fd`` if given), open for reading.
 
     Opened without following a symlink and without blocking on a FIFO put in
     its place (it would hang the reader); the descriptor is blocking again.
@@ -642,7 +642,7 @@ def open_regular(path: str) -> int:
         NotRegularFile: something else is there.
         OSError: a symlink (``ELOOP``), or it cannot be opened.
     """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _O_NOFOLLOW | _O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NotRegularFile(f"'{path}' is not a regular file")

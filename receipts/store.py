@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from cas.record import record
-from cas.errors import UsageError
-from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_regular
+from cas.errors import UnsafeWorktreePath, UsageError
+from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_dir_nofollow, open_regular
 from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
 from receipts.flock import FileLock
@@ -63,8 +63,10 @@ class StoredReceipt:
     error: CorruptReceipt | None
 
 
-def read_receipt_file(path: str) -> bytes:
+def read_receipt_file(path: str, *, dir_fd: int | None = None) -> bytes:
     """The bytes of the receipt file ``path``, which must be a regular file (:func:`cas.durable.open_regular`).
+
+    ``dir_fd``: its folder, already open (the file is opened by its name in it).
 
     Raises:
         FileNotFoundError: there is none.
@@ -73,7 +75,7 @@ def read_receipt_file(path: str) -> bytes:
         ReadFailed: a read error that may pass (:data:`TRANSIENT_ERRNOS`): retryable.
     """
     try:
-        fd = open_regular(path)
+        fd = open_regular(os.path.basename(path), dir_fd=dir_fd) if dir_fd is not None else open_regular(path)
     except FileNotFoundError:
         if os.path.islink(path):
             raise CorruptReceipt(path, "a symlink, not a receipt file") from None
@@ -131,7 +133,7 @@ def check_store_root(root: str) -> None:
 
     A missing folder is made when first written to.
     """
-    from cas.errors import UsageError
+    from cas.errors import UnsafeWorktreePath, UsageError
 
     with contextlib.suppress(OSError):
         if stat.S_ISLNK(os.lstat(root).st_mode) and os.path.exists(root):
@@ -313,10 +315,28 @@ class ReceiptStore:
         path = self.path_for_hash(h)
         self.check_folders(path)
         try:
-            data = read_receipt_file(path)
+            # Through descriptors reached without following a symlink: a folder swapped for
+            # one after the check above is refused, not read through.
+            with self._folder_fd(os.path.dirname(path)) as dfd:
+                data = read_receipt_file(path, dir_fd=dfd)
         except FileNotFoundError:
             return None
         return parse_receipt(data, path=path, expected_key_hash=h)
+
+    @contextlib.contextmanager
+    def _folder_fd(self, folder: str) -> Iterator[int]:
+        """A descriptor of the store folder ``folder``, reached from the root without following a symlink.
+
+        Raises:
+            FileNotFoundError: it does not exist.
+            CorruptReceipt: a folder on the way is a symlink or no folder.
+        """
+        with contextlib.ExitStack() as stack:
+            try:
+                fd = stack.enter_context(open_dir_nofollow(self.root, os.path.relpath(folder, self.root)))
+            except UnsafeWorktreePath:
+                raise CorruptReceipt(folder, "a symlink, not a store folder") from None
+            yield fd
 
     def write(self, receipt: Receipt, *, before_replace: Callable[[], None] | None = None,
               batch: DurableBatch | None = None) -> str:

@@ -184,3 +184,18 @@ def test_a_symlinked_ledger_lock_is_refused_before_anything_is_written(repo: Rep
     err = r.json["error"]
     assert (err["type"], err["effect_status"]) == ("corrupt_receipt", "not_started") and "symlink" in err["message"]
     assert not target.exists() and snapshot(repo) == before
+
+
+def test_a_shard_swapped_for_a_symlink_after_the_check_is_not_read_through(
+        repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read goes through folder descriptors opened with O_NOFOLLOW: the lstat check is not the only guard."""
+    assert _apply(repo, "k").code == 0
+    store = ReceiptStore(str(repo.store))
+    shard = Path(store.receipt_path("k")).parent
+    outside = tmp_path / "outside"
+    shard.rename(outside)
+    shard.symlink_to(outside, target_is_directory=True)
+    monkeypatch.setattr(ReceiptStore, "check_folders", lambda self, path, **kw: None)  # the swap came after it
+    with pytest.raises(CorruptReceipt) as exc:
+        store.read("k")
+    assert "symlink" in exc.value.reason
