@@ -173,7 +173,8 @@ def append_durable(path: str, data: bytes, *, sync: bool = True) -> None:
     """
     created = not os.path.exists(path)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_CLOEXEC, 0o644)
+        # O_NOFOLLOW: a log replaced by a symlink is refused, never appended through.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
         try:
             _write_all(fd, data)
             if sync:
@@ -544,8 +545,8 @@ class NotRegularFile(OSError):
     """A path that :func:`open_regular` refuses: a folder, a FIFO, a device, a socket."""
 
 
-def open_regular(path: str) -> int:
-    """A descriptor of the regular file ``path``, open for reading.
+def open_regular(path: str, *, dir_fd: int | None = None) -> int:
+    """A descriptor of the regular file ``path`` (relative to ``dir_fd`` if given), open for reading.
 
     Opened without following a symlink and without blocking on a FIFO put in
     its place (it would hang the reader); the descriptor is blocking again.
@@ -555,7 +556,7 @@ def open_regular(path: str) -> int:
         NotRegularFile: something else is there.
         OSError: a symlink (``ELOOP``), or it cannot be opened.
     """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _O_NOFOLLOW | _O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NotRegularFile(f"'{path}' is not a regular file")

@@ -41,6 +41,7 @@ from cas.pids import gone
 from cas.index_lock import break_dead_own_index_lock, dead_own_index_lock, update_index
 from cas.worktree import index_matches, materialise, worktree_files_match
 from receipts.adapter import QueryResult
+from receipts.errors import CorruptReceipt
 from receipts.flock import file_lock
 from receipts.identity import key_hash
 from receipts.receipt import Receipt
@@ -165,6 +166,14 @@ class GitAdapter:
                 os.unlink(marker)
 
     def query(self, receipt: Receipt) -> QueryResult:
+        """Whether the call of ``receipt`` moved its branch (docs/DESIGN.md section 5).
+
+        Applied only where the branch holds the candidate or its reflog shows it
+        did: the key ref alone is never believed.
+
+        Raises:
+            CorruptReceipt: the key ref points at the candidate, which the branch never held.
+        """
         candidate = receipt.candidate
         if not candidate:
             return QueryResult("not_applied", "crashed_before_commit")
@@ -173,18 +182,27 @@ class GitAdapter:
         self._remove_own_stale_locks(gstore, receipt, notes)
         branch = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
         key_ref = KEY_REF_PREFIX + key_hash(receipt.key)
-        if gstore.resolve(key_ref) == candidate:
-            return QueryResult("applied", "key_ref", self._fields(gstore, candidate, notes))
+        by_key_ref = gstore.resolve(key_ref) == candidate
         if gstore.has_object(candidate):
             tip = gstore.resolve(branch)
             if tip is not None and gstore.is_ancestor(candidate, tip):
-                return QueryResult("applied", "reachable_from_branch", self._fields(gstore, candidate, notes))
+                reason = "key_ref" if by_key_ref else "reachable_from_branch"
+                return QueryResult("applied", reason, self._fields(gstore, candidate, notes))
             # Not reflog_names(): the reflog entry (base -> candidate) is appended *before*
             # renaming <branch>.lock, so a crash between the two leaves the candidate named
             # in the reflog of a branch that never moved.  Only an entry that moves the
             # branch *from* the candidate (a reset or a later move) proves it was there.
             if _reflog_left(gstore.common_dir, branch, candidate):
-                return QueryResult("applied", "named_in_reflog", self._fields(gstore, candidate, notes))
+                reason = "key_ref" if by_key_ref else "named_in_reflog"
+                return QueryResult("applied", reason, self._fields(gstore, candidate, notes))
+        if by_key_ref:
+            # The key ref is created after the branch moved (cas/refs.py), so it never points
+            # at a candidate the branch never held -- unless it was set by hand.  Believing it
+            # would settle as committed a call whose change is on no branch.
+            path = self._rstore.receipt_path(receipt.key) if self._rstore is not None else key_ref
+            raise CorruptReceipt(path, f"key ref '{key_ref}' points at the candidate {candidate[:12]}, which "
+                                       f"branch '{branch}' never held (neither on it nor in its reflog)",
+                                 key=receipt.key)
         return QueryResult("not_applied", "crashed_before_commit", {"notes": notes})
 
     @staticmethod

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator, Mapping
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch
 from cas.errors import DurableWriteError, OncepatchError
-from receipts.errors import FencedOff, IdempotencyConflict, StillUnknown
+from receipts.errors import FencedOff, IdempotencyConflict, InProgress, StillUnknown
 from receipts.identity import check_key, compute_args_sha256, compute_call_id
 from receipts.receipt import Receipt, now_iso
 from receipts.states import needs_resolution
@@ -260,7 +260,7 @@ class Call:
             IdempotencyConflict: the key's receipt is another call's.
             CorruptReceipt: its file fails verification.
         """
-        existing = self.previous = self.store.read(self.key)
+        existing = self.previous = self.store.read(self.key, before_any_effect=True)
         if existing is None:
             return None
         check_same_intent(existing, self.args_sha256, self.key)
@@ -292,16 +292,20 @@ class Call:
     def replay(self, receipt: Receipt) -> tuple[str, ...]:
         """Note the replay of a final receipt in the ledger; a stored rejection is raised again.
 
-        A store this process may read but not write (another user's, read-only)
-        still replays, with a warning (returned): the note records nothing a
-        receipt or verify depends on.
+        A store this process may read but not write (another user's, read-only),
+        or whose ledger lock another process holds, still replays at once, with a
+        warning (returned): the note records nothing a receipt or verify depends on.
 
         Raises:
             OncepatchError: the rejection, rebuilt from its envelope (:func:`error_from_envelope`).
         """
         warnings: tuple[str, ...] = ()
         try:
-            self.store.ledger.append_receipt_event("replayed", receipt)
+            # wait=0: a replay never waits on the ledger lock (a held lock made every replay wait
+            # its whole timeout, then answer in_progress); the note is not worth a wait.
+            self.store.ledger.append_receipt_event("replayed", receipt, wait=0)
+        except InProgress:
+            warnings = ("the replay was not noted in the ledger (its lock is held)",)
         except (OSError, DurableWriteError) as exc:
             warnings = (f"the replay was not noted in the ledger ({exc})",)
         if receipt.status == "rejected":

@@ -13,6 +13,7 @@
     ├── FencedOff              a newer attempt owns the key               exit 5 in_progress
     ├── CorruptReceipt         receipt fails verification on read         exit 6 corrupt_receipt
     ├── CorruptLedger          event ledger line unreadable               exit 6 corrupt_receipt
+    ├── ReadFailed             a transient read error (EIO, EINTR, ...)   exit 5 io_error, retryable
     ├── ReceiptNotFound        no receipt for a key                       exit 2 not_found
     └── (receipts.effects)     generic effects:
         ├── EffectRejected     provably not done (tool said so, or before sending)  exit 4
@@ -45,6 +46,7 @@ __all__ = [
     "FencedOff",
     "CorruptReceipt",
     "CorruptLedger",
+    "ReadFailed",
     "ReceiptNotFound",
 ]
 
@@ -131,6 +133,28 @@ class CorruptLedger(ReceiptError):
     exit_code = EXIT_VERIFY
     default_effect_status = "unknown"
     default_next_action = "none"
+
+
+class ReadFailed(ReceiptError):
+    """A store file could not be read for a reason that may pass (EIO, EINTR, ENOMEM, EAGAIN, ...).
+
+    Not evidence of a changed store: the same call again may read it.  The
+    effect is ``unknown`` to this read (it may come after the call's own
+    effect); a retry with the same key is the safe way to learn it.
+    """
+
+    type = "io_error"
+    exit_code = EXIT_IN_PROGRESS
+    default_retryable = True
+    default_effect_status = "unknown"
+    default_next_action = "retry"
+
+    def __init__(self, path: str, cause: OSError, **kw: Any) -> None:
+        details = dict(kw.pop("details", None) or {})
+        details.setdefault("path", path)
+        details.setdefault("errno", cause.errno)
+        super().__init__(f"cannot read '{path}' now ({cause.strerror or cause}): retry", details=details, **kw)
+        self.path = path
 
 
 class ReceiptNotFound(ReceiptError):

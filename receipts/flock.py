@@ -28,6 +28,10 @@ from receipts.errors import InProgress
 
 __all__ = ["file_lock", "flocked", "held_elsewhere"]
 
+#: ``O_NOFOLLOW``: a symlink planted as a lock file is refused (``ELOOP``), never
+#: followed to lock -- or, with ``O_CREAT``, create -- its target (as filelock's Unix backend).
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 def file_lock(path: str) -> filelock.FileLock:
     """An unheld flock lock on ``path`` (the file is created when first acquired).

@@ -8,7 +8,15 @@ the chain at that line, which :meth:`Ledger.verify_chain` reports.
 Appends happen under ``locks/ledger.lock`` and are fsynced.  A crash during an
 append can leave a torn last line (no newline): it is not an event (the
 receipt write it follows already happened, durably), so the next append
-under the lock truncates it away before writing, and readers skip it.
+under the lock truncates it away before writing, and readers skip it.  A
+torn line that is a whole event chained onto the line before it (only the
+newline was lost) is kept: the next append completes it with its newline.
+
+:meth:`Ledger.torn_tail` tells a torn line of the ledger's *own* (a crash
+mid-append: a prefix of an event that chains onto the last full line) from
+anything else; only its own is ever repaired (``recover``), anything else is
+evidence of a ledger changed by hand and is left for a person
+(``oncepatch quarantine --ledger``, docs/RECOVERY.md).
 """
 
 from __future__ import annotations
@@ -26,16 +34,64 @@ from receipts.errors import CorruptLedger
 from receipts.flock import flocked
 from receipts.receipt import Receipt, now_iso
 
-__all__ = ["Ledger", "LedgerProblem", "GENESIS"]
+__all__ = ["Ledger", "LedgerProblem", "TornTail", "GENESIS"]
 
 GENESIS = "0" * 64
 _TAIL = 1 << 16
+#: A torn line longer than this is no append of ours (an event is a few hundred bytes).
+_TORN_MAX = 1 << 20
+#: Every event's canonical JSON starts with its first key, ``at`` (keys sorted; none sorts before it).
+_EVENT_START = b'{"at":"'
 
 
 @dataclass(frozen=True, slots=True)
 class LedgerProblem:
     line: int
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TornTail:
+    """A last line without its newline: ``offset`` is where it starts (the intact prefix's length).
+
+    ``complete``: a whole event chained onto the line before it (only its newline
+    is missing).  ``own``: a prefix of an event this ledger could have been
+    appending there (see :func:`_own_prefix`): a crash mid-append, repairable.
+    """
+
+    offset: int
+    data: bytes
+    complete: bool
+    own: bool
+
+
+def _field_agrees(data: bytes, name: bytes, value: bytes) -> bool:
+    """Whether every ``"name":`` in the torn ``data`` is followed by ``value`` or a prefix of it."""
+    start = 0
+    while (at := data.find(name, start)) >= 0:
+        rest = data[at + len(name):]
+        seen = rest[:len(value)]
+        if not value.startswith(seen):
+            return False
+        if len(rest) > len(value) and rest[len(value):len(value) + 1] not in (b",", b"}"):
+            return False
+        start = at + len(name)
+    return True
+
+
+def _own_prefix(data: bytes, last_seq: int, prev: str) -> bool:
+    """Whether the torn ``data`` may be the start of the event appended after seq ``last_seq``.
+
+    An event's canonical JSON starts ``{"at":"``, holds no newline, and its
+    ``seq`` and ``prev`` (where the torn bytes reach them) are the next number
+    and the digest of the last full line.  Anything else was not written by an append.
+    """
+    if not data or len(data) > _TORN_MAX or b"\n" in data:
+        return False
+    if not (_EVENT_START.startswith(data) or data.startswith(_EVENT_START)):
+        return False
+    return (_field_agrees(data, b'"prev":', b'"' + prev.encode() + b'"')
+            and _field_agrees(data, b'"seq":', str(last_seq + 1).encode()))
 
 
 def _open_ledger(path: str) -> BinaryIO:
@@ -91,28 +147,68 @@ class Ledger:
                     raise CorruptLedger(f"ledger '{self.path}': last line is unreadable") from exc
                 return seq, sha256_hex(line), start + end + 1
 
-    def append(self, event: dict[str, Any], *, sync: bool = True) -> dict[str, Any]:
+    def torn_tail(self) -> TornTail | None:
+        """The ledger's torn last line, if it has one (see :class:`TornTail`).
+
+        Raises:
+            CorruptLedger: the last full line is unreadable, or the file cannot be read.
+        """
+        seq, prev, good_len = self._tail()
+        return self._torn_after(seq, prev, good_len)
+
+    def _torn_after(self, seq: int, prev: str, good_len: int) -> TornTail | None:
+        try:
+            opened = _open_ledger(self.path)
+        except FileNotFoundError:
+            return None
+        with opened as fh:
+            size = fh.seek(0, os.SEEK_END)
+            if size == good_len:
+                return None
+            fh.seek(good_len)
+            data = fh.read(min(size - good_len, _TORN_MAX + 1))
+        complete = False
+        try:
+            obj = jsonio.loads(data)
+        except Exception:  # noqa: BLE001 - not (yet) JSON: a prefix at best
+            obj = None
+        if isinstance(obj, dict):
+            complete = (obj.get("seq") == seq + 1 and obj.get("prev") == prev
+                        and canonical_json(obj) == data)
+        own = complete or (obj is None and _own_prefix(data, seq, prev))
+        return TornTail(good_len, data, complete, own)
+
+    def append(self, event: dict[str, Any], *, sync: bool = True, wait: float | None = None) -> dict[str, Any]:
         """Append ``event`` (seq and prev filled in) durably; return the stored object.
 
         ``sync=False``: not fsynced here; the caller syncs :attr:`path` before
-        relying on the event (a batch's last round).
+        relying on the event (a batch's last round).  ``wait``: seconds to wait
+        for the ledger lock (default :attr:`lock_timeout`; 0: only if free now).
 
         Raises:
             InProgress: the ledger lock could not be taken in time.
             DurableWriteError: the append failed.
         """
         os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
-        with flocked(self.lock_path, self.lock_timeout):
+        with flocked(self.lock_path, self.lock_timeout if wait is None else wait):
             seq, prev, good_len = self._tail()
             try:
                 size = os.path.getsize(self.path)
             except FileNotFoundError:
                 size = 0
-            if size != good_len:
+            torn = self._torn_after(seq, prev, good_len) if size != good_len else None
+            if torn is not None and torn.complete:
+                # A whole event that lost only its newline: complete it, keep the event.
+                append_durable(self.path, b"\n")
+                seq, prev = seq + 1, sha256_hex(torn.data)
+            elif torn is not None:
                 # Torn tail from a crash mid-append: not an event; cut it off.
-                with open(self.path, "r+b") as fh:
-                    fh.truncate(good_len)
-                    os.fsync(fh.fileno())
+                fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    os.ftruncate(fd, good_len)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             stored = dict(event)
             stored["seq"] = seq + 1
             stored["prev"] = prev
@@ -120,7 +216,7 @@ class Ledger:
             return stored
 
     def append_receipt_event(self, event: str, receipt: Receipt, *, sync: bool = True, digest: str | None = None,
-                             **fields: Any) -> dict[str, Any]:
+                             wait: float | None = None, **fields: Any) -> dict[str, Any]:
         """Append ``event`` for ``receipt``; ``digest``: its digest when the caller has it at hand.
 
         Raises:
@@ -138,7 +234,7 @@ class Ledger:
             "receipt_sha256": digest if digest is not None else receipt.digest,
         }
         doc.update(fields)
-        return self.append(doc, sync=sync)
+        return self.append(doc, sync=sync, wait=wait)
 
     def events(self) -> Iterator[dict[str, Any]]:
         """Every complete event, in order (a torn last line is skipped).

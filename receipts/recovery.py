@@ -9,7 +9,15 @@ is never touched), the tool's adapter is queried:
 * ``not_applied``  → ``rejected``, retryable, reason ``crashed_before_commit``;
 * ``unknown``      → stays ``unknown`` for a person (``oncepatch resolve``).
 
-Then the store is tidied: a torn last ledger line is cut (by appending a
+Recovery never launders: a ledger changed by hand (a chain break, a
+missing genesis, a torn last line that is no append of ours) is reported
+corrupt and nothing is settled; a receipt whose history the ledger does not
+name at all (a ledger that lost events) is reported corrupt, not recorded
+anew; a key ref the branch contradicts is reported corrupt by the adapter.
+A person quarantines such evidence (:mod:`receipts.quarantine`).
+
+Then the store is tidied: the ledger's own torn last line is cut, or
+completed when only its newline is missing (by appending a
 ``ledger_repaired`` event), the ledger gets an event for every receipt whose
 latest state it lacks (a crash between the receipt write and the append),
 and leftovers are removed — only names this project creates, only past an
@@ -38,7 +46,7 @@ from cas.durable import is_own_tmp
 from cas.errors import OncepatchError
 from receipts.adapter import EffectAdapter
 from receipts.engine import settle
-from receipts.errors import CorruptReceipt, StillUnknown
+from receipts.errors import CorruptLedger, CorruptReceipt, StillUnknown
 from receipts.flock import file_lock
 from receipts.identity import key_hash
 from receipts.receipt import Receipt, now_iso, parse_receipt, written_as_is
@@ -53,6 +61,10 @@ __all__ = [
     "receipt_age",
     "DEFAULT_TMP_AGE",
 ]
+
+#: The reason recover gives for a receipt whose history the ledger does not name (it lost events).
+LEDGER_LOST_EVENTS = ("the ledger lacks this receipt's latest state and every earlier event of its key: "
+                      "the ledger lost events")
 
 #: Leftovers younger than this may belong to a live writer: left alone.
 DEFAULT_TMP_AGE = 600.0
@@ -133,19 +145,15 @@ def recover(
     order, from the file read again; the report is the one a single process gives.
     """
     report = RecoveryReport(dry_run=dry_run)
-    if _ledger_tail_torn(store.ledger.path):
-        # A crash mid-append left a torn last line: not an event, and only the next
-        # append cuts it.  verify reports it, so recover makes that append itself
-        # (else "nothing to do" would leave verify failing until some later call).
-        report.removed.append(f"{store.ledger.path} (torn last line)")
-        if not dry_run:
-            store.ledger.append({"event": "ledger_repaired", "at": now_iso(), "reason": "torn_last_line"})
+    if not _check_ledger(store, report, dry_run):
+        return report  # a ledger changed by hand: nothing is settled on it (docs/RECOVERY.md)
     paths = store.receipt_paths()
     if jobs > 1 and len(paths) >= max(1, PARALLEL_MIN if parallel_min is None else parallel_min):
         looks, (ledger_digests, ledger_keys) = _scan_parallel(store, paths, jobs)
     else:
         looks, (ledger_digests, ledger_keys) = None, _ledger_digests(store)
     now = time.time()
+    gaps: list[Receipt] = []
     for i, path in enumerate(paths):
         h = os.path.basename(path)[:-5]
         if looks is not None:
@@ -165,12 +173,79 @@ def recover(
             digest = _settled_digest(data, h)
             if digest and digest in ledger_digests:
                 continue
-        _look_closer(store, adapters, report, dry_run, path, h, data, ledger_digests)
+        _look_closer(store, adapters, report, dry_run, path, h, data, ledger_digests, ledger_keys, gaps)
     report.corrupt += _missing_receipts(store, paths, ledger_keys)
+    _record_gaps(store, report, gaps, dry_run)
     report.removed += _cleanup(store, dry_run, tmp_age, now)
     if extra_cleanup is not None:
         report.removed += extra_cleanup(store, dry_run, tmp_age)
     return report
+
+
+def _check_ledger(store: ReceiptStore, report: RecoveryReport, dry_run: bool) -> bool:
+    """Repair the ledger's own torn last line; ``False`` (reported corrupt) when it was changed by hand.
+
+    A crash mid-append leaves a torn last line that chains onto the intact
+    lines before it: not an event (or one that lost only its newline), and
+    only the next append repairs it.  verify reports it, so recover makes that
+    append itself (else "nothing to do" would leave verify failing until some
+    later call).  Anything else -- a chain break, a missing genesis, a torn
+    line that is no append of ours -- is evidence: recover settles nothing
+    on such a ledger, and a person quarantines it (``oncepatch quarantine --ledger``).
+    """
+    ledger = store.ledger
+    try:
+        torn = ledger.torn_tail()
+        problems = ledger.verify_chain()
+    except CorruptLedger as exc:
+        report.corrupt.append({"path": ledger.path, "reason": exc.message})
+        return False
+    last = len(problems) and problems[-1]
+    if torn is not None and last and last.reason.startswith("torn"):
+        problems.pop()
+    reasons = [f"ledger line {p.line}: {p.reason}" for p in problems]
+    if torn is not None and not torn.own:
+        reasons.append("its last line is torn, and is no event an append could have been writing there")
+    if reasons:
+        report.corrupt += [{"path": ledger.path, "reason": r} for r in reasons]
+        return False
+    if torn is not None:
+        report.removed.append(f"{ledger.path} (torn last line)")
+        if not dry_run:
+            ledger.append({"event": "ledger_repaired", "at": now_iso(),
+                           "reason": "last_line_newline" if torn.complete else "torn_last_line"})
+    return True
+
+
+def _record_gaps(store: ReceiptStore, report: RecoveryReport, gaps: list[Receipt], dry_run: bool) -> None:
+    """Log the receipts a crash left out of the ledger -- none when the ledger lost events.
+
+    One receipt whose history the ledger does not name shows that the ledger
+    lost events: then no gap is filled, since filling the others would make
+    the damaged ledger look whole to verify.
+    """
+    if any(c.get("reason") == LEDGER_LOST_EVENTS for c in report.corrupt):
+        report.ledger_repaired.clear()
+        return
+    if not dry_run:
+        for receipt in gaps:
+            store.ledger.append_receipt_event("recovered", receipt, reason="ledger_gap")
+
+
+def _gap_explained(receipt: Receipt, ledger_keys: set[str]) -> bool:
+    """Whether the ledger lacking ``receipt``'s latest state is what a crash leaves.
+
+    A call renames its receipt, then appends its event: a crash in between
+    leaves that one state out.  Every earlier write of the key was followed
+    by its own append, so the ledger still names the key -- unless the
+    receipt is the key's first and only write (token 1, never rewritten).
+    A receipt with a history the ledger does not name at all is a ledger
+    that lost events (truncated, or replaced): never "repaired" by recording
+    the receipt anew.
+    """
+    if receipt.key in ledger_keys:
+        return True
+    return receipt.fencing_token == 1 and receipt.created_at == receipt.updated_at
 
 
 def _progress(report: RecoveryReport, progress: Callable[[int], None] | None) -> None:
@@ -179,15 +254,21 @@ def _progress(report: RecoveryReport, progress: Callable[[int], None] | None) ->
 
 
 def _ledger_digests(store: ReceiptStore) -> tuple[set[str], set[str]]:
-    """The receipt digests the ledger records, and the keys its events name."""
+    """The receipt digests the ledger records, and the keys its events name (less quarantined ones)."""
     digests: set[str] = set()
     keys: set[str] = set()
+    quarantined: set[str] = set()
     for e in store.ledger.events():
         digests.add(str(e.get("receipt_sha256")))
         key = e.get("key")
         if isinstance(key, str):
             keys.add(key)
-    return digests, keys
+            # A key whose last event is `quarantined` has no receipt file by a person's choice.
+            if e.get("event") == "quarantined":
+                quarantined.add(key)
+            else:
+                quarantined.discard(key)
+    return digests, keys - quarantined
 
 
 def _missing_receipts(store: ReceiptStore, paths: list[str], keys: set[str]) -> list[dict[str, Any]]:
@@ -245,8 +326,10 @@ def _scan_parallel(store: ReceiptStore, paths: list[str], jobs: int
 
 
 def _look_closer(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], report: RecoveryReport,
-                 dry_run: bool, path: str, h: str, data: bytes | CorruptReceipt, ledger_digests: set[str]) -> None:
-    """One receipt file past the first look: verified, then resolved, settled again or logged as needed."""
+                 dry_run: bool, path: str, h: str, data: bytes | CorruptReceipt, ledger_digests: set[str],
+                 ledger_keys: set[str], gaps: list[Receipt]) -> None:
+    """One receipt file past the first look: verified, then resolved, settled again, or put in
+    ``gaps`` to be logged (:func:`_record_gaps`)."""
     if isinstance(data, CorruptReceipt):
         report.corrupt.append({"path": path, "reason": data.reason})
         return
@@ -260,9 +343,11 @@ def _look_closer(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], rep
     elif receipt.status == "committed" and receipt.extra.get("warnings") and not dry_run:
         _settle_again(store, receipt, adapters, report)
     if not needs_resolution(receipt.status) and receipt.digest not in ledger_digests:
+        if not _gap_explained(receipt, ledger_keys):
+            report.corrupt.append({"path": path, "key": receipt.key, "reason": LEDGER_LOST_EVENTS})
+            return
         report.ledger_repaired.append(receipt.key)
-        if not dry_run:
-            store.ledger.append_receipt_event("recovered", receipt, reason="ledger_gap")
+        gaps.append(receipt)
 
 
 def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, EffectAdapter],
@@ -281,6 +366,10 @@ def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, E
             return
         try:
             result = adapter.query(current)
+        except CorruptReceipt as exc:
+            # Git contradicts the evidence (a key ref set by hand): nothing is settled from it.
+            report.corrupt.append({"path": exc.path, "key": current.key, "reason": exc.reason})
+            return
         except OncepatchError as exc:
             # E.g. its repository is gone: this receipt waits; the others are still settled.
             report.skipped.append({"key": current.key, "reason": f"cannot query: {exc.message}"})
@@ -329,18 +418,6 @@ def _settle_again(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, 
     if any(n.startswith(("materialised", "created", "follow-up")) for n in notes):
         report.rows.append(RecoveryRow(receipt.key, receipt.call_id, "committed", "committed",
                                        "follow_up_settled", receipt.commit, tuple(notes)))
-
-
-def _ledger_tail_torn(path: str) -> bool:
-    """Whether the ledger's last byte is not a newline (a crash during an append)."""
-    try:
-        with open(path, "rb") as fh:
-            if fh.seek(0, os.SEEK_END) == 0:
-                return False
-            fh.seek(-1, os.SEEK_END)
-            return fh.read(1) != b"\n"
-    except FileNotFoundError:
-        return False
 
 
 def _old_enough(path: str, tmp_age: float, now: float) -> bool:

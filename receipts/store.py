@@ -16,26 +16,41 @@ skipped or overwritten silently.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import filelock
 import orjson
 
-from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_regular
-from cas.errors import UsageError
+from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_dir_nofollow, open_regular
+from cas.errors import UnsafeWorktreePath, UsageError
 from receipts import jsonio
-from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress
+from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
 from receipts.flock import file_lock
 from receipts.identity import key_hash
 from receipts.ledger import Ledger
 from receipts.receipt import DIGEST_FIELD, Receipt, parse_receipt, receipt_doc_bytes
 
-__all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT", "FILE_MISSING"]
+__all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT", "FILE_MISSING", "MAX_RECEIPT_BYTES",
+           "TRANSIENT_ERRNOS"]
 
 DEFAULT_LOCK_TIMEOUT = 30.0
+
+#: The largest receipt file read.  A receipt holds one output (about 130 bytes and its path) and
+#: one touched path per path of its patch; the smallest way to name a path in a patch
+#: (``*** Delete File: p``) costs about 19 bytes, so a receipt is at most about 7 times its
+#: patch (measured: 300 deletions, a 6,522-byte patch, a 40,163-byte receipt), and a patch at
+#: most 64 MiB (ONCEPATCH_MAX_PATCH_BYTES).  Anything larger was not written by a call:
+#: refused by its size (fstat), never read.
+MAX_RECEIPT_BYTES = int(os.environ.get("ONCEPATCH_MAX_RECEIPT_BYTES", str(512 << 20)))
+
+#: Read errors that may pass: a retry may read the file (``io_error``, exit 5), not a corrupt store.
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EINTR, errno.ENOMEM, errno.EAGAIN, errno.ENFILE,
+                              errno.EMFILE, errno.ENOBUFS})
 
 #: The reason given for a key the ledger records a receipt of, whose receipt file is gone.
 FILE_MISSING = "the ledger records this key's receipt, but its file is missing"
@@ -51,15 +66,19 @@ class StoredReceipt:
     error: CorruptReceipt | None
 
 
-def read_receipt_file(path: str) -> bytes:
+def read_receipt_file(path: str, *, dir_fd: int | None = None) -> bytes:
     """The bytes of the receipt file ``path``, which must be a regular file (:func:`cas.durable.open_regular`).
+
+    ``dir_fd``: its folder, already open (the file is opened by its name in it).
 
     Raises:
         FileNotFoundError: there is none.
-        CorruptReceipt: a symlink, a folder, a FIFO or anything else, or unreadable.
+        CorruptReceipt: a symlink, a folder, a FIFO or anything else, larger than
+            :data:`MAX_RECEIPT_BYTES` (refused unread), or unreadable.
+        ReadFailed: a read error that may pass (:data:`TRANSIENT_ERRNOS`): retryable.
     """
     try:
-        fd = open_regular(path)
+        fd = open_regular(os.path.basename(path), dir_fd=dir_fd) if dir_fd is not None else open_regular(path)
     except FileNotFoundError:
         if os.path.islink(path):
             raise CorruptReceipt(path, "a symlink, not a receipt file") from None
@@ -67,15 +86,24 @@ def read_receipt_file(path: str) -> bytes:
     except NotRegularFile:
         raise CorruptReceipt(path, "not a regular file") from None
     except OSError as exc:
+        if exc.errno in TRANSIENT_ERRNOS:
+            raise ReadFailed(path, exc) from None
         reason = "a symlink, not a receipt file" if os.path.islink(path) else f"cannot be read ({exc.strerror})"
         raise CorruptReceipt(path, reason) from None
     try:
         size = os.fstat(fd).st_size
+        if size > MAX_RECEIPT_BYTES:
+            raise CorruptReceipt(path, f"{size} bytes, more than a receipt can hold ({MAX_RECEIPT_BYTES}): "
+                                       "refused unread")
         data = os.read(fd, size + 1)  # one read, as a rule
         while len(data) > size and (more := os.read(fd, 1 << 20)):  # it grew meanwhile
             data += more
+            if len(data) > MAX_RECEIPT_BYTES:
+                raise CorruptReceipt(path, f"more than a receipt can hold ({MAX_RECEIPT_BYTES} bytes)")
         return data
     except OSError as exc:
+        if exc.errno in TRANSIENT_ERRNOS:
+            raise ReadFailed(path, exc) from None
         raise CorruptReceipt(path, f"cannot be read ({exc.strerror})") from None
     finally:
         os.close(fd)
@@ -106,6 +134,10 @@ def check_store_root(root: str) -> None:
 
     A missing folder is made when first written to.
     """
+    with contextlib.suppress(OSError):
+        if stat.S_ISLNK(os.lstat(root).st_mode) and os.path.exists(root):
+            # Followed, it would steer every receipt and lock into the folder it names.
+            raise UsageError(f"cannot use the store '{root}': it is a symlink (name the folder itself)")
     path = root
     while True:
         try:
@@ -130,6 +162,10 @@ class ReceiptStore:
     """Receipts, locks and the ledger of one store folder.
 
     Cheap to construct; folders are created on first write.
+
+    Raises:
+        UsageError: the root is a file, lies under one, or is a symlink (:func:`check_store_root`).
+        CorruptReceipt: ``receipts/``, ``locks/`` or ``tmp/`` is a symlink (:meth:`check_folders`).
     """
 
     def __init__(self, root: str) -> None:
@@ -139,6 +175,9 @@ class ReceiptStore:
         self.locks_dir = os.path.join(self.root, "locks")
         self.tmp_dir = os.path.join(self.root, "tmp")
         self.ledger = Ledger(os.path.join(self.root, "events.jsonl"), self._ledger_lock_path())
+        for folder in (self.receipts_dir, self.locks_dir, self.tmp_dir):
+            # Refused before anything is read or written (tmp/ too: check worktrees are made there).
+            self.check_folders(folder, before_any_effect=True)
         self._written: dict[str, bytes] = {}  # path -> bytes of the prepared receipt this object wrote last
 
     # -- paths -----------------------------------------------------------------
@@ -158,12 +197,41 @@ class ReceiptStore:
 
     # -- folders ---------------------------------------------------------------
 
+    def check_folders(self, path: str, *, before_any_effect: bool = False) -> None:
+        """Refuse a store folder on the way from the root to ``path`` that is a symlink or no folder.
+
+        ``receipts/``, ``locks/``, ``tmp/`` or a shard folder replaced by a
+        symlink would steer writes (and reads) outside the store: it is
+        evidence of a store changed by hand, never followed.  Missing folders
+        are fine (made when first written to, by ``mkdir``, which follows nothing).
+        ``before_any_effect``: the caller has started nothing (the error says ``not_started``).
+
+        Raises:
+            CorruptReceipt: a folder on the way is a symlink or something else.
+        """
+        rel = os.path.relpath(path, self.root)
+        here = self.root
+        for part in [] if rel == "." else rel.split(os.sep):
+            here = os.path.join(here, part)
+            try:
+                st = os.lstat(here)
+            except FileNotFoundError:
+                return
+            status = "not_started" if before_any_effect else None
+            if stat.S_ISLNK(st.st_mode):
+                raise CorruptReceipt(here, "a symlink, not a store folder", effect_status=status)
+            if not stat.S_ISDIR(st.st_mode) and here != path:
+                raise CorruptReceipt(here, "not a folder", effect_status=status)
+            if not stat.S_ISDIR(st.st_mode):
+                return  # the file itself (a receipt): its reader opens it without following
+
     def _ensure_dir(self, path: str) -> None:
         """Create ``path`` and its missing parents, syncing each parent that gained an entry.
 
         Raises:
             UsageError: a folder cannot be made there (no such place, no permission): nothing was written.
         """
+        self.check_folders(path)
         if os.path.isdir(path):
             return
         parent = os.path.dirname(path)
@@ -185,7 +253,17 @@ class ReceiptStore:
 
         The lock is an flock on ``locks/<h>.lock``: the kernel drops it when the
         holder dies, so a crashed owner never leaves the key stuck.
+
+        Raises:
+            CorruptReceipt: a store folder on the way to the key's lock or
+                receipt is a symlink (:meth:`check_folders`); nothing was started.
         """
+        self.check_folders(self.locks_dir, before_any_effect=True)
+        self.check_folders(self.path_for_hash(key_hash(key)), before_any_effect=True)
+        ledger_lock = self._ledger_lock_path()
+        if os.path.islink(ledger_lock):
+            # The call would write its receipt, then fail to note it (O_NOFOLLOW): refuse first.
+            raise CorruptReceipt(ledger_lock, "a symlink, not a lock file", effect_status="not_started", key=key)
         self._ensure_dir(self.locks_dir)
         lk = file_lock(self.lock_path(key))
         try:
@@ -216,14 +294,20 @@ class ReceiptStore:
 
     # -- receipts --------------------------------------------------------------
 
-    def read(self, key: str) -> Receipt | None:
+    def read(self, key: str, *, before_any_effect: bool = False) -> Receipt | None:
         """The verified receipt of ``key``, or ``None`` when there is none.
 
+        ``before_any_effect``: the caller has started nothing yet (a refused
+        store folder says ``not_started``: :meth:`check_folders`).
+
         Raises:
-            CorruptReceipt: the file exists but fails verification.
+            CorruptReceipt: the file exists but fails verification, or a store
+                folder on the way is a symlink.
+            ReadFailed: a read error that may pass.
         """
         h = key_hash(key)
         try:
+            self.check_folders(self.path_for_hash(h), before_any_effect=before_any_effect)
             return self.read_hash(h)
         except CorruptReceipt as exc:
             if exc.key is None:
@@ -232,11 +316,30 @@ class ReceiptStore:
 
     def read_hash(self, h: str) -> Receipt | None:
         path = self.path_for_hash(h)
+        self.check_folders(path)
         try:
-            data = read_receipt_file(path)
+            # Through descriptors reached without following a symlink: a folder swapped for
+            # one after the check above is refused, not read through.
+            with self._folder_fd(os.path.dirname(path)) as dfd:
+                data = read_receipt_file(path, dir_fd=dfd)
         except FileNotFoundError:
             return None
         return parse_receipt(data, path=path, expected_key_hash=h)
+
+    @contextlib.contextmanager
+    def _folder_fd(self, folder: str) -> Iterator[int]:
+        """A descriptor of the store folder ``folder``, reached from the root without following a symlink.
+
+        Raises:
+            FileNotFoundError: it does not exist.
+            CorruptReceipt: a folder on the way is a symlink or no folder.
+        """
+        with contextlib.ExitStack() as stack:
+            try:
+                fd = stack.enter_context(open_dir_nofollow(self.root, os.path.relpath(folder, self.root)))
+            except UnsafeWorktreePath:
+                raise CorruptReceipt(folder, "a symlink, not a store folder") from None
+            yield fd
 
     def write(self, receipt: Receipt, *, before_replace: Callable[[], None] | None = None,
               batch: DurableBatch | None = None) -> str:
@@ -257,8 +360,9 @@ class ReceiptStore:
         return self._write(receipt, event, before_replace, batch, fields)
 
     def _write(self, receipt: Receipt, event: str | None, before_replace: Callable[[], None] | None,
-               batch: DurableBatch | None, fields: dict[str, object]) -> str:
+               batch: DurableBatch | None, fields: dict[str, Any]) -> str:
         path = self.path_for_hash(key_hash(receipt.key))
+        self.check_folders(path)
         doc = receipt.to_doc()
         data = receipt_doc_bytes(doc)
         batch = batch if batch is not None else DurableBatch()
@@ -310,6 +414,7 @@ class ReceiptStore:
 
     def receipt_paths(self) -> list[str]:
         """Every receipt file's path, in file order (shard, then name), unread."""
+        self.check_folders(self.receipts_dir)
         try:
             shards = sorted(os.listdir(self.receipts_dir))
         except FileNotFoundError:
@@ -319,7 +424,10 @@ class ReceiptStore:
         out: list[str] = []
         for shard in shards:
             folder = os.path.join(self.receipts_dir, shard)
-            if len(shard) != 2 or not os.path.isdir(folder):
+            if len(shard) != 2:
+                continue
+            self.check_folders(folder)
+            if not os.path.isdir(folder):
                 continue
             out += [os.path.join(folder, name) for name in sorted(os.listdir(folder))
                     if name.endswith(".json") and not name.startswith(".")]

@@ -30,6 +30,7 @@ from receipts.errors import CorruptReceipt
 from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.recovery import receipt_age
+from receipts.quarantine import quarantines
 from receipts.store import FILE_MISSING, ReceiptStore, StoredReceipt
 from receipts.workers import spawn_pool, split
 
@@ -57,14 +58,21 @@ class VerifyReport:
     failures: list[Failure] = field(default_factory=list)
     receipts: int = 0
     ledger_events: int = 0
+    #: The store's quarantine records (:func:`receipts.quarantine.quarantines`): reported, never ok-silently.
+    quarantined: list[dict[str, Any]] = field(default_factory=list)
+    #: Keys whose last ledger event is ``quarantined``: no receipt file is expected of them.
+    quarantined_keys: set[str] = field(default_factory=set)
 
     @property
     def ok(self) -> bool:
         return not self.failures
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "receipts": self.receipts, "ledger_events": self.ledger_events,
-                "failures": [f.to_json() for f in self.failures]}
+        doc: dict[str, Any] = {"ok": self.ok, "receipts": self.receipts, "ledger_events": self.ledger_events,
+                               "failures": [f.to_json() for f in self.failures]}
+        if self.quarantined:
+            doc["quarantined"] = self.quarantined
+        return doc
 
 
 def verify(
@@ -84,7 +92,7 @@ def verify(
     that many worker processes; the ledger is checked here.  Results are the
     same as with one process, in file order.
     """
-    report = VerifyReport()
+    report = VerifyReport(quarantined=list(quarantines(store)))
     paths = store.receipt_paths()
     if jobs > 1 and verifiers_factory is not None \
             and len(paths) >= max(1, PARALLEL_MIN if parallel_min is None else parallel_min):
@@ -93,7 +101,7 @@ def verify(
     latest: dict[str, int] = {}
     digests = _read_ledger(store, report, latest)
     hashed = _hashed(latest)
-    missing = _missing_receipts(store, paths, hashed)
+    missing = _missing_receipts(store, paths, hashed, report.quarantined_keys)
     position = {p: i for i, p in enumerate(paths)}
     now = time.time()
     found: list[tuple[int, int, Failure]] = []
@@ -153,13 +161,17 @@ def _not_in_ledger(store: ReceiptStore, unlogged: list[tuple[int, str, str, str,
     return out
 
 
-def _missing_receipts(store: ReceiptStore, paths: list[str], hashed: dict[str, tuple[str, int]]) -> list[Failure]:
+def _missing_receipts(store: ReceiptStore, paths: list[str], hashed: dict[str, tuple[str, int]],
+                      quarantined: set[str]) -> list[Failure]:
     """Keys the ledger records a receipt of, with no receipt file in the store (one removed).
 
-    (Every ledger event that names a key is a receipt's.)
+    (Every ledger event that names a key is a receipt's.)  A key whose last
+    event is ``quarantined`` has none by a person's choice: reported with the
+    quarantines (:attr:`VerifyReport.quarantined`), not as a failure.
     """
     return [Failure(k, store.receipt_path(k), FILE_MISSING)
-            for k in store.missing_files({h: key for h, (key, _seq) in hashed.items()}, paths)]
+            for k in store.missing_files({h: key for h, (key, _seq) in hashed.items() if key not in quarantined},
+                                         paths)]
 
 
 def _in_call_order(paths: list[str], hashed: dict[str, tuple[str, int]], events: int) -> list[str]:
@@ -237,10 +249,14 @@ def _read_ledger(store: ReceiptStore, report: VerifyReport,
         d = event.get("receipt_sha256")
         if isinstance(d, str):
             digests.add(d)
-        if latest is not None:
-            k = event.get("key")
-            if isinstance(k, str):
-                latest[k] = report.ledger_events
+        k = event.get("key")
+        if latest is not None and isinstance(k, str):
+            latest[k] = report.ledger_events
+        if isinstance(k, str):
+            if event.get("event") == "quarantined":
+                report.quarantined_keys.add(k)
+            else:
+                report.quarantined_keys.discard(k)
 
     for problem in store.ledger.verify_chain(each):
         report.failures.append(Failure(None, store.ledger.path, f"ledger line {problem.line}: {problem.reason}"))
@@ -266,7 +282,7 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
         digests = _read_ledger(store, report, latest)
         hashed = _hashed(latest)
         ordered = _in_call_order(paths, hashed, report.ledger_events)
-        missing = _missing_receipts(store, paths, hashed)
+        missing = _missing_receipts(store, paths, hashed, report.quarantined_keys)
         del latest, hashed  # not held while the workers run
         chunks = split(ordered, jobs)
         futures = [pool.submit(_verify_chunk, store.root, chunk, factory, grace) for chunk in chunks]

@@ -1,4 +1,4 @@
-"""CLI commands after a crash: ``recover``, ``verify``, ``watch``, ``resolve``, ``install-hook``.
+"""CLI commands after a crash: ``recover``, ``verify``, ``watch``, ``resolve``, ``quarantine``, ``install-hook``.
 
 Registered into :mod:`patcher.cli` on import; the same ``--json``, exit-code
 and envelope rules hold.
@@ -85,6 +85,15 @@ def register(sub: Any) -> None:
                    help=f"seconds to wait for the key's lock and a worktree's index.lock "
                         f"(default {DEFAULT_LOCK_TIMEOUT:g})")
 
+    p = sub.add_parser("quarantine", help="move a receipt, or the ledger, aside as evidence (never deleted)")
+    add_common(p)
+    p.add_argument("key", nargs="?", help="the key whose receipt file moves aside")
+    p.add_argument("--ledger", action="store_true",
+                   help="move events.jsonl aside and start a new ledger adopting the receipts that verify")
+    p.add_argument("--note", default="", help="why (recorded with the evidence and in the ledger)")
+    p.add_argument("--lock-timeout", type=seconds, default=DEFAULT_LOCK_TIMEOUT,
+                   help=f"seconds to wait for the key's or the ledger's lock (default {DEFAULT_LOCK_TIMEOUT:g})")
+
     p = sub.add_parser("install-hook", help="install a git pre-commit hook that runs 'oncepatch verify'")
     add_common(p)
 
@@ -126,14 +135,18 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     report = verify(rstore, _adapters(rstore), grace=args.grace, progress=_progress,
                     jobs=args.jobs or (os.cpu_count() or 1), verifiers_factory="patcher.cli.recovery:_adapters")
     doc = report.to_json()
+    # Quarantined evidence is reported on every run: verify is never ok-silently about it.
+    shown = "".join(f"quarantined: {q.get('what')}{' of ' + repr(q['key']) if q.get('key') else ''} "
+                    f"moved to {q.get('to')}\n" for q in report.quarantined)
     if report.ok:
-        text = f"ok: {report.receipts} receipt(s), {report.ledger_events} ledger event(s) verified\n"
+        text = shown + f"ok: {report.receipts} receipt(s), {report.ledger_events} ledger event(s) verified" + (
+            f", {len(report.quarantined)} quarantine(s)\n" if report.quarantined else "\n")
     else:
         # One line per failure, naming the receipt file (and its key when it could be read).
         text = "".join(
             f"{f.path}{f' (key {f.key!r})' if f.key is not None else ''}: {' '.join(f.reason.splitlines())}\n"
             for f in report.failures)
-        text += f"verification failed: {len(report.failures)} problem(s)\n"
+        text = shown + text + f"verification failed: {len(report.failures)} problem(s)\n"
     return (EXIT_OK if report.ok else EXIT_VERIFY), doc, text
 
 
@@ -189,6 +202,24 @@ def _cmd_resolve(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
                               adapters=_adapters(rstore, lock_timeout=args.lock_timeout),
                               probes=_adapters(rstore, read_only=True, lock_timeout=args.lock_timeout))
     return EXIT_OK, {"ok": True, "receipt": receipt.to_doc()}, f"{receipt.key}: {receipt.status}\n"
+
+
+def _cmd_quarantine(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
+    from receipts.quarantine import quarantine_ledger, quarantine_receipt
+    from receipts.store import ReceiptStore
+
+    if (args.key is None) == (not args.ledger):
+        raise UsageError("name one KEY, or --ledger")
+    rstore = ReceiptStore(store_root(args))
+    if args.ledger:
+        record = quarantine_ledger(rstore, note=args.note, timeout=args.lock_timeout)
+        text = (f"quarantined the ledger: moved to {record['to']}; a new ledger adopts "
+                f"{len(record['adopted'])} receipt(s)\n")
+        text += "".join(f"  not adopted (corrupt): {p}\n" for p in record["not_adopted"])
+    else:
+        record = quarantine_receipt(rstore, args.key, note=args.note, timeout=args.lock_timeout)
+        text = f"quarantined the receipt of '{args.key}': moved to {record['to']}\n"
+    return EXIT_OK, {"ok": True, "quarantined": record}, text
 
 
 HOOK_MARK = "# installed by oncepatch install-hook"
@@ -280,4 +311,5 @@ HANDLERS = {
     "watch": _cmd_watch,
     "resolve": _cmd_resolve,
     "install-hook": _cmd_install_hook,
+    "quarantine": _cmd_quarantine,
 }

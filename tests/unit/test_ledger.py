@@ -238,3 +238,31 @@ def test_concurrent_appends_from_real_processes(tmp_path: Path) -> None:
     assert led.verify_chain() == []
     for w in range(WORKERS):  # each worker's events appear once, in its own order
         assert [e["i"] for e in events if e["worker"] == w] == list(range(PER_WORKER))
+
+
+def test_a_whole_last_event_without_its_newline_is_completed_not_cut(tmp_path: Path) -> None:
+    led = make_ledger(tmp_path, 3)
+    intact = Path(led.path).read_bytes()
+    Path(led.path).write_bytes(intact[:-1])
+    torn = led.torn_tail()
+    assert torn is not None and torn.complete and torn.own
+    assert [e["seq"] for e in led.events()] == [1, 2]
+    fourth = led.append({"event": "after"})
+    assert fourth["seq"] == 4  # the third event kept, chained onto
+    assert Path(led.path).read_bytes() == intact + canonical_json(fourth) + b"\n"
+    assert led.verify_chain() == []
+
+
+@pytest.mark.parametrize(("tail", "own"), [
+    (b'{"at":"2026-01-01T00:00:00Z","event":"repl', True),
+    (b'{"at', True),
+    (b'{"event":"half","se', False),  # not how an event starts
+    (b'{"at":"x","event":"y","prev":"' + b"1" * 10, False),  # another chain's prev
+    (b'{"at":"x","event":"y","prev":"' + b"0" * 64 + b'","seq":7', False),  # seq 7, not the next
+])
+def test_torn_tail_tells_an_append_of_ours_from_anything_else(tmp_path: Path, tail: bytes, own: bool) -> None:
+    led = make_ledger(tmp_path, 2)
+    with open(led.path, "ab") as fh:
+        fh.write(tail)
+    torn = led.torn_tail()
+    assert torn is not None and torn.own is own and not torn.complete and torn.data == tail

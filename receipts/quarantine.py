@@ -1,0 +1,194 @@
+"""Quarantine: evidence a person moves aside, never deletes (docs/RECOVERY.md).
+
+``recover`` never settles a store changed by hand (a ledger that lost events,
+a chain break, a key ref the branch never held, a corrupt receipt): it
+reports it, exit 6.  A person who has looked at it moves it aside:
+
+* :func:`quarantine_receipt` -- one key's receipt file moves to
+  ``<store>/quarantine/<stamp>/receipts/<h>.json`` and the ledger gets a
+  ``quarantined`` event naming the key.  The key has no receipt from then on:
+  ``verify`` reports it as quarantined (not as a missing file), and the next
+  call with that key runs as a new one (git: it finds its change already on
+  the branch, or applies it, or is refused with the usual error).
+* :func:`quarantine_ledger` -- ``events.jsonl`` moves to
+  ``<store>/quarantine/<stamp>/events.jsonl``; a new ledger starts with a
+  ``quarantined`` event (the old file's sha256 and size), then one
+  ``adopted`` event per receipt that verifies: the person's word that these
+  receipts stand, recorded as such.  Corrupt receipts are not adopted.
+
+Each quarantine folder holds ``record.json`` (what moved where, its sha256,
+when, the note), written after the move: a crash in between leaves the
+evidence moved but unrecorded, never lost.  :func:`quarantines` lists them
+(``verify`` reports every one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+from cas.durable import fsync_dir, open_regular, write_durable
+from receipts import jsonio
+from receipts.errors import CorruptReceipt, ReceiptNotFound
+from receipts.flock import flocked
+from receipts.receipt import now_iso
+from receipts.store import MAX_RECEIPT_BYTES, ReceiptStore
+
+__all__ = ["QUARANTINE_DIR", "quarantine_receipt", "quarantine_ledger", "quarantines", "quarantined_keys"]
+
+#: The folder under the store root that holds quarantined evidence.
+QUARANTINE_DIR = "quarantine"
+_RECORD = "record.json"
+
+
+def _digest(path: str) -> tuple[str | None, int]:
+    """sha256 and size of the regular file ``path`` (``None``: not one, or too large to read)."""
+    try:
+        fd = open_regular(path)
+    except OSError:
+        return None, os.lstat(path).st_size
+    with os.fdopen(fd, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > MAX_RECEIPT_BYTES:
+            return None, size
+        h = hashlib.sha256()
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+        return h.hexdigest(), size
+
+
+def _new_folder(store: ReceiptStore, what: str) -> str:
+    """A fresh ``<store>/quarantine/<stamp>-<what>/`` folder (made, its parents synced)."""
+    base = os.path.join(store.root, QUARANTINE_DIR)
+    store.check_folders(base)
+    os.makedirs(base, exist_ok=True)
+    stamp = now_iso().replace(":", "").replace("-", "")
+    n = 0
+    while True:
+        folder = os.path.join(base, f"{stamp}-{what}" + (f"-{n}" if n else ""))
+        try:
+            os.mkdir(folder, 0o755)
+        except FileExistsError:
+            n += 1
+            continue
+        fsync_dir(base)
+        fsync_dir(store.root)
+        return folder
+
+
+def _move(src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst`` (same store, so the same file system) and sync both folders."""
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    os.rename(src, dst)
+    fsync_dir(os.path.dirname(dst))
+    fsync_dir(os.path.dirname(src))
+
+
+def _write_record(folder: str, record: dict[str, Any]) -> None:
+    write_durable(os.path.join(folder, _RECORD), jsonio.dumps(record) + b"\n")
+
+
+def quarantine_receipt(store: ReceiptStore, key: str, *, note: str = "", timeout: float = 30.0) -> dict[str, Any]:
+    """Move ``key``'s receipt file aside, under its key lock; return the record.
+
+    Raises:
+        ReceiptNotFound: the key has no receipt file.
+        InProgress: a live call holds the key's lock.
+        CorruptReceipt: a store folder on the way is a symlink.
+    """
+    path = store.receipt_path(key)
+    with store.lock(key, timeout=timeout):
+        store.check_folders(path)
+        try:
+            file_sha256, size = _digest(path)
+        except FileNotFoundError:
+            raise ReceiptNotFound(f"no receipt for key '{key}' to quarantine", key=key) from None
+        folder = _new_folder(store, "receipt")
+        moved_to = os.path.join(folder, "receipts", os.path.basename(path))
+        _move(path, moved_to)
+        record = {"schema": "oncepatch.quarantine/1", "what": "receipt", "key": key, "at": now_iso(),
+                  "from": os.path.relpath(path, store.root), "to": os.path.relpath(moved_to, store.root),
+                  "file_sha256": file_sha256, "bytes": size, "note": note}
+        _write_record(folder, record)
+        store.ledger.append({"event": "quarantined", "at": record["at"], "key": key, "what": "receipt",
+                             "to": record["to"], "file_sha256": file_sha256, "note": note})
+    return record
+
+
+def quarantine_ledger(store: ReceiptStore, *, note: str = "", timeout: float = 30.0) -> dict[str, Any]:
+    """Move ``events.jsonl`` aside and start a new ledger that adopts the receipts that verify.
+
+    Raises:
+        ReceiptNotFound: there is no ledger file.
+        InProgress: the ledger lock stayed held for ``timeout`` seconds.
+    """
+    ledger = store.ledger
+    store.check_folders(os.path.dirname(ledger.lock_path))
+    os.makedirs(os.path.dirname(ledger.lock_path), exist_ok=True)
+    with flocked(ledger.lock_path, timeout):
+        if not os.path.lexists(ledger.path):
+            raise ReceiptNotFound(f"no ledger '{ledger.path}' to quarantine")
+        file_sha256, size = _digest(ledger.path)
+        folder = _new_folder(store, "ledger")
+        moved_to = os.path.join(folder, "events.jsonl")
+        _move(ledger.path, moved_to)
+    at = now_iso()
+    adopted: list[str] = []
+    corrupt: list[str] = []
+    ledger.append({"event": "quarantined", "at": at, "what": "ledger", "to": os.path.relpath(moved_to, store.root),
+                   "file_sha256": file_sha256, "bytes": size, "note": note})
+    for item in store.scan():
+        if item.receipt is None:
+            corrupt.append(item.path)
+            continue
+        ledger.append_receipt_event("adopted", item.receipt, reason="ledger_quarantined")
+        adopted.append(item.receipt.key)
+    record = {"schema": "oncepatch.quarantine/1", "what": "ledger", "at": at,
+              "from": os.path.relpath(ledger.path, store.root), "to": os.path.relpath(moved_to, store.root),
+              "file_sha256": file_sha256, "bytes": size, "note": note, "adopted": adopted,
+              "not_adopted": [os.path.relpath(p, store.root) for p in corrupt]}
+    _write_record(folder, record)
+    return record
+
+
+def quarantines(store: ReceiptStore) -> Iterator[dict[str, Any]]:
+    """Every quarantine record of the store, oldest first (a folder without one: its files, unrecorded)."""
+    base = os.path.join(store.root, QUARANTINE_DIR)
+    try:
+        if stat.S_ISLNK(os.lstat(base).st_mode):
+            raise CorruptReceipt(base, "a symlink, not a store folder")
+        names = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return
+    for name in names:
+        folder = os.path.join(base, name)
+        try:
+            fd = open_regular(os.path.join(folder, _RECORD))
+        except OSError:
+            files = sorted(os.path.relpath(os.path.join(d, f), store.root)
+                           for d, _dirs, fs in os.walk(folder) for f in fs)
+            yield {"what": "unrecorded", "to": os.path.relpath(folder, store.root), "files": files}
+            continue
+        with os.fdopen(fd, "rb") as fh:
+            try:
+                doc = jsonio.loads(fh.read(1 << 20))
+            except jsonio.JsonError:
+                doc = None
+        yield doc if isinstance(doc, dict) else {"what": "unreadable", "to": os.path.relpath(folder, store.root)}
+
+
+def quarantined_keys(events: Iterator[dict[str, Any]]) -> set[str]:
+    """The keys whose last ledger event (of ``events``, in order) is ``quarantined``: no receipt is expected."""
+    keys: set[str] = set()
+    for e in events:
+        k = e.get("key")
+        if not isinstance(k, str):
+            continue
+        if e.get("event") == "quarantined":
+            keys.add(k)
+        else:
+            keys.discard(k)
+    return keys
