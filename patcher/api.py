@@ -32,14 +32,15 @@ __all__ = ["apply", "ApplyResult", "Client", "OncepatchError", "status"]
 
 
 def status(key: str, *, repo: str = ".", store: str | None = None) -> Receipt:
-    """The verified receipt of ``key`` (or a call_id) for ``repo``'s store.
+    """The verified receipt of ``key`` (or a call_id) for ``repo``'s store; a committed one only where git agrees.
 
     Raises:
         ReceiptNotFound, CorruptReceipt, UsageError.
     """
+    from patcher.git_adapter import adapters
     from receipts.lookup import status as _status
 
-    return _status(key, store=store, repo=repo)
+    return _status(key, store=store, repo=repo, adapters=lambda rstore: adapters(rstore, {}, read_only=True))
 
 
 class Client:
@@ -138,14 +139,15 @@ class Client:
         )
 
     def status(self, key: str, *, repo: str | os.PathLike[str] | None = None) -> Receipt:
-        """The verified receipt of ``key`` or a call_id.
+        """The verified receipt of ``key`` or a call_id; a committed one only where git agrees.
 
         Raises:
             ReceiptNotFound, CorruptReceipt.
         """
         from receipts.lookup import status as _status
 
-        return _status(key, store=self.receipt_store(repo))
+        rstore = self.receipt_store(repo)
+        return _status(key, store=rstore, adapters=lambda r: self._adapters(r, read_only=True))
 
     def recover(self, *, repo: str | os.PathLike[str] | None = None, dry_run: bool = False,
                 tmp_age: float = DEFAULT_TMP_AGE,

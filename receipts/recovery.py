@@ -153,7 +153,7 @@ def recover(
             look = looks[i]
             if look is None:
                 continue  # removed since the listing
-            if look and look in ledger_digests:
+            if look[0] and look[0] in ledger_digests and not _to_confirm(adapters, look):
                 report.scanned += 1
                 _progress(report, progress)
                 continue
@@ -163,8 +163,8 @@ def recover(
         report.scanned += 1
         _progress(report, progress)
         if looks is None and not isinstance(data, CorruptReceipt):
-            digest = _settled_digest(data, h)
-            if digest and digest in ledger_digests:
+            look = _settled_digest(data, h)
+            if look[0] and look[0] in ledger_digests and not _to_confirm(adapters, look):
                 continue
         _look_closer(store, adapters, report, dry_run, path, h, data, ledger_digests)
     report.corrupt += _missing_receipts(store, paths, ledger_keys)
@@ -199,17 +199,24 @@ def _missing_receipts(store: ReceiptStore, paths: list[str], keys: set[str]) -> 
             for k in store.missing_files({key_hash(k): k for k in keys}, paths)]
 
 
-def _settled_digest(data: bytes, h: str) -> str:
-    """The digest of a final receipt that its digest shows unedited, else ``""``: the cheap first look.
+#: The first look at a receipt file: (digest, status, tool) of a final receipt its digest shows
+#: unedited, else ``("", "", "")`` (a closer look).
+Look = tuple[str, str, str]
+_CLOSER: Look = ("", "", "")
+
+
+def _settled_digest(data: bytes, h: str) -> Look:
+    """The digest, status and tool of a final receipt that its digest shows unedited: the cheap first look.
 
     Such a receipt, once the ledger holds its digest, needs nothing from
-    recover (verify checks the rest).  Everything else is verified before
-    anything is done with it.
+    recover, unless it is ``committed`` and its tool's adapter can check it
+    against the world (:func:`_to_confirm`).  Everything else is verified
+    before anything is done with it.
     """
     try:
         head = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return ""
+        return _CLOSER
     if (
         isinstance(head, dict)
         and head.get("status") in ("committed", "rejected")
@@ -217,28 +224,33 @@ def _settled_digest(data: bytes, h: str) -> str:
         and not head.get("warnings")
         and written_as_is(head, h)
     ):
-        return str(head["receipt_sha256"])
-    return ""
+        return str(head["receipt_sha256"]), str(head["status"]), str(head.get("tool"))
+    return _CLOSER
 
 
-def _scan_chunk(root: str, paths: list[str]) -> list[str | None]:
-    """Worker: :func:`_settled_digest` of each file (``""``: a closer look; ``None``: gone)."""
+def _to_confirm(adapters: Mapping[str, EffectAdapter], look: Look) -> bool:
+    """Whether a settled receipt is committed and its tool's adapter checks it against the world."""
+    return look[1] == "committed" and hasattr(adapters.get(look[2]), "verify_committed")
+
+
+def _scan_chunk(root: str, paths: list[str]) -> list[Look | None]:
+    """Worker: :func:`_settled_digest` of each file (``None``: gone)."""
     use_fast_json()
     store = ReceiptStore(root)
-    out: list[str | None] = []
+    out: list[Look | None] = []
     for path in paths:
         data = store.read_raw(path)
         if data is None:
             out.append(None)
         elif isinstance(data, CorruptReceipt):
-            out.append("")
+            out.append(_CLOSER)
         else:
             out.append(_settled_digest(data, os.path.basename(path)[:-5]))
     return out
 
 
 def _scan_parallel(store: ReceiptStore, paths: list[str], jobs: int
-                   ) -> tuple[list[str | None], tuple[set[str], set[str]]]:
+                   ) -> tuple[list[Look | None], tuple[set[str], set[str]]]:
     """The first look at ``paths`` over ``jobs`` worker processes, and the ledger's digests, read meanwhile."""
     from receipts.workers import spawn_pool, split
 
@@ -261,6 +273,12 @@ def _look_closer(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], rep
     except CorruptReceipt as exc:
         report.corrupt.append({"path": path, "reason": exc.reason})
         return
+    if receipt.status == "committed":
+        problems = _contradictions(adapters, receipt)
+        if problems:
+            # Believed only where the world agrees: nothing of it is settled, logged or repaired.
+            report.corrupt.append({"path": path, "key": receipt.key, "reason": "; ".join(problems)})
+            return
     if needs_resolution(receipt.status):
         _resolve_one(store, receipt, adapters, report, dry_run)
     elif receipt.status == "committed" and receipt.extra.get("warnings") and not dry_run:
@@ -269,6 +287,22 @@ def _look_closer(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], rep
         report.ledger_repaired.append(receipt.key)
         if not dry_run:
             store.ledger.append_receipt_event("recovered", receipt, reason="ledger_gap")
+
+
+def _contradictions(adapters: Mapping[str, EffectAdapter], receipt: Receipt) -> list[str]:
+    """What the world holds against a committed receipt, by its tool's adapter (``[]``: none, or no adapter).
+
+    A receipt whose follow-up is still to be done (``warnings``: say, its key
+    ref was not created) is asked in the cheap form (``confirm``), which does
+    without the key ref when the commit is on its branch: settling it again
+    creates the ref.
+    """
+    adapter = adapters.get(receipt.tool)
+    check = getattr(adapter, "confirm" if receipt.extra.get("warnings") else "verify_committed", None)
+    if check is None:
+        return []
+    problems: list[str] = check(receipt)
+    return problems
 
 
 def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, EffectAdapter],
