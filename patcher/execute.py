@@ -53,6 +53,7 @@ from patcher.formats import parse_patch
 from patcher.markers import ref_lock_marker
 from patcher.model import Patch
 from patcher.protocol import KEY_REF_PREFIX, ApplyResult, replay_final
+from patcher.git_adapter import open_store
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
@@ -251,18 +252,6 @@ def _branch_head(gstore: GitStore, args: CallArgs) -> str | None:
         raise UsageError(f"branch '{args.branch}' does not exist: create it first (e.g. 'git branch "
                          f"{args.branch.removeprefix('refs/heads/')}')")
     return head
-
-
-def open_store(repo_path: str, stores: dict[str, Any] | None) -> GitStore:
-    """An open :class:`GitStore`, reused from ``stores`` by long-lived callers."""
-    from cas.objects import GitStore
-
-    if stores is None:
-        return GitStore(repo_path)
-    found = stores.get(repo_path)
-    if found is None:
-        found = stores[repo_path] = GitStore(repo_path)
-    return found
 
 
 def _execute(run: _Run, pre: _PreCheck | None) -> ApplyResult:

@@ -38,7 +38,17 @@ from patcher.args import TOOL
 from patcher.evidence import KEY_REF_PREFIX, BranchHistory, contradictions
 from patcher.markers import foreign_index_lock, index_marker, ref_lock_marker
 
-__all__ = ["GitAdapter", "KEY_REF_PREFIX", "adapters"]
+__all__ = ["GitAdapter", "KEY_REF_PREFIX", "adapters", "open_store"]
+
+
+def open_store(repo_path: str, stores: dict[str, Any] | None) -> GitStore:
+    """An open :class:`GitStore`, reused from ``stores`` by long-lived callers."""
+    if stores is None:
+        return GitStore(repo_path)
+    found = stores.get(repo_path)
+    if found is None:
+        found = stores[repo_path] = GitStore(repo_path)
+    return found
 
 
 
@@ -79,8 +89,6 @@ class GitAdapter:
             GitStoreError: it is gone (libgit2 would open an enclosing repository,
                 which knows nothing of the call: asking it would answer wrongly).
         """
-        from patcher.execute import open_store
-
         repo = str(receipt.args.get("repo"))
         where = self._where.get(repo)  # once per repository and run (verify asks per receipt)
         if where is None:
@@ -100,8 +108,6 @@ class GitAdapter:
                 not inside a repository.
         """
         from cas.errors import GitStoreError, UsageError
-        from patcher.execute import open_store
-
         home = _store_home(self._rstore) if self._rstore is not None else None
         try:
             gstore = open_store(repo, self._stores)
@@ -299,8 +305,6 @@ class GitAdapter:
         deleted or emptied), or a receipt that says it never committed — is a failure.
         """
         from cas.errors import GitStoreError, UsageError
-        from patcher.execute import open_store
-
         places: dict[str, str] = {}
         home = _store_home(rstore)
         if home is not None:
