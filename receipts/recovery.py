@@ -9,6 +9,11 @@ is never touched), the tool's adapter is queried:
 * ``not_applied``  → ``rejected``, retryable, reason ``crashed_before_commit``;
 * ``unknown``      → stays ``unknown`` for a person (``oncepatch resolve``).
 
+Every ``committed`` receipt is asked of its tool's adapter too
+(``verify_committed``; ``confirm`` while its follow-up is pending): one the
+world contradicts is reported corrupt (exit 6) and nothing of it is settled,
+logged or repaired — never "nothing to do".
+
 Then the store is tidied: a torn last ledger line is cut (by appending a
 ``ledger_repaired`` event), the ledger gets an event for every receipt whose
 latest state it lacks (a crash between the receipt write and the append),
