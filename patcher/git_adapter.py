@@ -309,8 +309,10 @@ class GitAdapter:
         home = _store_home(rstore)
         if home is not None:
             places[home] = home
+        tried: set[str] = set()
         for tool, _status, repo in receipts.values():
-            if tool == self.tool and repo is not None and repo not in self._where:
+            if tool == self.tool and repo is not None and repo not in self._where and repo not in tried:
+                tried.add(repo)  # asked once: a repository gone is reported by its receipts
                 with contextlib.suppress(GitStoreError, UsageError):
                     self._where[repo] = self._place(repo)
         for where in self._where.values():
