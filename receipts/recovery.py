@@ -127,11 +127,14 @@ def recover(
     extra_cleanup: Callable[[ReceiptStore, bool, float], list[str]] | None = None,
     jobs: int = 1,
     parallel_min: int | None = None,
+    adapters_factory: str | None = None,
 ) -> RecoveryReport:
     """Resolve every unresolved receipt and tidy the store (see the module docstring).
 
     With ``jobs > 1``, from ``parallel_min`` receipt files on, worker
-    processes take the cheap first look at the files (:func:`_scan_chunk`):
+    processes take the cheap first look at the files (:func:`_scan_chunk`;
+    with ``adapters_factory``, ``"module:function"`` of the store giving the
+    adapters, they also ask each settled committed receipt's adapter):
     everything else, every resolution and every write, is done here, in file
     order, from the file read again; the report is the one a single process gives.
     """
@@ -148,7 +151,7 @@ def recover(
             store.ledger.append({"event": "ledger_repaired", "at": now_iso(), "reason": "torn_last_line"})
     paths = store.receipt_paths()
     if jobs > 1 and len(paths) >= max(1, PARALLEL_MIN if parallel_min is None else parallel_min):
-        looks, (ledger_digests, ledger_keys) = _scan_parallel(store, paths, jobs)
+        looks, (ledger_digests, ledger_keys) = _scan_parallel(store, paths, jobs, adapters_factory)
     else:
         looks, (ledger_digests, ledger_keys) = None, _ledger_digests(store)
     now = time.time()
@@ -158,7 +161,7 @@ def recover(
             look = looks[i]
             if look is None:
                 continue  # removed since the listing
-            if look[0] and look[0] in ledger_digests and not _to_confirm(adapters, look):
+            if look[0] and look[0] in ledger_digests and (look[3] or not _to_confirm(adapters, look)):
                 report.scanned += 1
                 _progress(report, progress)
                 continue
@@ -204,10 +207,10 @@ def _missing_receipts(store: ReceiptStore, paths: list[str], keys: set[str]) -> 
             for k in store.missing_files({key_hash(k): k for k in keys}, paths)]
 
 
-#: The first look at a receipt file: (digest, status, tool) of a final receipt its digest shows
-#: unedited, else ``("", "", "")`` (a closer look).
-Look = tuple[str, str, str]
-_CLOSER: Look = ("", "", "")
+#: The first look at a receipt file: (digest, status, tool, whether its adapter agreed already) of a
+#: final receipt its digest shows unedited, else ``("", "", "", False)`` (a closer look).
+Look = tuple[str, str, str, bool]
+_CLOSER: Look = ("", "", "", False)
 
 
 def _settled_digest(data: bytes, h: str) -> Look:
@@ -229,7 +232,7 @@ def _settled_digest(data: bytes, h: str) -> Look:
         and not head.get("warnings")
         and written_as_is(head, h)
     ):
-        return str(head["receipt_sha256"]), str(head["status"]), str(head.get("tool"))
+        return str(head["receipt_sha256"]), str(head["status"]), str(head.get("tool")), False
     return _CLOSER
 
 
@@ -238,30 +241,50 @@ def _to_confirm(adapters: Mapping[str, EffectAdapter], look: Look) -> bool:
     return look[1] == "committed" and hasattr(adapters.get(look[2]), "verify_committed")
 
 
-def _scan_chunk(root: str, paths: list[str]) -> list[Look | None]:
-    """Worker: :func:`_settled_digest` of each file (``None``: gone)."""
+def _scan_chunk(root: str, paths: list[str], factory: str | None = None) -> list[Look | None]:
+    """Worker: :func:`_settled_digest` of each file (``None``: gone).
+
+    With ``factory`` (the adapters, as :func:`recover`'s ``adapters_factory``),
+    a settled committed receipt is also asked of its adapter here: one it
+    agrees with is marked so, any other gets the closer look.
+    """
+    import importlib
+
     use_fast_json()
     store = ReceiptStore(root)
+    adapters: Mapping[str, EffectAdapter] = {}
+    if factory is not None:
+        module, _, func = factory.partition(":")
+        adapters = getattr(importlib.import_module(module), func)(store)
     out: list[Look | None] = []
     for path in paths:
         data = store.read_raw(path)
         if data is None:
             out.append(None)
-        elif isinstance(data, CorruptReceipt):
+            continue
+        if isinstance(data, CorruptReceipt):
             out.append(_CLOSER)
-        else:
-            out.append(_settled_digest(data, os.path.basename(path)[:-5]))
+            continue
+        h = os.path.basename(path)[:-5]
+        look = _settled_digest(data, h)
+        if factory is not None and look[0] and _to_confirm(adapters, look):
+            try:
+                agreed = not _contradictions(adapters, parse_receipt(data, path=path, expected_key_hash=h))
+            except CorruptReceipt:
+                agreed = False
+            look = (*look[:3], agreed) if agreed else _CLOSER
+        out.append(look)
     return out
 
 
-def _scan_parallel(store: ReceiptStore, paths: list[str], jobs: int
+def _scan_parallel(store: ReceiptStore, paths: list[str], jobs: int, factory: str | None = None
                    ) -> tuple[list[Look | None], tuple[set[str], set[str]]]:
     """The first look at ``paths`` over ``jobs`` worker processes, and the ledger's digests, read meanwhile."""
     from receipts.workers import spawn_pool, split
 
     chunks = split(paths, jobs)
     with spawn_pool(len(chunks)) as pool:
-        futures = [pool.submit(_scan_chunk, store.root, chunk) for chunk in chunks]
+        futures = [pool.submit(_scan_chunk, store.root, chunk, factory) for chunk in chunks]
         digests = _ledger_digests(store)
         looks = [look for f in futures for look in f.result()]
     return looks, digests

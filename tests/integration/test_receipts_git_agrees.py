@@ -279,3 +279,29 @@ def test_in_a_linked_worktree(tmp_path: Path) -> None:
     Repo(linked).git("reset", "-q", "--hard", "HEAD~1")
     assert run_cli("apply", str(patch), "--key", "k", "--repo", str(linked), "--json").code == 0
     assert run_cli("verify", "--repo", str(repo.path), "--json").code == 0
+
+
+@pytest.mark.parametrize("forgery", ["forged_outputs", "off_branch"])
+def test_recover_with_workers_asks_git_too(store: Store, forgery: str) -> None:
+    """The first look split over worker processes: each asks git about the receipts it looks at."""
+    from patcher.cli.recovery import _adapters
+    from receipts.recovery import recover
+    from receipts.store import ReceiptStore
+
+    rstore = ReceiptStore(str(store.repo.store))
+    adapters = _adapters(rstore, read_only=True)
+    for jobs in (1, 2):
+        report = recover(rstore, adapters, dry_run=True, jobs=jobs, parallel_min=1,
+                         adapters_factory="patcher.cli.recovery:_adapters")
+        assert report.corrupt == [] and report.rows == [], report.to_json()
+    doc = json.loads(json.dumps(store.doc))
+    reason = FORGERIES[forgery](store, doc)
+    reseal(store.path, doc)
+    before = snapshot(store.repo)
+    for jobs in (1, 2):
+        report = recover(rstore, _adapters(rstore), jobs=jobs, parallel_min=1,
+                         adapters_factory="patcher.cli.recovery:_adapters")
+        assert [c["path"] for c in report.corrupt] == [str(store.path)], report.to_json()
+        assert reason in report.corrupt[0]["reason"]
+        assert report.rows == [] and report.ledger_repaired == []
+    assert snapshot(store.repo) == before
