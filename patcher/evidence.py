@@ -74,15 +74,15 @@ class BranchHistory:
             return True
         if self._done:
             return False
-        if self._walk is None:
-            self._walk = self._gstore.repo.walk(pygit2.Oid(hex=self.tip), pygit2.enums.SortMode.NONE)
         try:
+            if self._walk is None:
+                self._walk = self._gstore.repo.walk(pygit2.Oid(hex=self.tip), pygit2.enums.SortMode.NONE)
             for found in self._walk:
                 self._seen.add(found.id.raw)
                 if found.id.raw == raw:
                     return True
-        except (pygit2.GitError, KeyError):
-            pass  # a history with a missing commit (shallow, pruned): what was walked is what is known
+        except (pygit2.GitError, KeyError, ValueError):
+            pass  # a tip or history with a missing commit (pruned, shallow): what was walked is what is known
         self._done = True
         return False
 

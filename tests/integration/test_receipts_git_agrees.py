@@ -305,3 +305,15 @@ def test_recover_with_workers_asks_git_too(store: Store, forgery: str) -> None:
         assert reason in report.corrupt[0]["reason"]
         assert report.rows == [] and report.ledger_repaired == []
     assert snapshot(store.repo) == before
+
+
+def test_a_branch_at_a_missing_commit_is_a_verification_failure_not_an_internal_error(store: Store) -> None:
+    """A pruned tip (an unsafe 'gc --prune=now' beside a call): each receipt fails, verify does not crash."""
+    store.repo.git("pack-refs", "--all")
+    (store.repo.path / ".git" / "refs" / "heads" / "main").write_text("0123456789abcdef0123456789abcdef01234567\n")
+    r = store.cli("verify")
+    assert r.code == 0, r.out + r.err  # the reflog still shows both commits on the branch
+    (store.repo.path / ".git" / "logs" / "refs" / "heads" / "main").unlink()
+    r = store.cli("verify")
+    assert r.code == 6, r.out + r.err
+    assert any("not on branch 'refs/heads/main'" in f["reason"] for f in r.json["failures"]), r.json
