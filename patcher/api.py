@@ -28,18 +28,19 @@ from receipts.receipt import Receipt
 from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from receipts.verifier import DEFAULT_GRACE, VerifyReport, verify
+from patcher.git_adapter import adapters
 from patcher.protocol import ApplyResult, apply, store_root_for
 
 __all__ = ["apply", "ApplyResult", "Client", "OncepatchError", "status"]
 
 
 def status(key: str, *, repo: str = ".", store: str | None = None) -> Receipt:
-    """The verified receipt of ``key`` (or a call_id) for ``repo``'s store.
+    """The verified receipt of ``key`` (or a call_id) for ``repo``'s store; a committed one only where git agrees.
 
     Raises:
         ReceiptNotFound, CorruptReceipt, UsageError.
     """
-    return _status(key, store=store, repo=repo)
+    return _status(key, store=store, repo=repo, adapters=lambda rstore: adapters(rstore, {}, read_only=True))
 
 
 class Client:
@@ -101,8 +102,6 @@ class Client:
         return ReceiptStore(self.store_root(repo))
 
     def _adapters(self, rstore: ReceiptStore, *, read_only: bool) -> dict[str, Any]:
-        from patcher.git_adapter import adapters  # deferred: status() must not load libgit2
-
         return adapters(rstore, self._stores(), read_only=read_only, lock_timeout=self.lock_timeout)
 
     # -- calls ---------------------------------------------------------------
@@ -137,12 +136,13 @@ class Client:
         )
 
     def status(self, key: str, *, repo: str | os.PathLike[str] | None = None) -> Receipt:
-        """The verified receipt of ``key`` or a call_id.
+        """The verified receipt of ``key`` or a call_id; a committed one only where git agrees.
 
         Raises:
             ReceiptNotFound, CorruptReceipt.
         """
-        return _status(key, store=self.receipt_store(repo))
+        rstore = self.receipt_store(repo)
+        return _status(key, store=rstore, adapters=lambda r: self._adapters(r, read_only=True))
 
     def recover(self, *, repo: str | os.PathLike[str] | None = None, dry_run: bool = False,
                 tmp_age: float = DEFAULT_TMP_AGE,

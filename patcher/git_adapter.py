@@ -22,13 +22,13 @@ creates a missing key ref.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
 import stat
 import subprocess
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import filelock
@@ -48,11 +48,11 @@ from receipts.receipt import Receipt
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL
 from patcher.check import check_worktree_root
+from patcher.evidence import KEY_REF_PREFIX, BranchHistory, contradictions
 from patcher.markers import foreign_index_lock, index_marker, index_markers, ref_lock_marker
 
 __all__ = ["GitAdapter", "KEY_REF_PREFIX", "adapters"]
 
-KEY_REF_PREFIX = "refs/oncepatch/keys/"
 
 
 def adapters(rstore: ReceiptStore, stores: dict[str, Any] | None = None, *,
@@ -83,6 +83,7 @@ class GitAdapter:
         # only reported, never removed (a dry run changes nothing).
         self._read_only = read_only
         self._where: dict[str, str] = {}  # a receipt's repository path -> where it is settled (_place)
+        self._histories: dict[tuple[str, str], BranchHistory] = {}  # (common dir, branch): verify's walks
 
     def _store(self, receipt: Receipt) -> GitStore:
         """The receipt's repository, opened; never another one found above its folder.
@@ -279,51 +280,90 @@ class GitAdapter:
                 done.append(f"left {len(left)} path(s) in '{workdir}' alone: changed since the crash")
         return done
 
-    # -- verify ---------------------------------------------------------------------
+    # -- believing a committed receipt -------------------------------------------------
+
+    def confirm(self, receipt: Receipt) -> list[str]:
+        """Why git contradicts the committed ``receipt`` a replay would answer from, or ``[]`` (the cheap form).
+
+        :func:`patcher.evidence.contradictions` with ``cheap=True``: the key
+        ref at the commit stands for "on the branch"; the commit, its trailer
+        and the outputs are read.
+        """
+        try:
+            gstore = self._store(receipt)
+        except Exception as exc:  # noqa: BLE001 - a missing repository contradicts the receipt
+            return [f"repository '{receipt.args.get('repo')}' cannot be opened: {exc}"]
+        return contradictions(gstore, receipt, cheap=True)
 
     def verify_committed(self, receipt: Receipt) -> list[str]:
-        """The commit exists, the key ref points at it, and every output digest matches its blob."""
-        problems: list[str] = []
-        commit = receipt.commit
-        if not commit:
-            return ["committed receipt names no commit"]
+        """Why git contradicts the committed ``receipt``, or ``[]`` (:func:`patcher.evidence.contradictions`).
+
+        ``verify``, ``status`` and ``recover`` ask this: the commit exists,
+        carries the call's trailer, the key ref points at it, it is (or was,
+        by the reflog) on the call's branch, and every output matches its blob.
+        """
         try:
             gstore = self._store(receipt)
         except Exception as exc:  # noqa: BLE001 - a missing repository is a verification failure
             return [f"repository '{receipt.args.get('repo')}' cannot be opened: {exc}"]
         gstore.forget_made()  # proof is what the repository holds now
-        try:
-            tree = gstore.commit_tree(commit)
-        except Exception as exc:  # noqa: BLE001
-            if not gstore.has_object(commit):  # asked only now: one lookup less per receipt
-                return [f"commit {commit} does not exist"]
-            return [f"commit {commit} is unreadable: {exc}"]
-        already = bool(receipt.extra.get("already_applied"))
-        key_ref = KEY_REF_PREFIX + key_hash(receipt.key)
-        if not already and gstore.resolve(key_ref) != commit:
-            problems.append(f"key ref '{key_ref}' does not point at {commit[:12]}")
-        if receipt.tree and receipt.tree != tree:
-            problems.append(f"tree {receipt.tree[:12]} differs from commit's tree {tree[:12]}")
-        for out in receipt.outputs:
-            path = str(out.get("path"))
-            entry = gstore.lookup_path(tree, path).entry
-            if out.get("op") == "delete":
-                # Gone, or given way to a folder of the same name.
-                if entry is not None and entry.mode != 0o040000:
-                    problems.append(f"'{path}' should be deleted in {commit[:12]} but exists")
+        branch = str(receipt.args.get("branch") or "")
+        place = (gstore.common_dir, branch)
+        history = self._histories.get(place)
+        if history is None:
+            history = self._histories[place] = BranchHistory(gstore, branch)
+        return contradictions(gstore, receipt, history=history)
+
+    def verify_refs(self, rstore: ReceiptStore, receipts: Mapping[str, tuple[str, str, str | None]]
+                    ) -> list[tuple[str, str, str]]:
+        """Key refs the store has no committed receipt for: ``[(key hash, where, reason)]``.
+
+        ``receipts``: ``{key hash: (tool, status, repo)}`` of every intact
+        receipt file of the store.  The repositories looked at: the one the
+        store lives in (the default ``<git-common-dir>/oncepatch``) and every
+        one its ``apply_patch`` receipts name.  A key ref whose receipt is
+        committed is checked from the receipt's side (:meth:`verify_committed`:
+        the ref points at its commit); any other key ref — no receipt (a store
+        deleted or emptied), or a receipt that says it never committed — is a failure.
+        """
+        from cas.errors import GitStoreError, UsageError
+        places: dict[str, str] = {}
+        home = _store_home(rstore)
+        if home is not None:
+            places[home] = home
+        tried: set[str] = set()
+        for tool, _status, repo in receipts.values():
+            if tool == self.tool and repo is not None and repo not in self._where and repo not in tried:
+                tried.add(repo)  # asked once: a repository gone is reported by its receipts
+                with contextlib.suppress(GitStoreError, UsageError):
+                    self._where[repo] = self._place(repo)
+        for where in self._where.values():
+            places.setdefault(os.path.realpath(where), where)
+        out: list[tuple[str, str, str]] = []
+        seen: set[str] = set()
+        for where in places.values():
+            try:
+                gstore = open_store(where, self._stores)
+            except (GitStoreError, UsageError):
+                continue  # reported by the receipts that name it
+            if gstore.common_dir in seen:
                 continue
-            if entry is None:
-                problems.append(f"'{path}' is missing from {commit[:12]}")
-                continue
-            if out.get("blob") and entry.oid != out.get("blob"):
-                problems.append(f"'{path}' blob {entry.oid[:12]} differs from the receipt's {str(out.get('blob'))[:12]}")
-                continue
-            data = gstore.read_blob(entry.oid)
-            if hashlib.sha256(data).hexdigest() != out.get("sha256"):
-                problems.append(f"'{path}' sha256 differs from the receipt's output digest")
-            if out.get("mode") is not None and int(out["mode"]) != entry.mode:
-                problems.append(f"'{path}' mode {entry.mode:o} differs from the receipt's {int(out['mode']):o}")
-        return problems
+            seen.add(gstore.common_dir)
+            for ref in sorted(gstore.repo.listall_references()):
+                if not ref.startswith(KEY_REF_PREFIX):
+                    continue
+                h = ref[len(KEY_REF_PREFIX):]
+                found = receipts.get(h)
+                name = f"{gstore.common_dir}:{ref}"
+                if found is None:
+                    if not os.path.lexists(rstore.path_for_hash(h)):
+                        out.append((h, name, f"key ref '{ref}' has no receipt in the store '{rstore.root}' "
+                                          "(the store was deleted or emptied, or the key was applied through "
+                                          "another store)"))
+                elif found[1] not in ("committed", "prepared", "unknown"):
+                    out.append((h, name, f"key ref '{ref}' exists but its receipt is '{found[1]}': "
+                                      "the receipt says the call never committed"))
+        return out
 
     # -- cleanup -------------------------------------------------------------------
 

@@ -3,8 +3,9 @@
 :func:`apply` is what the CLI and the MCP server call.  Steps:
 
 0. normalise args, compute the identity and key; **replay fast path**: a final
-   receipt is read without the lock and without importing pygit2 (this module
-   holds no more than that path needs: a replay's start-up imports it);
+   receipt is read without the lock, and a committed one answered from only
+   where git agrees (:meth:`patcher.git_adapter.GitAdapter.confirm`: the key
+   ref at its commit, the commit's trailer, its outputs);
 1. under the key's lock: re-read the receipt (replay / conflict / settle a
    ``prepared`` or ``unknown`` one through :class:`patcher.git_adapter.GitAdapter`);
 2. decode the patch, check paths; open the repository;
@@ -173,6 +174,10 @@ def apply(
     # Fast path: a final receipt is immutable, so it can be read without the lock.
     final = call.lookup()
     if final is not None:
+        from patcher.git_adapter import GitAdapter
+
+        # The receipt is answered from only where git agrees (its key ref, commit and outputs).
+        call.adapter = GitAdapter(rstore, _stores, lock_timeout=lock_timeout)
         return replay_final(call, final)
 
     strictness = None

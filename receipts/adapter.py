@@ -42,7 +42,12 @@ class EffectAdapter(Protocol):
     ``applied`` (with ``fields={"result": ...}`` when it can rebuild the
     result, or the commit and outputs), ``not_applied``, or ``unknown``.
     Optional: ``prepare(args) -> dict`` (validate before anything is sent,
-    fields for the receipt) and ``verify_committed(receipt) -> list[str]``.
+    fields for the receipt), ``verify_committed(receipt) -> list[str]``
+    (``verify``, ``status``, ``recover``: why the world contradicts a
+    ``committed`` receipt) and ``confirm(receipt) -> list[str]`` (the same
+    question in the cheap form a replay can afford; a replay answers from the
+    receipt only when it returns ``[]``).  A tool whose effect leaves nothing
+    to check against returns ``[]`` from both.
     """
 
     tool: str

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator, Mapping
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch
 from cas.errors import DurableWriteError, OncepatchError
-from receipts.errors import FencedOff, IdempotencyConflict, InProgress, StillUnknown
+from receipts.errors import CorruptReceipt, FencedOff, IdempotencyConflict, InProgress, StillUnknown
 from receipts.identity import check_key, compute_args_sha256, compute_call_id
 from receipts.receipt import Receipt, now_iso
 from receipts.states import needs_resolution
@@ -296,9 +296,22 @@ class Call:
         or whose ledger lock another process holds, still replays at once, with a
         warning (returned): the note records nothing a receipt or verify depends on.
 
+        A ``committed`` receipt is answered from only where the world agrees:
+        the adapter's ``confirm(receipt)`` (optional; git: the key ref at the
+        commit, the commit's trailer, its outputs) lists what contradicts it.
+        Anything listed makes it corrupt: nothing is answered from it, and the
+        ledger gets no note.
+
         Raises:
             OncepatchError: the rejection, rebuilt from its envelope (:func:`error_from_envelope`).
+            CorruptReceipt: the adapter's world contradicts the committed receipt.
         """
+        confirm = getattr(self.adapter, "confirm", None) if receipt.status == "committed" else None
+        if confirm is not None:
+            problems = confirm(receipt)
+            if problems:
+                raise CorruptReceipt(self.path, "; ".join(problems), key=receipt.key, next_action="none",
+                                     details={"contradicted_by": self.tool})
         warnings: tuple[str, ...] = ()
         try:
             # wait=0: a replay never waits on the ledger lock (a held lock made every replay wait

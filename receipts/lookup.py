@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from cas.gitdir import discover
 from receipts.errors import CorruptReceipt, InProgress, ReceiptNotFound
@@ -28,17 +30,29 @@ def store_root(store: str | os.PathLike[str] | None = None, repo: str | os.PathL
 
 
 def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = None,
-           repo: str | os.PathLike[str] | None = None) -> Receipt:
+           repo: str | os.PathLike[str] | None = None,
+           adapters: Mapping[str, Any] | Callable[[ReceiptStore], Mapping[str, Any]] | None = None) -> Receipt:
     """The verified receipt of ``key`` (or of a call_id) in the store.
+
+    ``adapters``: ``{tool: adapter}`` (or a function of the store giving
+    them); a ``committed`` receipt is shown only where its tool's adapter
+    (``verify_committed``) finds nothing in the world that contradicts it.
 
     Raises:
         ReceiptNotFound: no receipt for it.
         InProgress: none yet, and a running call holds the key's lock.
-        CorruptReceipt: its file fails verification.
+        CorruptReceipt: its file fails verification, or the world contradicts it.
         UsageError: no store can be found.
     """
     rstore = store if isinstance(store, ReceiptStore) else ReceiptStore(store_root(store, repo))
     found = rstore.find(key)
+    if found is not None and found.status == "committed" and adapters is not None:
+        known = adapters(rstore) if callable(adapters) else adapters
+        check = getattr(known.get(found.tool), "verify_committed", None)
+        problems = check(found) if check is not None else []
+        if problems:
+            raise CorruptReceipt(rstore.receipt_path(found.key), "; ".join(problems), key=found.key,
+                                 next_action="none", details={"contradicted_by": found.tool})
     if found is None:
         if held_elsewhere(rstore.lock_path(key)):
             # A first call holds the key and has not written its receipt yet: ask again.

@@ -14,7 +14,11 @@ missing genesis, a torn last line that is no append of ours) is reported
 corrupt and nothing is settled; a receipt whose history the ledger does not
 name at all (a ledger that lost events) is reported corrupt, not recorded
 anew; a key ref the branch contradicts is reported corrupt by the adapter.
-A person quarantines such evidence (:mod:`receipts.quarantine`).
+Every ``committed`` receipt is asked of its tool's adapter too
+(``verify_committed``; ``confirm`` while its follow-up is pending): one the
+world contradicts is reported corrupt (exit 6) and nothing of it is settled,
+logged or repaired — never "nothing to do".  A person quarantines such
+evidence (:mod:`receipts.quarantine`).
 
 Then the store is tidied: the ledger's own torn last line is cut, or
 completed when only its newline is missing (by appending a
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import importlib
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -136,11 +141,14 @@ def recover(
     extra_cleanup: Callable[[ReceiptStore, bool, float], list[str]] | None = None,
     jobs: int = 1,
     parallel_min: int | None = None,
+    adapters_factory: str | None = None,
 ) -> RecoveryReport:
     """Resolve every unresolved receipt and tidy the store (see the module docstring).
 
     With ``jobs > 1``, from ``parallel_min`` receipt files on, worker
-    processes take the cheap first look at the files (:func:`_scan_chunk`):
+    processes take the cheap first look at the files (:func:`_scan_chunk`;
+    with ``adapters_factory``, ``"module:function"`` of the store giving the
+    adapters, they also ask each settled committed receipt's adapter):
     everything else, every resolution and every write, is done here, in file
     order, from the file read again; the report is the one a single process gives.
     """
@@ -149,7 +157,7 @@ def recover(
         return report  # a ledger changed by hand: nothing is settled on it (docs/RECOVERY.md)
     paths = store.receipt_paths()
     if jobs > 1 and len(paths) >= max(1, PARALLEL_MIN if parallel_min is None else parallel_min):
-        looks, (ledger_digests, ledger_keys) = _scan_parallel(store, paths, jobs)
+        looks, (ledger_digests, ledger_keys) = _scan_parallel(store, paths, jobs, adapters_factory)
     else:
         looks, (ledger_digests, ledger_keys) = None, _ledger_digests(store)
     now = time.time()
@@ -160,7 +168,7 @@ def recover(
             look = looks[i]
             if look is None:
                 continue  # removed since the listing
-            if look and look in ledger_digests:
+            if look[0] and look[0] in ledger_digests and (look[3] or not _to_confirm(adapters, look)):
                 report.scanned += 1
                 _progress(report, progress)
                 continue
@@ -170,8 +178,8 @@ def recover(
         report.scanned += 1
         _progress(report, progress)
         if looks is None and not isinstance(data, CorruptReceipt):
-            digest = _settled_digest(data, h)
-            if digest and digest in ledger_digests:
+            look = _settled_digest(data, h)
+            if look[0] and look[0] in ledger_digests and not _to_confirm(adapters, look):
                 continue
         _look_closer(store, adapters, report, dry_run, path, h, data, ledger_digests, ledger_keys, gaps)
     report.corrupt += _missing_receipts(store, paths, ledger_keys)
@@ -277,17 +285,24 @@ def _missing_receipts(store: ReceiptStore, paths: list[str], keys: set[str]) -> 
             for k in store.missing_files({key_hash(k): k for k in keys}, paths)]
 
 
-def _settled_digest(data: bytes, h: str) -> str:
-    """The digest of a final receipt that its digest shows unedited, else ``""``: the cheap first look.
+#: The first look at a receipt file: (digest, status, tool, whether its adapter agreed already) of a
+#: final receipt its digest shows unedited, else ``("", "", "", False)`` (a closer look).
+Look = tuple[str, str, str, bool]
+_CLOSER: Look = ("", "", "", False)
+
+
+def _settled_digest(data: bytes, h: str) -> Look:
+    """The digest, status and tool of a final receipt that its digest shows unedited: the cheap first look.
 
     Such a receipt, once the ledger holds its digest, needs nothing from
-    recover (verify checks the rest).  Everything else is verified before
-    anything is done with it.
+    recover, unless it is ``committed`` and its tool's adapter can check it
+    against the world (:func:`_to_confirm`).  Everything else is verified
+    before anything is done with it.
     """
     try:
         head = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return ""
+        return _CLOSER
     if (
         isinstance(head, dict)
         and head.get("status") in ("committed", "rejected")
@@ -295,31 +310,54 @@ def _settled_digest(data: bytes, h: str) -> str:
         and not head.get("warnings")
         and written_as_is(head, h)
     ):
-        return str(head["receipt_sha256"])
-    return ""
+        return str(head["receipt_sha256"]), str(head["status"]), str(head.get("tool")), False
+    return _CLOSER
 
 
-def _scan_chunk(root: str, paths: list[str]) -> list[str | None]:
-    """Worker: :func:`_settled_digest` of each file (``""``: a closer look; ``None``: gone)."""
+def _to_confirm(adapters: Mapping[str, EffectAdapter], look: Look) -> bool:
+    """Whether a settled receipt is committed and its tool's adapter checks it against the world."""
+    return look[1] == "committed" and hasattr(adapters.get(look[2]), "verify_committed")
+
+
+def _scan_chunk(root: str, paths: list[str], factory: str | None = None) -> list[Look | None]:
+    """Worker: :func:`_settled_digest` of each file (``None``: gone).
+
+    With ``factory`` (the adapters, as :func:`recover`'s ``adapters_factory``),
+    a settled committed receipt is also asked of its adapter here: one it
+    agrees with is marked so, any other gets the closer look.
+    """
     store = ReceiptStore(root)
-    out: list[str | None] = []
+    adapters: Mapping[str, EffectAdapter] = {}
+    if factory is not None:
+        module, _, func = factory.partition(":")
+        adapters = getattr(importlib.import_module(module), func)(store)
+    out: list[Look | None] = []
     for path in paths:
         data = store.read_raw(path)
         if data is None:
             out.append(None)
-        elif isinstance(data, CorruptReceipt):
-            out.append("")
-        else:
-            out.append(_settled_digest(data, os.path.basename(path)[:-5]))
+            continue
+        if isinstance(data, CorruptReceipt):
+            out.append(_CLOSER)
+            continue
+        h = os.path.basename(path)[:-5]
+        look = _settled_digest(data, h)
+        if factory is not None and look[0] and _to_confirm(adapters, look):
+            try:
+                agreed = not _contradictions(adapters, parse_receipt(data, path=path, expected_key_hash=h))
+            except CorruptReceipt:
+                agreed = False
+            look = (*look[:3], agreed) if agreed else _CLOSER
+        out.append(look)
     return out
 
 
-def _scan_parallel(store: ReceiptStore, paths: list[str], jobs: int
-                   ) -> tuple[list[str | None], tuple[set[str], set[str]]]:
+def _scan_parallel(store: ReceiptStore, paths: list[str], jobs: int, factory: str | None = None
+                   ) -> tuple[list[Look | None], tuple[set[str], set[str]]]:
     """The first look at ``paths`` over ``jobs`` worker processes, and the ledger's digests, read meanwhile."""
     chunks = split(paths, jobs)
     with spawn_pool(len(chunks)) as pool:
-        futures = [pool.submit(_scan_chunk, store.root, chunk) for chunk in chunks]
+        futures = [pool.submit(_scan_chunk, store.root, chunk, factory) for chunk in chunks]
         digests = _ledger_digests(store)
         looks = [look for f in futures for look in f.result()]
     return looks, digests
@@ -338,6 +376,12 @@ def _look_closer(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], rep
     except CorruptReceipt as exc:
         report.corrupt.append({"path": path, "reason": exc.reason})
         return
+    if receipt.status == "committed":
+        problems = _contradictions(adapters, receipt)
+        if problems:
+            # Believed only where the world agrees: nothing of it is settled, logged or repaired.
+            report.corrupt.append({"path": path, "key": receipt.key, "reason": "; ".join(problems)})
+            return
     if needs_resolution(receipt.status):
         _resolve_one(store, receipt, adapters, report, dry_run)
     elif receipt.status == "committed" and receipt.extra.get("warnings") and not dry_run:
@@ -348,6 +392,22 @@ def _look_closer(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], rep
             return
         report.ledger_repaired.append(receipt.key)
         gaps.append(receipt)
+
+
+def _contradictions(adapters: Mapping[str, EffectAdapter], receipt: Receipt) -> list[str]:
+    """What the world holds against a committed receipt, by its tool's adapter (``[]``: none, or no adapter).
+
+    A receipt whose follow-up is still to be done (``warnings``: say, its key
+    ref was not created) is asked in the cheap form (``confirm``), which does
+    without the key ref when the commit is on its branch: settling it again
+    creates the ref.
+    """
+    adapter = adapters.get(receipt.tool)
+    check = getattr(adapter, "confirm" if receipt.extra.get("warnings") else "verify_committed", None)
+    if check is None:
+        return []
+    problems: list[str] = check(receipt)
+    return problems
 
 
 def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, EffectAdapter],

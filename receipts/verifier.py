@@ -4,15 +4,19 @@ Checks, each failure naming the receipt and the reason:
 
 * every receipt file verifies on read (:mod:`receipts.receipt`);
 * every ``committed`` receipt passes its adapter's ``verify_committed``
-  (git: the commit exists, the key ref points at it, each output's digest
-  equals the blob of that commit);
+  (git, :mod:`patcher.evidence`: the commit exists and carries the call's
+  trailer, the key ref points at it, it is or was on the call's branch, each
+  output's digest equals the blob of that commit);
 * no unresolved ``prepared`` receipt: its call is gone (its key lock is
   free: ``recover`` settles it), or it is still held but older than the grace
   period (stuck); no ``unknown`` receipt (a person must look);
 * the ledger's hash chain is unbroken, and every receipt's latest state
   (its ``receipt_sha256``) appears in the ledger — unless its call is still
   running (its key lock held: it renames the receipt, then appends the
-  event); every key the ledger records a receipt of has its receipt file.
+  event); every key the ledger records a receipt of has its receipt file;
+* the other direction, for a verifier with ``verify_refs`` (git): every key
+  ref has its receipt in the store, one that says it committed — a store
+  deleted or emptied is a failure, not "ok: 0 receipts".
 
 The watcher is never needed for any of this: verify reads the store itself.
 """
@@ -97,7 +101,7 @@ def verify(
     if jobs > 1 and verifiers_factory is not None \
             and len(paths) >= max(1, PARALLEL_MIN if parallel_min is None else parallel_min):
         # The workers start first; the ledger is read here meanwhile.
-        return _verify_parallel(store, paths, report, grace, jobs, verifiers_factory)
+        return _verify_parallel(store, paths, report, grace, jobs, verifiers_factory, verifiers)
     latest: dict[str, int] = {}
     digests = _read_ledger(store, report, latest)
     hashed = _hashed(latest)
@@ -108,6 +112,7 @@ def verify(
     unlogged: list[tuple[int, str, str, str, str]] = []
     ordered = _in_call_order(paths, hashed, report.ledger_events)
     del latest, hashed
+    summaries: dict[str, Summary] = {}
     for path in ordered:
         item = store.read_stored(path)
         if item is None:
@@ -116,14 +121,48 @@ def verify(
         if progress is not None and report.receipts % 10000 == 0:
             progress(report.receipts)
         r = item.receipt
-        if r is not None and r.digest not in digests:
-            unlogged.append((position[path], path, r.digest, r.key, r.status))
+        if r is not None:
+            summaries[os.path.basename(path)[:-5]] = _summary(r)
+            if r.digest not in digests:
+                unlogged.append((position[path], path, r.digest, r.key, r.status))
         found += [(position[path], 1, f) for f in _check_one(store, item, verifiers, grace, now)]
     found += [(pos, 0, f) for pos, f in _not_in_ledger(store, unlogged)]
     found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
     report.failures += [f for _pos, _kind, f in found]
     report.failures += missing
+    report.failures += _stray_refs(store, verifiers, summaries, missing)
     return report
+
+
+#: What the reverse check (:func:`_stray_refs`) knows of one intact receipt file: tool, status, repository.
+Summary = tuple[str, str, "str | None"]
+
+
+def _summary(r: Receipt) -> Summary:
+    repo = r.args.get("repo")
+    return r.tool, r.status, repo if isinstance(repo, str) else None
+
+
+def _stray_refs(store: ReceiptStore, verifiers: Mapping[str, CommitVerifier],
+                summaries: Mapping[str, Summary], missing: list[Failure]) -> list[Failure]:
+    """The other direction: what the world holds that the store has no receipt for (git: key refs).
+
+    Asked of each verifier that has ``verify_refs(store, summaries)``
+    (``{key hash: (tool, status, repo)}`` of the intact receipt files).  A
+    deleted store is a failure, not "ok: 0 receipts".  It returns ``[(key hash,
+    where, reason)]``; a key whose receipt file the ledger already misses
+    (``missing``) is named once, there.
+    """
+    from receipts.identity import key_hash
+
+    reported = {key_hash(f.key) for f in missing if f.key is not None}
+    out: list[Failure] = []
+    for v in dict.fromkeys(verifiers.values()):  # an adapter registered under several names asks once
+        check = getattr(v, "verify_refs", None)
+        if check is not None:
+            out += [Failure(None, where, reason) for h, where, reason in check(store, summaries)
+                    if h not in reported]
+    return out
 
 
 def _hashed(latest: dict[str, int]) -> dict[str, tuple[str, int]]:
@@ -215,14 +254,14 @@ def _check_one(store: ReceiptStore, item: StoredReceipt, verifiers: Mapping[str,
 
 
 def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
-                  ) -> tuple[list[tuple[str | None, str | None, str]], list[tuple[int, str, str, str]], int]:
+                  ) -> tuple[list[tuple[str | None, str | None, str]], list[tuple[int, str, str, str, Summary]], int]:
     """Worker: verify these receipt files; return failures, (index, digest, ...) of each parsed receipt, files read."""
     module, _, func = factory.partition(":")
     store = ReceiptStore(root)
     verifiers = getattr(importlib.import_module(module), func)(store)
     now = time.time()
     failures: list[tuple[str | None, str | None, str]] = []
-    seen: list[tuple[int, str, str, str]] = []  # (index, digest, key, status) of each intact receipt
+    seen: list[tuple[int, str, str, str, Summary]] = []  # (index, digest, key, status, summary) of intact ones
     read = 0
     for i, path in enumerate(paths):
         item = store.read_stored(path)
@@ -230,7 +269,7 @@ def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
             continue  # removed since the listing: not counted, as with one process
         read += 1
         if item.receipt is not None:
-            seen.append((i, item.receipt.digest, item.receipt.key, item.receipt.status))
+            seen.append((i, item.receipt.digest, item.receipt.key, item.receipt.status, _summary(item.receipt)))
         failures += [(f.key, f.path, f.reason) for f in _check_one(store, item, verifiers, grace, now)]
     return failures, seen, read
 
@@ -269,7 +308,7 @@ def _warm_up(factory: str) -> None:
 
 
 def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport,
-                     grace: float, jobs: int, factory: str) -> VerifyReport:
+                     grace: float, jobs: int, factory: str, verifiers: Mapping[str, CommitVerifier]) -> VerifyReport:
     """Verify ``paths`` over ``jobs`` worker processes, each a run of calls made one after another.
 
     The receipts are handed out in ledger order (:func:`_in_call_order`).
@@ -292,9 +331,11 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
     position = {p: i for i, p in enumerate(paths)}
     found: list[tuple[int, int, Failure]] = []
     unlogged: list[tuple[int, str, str, str, str]] = []
+    summaries: dict[str, Summary] = {}
     for chunk, (failures, seen, read) in zip(chunks, results):
         report.receipts += read
-        for i, digest, key, status in seen:
+        for i, digest, key, status, summary in seen:
+            summaries[os.path.basename(chunk[i])[:-5]] = summary
             if digest not in digests:
                 unlogged.append((position[chunk[i]], chunk[i], digest, key, status))
         found += [(position.get(p, len(paths)) if p is not None else len(paths), 1, Failure(k, p, reason))
@@ -303,6 +344,7 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
     found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
     report.failures += [f for _pos, _kind, f in found]
     report.failures += missing
+    report.failures += _stray_refs(store, verifiers, summaries, missing)
     return report
 
 

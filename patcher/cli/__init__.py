@@ -60,12 +60,19 @@ def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 def _cmd_status(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     rstore = ReceiptStore(store_root(args))
-    receipt = status(args.key, store=rstore)
+    receipt = status(args.key, store=rstore, adapters=_status_adapters)
     doc = {"ok": True, "receipt": receipt.to_doc(), "path": rstore.receipt_path(receipt.key)}
     text = (f"{receipt.status}{' (retryable)' if receipt.retryable else ''}  key {receipt.key}\n"
             f"call_id {receipt.call_id}\ncommit {receipt.commit or '-'}\n"
             f"fencing token {receipt.fencing_token}, updated {receipt.updated_at}\n")
     return EXIT_OK, doc, text
+
+
+def _status_adapters(rstore: Any) -> dict[str, Any]:
+    """The adapters ``status`` asks of a committed receipt (read-only: nothing is settled)."""
+    from patcher.git_adapter import adapters
+
+    return adapters(rstore, {}, read_only=True)
 
 
 def _cmd_log(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:

@@ -108,7 +108,8 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     adapters = _adapters(rstore, read_only=args.dry_run, lock_timeout=args.lock_timeout)
     git = adapters["apply_patch"]
     report = recover(rstore, adapters, dry_run=args.dry_run, tmp_age=args.tmp_age, progress=_progress,
-                     extra_cleanup=git.cleanup, jobs=args.jobs or (os.cpu_count() or 1))
+                     extra_cleanup=git.cleanup, jobs=args.jobs or (os.cpu_count() or 1),
+                     adapters_factory="patcher.cli.recovery:_adapters")
     doc = report.to_json()
     lines = [f"{'plan' if args.dry_run else 'recovered'}: {len(report.rows)} receipt(s) of {report.scanned}"]
     for r in report.rows:

@@ -73,6 +73,9 @@ class CommandAdapter:
     def settle(self, receipt: Receipt) -> list[str]:
         return []
 
+    def confirm(self, receipt: Receipt) -> list[str]:
+        return []
+
     def verify_committed(self, receipt: Receipt) -> list[str]:
         return []
 

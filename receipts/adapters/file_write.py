@@ -89,6 +89,9 @@ class FileWriteAdapter:
     def settle(self, receipt: Receipt) -> list[str]:
         return []
 
+    def confirm(self, receipt: Receipt) -> list[str]:
+        return []
+
     def verify_committed(self, receipt: Receipt) -> list[str]:
         """Nothing to prove beyond the receipt itself: a file may change after the write."""
         return []
