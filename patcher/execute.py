@@ -44,8 +44,8 @@ from cas.errors import (DurableWriteError, GitStoreError, ObjectsMissing, Oncepa
                         RefMovedError, RefUpdateUnknown, UsageError)
 from cas.gitdir import read_head
 from cas.objects import GitStore, open_store
-from receipts.engine import Call, pause_point
-from receipts.errors import IdempotencyConflict
+from receipts.engine import Call, after_effect, pause_point
+from receipts.errors import FencedOff, IdempotencyConflict
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.args import CallArgs
@@ -54,7 +54,7 @@ from patcher.formats import parse_patch
 from patcher.grades import grade_warnings
 from patcher.markers import ref_lock_marker
 from patcher.model import Patch
-from patcher.protocol import KEY_REF_PREFIX, ApplyResult, replay_final
+from patcher.protocol import KEY_REF_PREFIX, ApplyResult, foreign_error, replay_final
 
 if TYPE_CHECKING:
     from cas.index_lock import IndexLock
@@ -121,22 +121,35 @@ def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout:
             raise exc.with_key(call.key) from None
         except OncepatchError as exc:
             raise exc.with_key(call.key)
+        except Exception as exc:  # nothing of the key is written before its lock
+            raise foreign_error(exc, effect_status="not_started", key=call.key) from exc
 
     call.adapter = GitAdapter(call.store, _stores, lock_timeout=lock_timeout)  # settles a dead owner's call of the key
-    with call.claimed(lock_timeout) as final:
-        if final is not None:
-            return replay_final(call, final)
-        try:
-            return _execute(_Run(call, args, _stores, check_timeout, lock_timeout), pre)
-        except OncepatchError as exc:
-            raise exc.with_key(call.key)
+    try:
+        with call.claimed(lock_timeout) as final:
+            if final is not None:
+                return replay_final(call, final)
+            run = _Run(call, args, _stores, check_timeout, lock_timeout)
+            try:
+                return _execute(run, pre)
+            except Exception as exc:
+                err = _truthful(run, exc)
+                if err is exc:
+                    raise
+                raise err from exc
+    except OncepatchError as exc:
+        raise exc.with_key(call.key)
+    except Exception as exc:
+        # Taking the key's lock, settling a dead owner's call of the key: whatever
+        # that call did may be there, half recorded.
+        raise foreign_error(exc, effect_status="unknown", next_action="query_before_retry", key=call.key) from exc
 
 
 class _Run:
     """What the steps of one execution share (under the key's lock)."""
 
     __slots__ = ("call", "args", "stores", "check_timeout", "lock_timeout", "gstore", "patch", "paths", "message",
-                 "worktrees")
+                 "worktrees", "branch")
 
     def __init__(self, call: Call, args: CallArgs, stores: dict[str, Any] | None, check_timeout: float,
                  lock_timeout: float) -> None:
@@ -150,6 +163,10 @@ class _Run:
         self.paths: list[str]
         self.message: str
         self.worktrees: list[tuple[str, str]] = []
+        #: What is known of the branch: ``untouched`` (provably not moved by this call),
+        #: ``swapping`` (the move was under way when it failed: only a query can tell)
+        #: or ``moved``.  :func:`_truthful` builds the failed call's envelope from it.
+        self.branch = "untouched"
 
     @property
     def rstore(self) -> ReceiptStore:
@@ -442,8 +459,7 @@ def _materialise(run: _Run, held: dict[str, IndexLock]) -> list[str]:
             gstore.sync_refs()  # the move is made durable even when this fails
         raise
     failed_sync = gstore.take_sync_failure()
-    if failed_sync is not None:  # the move's own sync failed in a worktree's round
-        _record_unknown(run, failed_sync)
+    if failed_sync is not None:  # the move's own sync failed in a worktree's round (receipt unknown: _truthful)
         raise failed_sync
     return warnings
 
@@ -486,8 +502,7 @@ def _finalise(run: _Run, staged: Staged, warnings: list[str]) -> ApplyResult:
         unknown = gstore.take_sync_failure()
         if unknown is not None:
             # The branch moved and its own sync failed: never retried as if nothing
-            # happened (a second fsync may succeed with the data lost).
-            _record_unknown(run, unknown)
+            # happened (a second fsync may succeed with the data lost).  Receipt unknown: _truthful.
             raise unknown from exc
         with contextlib.suppress(Exception):
             fsync_all(ref_folders)  # the move is made durable even when finalising failed
@@ -612,11 +627,13 @@ def _move_refs(
     while True:
         base, candidate = _base_and_candidate(run)
         assert candidate is not None
+        run.branch = "untouched"  # "swapping" once the precondition has passed under the ref lock
         try:
             run.gstore.compare_and_swap(run.args.branch, base, candidate, f"oncepatch: {run.call.call_id}",
                                         lock_timeout=run.lock_timeout,
                                         precondition=_under_ref_lock(run, candidate, before_swap),
                                         before_libgit2=before_libgit2)
+            run.branch = "moved"
             return staged
         except _NotStaged as failed:
             err = failed.error
@@ -631,8 +648,10 @@ def _move_refs(
         except (RefLockedError, ObjectsMissing) as exc:
             _reject(run, exc, base, candidate, retryable=True)
             raise
-        except RefUpdateUnknown as exc:
-            _record_unknown(run, exc)
+        except GitStoreError:
+            # A write that failed before the rename (cas.refs): the ref is unchanged.
+            # (RefUpdateUnknown, a failure after it, is not one: the branch stays "swapping".)
+            run.branch = "untouched"
             raise
 
 
@@ -644,6 +663,7 @@ def _under_ref_lock(run: _Run, candidate: str, before_swap: Callable[[str], None
         # caller's check and the swap this process may have been paused, its key
         # lock broken and the key taken over (then the ref must not move).
         run.call.fence()
+        _refuse_held_key_ref(run)
         if before_swap is not None:
             # Staged after the compare, the objects' check and the fence; only libgit2's
             # commit of the transaction follows.
@@ -652,8 +672,28 @@ def _under_ref_lock(run: _Run, candidate: str, before_swap: Callable[[str], None
             except OncepatchError as exc:  # an index could not be staged: nothing has moved
                 raise _NotStaged(exc) from exc
             crash_point("after-index-ahead")
+        run.branch = "swapping"  # from here a failure may come after the rename
 
     return precondition
+
+
+def _refuse_held_key_ref(run: _Run) -> None:
+    """Refuse to move the branch while the key ref's ``.lock`` is there: the key ref could not follow.
+
+    Race guarded: the key ref is created after the branch moved (cas.refs says
+    why not in one transaction); a ``.lock`` left by a crashed writer, or held
+    by one, would make that creation fail with the branch moved.  Looked at
+    under the branch's lock, before anything is staged: the compare-and-swap
+    waits for it like for the branch's own lock (up to the lock timeout), then
+    the call is rejected, retryable, nothing moved.  A lock taken after this
+    look is the after-the-move failure :func:`_truthful` reports truthfully.
+
+    Raises:
+        RefLockedError: ``refs/oncepatch/keys/<h>.lock`` exists.
+    """
+    lock = os.path.join(run.gstore.common_dir, KEY_REF_PREFIX + key_hash(run.key) + ".lock")
+    if os.path.lexists(lock):
+        raise RefLockedError(lock, details={"ref": KEY_REF_PREFIX + key_hash(run.key)})
 
 
 def _restage(run: _Run, new_base: str | None, rounds: int) -> Staged:
@@ -712,19 +752,67 @@ class _NotStaged(Exception):
         self.error = error
 
 
-def _record_unknown(run: _Run, exc: OncepatchError) -> None:
-    """The branch may have moved and no one can tell yet: the receipt says ``unknown``."""
-    run.call.unknown(exc.envelope())
-
-
 def _reject(run: _Run, err: OncepatchError, base: str | None, candidate: str | None, *,
             retryable: bool | None = None) -> None:
     """Record a rejection after staging (conflict, failed check, stale lock): base and candidate, no outputs."""
+    if run.call.prepared and err.effect_status == "not_started":
+        err.effect_status = "not_applied"  # (its receipt said prepared: something was started)
     envelope = err.with_key(run.key).envelope()
     if retryable is not None:
         envelope["retryable"] = retryable
     run.call.reject(envelope, base={"ref": run.args.branch, "commit": base}, candidate=candidate, outputs=(),
                     extra={})
+
+
+def _truthful(run: _Run, exc: Exception) -> OncepatchError:
+    """The error a failed execution ends with, its envelope saying what git holds; its receipt recorded.
+
+    The one place every failure of :func:`_execute` goes through (docs/DESIGN.md
+    section 6: ``effect_status`` never claims less than happened):
+
+    * the branch moved, or may have (:attr:`_Run.branch`): ``applied`` or
+      ``unknown``, ``next_action: recover``, whatever failed (materialising,
+      the key ref, the receipt, the ledger, the OS); the receipt is recorded
+      ``unknown`` (:meth:`receipts.engine.Call.unfinished`) and ``recover``
+      finishes the call;
+    * the ``prepared`` receipt written, the branch provably not moved:
+      ``not_applied``; what is not recorded yet is recorded ``rejected``,
+      retryable (best effort: a ``prepared`` receipt left behind is settled
+      the same way by the key's next call);
+    * before that: ``not_started`` (objects written by then are garbage git
+      prunes, never referenced).
+
+    A foreign error (the OS's, libgit2's, a bug's) becomes one of the tree.
+    """
+    call = run.call
+    if run.branch != "untouched":
+        # (Moved, it is applied: libgit2 synced the move before returning; a folder
+        # synced later that fails is the worktrees', not the branch's.)
+        err = after_effect(exc, run.key, "applied" if run.branch == "moved" else "unknown")
+        call.unfinished(err)
+        return err
+    if not call.prepared:
+        if not isinstance(exc, OncepatchError):
+            return foreign_error(exc, effect_status="not_started", key=run.key)
+        if isinstance(exc, DurableWriteError) and exc.effect_status == "unknown":
+            # The prepared receipt was renamed, its folder's sync failed: the branch is untouched.
+            exc.effect_status, exc.next_action, exc.retryable = "not_applied", "retry", True
+        return exc.with_key(run.key)
+    if isinstance(exc, FencedOff):
+        return exc.with_key(run.key)  # the key is another attempt's: what it did is its own to say
+    if isinstance(exc, OncepatchError):
+        err = exc.with_key(run.key)
+        if err.effect_status != "not_applied":
+            err.effect_status = "not_applied"
+            if err.next_action in ("query_before_retry", "none", "recover"):
+                err.next_action, err.retryable = "retry", True
+    else:
+        err = foreign_error(exc, effect_status="not_applied", key=run.key)
+    assert call.receipt is not None
+    if call.receipt.status == "prepared":
+        with contextlib.suppress(Exception):
+            _reject(run, err, *_base_and_candidate(run), retryable=err.retryable)
+    return err
 
 
 def _already_applied(run: _Run, staged: Staged) -> ApplyResult:

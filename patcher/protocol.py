@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from cas.errors import OncepatchError, UsageError
+from cas.errors import EffectStatus, InternalError, NextAction, OncepatchError, UsageError
 from receipts.engine import Call
 from receipts.identity import make_identity
 from receipts.receipt import Receipt
@@ -42,7 +42,7 @@ from patcher.errors import (AmbiguousMatch, CheckFailed, Conflict, ContextNotFou
 from patcher.formats import detect
 from patcher.grades import STRICT, grade_warnings
 
-__all__ = ["ApplyResult", "apply", "store_root_for", "replay_final", "KEY_REF_PREFIX", "REJECTIONS"]
+__all__ = ["ApplyResult", "apply", "store_root_for", "replay_final", "foreign_error", "KEY_REF_PREFIX", "REJECTIONS"]
 
 KEY_REF_PREFIX = "refs/oncepatch/keys/"
 
@@ -92,6 +92,34 @@ def store_root_for(common_dir: str, store: str | None = None) -> str:
     """``--store``, else ``$ONCEPATCH_STORE``, else ``<git-common-dir>/oncepatch``."""
     root = store or os.environ.get("ONCEPATCH_STORE") or os.path.join(common_dir, "oncepatch")
     return os.path.abspath(root)
+
+
+def foreign_error(exc: BaseException, *, effect_status: EffectStatus, key: str | None,
+                  next_action: NextAction | None = None) -> OncepatchError:
+    """A foreign error (the OS's, libgit2's, a bug's) as one of the tree, saying what is known of the effect.
+
+    Translated once, at the boundary of the public API (:func:`apply`,
+    :class:`patcher.api.Client`): no raw ``OSError`` reaches a caller.  The
+    caller says the ``effect_status`` (it knows how far the call went); an
+    I/O failure (``OSError``, libgit2's ``GitError``) is retryable, a bug is not.
+    """
+    pygit2 = sys.modules.get("pygit2")
+    io = isinstance(exc, OSError) or (pygit2 is not None and isinstance(exc, pygit2.GitError))
+    if next_action is None:
+        done = effect_status in ("not_started", "not_applied")
+        next_action = ("retry" if io else "none") if done else "query_before_retry"
+    details: dict[str, Any] = {"cause": type(exc).__name__}
+    if isinstance(exc, OSError):
+        if exc.errno is not None:
+            import errno
+
+            details["errno"] = errno.errorcode.get(exc.errno, str(exc.errno))
+        if isinstance(exc.filename, str):
+            details["path"] = exc.filename
+    text = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
+    where = f" on '{exc.filename}'" if isinstance(exc, OSError) and isinstance(exc.filename, str) else ""
+    return InternalError(f"{'i/o error' if io else type(exc).__name__}{where}: {text}", retryable=io,
+                         effect_status=effect_status, key=key, next_action=next_action, details=details)
 
 
 def replay_final(call: Call, receipt: Receipt) -> ApplyResult:
@@ -159,6 +187,20 @@ def apply(
     if _stores is None:
         _stores = {}  # one open repository for the whole call, even for one-shot callers
     try:
+        return _apply(repo, patch, key, branch, contract_sha256, attempt, format, check, message, common_dir, store,
+                      lock_timeout, check_timeout, _stores)
+    except OncepatchError:
+        raise
+    except Exception as exc:
+        # Only what fails before the key's lock gets here (patcher.execute translates the rest,
+        # knowing how far it went): nothing of the call was written yet.
+        raise foreign_error(exc, effect_status="not_started", key=key) from exc
+
+
+def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, contract_sha256: str | None,
+           attempt: int, format: str, check: str | None, message: str | None, common_dir: str | None,
+           store: str | None, lock_timeout: float, check_timeout: float, _stores: dict[str, Any]) -> ApplyResult:
+    try:
         _check_options(attempt, lock_timeout, check_timeout, store)
         args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message,
                               detect=detect)
@@ -172,7 +214,12 @@ def apply(
     call = Call(rstore, None, identity, key, errors=REJECTIONS, default_error=PatchError)
 
     # Fast path: a final receipt is immutable, so it can be read without the lock.
-    final = call.lookup()
+    try:
+        final = call.lookup()
+    except OncepatchError:
+        raise
+    except Exception as exc:  # the key's receipt could not be read: what it says is not known
+        raise foreign_error(exc, effect_status="unknown", key=call.key, next_action="retry") from exc
     if final is not None:
         from patcher.git_adapter import GitAdapter
 

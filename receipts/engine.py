@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch
-from cas.errors import DurableWriteError, OncepatchError
+from cas.errors import EXIT_REJECTED, DurableWriteError, OncepatchError
 from receipts.errors import CorruptReceipt, FencedOff, IdempotencyConflict, InProgress, StillUnknown
 from receipts.identity import check_key, compute_args_sha256, compute_call_id
 from receipts.receipt import Receipt, now_iso
@@ -60,11 +60,12 @@ from receipts.store import ReceiptStore
 TYPE_CHECKING = False  # typing is not imported at run time (start-up: docs/DECISIONS.md)
 if TYPE_CHECKING:
     from typing import Any
+    from cas.errors import EffectStatus
     from receipts.adapter import EffectAdapter, QueryResult
     from receipts.states import Status
 
 __all__ = ["Call", "PAUSE_ENV", "pause_point", "owner_record", "check_same_intent", "error_from_envelope",
-           "settle"]
+           "settle", "after_effect"]
 
 #: Test seam (like ``ONCEPATCH_CRASH_AT``): ``ONCEPATCH_PAUSE_AT=<point>`` makes the process
 #: stop itself with SIGSTOP at that point (docs/CONCURRENCY.md lists the points).
@@ -141,6 +142,29 @@ def error_from_envelope(err: Mapping[str, Any], key: str, classes: Mapping[str, 
         details=details,
         error_type=etype,
     )
+
+
+def after_effect(exc: Exception, key: str, effect_status: EffectStatus = "applied") -> OncepatchError:
+    """The error a call ends with when it fails once its effect ran (``applied``) or may have (``unknown``).
+
+    Its envelope says so, with ``next_action: recover`` — never
+    ``not_started`` nor ``retry`` (docs/DESIGN.md section 6): the effect is
+    there, or may be, and only its record is missing.  A foreign error (the
+    OS's, libgit2's, a bug's) becomes :class:`StillUnknown` with its text, and
+    so does a rejection (exit 4 says "nothing was done"); any other keeps its
+    type.
+    """
+    if isinstance(exc, OncepatchError) and exc.exit_code != EXIT_REJECTED:
+        err = exc
+    else:
+        text = exc.message if isinstance(exc, OncepatchError) else f"{type(exc).__name__}: {exc}"
+        said = "happened" if effect_status == "applied" else "may have happened"
+        err = StillUnknown(f"the effect of key '{key}' {said}, but the call failed after it: {text}; "
+                           f"run 'oncepatch recover' to record it", key=key)
+        if isinstance(exc, OncepatchError):
+            err.details = {**exc.details, "cause": exc.envelope()}
+    err.effect_status, err.next_action, err.retryable = effect_status, "recover", False
+    return err.with_key(key)
 
 
 # -- settling a dead owner's call ------------------------------------------------------------
@@ -336,6 +360,11 @@ class Call:
         pause_point("after-prepare")
         return receipt
 
+    @property
+    def prepared(self) -> bool:
+        """Whether this attempt wrote its ``prepared`` receipt (its effect may run from here on)."""
+        return self._prepared
+
     def fence(self) -> None:
         """The one fencing rule (module docstring); nothing to check before ``prepared`` is written.
 
@@ -384,18 +413,54 @@ class Call:
         effect was already there) a new receipt with the next token is written.
         ``add_to_batch``: called after the fence with the batch the receipt is
         written in (files renamed before it).  ``event``: fields of the ledger event.
+
+        Called once the effect ran: whatever fails here (the fence included)
+        raises with ``effect_status: applied``, ``next_action: recover``
+        (:func:`after_effect`).
         """
-        if self._prepared:
-            assert self.receipt is not None
-            pause_point("before-finalise")
-            self.fence()
-            final = self.receipt.evolve(status="committed", error=None, retryable=None, **fields)
-        else:
-            final = self._fresh("committed", **fields)
-        batch = DurableBatch()
-        if add_to_batch is not None:
-            add_to_batch(batch)
-        return self._record(final, "committed", batch=batch, before_replace=before_replace, event_fields=event)
+        try:
+            if self._prepared:
+                assert self.receipt is not None
+                pause_point("before-finalise")
+                self.fence()
+                final = self.receipt.evolve(status="committed", error=None, retryable=None, **fields)
+            else:
+                final = self._fresh("committed", **fields)
+            batch = DurableBatch()
+            if add_to_batch is not None:
+                add_to_batch(batch)
+            return self._record(final, "committed", batch=batch, before_replace=before_replace,
+                                event_fields=event)
+        except Exception as exc:
+            err = after_effect(exc, self.key)
+            if err is exc:
+                raise
+            raise err from exc
+
+    def unfinished(self, error: OncepatchError) -> None:
+        """Record ``unknown`` with ``error``'s envelope for an attempt that failed once its effect ran, or may have.
+
+        Best effort, and only while the receipt on disk is still this attempt's
+        ``prepared`` one: a receipt another process settled meanwhile, or this
+        attempt's own final receipt that landed before a later step failed (its
+        ledger event, its folder's sync), is left as it is.  A write that fails
+        is given up: the ``prepared`` receipt stays, and ``recover`` (or the
+        key's next call) settles it through the adapter's query all the same.
+        """
+        if not self._prepared or self.receipt is None or self.receipt.status != "prepared":
+            return  # nothing of this attempt's, or already recorded by it (rejected, unknown)
+        if isinstance(error, FencedOff):
+            return  # the receipt is another process's now
+        try:
+            current = self.store.read(self.key)
+        except Exception:  # noqa: BLE001 - unreadable now: overwriting blind could undo a receipt that landed
+            return
+        if current is None or current.digest != self.receipt.digest:
+            if current is not None and self._attempted is not None and current.digest == self._attempted.digest:
+                self.receipt = current  # this attempt's own final write landed; only what followed it failed
+            return
+        with contextlib.suppress(Exception):
+            self.unknown(error.envelope(), reason=error.error_type)
 
     def reject(self, envelope: dict[str, Any], **fields: Any) -> Receipt:
         """Write ``rejected`` with the error ``envelope`` (its ``retryable`` says whether a retry may execute)."""

@@ -114,11 +114,15 @@ def commits_with_key(repo: Repo, key: str = "K") -> int:
     return sum(1 for line in out.splitlines() if line.strip() == key_hash(key))
 
 
-def assert_fenced(code: int, doc: dict[str, Any]) -> None:
+def assert_fenced(code: int, doc: dict[str, Any], *, effect_ran: bool = False) -> None:
+    """Fenced off; once this attempt's effect ran, its envelope says so (``applied``, ``recover``)."""
     assert code == 5, doc
     err = doc["error"]
     assert err["type"] == "in_progress"
-    assert err["effect_status"] == "unknown" and err["next_action"] == "query_before_retry"
+    if effect_ran:
+        assert err["effect_status"] == "applied" and err["next_action"] == "recover"
+    else:
+        assert err["effect_status"] == "unknown" and err["next_action"] == "query_before_retry"
     assert err["fencing_token"] == 1
 
 
@@ -219,7 +223,7 @@ def test_paused_worker_cannot_overwrite_the_receipt_after_a_takeover(repo: Repo,
     assert json.loads(settled)["status"] == "committed"
 
     code, doc = a.resume()
-    assert_fenced(code, doc)
+    assert_fenced(code, doc, effect_ran=True)
     assert doc["error"]["current_status"] == "committed"
     assert receipt_file(repo).read_bytes() == settled
     assert repo.head() == head and commits_with_key(repo) == 1
@@ -295,7 +299,7 @@ def test_one_fencing_rule_for_every_tool_a_call_settled_while_it_ran_is_fenced_o
     events = ReceiptStoreEvents(store)
 
     code, doc = a.resume()
-    assert_fenced(code, doc)
+    assert_fenced(code, doc, effect_ran=executed)
     assert doc["error"]["current_status"] == to and doc["error"]["current_token"] == 1
     assert receipt.read_bytes() == settled  # the settled receipt is not overwritten
     assert effect_done() is executed  # nor the effect run after a settle said it did not happen
