@@ -16,12 +16,13 @@ serve many threads, and many processes may use one repository and store.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ParamSpec, TypeVar
 
-from cas.errors import OncepatchError
+from cas.errors import EffectStatus, OncepatchError
 from cas.gitdir import discover
 from receipts.lookup import status as _status
 from receipts.receipt import Receipt
@@ -29,11 +30,36 @@ from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from receipts.verifier import DEFAULT_GRACE, VerifyReport, verify
 from patcher.git_adapter import adapters
-from patcher.protocol import ApplyResult, apply, store_root_for
+from patcher.protocol import ApplyResult, apply, foreign_error, store_root_for
 
 __all__ = ["apply", "ApplyResult", "Client", "OncepatchError", "status"]
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
+
+def _translated(effect_status: EffectStatus) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """No raw ``OSError`` (nor libgit2's error) out of the API: the tree's error, with ``effect_status``.
+
+    (``apply`` translates its own, knowing how far the call went: :func:`patcher.protocol.apply`.)
+    """
+
+    def wrap(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(fn)
+        def call(*args: _P.args, **kw: _P.kwargs) -> _R:
+            try:
+                return fn(*args, **kw)
+            except OncepatchError:
+                raise
+            except Exception as exc:
+                raise foreign_error(exc, effect_status=effect_status, key=None) from exc
+
+        return call
+
+    return wrap
+
+
+@_translated("not_started")
 def status(key: str, *, repo: str = ".", store: str | None = None) -> Receipt:
     """The verified receipt of ``key`` (or a call_id) for ``repo``'s store; a committed one only where git agrees.
 
@@ -87,6 +113,7 @@ class Client:
     def _repo(self, repo: str | os.PathLike[str] | None) -> str:
         return os.path.abspath(os.fspath(repo)) if repo is not None else self.repo
 
+    @_translated("not_started")
     def store_root(self, repo: str | os.PathLike[str] | None = None) -> str:
         """The receipt store of ``repo`` (``store=``, ``$ONCEPATCH_STORE``, or ``<git-common-dir>/oncepatch``)."""
         path = self._repo(repo)
@@ -135,6 +162,7 @@ class Client:
             strict=strict, _stores=self._stores(),
         )
 
+    @_translated("not_started")
     def status(self, key: str, *, repo: str | os.PathLike[str] | None = None) -> Receipt:
         """The verified receipt of ``key`` or a call_id; a committed one only where git agrees.
 
@@ -144,6 +172,7 @@ class Client:
         rstore = self.receipt_store(repo)
         return _status(key, store=rstore, adapters=lambda r: self._adapters(r, read_only=True))
 
+    @_translated("unknown")  # it may have settled some receipts before it failed
     def recover(self, *, repo: str | os.PathLike[str] | None = None, dry_run: bool = False,
                 tmp_age: float = DEFAULT_TMP_AGE,
                 adapters: Mapping[str, Any] | None = None) -> RecoveryReport:
@@ -154,6 +183,7 @@ class Client:
         return recover(rstore, known, dry_run=dry_run, tmp_age=tmp_age,
                        extra_cleanup=known["apply_patch"].cleanup)
 
+    @_translated("not_started")
     def verify(self, *, repo: str | os.PathLike[str] | None = None, grace: float = DEFAULT_GRACE,
                verifiers: Mapping[str, Any] | None = None) -> VerifyReport:
         """Prove every receipt matches what it claims (read-only)."""
