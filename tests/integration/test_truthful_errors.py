@@ -386,9 +386,9 @@ def test_cli_under_random_write_and_fsync_faults_never_lies(repo: Repo, tmp_path
 
 
 @pytest.mark.parametrize(("method", "target", "effect"), [
-    ("status", "receipts.lookup.status", "not_started"),
-    ("verify", "receipts.verifier.verify", "not_started"),
-    ("recover", "receipts.recovery.recover", "unknown"),  # it may have settled some before failing
+    ("status", "patcher.api._status", "not_started"),
+    ("verify", "patcher.api.verify", "not_started"),
+    ("recover", "patcher.api.recover", "unknown"),  # it may have settled some before failing
 ])
 def test_no_raw_os_error_out_of_the_client(repo: Repo, monkeypatch: pytest.MonkeyPatch, method: str, target: str,
                                            effect: str) -> None:
