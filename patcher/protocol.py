@@ -26,6 +26,7 @@ settling a dead owner's call, ``prepared`` with the fencing token, the fence,
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from dataclasses import dataclass
@@ -111,8 +112,6 @@ def foreign_error(exc: BaseException, *, effect_status: EffectStatus, key: str |
     details: dict[str, Any] = {"cause": type(exc).__name__}
     if isinstance(exc, OSError):
         if exc.errno is not None:
-            import errno
-
             details["errno"] = errno.errorcode.get(exc.errno, str(exc.errno))
         if isinstance(exc.filename, str):
             details["path"] = exc.filename
