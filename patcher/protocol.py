@@ -187,18 +187,19 @@ def apply(
         _stores = {}  # one open repository for the whole call, even for one-shot callers
     try:
         return _apply(repo, patch, key, branch, contract_sha256, attempt, format, check, message, common_dir, store,
-                      lock_timeout, check_timeout, _stores)
+                      lock_timeout, check_timeout, strict, _stores)
     except OncepatchError:
         raise
     except Exception as exc:
-        # Only what fails before the key's lock gets here (patcher.execute translates the rest,
-        # knowing how far it went): nothing of the call was written yet.
+        # Only what fails before the key's receipt is read gets here (the replay and
+        # patcher.execute translate the rest, knowing how far they went): nothing was written.
         raise foreign_error(exc, effect_status="not_started", key=key) from exc
 
 
 def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, contract_sha256: str | None,
            attempt: int, format: str, check: str | None, message: str | None, common_dir: str | None,
-           store: str | None, lock_timeout: float, check_timeout: float, _stores: dict[str, Any]) -> ApplyResult:
+           store: str | None, lock_timeout: float, check_timeout: float, strict: bool,
+           _stores: dict[str, Any]) -> ApplyResult:
     try:
         _check_options(attempt, lock_timeout, check_timeout, store)
         args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message,
@@ -215,16 +216,16 @@ def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, c
     # Fast path: a final receipt is immutable, so it can be read without the lock.
     try:
         final = call.lookup()
+        if final is not None:
+            from patcher.git_adapter import GitAdapter
+
+            # The receipt is answered from only where git agrees (its key ref, commit and outputs).
+            call.adapter = GitAdapter(rstore, _stores, lock_timeout=lock_timeout)
+            return replay_final(call, final)
     except OncepatchError:
         raise
-    except Exception as exc:  # the key's receipt could not be read: what it says is not known
+    except Exception as exc:  # the key's receipt, or git's side of it, could not be read: not known
         raise foreign_error(exc, effect_status="unknown", key=call.key, next_action="retry") from exc
-    if final is not None:
-        from patcher.git_adapter import GitAdapter
-
-        # The receipt is answered from only where git agrees (its key ref, commit and outputs).
-        call.adapter = GitAdapter(rstore, _stores, lock_timeout=lock_timeout)
-        return replay_final(call, final)
 
     strictness = None
     try:
