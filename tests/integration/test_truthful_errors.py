@@ -304,7 +304,7 @@ def test_no_raw_os_error_before_the_lock(repo: Repo, monkeypatch: pytest.MonkeyP
     """An OSError while the key's receipt is read: the tree's error, effect ``unknown`` (it could not be read)."""
     from receipts.store import ReceiptStore
 
-    def read(self: ReceiptStore, key: str) -> None:
+    def read(self: ReceiptStore, key: str, **kw: Any) -> None:
         raise OSError(errno.EIO, os.strerror(errno.EIO), "receipt.json")
 
     monkeypatch.setattr(ReceiptStore, "read", read)
