@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
 from cas.errors import (DurableWriteError, GitStoreError, ObjectsMissing, OncepatchError, RefLockedError,
-                        RefMovedError, RefUpdateUnknown, UsageError)
+                        RefMovedError, UsageError)
 from cas.gitdir import read_head
 from cas.objects import GitStore, open_store
 from receipts.engine import Call, after_effect, pause_point
@@ -54,7 +54,7 @@ from patcher.formats import parse_patch
 from patcher.grades import grade_warnings
 from patcher.markers import ref_lock_marker
 from patcher.model import Patch
-from patcher.protocol import KEY_REF_PREFIX, ApplyResult, foreign_error, replay_final
+from patcher.outcome import KEY_REF_PREFIX, ApplyResult, foreign_error, replay_final
 
 if TYPE_CHECKING:
     from cas.index_lock import IndexLock
