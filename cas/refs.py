@@ -26,13 +26,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import pygit2
 
 from cas.durable import fsync_all, make_dirs
 from cas.errors import DurableWriteError, GitStoreError, RefLockedError, RefMovedError, RefUpdateUnknown
 from cas.signature import IdentityUnknown, Signature, git_clean
+
+T = TypeVar("T")
 
 __all__ = ["RefUpdates", "KEY_REF_PREFIX"]
 
@@ -109,20 +111,9 @@ class RefUpdates:
             RefUpdateUnknown: the commit of the transaction failed; the ref may have moved.
         """
         self.flush_objects()  # the objects a ref will name are durable before it moves
-        deadline = time.monotonic() + lock_timeout
-        delay = 0.001
-        while True:
-            try:
-                if before_libgit2 is not None:
-                    before_libgit2()
-                    before_libgit2 = None
-                self._compare_and_swap_once(ref, expected, new, message, precondition)
-                return
-            except RefLockedError:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+        if before_libgit2 is not None:
+            before_libgit2()
+        _while_locked(lambda: self._compare_and_swap_once(ref, expected, new, message, precondition), lock_timeout)
 
     def _compare_and_swap_once(self, ref: str, expected: str | None, new: str, message: str,
                                precondition: Callable[[], None] | None) -> None:
@@ -173,16 +164,7 @@ class RefUpdates:
         if current is not None:
             raise RefMovedError(ref, current, None)
         self._create_reflog(ref)
-        deadline = time.monotonic() + lock_timeout
-        delay = 0.001
-        while True:
-            try:
-                return self._create_once(ref, target, message)
-            except RefLockedError:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+        return _while_locked(lambda: self._create_once(ref, target, message), lock_timeout)
 
     def _create_once(self, ref: str, target: str, message: str) -> bool:
         committing = False
@@ -307,3 +289,24 @@ class RefUpdates:
         except FileNotFoundError:
             return False
         return False
+
+
+def _while_locked(attempt: Callable[[], T], timeout: float) -> T:
+    """``attempt()``, tried again while it finds the ref's lock held, for up to ``timeout`` seconds.
+
+    A ``git pack-refs`` or another writer holds a ref's lock for milliseconds;
+    the waits grow from 1 ms to 50 ms.
+
+    Raises:
+        RefLockedError: the lock stayed held.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        try:
+            return attempt()
+        except RefLockedError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
