@@ -40,6 +40,6 @@ def test_a_replay_asks_git_but_does_not_execute(tmp_path: Path) -> None:
     # A committed receipt is answered only where git agrees: the replay opens the repository
     # (pygit2) to read the key ref, the commit and the outputs' blobs ...
     assert "pygit2" in mods
-    # ... and loads nothing of the protocol's execution, the patch model or the path checks (the
+    # ... and loads nothing of the protocol's execution: no staging, no matching, no worktrees (the
     # format is only detected: it is part of the call's identity).
-    assert not {"patcher.execute", "patcher.model", "patcher.paths", "patcher.stage"} & mods, mods
+    assert not {"patcher.execute", "patcher.stage", "patcher.matching", "patcher.worktrees"} & mods, mods
