@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -130,7 +130,7 @@ def verify(
     found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
     report.failures += [f for _pos, _kind, f in found]
     report.failures += missing
-    report.failures += _stray_refs(store, verifiers, summaries, missing)
+    report.failures += _stray_refs(store, verifiers, summaries, missing, report.quarantined_keys)
     return report
 
 
@@ -144,18 +144,19 @@ def _summary(r: Receipt) -> Summary:
 
 
 def _stray_refs(store: ReceiptStore, verifiers: Mapping[str, CommitVerifier],
-                summaries: Mapping[str, Summary], missing: list[Failure]) -> list[Failure]:
+                summaries: Mapping[str, Summary], missing: list[Failure],
+                quarantined: Collection[str] = ()) -> list[Failure]:
     """The other direction: what the world holds that the store has no receipt for (git: key refs).
 
     Asked of each verifier that has ``verify_refs(store, summaries)``
     (``{key hash: (tool, status, repo)}`` of the intact receipt files).  A
     deleted store is a failure, not "ok: 0 receipts".  It returns ``[(key hash,
     where, reason)]``; a key whose receipt file the ledger already misses
-    (``missing``) is named once, there.
+    (``missing``) is named once, there; a key a person quarantined
+    (``quarantined``: its receipt moved aside, its key ref left) is listed
+    with the quarantines, not as a failure.
     """
-    from receipts.identity import key_hash
-
-    reported = {key_hash(f.key) for f in missing if f.key is not None}
+    reported = {key_hash(f.key) for f in missing if f.key is not None} | {key_hash(k) for k in quarantined}
     out: list[Failure] = []
     for v in dict.fromkeys(verifiers.values()):  # an adapter registered under several names asks once
         check = getattr(v, "verify_refs", None)
@@ -344,7 +345,7 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
     found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
     report.failures += [f for _pos, _kind, f in found]
     report.failures += missing
-    report.failures += _stray_refs(store, verifiers, summaries, missing)
+    report.failures += _stray_refs(store, verifiers, summaries, missing, report.quarantined_keys)
     return report
 
 
