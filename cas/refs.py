@@ -23,9 +23,10 @@ its key ref is found by recovery through reachability and the reflog.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 import pygit2
@@ -115,9 +116,25 @@ class RefUpdates:
             before_libgit2()
         _while_locked(lambda: self._compare_and_swap_once(ref, expected, new, message, precondition), lock_timeout)
 
-    def _compare_and_swap_once(self, ref: str, expected: str | None, new: str, message: str,
-                               precondition: Callable[[], None] | None) -> None:
+    @contextlib.contextmanager
+    def _locked(self, ref: str, verb: str, noun: str) -> Iterator[Callable[[str, str], None]]:
+        """One libgit2 transaction holding ``<ref>.lock``; yields ``set_target(oid, message)``.
+
+        The transaction commits as the ``with`` block ends (nothing set: the
+        lock is released).
+
+        Raises:
+            RefLockedError: ``<ref>.lock`` is held.
+            GitStoreError: libgit2 failed before anything was set.
+            RefUpdateUnknown: the commit of the transaction failed after the target was set.
+        """
         committing = False
+
+        def set_target(oid: str, message: str) -> None:
+            nonlocal committing
+            txn.set_target(ref, pygit2.Oid(hex=oid), message=" ".join(message.split()))
+            committing = True  # the context manager commits on a clean exit
+
         try:
             self._use_reflog_identity()
             with self.repo.transaction() as txn:
@@ -125,24 +142,28 @@ class RefUpdates:
                     txn.lock_ref(ref)
                 except pygit2.GitError as exc:
                     raise RefLockedError(self._lock_path(ref)) from exc
-                actual = self.resolve(ref)  # re-read under the lock: the compare of the CAS
-                if actual != expected:
-                    raise RefMovedError(ref, actual, expected)
-                # Race: a 'git gc --prune=now' since the objects were written removed them
-                # (unreferenced until this move): the ref must never name a missing object.
-                self.ensure_objects(ref, new)
-                if precondition is not None:
-                    # Race: a check made before taking the lock can be stale by the time
-                    # the ref moves (a paused owner whose key was taken over meanwhile).
-                    precondition()
-                txn.set_target(ref, pygit2.Oid(hex=new), message=" ".join(message.split()))
-                committing = True  # the context manager commits on a clean exit
+                yield set_target
         except pygit2.GitError as exc:
             if not committing:
-                raise GitStoreError(f"cannot update ref '{ref}': {exc}") from exc
+                raise GitStoreError(f"cannot {verb} ref '{ref}': {exc}") from exc
             # The rename of <ref>.lock may have happened before the failure
             # (libgit2 fsyncs the folder after renaming): only a query can tell.
-            raise RefUpdateUnknown(f"update of ref '{ref}' failed after locking: {exc}") from exc
+            raise RefUpdateUnknown(f"{noun} of ref '{ref}' failed after locking: {exc}") from exc
+
+    def _compare_and_swap_once(self, ref: str, expected: str | None, new: str, message: str,
+                               precondition: Callable[[], None] | None) -> None:
+        with self._locked(ref, "update", "update") as set_target:
+            actual = self.resolve(ref)  # re-read under the lock: the compare of the CAS
+            if actual != expected:
+                raise RefMovedError(ref, actual, expected)
+            # Race: a 'git gc --prune=now' since the objects were written removed them
+            # (unreferenced until this move): the ref must never name a missing object.
+            self.ensure_objects(ref, new)
+            if precondition is not None:
+                # Race: a check made before taking the lock can be stale by the time
+                # the ref moves (a paused owner whose key was taken over meanwhile).
+                precondition()
+            set_target(new, message)
 
     def create_key_ref(self, ref: str, target: str, message: str, *, lock_timeout: float = 1.0) -> bool:
         """Create ``ref`` → ``target`` if it does not exist; ``False`` if it already points there.
@@ -167,26 +188,14 @@ class RefUpdates:
         return _while_locked(lambda: self._create_once(ref, target, message), lock_timeout)
 
     def _create_once(self, ref: str, target: str, message: str) -> bool:
-        committing = False
-        try:
-            self._use_reflog_identity()
-            with self.repo.transaction() as txn:
-                try:
-                    txn.lock_ref(ref)
-                except pygit2.GitError as exc:
-                    raise RefLockedError(self._lock_path(ref)) from exc
-                current = self.resolve(ref)
-                if current == target:
-                    return False  # the transaction ends with nothing set: the lock is released
-                if current is not None:
-                    raise RefMovedError(ref, current, None)
-                self.ensure_objects(ref, target)
-                txn.set_target(ref, pygit2.Oid(hex=target), message=" ".join(message.split()))
-                committing = True
-        except pygit2.GitError as exc:
-            if not committing:
-                raise GitStoreError(f"cannot create ref '{ref}': {exc}") from exc
-            raise RefUpdateUnknown(f"creation of ref '{ref}' failed after locking: {exc}") from exc
+        with self._locked(ref, "create", "creation") as set_target:
+            current = self.resolve(ref)
+            if current == target:
+                return False  # the transaction ends with nothing set: the lock is released
+            if current is not None:
+                raise RefMovedError(ref, current, None)
+            self.ensure_objects(ref, target)
+            set_target(target, message)
         return True
 
     def _use_reflog_identity(self) -> None:
