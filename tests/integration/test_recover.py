@@ -646,7 +646,7 @@ def test_live_gits_index_lock_is_never_removed(tmp_path: Path) -> None:
     index_lock.unlink(missing_ok=True)  # the user's 'rm .git/index.lock' ...
     time.sleep(0.05)
     index_lock.write_bytes((repo.path / ".git/index").read_bytes())  # ... then git took it
-    rec = recover(repo)
+    rec = recover(repo, "--lock-timeout", "0.5")  # a live git's lock: waiting longer changes nothing
     assert rec.code == 0, rec.err
     assert [(x["from"], x["to"]) for x in rec.json["rows"]] == [("prepared", "committed")]
     assert index_lock.exists()
