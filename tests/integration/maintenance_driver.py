@@ -499,3 +499,26 @@ def kill_at(procs: Procs, argv: Sequence[str], delay: float) -> tuple[str, int |
 
 def rng_for(seed: int, *parts: object) -> random.Random:
     return random.Random("/".join(str(p) for p in (seed, *parts)))
+
+
+def apply_each(procs: Procs, repo: Path, patches: dict[str, Path], branch: str | None,
+               workers: int) -> dict[str, list[Outcome]]:
+    """Every key of ``patches`` applied until settled, the keys shared among ``workers`` threads."""
+    keys = list(patches)
+    outcomes: dict[str, list[Outcome]] = {}
+
+    def work(w: int) -> None:
+        for key in keys[w::workers]:
+            outcomes[key] = apply_until_settled(procs, repo, patches[key], key, branch)
+
+    run_workers(workers, work)
+    return outcomes
+
+
+def outcomes_problems(outcomes: dict[str, list[Outcome]], prefix: str = "") -> list[str]:
+    """What went wrong in ``outcomes``: a bad answer on any try, or a key that never committed."""
+    problems = [f"{prefix}{key}: {p}" for key, seen in outcomes.items() for o in seen
+                if (p := outcome_problem(o)) is not None]
+    problems += [f"{prefix}{key}: never committed: {[o.describe() for o in seen]}"
+                 for key, seen in outcomes.items() if not seen[-1].committed]
+    return problems

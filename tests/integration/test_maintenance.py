@@ -38,12 +38,12 @@ import pytest
 
 from conftest import Repo, make_repo
 from maintenance_driver import (
+    apply_each,
+    outcomes_problems,
     SEED_ENV,
     MaintenanceLoop,
-    Outcome,
     Procs,
     apply_argv,
-    apply_until_settled,
     final_problems,
     fsck_full,
     git_apply_commit,
@@ -93,19 +93,11 @@ def _torture(tmp_path: Path, *, checked_out: bool, per_worker: int) -> None:
     repo, branch, base = _setup(tmp_path, checked_out)
     patches = _patches(tmp_path, WORKERS, per_worker, "m")
     keys = list(patches)
-    outcomes: dict[str, list[Outcome]] = {}
     procs = Procs()
     try:
         with MaintenanceLoop(repo.path, procs) as loop:
-            def work(w: int) -> None:
-                for key in keys[w::WORKERS]:
-                    outcomes[key] = apply_until_settled(procs, repo.path, patches[key], key, branch)
-
-            run_workers(WORKERS, work)
-        problems = [f"{key}: {p}" for key, seen in outcomes.items() for o in seen
-                    if (p := outcome_problem(o)) is not None]
-        problems += [f"{key}: never committed: {[o.describe() for o in seen]}"
-                     for key, seen in outcomes.items() if not seen[-1].committed]
+            outcomes = apply_each(procs, repo.path, patches, branch, WORKERS)
+        problems = outcomes_problems(outcomes)
         problems += final_problems(procs, repo.path, "main", base, keys, all_committed=True)
         if checked_out:
             res = subprocess.run(["git", "status", "--porcelain"], cwd=repo.path, capture_output=True, check=False)
@@ -216,18 +208,9 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_s
 
         # Phase 3: every key once more (the maintenance loop beside): each lands exactly once.
         with MaintenanceLoop(repo.path, procs) as loop2:
-            outcomes: dict[str, list[Outcome]] = {}
-
-            def rerun(w: int) -> None:
-                for key in keys[w::WORKERS]:
-                    outcomes[key] = apply_until_settled(procs, repo.path, patches[key], key, branch)
-
-            run_workers(WORKERS, rerun)
+            outcomes = apply_each(procs, repo.path, patches, branch, WORKERS)
         print(loop2.describe())
-        problems += [f"re-run {key}: {p}" for key, seen in outcomes.items() for o in seen
-                     if (p := outcome_problem(o)) is not None]
-        problems += [f"re-run {key}: never committed: {[o.describe() for o in seen]}"
-                     for key, seen in outcomes.items() if not seen[-1].committed]
+        problems += outcomes_problems(outcomes, "re-run ")
         problems += final_problems(procs, repo.path, "main", base, keys, all_committed=True)
         left = tmp_leftovers(repo.path)
         if left:

@@ -30,15 +30,14 @@ import pytest
 
 from conftest import make_repo
 from maintenance_driver import (
+    apply_each,
+    outcomes_problems,
     MaintenanceLoop,
     fsck_full,
     git_apply_commit,
-    Outcome,
     Procs,
-    apply_until_settled,
     final_problems,
     new_file_patch,
-    outcome_problem,
     run_workers,
 )
 
@@ -67,19 +66,11 @@ def _pack_refs_loop(tmp_path: Path, checked_out: bool, per_worker: int, name: st
             p.write_bytes(new_file_patch(f"w{w}/k{i}.txt", f"worker {w} key {i}"))
             patches[key] = p
     keys = list(patches)
-    outcomes: dict[str, list[Outcome]] = {}
     procs = Procs()
     try:
         with MaintenanceLoop(repo.path, procs, commands=(("pack-refs", "--all"),), min_cycles=5) as loop:
-            def work(w: int) -> None:
-                for key in keys[w::WORKERS]:
-                    outcomes[key] = apply_until_settled(procs, repo.path, patches[key], key, branch)
-
-            run_workers(WORKERS, work)
-        problems = [f"{key}: {why}" for key, seen in outcomes.items() for o in seen
-                    if (why := outcome_problem(o)) is not None]
-        problems += [f"{key}: never committed: {[o.describe() for o in seen]}"
-                     for key, seen in outcomes.items() if not seen[-1].committed]
+            outcomes = apply_each(procs, repo.path, patches, branch, WORKERS)
+        problems = outcomes_problems(outcomes)
         problems += final_problems(procs, repo.path, name, base, keys, all_committed=True)
     finally:
         procs.reap()
