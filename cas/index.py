@@ -1,75 +1,35 @@
-"""A worktree's index: read once per process, updated in place or through pygit2's ``Index``, staged ahead.
-
-The one module that updates git's index without libgit2 writing all of it;
-everything it does not prove goes through pygit2's public :class:`pygit2.Index`.
+"""A worktree's index: read once per process, updated in place or through pygit2's ``Index``.
 
 git's index is one file rewritten whole; at 100k entries libgit2 takes tens of
 milliseconds to parse it and as long to write it, and a call needs it twice
-(the dirty check before prepare, the update after the branch moved).
+(the dirty check before prepare, the update after the branch moved).  So this
+is the one module that updates the index without libgit2 writing all of it
+(measured ×3.7 at 100k files, docs/DECISIONS.md "Speed"); everything it does
+not prove goes through pygit2's public :class:`pygit2.Index`.
 
-:class:`IndexSnapshot` first maps the file as bytes (:mod:`cas.index_raw`):
-lookups and the update of entries a patch modifies go through the bytes,
-the rest passes through unparsed.  Whatever the raw form cannot prove
-switches the snapshot to libgit2 (:class:`_ParsedIndex`), which parses a hard
-link of the index (``index`` linked to ``index<TMP_MARK><pid>``, which
-libgit2 may rewrite without touching the real file).  pygit2's ``Index``
-sets an entry's path, id and mode only: the file libgit2 writes is then
-passed through :mod:`cas.index_raw` once more for the stat data of the files
-just written and git's racy-clean rule (judged against the index it was read
-from); where that pass cannot prove the file, the new index keeps the old
-one's mtime, so every entry git could take for racily clean still is
-(git compares those files' content), and the entries just set have no stat
-data (git compares their content too).  Either way the file's
-identity (inode, size, mtime) is remembered: while the real index still has
-it, the copy is current and is reused.  After an install the raw form maps
-the file it has just written (its checksum computed here, its entries where
-they were), so a long-lived caller's next call neither reads nor verifies
-the index again: at 100k entries that was a 9.6 MB SHA-1 and a scan per call.  :func:`prefetch` starts the read in a
-thread before the patch is planned.
+:class:`IndexSnapshot` maps the file as bytes (:mod:`cas.index_raw`).  What
+the raw form cannot prove switches the snapshot to libgit2
+(:class:`_ParsedIndex`), which parses a hard link of the index (libgit2 may
+rewrite the link without touching the real file).  pygit2's ``Index`` sets an
+entry's path, id and mode only: the file libgit2 writes is passed through
+:mod:`cas.index_raw` once more for the stat data of the files just written
+and git's racy-clean rule (judged against the index it was read from); where
+that pass cannot prove the file, the new index keeps the old one's mtime, so
+git compares the content of every entry it could take for racily clean, and
+of the entries just set (they have no stat data).
+
+The file's identity (inode, size, mtime) is remembered: while the real index
+still has it, the copy is reused.  After an install the raw form maps the file
+it has just written (checksum computed here, entries where they were), so a
+long-lived caller's next call neither reads nor verifies the index again (at
+100k entries a 9.6 MB SHA-1 and a scan per call).  :func:`prefetch` starts the
+read in a thread before the patch is planned.
 
 Writing (:meth:`IndexSnapshot.install`) happens while the caller holds
 ``index.lock``: the new file is written beside the index, fsynced and renamed
 over it.  Entries get full stat data, so ``git diff-files`` sees the files
-clean without re-hashing them; racily clean entries whose files changed are
-smudged first, as git's writer does (see docs/DECISIONS.md).
-
-Staged ahead of the branch
---------------------------
-
-Race guarded: ``git commit`` reads HEAD, then the index, and only then takes
-``index.lock``; it builds its tree from the index it read.  Had the branch
-moved first and the index followed, a ``git commit`` that read the new HEAD
-and the old index in between, and took ``index.lock`` the moment we released
-it, would commit the old index on top of the new commit: a silent revert of
-the change, with both commits in the log.  Git's own commands change the
-index first and HEAD after, and so does the apply protocol.  While it holds
-``index.lock`` and before the branch moves, :func:`stage_ahead` sets the
-touched entries of the index to the candidate's, without stat data (the files
-still hold the base: git compares their content and sees them changed).  After
-the move the files are written, and the index again with their stat data
-(:func:`cas.worktree.materialise`).
-
-The apply protocol stages the index under the branch's ref lock, after its
-compare-and-swap found the branch at the base and its fence held, just before
-the rename that moves the branch: a ``git commit`` that reads the staged
-index then also finds the branch moved by the time it can take
-``index.lock``.  Staged before the compare, a refused call (the ref lock
-held, a fence lost) would leave a window in which git could read the staged
-entries on the unmoved branch and commit them as its own.
-
-The index it replaced is kept, hard-linked, as
-``<git-dir>/index.oncepatch-base.<pid>.<candidate>`` until the call knows
-whether the branch moved (:func:`settle_ahead`): renamed back over ``index``
-when it did not (the ref's rename failed), removed when it did.  A call killed
-in between leaves it beside its marked ``index.lock``, and whoever breaks that
-lock settles the kept index of that lock's pid first (:func:`settle_ahead`
-with ``moved`` unknown): it comes back unless the candidate is on the
-worktree's branch and the index is readable.
-
-Not closed here: a ``git commit`` that read the index before the call took
-``index.lock`` and takes the lock after the call released it writes its stale
-index back (its commit then fails on HEAD, which moved).  That is git's own
-race; it loses a concurrent ``git add`` the same way (docs/CONCURRENCY.md).
+clean without re-hashing them.  Why the index is staged ahead of the branch
+(:func:`cas.index_lock.stage_ahead`): docs/CONCURRENCY.md.
 """
 
 from __future__ import annotations
@@ -88,10 +48,8 @@ from cas.errors import DurableWriteError, GitStoreError, UsageError
 from cas.index_raw import MAX_PATHS, RawIndex, Unsupported
 from cas.objects import TreeEntry
 
-__all__ = ["IndexSnapshot", "snapshot_for", "prefetch", "open_index", "unreadable_index", "IN_PLACE"]
+__all__ = ["IndexSnapshot", "snapshot_for", "prefetch", "open_index", "unreadable_index"]
 
-#: Whether the in-place path (:mod:`cas.index_raw`) is tried first; ``False``: pygit2's ``Index`` for all.
-IN_PLACE = True
 _cache: dict[str, IndexSnapshot] = {}
 _loading: dict[str, threading.Thread] = {}
 _cache_lock = threading.Lock()
@@ -108,10 +66,9 @@ def _identity(path: str) -> tuple[int, int, int, int] | None:
 class _Index(pygit2.Index):
     """pygit2's ``Index`` opened from a path, without a finaliser's traceback when the open failed.
 
-    pygit2's ``__del__`` frees what ``__init__`` would have set, and raised
-    ``AttributeError`` (printed as "Exception ignored") for an index libgit2
-    refused, a split or sparse one say: an object whose ``__init__`` set
-    nothing is not finalised.
+    pygit2's ``__del__`` raised ``AttributeError`` ("Exception ignored") for an
+    index libgit2 refused (a split or sparse one): an object whose ``__init__``
+    set nothing is not finalised.
     """
 
     def __del__(self) -> None:
@@ -119,16 +76,12 @@ class _Index(pygit2.Index):
             super().__del__()
 
 
-def _mandatory_extension_refused(index_path: str, name: str) -> str:
-    """Why an index with git's mandatory extension ``name`` is refused, and what to run."""
-    how = {
-        "link": ("a split index (core.splitIndex)",
-                 "run 'git update-index --no-split-index' there (and 'git config core.splitIndex false')"),
-        "sdir": ("a sparse index (index.sparse)",
-                 "run 'git sparse-checkout init --no-sparse-index' there"),
-    }.get(name, (f"an index with git's mandatory extension '{name}'", "let git rewrite it without that extension"))
-    return (f"'{index_path}' is {how[0]}, which oncepatch cannot update: {how[1]}, "
-            "or apply to a branch that is not checked out (nothing was changed)")
+#: git's mandatory extensions oncepatch meets, as (what the index is, what to run).
+_MANDATORY = {
+    "link": ("a split index (core.splitIndex)",
+             "run 'git update-index --no-split-index' there (and 'git config core.splitIndex false')"),
+    "sdir": ("a sparse index (index.sparse)", "run 'git sparse-checkout init --no-sparse-index' there"),
+}
 
 
 def open_index(path: str) -> pygit2.Index:
@@ -147,9 +100,13 @@ def open_index(path: str) -> pygit2.Index:
 def unreadable_index(index_path: str, exc: Exception) -> UsageError | GitStoreError:
     """The error for an index libgit2 failed to read: a usage error naming the fix, when there is one."""
     found = re.search(r"mandatory extension: '([^']*)'", str(exc))
-    if found:
-        return UsageError(_mandatory_extension_refused(index_path, found.group(1)))
-    return GitStoreError(f"cannot read index '{index_path}': {exc}")
+    if not found:
+        return GitStoreError(f"cannot read index '{index_path}': {exc}")
+    name = found.group(1)
+    what, fix = _MANDATORY.get(name, (f"an index with git's mandatory extension '{name}'",
+                                      "let git rewrite it without that extension"))
+    return UsageError(f"'{index_path}' is {what}, which oncepatch cannot update: {fix}, "
+                      "or apply to a branch that is not checked out (nothing was changed)")
 
 
 class _ParsedIndex:
@@ -173,13 +130,8 @@ class _ParsedIndex:
         except (OSError, pygit2.GitError) as exc:
             raise unreadable_index(self.index_path, exc) from exc
         finally:
-            # The parsed copy lives in memory; the link is only needed to read it.
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.tmp)
-
-    def current(self) -> bool:
-        """Whether the real index is still the file this copy was parsed from."""
-        return self.identity is not None and _identity(self.index_path) == self.identity
+                os.unlink(self.tmp)  # the parsed copy lives in memory
 
     def entry(self, path: str) -> TreeEntry | None:
         try:
@@ -190,12 +142,7 @@ class _ParsedIndex:
 
     def stage(self, workdir: str, removed: list[str], added: list[tuple[str, TreeEntry]],
               unstat: Collection[str] = ()) -> None:
-        """Set the entries of these paths: removed, or added with the stat data of the files now on disk.
-
-        ``unstat``: added paths whose file is not the entry's content; their stat
-        data stays zero, so git compares the file's content and sees the change.
-        The stat data of the others is set as the file is written (:meth:`install`).
-        """
+        """As :meth:`IndexSnapshot.stage`; the stat data is set as the file is written (:meth:`install`)."""
         for path in removed:
             with contextlib.suppress(OSError, KeyError, pygit2.GitError):
                 self.index.remove(path)
@@ -204,73 +151,47 @@ class _ParsedIndex:
         self._workdir = workdir
         self._stat.extend(p for p, _te in added if p not in unstat)
 
-    def install(self, also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None,
-                sync: bool = True) -> None:
-        """Write the copy and rename it over ``index`` (caller holds ``index.lock``); durable if ``sync``.
-
-        ``also_sync``: synced with the new file, before its rename; emptied once synced.
-        ``defer_dir``: see :func:`_replace_index`.
-        """
+    def install(self, also_sync: list[str | int] | None, defer_dir: list[str] | None, sync: bool) -> None:
+        """As :meth:`IndexSnapshot.install`."""
         def write() -> None:
             self.index.write()
             self._stat_pass()
-            if not sync:
-                return
-            fd = os.open(self.tmp, os.O_RDONLY)
-            try:
-                _sync_with(fd, also_sync)  # libgit2 syncs only files of a repository it opened
-            finally:
-                os.close(fd)
+            if sync:
+                fd = os.open(self.tmp, os.O_RDONLY)
+                try:
+                    _sync_with(fd, also_sync)  # libgit2 syncs only files of a repository it opened
+                finally:
+                    os.close(fd)
 
-        # A copy whose entries all went to the file as they are in memory (set without
-        # stat data: the index staged ahead) stays current; one that lacks the stat
-        # data the file got is read again when next asked.
+        # A copy whose entries all went to the file as they are in memory (no stat
+        # data: the index staged ahead) stays current; one that lacks the stat data
+        # the file got is read again when next asked.
         reusable = not self._stat
         self.identity = None
         _replace_index(self.git_dir, self.tmp, write, defer_dir, sync)
         if reusable:
             self.identity = _identity(self.index_path)
 
-    @staticmethod
-    def _located(raw: RawIndex, workdir: str, paths: list[str]) -> list[tuple[int, TreeEntry, os.stat_result]]:
-        """Each path's entry in ``raw`` with its file's stat data, for :meth:`RawIndex.updated`.
-
-        Raises:
-            Unsupported: a path's entry is not proven.
-        """
-        changes = []
-        for path in paths:
-            e, te = raw.locate(path), raw.entry(path)
-            if e is None or te is None:
-                raise Unsupported("a path set is not in the written index")
-            changes.append((e, te, os.lstat(os.path.join(workdir, path))))
-        return changes
-
     def _stat_pass(self) -> None:
         """The file libgit2 wrote, through :mod:`cas.index_raw`: stat data set, racily clean entries smudged.
 
-        Judged against the index the entries were read from (libgit2 writes
-        its own mtime).  Where the pass cannot prove the file, it stays as
-        libgit2 wrote it, with the old index's mtime (module docstring).
+        Judged against the index the entries were read from (libgit2 writes its
+        own mtime); a file the pass cannot prove keeps the old index's mtime.
         """
-        stamp = self._stamp
-        workdir, paths = self._workdir, sorted(set(self._stat))
+        stamp, workdir, paths = self._stamp, self._workdir, sorted(set(self._stat))
         self._stat.clear()
         if stamp is None or workdir is None:
             return
-        done = False
         with contextlib.suppress(Unsupported, OSError, ValueError):
             raw = RawIndex(self.tmp, stamp_ns=stamp)
             try:
                 if raw.version == 4 or len(paths) > MAX_PATHS:
                     raise Unsupported("entries read in order")
-                changes = self._located(raw, workdir, paths)
-                parts, state, hashed = raw.updated(workdir, changes)
+                parts, state, hashed = raw.updated(workdir, _stat_changes(raw, workdir, paths))
             except Unsupported:
                 raw = RawIndex(self.tmp, stamp_ns=stamp)
                 raw.walk()
-                changes = self._located(raw, workdir, paths)
-                parts, state, hashed = raw.updated(workdir, changes)
+                parts, state, hashed = raw.updated(workdir, _stat_changes(raw, workdir, paths))
             filled = self.tmp + ".stat"
             try:
                 _write_with_checksum(filled, parts, state, hashed, raw.mode, sync=False)
@@ -279,17 +200,30 @@ class _ParsedIndex:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(filled)
                 raise
-            done = True
-        if not done:
-            st = os.stat(self.tmp)
-            os.utime(self.tmp, ns=(st.st_atime_ns, stamp))
+            return
+        st = os.stat(self.tmp)
+        os.utime(self.tmp, ns=(st.st_atime_ns, stamp))
+
+
+def _stat_changes(raw: RawIndex, workdir: str, paths: list[str]) -> list[tuple[int, TreeEntry, os.stat_result]]:
+    """Each path's entry in ``raw`` with its file's stat data, for :meth:`RawIndex.updated`.
+
+    Raises:
+        Unsupported: a path's entry is not proven.
+    """
+    changes = []
+    for path in paths:
+        e, te = raw.locate(path), raw.entry(path)
+        if e is None or te is None:
+            raise Unsupported("a path set is not in the written index")
+        changes.append((e, te, os.lstat(os.path.join(workdir, path))))
+    return changes
 
 
 class IndexSnapshot:
     """``<git_dir>/index`` as raw bytes while :mod:`cas.index_raw` can handle it, else parsed by libgit2.
 
-    Lookups and the update of entries a patch modifies go through the bytes;
-    the first lookup or change the raw form cannot prove (a new or removed
+    The first lookup or change the raw form cannot prove (a new or removed
     path, a conflict, an extension it does not know, more than
     :data:`cas.index_raw.MAX_PATHS` paths) switches this snapshot to libgit2's
     parse for the rest of its life.
@@ -304,8 +238,6 @@ class IndexSnapshot:
         self._pending: tuple[list[bytes | memoryview], hashlib._Hash, int] | None = None
         self.identity: tuple[int, int, int, int] | None = None
         try:
-            if not IN_PLACE:
-                raise Unsupported("the in-place path is off")
             self._raw = RawIndex(self.index_path)
             self.identity = self._raw.identity
         except (Unsupported, FileNotFoundError):
@@ -334,10 +266,8 @@ class IndexSnapshot:
         if self._raw is not None:
             self._looked_up.add(path)
             if len(self._looked_up) <= MAX_PATHS:
-                try:
+                with contextlib.suppress(Unsupported):
                     return self._raw.entry(path)
-                except Unsupported:
-                    pass
         return self._use_parsed().entry(path)
 
     def check_writable(self, paths: list[str]) -> None:
@@ -351,20 +281,16 @@ class IndexSnapshot:
         """
         if self._raw is None:
             return
-        try:
-            if not self._raw.sparse():
+        with contextlib.suppress(Unsupported):
+            if not self._raw.sparse() or (
+                    len(paths) <= MAX_PATHS and all(self._raw.entry(p) is not None for p in paths)):
                 return
-            if len(paths) <= MAX_PATHS and all(self._raw.entry(p) is not None for p in paths):
-                return
-        except Unsupported:
-            pass
         self._use_parsed()
 
     def confirm(self) -> bool:
         """Whether what :meth:`entry` answered stands: ``False`` when the raw form's checksum failed.
 
-        After ``False`` this snapshot is libgit2's parse, and the lookups must be
-        asked again.
+        After ``False`` this snapshot is libgit2's parse, and the lookups must be asked again.
 
         Raises:
             GitStoreError: the index is corrupt (reported by libgit2's parse).
@@ -383,7 +309,8 @@ class IndexSnapshot:
               unstat: Collection[str] = ()) -> None:
         """Set the entries of these paths: removed, or added with the stat data of the files now on disk.
 
-        ``unstat``: see :meth:`_ParsedIndex.stage`.
+        ``unstat``: added paths whose file is not the entry's content; their stat
+        data stays zero, so git compares the file's content and sees the change.
         """
         if self._raw is not None and not removed and len(added) <= MAX_PATHS:
             try:
@@ -408,7 +335,7 @@ class IndexSnapshot:
         index describes; the list is emptied once they are synced.
         ``defer_dir``: see :func:`_replace_index`.
         ``sync``: ``False`` writes the file without syncing it (an index that
-        only has to be *seen* until the next one replaces it: :func:`stage_ahead`).
+        only has to be *seen* until the next one replaces it: :func:`cas.index_lock.stage_ahead`).
         """
         if self._parsed is not None:
             self._parsed.install(also_sync, defer_dir, sync)
@@ -417,11 +344,9 @@ class IndexSnapshot:
         if self._pending is None:
             return
         parts, state, hashed = self._pending
-        self._pending = None
         previous = self._raw
         assert previous is not None
-        self.identity = None
-        self._raw = None
+        self._pending = self._raw = self.identity = None
         tmp = _tmp_path(self.git_dir)
         kept: list[RawIndex] = []
 
