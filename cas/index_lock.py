@@ -1,24 +1,34 @@
 """The worktree's index under git's ``index.lock``: the lock, entry updates, the index staged ahead.
 
 * :class:`IndexLock` / :func:`hold_index_lock` — ``<git-dir>/index.lock``
-  taken as git takes it (``O_CREAT|O_EXCL``, here a ``link()`` of a file
-  holding ``oncepatch-index-lock <pid> <host>``), waited for up to the
-  call's lock timeout; a lock oncepatch left on this host whose process is
-  gone is broken (:func:`break_dead_own_index_lock`), any other is waited
-  for, never removed;
+  taken as git takes it (exclusive create, here a ``link()`` of a file
+  holding ``oncepatch-index-lock <pid> <host>``), waited for up to the call's
+  lock timeout; a lock oncepatch left on this host whose process is gone is
+  broken (:func:`break_dead_own_index_lock`), any other is waited for, never
+  removed;
 * :func:`update_index` — just these entries of the index, read and written
   while the lock is held (:mod:`cas.index` reads and installs the file);
-* :func:`stage_ahead` / :func:`settle_ahead` — the candidate's entries
-  staged in the index before the branch moves, the index they replaced kept
-  until the move is known (:mod:`cas.index`'s docstring says which race).
+* :func:`stage_ahead` / :func:`settle_ahead` — the candidate's entries staged
+  in the index before the branch moves, the index they replaced kept until
+  the move is known.
 
-Below :mod:`cas.worktree` (which writes the files, then the index through
-here) and above :mod:`cas.index` (the index file itself).
+Staged ahead, because ``git commit`` reads HEAD, then the index, and only then
+takes ``index.lock``: had the branch moved first, a commit that read the new
+HEAD and the old index would revert the change just landed.  git's own
+commands change the index first and HEAD after, and so does the apply
+protocol, under the branch's ref lock just before the rename that moves it
+(docs/CONCURRENCY.md tells the race and why the staging is not earlier).  The
+staged entries have no stat data: the files still hold the base, and git
+compares their content.  The index they replaced is kept, hard-linked, as
+``<git-dir>/index.oncepatch-base.<pid>.<candidate>`` until :func:`settle_ahead`
+knows whether the branch moved; whoever breaks a dead call's marked
+``index.lock`` settles that pid's kept index first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import stat
@@ -36,31 +46,18 @@ from cas.index_raw import RawIndex, Unsupported
 from cas.objects import TreeEntry
 from cas.pids import gone
 
-__all__ = [
-    "INDEX_LOCK_MARK",
-    "IndexLock",
-    "RELEASE_ATTEMPTS",
-    "hold_index_lock",
-    "drop_lock_marks",
-    "index_lock_owner",
-    "dead_own_index_lock",
-    "break_dead_own_index_lock",
-    "update_index",
-    "KEPT_PREFIX",
-    "kept_indexes",
-    "stage_ahead",
-    "settle_ahead",
-]
-
-_MODE_LINK = 0o120000
-_MODE_EXEC = 0o100755
+__all__ = ["INDEX_LOCK_MARK", "IndexLock", "RELEASE_ATTEMPTS", "hold_index_lock", "drop_lock_marks",
+           "index_lock_owner", "dead_own_index_lock", "break_dead_own_index_lock", "update_index", "KEPT_PREFIX",
+           "kept_indexes", "stage_ahead", "settle_ahead"]
 
 #: Content of an index.lock held by oncepatch (git's own locks hold index data).
 INDEX_LOCK_MARK = b"oncepatch-index-lock "
+#: How many times :meth:`IndexLock.release` tries each removal before it gives up.
+RELEASE_ATTEMPTS = 4
 
 
 class IndexLock:
-    """``<git-dir>/index.lock`` of one worktree, created by us (git's ``O_CREAT|O_EXCL`` protocol).
+    """``<git-dir>/index.lock`` of one worktree, created by us.
 
     Calling sequence: :func:`hold_index_lock`, then any number of
     :func:`update_index` calls with ``held=``, then :meth:`release` (also on
@@ -79,15 +76,13 @@ class IndexLock:
         """Remove the lock file — only if it is still the one we created — then the marker (safe to repeat).
 
         Each removal is tried up to :data:`RELEASE_ATTEMPTS` times.  Race
-        guarded: a transient I/O error (EIO, EINTR, ...) on the unlink left
-        ``index.lock`` behind a call that had ended; its process alive, the
-        lock is never taken for a dead call's, so a long-lived caller met its
-        own lock on every later call (``in_progress``) until it exited.
+        guarded: a transient I/O error on the unlink left ``index.lock``
+        behind a call that had ended; its process alive, a long-lived caller
+        met its own lock on every later call until it exited.
 
         Raises:
-            OSError: the lock file (or then the marker) could not be removed on
-                any attempt; the lock is still ours, and ``release`` may be
-                called again.
+            OSError: a removal failed on every attempt; the lock is still ours,
+                and ``release`` may be called again.
         """
         _with_retries(self._unlink_lock)
         if self._marker is not None:
@@ -102,10 +97,6 @@ class IndexLock:
             return
         if (st.st_dev, st.st_ino) == self._identity:
             _unlink_if_there(self.path)
-
-
-#: How many times :meth:`IndexLock.release` tries each removal before it gives up.
-RELEASE_ATTEMPTS = 4
 
 
 def _unlink_if_there(path: str) -> None:
@@ -125,7 +116,7 @@ def _with_retries(step: Callable[[], None]) -> None:
             time.sleep(0.005 * (4 ** attempt))  # 5, 20, 80 ms: a busy device, an interrupted call
 
 
-# Mark files kept for a thread's next index lock: {(git dir, pid, thread): path} (hold_index_lock's keep_mark).
+# Mark files kept for a thread's next index lock: {(git dir, pid, thread, owner): path} (hold_index_lock's keep_mark).
 _KEPT_MARKS: dict[tuple[str, int, int, str | None], str] = {}
 _KEPT_MARKS_LOCK = threading.Lock()
 
@@ -136,8 +127,7 @@ def _after_fork_in_child() -> None:
     _KEPT_MARKS.clear()  # the parent's (keyed by its pid): never the child's to use or remove
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _lock_mark(git_dir: str, keep: bool, *, fresh: bool, owner: str | None = None) -> str:
@@ -160,8 +150,7 @@ def _lock_mark(git_dir: str, keep: bool, *, fresh: bool, owner: str | None = Non
         with _KEPT_MARKS_LOCK:
             old, _KEPT_MARKS[key] = _KEPT_MARKS.get(key), tmp
         if old is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(old)
+            _unlink_if_there(old)
     return tmp
 
 
@@ -171,8 +160,7 @@ def drop_lock_marks() -> None:
     with _KEPT_MARKS_LOCK:
         paths = [_KEPT_MARKS.pop(k) for k in [k for k in _KEPT_MARKS if k[1:3] == me]]
     for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        _unlink_if_there(path)
 
 
 def hold_index_lock(workdir: str, *, timeout: float, lock_marker: str | None = None,
@@ -180,20 +168,16 @@ def hold_index_lock(workdir: str, *, timeout: float, lock_marker: str | None = N
                     on_dead: Callable[[str], None] | None = None, owner: str | None = None) -> IndexLock:
     """Take ``workdir``'s ``index.lock``, waiting up to ``timeout`` seconds while someone else holds it.
 
-    The file holds ``oncepatch-index-lock <pid> <host>``; ``lock_marker`` (a
-    file in the store) is written to name it, and removed on release.  A lock
-    that oncepatch left on this host and whose process is gone is removed
-    (:func:`break_dead_own_index_lock`); any other is waited for, never removed.
-
+    ``lock_marker``: a file in the store written to name the lock, removed on release.
     ``git_dir``: the worktree's git dir (real path), when the caller knows it.
     ``keep_mark``: the tmp file the lock is linked from is kept for this
     thread's next lock of the same worktree, until :func:`drop_lock_marks`
-    (the apply protocol takes two locks per call, and drops them as it ends).
+    (the apply protocol takes two locks per call).
     ``on_dead``: called once with the lock's path when a dead oncepatch call
-    holds it, before it is removed.  That call may have moved the branch and
-    died before bringing this worktree along; the lock is what keeps ``git
-    commit`` from committing the stale index, so the caller first settles the
-    calls it protects (the apply protocol: as ``recover`` does).
+    holds it, before it is removed: that call may have moved the branch and
+    died before bringing this worktree along, and the lock is what keeps
+    ``git commit`` from committing the stale index, so the caller first
+    settles the calls it protects (as ``recover`` does).
 
     Raises:
         RefLockedError: ``index.lock`` stayed held (a live git, or a stale lock of git's).
@@ -236,8 +220,7 @@ def hold_index_lock(workdir: str, *, timeout: float, lock_marker: str | None = N
                 delay = min(delay * 2, 0.05)
     finally:
         if not keep_mark:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            _unlink_if_there(tmp)
     st = os.lstat(index_lock)
     lock = IndexLock(index_lock, git_dir, (st.st_dev, st.st_ino), None)
     if lock_marker is not None:
@@ -291,22 +274,18 @@ def dead_own_index_lock(index_lock: str) -> bool:
 def break_dead_own_index_lock(index_lock: str) -> bool:
     """Remove ``index_lock`` if oncepatch wrote it on this host and its process is gone; ``True`` if it is gone.
 
-    Only a lock whose content proves it ours (``oncepatch-index-lock <pid>
-    <host>``, this host, no such pid) is touched; git's own locks hold index
-    data and are never removed.  Race guarded: two processes finding the same
-    dead lock — the second must not remove the lock the first has just
-    created in its place — so the read and the unlink happen under an flock on
-    the lock's folder, which every breaker takes, and the file unlinked must be
-    the one read.
+    git's own locks hold index data and are never removed.  Race guarded: two
+    processes finding the same dead lock — the second must not remove the lock
+    the first has just created in its place — so the read and the unlink
+    happen under an flock on the lock's folder, which every breaker takes, and
+    the file unlinked must be the one read.
     """
-    import fcntl
-
     folder = os.path.dirname(index_lock)
-    dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(dfd, fcntl.LOCK_EX)
         try:
-            fd = os.open(index_lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(index_lock, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return True
         try:
@@ -329,87 +308,60 @@ def break_dead_own_index_lock(index_lock: str) -> bool:
         os.close(dfd)  # drops the flock
 
 
-def update_index(
-    workdir: str,
-    removed: list[str],
-    added: list[str],
-    *,
-    lock_marker: str | None = None,
-    timeout: float = 0.0,
-    held: IndexLock | None = None,
-    known: Mapping[str, TreeEntry | None] | None = None,
-    also_sync: list[str | int] | None = None,
-    defer_dir: list[str] | None = None,
-    unstat: Collection[str] = (),
-    sync: bool = True,
-) -> None:
+def update_index(workdir: str, removed: list[str], added: list[str], *, lock_marker: str | None = None,
+                 timeout: float = 0.0, held: IndexLock | None = None,
+                 known: Mapping[str, TreeEntry | None] | None = None, also_sync: list[str | int] | None = None,
+                 defer_dir: list[str] | None = None, unstat: Collection[str] = (), sync: bool = True) -> None:
     """Update just these entries of ``workdir``'s index (stat data from the files), safely against git.
 
-    ``also_sync``: synced with the new index file before its rename (emptied once synced).
-    ``unstat``: paths of ``known`` set without stat data: their files hold
-    something else (an edit by hand), which git then sees as a change.
-    ``defer_dir``: the index's folder is appended here, not synced (the caller syncs it).
-    ``sync``: ``False`` writes the new index without syncing it (see :func:`stage_ahead`).
-
     The read-modify-write happens while we hold ``index.lock`` (``held``, or
-    taken here and released after), so a concurrent ``git add``/``git commit``
-    either waits for us or we wait for it — neither update is lost.
-
-    libgit2 writes an index only through its own ``<index>.lock``, so it is
-    given a hard link of the index to rewrite (``index<TMP_MARK><pid>``,
-    replaced by libgit2's write, the original untouched), which is then
-    renamed over ``index`` while our ``index.lock`` is still held.  Race
+    taken here, waiting up to ``timeout`` seconds, and released after), so a
+    concurrent ``git add``/``git commit`` either waits for us or we wait for
+    it — neither update is lost.  libgit2 is given a hard link of the index to
+    rewrite, renamed over ``index`` while our lock is still held.  Race
     guarded: handing ``index.lock`` itself over to libgit2 opened a gap in
     which ``git commit`` could take the lock and commit the old index.
 
+    ``known``: the entries just written for these paths (their files are not re-hashed).
+    ``unstat``: paths of ``known`` set without stat data: their files hold
+    something else (an edit by hand), which git then sees as a change.
+    ``also_sync``, ``defer_dir``, ``sync``: as :meth:`cas.index.IndexSnapshot.install`.
+
     Raises:
-        RefLockedError: ``index.lock`` (unless ``held``) stayed held for ``timeout`` seconds (the
-            caller's lock timeout; 0: not waited for).
+        RefLockedError: ``index.lock`` (unless ``held``) stayed held for ``timeout`` seconds.
         GitStoreError: libgit2 failed.
     """
     lock = held if held is not None else hold_index_lock(workdir, timeout=timeout, lock_marker=lock_marker)
     try:
-        _write_index(workdir, lock, removed, added, known, also_sync, defer_dir, unstat, sync)
+        snap = snapshot_for(lock.git_dir)
+        entries: list[tuple[str, TreeEntry]] = []
+        for path in added:
+            given = (known or {}).get(path)
+            if given is None:
+                given = _entry_of_file(workdir, path)
+            entries.append((path, given))
+        try:
+            snap.stage(workdir, removed, entries, unstat)
+        except pygit2.GitError as exc:
+            raise GitStoreError(f"cannot stage in '{workdir}': {exc}") from exc
+        snap.install(also_sync, defer_dir, sync)
     finally:
         if held is None:
             lock.release()
 
 
-def _write_index(workdir: str, lock: IndexLock, removed: list[str], added: list[str],
-                 known: Mapping[str, TreeEntry | None] | None = None,
-                 also_sync: list[str | int] | None = None, defer_dir: list[str] | None = None,
-                 unstat: Collection[str] = (), sync: bool = True) -> None:
-    """Set these entries in the parsed copy of the index and install it (``index.lock`` is held).
-
-    ``known``: the entries just written for these paths (their files are not re-hashed).
-    """
-    snap = snapshot_for(lock.git_dir)
-    entries: list[tuple[str, TreeEntry]] = []
-    for path in added:
-        given = (known or {}).get(path)
-        if given is not None:
-            entries.append((path, given))
-            continue
-        full = os.path.join(workdir, path)
-        try:
-            st = os.lstat(full)
-            if stat.S_ISLNK(st.st_mode):
-                data = os.fsencode(os.readlink(full))
-                mode = _MODE_LINK
-            else:
-                with open(full, "rb") as fh:
-                    data = fh.read()
-                mode = _MODE_EXEC if st.st_mode & 0o100 else 0o100644
-        except OSError as exc:
-            raise GitStoreError(f"cannot stage '{path}' in '{workdir}': {exc}") from exc
-        entries.append((path, TreeEntry(git_blob_oid(data), mode)))
+def _entry_of_file(workdir: str, path: str) -> TreeEntry:
+    """The index entry git would give the file ``path`` of ``workdir`` (symlink, executable or plain)."""
+    full = os.path.join(workdir, path)
     try:
-        snap.stage(workdir, removed, entries, unstat)
-    except pygit2.GitError as exc:
-        raise GitStoreError(f"cannot stage in '{workdir}': {exc}") from exc
-    snap.install(also_sync, defer_dir, sync)
+        st = os.lstat(full)
+        if stat.S_ISLNK(st.st_mode):
+            return TreeEntry(git_blob_oid(os.fsencode(os.readlink(full))), 0o120000)
+        with open(full, "rb") as fh:
+            return TreeEntry(git_blob_oid(fh.read()), 0o100755 if st.st_mode & 0o100 else 0o100644)
+    except OSError as exc:
+        raise GitStoreError(f"cannot stage '{path}' in '{workdir}': {exc}") from exc
 
-# -- staged ahead of the branch (module docstring) ----------------------------
 
 #: ``<git-dir>/index.oncepatch-base.<pid>.<candidate>``: the index a call's staged index replaced.
 KEPT_PREFIX = "index.oncepatch-base."
@@ -425,18 +377,13 @@ def kept_indexes(git_dir: str, pid: int | None = None) -> list[str]:
     return sorted(os.path.join(git_dir, n) for n in names if n.startswith(want))
 
 
-def _candidate_of(kept: str) -> str:
-    return os.path.basename(kept)[len(KEPT_PREFIX):].split(".", 1)[-1]
-
-
 def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry | None], candidate: str) -> bool:
     """Set ``changes`` (path → the candidate's entry, ``None``: no file) in the index, keeping the index it replaces.
 
-    ``lock``: the worktree's ``index.lock``, held.  Once per call: only the
-    branch's rename follows.  The new index is not synced: it only has to be
-    seen until the index of the materialised files replaces it, and a crash
-    brings the kept one back.  Returns whether the index was staged
-    (``False``: the worktree has no index yet, and nothing was written).
+    ``lock``: the worktree's ``index.lock``, held.  The new index is not
+    synced: it only has to be seen until the index of the materialised files
+    replaces it, and a crash brings the kept one back.  Returns whether the
+    index was staged (``False``: the worktree has no index yet, nothing written).
 
     Raises:
         GitStoreError: the index could not be written (the kept one is left for :func:`settle_ahead`).
@@ -476,27 +423,25 @@ def settle_ahead(git_dir: str, moved: bool | None, *, pid: int | None = None, sy
     """
     index = os.path.join(git_dir, "index")
     for kept in kept_indexes(git_dir, os.getpid() if pid is None else pid):
-        stays = moved if moved is not None else _on_branch(git_dir, _candidate_of(kept)) and _readable(index)
-        if not stays:
-            _restore(git_dir, kept)
-            continue
-        with contextlib.suppress(OSError):
-            if sync_index:
-                fsync_all([index, git_dir])
+        candidate = os.path.basename(kept)[len(KEPT_PREFIX):].split(".", 1)[-1]
+        stays = moved if moved is not None else _on_branch(git_dir, candidate) and _readable(index)
+        if stays:
+            with contextlib.suppress(OSError):
+                if sync_index:
+                    fsync_all([index, git_dir])
+                os.unlink(kept)
+        elif _same_file(kept, index):  # killed between keeping it and writing the staged one
             os.unlink(kept)
+        else:
+            os.replace(kept, index)
+            fsync_dir(git_dir)
 
 
-def _restore(git_dir: str, kept: str) -> None:
-    index = os.path.join(git_dir, "index")
+def _same_file(a: str, b: str) -> bool:
     try:
-        same = os.path.samefile(kept, index)
+        return os.path.samefile(a, b)
     except FileNotFoundError:
-        same = False
-    if same:  # killed between keeping it and writing the staged one
-        os.unlink(kept)
-        return
-    os.replace(kept, index)
-    fsync_dir(git_dir)
+        return False
 
 
 def _on_branch(git_dir: str, candidate: str) -> bool:
@@ -510,10 +455,7 @@ def _on_branch(git_dir: str, candidate: str) -> bool:
 
 
 def _readable(index: str) -> bool:
-    """Whether ``index`` reads whole (its checksum verified): by :mod:`cas.index_raw`, else by libgit2.
-
-    A sparse index, which libgit2 refuses, is read by the former.
-    """
+    """Whether ``index`` reads whole (checksum verified): by :mod:`cas.index_raw` (a sparse index), else libgit2."""
     if not os.path.isfile(index):
         return False  # libgit2 would open it as an empty index
     with contextlib.suppress(Unsupported, OSError, ValueError):
