@@ -1,51 +1,36 @@
 """git's index as bytes: the entries a patch modifies are found and rewritten in place.
 
-git's index is one file rewritten whole, and at 100k entries libgit2 takes
-tens of milliseconds to parse it and as long again to write it back.  A patch
-that modifies files already in the index changes 62 bytes per file (stat data,
-mode, object id) and the cached trees on their folders; everything else is
-passed through as the bytes that were read.
+A patch that modifies files already in the index changes 62 bytes per file
+(stat data, mode, object id) and the cached trees on their folders; everything
+else is passed through as the bytes that were read (why: :mod:`cas.index`).
+Anything this module does not prove raises :class:`Unsupported`, and the
+caller parses the index with libgit2 instead:
 
-What this module handles, and how it proves it (anything else raises
-:class:`Unsupported`, and the caller parses the index with libgit2 instead):
-
-* **Versions 2 and 3**, SHA-1.  Version 4 compresses paths against the previous
-  entry, so an entry cannot be found by its path.
-* **An entry is found** by searching for ``<path>\\0`` and checking that the
+* **Versions 2 and 3**, SHA-1 (version 4 compresses paths against the previous
+  entry: an entry cannot be found by its path; :meth:`RawIndex.walk` reads it
+  in order, for a file libgit2 has just written).
+* **An entry is found** by searching for ``<path>\\0`` and proving that the
   bytes around it are an entry for exactly that path: the flags hold the path's
-  length and no extended bit where there is none, the entry starts a multiple
-  of 8 bytes after the header (every entry's length is), its mode is one git
-  writes, and its padding is NULs up to the next 8-byte boundary.  The caller
-  also compares the entry's object id with the base commit's.  Entries are
-  sorted by path, so the search runs only between the entries of the nearest
-  paths already found in the file (and in those it was written from).  Entries with a
-  merge stage, ``assume-valid``, or version 3's extended flags
-  (``skip-worktree``, ``intent-to-add``) are left to libgit2.  A path whose
-  bytes appear but not as a provable entry is left to libgit2 too; a path whose
-  bytes appear nowhere is not in the index.
-* **The extensions** are found through ``EOIE`` (which records where the
-  entries end) or, without it, by the ``TREE`` extension from which a chain of
-  extensions reaches the checksum exactly.  Only ``TREE``, ``REUC``, ``IEOT``
-  and ``EOIE`` are handled: ``UNTR``, ``FSMN``, ``sdir``, ``link`` and any
-  other go to libgit2.  A split index (``sharedindex.*`` beside the index) is
-  refused, as libgit2 refuses it (and the apply then refuses it with a usage
-  error: ``cas.index``).
-* **Cached trees** (``TREE``) of the changed files' folders are invalidated,
-  as ``git add`` does (``cache_tree_invalidate_path``): their entry count
-  becomes ``-1`` and their object id goes.  ``EOIE``'s hash over the
-  extension headers is recomputed.  Entry offsets do not move, so ``IEOT``
-  stays valid.
-* **Racily clean entries** (mtime second not older than the index file's)
-  whose files changed are smudged, as git's writer does
-  (:meth:`RawIndex._racy_entries`).
-* **The checksum** of the file read is verified (in a thread, while the
-  caller looks its paths up), and the new file's is computed while it is
-  written, from the state over the unchanged bytes before the first entry
-  found (hashed in another thread while the call prepares).
-* **The file written is kept** (``RawIndex(..., written=...)``): mapped from
-  the descriptor that wrote it, its checksum not verified again, the paths
-  found and, within the same second, the offsets of the index's mtime
-  second carried over, looked for again only where bytes were replaced.
+  length, the entry starts a multiple of 8 bytes after the header, its mode is
+  one git writes, its padding is NULs up to the next 8-byte boundary.  Entries
+  are sorted by path, so the search runs only between the nearest paths
+  already found.  Merge stages, ``assume-valid`` and version 3's extended flags
+  (``skip-worktree``, ``intent-to-add``) are left to libgit2, and so is a path
+  whose bytes appear but prove no entry; a path whose bytes appear nowhere is
+  not in the index.  The caller compares the entry's id with the base's.
+* **The extensions** are found through ``EOIE`` or, without it, by the ``TREE``
+  extension from which a chain of extensions reaches the checksum exactly.
+  Only ``TREE``, ``REUC``, ``IEOT``, ``EOIE`` and ``sdir`` are handled; a split
+  index is refused, as libgit2 refuses it.  The changed files' folders'
+  cached trees are invalidated, as ``git add`` does; ``EOIE``'s hash is
+  recomputed; entry offsets do not move, so ``IEOT`` stays valid.
+* **Racily clean entries** whose files changed are smudged, as git's writer
+  does (:meth:`RawIndex._racy_entries`).
+* **The checksum** of the file read is verified in a thread while the caller
+  looks its paths up; the new file's starts from a state over the unchanged
+  bytes before the first entry found (hashed while the call prepares).
+* **The file written is kept** (``written=``): mapped from the descriptor that
+  wrote it, not verified again, its found paths and stamp offsets carried over.
 """
 
 from __future__ import annotations
@@ -57,12 +42,13 @@ import os
 import re
 import struct
 import threading
+from collections.abc import Iterable
 
 from cas.git_filters import cleaned_oid
 from cas.hashing import git_blob_oid
 from cas.objects import TreeEntry
 
-__all__ = ["Unsupported", "RawIndex", "MAX_PATHS", "MAX_RACY", "racy_file_changed"]
+__all__ = ["Unsupported", "RawIndex", "MAX_PATHS", "MAX_RACY"]
 
 #: Lookups beyond this many paths parse the index instead (each costs a scan).
 MAX_PATHS = 8
@@ -72,7 +58,8 @@ MAX_RACY = 1024
 _CARRIED_PATHS = 4096
 
 _ENTRY_MODES = frozenset({0o100644, 0o100755, 0o120000})
-_OTHER_MODES = frozenset({0o160000, 0o040000})  # gitlinks, sparse-index folders: libgit2's
+# Gitlinks and sparse-index folders: proven entries, but libgit2's to update.
+_MODES = _ENTRY_MODES | {0o160000, 0o040000}
 # "sdir" marks a sparse index: it holds no data, and a file entry in the cone is updated as in any index.
 _HANDLED_EXT = frozenset({b"TREE", b"REUC", b"IEOT", b"EOIE", b"sdir"})
 _NODE = re.compile(rb"([^\0]*)\0(-?[0-9]+) ([0-9]+)\n")
@@ -86,10 +73,33 @@ class Unsupported(Exception):
 
 #: The index's bytes: mapped from the file.
 _Bytes = bytes | mmap.mmap
+_Chain = list[tuple[bytes, int, int]]  # each extension as (signature, offset, size of its data)
 
 
 def _be32(data: _Bytes, off: int) -> int:
     return int.from_bytes(data[off:off + 4], "big")
+
+
+def _find_all(data: _Bytes, needle: bytes, lo: int, hi: int) -> list[int]:
+    found, q = [], data.find(needle, lo, hi)
+    while q != -1:
+        found.append(q)
+        q = data.find(needle, q + 1, hi)
+    return found
+
+
+def _eoie_hash(headers: Iterable[tuple[bytes, int]]) -> bytes:
+    """EOIE's hash over the extensions' headers, given as (signature, size)."""
+    h = hashlib.sha1()
+    for sig, size in headers:
+        h.update(sig + size.to_bytes(4, "big"))
+    return h.digest()
+
+
+def _handled(chain: _Chain) -> _Chain:
+    if any(sig not in _HANDLED_EXT for sig, _off, _size in chain):
+        raise Unsupported("an extension left to libgit2")
+    return chain
 
 
 def _varint(data: _Bytes, pos: int, end: int) -> tuple[int, int]:
@@ -108,44 +118,6 @@ def _varint(data: _Bytes, pos: int, end: int) -> tuple[int, int]:
     return value, pos
 
 
-def racy_file_changed(workdir: str, path: bytes, mode: int, size: int, mtime_sec: int, mtime_nsec: int,
-                      oid: str) -> bool:
-    """Whether a racily clean entry hides a change to its file: git's ``ce_smudge_racily_clean_entry``.
-
-    A file whose size or mtime differs from the entry shows its change by
-    itself (``False``); otherwise its bytes are hashed and compared with the
-    entry's object id, and, when they differ, once more as git would store
-    them (``.gitattributes`` / ``core.autocrlf`` conversion, git's
-    ``ie_match_stat`` compares through the clean filter too): a CRLF file
-    checked out by an eol filter is not changed for being CRLF.  Smudging
-    it would make ``git diff-files`` and ``git diff-index --quiet`` report
-    it modified until something refreshed the index.
-    """
-    if mode == 0o160000:
-        return False  # gitlinks: git always looks at their contents
-    full = os.path.join(workdir, os.fsdecode(path))
-    try:
-        st = os.lstat(full)
-    except OSError:
-        return False  # gone: git sees that
-    if ((st.st_size & 0xFFFFFFFF) != size or (int(st.st_mtime) & 0xFFFFFFFF) != mtime_sec
-            or st.st_mtime_ns % 1_000_000_000 != mtime_nsec):
-        return False
-    try:
-        if mode == 0o120000:
-            content = os.fsencode(os.readlink(full))
-        else:
-            with open(full, "rb") as fh:
-                content = fh.read()
-    except OSError:
-        return True
-    if git_blob_oid(content) == oid:
-        return False
-    if mode == 0o120000:
-        return True
-    return cleaned_oid(workdir, os.fsdecode(path), content) != oid
-
-
 class RawIndex:
     """One read of an index file; see the module docstring."""
 
@@ -154,24 +126,22 @@ class RawIndex:
         """Map the index at ``path`` and start verifying its checksum.
 
         ``stamp_ns``: the mtime its entries' racy-clean rule is judged against,
-        when not the file's own (a file libgit2 has just written from the
-        index the entries were read from: :mod:`cas.index`).  Versions 2 to
-        4 are read then, through :meth:`walk`.
+        when not the file's own (a file libgit2 has just written from the index
+        the entries were read from: :mod:`cas.index`); versions 2 to 4 are
+        read then, through :meth:`walk`.
 
         ``written``: ``(fd, previous, edits)`` for the file this process has just
         written from ``previous`` with these ``(offset, size)`` edits and
         installed (``fd`` still open on it, ``index.lock`` held): its checksum
-        was computed here and is not verified again, and what ``previous`` had
-        found carries over (entries keep their offsets: see :meth:`updated`).
+        was computed here, and what ``previous`` had found carries over.
         """
         if written is None and stamp_ns is None:
-            folder = os.path.dirname(path)
-            if any(name.startswith("sharedindex.") for name in os.listdir(folder)):
+            if any(name.startswith("sharedindex.") for name in os.listdir(os.path.dirname(path))):
                 raise Unsupported("split index")
         # Mapped, not read: nothing is copied, and the checksum thread starts at
         # once.  git and libgit2 replace an index by renaming a new file over
         # it, never by rewriting it in place, so the mapping stays whole.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) if written is None else written[0]
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if written is None else written[0]
         try:
             st = os.fstat(fd)
             if st.st_size < 32:
@@ -194,7 +164,7 @@ class RawIndex:
         self._prefix: tuple[int, list[hashlib._Hash], threading.Thread | None] | None = None
         # Folders whose TREE node this file is known to hold invalidated (or not at all): written so here.
         self._invalid: frozenset[bytes] = frozenset()
-        self._ext: tuple[int, list[tuple[bytes, int, int]]] | None = None
+        self._ext: tuple[int, _Chain] | None = None
         self._found: dict[str, int | None] = {}
         self._sorted: list[tuple[bytes, int]] = []  # (path, offset) of the entries found, by path
         # git's racy-clean rule: an entry whose mtime is not older than the index
@@ -233,16 +203,11 @@ class RawIndex:
             return  # scanned again if needed: the file's second is a new one
         # Same second: the stamps among the entries are where they were, but
         # where 4 bytes overlap what was replaced (looked for again).
-        data, stamp = self.data, self._index_sec.to_bytes(4, "big")
-        limit = previous.extensions()[0]
+        stamp, limit = self._index_sec.to_bytes(4, "big"), previous.extensions()[0]
         near = [(max(0, off - 3), off + size) for off, size in edits]
         stamped = [q for q in previous._stamped if q < limit and not any(lo <= q < hi for lo, hi in near)]
         for lo, hi in near:
-            hi += 3
-            q = data.find(stamp, lo, hi)
-            while q != -1:
-                stamped.append(q)
-                q = data.find(stamp, q + 1, hi)
+            stamped += _find_all(self.data, stamp, lo, hi + 3)
         self._stamped = sorted(set(stamped))
         self._scanned = True
 
@@ -260,25 +225,16 @@ class RawIndex:
         ``bytes.find`` holds the GIL, so the caller runs this while it would
         wait anyway: for the checksum thread, which hashes meanwhile.
         """
-        if self._scanned:
-            return
-        self._scanned = True
-        data = self.data
-        stamp = self._index_sec.to_bytes(4, "big")
-        stamped = self._stamped
-        end = len(data) - 20
-        q = data.find(stamp, 0, end)
-        while q != -1:
-            stamped.append(q)
-            q = data.find(stamp, q + 1, end)
+        if not self._scanned:
+            self._scanned = True
+            self._stamped += _find_all(self.data, self._index_sec.to_bytes(4, "big"), 0, len(self.data) - 20)
 
     def start_prefix(self) -> None:
-        """Start hashing the bytes before the first entry found, for the new file's checksum.
+        """Start hashing the bytes before the first entry found, for the new file's checksum (:meth:`updated`).
 
-        The new file's checksum then starts from that state (see :meth:`updated`);
-        called once the lookups are done, it runs while the call prepares.  A
-        state carried over from the write that made this file (:meth:`_carry_over`)
-        is extended when it stops short of that entry, and replaced when it goes past it.
+        Called once the lookups are done, it runs while the call prepares.  A
+        state carried over from the write that made this file is extended when
+        it stops short of that entry, and replaced when it goes past it.
         """
         found = [e for e in self._found.values() if e is not None]
         if not found or len(self.data) < _THREADED_HASH:
@@ -311,32 +267,36 @@ class RawIndex:
         if not self._verified:
             raise Unsupported("index checksum does not match")
 
-    def _entry_at(self, p: int, length: int) -> int | None:
-        """The offset of the entry whose path (``length`` bytes) starts at ``p``, if the bytes prove one."""
+    def _proven(self, e: int, limit: int) -> bool:
+        """Whether the bytes at ``e`` are an entry git writes, ending by ``limit`` (module docstring).
+
+        Raises:
+            Unsupported: a path too long for its flags to give its length.
+        """
         data = self.data
-        for extended in (False, True):
-            e = p - (64 if extended else 62)
-            if e < 12 or (e - 12) % 8:
-                continue
-            flags = int.from_bytes(data[e + 60:e + 62], "big")
-            if bool(flags & 0x4000) != extended or (flags & 0xFFF) != length:
-                continue
-            if extended and self.version < 3:
-                continue
-            mode = _be32(data, e + 24)
-            if mode not in _ENTRY_MODES and mode not in _OTHER_MODES:
-                continue
-            end = e + ((62 + (2 if extended else 0) + length + 8) & ~7)
-            if end > len(data) - 20 or data[p + length:end].strip(b"\0"):
-                continue
-            return e
-        return None
+        if e < 12 or (e - 12) % 8 or e + 62 > limit:
+            return False
+        flags = int.from_bytes(data[e + 60:e + 62], "big")
+        extended, length = flags & 0x4000, flags & 0xFFF
+        if (extended and self.version < 3) or _be32(data, e + 24) not in _MODES:
+            return False
+        if length == 0xFFF:
+            raise Unsupported("a long path beside a racy timestamp")
+        p = e + (64 if extended else 62)
+        stop = e + ((p - e + length + 8) & ~7)
+        return (bool(length) and stop <= limit and b"\0" not in data[p:p + length]
+                and not data[p + length:stop].strip(b"\0"))
+
+    def _updatable(self, e: int) -> int:
+        """``e``, the offset of an entry this module may rewrite."""
+        if int.from_bytes(self.data[e + 60:e + 62], "big") & 0xF000 or _be32(self.data, e + 24) not in _ENTRY_MODES:
+            raise Unsupported("a staged conflict, flags or mode left to libgit2")
+        return e
 
     def walk(self) -> None:
-        """Read every entry in order, where the bytes around a path prove no entry (version 4's compressed paths).
+        """Read every entry in order (version 4's compressed paths), a Python step per entry.
 
-        A Python step per entry: the pass over a file libgit2 has just written
-        (:mod:`cas.index`), never the fast path.
+        The pass over a file libgit2 has just written (:mod:`cas.index`), never the fast path.
 
         Raises:
             Unsupported: the entries do not parse.
@@ -374,16 +334,14 @@ class RawIndex:
         chain = self._chain(pos, end)
         if chain is None:
             raise Unsupported("no extensions after the entries")
-        if any(sig not in _HANDLED_EXT for sig, _off, _size in chain):
-            raise Unsupported("an extension left to libgit2")
-        self._ext = (pos, chain)
+        self._ext = (pos, _handled(chain))
 
     def locate(self, path: str) -> int | None:
         """Offset of ``path``'s entry, ``None`` when the path is not in the index.
 
         Raises:
-            Unsupported: the entry is one this module leaves to libgit2 (see the
-                module docstring), or the path's bytes occur but prove no entry.
+            Unsupported: the entry is one this module leaves to libgit2, or the
+                path's bytes occur but prove no entry.
         """
         if path in self._found:
             return self._found[path]
@@ -396,10 +354,7 @@ class RawIndex:
         raw = os.fsencode(path)
         if self._walked is not None:
             e = self._walked.get(raw)
-            if e is not None and (int.from_bytes(self.data[e + 60:e + 62], "big") & 0xF000
-                                  or _be32(self.data, e + 24) not in _ENTRY_MODES):
-                raise Unsupported("a staged conflict, flags or mode left to libgit2")
-            return e
+            return None if e is None else self._updatable(e)
         if len(raw) >= 0xFFF or b"\0" in raw:
             raise Unsupported("path length")
         needle = raw + b"\0"
@@ -413,17 +368,16 @@ class RawIndex:
         if i < len(self._sorted):
             hi = self._sorted[i][1]
         pos = data.find(needle, lo, hi)
-        seen = False
+        seen = pos != -1
         while pos != -1:
-            seen = True
-            e = self._entry_at(pos, len(raw))
-            if e is not None:
+            for e, extended in ((pos - 62, 0), (pos - 64, 0x4000)):
+                if e < 12:
+                    continue
                 flags = int.from_bytes(data[e + 60:e + 62], "big")
-                if flags & 0xF000 or _be32(data, e + 24) not in _ENTRY_MODES:
-                    raise Unsupported("a staged conflict, flags or mode left to libgit2")
-                if e + 62 + len(needle) > self.extensions()[0]:
-                    raise Unsupported("found past the entries")
-                return e
+                if flags & 0x4000 == extended and flags & 0xFFF == len(raw) and self._proven(e, len(data) - 20):
+                    if self._updatable(e) + 62 + len(needle) > self.extensions()[0]:
+                        raise Unsupported("found past the entries")
+                    return e
             pos = data.find(needle, pos + 1, hi)
         if seen:
             raise Unsupported("path bytes occur outside a provable entry")
@@ -432,8 +386,7 @@ class RawIndex:
     def entry(self, path: str) -> TreeEntry | None:
         """``path``'s stage-0 entry as (object id, mode), ``None`` when it is not in the index.
 
-        The checksum may still be being verified: call :meth:`verified` before
-        acting on the answer.
+        The checksum may still be being verified: call :meth:`verified` before acting on the answer.
         """
         e = self.locate(path)
         if e is None:
@@ -446,52 +399,57 @@ class RawIndex:
         git's writer checks each such entry's file and smudges the entry (size 0,
         which makes git compare contents) when it changed: a new index with a
         later mtime would otherwise make a change from the index's own instant
-        look clean (see :meth:`_changed_file`).  Every entry whose mtime second equals the file's holds
-        those 4 bytes at its offset 8, and each occurrence is proven an entry
-        as in :meth:`_entry_at`.  Entries with mtimes later than their index
-        (clocks set back, files stamped in the future) are not looked for.
+        look clean.  Every entry whose mtime second equals the file's holds
+        those 4 bytes at its offset 8.  Entries with mtimes later than their
+        index (clocks set back, files stamped in the future) are not looked for.
 
         Raises:
             Unsupported: more than :data:`MAX_RACY` of them, or a path too long to prove.
         """
         start = self.extensions()[0]
-        data = self.data
         if self._walked is not None:
             stamp = self._index_sec.to_bytes(4, "big")
-            found = [e for e in self._walked.values() if data[e + 8:e + 12] == stamp]
-            if len(found) > MAX_RACY:
-                raise Unsupported("many racily clean entries")
-            return found
-        self.scan_stamps()
-        found = []
-        for q in self._stamped:
-            e = q - 8
-            if e < 12 or (e - 12) % 8 or e + 62 > start:
-                continue
-            mode = _be32(data, e + 24)
-            if mode not in _ENTRY_MODES and mode not in _OTHER_MODES:
-                continue
-            flags = int.from_bytes(data[e + 60:e + 62], "big")
-            extended = bool(flags & 0x4000)
-            if extended and self.version < 3:
-                continue
-            length = flags & 0xFFF
-            if length == 0xFFF:
-                raise Unsupported("a long path beside a racy timestamp")
-            p = e + 62 + (2 if extended else 0)
-            stop = e + ((62 + (2 if extended else 0) + length + 8) & ~7)
-            if not length or stop > start or b"\0" in data[p:p + length] or data[p + length:stop].strip(b"\0"):
-                continue
-            found.append(e)
+            found = [e for e in self._walked.values() if self.data[e + 8:e + 12] == stamp]
+        else:
+            self.scan_stamps()
+            found = [q - 8 for q in self._stamped if self._proven(q - 8, start)]
         if len(found) > MAX_RACY:
             raise Unsupported("many racily clean entries")
         return found
 
     def _changed_file(self, workdir: str, e: int) -> bool:
-        """Whether the racily clean entry at ``e`` hides a change (:func:`racy_file_changed`)."""
-        data = self.data
-        return racy_file_changed(workdir, self._path_at(e), _be32(data, e + 24), _be32(data, e + 36),
-                                 _be32(data, e + 8), _be32(data, e + 12), data[e + 40:e + 60].hex())
+        """Whether the racily clean entry at ``e`` hides a change to its file: git's ``ce_smudge_racily_clean_entry``.
+
+        A file whose size or mtime differs from the entry shows its change by
+        itself; otherwise its bytes are hashed and compared with the entry's
+        id, and, when they differ, once more as git would store them (git's
+        ``ie_match_stat`` compares through the clean filter too): a CRLF file
+        checked out by an eol filter is not changed for being CRLF, and
+        smudging it would make ``git diff-files`` report it modified.
+        """
+        data, path = self.data, self._path_at(e)
+        mode, oid = _be32(data, e + 24), data[e + 40:e + 60].hex()
+        if mode == 0o160000:
+            return False  # gitlinks: git always looks at their contents
+        full = os.path.join(workdir, os.fsdecode(path))
+        try:
+            st = os.lstat(full)
+        except OSError:
+            return False  # gone: git sees that
+        if ((st.st_size & 0xFFFFFFFF) != _be32(data, e + 36) or (int(st.st_mtime) & 0xFFFFFFFF) != _be32(data, e + 8)
+                or st.st_mtime_ns % 1_000_000_000 != _be32(data, e + 12)):
+            return False
+        try:
+            if mode == 0o120000:
+                content = os.fsencode(os.readlink(full))
+            else:
+                with open(full, "rb") as fh:
+                    content = fh.read()
+        except OSError:
+            return True
+        if git_blob_oid(content) == oid:
+            return False
+        return mode == 0o120000 or cleaned_oid(workdir, os.fsdecode(path), content) != oid
 
     def sparse(self) -> bool:
         """Whether this is a sparse index (its ``sdir`` extension): folders outside the cone are single entries.
@@ -509,7 +467,7 @@ class RawIndex:
         p = e + 62 + (2 if flags & 0x4000 else 0)
         return bytes(self.data[p:p + (flags & 0xFFF)])
 
-    def extensions(self) -> tuple[int, list[tuple[bytes, int, int]]]:
+    def extensions(self) -> tuple[int, _Chain]:
         """Where the entries end, and each extension as (signature, offset, size of its data)."""
         if self._ext is not None:
             return self._ext
@@ -518,7 +476,8 @@ class RawIndex:
         if end - 32 >= 12 and data[end - 32:end - 28] == b"EOIE" and _be32(data, end - 28) == 24:
             start = _be32(data, end - 24)
             chain = self._chain(start, end) if 12 <= start <= end - 32 else None
-            if chain is None or chain[-1][0] != b"EOIE" or self._eoie(chain[:-1]) != data[end - 20:end]:
+            if chain is None or chain[-1][0] != b"EOIE" or (
+                    _eoie_hash((sig, size) for sig, _off, size in chain[:-1]) != data[end - 20:end]):
                 raise Unsupported("EOIE does not describe the extensions")
         else:
             # Without EOIE: the last "TREE" at an entry boundary from which a
@@ -534,29 +493,20 @@ class RawIndex:
                 pos = data.rfind(b"TREE", 12, pos)
             if chain is None:
                 raise Unsupported("no TREE extension found")
-        if any(sig not in _HANDLED_EXT for sig, _off, _size in chain):
-            raise Unsupported("an extension left to libgit2")
-        self._ext = (start, chain)
+        self._ext = (start, _handled(chain))
         return self._ext
 
-    def _chain(self, start: int, end: int) -> list[tuple[bytes, int, int]] | None:
+    def _chain(self, start: int, end: int) -> _Chain | None:
         data = self.data
         chain = []
         pos = start
         while pos < end:
             if pos + 8 > end:
                 return None
-            sig = data[pos:pos + 4]
             size = _be32(data, pos + 4)
-            chain.append((sig, pos, size))
+            chain.append((data[pos:pos + 4], pos, size))
             pos += 8 + size
         return chain if pos == end else None
-
-    def _eoie(self, chain: list[tuple[bytes, int, int]]) -> bytes:
-        h = hashlib.sha1()
-        for sig, _off, size in chain:
-            h.update(sig + size.to_bytes(4, "big"))
-        return h.digest()
 
     def _tree_invalidated(self, off: int, size: int, folders: set[bytes]) -> bytes:
         """The TREE extension's data with the nodes of ``folders`` (``b""`` is the root) invalidated.
@@ -622,9 +572,9 @@ class RawIndex:
 
         The entries keep their paths and flags; their folders' cached trees are
         invalidated; racily clean entries of ``workdir`` whose files changed
-        are smudged (:meth:`_racy_entries`).  Returns the file as parts (without its checksum), and the
-        checksum's state over the parts' first ``n`` bytes, which are the old
-        file's: ``(parts, state, n)``.
+        are smudged (:meth:`_racy_entries`).  Returns the file as parts (without
+        its checksum), and the checksum's state over the parts' first ``n``
+        bytes, which are the old file's: ``(parts, state, n)``.
         """
         self.verified()
         start, chain = self.extensions()
@@ -681,10 +631,7 @@ class RawIndex:
                 parts.append(body)
                 headers.append((sig, len(body)))
             elif sig == b"EOIE":
-                h = hashlib.sha1()
-                for s, n in headers:
-                    h.update(s + n.to_bytes(4, "big"))
-                parts.append(b"EOIE" + (24).to_bytes(4, "big") + start.to_bytes(4, "big") + h.digest())
+                parts.append(b"EOIE" + (24).to_bytes(4, "big") + start.to_bytes(4, "big") + _eoie_hash(headers))
             else:
                 parts.append(view[off:off + 8 + size])
                 headers.append((sig, size))
