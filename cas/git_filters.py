@@ -2,20 +2,14 @@
 
 libgit2 converts line endings (``text``, ``eol``, ``core.autocrlf``) as git
 does, and :mod:`cas.worktree` uses it for those.  Three attributes it does
-not reproduce:
-
-* ``filter=<driver>``: the driver's ``clean``/``smudge``/``process``
-  commands (git-lfs among them) are git's to run; libgit2 runs none;
-* ``working-tree-encoding``: libgit2 has no such conversion;
-* ``ident``: libgit2 expands ``$Id$`` only in a blob it reads itself, not in
-  bytes handed to its filters, so a file written from a blob's bytes kept
-  ``$Id$`` where git writes ``$Id: <blob id> $``, and a checked-out file
-  looked changed.
-
-For a path with any of them, git is asked: ``git cat-file --filters`` for a
-blob's working bytes, ``git hash-object`` for the blob id of a working file
-(the clean side: the id git's own status compares).  Where git cannot be run,
-the callers keep libgit2's answer.
+not reproduce: ``filter=<driver>`` (git-lfs among them: git runs the
+driver's commands, libgit2 none), ``working-tree-encoding`` (libgit2 has no
+such conversion) and ``ident`` (libgit2 expands ``$Id$`` only in a blob it
+reads itself, so a file written from a blob's bytes kept ``$Id$`` and a
+checked-out file looked changed).  For a path with any of them git is asked:
+``git cat-file --filters`` for a blob's working bytes, ``git hash-object``
+for a working file's blob id (the clean side git's status compares).  Where
+git cannot be run, the callers keep libgit2's answer.
 """
 
 from __future__ import annotations
@@ -27,10 +21,16 @@ import pygit2
 
 from cas.hashing import git_blob_oid
 
-__all__ = ["GIT_ONLY_ATTRIBUTES", "needs_git", "smudged_by_git", "blob_id_by_git", "cleaned_oid", "apply_filters"]
+__all__ = ["GIT_ONLY_ATTRIBUTES", "needs_git", "git_output", "smudged_by_git", "blob_id_by_git", "cleaned_oid",
+           "apply_filters"]
 
 #: The attributes whose conversion only git reproduces (module docstring).
 GIT_ONLY_ATTRIBUTES = ("filter", "working-tree-encoding", "ident")
+#: Variables that would point git at another repository, index or object store than ``workdir``'s.
+_LOCATION_VARS = frozenset({"GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY",
+                            "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_COMMON_DIR", "GIT_NAMESPACE",
+                            "GIT_PREFIX", "GIT_CEILING_DIRECTORIES", "GIT_DISCOVERY_ACROSS_FILESYSTEM"})
+_CLEAN_REPOS: dict[str, pygit2.Repository] = {}
 
 
 def needs_git(repo: pygit2.Repository, path: str) -> bool:
@@ -41,13 +41,7 @@ def needs_git(repo: pygit2.Repository, path: str) -> bool:
         return False
 
 
-#: Variables that would point git at another repository, index or object store than ``workdir``'s.
-_LOCATION_VARS = frozenset({"GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY",
-                            "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_COMMON_DIR", "GIT_NAMESPACE",
-                            "GIT_PREFIX", "GIT_CEILING_DIRECTORIES", "GIT_DISCOVERY_ACROSS_FILESYSTEM"})
-
-
-def _git(workdir: str, *args: str) -> bytes | None:
+def git_output(workdir: str, *args: str) -> bytes | None:
     """``git args`` in ``workdir``: its output, or ``None`` when it failed.
 
     Without the variables that locate a repository (a hook's ``GIT_DIR``, say);
@@ -63,21 +57,20 @@ def _git(workdir: str, *args: str) -> bytes | None:
 
 def smudged_by_git(workdir: str, path: str, oid: str) -> bytes | None:
     """The bytes git writes into ``workdir`` at ``path`` for blob ``oid`` (``None``: git could not say)."""
-    return _git(workdir, "cat-file", "--filters", f"--path={path}", oid)
+    return git_output(workdir, "cat-file", "--filters", f"--path={path}", oid)
 
 
 def blob_id_by_git(workdir: str, path: str) -> str | None:
     """The blob id git gives the working file ``path`` of ``workdir`` (``None``: git could not say)."""
-    out = _git(workdir, "hash-object", "--", path)
+    out = git_output(workdir, "hash-object", "--", path)
     return None if out is None else out.strip().decode("ascii", "replace")
 
 
 def cleaned_oid(workdir: str, path: str, data: bytes) -> str:
     """The blob id git gives ``data``, the file of ``workdir`` at ``path``: its clean filters applied.
 
-    Without filters for the path that is the id of the bytes themselves.  The
-    worktree's repository is kept open per worktree (a few racily clean
-    entries of one index are asked in a row).
+    The worktree's repository is kept open (a few racily clean entries of one
+    index are asked in a row).
     """
     try:
         repo = _CLEAN_REPOS.get(workdir)
@@ -94,17 +87,11 @@ def cleaned_oid(workdir: str, path: str, data: bytes) -> str:
     return git_blob_oid(converted)
 
 
-_CLEAN_REPOS: dict[str, pygit2.Repository] = {}
-
-
 def apply_filters(filters: pygit2.filter.FilterList, data: bytes) -> bytes | None:
-    """libgit2's filters applied to ``data``; ``None`` for data holding a NUL byte.
+    """libgit2's filters applied to ``data``; ``None`` for data holding a NUL byte (git's to convert).
 
     pygit2's ``FilterList.apply_to_buffer`` reads its result as a C string: a
     binary file under ``text`` came back cut at its first NUL byte.  libgit2's
-    own filters (line endings) add no NUL byte, so a result of data without
-    one is whole; data with one is left to git (:mod:`cas.git_filters`).
+    own filters add no NUL byte, so a result of data without one is whole.
     """
-    if b"\0" in data:
-        return None
-    return filters.apply_to_buffer(data)
+    return None if b"\0" in data else filters.apply_to_buffer(data)

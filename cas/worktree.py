@@ -9,20 +9,9 @@
 * :func:`materialise` — write each touched file atomically (tmp beside it,
   fsync, rename; symlinks as symlinks; exec bit from the mode), reached
   through folder fds opened with ``O_NOFOLLOW``; then update just those
-  entries of the index and write it once (git's ``index.lock`` protocol;
-  in place where :mod:`cas.index` proves it, else through pygit2's ``Index``).
-
-While oncepatch holds ``index.lock`` it contains ``oncepatch-index-lock <pid> <host>``
-(see :func:`hold_index_lock`), and a marker file in the store names it: recovery
-removes a stale ``index.lock`` only when one of these proves it was ours and
-its owner is dead.
-
-The apply protocol takes ``index.lock`` *before* it moves the branch and keeps
-it until the index is written (:func:`hold_index_lock`, ``held=`` of
-:func:`materialise`), and stages the new entries in the index before the
-branch moves (:func:`cas.index.stage_ahead`): ``git commit`` reads HEAD and the index
-first and takes ``index.lock`` after, so it must never find the new HEAD
-beside the old index — its commit would silently revert the change just landed.
+  entries of the index under git's ``index.lock`` (:mod:`cas.index_lock`,
+  which also says why the apply protocol stages the index before the branch
+  moves and holds the lock until the index is written).
 """
 
 from __future__ import annotations
@@ -30,30 +19,25 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import pygit2
 
 from cas.durable import DurableBatch, fsync_all, fsync_dir, open_dir_nofollow
-from cas.git_filters import apply_filters, blob_id_by_git, cleaned_oid, needs_git, smudged_by_git
-from cas.hashing import git_blob_oid
-from cas.index_lock import IndexLock, update_index
 from cas.errors import DurableWriteError, GitStoreError, UnsafeWorktreePath
+from cas.git_filters import apply_filters, blob_id_by_git, cleaned_oid, git_output, needs_git, smudged_by_git
+from cas.hashing import git_blob_oid
+from cas.index import IndexSnapshot, snapshot_for
+from cas.index_lock import IndexLock, update_index
 from cas.objects import GitStore, TreeEntry
 
-__all__ = [
-    "outside_sparse_checkout",
-    "dirty_paths",
-    "unsafe_worktree_paths",
-    "materialise",
-    "worktree_matches",
-    "worktree_files_match",
-    "index_matches",
-]
+__all__ = ["outside_sparse_checkout", "dirty_paths", "unsafe_worktree_paths", "materialise", "worktree_files_match",
+           "index_matches"]
 
 _MODE_LINK = 0o120000
 _MODE_EXEC = 0o100755
-_MODE_TREE = 0o040000
+_T = TypeVar("_T")
 
 
 def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str | None) -> list[str]:
@@ -61,64 +45,42 @@ def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str 
 
     A touched path that is a folder in the worktree (a folder giving way to a
     file) is dirty when it holds any file the patch does not touch itself.
-    The index is read through :func:`cas.index.snapshot_for` (parsed
-    once per process while unchanged); working files are compared by content.
-    ``store`` reads the trees (a linked worktree shares the object database).
+    Working files are compared by content.  ``store`` reads the trees (a
+    linked worktree shares the object database).
     """
-    from cas.index import snapshot_for
-
-    git_dir = os.path.realpath(store.worktree_repo(workdir).path)
-    snap = snapshot_for(git_dir)
+    snap = snapshot_for(os.path.realpath(store.worktree_repo(workdir).path))
     touched = set(paths)
 
-    def check() -> list[str]:
-        dirty = []
-        for path in paths:
-            full = os.path.join(workdir, path)
-            if os.path.isdir(full) and not os.path.islink(full):
-                for folder, _dirs, files in os.walk(full):
-                    rel = os.path.relpath(folder, workdir).replace(os.sep, "/")
-                    if any(f"{rel}/{name}" not in touched for name in files):
-                        dirty.append(path)
-                        break
-                continue
-            want = store.lookup_file(head_tree, path)
-            if snap.entry(path) != want or not worktree_files_match(store, workdir, {path: want}):
-                dirty.append(path)
-        return dirty
+    def dirty(path: str) -> bool:
+        full = os.path.join(workdir, path)
+        if os.path.isdir(full) and not os.path.islink(full):
+            return any(f"{os.path.relpath(folder, workdir).replace(os.sep, '/')}/{name}" not in touched
+                       for folder, _dirs, files in os.walk(full) for name in files)
+        want = store.lookup_file(head_tree, path)
+        return snap.entry(path) != want or not worktree_files_match(store, workdir, {path: want})
 
-    dirty = check()
-    if not snap.confirm():  # the raw index's checksum, verified meanwhile, failed: ask libgit2
-        dirty = check()
-    if not dirty:
+    found = _confirmed(snap, lambda: [p for p in paths if dirty(p)])
+    if not found:
         snap.check_writable(paths)
-    return dirty
+    return found
+
+
+def _confirmed(snap: IndexSnapshot, answer: Callable[[], _T]) -> _T:
+    """``answer()``, asked again when the raw index's checksum (verified meanwhile) failed: libgit2 answers then."""
+    first = answer()
+    return first if snap.confirm() else answer()
 
 
 def outside_sparse_checkout(store: GitStore, workdir: str, paths: list[str]) -> list[str]:
     """Those of ``paths`` a sparse checkout leaves out of ``workdir``: their index entries are skip-worktree.
 
-    Asked of git (``git ls-files -t``: ``S``), only for paths already found
-    dirty in a worktree with ``core.sparseCheckout`` on; libgit2 does not
-    expose the flag.
+    Asked of git (``git ls-files -t``: ``S``; libgit2 does not expose the
+    flag), for paths already found dirty in a worktree with ``core.sparseCheckout``.
     """
-    import subprocess
-
-    try:
-        sparse = store.worktree_repo(workdir).config.get_bool("core.sparseCheckout")
-    except (KeyError, pygit2.GitError, ValueError):
-        sparse = False
-    if not sparse or not paths:
+    if not paths or not _setting(store, workdir, "core.sparseCheckout", False):
         return []
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    try:
-        res = subprocess.run(["git", "ls-files", "-t", "-z", "--", *paths], cwd=workdir, env=env,
-                             capture_output=True, check=False, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return []
-    if res.returncode != 0:
-        return []
-    skipped = {os.fsdecode(item[2:]) for item in res.stdout.split(b"\0") if item.startswith(b"S ")}
+    out = git_output(workdir, "ls-files", "-t", "-z", "--", *paths)
+    skipped = {os.fsdecode(item[2:]) for item in (out or b"").split(b"\0") if item.startswith(b"S ")}
     return [p for p in paths if p in skipped]
 
 
@@ -209,12 +171,9 @@ def materialise(
     is appended here for the caller to sync, instead of synced at once.
 
     Deletions go first (a file may give way to a folder of the same name), then
-    writes in path order.  ``lock_marker``: a file to hold while the index lock
-    is ours (see the module docstring).  ``held``: the worktree's index lock,
-    already taken by the caller (and left held); else ``index.lock`` is waited
-    for up to ``timeout`` seconds (the caller's lock timeout).  ``tree``: the commit's tree
-    the changes come from; given, :func:`plain_checkout` may skip libgit2's
-    filters.
+    writes in path order.  ``lock_marker``, ``held``, ``timeout``: as
+    :func:`cas.index_lock.update_index`.  ``tree``: the commit's tree the
+    changes come from; given, :func:`plain_checkout` may skip libgit2's filters.
 
     Raises:
         UnsafeWorktreePath: a folder on a path is a symlink.
@@ -223,7 +182,6 @@ def materialise(
     """
     deletes = sorted((p for p, e in changes.items() if e is None), reverse=True)
     writes = sorted((p, e) for p, e in changes.items() if e is not None)
-    wt_repo: pygit2.Repository | None = None
     plain = tree is not None and plain_checkout(store, workdir, [p for p, _ in writes], tree)
     # The last batch's folders are synced with the new index file, before its
     # rename (the index names those files): their descriptors stay open until then.
@@ -231,12 +189,8 @@ def materialise(
     with contextlib.ExitStack() as keep:
         try:
             if sync_first and (deletes or not writes):
-                try:
-                    fsync_all(sync_first)
-                except DurableWriteError as exc:
-                    store.sync_failed(exc, sync_first)
-                    raise
-                store.mark_synced(sync_first)
+                first = sync_first
+                _syncing(store, first, lambda: fsync_all(first))
                 sync_first = None
             for path in deletes:
                 _remove_path(workdir, path)
@@ -245,39 +199,28 @@ def materialise(
             umask = os.umask(0)  # files get git's modes less the umask, as git checks them out
             os.umask(umask)
             for start in range(0, len(writes), _WRITE_CHUNK):
-                batch = DurableBatch()
-                synced, sync_first = sync_first, None
-                if synced:
-                    batch.sync_first(synced)
                 last = start + _WRITE_CHUNK >= len(writes)
+                batch = DurableBatch()
+                if sync_first:
+                    batch.sync_first(sync_first)
                 with contextlib.ExitStack() as stack:
                     folders: dict[str, int] = {}
                     for path, entry in writes[start:start + _WRITE_CHUNK]:
-                        data = store.read_blob(entry.oid)
-                        mode = entry.mode
-                        if mode == _MODE_LINK and not symlinks_on(store, workdir):
+                        data, mode = store.read_blob(entry.oid), entry.mode
+                        if mode == _MODE_LINK and not _setting(store, workdir, "core.symlinks"):
                             mode = 0o100644  # core.symlinks=false: git writes the target as a plain file
-                        elif entry.mode != _MODE_LINK and not plain:
-                            if wt_repo is None:
-                                wt_repo = store.worktree_repo(workdir)
+                        elif mode != _MODE_LINK and not plain:
                             # '*.bat eol=crlf', 'ident', a filter driver: written as git would
-                            data = smudged(workdir, path, data, wt_repo, oid=entry.oid)
+                            data = smudged(workdir, path, data, store.worktree_repo(workdir), oid=entry.oid)
                         _queue_path(batch, keep if last else stack, folders, workdir, path, data, mode, umask)
-                    try:
-                        batch.commit(defer_folders=last_folders if last else None)
-                    except DurableWriteError as exc:
-                        if synced:
-                            store.sync_failed(exc, synced)
-                        raise
-                if synced:
-                    store.mark_synced(synced)
+                    _syncing(store, sync_first, lambda: batch.commit(defer_folders=last_folders if last else None))
+                sync_first = None
         except UnsafeWorktreePath:
             raise
         except OSError as exc:
             raise GitStoreError(f"cannot write worktree '{workdir}': {exc}") from exc
         try:
-            update_index(workdir, [p for p in deletes], [p for p, _ in writes], lock_marker=lock_marker, held=held,
-                         timeout=timeout,
+            update_index(workdir, deletes, [p for p, _ in writes], lock_marker=lock_marker, held=held, timeout=timeout,
                          known=dict(writes), also_sync=last_folders, defer_dir=defer_dir)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -287,11 +230,16 @@ def materialise(
             fsync_all(last_folders)
 
 
-
-
-def worktree_matches(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:
-    """Whether the working files and the index entries already equal ``changes``."""
-    return worktree_files_match(store, workdir, changes) and index_matches(workdir, changes)
+def _syncing(store: GitStore, synced: list[str] | None, step: Callable[[], None]) -> None:
+    """Run ``step``, which makes ``synced`` durable; tell ``store`` whether it did."""
+    try:
+        step()
+    except DurableWriteError as exc:
+        if synced:
+            store.sync_failed(exc, synced)
+        raise
+    if synced:
+        store.mark_synced(synced)
 
 
 def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:
@@ -309,17 +257,17 @@ def worktree_files_match(store: GitStore, workdir: str, changes: Mapping[str, Tr
                 return False
             continue
         if entry.mode == _MODE_LINK:
-            if stat.S_ISREG(st.st_mode) and not symlinks_on(store, workdir):
+            if stat.S_ISREG(st.st_mode) and not _setting(store, workdir, "core.symlinks"):
                 with open(full, "rb") as fh:  # core.symlinks=false: the target as a plain file
-                    if fh.read() != store.read_blob(entry.oid):
-                        return False
-                continue
-            if not stat.S_ISLNK(st.st_mode) or os.fsencode(os.readlink(full)) != store.read_blob(entry.oid):
+                    target: bytes | None = fh.read()
+            else:
+                target = os.fsencode(os.readlink(full)) if stat.S_ISLNK(st.st_mode) else None
+            if target != store.read_blob(entry.oid):
                 return False
             continue
         if not stat.S_ISREG(st.st_mode):
             return False
-        if bool(st.st_mode & 0o100) != (entry.mode == _MODE_EXEC) and file_mode_on(store, workdir):
+        if bool(st.st_mode & 0o100) != (entry.mode == _MODE_EXEC) and _setting(store, workdir, "core.fileMode"):
             return False  # (core.fileMode=false: git ignores the executable bit, and so does this)
         with open(full, "rb") as fh:
             data = fh.read()
@@ -349,7 +297,8 @@ def _attribute_files(repo: pygit2.Repository, common_dir: str) -> bool:
     if "core.autocrlf" in cfg and str(cfg["core.autocrlf"]).strip().lower() not in ("false", "no", "off", "0", ""):
         return True
     places = [os.path.join(common_dir, "info", "attributes")]
-    for level, name in ((pygit2.enums.ConfigLevel.SYSTEM, "gitattributes"), (pygit2.enums.ConfigLevel.XDG, "attributes")):
+    for level, name in ((pygit2.enums.ConfigLevel.SYSTEM, "gitattributes"),
+                        (pygit2.enums.ConfigLevel.XDG, "attributes")):
         try:
             dirs = pygit2.settings.search_path[level]
         except (pygit2.GitError, ValueError):
@@ -361,15 +310,13 @@ def _attribute_files(repo: pygit2.Repository, common_dir: str) -> bool:
 def plain_checkout(store: GitStore, workdir: str, paths: list[str], tree: str) -> bool:
     """Whether no attribute (nor ``core.autocrlf``) can filter these paths on checkout: blobs go to disk as they are.
 
-    libgit2 decides that by reading ``.gitattributes`` from the working folders
-    and, where there is none, from the index — at 100k entries a cold process
-    parses the index for it (about 60 ms).  This answers from the files
-    themselves: no ``.gitattributes`` on disk or in ``tree`` in any folder on
-    the paths, none among the paths, no ``info/attributes``, no configured,
-    global or system attributes file, ``core.autocrlf`` unset or false.  (An
-    index holding a ``.gitattributes`` that is neither on disk nor in the
-    commit is not looked for.)  When this says ``False`` libgit2 decides, as
-    before.
+    libgit2 decides that from the working folders' ``.gitattributes`` and,
+    where there is none, the index's — at 100k entries a cold process parses
+    the index for it (about 60 ms).  This answers from the files: no
+    ``.gitattributes`` on disk or in ``tree`` in any folder on the paths or
+    among them, no ``info/attributes``, no configured, global or system
+    attributes file, ``core.autocrlf`` unset or false.  (One only in the index
+    is not looked for.)  ``False``: libgit2 decides.
     """
     repo = store.worktree_repo(workdir)
     if _attribute_files(repo, store.common_dir):
@@ -393,11 +340,9 @@ def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None
             oid: str | None = None) -> bytes:
     """``blob`` as git would write it into ``workdir`` at ``path`` (``.gitattributes`` filters).
 
-    Without filters for the path (the usual case) the bytes come back as they are.
     ``repo``: the worktree's repository, when the caller has it open.  ``oid``:
-    the blob's id; given, a path whose conversion only git reproduces (a
-    filter driver, ``working-tree-encoding``, ``ident``:
-    :mod:`cas.git_filters`) is converted by git.
+    the blob's id; given, a path whose conversion only git reproduces
+    (:mod:`cas.git_filters`) is converted by git.
     """
     try:
         wt = repo if repo is not None else pygit2.Repository(workdir)
@@ -420,24 +365,12 @@ def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None
     return converted
 
 
-def file_mode_on(store: GitStore, workdir: str) -> bool:
-    """``core.fileMode`` of the worktree (true unless set false): whether git compares the executable bit."""
-    return _setting_on(store, workdir, "core.fileMode")
-
-
-def _setting_on(store: GitStore, workdir: str, name: str) -> bool:
-    """A boolean setting of the worktree's configuration that is true unless set false."""
+def _setting(store: GitStore, workdir: str, name: str, default: bool = True) -> bool:
+    """A boolean setting of the worktree's configuration (``core.fileMode``, ``core.symlinks``: true unless set false)."""
     try:
         return bool(store.worktree_repo(workdir).config.get_bool(name))
     except (KeyError, pygit2.GitError, ValueError):
-        return True
-
-
-def symlinks_on(store: GitStore, workdir: str) -> bool:
-    """``core.symlinks`` of the worktree (true unless set false): git checks symlinks out as plain files then."""
-    return _setting_on(store, workdir, "core.symlinks")
-
-
+        return default
 
 
 def index_matches(workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool:
@@ -446,14 +379,5 @@ def index_matches(workdir: str, changes: Mapping[str, TreeEntry | None]) -> bool
     Raises:
         UsageError: an index neither the in-place reader nor libgit2 can read (a split index), with the fix named.
     """
-    from cas.index import snapshot_for
-
     snap = snapshot_for(os.path.realpath(pygit2.Repository(workdir).path))
-
-    def check() -> bool:
-        return all(snap.entry(path) == entry for path, entry in changes.items())
-
-    same = check()
-    if not snap.confirm():  # the raw index's checksum failed: libgit2 answers
-        same = check()
-    return same
+    return _confirmed(snap, lambda: all(snap.entry(path) == entry for path, entry in changes.items()))
