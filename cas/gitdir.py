@@ -18,6 +18,9 @@ from cas.errors import UsageError
 __all__ = ["GitLayout", "discover", "read_head", "common_dir_of", "worktrees_on", "read_gitfile", "core_worktree",
            "main_worktree_of", "all_worktrees", "resolve_symbolic", "MainWorktreeUnknown"]
 
+#: How many symbolic refs are followed (git's own limit is 5).
+_MAX_SYMREF_DEPTH = 5
+
 
 class MainWorktreeUnknown(UsageError):
     """The branch is checked out in a main worktree whose folder cannot be found (exit 2)."""
@@ -32,34 +35,37 @@ class GitLayout:
     common_dir: str
 
 
+def _text(path: str, limit: int = -1) -> str:
+    """The file's text (git's files hold bytes: undecodable ones kept), stripped.
+
+    Raises:
+        OSError: it cannot be read.
+    """
+    with open(path, "rb") as fh:
+        return fh.read(limit).decode("utf-8", "surrogateescape").strip()
+
+
 def read_gitfile(path: str) -> str | None:
     """The git dir a ``.git`` file (``gitdir: <path>``) names, real and absolute; ``None`` if not one."""
     try:
-        with open(path, "rb") as fh:
-            text = fh.read(4096).decode("utf-8", "surrogateescape").strip()
+        text = _text(path, 4096)
     except OSError:
         return None
     if not text.startswith("gitdir:"):
         return None
-    target = text[len("gitdir:"):].strip()
-    return os.path.realpath(os.path.join(os.path.dirname(path), target))
+    return os.path.realpath(os.path.join(os.path.dirname(path), text[len("gitdir:"):].strip()))
 
 
 def _is_git_dir(path: str) -> bool:
-    if not os.path.isfile(os.path.join(path, "HEAD")):
-        return False
-    return os.path.isdir(os.path.join(path, "objects")) or os.path.isfile(
-        os.path.join(path, "commondir")
-    )
+    return os.path.isfile(os.path.join(path, "HEAD")) and (
+        os.path.isdir(os.path.join(path, "objects")) or os.path.isfile(os.path.join(path, "commondir")))
 
 
 def common_dir_of(git_dir: str) -> str:
     try:
-        with open(os.path.join(git_dir, "commondir"), "rb") as fh:
-            rel = fh.read().decode("utf-8", "surrogateescape").strip()
+        return os.path.realpath(os.path.join(git_dir, _text(os.path.join(git_dir, "commondir"))))
     except FileNotFoundError:
         return git_dir
-    return os.path.realpath(os.path.join(git_dir, rel))
 
 
 def discover(path: str) -> GitLayout:
@@ -104,18 +110,10 @@ def read_head(git_dir: str) -> str | None:
     with contextlib.suppress(OSError):
         target = os.readlink(head)
         if target.startswith("refs/"):
-            with open(head, "rb") as fh:
-                text = fh.read(4096).decode("utf-8", "surrogateescape").strip()
+            text = _text(head, 4096)
             return text[4:].strip() if text.startswith("ref:") else target
-    with open(head, "rb") as fh:
-        text = fh.read().decode("utf-8", "surrogateescape").strip()
-    if text.startswith("ref:"):
-        return text[4:].strip()
-    return None
-
-
-#: How many symbolic refs are followed (git's own limit is 5).
-_MAX_SYMREF_DEPTH = 5
+    text = _text(head)
+    return text[4:].strip() if text.startswith("ref:") else None
 
 
 def resolve_symbolic(common_dir: str, ref: str) -> str:
@@ -129,14 +127,11 @@ def resolve_symbolic(common_dir: str, ref: str) -> str:
     """
     for _ in range(_MAX_SYMREF_DEPTH):
         try:
-            with open(os.path.join(common_dir, *ref.split("/")), "rb") as fh:
-                text = fh.read(4096).decode("utf-8", "surrogateescape").strip()
+            text = _text(os.path.join(common_dir, *ref.split("/")), 4096)
         except (OSError, ValueError):
             return ref
-        if not text.startswith("ref:"):
-            return ref
         target = text[len("ref:"):].strip()
-        if not target.startswith("refs/heads/"):
+        if not text.startswith("ref:") or not target.startswith("refs/heads/"):
             return ref
         ref = target
     return ref
@@ -146,18 +141,18 @@ def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tup
     """``(workdir, git_dir)`` of every worktree whose HEAD is the symbolic ref ``ref``.
 
     The main worktree (unless the repository is bare) is ``main`` when the
-    caller knows it (it opened the repository from there: a ``.git`` file
-    of ``git init --separate-git-dir`` or of a submodule, whose git dir lies
-    elsewhere); else ``core.worktree`` (git sets it for submodules); else the
-    folder above the common dir when that is named ``.git``.  Linked
-    worktrees are listed under ``worktrees/``.
+    caller knows it (it opened the repository from there: a ``.git`` file of
+    ``git init --separate-git-dir`` or of a submodule, whose git dir lies
+    elsewhere), else as :func:`main_worktree_of` finds it.  Linked worktrees
+    are listed under ``worktrees/``.
+
+    Raises:
+        MainWorktreeUnknown: the main worktree has ``ref`` checked out and cannot be found.
     """
     found: list[tuple[str, str]] = []
     core = _core(common_dir) if _head_names(common_dir, common_dir, ref) else None
     if core is not None and not _is_bare(core):
-        workdir = main or core_worktree(common_dir, core)
-        if workdir is None and os.path.basename(common_dir) == ".git":
-            workdir = os.path.dirname(common_dir)
+        workdir = main or _main_workdir(common_dir, core)
         if workdir is None:
             # It has the branch checked out, somewhere no path here leads to: moving the
             # branch would leave its index a staged revert of the commit.
@@ -182,8 +177,7 @@ def _linked_worktrees(common_dir: str) -> list[tuple[str, str]]:
     for name in names:
         gd = os.path.join(wt_root, name)
         try:
-            with open(os.path.join(gd, "gitdir"), "rb") as fh:
-                dotgit = fh.read().decode("utf-8", "surrogateescape").strip()
+            dotgit = _text(os.path.join(gd, "gitdir"))
         except OSError:
             continue
         workdir = os.path.dirname(os.path.realpath(os.path.join(gd, dotgit)))
@@ -202,8 +196,10 @@ def main_worktree_of(common_dir: str) -> str | None:
     file; from a linked worktree it is not, as for ``git worktree list``.)
     """
     core = _core(common_dir)
-    if _is_bare(core):
-        return None
+    return None if _is_bare(core) else _main_workdir(common_dir, core)
+
+
+def _main_workdir(common_dir: str, core: dict[str, str]) -> str | None:
     workdir = core_worktree(common_dir, core)
     if workdir is None and os.path.basename(common_dir) == ".git":
         workdir = os.path.dirname(common_dir)
@@ -219,7 +215,10 @@ def all_worktrees(common_dir: str) -> list[str]:
 
 def _head_names(git_dir: str, common_dir: str, ref: str) -> bool:
     """Whether the HEAD of ``git_dir`` is ``ref``, directly or through branch aliases."""
-    head = _read_head_safe(git_dir)
+    try:
+        head = read_head(git_dir)
+    except OSError:
+        return False
     return head is not None and (head == ref or resolve_symbolic(common_dir, head) == ref)
 
 
@@ -228,18 +227,10 @@ def _is_bare(core: dict[str, str]) -> bool:
     return core.get("bare", "").lower() in ("true", "yes", "on", "1")
 
 
-def _read_head_safe(git_dir: str) -> str | None:
-    try:
-        return read_head(git_dir)
-    except OSError:
-        return None
-
-
 def _core(git_dir: str) -> dict[str, str]:
     """The ``[core]`` settings of the repository's own config file (names lowercased; the last one wins)."""
     try:
-        with open(os.path.join(git_dir, "config"), "rb") as fh:
-            text = fh.read().decode("utf-8", "surrogateescape")
+        text = _text(os.path.join(git_dir, "config"))
     except OSError:
         return {}
     section = ""
@@ -258,6 +249,4 @@ def _core(git_dir: str) -> dict[str, str]:
 def core_worktree(git_dir: str, core: dict[str, str] | None = None) -> str | None:
     """``core.worktree`` of the repository's own config (relative to the git dir), if set."""
     value = (core if core is not None else _core(git_dir)).get("worktree")
-    if not value:
-        return None
-    return os.path.realpath(os.path.join(git_dir, os.path.expanduser(value)))
+    return os.path.realpath(os.path.join(git_dir, os.path.expanduser(value))) if value else None
