@@ -25,28 +25,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-__all__ = [
-    "EffectStatus",
-    "NextAction",
-    "OncepatchError",
-    "CasError",
-    "DurableWriteError",
-    "RefLockedError",
-    "RefMovedError",
-    "RefUpdateUnknown",
-    "ObjectsMissing",
-    "UnsafeWorktreePath",
-    "GitStoreError",
-    "UsageError",
-    "InternalError",
-    "EXIT_OK",
-    "EXIT_INTERNAL",
-    "EXIT_USAGE",
-    "EXIT_CONFLICT",
-    "EXIT_REJECTED",
-    "EXIT_IN_PROGRESS",
-    "EXIT_VERIFY",
-]
+__all__ = ["EffectStatus", "NextAction", "OncepatchError", "CasError", "DurableWriteError", "RefLockedError",
+           "RefMovedError", "RefUpdateUnknown", "ObjectsMissing", "UnsafeWorktreePath", "GitStoreError", "UsageError",
+           "InternalError", "EXIT_OK", "EXIT_INTERNAL", "EXIT_USAGE", "EXIT_CONFLICT", "EXIT_REJECTED",
+           "EXIT_IN_PROGRESS", "EXIT_VERIFY"]
 
 EffectStatus = Literal["not_started", "not_applied", "applied", "unknown"]
 NextAction = Literal["fix_input", "retry", "query_before_retry", "recover", "none"]
@@ -72,27 +54,15 @@ class OncepatchError(Exception):
     default_effect_status: ClassVar[EffectStatus] = "not_started"
     default_next_action: ClassVar[NextAction] = "none"
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        retryable: bool | None = None,
-        effect_status: EffectStatus | None = None,
-        key: str | None = None,
-        next_action: NextAction | None = None,
-        details: dict[str, Any] | None = None,
-        error_type: str | None = None,
-    ) -> None:
+    def __init__(self, message: str, *, retryable: bool | None = None, effect_status: EffectStatus | None = None,
+                 key: str | None = None, next_action: NextAction | None = None,
+                 details: dict[str, Any] | None = None, error_type: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.retryable = self.default_retryable if retryable is None else retryable
-        self.effect_status: EffectStatus = (
-            self.default_effect_status if effect_status is None else effect_status
-        )
+        self.effect_status: EffectStatus = self.default_effect_status if effect_status is None else effect_status
         self.key = key
-        self.next_action: NextAction = (
-            self.default_next_action if next_action is None else next_action
-        )
+        self.next_action: NextAction = self.default_next_action if next_action is None else next_action
         self.details: dict[str, Any] = dict(details or {})
         self._type = error_type
 
@@ -102,22 +72,20 @@ class OncepatchError(Exception):
 
     def envelope(self) -> dict[str, Any]:
         """The ``error`` object of the CLI envelope (details merged after the fixed fields)."""
-        err: dict[str, Any] = {
-            "type": self.error_type,
-            "message": self.message,
-            "retryable": self.retryable,
-            "effect_status": self.effect_status,
-            "key": self.key,
-            "next_action": self.next_action,
-        }
-        for name, value in self.details.items():
-            err.setdefault(name, value)
-        return err
+        err: dict[str, Any] = {"type": self.error_type, "message": self.message, "retryable": self.retryable,
+                               "effect_status": self.effect_status, "key": self.key, "next_action": self.next_action}
+        return err | {name: value for name, value in self.details.items() if name not in err}
 
     def with_key(self, key: str) -> OncepatchError:
         if self.key is None:
             self.key = key
         return self
+
+
+def _defaults(details: dict[str, Any] | None, **fields: Any) -> dict[str, Any]:
+    """``details`` with ``fields`` added where it has none of its own."""
+    given = dict(details or {})
+    return given | {name: value for name, value in fields.items() if name not in given}
 
 
 class UsageError(OncepatchError):
@@ -129,17 +97,12 @@ class UsageError(OncepatchError):
 
 
 class InternalError(OncepatchError):
-    type = "internal"
-    exit_code = EXIT_INTERNAL
     default_effect_status = "unknown"
     default_next_action = "query_before_retry"
 
 
 class CasError(OncepatchError):
     """Base of the ``cas`` package's errors."""
-
-    type = "internal"
-    exit_code = EXIT_INTERNAL
 
 
 class DurableWriteError(CasError):
@@ -165,13 +128,9 @@ class RefLockedError(CasError):
     default_next_action = "retry"
 
     def __init__(self, lock_path: str, **kw: Any) -> None:
-        msg = (
-            f"cannot lock '{lock_path}': file exists; another git process may be running "
-            f"(if none is, check with 'fuser {lock_path}' and remove the file by hand)"
-        )
-        details = dict(kw.pop("details", None) or {})
-        details.setdefault("lock_path", lock_path)
-        super().__init__(msg, details=details, **kw)
+        super().__init__(f"cannot lock '{lock_path}': file exists; another git process may be running "
+                         f"(if none is, check with 'fuser {lock_path}' and remove the file by hand)",
+                         details=_defaults(kw.pop("details", None), lock_path=lock_path), **kw)
         self.lock_path = lock_path
 
 
@@ -185,11 +144,8 @@ class RefMovedError(CasError):
     default_next_action = "retry"
 
     def __init__(self, ref: str, actual: str | None, expected: str | None, **kw: Any) -> None:
-        super().__init__(
-            f"cannot lock ref '{ref}': is at {(actual or 'nothing')[:12]} "
-            f"but expected {(expected or 'nothing')[:12]}",
-            **kw,
-        )
+        super().__init__(f"cannot lock ref '{ref}': is at {(actual or 'nothing')[:12]} "
+                         f"but expected {(expected or 'nothing')[:12]}", **kw)
         self.ref = ref
         self.actual = actual
         self.expected = expected
@@ -219,10 +175,9 @@ class ObjectsMissing(CasError):
     default_next_action = "retry"
 
     def __init__(self, ref: str, missing: list[str], **kw: Any) -> None:
-        details = dict(kw.pop("details", None) or {})
-        details.setdefault("missing", missing)
         super().__init__(f"cannot update ref '{ref}': {len(missing)} object(s) it needs are missing "
-                         f"(first {missing[0][:12]}); nothing was moved", details=details, **kw)
+                         f"(first {missing[0][:12]}); nothing was moved",
+                         details=_defaults(kw.pop("details", None), missing=missing), **kw)
         self.ref = ref
         self.missing = missing
 
@@ -237,7 +192,5 @@ class UnsafeWorktreePath(CasError):
 class GitStoreError(CasError):
     """A libgit2 failure, translated once at the ``cas`` boundary."""
 
-    type = "internal"
-    exit_code = EXIT_INTERNAL
     default_effect_status = "unknown"
     default_next_action = "query_before_retry"
