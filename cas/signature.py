@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import pygit2
 
-
 __all__ = ["IDENTITY_ADVICE", "IdentityUnknown", "Signature", "default_email", "git_clean", "git_identity",
            "guessed_identity", "local_offset", "parse_git_date", "signature_line"]
 
@@ -54,10 +53,9 @@ def git_clean(text: str) -> str:
 def parse_git_date(text: str) -> tuple[int, int]:
     """``GIT_AUTHOR_DATE`` / ``GIT_COMMITTER_DATE`` as (seconds, offset in minutes).
 
-    The forms git documents for these variables: its internal ``<seconds>
-    <+hhmm>`` (``@`` allowed before the seconds), RFC 2822 and ISO 8601 (a
-    date without a zone is local time).  git's looser "approxidate" forms
-    (``yesterday``, ``3 days ago``) are refused rather than guessed.
+    The forms git documents for them: ``[@]<seconds> <+hhmm>``, RFC 2822, ISO
+    8601 (without a zone: local time).  git's "approxidate" forms (``3 days
+    ago``) are refused rather than guessed.
 
     Raises:
         ValueError: none of those forms.
@@ -99,11 +97,7 @@ IDENTITY_ADVICE = (
 
 
 class IdentityUnknown(ValueError):
-    """git would refuse to commit: no name or email configured, and none it could detect.
-
-    The message is git's own: the kind (``Author identity unknown``), its advice
-    (:data:`IDENTITY_ADVICE`) and the reason git gives.
-    """
+    """git would refuse to commit: no name or email configured, and none it could detect (git's own message)."""
 
     def __init__(self, kind: str, reason: str, name: str | None = None, email: str | None = None) -> None:
         self.kind = kind
@@ -155,14 +149,12 @@ def default_email() -> tuple[str, bool]:
 def git_identity(kind: str, config: Callable[[str], str | None], env: Mapping[str, str]) -> Signature:
     """The ``author`` or ``committer`` identity as ``git commit`` reads it (git's strict mode).
 
-    ``GIT_<KIND>_NAME`` / ``_EMAIL`` / ``_DATE`` first, then ``<kind>.name`` /
+    ``GIT_<KIND>_NAME`` / ``_EMAIL`` / ``_DATE``, then ``<kind>.name`` /
     ``.email``, then ``user.name`` / ``.email`` (the email then ``$EMAIL``),
-    each cleaned as git cleans it (:func:`git_clean`); one empty once cleaned
-    is passed over.  What is still missing git guesses, and so does this: the
-    name from the account (its GECOS name, else its user name), the email as
-    ``<user>@<host>`` when the host has a domain.  Where git would refuse
-    (``user.useConfigOnly``, or an email it cannot guess), this refuses with
-    git's advice: an identity is never invented.
+    each cleaned as git cleans it; one empty once cleaned is passed over.
+    What is still missing git guesses, and so does this (the account's name,
+    ``<user>@<host>`` when the host has a domain); where git would refuse,
+    this refuses with git's advice: an identity is never invented.
 
     Raises:
         IdentityUnknown: git would refuse to commit for want of a name or email.
@@ -178,20 +170,16 @@ def git_identity(kind: str, config: Callable[[str], str | None], env: Mapping[st
         return None
 
     config_only = (config("user.useConfigOnly") or "").strip().lower() in ("true", "yes", "on", "1")
-    email = first(env.get(f"GIT_{up}_EMAIL"), config(f"{kind}.email"), config("user.email"))
-    if email is None:
-        if config_only:
-            raise IdentityUnknown(kind, "no email was given and auto-detection is disabled",
-                                  first(env.get(f"GIT_{up}_NAME"), config(f"{kind}.name"), config("user.name")))
-        email = first(env.get("EMAIL"))
-        if email is None:
-            guessed, bogus = default_email()
-            if bogus:
-                raise IdentityUnknown(kind, f"unable to auto-detect email address (got '{guessed}')",
-                                      first(env.get(f"GIT_{up}_NAME"), config(f"{kind}.name"),
-                                            config("user.name")), guessed)
-            email = guessed
     name = first(env.get(f"GIT_{up}_NAME"), config(f"{kind}.name"), config("user.name"))
+    email = first(env.get(f"GIT_{up}_EMAIL"), config(f"{kind}.email"), config("user.email"))
+    if email is None and config_only:
+        raise IdentityUnknown(kind, "no email was given and auto-detection is disabled", name)
+    email = email or first(env.get("EMAIL"))
+    if email is None:
+        guessed, bogus = default_email()
+        if bogus:
+            raise IdentityUnknown(kind, f"unable to auto-detect email address (got '{guessed}')", name, guessed)
+        email = guessed
     if name is None:
         if config_only:
             raise IdentityUnknown(kind, "no name was given and auto-detection is disabled", None, email)
@@ -210,10 +198,9 @@ def git_identity(kind: str, config: Callable[[str], str | None], env: Mapping[st
 
 
 def guessed_identity(name: str | None = None, email: str | None = None) -> Signature:
-    """What git writes where it does not insist on an identity (a reflog line, ``git_committer_info(0)``).
+    """What git writes where it does not insist on an identity (a reflog line): git's guesses, ``.(none)`` and all.
 
-    ``name`` and ``email`` where known, else git's guesses, ``.(none)`` domain
-    and all.  Never used for a commit: :func:`git_identity` refuses there.
+    Never used for a commit: :func:`git_identity` refuses there.
     """
     account = _account()
     return Signature(name or (account[1] or account[0] if account else "unknown"), email or default_email()[0])
@@ -222,10 +209,8 @@ def guessed_identity(name: str | None = None, email: str | None = None) -> Signa
 def signature_line(sig: Signature, now: int | None = None) -> bytes:
     """``Name <email> <seconds> <+hhmm>`` as git writes it in commits and reflogs.
 
-    The time is the signature's own (``GIT_<KIND>_DATE``), else ``now`` (or the
-    current second) in the local time zone.  Name and email are cleaned as git
-    cleans them (:func:`git_clean`); pygit2's ``Signature`` applies libgit2's
-    checks.
+    The time is the signature's own, else ``now`` (or the current second) in
+    the local time zone; pygit2's ``Signature`` applies libgit2's checks.
 
     Raises:
         ValueError, pygit2.GitError: a name or email libgit2 refuses.
