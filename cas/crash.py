@@ -1,17 +1,13 @@
 """Named crash points for fault-injection tests (stdlib only).
 
-``ONCEPATCH_CRASH_AT=<point>`` makes the process exit with status 137 — the
-status of a SIGKILL — at that point, through ``os._exit``: no ``finally``, no
-atexit, no flush, exactly as if the machine had killed it there.  Production
-code calls :func:`crash_point` once per point; with the variable unset the
-cost is one dict lookup.
-
-Points (docs/DESIGN.md section 4, and recovery's own):
-``after-stage``, ``after-prepare``, ``after-index-ahead`` (under the branch's lock, the worktrees'
-indexes show the candidate, the branch has not moved), ``after-ref``, ``after-materialise``,
-``before-receipt-replace``, ``recover-after-resolve``,
-``recover-before-receipt-replace``, ``check-running`` (inside ``--check``),
-``effect-after-execute`` (a generic effect ran, its receipt is not written).
+``ONCEPATCH_CRASH_AT=<point>`` makes the process exit with status 137 (a
+SIGKILL's) at that point, through ``os._exit``: no ``finally``, no atexit, no
+flush, as if the machine had killed it there.  Unset, a point costs one dict
+lookup.  The points are :data:`POINTS` (docs/DESIGN.md section 4, and
+recovery's own); at ``after-index-ahead`` the worktrees' indexes show the
+candidate under the branch's lock and the branch has not moved;
+``check-running`` is inside ``--check``; at ``effect-after-execute`` a generic
+effect ran and its receipt is not written.
 """
 
 from __future__ import annotations
@@ -22,20 +18,9 @@ from collections.abc import Callable
 __all__ = ["POINTS", "CRASH_ENV", "crash_point", "crash_hook"]
 
 CRASH_ENV = "ONCEPATCH_CRASH_AT"
-POINTS = frozenset(
-    {
-        "after-stage",
-        "after-prepare",
-        "after-index-ahead",
-        "after-ref",
-        "after-materialise",
-        "before-receipt-replace",
-        "recover-after-resolve",
-        "recover-before-receipt-replace",
-        "check-running",
-        "effect-after-execute",
-    }
-)
+POINTS = frozenset({"after-stage", "after-prepare", "after-index-ahead", "after-ref", "after-materialise",
+                    "before-receipt-replace", "recover-after-resolve", "recover-before-receipt-replace",
+                    "check-running", "effect-after-execute"})
 _environ = os.environ
 
 
@@ -47,6 +32,4 @@ def crash_point(name: str) -> None:
 
 def crash_hook(name: str) -> Callable[[], None] | None:
     """A ``before_replace`` callback for :func:`cas.durable.write_durable`, or ``None`` when unarmed."""
-    if _environ.get(CRASH_ENV) == name:
-        return lambda: crash_point(name)
-    return None
+    return (lambda: crash_point(name)) if _environ.get(CRASH_ENV) == name else None

@@ -1,11 +1,10 @@
 """Whether a process of this host is gone (stdlib only).
 
-A process that has exited but whose parent has not reaped it yet (a zombie)
-still has its pid: ``kill(pid, 0)`` succeeds.  It can do nothing more — its
-files are closed and its flocks dropped — so for a lock it left behind it is
-gone.  An agent's harness that reaps its children one at a time leaves such
-zombies, and a later call used to wait for a dead call's ``index.lock``
-until its timeout.
+A zombie (exited, not yet reaped by its parent) still has its pid, so
+``kill(pid, 0)`` succeeds, but its files are closed and its flocks dropped:
+for a lock it left behind it is gone.  An agent's harness that reaps its
+children one at a time leaves such zombies, and a later call used to wait for
+a dead call's ``index.lock`` until its timeout.
 """
 
 from __future__ import annotations
