@@ -1,35 +1,24 @@
 """A worktree's index: read once per process, updated in place or through pygit2's ``Index``.
 
-git's index is one file rewritten whole; at 100k entries libgit2 takes tens of
-milliseconds to parse it and as long to write it, and a call needs it twice
-(the dirty check before prepare, the update after the branch moved).  So this
-is the one module that updates the index without libgit2 writing all of it
-(measured ×3.7 at 100k files, docs/DECISIONS.md "Speed"); everything it does
-not prove goes through pygit2's public :class:`pygit2.Index`.
+The one module that updates git's index without libgit2 writing all of it
+(at 100k entries libgit2 takes tens of milliseconds to parse the file and as
+long to write it, twice a call: measured ×3.7, docs/DECISIONS.md "Speed").
+:class:`IndexSnapshot` maps the file as bytes (:mod:`cas.index_raw`); what
+that cannot prove switches it to libgit2 (:class:`_ParsedIndex`, a parse of a
+hard link of the index, which libgit2 may rewrite without touching the real
+file).  pygit2's ``Index`` sets an entry's path, id and mode only: the file
+libgit2 writes is passed through :mod:`cas.index_raw` once more for the stat
+data of the files just written and git's racy-clean rule; where that pass
+cannot prove the file, it keeps the old index's mtime, so git compares the
+content of every entry it could take for clean.
 
-:class:`IndexSnapshot` maps the file as bytes (:mod:`cas.index_raw`).  What
-the raw form cannot prove switches the snapshot to libgit2
-(:class:`_ParsedIndex`), which parses a hard link of the index (libgit2 may
-rewrite the link without touching the real file).  pygit2's ``Index`` sets an
-entry's path, id and mode only: the file libgit2 writes is passed through
-:mod:`cas.index_raw` once more for the stat data of the files just written
-and git's racy-clean rule (judged against the index it was read from); where
-that pass cannot prove the file, the new index keeps the old one's mtime, so
-git compares the content of every entry it could take for racily clean, and
-of the entries just set (they have no stat data).
-
-The file's identity (inode, size, mtime) is remembered: while the real index
-still has it, the copy is reused.  After an install the raw form maps the file
-it has just written (checksum computed here, entries where they were), so a
-long-lived caller's next call neither reads nor verifies the index again (at
-100k entries a 9.6 MB SHA-1 and a scan per call).  :func:`prefetch` starts the
-read in a thread before the patch is planned.
-
-Writing (:meth:`IndexSnapshot.install`) happens while the caller holds
-``index.lock``: the new file is written beside the index, fsynced and renamed
-over it.  Entries get full stat data, so ``git diff-files`` sees the files
-clean without re-hashing them.  Why the index is staged ahead of the branch
-(:func:`cas.index_lock.stage_ahead`): docs/CONCURRENCY.md.
+While the real index keeps the identity (inode, size, mtime) of the file read
+or last written, the snapshot is reused: a long-lived caller's next call
+neither reads nor verifies the index again (at 100k entries a 9.6 MB SHA-1).
+:func:`prefetch` starts the read before the patch is planned.  A new file is
+written beside the index, fsynced and renamed over it while the caller holds
+``index.lock`` (:mod:`cas.index_lock`, which says why the index is staged
+ahead of the branch).
 """
 
 from __future__ import annotations
@@ -224,9 +213,8 @@ class IndexSnapshot:
     """``<git_dir>/index`` as raw bytes while :mod:`cas.index_raw` can handle it, else parsed by libgit2.
 
     The first lookup or change the raw form cannot prove (a new or removed
-    path, a conflict, an extension it does not know, more than
-    :data:`cas.index_raw.MAX_PATHS` paths) switches this snapshot to libgit2's
-    parse for the rest of its life.
+    path, a conflict, an unknown extension, more than ``MAX_PATHS`` paths)
+    switches it to libgit2's parse for the rest of its life.
     """
 
     def __init__(self, git_dir: str) -> None:
@@ -271,10 +259,9 @@ class IndexSnapshot:
         return self._use_parsed().entry(path)
 
     def check_writable(self, paths: list[str]) -> None:
-        """Refuse now, before anything is prepared, an update only libgit2 could write and libgit2 cannot read.
+        """Refuse now, before anything is prepared, an update only libgit2 could write and cannot read.
 
-        A path new to a sparse index (or a patch that removes one) needs the
-        full parser, which refuses that index.
+        (A path new to a sparse index, or removed from it, needs libgit2, which refuses that index.)
 
         Raises:
             UsageError: as :func:`open_index` does, the fix named.
@@ -330,12 +317,10 @@ class IndexSnapshot:
                 sync: bool = True) -> None:
         """Write the new index and rename it over ``index`` (caller holds ``index.lock``); durable.
 
-        ``also_sync``: paths (or open descriptors) synced in the same round as
-        the new file, before its rename — the folders of the worktree files the
-        index describes; the list is emptied once they are synced.
-        ``defer_dir``: see :func:`_replace_index`.
-        ``sync``: ``False`` writes the file without syncing it (an index that
-        only has to be *seen* until the next one replaces it: :func:`cas.index_lock.stage_ahead`).
+        ``also_sync``: paths or descriptors (the folders of the worktree files
+        the index names) synced with the new file before its rename, then emptied.
+        ``defer_dir``: see :func:`_replace_index`.  ``sync``: ``False`` syncs
+        nothing (an index only *seen* until the next replaces it: ``stage_ahead``).
         """
         if self._parsed is not None:
             self._parsed.install(also_sync, defer_dir, sync)
@@ -387,10 +372,9 @@ def _replace_index(git_dir: str, tmp: str, write: Callable[[], None], defer_dir:
                    sync: bool = True) -> None:
     """``write`` the synced new index to ``tmp``, rename it over ``index``, sync the folder.
 
-    ``defer_dir``: the folder is appended to it instead of synced here; the
-    caller syncs it in a round it makes anyway, before anything relies on the
-    rename (the apply protocol: before the committed receipt).
-    ``sync``: ``False``, the folder is not synced at all (nor was the file).
+    ``defer_dir``: the folder is appended to it instead, for the caller to sync
+    before anything relies on the rename (the apply protocol: before the
+    committed receipt).  ``sync``: ``False``, the folder is not synced at all.
 
     Raises:
         GitStoreError: nothing was renamed (``tmp`` removed), or the folder's sync failed.
@@ -436,12 +420,10 @@ def _write_with_checksum(path: str, parts: list[bytes | memoryview], state: hash
                          mark: Callable[[int, hashlib._Hash], None] | None = None) -> None:
     """Write ``parts`` and their SHA-1 to a new file ``path`` (permissions ``mode``) and fsync it; hashed while written.
 
-    ``state`` is the SHA-1 state over the first ``hashed`` bytes of ``parts``.
-    ``also_sync``: synced with the file's last sync (then emptied).
-    ``keep``: given the file's descriptor once it is whole and synced.
-    ``sync``: ``False`` writes without any fsync (``also_sync`` must be empty then).
-    ``mark``: given the length of the first part and a copy of the SHA-1 state over it
-    (when ``hashed`` does not go past it), before ``keep`` is called.
+    ``state``: the SHA-1 state over the first ``hashed`` bytes of ``parts``.
+    ``also_sync``: synced with the file (then emptied); ``sync=False``: no fsync.
+    ``keep``: given the file's descriptor once it is whole and synced.  ``mark``:
+    given the first part's length and the state over it (unless ``hashed`` goes past it).
     """
     digest: list[bytes] = []
 
@@ -498,9 +480,7 @@ def _key(git_dir: str) -> str:
 def prefetch(git_dir: str) -> None:
     """Start reading ``git_dir``'s index in a thread, for this thread's next :func:`snapshot_for`.
 
-    An apply calls this before it parses the patch, so that reading the index
-    and verifying its checksum overlap the parsing and planning.  Whatever the
-    thread fails on is left for :func:`snapshot_for` to meet again and report.
+    What the thread fails on is left for :func:`snapshot_for` to meet again and report.
     """
     key = _key(git_dir)
     with _cache_lock:

@@ -59,11 +59,9 @@ RELEASE_ATTEMPTS = 4
 class IndexLock:
     """``<git-dir>/index.lock`` of one worktree, created by us.
 
-    Calling sequence: :func:`hold_index_lock`, then any number of
-    :func:`update_index` calls with ``held=``, then :meth:`release` (also on
-    every error).  While it is held no git command writes the index, and
-    ``git commit`` cannot start.  The store marker (``lock_marker``) exists
-    exactly while the lock may be ours.
+    Calling sequence: :func:`hold_index_lock`, any number of :func:`update_index`
+    calls with ``held=``, :meth:`release` (also on every error).  The store
+    marker (``lock_marker``) exists exactly while the lock may be ours.
     """
 
     def __init__(self, path: str, git_dir: str, identity: tuple[int, int], marker: str | None) -> None:
@@ -75,14 +73,12 @@ class IndexLock:
     def release(self) -> None:
         """Remove the lock file — only if it is still the one we created — then the marker (safe to repeat).
 
-        Each removal is tried up to :data:`RELEASE_ATTEMPTS` times.  Race
-        guarded: a transient I/O error on the unlink left ``index.lock``
-        behind a call that had ended; its process alive, a long-lived caller
-        met its own lock on every later call until it exited.
+        Each removal is tried up to :data:`RELEASE_ATTEMPTS` times: a transient
+        I/O error left ``index.lock`` behind a call that had ended, and a
+        long-lived caller (alive, so never taken for dead) met it on every call.
 
         Raises:
-            OSError: a removal failed on every attempt; the lock is still ours,
-                and ``release`` may be called again.
+            OSError: a removal failed on every attempt; the lock is still ours.
         """
         _with_retries(self._unlink_lock)
         if self._marker is not None:
@@ -168,16 +164,14 @@ def hold_index_lock(workdir: str, *, timeout: float, lock_marker: str | None = N
                     on_dead: Callable[[str], None] | None = None, owner: str | None = None) -> IndexLock:
     """Take ``workdir``'s ``index.lock``, waiting up to ``timeout`` seconds while someone else holds it.
 
-    ``lock_marker``: a file in the store written to name the lock, removed on release.
+    ``lock_marker``: a file in the store naming the lock, removed on release.
     ``git_dir``: the worktree's git dir (real path), when the caller knows it.
     ``keep_mark``: the tmp file the lock is linked from is kept for this
-    thread's next lock of the same worktree, until :func:`drop_lock_marks`
-    (the apply protocol takes two locks per call).
+    thread's next lock of the worktree, until :func:`drop_lock_marks`.
     ``on_dead``: called once with the lock's path when a dead oncepatch call
-    holds it, before it is removed: that call may have moved the branch and
-    died before bringing this worktree along, and the lock is what keeps
-    ``git commit`` from committing the stale index, so the caller first
-    settles the calls it protects (as ``recover`` does).
+    holds it, before it is removed: that call may have moved the branch
+    without bringing this worktree along, and the lock keeps ``git commit``
+    from committing the stale index until the caller has settled it.
 
     Raises:
         RefLockedError: ``index.lock`` stayed held (a live git, or a stale lock of git's).
@@ -274,11 +268,10 @@ def dead_own_index_lock(index_lock: str) -> bool:
 def break_dead_own_index_lock(index_lock: str) -> bool:
     """Remove ``index_lock`` if oncepatch wrote it on this host and its process is gone; ``True`` if it is gone.
 
-    git's own locks hold index data and are never removed.  Race guarded: two
-    processes finding the same dead lock — the second must not remove the lock
-    the first has just created in its place — so the read and the unlink
-    happen under an flock on the lock's folder, which every breaker takes, and
-    the file unlinked must be the one read.
+    Race guarded: of two processes finding the same dead lock, the second must
+    not remove the lock the first has just created in its place; the read and
+    the unlink happen under an flock on the folder, and the file unlinked must
+    be the one read.
     """
     folder = os.path.dirname(index_lock)
     dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
@@ -314,18 +307,16 @@ def update_index(workdir: str, removed: list[str], added: list[str], *, lock_mar
                  defer_dir: list[str] | None = None, unstat: Collection[str] = (), sync: bool = True) -> None:
     """Update just these entries of ``workdir``'s index (stat data from the files), safely against git.
 
-    The read-modify-write happens while we hold ``index.lock`` (``held``, or
-    taken here, waiting up to ``timeout`` seconds, and released after), so a
-    concurrent ``git add``/``git commit`` either waits for us or we wait for
-    it — neither update is lost.  libgit2 is given a hard link of the index to
-    rewrite, renamed over ``index`` while our lock is still held.  Race
-    guarded: handing ``index.lock`` itself over to libgit2 opened a gap in
-    which ``git commit`` could take the lock and commit the old index.
+    Under ``index.lock`` (``held``, or taken here, waiting up to ``timeout``
+    seconds), so a concurrent ``git add``/``git commit`` waits for us or we for
+    it.  libgit2 rewrites a hard link of the index, renamed over ``index``
+    while our lock is held: handing ``index.lock`` itself to libgit2 opened a
+    gap in which ``git commit`` could take the lock and commit the old index.
 
-    ``known``: the entries just written for these paths (their files are not re-hashed).
-    ``unstat``: paths of ``known`` set without stat data: their files hold
-    something else (an edit by hand), which git then sees as a change.
-    ``also_sync``, ``defer_dir``, ``sync``: as :meth:`cas.index.IndexSnapshot.install`.
+    ``known``: the entries just written for these paths (not re-hashed).
+    ``unstat``: paths set without stat data (their files hold an edit by hand,
+    which git then sees).  ``also_sync``, ``defer_dir``, ``sync``: as
+    :meth:`cas.index.IndexSnapshot.install`.
 
     Raises:
         RefLockedError: ``index.lock`` (unless ``held``) stayed held for ``timeout`` seconds.
@@ -380,10 +371,8 @@ def kept_indexes(git_dir: str, pid: int | None = None) -> list[str]:
 def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry | None], candidate: str) -> bool:
     """Set ``changes`` (path → the candidate's entry, ``None``: no file) in the index, keeping the index it replaces.
 
-    ``lock``: the worktree's ``index.lock``, held.  The new index is not
-    synced: it only has to be seen until the index of the materialised files
-    replaces it, and a crash brings the kept one back.  Returns whether the
-    index was staged (``False``: the worktree has no index yet, nothing written).
+    ``lock``: the worktree's ``index.lock``, held.  Not synced: a crash brings
+    the kept index back.  ``False``: the worktree has no index, nothing written.
 
     Raises:
         GitStoreError: the index could not be written (the kept one is left for :func:`settle_ahead`).
@@ -410,12 +399,11 @@ def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry |
 def settle_ahead(git_dir: str, moved: bool | None, *, pid: int | None = None, sync_index: bool = False) -> None:
     """The staged index of process ``pid`` (this one by default): kept if the branch moved, else the kept one back.
 
-    ``moved``: whether the branch moved to the candidate; ``None``: unknown
-    (the swap failed, maybe after its rename; a dead call), then the staged
-    index stays only when the candidate is on the worktree's branch and the
-    index is readable (a crash of the machine may leave the unsynced staged
-    index torn).  ``sync_index``: a staged index that stays is synced with its
-    folder first (the files could not be written after it).  A kept index
+    ``moved``: whether the branch moved to the candidate; ``None``: unknown (a
+    failed swap, a dead call), then the staged index stays only when the
+    candidate is on the branch and the index is readable (a machine crash may
+    tear the unsynced index).  ``sync_index``: a staged index that stays is
+    synced first (the files could not be written after it).  A kept index
     that cannot be removed is left for the next :func:`stage_ahead`.
 
     Raises:
