@@ -125,15 +125,13 @@ class RawIndex:
                  stamp_ns: int | None = None) -> None:
         """Map the index at ``path`` and start verifying its checksum.
 
-        ``stamp_ns``: the mtime its entries' racy-clean rule is judged against,
-        when not the file's own (a file libgit2 has just written from the index
-        the entries were read from: :mod:`cas.index`); versions 2 to 4 are
-        read then, through :meth:`walk`.
-
-        ``written``: ``(fd, previous, edits)`` for the file this process has just
-        written from ``previous`` with these ``(offset, size)`` edits and
-        installed (``fd`` still open on it, ``index.lock`` held): its checksum
-        was computed here, and what ``previous`` had found carries over.
+        ``stamp_ns``: the mtime the racy-clean rule is judged against, when not
+        the file's own (a file libgit2 has just written: :mod:`cas.index`);
+        versions 2 to 4 are read then, through :meth:`walk`.  ``written``:
+        ``(fd, previous, edits)`` for the file this process has just written
+        from ``previous`` with these ``(offset, size)`` edits and installed
+        (``fd`` open on it, ``index.lock`` held): not verified again, and what
+        ``previous`` had found carries over.
         """
         if written is None and stamp_ns is None:
             if any(name.startswith("sharedindex.") for name in os.listdir(os.path.dirname(path))):
@@ -597,11 +595,8 @@ class RawIndex:
                 st.st_dev & 0xFFFFFFFF, st.st_ino & 0xFFFFFFFF, te.mode,
                 st.st_uid & 0xFFFFFFFF, st.st_gid & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF,
                 bytes.fromhex(te.oid), flags)))
-            folders.add(b"")
-            cut = path.rfind(b"/")
-            while cut > 0:
-                folders.add(path[:cut])
-                cut = path.rfind(b"/", 0, cut)
+            above = path.split(b"/")[:-1]
+            folders.update(b"/".join(above[:i]) for i in range(len(above) + 1))  # b"": the root
         edits.extend((e + 36, 4, b"\0\0\0\0") for e in self._racy_entries()
                      if e not in ours and self._changed_file(workdir, e))
         edits.sort()
@@ -617,8 +612,7 @@ class RawIndex:
             if upto <= first and box:
                 state, hashed = box[0].copy(), upto
         for off, size, new in edits:
-            parts.append(view[last:off])
-            parts.append(new)
+            parts += [view[last:off], new]
             last = off + size
         parts.append(view[last:start])
         headers: list[tuple[bytes, int]] = []
@@ -627,8 +621,7 @@ class RawIndex:
                 # Folders this file already holds invalidated: the walk would change nothing.
                 body = view[off + 8:off + 8 + size] if folders <= self._invalid \
                     else self._tree_invalidated(off, size, folders)
-                parts.append(sig + len(body).to_bytes(4, "big"))
-                parts.append(body)
+                parts += [sig + len(body).to_bytes(4, "big"), body]
                 headers.append((sig, len(body)))
             elif sig == b"EOIE":
                 parts.append(b"EOIE" + (24).to_bytes(4, "big") + start.to_bytes(4, "big") + _eoie_hash(headers))
