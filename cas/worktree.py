@@ -43,10 +43,8 @@ _T = TypeVar("_T")
 def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str | None) -> list[str]:
     """Touched paths whose index entry or working file differs from ``head_tree`` (or that are untracked/ignored).
 
-    A touched path that is a folder in the worktree (a folder giving way to a
-    file) is dirty when it holds any file the patch does not touch itself.
-    Working files are compared by content.  ``store`` reads the trees (a
-    linked worktree shares the object database).
+    A touched path that is a folder in the worktree (giving way to a file) is
+    dirty when it holds a file the patch does not touch.  Files are compared by content.
     """
     snap = snapshot_for(os.path.realpath(store.worktree_repo(workdir).path))
     touched = set(paths)
@@ -150,25 +148,16 @@ def _queue_path(batch: DurableBatch, stack: contextlib.ExitStack, folders: dict[
         batch.add_in_dir(dfd, name, data, mode=(0o777 if mode == _MODE_EXEC else 0o666) & ~umask)
 
 
-def materialise(
-    store: GitStore,
-    workdir: str,
-    changes: Mapping[str, TreeEntry | None],
-    *,
-    lock_marker: str | None = None,
-    held: IndexLock | None = None,
-    timeout: float = 0.0,
-    tree: str | None = None,
-    sync_first: list[str] | None = None,
-    defer_dir: list[str] | None = None,
-) -> None:
+def materialise(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry | None], *,
+                lock_marker: str | None = None, held: IndexLock | None = None, timeout: float = 0.0,
+                tree: str | None = None, sync_first: list[str] | None = None,
+                defer_dir: list[str] | None = None) -> None:
     """Write the touched paths of ``workdir`` and its index to match ``changes``.
 
     ``sync_first``: paths made durable before any file of the worktree changes
-    (a moved branch's folder and reflogs): synced in the first batch's first
-    round, or at once when a deletion comes first or nothing is written.
-    ``defer_dir``: the index's folder, once the new index is renamed into it,
-    is appended here for the caller to sync, instead of synced at once.
+    (a moved branch's folder and reflogs): in the first batch's first round,
+    or at once when a deletion comes first or nothing is written.
+    ``defer_dir``: gets the index's folder to sync, instead of syncing it here.
 
     Deletions go first (a file may give way to a folder of the same name), then
     writes in path order.  ``lock_marker``, ``held``, ``timeout``: as
