@@ -101,10 +101,8 @@ def discover(path: str) -> GitLayout:
 def read_head(git_dir: str) -> str | None:
     """The ref HEAD points at (``refs/heads/x``), or ``None`` when detached.
 
-    A HEAD that is a symlink whose target starts with ``refs/`` names that
-    ref, as git reads it (``core.preferSymlinkRefs`` writes HEAD so): the
-    file it reaches holds the branch's commit, or a ``ref:`` line naming the
-    branch (then that branch).
+    A HEAD that is a symlink to ``refs/...`` (``core.preferSymlinkRefs``) names
+    that ref, as git reads it, or the branch a ``ref:`` line in it names.
     """
     head = os.path.join(git_dir, "HEAD")
     with contextlib.suppress(OSError):
@@ -119,11 +117,9 @@ def read_head(git_dir: str) -> str | None:
 def resolve_symbolic(common_dir: str, ref: str) -> str:
     """``ref`` with the symbolic branch refs it names followed (``refs/heads/master`` → ``refs/heads/main``).
 
-    A branch alias (``git symbolic-ref refs/heads/master refs/heads/main``) is
-    a loose ref file holding ``ref: <target>``; git's commands move the target
-    through it.  Only branches are followed (packed refs are never symbolic);
-    a chain longer than git's limit, or one that leaves ``refs/heads/``, ends
-    where it is.
+    A branch alias is a loose ref file holding ``ref: <target>``; git's
+    commands move the target through it.  A chain longer than git's limit,
+    or one that leaves ``refs/heads/``, ends where it is.
     """
     for _ in range(_MAX_SYMREF_DEPTH):
         try:
@@ -140,11 +136,9 @@ def resolve_symbolic(common_dir: str, ref: str) -> str:
 def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tuple[str, str]]:
     """``(workdir, git_dir)`` of every worktree whose HEAD is the symbolic ref ``ref``.
 
-    The main worktree (unless the repository is bare) is ``main`` when the
-    caller knows it (it opened the repository from there: a ``.git`` file of
-    ``git init --separate-git-dir`` or of a submodule, whose git dir lies
-    elsewhere), else as :func:`main_worktree_of` finds it.  Linked worktrees
-    are listed under ``worktrees/``.
+    The main worktree (unless bare) is ``main`` when the caller opened the
+    repository from there (a ``.git`` file of ``--separate-git-dir`` or of a
+    submodule), else as :func:`main_worktree_of` finds it.
 
     Raises:
         MainWorktreeUnknown: the main worktree has ``ref`` checked out and cannot be found.
@@ -189,11 +183,9 @@ def _linked_worktrees(common_dir: str) -> list[tuple[str, str]]:
 def main_worktree_of(common_dir: str) -> str | None:
     """The main worktree's folder of the repository whose common git dir is ``common_dir``, as git finds it.
 
-    ``None`` when it has none (``core.bare``) or none can be found from here:
     ``core.worktree`` when set (git sets it for submodules), else the folder
-    above a common dir named ``.git``.  (Opened from inside it, a
-    ``--separate-git-dir`` repository's main worktree is known by its ``.git``
-    file; from a linked worktree it is not, as for ``git worktree list``.)
+    above a common dir named ``.git``; ``None`` when bare or not found from
+    here (a ``--separate-git-dir`` one from a linked worktree, as for ``git worktree list``).
     """
     core = _core(common_dir)
     return None if _is_bare(core) else _main_workdir(common_dir, core)

@@ -230,9 +230,8 @@ class RawIndex:
     def start_prefix(self) -> None:
         """Start hashing the bytes before the first entry found, for the new file's checksum (:meth:`updated`).
 
-        Called once the lookups are done, it runs while the call prepares.  A
-        state carried over from the write that made this file is extended when
-        it stops short of that entry, and replaced when it goes past it.
+        Runs while the call prepares.  A state carried over from the write that
+        made this file is extended when short of that entry, replaced when past it.
         """
         found = [e for e in self._found.values() if e is not None]
         if not found or len(self.data) < _THREADED_HASH:
@@ -292,9 +291,7 @@ class RawIndex:
         return e
 
     def walk(self) -> None:
-        """Read every entry in order (version 4's compressed paths), a Python step per entry.
-
-        The pass over a file libgit2 has just written (:mod:`cas.index`), never the fast path.
+        """Read every entry in order (version 4's compressed paths): only a file libgit2 has just written.
 
         Raises:
             Unsupported: the entries do not parse.
@@ -392,14 +389,12 @@ class RawIndex:
         return TreeEntry(self.data[e + 40:e + 60].hex(), _be32(self.data, e + 24))
 
     def _racy_entries(self) -> list[int]:
-        """Offsets of the entries git would call racily clean against this file (mtime second >= the file's).
+        """Offsets of the entries git would call racily clean against this file (mtime second = the file's).
 
-        git's writer checks each such entry's file and smudges the entry (size 0,
-        which makes git compare contents) when it changed: a new index with a
-        later mtime would otherwise make a change from the index's own instant
-        look clean.  Every entry whose mtime second equals the file's holds
-        those 4 bytes at its offset 8.  Entries with mtimes later than their
-        index (clocks set back, files stamped in the future) are not looked for.
+        git's writer smudges such an entry (size 0: git compares contents) when
+        its file changed: a new index with a later mtime would otherwise make a
+        change from the index's own instant look clean.  Each holds the file's
+        second at its offset 8 (mtimes later than the index's are not looked for).
 
         Raises:
             Unsupported: more than :data:`MAX_RACY` of them, or a path too long to prove.
@@ -418,12 +413,10 @@ class RawIndex:
     def _changed_file(self, workdir: str, e: int) -> bool:
         """Whether the racily clean entry at ``e`` hides a change to its file: git's ``ce_smudge_racily_clean_entry``.
 
-        A file whose size or mtime differs from the entry shows its change by
-        itself; otherwise its bytes are hashed and compared with the entry's
-        id, and, when they differ, once more as git would store them (git's
-        ``ie_match_stat`` compares through the clean filter too): a CRLF file
-        checked out by an eol filter is not changed for being CRLF, and
-        smudging it would make ``git diff-files`` report it modified.
+        A changed size or mtime shows by itself; else the bytes are hashed and,
+        when they differ from the entry's id, hashed as git would store them
+        (git compares through the clean filter too: a CRLF file checked out by
+        an eol filter is not changed, and smudged ``git diff-files`` would say so).
         """
         data, path = self.data, self._path_at(e)
         mode, oid = _be32(data, e + 24), data[e + 40:e + 60].hex()
