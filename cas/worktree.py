@@ -25,7 +25,7 @@ from typing import TypeVar
 import pygit2
 
 from cas.durable import DurableBatch, fsync_all, fsync_dir, open_dir_nofollow
-from cas.errors import DurableWriteError, GitStoreError, UnsafeWorktreePath
+from cas.errors import DurableWriteError, GitStoreError
 from cas.git_filters import apply_filters, blob_id_by_git, cleaned_oid, git_output, needs_git, smudged_by_git
 from cas.hashing import git_blob_oid
 from cas.index import IndexSnapshot, snapshot_for
@@ -204,9 +204,7 @@ def materialise(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry |
                         _queue_path(batch, keep if last else stack, folders, workdir, path, data, mode, umask)
                     _syncing(store, sync_first, lambda: batch.commit(defer_folders=last_folders if last else None))
                 sync_first = None
-        except UnsafeWorktreePath:
-            raise
-        except OSError as exc:
+        except OSError as exc:  # (an UnsafeWorktreePath, not an OSError, goes through as it is)
             raise GitStoreError(f"cannot write worktree '{workdir}': {exc}") from exc
         try:
             update_index(workdir, deletes, [p for p, _ in writes], lock_marker=lock_marker, held=held, timeout=timeout,
@@ -355,7 +353,7 @@ def smudged(workdir: str, path: str, blob: bytes, repo: pygit2.Repository | None
 
 
 def _setting(store: GitStore, workdir: str, name: str, default: bool = True) -> bool:
-    """A boolean setting of the worktree's configuration (``core.fileMode``, ``core.symlinks``: true unless set false)."""
+    """A boolean setting of the worktree's configuration (``default`` where unset or unreadable)."""
     try:
         return bool(store.worktree_repo(workdir).config.get_bool(name))
     except (KeyError, pygit2.GitError, ValueError):
