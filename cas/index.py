@@ -491,12 +491,10 @@ def prefetch(git_dir: str) -> None:
         return
 
     def load() -> None:
-        try:
+        with contextlib.suppress(Exception):  # read again, and reported, by snapshot_for
             fresh = IndexSnapshot(git_dir)
-        except Exception:  # noqa: BLE001 - read again, and reported, by snapshot_for
-            return
-        with _cache_lock:
-            _cache[key] = fresh
+            with _cache_lock:
+                _cache[key] = fresh
 
     thread = threading.Thread(target=load, name="oncepatch-index-read", daemon=True)
     with _cache_lock:

@@ -488,12 +488,8 @@ class RawIndex:
         return self._ext
 
     def _chain(self, start: int, end: int) -> _Chain | None:
-        data = self.data
-        chain = []
-        pos = start
-        while pos < end:
-            if pos + 8 > end:
-                return None
+        data, chain, pos = self.data, [], start
+        while pos + 8 <= end:
             size = _be32(data, pos + 4)
             chain.append((data[pos:pos + 4], pos, size))
             pos += 8 + size
