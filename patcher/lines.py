@@ -1,24 +1,11 @@
 """A file's lines, their comparison keys per grade, and linear search over them (pure: no I/O).
 
-:class:`Lines` holds a file's lines (:func:`split_lines`) and, per grade of
-:mod:`patcher.matching` (``exact``, ``rstrip``, ``strip``, ``punct``), the key
-of every line, computed once, when a search first needs it.
-
-**Search** (:meth:`Lines.scan`: every start of a line sequence; :meth:`Lines.first`:
-the next line with a given key) is linear in the file and the sequence, never a
-rescan per start position:
-
-* a few searches walk the keys with ``list.index`` (in C) and compare the
-  sequence at each start its first line is found at;
-* once the searches of a grade have walked the file twice, the grade's keys
-  are *indexed* (key → sorted positions) and a sequence's starts are found
-  through the positions of its rarest line (by bisection from where the
-  search starts);
-* when comparing at those starts would cost more than a few passes over the
-  file (a sequence whose every line is everywhere: ``a`` x 20,000 against
-  ``a`` x 50,000), Knuth-Morris-Pratt finds every start in one pass.
-
-Every step is paid for from the call's :class:`patcher.budget.WorkBudget`.
+Search is linear in the file and the sequence, never a rescan per start
+position (docs/FORMATS.md, "Bounded work"): ``list.index`` in C for a few
+searches; once a grade's searches walked the file twice, an index (key →
+sorted positions) through the sequence's rarest line; and one
+Knuth-Morris-Pratt pass when comparing at the starts would cost more than a
+few passes.  Every step is paid for from the call's :class:`patcher.budget.WorkBudget`.
 """
 
 from __future__ import annotations

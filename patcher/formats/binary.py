@@ -1,25 +1,11 @@
-"""Git's binary patches (pure: bytes in, bytes out, no I/O).
+"""Git's binary patches (``GIT binary patch``: ``literal``/``delta`` hunks), pure.
 
-``git diff --binary`` and ``git format-patch`` write a changed binary file as::
-
-    GIT binary patch
-    literal 7                 (or: delta 21) -- the size once inflated
-    Ocmc~xEoVr|%mV-lAOeH{     one line per (at most) 52 bytes of zlib data
-                              a blank line ends the hunk
-    literal 0                 the reverse hunk (postimage -> preimage)
-    HcmV?d00001
-
-Each data line starts with its decoded length (``A``-``Z`` = 1-26,
-``a``-``z`` = 27-52) followed by base-85 groups of five characters, each four
-bytes (git's alphabet is RFC 1924's, the one :func:`base64.b85decode` reads;
-:func:`b85decode` here is a faster equivalent).
-The hunk's bytes, joined, are zlib data that inflate to exactly the stated
-size.  A ``literal`` is the whole new content; a ``delta`` is git's delta
-format (:func:`apply_delta`) against the old content.
-
-These rules are git's own (``apply.c``: ``parse_binary_hunk``; ``patch-delta.c``),
-with one leniency: the blank line that ends a hunk may be missing at the end of
-the patch (agents and mailers drop trailing blank lines).
+Each data line is a length byte (``A``-``Z`` = 1-26, ``a``-``z`` = 27-52) and
+base-85 groups; the hunk's bytes are zlib data that inflate to exactly the
+stated size; a ``delta`` is git's delta format against the old content.
+These are git's rules (``apply.c``: ``parse_binary_hunk``; ``patch-delta.c``),
+with one leniency: the blank line that ends a hunk may be missing at the end
+of the patch (agents and mailers drop trailing blank lines).
 """
 
 from __future__ import annotations

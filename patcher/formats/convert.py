@@ -1,25 +1,10 @@
 """Converting unified diffs to the ``apply_patch`` envelope, and contents to unified diffs (pure).
 
-:func:`unified_to_envelope` turns a unified diff (``git diff``) into an
-envelope that makes the same change.  The envelope has no line numbers, so a
-hunk is placed by its content alone; given the old contents (``read_old``),
-the converter **grows each hunk's context** (and merges hunks that then
-touch) until every hunk matches exactly once, marks hunks that end the file
-with ``*** End of File``, and checks, by parsing its own output back and
-applying it, that the result is byte for byte the unified diff's result.
-
-What the envelope cannot say is refused with :class:`UnsupportedPatch` (or
-skipped and listed, with ``skip_unsupported=True``): binary files, symlinks,
-mode changes and new files whose mode is not ``100644``, copies, submodules,
-paths with surrounding whitespace, and (with ``read_old``) a hunk that adds
-lines whose line ending differs from the file's dominant one (an envelope
-hunk writes added lines with the file's line ending).
-
-The envelope uses the oncepatch extension ``\\ No newline at end of file``
-(see :mod:`patcher.formats.envelope`) where a final newline is absent or changes.
-
-:func:`make_unified` writes a git-style unified diff of one file from its old
-and new bytes (used by tests and by the converter's users).
+:func:`unified_to_envelope` (docs/FORMATS.md, "The unified → envelope
+converter") grows each hunk's context until it matches exactly once and
+checks its output by parsing it back and applying it; it writes the
+``\\ No newline at end of file`` extension where a final newline is absent
+or changes.  :func:`make_unified` writes a git-style unified diff of one file.
 """
 
 from __future__ import annotations

@@ -1,68 +1,10 @@
 """Search/replace edit blocks and ``str_replace`` JSON edits (pure: no I/O).
 
 Two formats that name a file and the text to replace in it, without line
-numbers, and one rule for applying them.
-
-**search_replace** (the aider style)::
-
-    src/app.py
-    ```python
-    <<<<<<< SEARCH
-    def f():
-        return 1
-    =======
-    def f():
-        return 2
-    >>>>>>> REPLACE
-    ```
-
-The file name is the last non-blank line before the ``<<<<<<< SEARCH`` line
-that is not a code fence (````` ```lang `````), with surrounding ``` ` ```, ``*``,
-``#`` and a trailing ``:`` removed; a block with no such line since the
-previous block belongs to the previous block's file.  Markers stand at the
-start of their line: 5 to 9 ``<``/``=``/``>`` (7 is usual), then ``SEARCH`` /
-nothing / ``REPLACE``.  A block must have exactly one ``=======`` line: with two,
-where SEARCH ends cannot be told (:class:`ParseError`).  An empty SEARCH
-creates the file (``add``: an error if it exists with other content); it
-cannot be mixed with other blocks for the same file.  Prose between blocks is
-ignored.
-
-**str_replace** (JSON)::
-
-    [{"path": "src/app.py", "old": "return 1", "new": "return 2"}, ...]
-
-A list of objects (or one object); ``old_str``/``new_str`` are accepted for
-``old``/``new``; other keys are an error.  ``old`` must not be empty and must
-differ from ``new``.
-
-**Applying** (:func:`apply_sequential`, used by ``patcher.stage`` for both
-formats): the edits of one file apply **in order, each to the result of the
-one before** -- as an agent issuing them one by one expects -- and each must
-match **exactly once**:
-
-1. as whole lines, by the graded matcher (:func:`patcher.matching.apply_hunks`:
-   ``exact`` → ``rstrip`` → ``strip`` → ``punct``, line endings kept); a match at
-   ``exact`` or ``rstrip`` is taken;
-2. otherwise the old text is looked up as an exact **substring** (its ``\\n``
-   read as the file's line ending): found once, it is replaced in place (grade
-   ``substring``: this keeps the indentation and the rest of the line that a
-   partial-line ``old`` leaves out);
-3. otherwise a ``strip``/``punct`` whole-line match from step 1 (or the
-   matcher's "already present" verdict) is taken -- also before step 2 when
-   the substring is whole lines but for indentation and the new text has
-   several lines (the matcher moves every new line by the indentation delta;
-   in place only the first would move);
-4. otherwise a substring found twice or more is :class:`AmbiguousMatch`; else
-   :class:`ContextNotFound` with the matcher's details (and ``new_text_at``
-   when the new text is in the file: applied before, or a coincidence — never
-   taken for "already present", a success with nothing changed).
-
-An edit whose old text occurs once, inside an occurrence of its new text
-(``import os`` → ``import os, sys`` sent again), is "already present".
-
-All edits present → the file is already applied; some present, some not →
-:class:`PartiallyApplied`.  Error details add ``sequential: true``: the
-``closest`` lines of a later edit are those of the file after the earlier edits.
+numbers, and one rule for applying them (:func:`apply_sequential`: each edit
+to the result of the one before, each matching exactly once).  Syntax and
+rules: docs/FORMATS.md, "`search_replace`", "`str_replace`" and "How edit
+blocks and `str_replace` apply".
 """
 
 from __future__ import annotations

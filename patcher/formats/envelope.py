@@ -1,59 +1,9 @@
 """Parser of the ``apply_patch`` envelope (``*** Begin Patch`` ... ``*** End Patch``) (pure).
 
-The envelope is the patch language of coding agents (codex's ``apply_patch``
-tool).  Grammar, as oncepatch reads it (``docs/FORMATS.md`` lists every
-deliberate difference from codex)::
-
-    Patch      := [Wrapper] "*** Begin Patch" NL { FileOp } "*** End Patch" [NL] [WrapperEnd]
-    FileOp     := AddFile | DeleteFile | UpdateFile
-    AddFile    := "*** Add File: " path NL { "+" line NL [NoNewline] }
-    DeleteFile := "*** Delete File: " path NL
-    UpdateFile := "*** Update File: " path NL [ "*** Move to: " path NL ] { Hunk }
-    Hunk       := { "@@" [ " " scope ] NL } { HunkLine } [ "*** End of File" NL ]
-    HunkLine   := (" " | "-" | "+") text NL [NoNewline] | NL      (a bare NL: empty context)
-    NoNewline  := "\\" text NL                                      (oncepatch extension)
-
-What is tolerated, because agents send it:
-
-* whitespace around every marker line (``  *** Update File: x  ``, ``*** End Patch ``)
-  and blank lines before ``*** Begin Patch``, after ``*** End Patch`` and
-  between file sections and hunks;
-* a heredoc wrapper: a first line ``<<'EOF'``, ``<<EOF``, ``<<"EOF"`` (any tag
-  word, ``<<-`` too), optionally preceded by ``apply_patch``/``applypatch``, and
-  a last line that is the tag;
-* a missing final newline; a patch sent with CRLF line endings;
-* several ``@@ <scope>`` lines in a row: they stack, each narrowing the location
-  (:mod:`patcher.matching`); a bare ``@@`` adds no scope; a unified-diff hunk
-  header (``@@ -3,4 +3,5 @@ ...``) is read as a bare ``@@`` (its numbers are
-  ignored: the envelope locates hunks by content only);
-* a first hunk without any ``@@`` line;
-* a bare empty line inside a hunk: an empty context line (editors strip the
-  lone space); blank lines at the *end* of a hunk are dropped (context at the
-  edge of a hunk only narrows its location, so dropping it can make a match
-  ambiguous -- an error -- but never wrong); a `` `` line (a space) is always
-  context, and before ``*** End of File`` blank lines are kept.
-
-What is refused (:class:`~patcher.errors.ParseError`, with ``details["line"]``):
-no ``*** Begin Patch`` or no ``*** End Patch`` (a truncated patch is never
-applied in part), text after ``*** End Patch``, an unknown ``***`` line, a
-line in a hunk that starts with none of `` ``, ``-``, ``+``, an ``Add File``
-line without ``+``, lines after ``Delete File``, an ``Update File`` with no hunk
-and no ``Move to``, a hunk without lines or that changes nothing, a path in
-two file sections, a move onto itself, an empty patch.
-
-Lines.  Update hunks are *line-ending agnostic* (``Hunk.eol_agnostic``): their
-lines carry no terminator, the matcher ignores the file's and writes each
-added line with the ending of the line it replaces or follows (by position,
-``Hunk.kept`` naming the context lines), so a CRLF file stays CRLF and a file
-without a final newline keeps none.  ``Add File`` lines keep the terminator
-they were sent with (``+x\\r\\n`` makes a CRLF line).  The extension line
-``\\ No newline at end of file`` (any text after the backslash), as in unified
-diffs, says the line before it has no terminator: after an ``Add File`` line it
-makes a file without a final newline; in a hunk it makes the hunk exact about
-line endings (its lines keep their bytes, ``\\r`` included, and end in ``\\n``
-unless marked) and anchors it to the end of the file.  That is how a change of
-the final newline, which an agnostic hunk cannot express, is written (the
-converter :mod:`patcher.formats.convert` emits it).
+The grammar, what is tolerated because agents send it, and what is refused:
+docs/FORMATS.md, "`apply_patch`".  Update hunks are line-ending agnostic
+(``Hunk.eol_agnostic``, ``Hunk.kept`` naming the context lines by position);
+a ``\\ No newline`` line makes a hunk exact about line endings instead.
 """
 
 from __future__ import annotations

@@ -1,75 +1,9 @@
-"""Parser of unified diffs (``git diff``, ``format-patch``, ``diff -u``, agents) into a ``Patch``.
+"""Parser of unified diffs (``git diff``, ``format-patch``, ``diff -u``, agents) into a ``Patch`` (pure).
 
-Pure: bytes in, :class:`~patcher.model.Patch` out, no I/O.  Content stays
-bytes throughout (non-UTF-8 and CRLF survive byte for byte: a line is
-everything through its ``\\n``); paths are decoded as UTF-8 with
-``surrogateescape`` and checked by :func:`patcher.paths.check_path`.
-
-What is read:
-
-* **Git blocks**: ``diff --git <old> <new>`` and its extended header lines
-  (``old mode``/``new mode``, ``new file mode``, ``deleted file mode``,
-  ``rename from``/``rename to`` (also the old ``rename old``/``rename new``),
-  ``copy from``/``copy to``, ``similarity index``, ``dissimilarity index``,
-  ``index <old>..<new> [mode]``), then ``---``/``+++`` and hunks, or a binary
-  payload: ``GIT binary patch`` and its hunks (:mod:`patcher.formats.binary`), or
-  ``Binary files ... differ`` (no data).  Names come from ``rename from/to`` first,
-  then ``---``/``+++``, then the ``diff --git`` line.  The prefixes are those
-  of the ``diff --git`` line: ``a/``/``b/``, the mnemonic pairs (``c/``,
-  ``i/``, ``w/``, ``o/``, ``1/``/``2/``) or any other pair of differing first
-  components with equal remainders; identical names mean ``--no-prefix``.
-* **Plain blocks** (``---``, ``+++``, then ``@@``) without ``diff --git``:
-  ``a/``/``b/`` are stripped only when both sides use them (``/dev/null``
-  fits either), so ``--- x`` / ``+++ x`` stays ``x``.  Two names that differ
-  only in their first component (``--- orig/src/x`` / ``+++ new/src/x``, as
-  ``diff -ruN orig new`` writes them, an epoch-dated side included) lose it.  If the two names still
-  differ, git's rule picks one: the old name if it is a shorter prefix of the
-  new one, else the new name (``--- x.py.orig`` / ``+++ x.py`` → ``x.py``).
-  ``/dev/null``, or a timestamp at the Unix epoch (``diff -N``), on one side
-  makes an add or a delete.
-* Names may be C-quoted as git writes them (``"a/sp\\303\\251cial \\"x\\""``);
-  a tab and what follows (a timestamp) is dropped; so is a trailing
-  ``YYYY-MM-DD hh:mm[:ss]`` date after spaces.
-* A patch whose very last line lacks its ``\\n`` is read as if it had one
-  (``\\r\\n`` if the line before ends so): in a unified diff only the
-  ``\\ No newline`` marker removes a terminator.
-* **Hunks** ``@@ -a[,b] +c[,d] @@ [section]`` (counts default to 1).  Their
-  length must match the header: a hunk that ends early or runs on (a `` ``,
-  ``+`` or ``-`` line right after it) is a :class:`ParseError` naming the
-  patch line.  ``\\ No newline at end of file`` removes the ``\\n`` of the
-  line before it, on the side(s) that line belongs to.  A bare empty line
-  inside a hunk that still expects lines on both sides is a context line
-  (editors strip the lone space).  ``old_start`` is ``a``: for an empty old
-  side (``-a,0``) that is the line to insert after.
-* Anything else outside a block is skipped: mail headers, commit messages,
-  diffstats, ``Index:`` lines; a non-diff line ends a block (the ``-- `` and
-  version signature of ``format-patch``).
-
-What it builds, per file: ``add`` (``content`` = the added lines, ``new_mode``
-from ``new file mode``; no hunks), ``delete`` (the removed lines kept in
-``hunks`` so the caller can check them; ``old_mode`` from ``deleted file
-mode``), ``rename`` (``path`` = old, ``new_path`` = new, hunks if any),
-``copy`` (``path`` = source, ``new_path`` = the copy, hunks if any),
-``modify`` (hunks and/or a mode change: ``old_mode``/``new_mode``).  The mode
-on an ``index`` line is what the file's mode was and stays: it fills
-``old_mode`` (``new_mode`` stays ``None`` = keep).  ``old_blob``/``new_blob``
-come from the ``index`` line; the all-zero oid of an absent side becomes
-``None``.  Modes are canonicalised as git does (any regular file is
-``100644`` or ``100755``).
-
-Binary blocks become edits with ``binary`` set (``literal``: ``content``;
-``delta``: ``delta``; ``blob``: a ``Binary files ... differ`` block whose
-``index`` line names the full new oid, applied only if the repository has that
-object, as ``git apply`` does); staging checks them against ``old_blob`` and
-``new_blob`` (:mod:`patcher.stage`).
-
-Refused with :class:`UnsupportedPatch`: a binary change with no data and no
-full new oid (``git diff`` without ``--binary``; ``Binary files ... differ``
-outside a git block), submodules (mode ``160000``) and combined diffs
-(``diff --cc``).
-:class:`ParseError`: malformed hunks, a block with no change at all, the same
-path changed twice, or nothing recognisable at all.  Size limits are the
-caller's.
+Content stays bytes (non-UTF-8 and CRLF survive byte for byte); paths are
+decoded as UTF-8 with ``surrogateescape`` and checked by
+:func:`patcher.paths.check_path`.  What is read, what each block becomes and
+what is refused: docs/FORMATS.md, "`unified`".  Size limits are the caller's.
 """
 
 from __future__ import annotations

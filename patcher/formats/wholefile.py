@@ -1,29 +1,7 @@
-"""Whole-file writes and deletes as JSON (pure: no I/O).
+"""Whole-file writes and deletes as JSON (pure: no I/O; docs/FORMATS.md, "`whole_file`").
 
-::
-
-    [
-      {"path": "src/app.py", "content": "print('hi')\\n"},
-      {"path": "bin/run", "content_b64": "IyEvYmluL3NoCg==", "mode": "100755"},
-      {"path": "old.txt", "delete": true}
-    ]
-
-A list of objects (or one object).  Per item:
-
-* ``path`` (string) and exactly one of ``content`` (a string, written as
-  UTF-8, line endings as given), ``content_b64`` (standard base64, strict) or
-  ``"delete": true``;
-* ``mode`` (writes only): ``"100644"``/``"644"`` or ``"100755"``/``"755"`` (a
-  string, or the int 0o644/0o755/0o100644/0o100755); absent: a new file is
-  ``100644``, an existing one keeps its mode.  Symlinks and other modes are
-  refused.
-* any other key, a duplicate path, ``delete`` not ``true``: :class:`ParseError`.
-
-A write replaces the file whole, or creates it (the format is registered
-with ``writes_create``: :mod:`patcher.stage` turns a write of a missing path
-into an ``add``).  A write of the same bytes and mode is already applied.  A
-delete of a missing file is an error (``context_not_found``), never "already
-applied".  Content is taken as is: there is no matching, so no grades.
+Registered with ``writes_create``: :mod:`patcher.stage` turns a write of a
+missing path into an ``add``.  There is no matching, so no grades.
 """
 
 from __future__ import annotations
