@@ -9,6 +9,7 @@ what is refused: docs/FORMATS.md, "`unified`".  Size limits are the caller's.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from cas.hashing import git_blob_oid
@@ -31,25 +32,8 @@ _DATED_NAME = re.compile(rb"(.*?)\s" + _STAMP)  # 'name 2024-01-01 10:00:00 +000
 _TIMESTAMP = re.compile(_STAMP)
 _BINARY = re.compile(rb"Binary files (.*) and (.*) differ")
 _MAIL_START = re.compile(rb"^From [0-9a-f]{40} Mon Sep 17 00:00:00 2001$", re.MULTILINE)  # format-patch
-_PREFIX_PAIRS = (
-    (b"a/", b"b/"),
-    (b"c/", b"w/"),
-    (b"c/", b"i/"),
-    (b"i/", b"w/"),
-    (b"o/", b"w/"),
-    (b"1/", b"2/"),
-)
-_ESCAPES = {
-    ord("a"): 7,
-    ord("b"): 8,
-    ord("t"): 9,
-    ord("n"): 10,
-    ord("v"): 11,
-    ord("f"): 12,
-    ord("r"): 13,
-    ord('"'): 34,
-    ord("\\"): 92,
-}
+_PREFIX_PAIRS = ((b"a/", b"b/"), (b"c/", b"w/"), (b"c/", b"i/"), (b"i/", b"w/"), (b"o/", b"w/"), (b"1/", b"2/"))
+_ESCAPES = {ord(c): v for c, v in zip('abtnvfr"\\', (7, 8, 9, 10, 11, 12, 13, 34, 92))}
 
 
 # ---------------------------------------------------------------------------
@@ -58,6 +42,10 @@ _ESCAPES = {
 
 def _show(name: bytes) -> str:
     return name.decode("utf-8", "backslashreplace")
+
+
+def _fail(message: str, lineno: int, **extra: object) -> ParseError:
+    return ParseError(message, details={"line": lineno, **extra})
 
 
 def _unquote(text: bytes, start: int, lineno: int) -> tuple[bytes, int]:
@@ -85,15 +73,10 @@ def _unquote(text: bytes, start: int, lineno: int) -> tuple[bytes, int]:
                 out.append(int(octal, 8))
                 i += 3
                 continue
-            raise ParseError(
-                f"bad escape in quoted name at line {lineno}: '{_show(text)}'",
-                details={"line": lineno},
-            )
+            raise _fail(f"bad escape in quoted name at line {lineno}: '{_show(text)}'", lineno)
         out.append(c)
         i += 1
-    raise ParseError(
-        f"unterminated quoted name at line {lineno}: '{_show(text)}'", details={"line": lineno}
-    )
+    raise _fail(f"unterminated quoted name at line {lineno}: '{_show(text)}'", lineno)
 
 
 def _is_epoch(date: bytes, zone: bytes | None) -> bool:
@@ -185,40 +168,32 @@ def _strip(name: bytes, prefix: bytes) -> bytes:
 # blocks
 
 
+@dataclass(slots=True)
 class _Block:
-    """One file's section of the patch while it is being read.
+    """One file's section of the patch while it is being read."""
 
-    A plain slotted class, not a dataclass: importing ``dataclasses`` costs a
-    cold ``apply`` several milliseconds (docs/DECISIONS.md, start-up).
-    """
-
-    __slots__ = ("line", "git", "header", "prefix", "minus", "plus", "minus_epoch", "plus_epoch", "rename_from",
-                 "rename_to", "copy", "old_mode", "new_mode", "new_file_mode", "deleted_mode", "index_mode",
-                 "old_blob", "new_blob", "index_full", "binary", "binary_data", "hunks")
-
-    def __init__(self, line: int, git: bool) -> None:
-        self.line = line
-        self.git = git
-        self.header: tuple[bytes, bytes] | None = None
-        self.prefix: tuple[bytes, bytes] | None = None
-        self.minus: bytes | None = None
-        self.plus: bytes | None = None
-        self.minus_epoch = False
-        self.plus_epoch = False
-        self.rename_from: bytes | None = None
-        self.rename_to: bytes | None = None
-        self.copy: tuple[bytes | None, bytes | None] | None = None
-        self.old_mode: int | None = None
-        self.new_mode: int | None = None
-        self.new_file_mode: int | None = None
-        self.deleted_mode: int | None = None
-        self.index_mode: int | None = None
-        self.old_blob: str | None = None
-        self.new_blob: str | None = None
-        self.index_full = False  # an index line with full object ids on both sides
-        self.binary: str | None = None  # "patch" (GIT binary patch) or "differ" (no data)
-        self.binary_data: BinaryHunk | None = None
-        self.hunks: list[Hunk] = []
+    line: int
+    git: bool
+    header: tuple[bytes, bytes] | None = None
+    prefix: tuple[bytes, bytes] | None = None
+    minus: bytes | None = None
+    plus: bytes | None = None
+    minus_epoch: bool = False
+    plus_epoch: bool = False
+    rename_from: bytes | None = None
+    rename_to: bytes | None = None
+    copy: tuple[bytes | None, bytes | None] | None = None
+    old_mode: int | None = None
+    new_mode: int | None = None
+    new_file_mode: int | None = None
+    deleted_mode: int | None = None
+    index_mode: int | None = None
+    old_blob: str | None = None
+    new_blob: str | None = None
+    index_full: bool = False  # an index line with full object ids on both sides
+    binary: str | None = None  # "patch" (GIT binary patch) or "differ" (no data)
+    binary_data: BinaryHunk | None = None
+    hunks: list[Hunk] = field(default_factory=list)
 
     def display(self) -> str:
         """The block's path as far as it is known yet, for messages."""
@@ -239,7 +214,7 @@ def _mode(raw: bytes, lineno: int) -> int:
         return MODE_LINK
     if kind == 0o100000:
         return MODE_EXEC if mode & 0o100 else MODE_FILE
-    raise ParseError(f"invalid file mode '{_show(raw)}' at line {lineno}", details={"line": lineno})
+    raise _fail(f"invalid file mode '{_show(raw)}' at line {lineno}", lineno)
 
 
 def _blob(oid: bytes) -> str | None:
@@ -275,7 +250,7 @@ def _extended(block: _Block, line: bytes, lineno: int) -> bool:
     elif head == b"index":
         index = _INDEX.fullmatch(value)
         if index is None:
-            raise ParseError(f"malformed index line at line {lineno}", details={"line": lineno})
+            raise _fail(f"malformed index line at line {lineno}", lineno)
         block.old_blob, block.new_blob = _blob(index[1]), _blob(index[2])
         block.index_full = len(index[1]) in _FULL_OID and len(index[2]) in _FULL_OID
         if index[3] is not None:
@@ -315,10 +290,8 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
     n = len(lines)
     head = _HUNK.fullmatch(chomp(lines[i]))
     if head is None:
-        raise ParseError(
-            f"malformed hunk header at line {i + 1}: '{_show(chomp(lines[i]))}'",
-            details={"line": i + 1, "path": block.display()},
-        )
+        raise _fail(f"malformed hunk header at line {i + 1}: '{_show(chomp(lines[i]))}'", i + 1,
+                    path=block.display())
     old_count = 1 if head[2] is None else int(head[2])
     new_count = 1 if head[4] is None else int(head[4])
     old: list[bytes] = []
@@ -498,129 +471,61 @@ def _names(block: _Block) -> tuple[bytes | None, bytes | None]:
     return old, new
 
 
-def _binary_edit(block: _Block, old: bytes | None, new: bytes | None, op: str) -> FileEdit:
-    """The edit of a binary block (``GIT binary patch``, or ``Binary files ... differ``)."""
-    lineno = block.line
-    shown = block.display()
-    if not block.index_full:
-        # git apply's rule: without both full object ids, what the patch applies to
-        # (and what it must give) cannot be checked.
-        why = ("changed, but the patch carries no data" if block.binary_data is None
-               else "has no index line with full object ids (git apply refuses it too)")
-        raise UnsupportedPatch(
-            f"binary file '{shown}' {why}: make the patch with 'git diff --binary'",
-            details={"path": shown, "line": lineno, "reason": "binary"},
-        )
-    if block.binary_data is not None:
-        method, data = block.binary_data
-        kind = method
-    else:
-        kind, data = "blob", b""  # a delete needs no data; else the new blob must be in the repository
+def _to_edit(block: _Block) -> FileEdit:
+    lineno, shown = block.line, block.display()
+    if _MODE_GITLINK in (block.old_mode, block.new_mode, block.new_file_mode, block.deleted_mode, block.index_mode):
+        raise UnsupportedPatch(f"submodule changes are not supported: '{shown}'",
+                               details={"path": shown, "line": lineno})
+    old, new = _names(block)
+    if old is None and new is None:
+        raise _fail(f"cannot tell which file the patch at line {lineno} changes", lineno)
+    renamed = block.rename_from is not None or block.rename_to is not None
+    if block.copy is not None and (None in block.copy or renamed):
+        raise _fail(f"copy at line {lineno} needs one 'copy from' and one 'copy to' line", lineno)
+    op = "copy" if block.copy is not None else "rename" if renamed else "modify"
+    if op != "modify" and old == new:
+        raise _fail(f"{op} of '{_show(old or b'')}' onto itself at line {lineno}", lineno, path=_show(old or b""))
+    hunks = tuple(block.hunks)
+    kind: str | None = None
+    data = b""
+    if block.binary is not None:
+        if hunks:
+            raise _fail(f"binary patch for '{shown}' at line {lineno} also has text hunks", lineno, path=shown)
+        if not block.index_full:
+            # git apply's rule: without both full object ids, what the patch applies to
+            # (and what it must give) cannot be checked.
+            why = ("changed, but the patch carries no data" if block.binary_data is None
+                   else "has no index line with full object ids (git apply refuses it too)")
+            raise UnsupportedPatch(f"binary file '{shown}' {why}: make the patch with 'git diff --binary'",
+                                   details={"path": shown, "line": lineno, "reason": "binary"})
+        # No data: a delete needs none; else the new blob must be in the repository.
+        kind, data = block.binary_data if block.binary_data is not None else ("blob", b"")
+    content = data if kind == "literal" else None
     old_mode = block.old_mode if block.old_mode is not None else block.index_mode
     if old is None:
         assert new is not None
         if kind == "delta":
-            raise ParseError(f"new binary file '{_show(new)}' at line {lineno} is a delta, not a literal",
-                             details={"line": lineno, "path": _show(new)})
-        return FileEdit(op="add", path=_decode(new), content=data if kind == "literal" else None,
-                        new_mode=block.new_file_mode, new_blob=block.new_blob, binary=kind)
-    if new is None:
-        return FileEdit(op="delete", path=_decode(old),
-                        old_mode=block.deleted_mode if block.deleted_mode is not None else old_mode,
-                        old_blob=block.old_blob, binary=kind)
-    return FileEdit(
-        op=op,  # type: ignore[arg-type]
-        path=_decode(old),
-        new_path=_decode(new) if op in ("rename", "copy") else None,
-        content=data if kind == "literal" else None,
-        delta=data if kind == "delta" else None,
-        old_mode=old_mode,
-        new_mode=block.new_mode,
-        old_blob=block.old_blob,
-        new_blob=block.new_blob,
-        binary=kind,
-    )
-
-
-def _to_edit(block: _Block) -> FileEdit:
-    lineno = block.line
-    modes = (
-        block.old_mode,
-        block.new_mode,
-        block.new_file_mode,
-        block.deleted_mode,
-        block.index_mode,
-    )
-    if _MODE_GITLINK in modes:
-        raise UnsupportedPatch(
-            f"submodule changes are not supported: '{block.display()}'",
-            details={"path": block.display(), "line": lineno},
-        )
-    old, new = _names(block)
-    if old is None and new is None:
-        raise ParseError(
-            f"cannot tell which file the patch at line {lineno} changes",
-            details={"line": lineno},
-        )
-    renamed = block.rename_from is not None or block.rename_to is not None
-    copied = block.copy is not None
-    if block.copy is not None and (None in block.copy or renamed):
-        raise ParseError(f"copy at line {lineno} needs one 'copy from' and one 'copy to' line",
-                         details={"line": lineno})
-    op = "copy" if copied else "rename" if renamed else "modify"
-    if (renamed or copied) and old == new:
-        raise ParseError(
-            f"{op} of '{_show(old or b'')}' onto itself at line {lineno}",
-            details={"line": lineno, "path": _show(old or b"")},
-        )
-    if block.binary is not None:
-        if block.hunks:
-            raise ParseError(f"binary patch for '{block.display()}' at line {lineno} also has text hunks",
-                             details={"line": lineno, "path": block.display()})
-        return _binary_edit(block, old, new, op)
-    hunks = tuple(block.hunks)
-    if old is None and new is not None:
+            raise _fail(f"new binary file '{_show(new)}' at line {lineno} is a delta, not a literal", lineno,
+                        path=_show(new))
         if any(h.old_lines for h in hunks):
-            raise ParseError(
-                f"new file '{_show(new)}' at line {lineno} has hunks with old lines",
-                details={"line": lineno, "path": _show(new)},
-            )
-        return FileEdit(
-            op="add",
-            path=_decode(new),
-            content=b"".join(line for h in hunks for line in h.new_lines),
-            new_mode=block.new_file_mode,
-            new_blob=block.new_blob,
-        )
-    assert old is not None  # both None was refused above
-    old_mode = block.old_mode if block.old_mode is not None else block.index_mode
+            raise _fail(f"new file '{_show(new)}' at line {lineno} has hunks with old lines", lineno, path=_show(new))
+        if kind is None:
+            content = b"".join(line for h in hunks for line in h.new_lines)
+        return FileEdit(op="add", path=_decode(new), content=content, new_mode=block.new_file_mode,
+                        new_blob=block.new_blob, binary=kind)
     if new is None:
         if any(h.new_lines for h in hunks):
-            raise ParseError(
-                f"deleted file '{_show(old)}' at line {lineno} has hunks with new lines",
-                details={"line": lineno, "path": _show(old)},
-            )
-        return FileEdit(
-            op="delete",
-            path=_decode(old),
-            hunks=hunks,
-            old_mode=block.deleted_mode if block.deleted_mode is not None else old_mode,
-            old_blob=block.old_blob,
-        )
-    if not hunks and op == "modify" and block.new_mode is None:
-        raise ParseError(
-            f"patch for '{_show(new)}' at line {lineno} changes nothing",
-            details={"line": lineno, "path": _show(new)},
-        )
+            raise _fail(f"deleted file '{_show(old)}' at line {lineno} has hunks with new lines", lineno,
+                        path=_show(old))
+        return FileEdit(op="delete", path=_decode(old), hunks=hunks, old_blob=block.old_blob, binary=kind,
+                        old_mode=block.deleted_mode if block.deleted_mode is not None else old_mode)
+    if not hunks and kind is None and op == "modify" and block.new_mode is None:
+        raise _fail(f"patch for '{_show(new)}' at line {lineno} changes nothing", lineno, path=_show(new))
     return FileEdit(
         op=op,  # type: ignore[arg-type]
-        path=_decode(old),
-        new_path=_decode(new) if op != "modify" else None,
-        hunks=hunks,
-        old_mode=old_mode,
-        new_mode=block.new_mode,
-        old_blob=block.old_blob,
-        new_blob=block.new_blob,
+        path=_decode(old), new_path=_decode(new) if op != "modify" else None, hunks=hunks, content=content,
+        delta=data if kind == "delta" else None, old_mode=old_mode, new_mode=block.new_mode,
+        old_blob=block.old_blob, new_blob=block.new_blob, binary=kind,
     )
 
 
@@ -681,9 +586,7 @@ def parse_unified(data: bytes) -> Patch:
         elif _plain_header_at(lines, i):
             block, i = _read_plain_block(lines, i)
         elif line.startswith((b"diff --cc ", b"diff --combined ")):
-            raise UnsupportedPatch(
-                f"combined diffs are not supported at line {i + 1}", details={"line": i + 1}
-            )
+            raise UnsupportedPatch(f"combined diffs are not supported at line {i + 1}", details={"line": i + 1})
         elif (binary := _BINARY.fullmatch(chomp(line))) is not None:
             target = binary[2] if binary[2] != _DEV_NULL else binary[1]
             shown = _show(target[2:] if target.startswith((b"a/", b"b/")) else target)
