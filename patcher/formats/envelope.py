@@ -9,6 +9,7 @@ a ``\\ No newline`` line makes a hunk exact about line endings instead.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 from patcher.formats.detection import looks_envelope
 from patcher.errors import ParseError
@@ -30,12 +31,12 @@ END_OF_FILE = b"*** End of File"
 _KNOWN = (ADD, DELETE, UPDATE, MOVE, END_OF_FILE, BEGIN, END)
 _HEREDOC = re.compile(rb"(?:(?:apply_patch|applypatch)\s+)?<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
 _UNIFIED_HEADER = re.compile(rb"@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@.*")
-class _Line:
-    __slots__ = ("no", "raw")
 
-    def __init__(self, no: int, raw: bytes) -> None:
-        self.no = no  # 1-based line number in the patch as sent
-        self.raw = raw  # without its "\n" (a "\r" before it is kept)
+
+@dataclass(slots=True)
+class _Line:
+    no: int  # 1-based line number in the patch as sent
+    raw: bytes  # without its "\n" (a "\r" before it is kept)
 
     @property
     def text(self) -> bytes:
@@ -62,13 +63,19 @@ def _lines(data: bytes) -> list[_Line]:
     return [_Line(i + 1, raw) for i, raw in enumerate(parts)]
 
 
+def _trimmed(lines: list[_Line]) -> list[_Line]:
+    """``lines`` without the blank lines at either end."""
+    lo, hi = 0, len(lines)
+    while lo < hi and not lines[lo].marker:
+        lo += 1
+    while hi > lo and not lines[hi - 1].marker:
+        hi -= 1
+    return lines[lo:hi]
+
+
 def _unwrap(lines: list[_Line]) -> list[_Line]:
     """The lines between ``*** Begin Patch`` and ``*** End Patch`` (heredoc and blanks removed)."""
-    body = list(lines)
-    while body and not body[0].marker:
-        body.pop(0)
-    while body and not body[-1].marker:
-        body.pop()
+    body = _trimmed(lines)
     if not body:
         raise _error("the patch is empty")
     heredoc = _HEREDOC.fullmatch(body[0].marker)
@@ -77,11 +84,7 @@ def _unwrap(lines: list[_Line]) -> list[_Line]:
         if len(body) < 2 or body[-1].marker != tag:
             raise _error(f"heredoc '{tag.decode()}' is not closed by a last line '{tag.decode()}'",
                          body[-1].no)
-        body = body[1:-1]
-        while body and not body[0].marker:
-            body.pop(0)
-        while body and not body[-1].marker:
-            body.pop()
+        body = _trimmed(body[1:-1])
     if not body or body[0].marker != BEGIN:
         first = body[0] if body else lines[0]
         raise _error("the first line must be '*** Begin Patch'", first.no)
@@ -107,16 +110,14 @@ def _path(line: _Line, marker: bytes) -> str:
         return raw.decode("utf-8", "surrogateescape")
 
 
+@dataclass(slots=True)
 class _HunkBuf:
-    __slots__ = ("line", "header", "scopes", "body", "no_newline", "at_eof")
-
-    def __init__(self, line: int, header: str) -> None:
-        self.line = line
-        self.header = header
-        self.scopes: list[bytes] = []
-        self.body: list[tuple[str, _Line]] = []  # (' ' | '-' | '+', line)
-        self.no_newline: set[int] = set()  # indexes into body
-        self.at_eof = False
+    line: int
+    header: str
+    scopes: list[bytes] = field(default_factory=list)
+    body: list[tuple[str, _Line]] = field(default_factory=list)  # (' ' | '-' | '+', line)
+    no_newline: set[int] = field(default_factory=set)  # indexes into body
+    at_eof: bool = False
 
 
 def _hunk(buf: _HunkBuf, path: str, index: int) -> Hunk:
@@ -314,18 +315,13 @@ def parse_envelope(data: bytes) -> Patch:
             hunks, i = _parse_update(lines, i, path)
             if not hunks and new_path is None:
                 raise _error(f"Update File '{path}' has no hunks", ln.no, path=path)
-            if new_path is not None:
-                edits.append(FileEdit(op="rename", path=path, new_path=new_path, hunks=tuple(hunks)))
-            else:
-                edits.append(FileEdit(op="modify", path=path, hunks=tuple(hunks)))
+            edits.append(FileEdit(op="modify" if new_path is None else "rename", path=path, new_path=new_path,
+                                  hunks=tuple(hunks)))
             continue
         if marker.startswith(MOVE):
             raise _error("'*** Move to:' must directly follow '*** Update File:'", ln.no)
-        raise _error(
-            f"'{ln.text.decode('utf-8', 'replace')[:60]}' is not a file header; expected "
-            "'*** Add File: <path>', '*** Delete File: <path>' or '*** Update File: <path>'",
-            ln.no,
-        )
+        raise _error(f"'{ln.text.decode('utf-8', 'replace')[:60]}' is not a file header; expected "
+                     "'*** Add File: <path>', '*** Delete File: <path>' or '*** Update File: <path>'", ln.no)
     if not edits:
         raise _error("the patch changes no file")
     return Patch(format=FORMAT_NAME, edits=tuple(edits))
