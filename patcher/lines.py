@@ -17,7 +17,8 @@ from typing import Any
 
 from patcher.budget import WorkBudget
 
-__all__ = ["Lines", "split_lines", "chomp", "eol_of", "key_fn", "find_all", "has_lone_cr", "cr_chomp", "cr_eol_of"]
+__all__ = ["Lines", "split_lines", "chomp", "eol_of", "dominant_eol", "key_fn", "find_all", "has_lone_cr", "cr_chomp",
+           "cr_eol_of"]
 
 _PUNCT_TABLE = str.maketrans(
     {
@@ -37,6 +38,12 @@ _VERIFY_PASSES = 4  # comparing at candidate starts may cost this many passes be
 
 _LINE = re.compile(rb"[^\n]*\n|[^\n]+\Z")
 _CR_LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)|[^\r\n]+\Z")
+
+
+def dominant_eol(data: bytes) -> bytes:
+    """``\\r\\n`` if more lines of ``data`` end so than with a bare ``\\n``, else ``\\n``."""
+    crlf = data.count(b"\r\n")
+    return b"\r\n" if crlf > data.count(b"\n") - crlf else b"\n"
 
 
 def has_lone_cr(data: bytes) -> bool:
@@ -161,8 +168,7 @@ class Lines:
     def eol(self) -> bytes:
         """The file's dominant terminator: ``\\r\\n`` if more lines end so than with a bare ``\\n``."""
         if self._eol is None:
-            crlf = self.data.count(b"\r\n")
-            self._eol = b"\r\n" if crlf > self.data.count(b"\n") - crlf else b"\n"
+            self._eol = dominant_eol(self.data)
         return self._eol
 
     def spend(self, steps: int) -> None:

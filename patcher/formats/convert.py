@@ -15,6 +15,7 @@ from difflib import SequenceMatcher
 
 from patcher.formats.envelope import parse_envelope
 from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied, UnsupportedPatch
+from patcher.lines import dominant_eol
 from patcher.matching import apply_hunks, chomp, eol_of, split_lines
 from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Hunk
 from patcher.formats.unified import parse_unified
@@ -33,11 +34,6 @@ class Conversion:
     unified: bytes
     skipped: tuple[tuple[str, str], ...]
     files: int
-
-
-def _dominant(data: bytes) -> bytes:
-    crlf = data.count(b"\r\n")
-    return b"\r\n" if crlf > data.count(b"\n") - crlf else b"\n"
 
 
 def _blocks(diff: bytes) -> list[bytes]:
@@ -165,7 +161,7 @@ def _fit(edit: FileEdit, old_content: bytes) -> list[bytes]:
     """The file section for ``edit`` whose hunks each match ``old_content`` exactly once."""
     file = split_lines(old_content)
     target = apply_hunks(old_content, edit.hunks, path=edit.path).content
-    eol = _dominant(old_content)
+    eol = dominant_eol(old_content)
     regions: list[_Region] = []
     for h in edit.hunks:
         assert h.old_start is not None

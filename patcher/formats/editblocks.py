@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 
-from patcher.formats.detection import WHOLE_KEYS, json_items, looks_search_replace, looks_str_replace
+from patcher.formats.detection import json_items, looks_search_replace, looks_str_replace
 from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, ParseError, PartiallyApplied
 from patcher.formats import Format
 from patcher.budget import current_budget
 from patcher.grades import STRICT, refuse_inexact
 from patcher.indentation import LOOSE_INDENT_GRADES
+from patcher.lines import dominant_eol
 from patcher.matching import apply_hunks, capped_candidates, chomp, shown_lines, split_lines
 from patcher.model import AppliedFile, FileEdit, Hunk, Patch
 
@@ -44,7 +45,6 @@ _FENCE = re.compile(rb"\s*(```|~~~).*")
 
 _SHOWN = 20  # line numbers an ambiguous match lists (patcher.matching's)
 _STR_KEYS = {"path", "old", "new", "old_str", "new_str"}
-_WHOLE_KEYS = WHOLE_KEYS
 
 
 # --------------------------------------------------------------------------- search/replace blocks
@@ -210,21 +210,11 @@ def _with_index(exc: ContextNotFound | AmbiguousMatch | IndentationMismatch,
     return type(exc)(message, details=details)
 
 
-def _eol(data: bytes) -> bytes:
-    crlf = data.count(b"\r\n")
-    return b"\r\n" if crlf > data.count(b"\n") - crlf else b"\n"
-
-
-def _joined(lines: Sequence[bytes], eol: bytes) -> bytes:
-    return eol.join(lines)
-
-
 def _substring(content: bytes, hunk: Hunk) -> tuple[str, bytes | None, list[int]]:
     """Exact substring lookup: ``("applies", new content, [line])``, ``("ambiguous", None, lines)``,
     ``("present", None, [line])`` or ``("missing", None, [])``."""
-    eol = _eol(content)
-    old = _joined(hunk.old_lines, eol)
-    new = _joined(hunk.new_lines, eol)
+    eol = dominant_eol(content)
+    old, new = eol.join(hunk.old_lines), eol.join(hunk.new_lines)
     if not old:
         return "missing", None, []
     starts: list[int] = []
@@ -263,7 +253,7 @@ def _substring(content: bytes, hunk: Hunk) -> tuple[str, bytes | None, list[int]
 
 def _whole_lines(content: bytes, hunk: Hunk) -> bool:
     """Whether the old text's one occurrence is whole lines but for leading whitespace."""
-    old = _joined(hunk.old_lines, _eol(content))
+    old = dominant_eol(content).join(hunk.old_lines)
     at = content.find(old)
     begin = content.rfind(b"\n", 0, at) + 1
     end = at + len(old)
@@ -301,7 +291,7 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
         finally:
             STRICT.reset(token)
         if lined is not None and lined.grades and lined.grades[0] in ("exact", "rstrip"):
-            chosen: tuple[str, AppliedFile] = ("lines", lined)
+            result = lined
         else:
             state, new_content, lines = _substring(content, hunk)
             if (state == "applies" and lined is not None and lined.grades
@@ -312,9 +302,9 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
                 # the first would be.
                 state = "lines"
             if state == "applies" and new_content is not None:
-                chosen = ("substring", AppliedFile(new_content, ("substring",)))
+                result = AppliedFile(new_content, ("substring",))
             elif lined is not None:
-                chosen = ("lines", lined)
+                result = lined
             elif state == "ambiguous":
                 raise AmbiguousMatch(
                     f"hunk {index} of '{path}' does not apply: its text occurs at lines "
@@ -325,7 +315,7 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
                              **capped_candidates(lines), "sequential": True},
                 )
             elif state == "present":
-                chosen = ("lines", AppliedFile(content, ("substring",), already_applied=True))
+                result = AppliedFile(content, ("substring",), already_applied=True)
             else:
                 if mismatch is not None:
                     raise _with_index(mismatch, index) from None
@@ -335,7 +325,6 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
                     failure.message += (f"; its new text is already at line {lines[0]}: if this edit was "
                                         f"applied before, nothing is left to do")
                 raise _with_index(failure, index) from None
-        result = chosen[1]
         grades.append(result.grades[0] if result.grades else "exact")
         if result.already_applied:
             present.append(index)

@@ -11,7 +11,7 @@ import binascii
 from typing import Any
 
 
-from patcher.formats.detection import EDIT_KEYS, json_items, looks_whole_file
+from patcher.formats.detection import json_items, looks_whole_file
 from patcher.errors import ParseError
 from patcher.formats import Format
 from patcher.model import MODE_EXEC, MODE_FILE, FileEdit, Patch
@@ -21,7 +21,6 @@ __all__ = ["WHOLE_FILE", "looks_whole_file", "parse_whole_file", "FORMATS"]
 WHOLE_FILE = "whole_file"
 
 _KEYS = {"path", "content", "content_b64", "delete", "mode"}
-_EDIT_KEYS = EDIT_KEYS
 _MODES = {
     "100644": MODE_FILE, "644": MODE_FILE, "0644": MODE_FILE,
     "100755": MODE_EXEC, "755": MODE_EXEC, "0755": MODE_EXEC,
