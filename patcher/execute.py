@@ -36,30 +36,34 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
 from cas.errors import (DurableWriteError, GitStoreError, ObjectsMissing, OncepatchError, RefLockedError,
                         RefMovedError, UsageError)
-from cas.gitdir import read_head
+from cas.gitdir import all_worktrees, read_head, worktrees_on
+from cas.hashing import sha256_hex
+from cas.index_lock import IndexLock
 from cas.objects import GitStore, open_store
+from cas.worktree import dirty_paths
 from receipts.engine import Call, after_effect, pause_point
-from receipts.errors import FencedOff, IdempotencyConflict
+from receipts.errors import FencedOff, IdempotencyConflict, InProgress
+from receipts.flock import flocked
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.args import CallArgs
-from patcher.errors import Conflict, PatchError
+from patcher.check import run_check
+from patcher.errors import Conflict, DirtyPath, PatchError, UnsafePath
 from patcher.formats import parse_patch
+from patcher.git_adapter import GitAdapter
 from patcher.grades import grade_warnings
 from patcher.markers import ref_lock_marker
 from patcher.model import Patch
 from patcher.outcome import KEY_REF_PREFIX, ApplyResult, foreign_error, replay_final
-
-if TYPE_CHECKING:
-    from cas.index_lock import IndexLock
-    from patcher.stage import Staged, StagePlan
-    from patcher.worktrees import IndexesAhead
+from patcher.stage import Staged, StagePlan, plan_stage, stage, touched_paths, write_stage
+from patcher.worktrees import (IndexesAhead, check_worktrees, hold_index_locks, materialise_all, prefetch_indexes,
+                               release_index_locks, settle_dead_calls)
 
 __all__ = ["locked_apply", "MAX_RESTAGE_ROUNDS"]
 
@@ -81,10 +85,6 @@ def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str, timeout: f
     its holder dies, and a call that cannot get it within ``timeout`` (the call's
     lock timeout; its holder is stopped, say) goes ahead without it.
     """
-    from cas.hashing import sha256_hex
-    from receipts.errors import InProgress
-    from receipts.flock import flocked
-
     os.makedirs(rstore.locks_dir, exist_ok=True)
     name = "branch-" + sha256_hex(f"{gstore.common_dir}\0{branch}".encode()) + ".lock"
     turn = flocked(os.path.join(rstore.locks_dir, name), timeout)
@@ -106,8 +106,6 @@ def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout:
     Raises:
         OncepatchError: a subclass with the envelope fields, carrying the call's key.
     """
-    from patcher.git_adapter import GitAdapter
-
     pre: _PreCheck | None = None
     if call.previous is None:
         # First call: every input error is found before the lock is taken, so a
@@ -190,9 +188,6 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore, lock
     (Unless a dead call's ``index.lock`` is met: that call is settled first, see
     :func:`patcher.worktrees.settle_dead_calls`.)
     """
-    from patcher.stage import plan_stage, touched_paths
-    from patcher.worktrees import check_worktrees, prefetch_indexes, settle_dead_calls
-
     parsed = parse_patch(args.patch, args.format)
     _refuse_store_paths(args, rstore.root, touched_paths(parsed))
     gstore = open_store(args.where, stores)
@@ -218,9 +213,6 @@ def _refuse_store_paths(args: CallArgs, store_root: str, paths: list[str]) -> No
     Raises:
         UnsafePath: a touched path is the store's folder, lies in it, or is a folder above it.
     """
-    from cas.gitdir import all_worktrees
-    from patcher.errors import UnsafePath
-
     store = os.path.realpath(store_root)
     if store.startswith(args.layout.common_dir + "/"):
         return  # the default store, inside the git dir: no worktree is there (nor any look at them per call)
@@ -266,8 +258,6 @@ def _branch_head(gstore: GitStore, args: CallArgs) -> str | None:
 
 def _execute(run: _Run, pre: _PreCheck | None) -> ApplyResult:
     """The steps, in order (module docstring)."""
-    from patcher.stage import write_stage
-
     _open(run, pre)
     plan = _plan(run, pre)
     base = plan.base_commit
@@ -288,8 +278,6 @@ def _execute(run: _Run, pre: _PreCheck | None) -> ApplyResult:
 
 def _open(run: _Run, pre: _PreCheck | None) -> None:
     """Decode the patch (the pre-check's, if any), refuse unsafe paths, open the repository."""
-    from patcher.stage import touched_paths
-
     args = run.args
     run.patch = pre.patch if pre is not None else parse_patch(args.patch, args.format)
     run.paths = touched_paths(run.patch)
@@ -304,9 +292,6 @@ def _open(run: _Run, pre: _PreCheck | None) -> None:
 
 def _plan(run: _Run, pre: _PreCheck | None) -> StagePlan:
     """The change against the branch's head now (the pre-check's, if the head is the same), worktrees checked."""
-    from patcher.stage import plan_stage
-    from patcher.worktrees import check_worktrees, settle_dead_calls
-
     gstore, args = run.gstore, run.args
     # Under the key lock: a call of this store that holds the key has written its
     # receipt by the time the lock is ours (read by the engine, and replayed).
@@ -331,8 +316,6 @@ def _check_candidate(run: _Run, base: str | None, candidate: str) -> None:
     """
     if run.args.check is None:
         return
-    from patcher.check import run_check
-
     run.gstore.flush_objects()  # git checks the candidate out: its objects must be on disk
     run_check(run.rstore, run.gstore, candidate, run.args.check, key=run.key, timeout=run.check_timeout,
               on_fail=lambda err: _reject(run, err, base, candidate))
@@ -351,8 +334,6 @@ def _prepare(run: _Run, base: str | None, candidate: str, staged: Staged) -> Non
 
 def _land(run: _Run, staged: Staged) -> tuple[Staged, list[str]]:
     """Move the branch and bring its worktrees along, under their index locks; return what landed and warnings."""
-    from patcher.worktrees import IndexesAhead
-
     held = _hold_index_locks(run)
     ahead = IndexesAhead(run.gstore, held, run.paths)
     materialised = False
@@ -381,8 +362,6 @@ def _hold_index_locks(run: _Run) -> dict[str, IndexLock]:
     Raises:
         RefLockedError: an index lock is held by someone else.
     """
-    from patcher.worktrees import hold_index_locks, settle_dead_calls
-
     try:
         return hold_index_locks(run.rstore, run.worktrees, run.key, run.lock_timeout,
                                 on_dead=settle_dead_calls(run.rstore, run.stores, run.key))
@@ -448,8 +427,6 @@ def _materialise(run: _Run, held: dict[str, IndexLock]) -> list[str]:
     Raises:
         RefUpdateUnknown: the move's own sync failed in a worktree's round (receipt ``unknown``).
     """
-    from patcher.worktrees import materialise_all
-
     gstore = run.gstore
     try:
         warnings = materialise_all(gstore, run.rstore, run.worktrees, run.args.branch, run.paths, run.key, held,
@@ -537,8 +514,6 @@ def _settle_and_release(ahead: IndexesAhead, held: dict[str, IndexLock], materia
     Raises:
         GitStoreError: an index could not be settled, and the call had not failed.
     """
-    from patcher.worktrees import release_index_locks
-
     try:
         ahead.settle(materialised, moved)
     except Exception as exc:
@@ -560,9 +535,6 @@ def _dirty_again(gstore: GitStore, worktrees: list[tuple[str, str]], branch: str
     Raises:
         DirtyPath: a touched path differs from the base there now.
     """
-    from cas.worktree import dirty_paths
-    from patcher.errors import DirtyPath
-
     tree = gstore.commit_tree(base) if base else None
     for workdir, _git_dir in worktrees:
         dirty = dirty_paths(gstore, workdir, paths, tree)
@@ -595,8 +567,6 @@ def _check_key_ref_free(gstore: GitStore, key: str) -> None:
 
 
 def _worktrees_now(gstore: GitStore, branch: str) -> list[tuple[str, str]]:
-    from cas.gitdir import worktrees_on
-
     return sorted(worktrees_on(gstore.common_dir, branch, gstore.main_workdir))
 
 
@@ -704,8 +674,6 @@ def _restage(run: _Run, new_base: str | None, rounds: int) -> Staged:
             a patch that no longer applies or is already in the new head.
         FencedOff: another process took the key over or settled this attempt.
     """
-    from patcher.stage import stage
-
     args, paths = run.args, run.paths
     conflict: OncepatchError | None = None
     new_candidate: str | None = None
