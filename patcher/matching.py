@@ -57,18 +57,9 @@ class _Loc:
     positions: tuple[int, ...]
 
 
-def _locate(
-    f: _File,
-    seq: Sequence[bytes],
-    *,
-    agnostic: bool,
-    lo: int,
-    expected: int | None,
-    starts: Sequence[int] | None,
-    at_eof: bool,
-    at_start: bool = False,
-    grades: Sequence[str] = GRADES,
-) -> _Loc | None:
+def _locate(f: _File, seq: Sequence[bytes], *, agnostic: bool, lo: int, expected: int | None,
+            starts: Sequence[int] | None, at_eof: bool, at_start: bool = False,
+            grades: Sequence[str] = GRADES) -> _Loc | None:
     """Find the non-empty ``seq`` in ``f`` at or after ``lo`` (rules: module docstring)."""
     n, m = len(f.lines), len(seq)
     last = n - m
@@ -84,12 +75,8 @@ def _locate(
                 return _Loc(grade, (pos,))
             continue
         # Fast path, and the rule "the stated position wins": O(hunk) when it matches.
-        if (
-            expected is not None
-            and starts is None
-            and lo <= expected <= last
-            and f.match_at(grade, agnostic, expected, hkeys)
-        ):
+        if expected is not None and starts is None and lo <= expected <= last and f.match_at(
+                grade, agnostic, expected, hkeys):
             return _Loc(grade, (expected,))
         cands = f.scan(grade, agnostic, hkeys, lo)
         if not cands:
@@ -170,9 +157,7 @@ class _Verdict:
 class _Failure(Exception):
     """Internal: a hunk cannot be placed; turned into a public error with details by the caller."""
 
-    def __init__(
-        self, kind: type[ContextNotFound | AmbiguousMatch], reason: str, **extra: Any
-    ) -> None:
+    def __init__(self, kind: type[ContextNotFound | AmbiguousMatch], reason: str, **extra: Any) -> None:
         super().__init__(reason)
         self.kind = kind
         self.reason = reason
@@ -188,27 +173,17 @@ def _judge(f: _File, hunk: Hunk, lo: int, carry: int, shift: int = 0) -> _Verdic
         _Failure: a scope is missing, an insertion point is outside the file, or
             the old side is ambiguous (and the new side not found more strictly).
     """
-    agnostic = hunk.eol_agnostic
     starts: list[int] | None = None
     if hunk.scopes:
         starts, missing_scope = _resolve_scopes(f, hunk.scopes, lo)
         if missing_scope is not None or not starts:
             shown = chomp(missing_scope or b"").decode("utf-8", "replace")
-            raise _Failure(
-                ContextNotFound,
-                f"scope '{shown}' not found (tried {', '.join(GRADES)})",
-                scope=shown,
-            )
+            raise _Failure(ContextNotFound, f"scope '{shown}' not found (tried {', '.join(GRADES)})", scope=shown)
     if not hunk.old_lines:
         return _Verdict("applies", _insertion_point(f, hunk, lo, carry, starts))
     expected = None if hunk.old_start is None else hunk.old_start - 1 + carry
-    kw: dict[str, Any] = {
-        "agnostic": agnostic,
-        "lo": lo,
-        "expected": expected,
-        "starts": starts,
-        "at_eof": hunk.at_eof,
-    }
+    kw: dict[str, Any] = {"agnostic": hunk.eol_agnostic, "lo": lo, "expected": expected, "starts": starts,
+                          "at_eof": hunk.at_eof}
     if not (hunk.prefer_start or hunk.prefer_eof):
         return _judge_at(f, hunk, kw, shift)
     # Where git would anchor it first: there it applies, or is present, before anywhere
@@ -294,13 +269,10 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
         where = "at end of file " if kw["at_eof"] else ""
         return _Verdict("missing", reason=f"context not found {where}(tried {', '.join(GRADES)})")
     if len(old.positions) > 1:
-        raise _Failure(
-            AmbiguousMatch,
-            f"context matches at lines {shown_lines([p + 1 for p in old.positions])} (grade {old.grade}); "
-            "add context to make it unique",
-            **capped_candidates([p + 1 for p in old.positions]),
-            grade_tried=list(GRADES[: GRADES.index(old.grade) + 1]),
-        )
+        raise _Failure(AmbiguousMatch, f"context matches at lines {shown_lines([p + 1 for p in old.positions])} "
+                       f"(grade {old.grade}); add context to make it unique",
+                       **capped_candidates([p + 1 for p in old.positions]),
+                       grade_tried=list(GRADES[: GRADES.index(old.grade) + 1]))
     return _Verdict("applies", old.positions[0], old.grade)
 
 
@@ -341,21 +313,14 @@ def _insertion_point(f: _File, hunk: Hunk, lo: int, carry: int, starts: list[int
         if hunk.at_eof:
             return n
         if len(starts) > 1:
-            raise _Failure(
-                AmbiguousMatch,
-                "insertion point is ambiguous: the scope occurs at several places",
-                **capped_candidates(starts),
-                grade_tried=list(GRADES),
-            )
+            raise _Failure(AmbiguousMatch, "insertion point is ambiguous: the scope occurs at several places",
+                           **capped_candidates(starts), grade_tried=list(GRADES))
         return max(starts[0], lo)
     if hunk.old_start is None or hunk.at_eof:
         return n
     pos = hunk.old_start + carry
     if not lo <= pos <= n:
-        raise _Failure(
-            ContextNotFound,
-            f"insertion after line {hunk.old_start} is outside the file ({n} lines)",
-        )
+        raise _Failure(ContextNotFound, f"insertion after line {hunk.old_start} is outside the file ({n} lines)")
     return pos
 
 
@@ -505,16 +470,10 @@ def _text(line: bytes) -> str:
     return chomp(line).decode("utf-8", "replace")
 
 
-def _error(
-    f: _File, hunk: Hunk, index: int, path: str, lo: int, expected: int | None, failure: _Failure
-) -> ContextNotFound | AmbiguousMatch:
-    details: dict[str, Any] = {
-        "path": path,
-        "hunk": index + 1,
-        "hunk_header": hunk.header,
-        "expected": "\n".join(_text(x) for x in hunk.old_lines[:3]),
-        "grade_tried": list(GRADES),
-    }
+def _error(f: _File, hunk: Hunk, index: int, path: str, lo: int, expected: int | None,
+           failure: _Failure) -> ContextNotFound | AmbiguousMatch:
+    details: dict[str, Any] = {"path": path, "hunk": index + 1, "hunk_header": hunk.header,
+                               "expected": "\n".join(_text(x) for x in hunk.old_lines[:3]), "grade_tried": list(GRADES)}
     details.update(failure.extra)
     details["closest"] = closest(f, hunk.old_lines, lo if expected is None else expected)
     message = f"hunk {index + 1} of '{path}' does not apply: {failure.reason}"
@@ -575,21 +534,18 @@ def _apply(f: _File, original: bytes, hunks: Sequence[Hunk], path: str) -> Appli
             verdict = _judge(f, hunk, lo, carry, shift)
         except _Failure as failure:
             raise _error(f, hunk, index, path, lo, expected, failure) from None
+        placed = verdict
         if verdict.state == "missing":
             earlier = _out_of_order(f, hunk, spans) if hunk.old_start is None and lo > 0 else None
             if earlier is None:
-                raise _error(
-                    f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason)
-                )
-            plan.append((hunk, earlier))
-            insort(spans, _span(hunk, earlier))
-            if earlier.state == "applies":
-                shift += len(hunk.new_lines) - len(hunk.old_lines)
-            continue  # placed before an earlier hunk: where the next one may start stays
-        plan.append((hunk, verdict))
-        insort(spans, _span(hunk, verdict))
-        if verdict.state == "applies":
+                raise _error(f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason))
+            placed = earlier
+        plan.append((hunk, placed))
+        insort(spans, _span(hunk, placed))
+        if placed.state == "applies":
             shift += len(hunk.new_lines) - len(hunk.old_lines)
+        if placed is not verdict:
+            continue  # placed before an earlier hunk: where the next one may start stays
         size = len(hunk.old_lines if verdict.state == "applies" else hunk.new_lines)
         lo = verdict.pos + size
         if hunk.old_start is not None and hunk.old_lines:
@@ -605,8 +561,6 @@ def _apply(f: _File, original: bytes, hunks: Sequence[Hunk], path: str) -> Appli
     if len(present) == len(plan):
         return AppliedFile(content=original, grades=grades, already_applied=True)
     missing = [i + 1 for i, (_, v) in enumerate(plan) if v.state == "applies"]
-    raise PartiallyApplied(
-        f"patch is partially applied to '{path}': hunks {', '.join(map(str, present))} "
-        f"already present, hunks {', '.join(map(str, missing))} not",
-        details={"path": path, "applied_hunks": present, "missing_hunks": missing},
-    )
+    raise PartiallyApplied(f"patch is partially applied to '{path}': hunks {', '.join(map(str, present))} "
+                           f"already present, hunks {', '.join(map(str, missing))} not",
+                           details={"path": path, "applied_hunks": present, "missing_hunks": missing})
