@@ -62,28 +62,28 @@ def _exact_needed(old: Sequence[bytes], new: Sequence[bytes]) -> bool:
 def _hunk_body(old: Sequence[bytes], new: Sequence[bytes]) -> list[bytes]:
     """The `` ``/``-``/``+`` lines of one envelope hunk (old and new lines carry their terminators)."""
     exact = _exact_needed(old, new)
-
-    def text(line: bytes) -> bytes:
-        return line[:-1] if exact and line.endswith(b"\n") else line if exact else chomp(line)
-
-    def emit(prefix: bytes, line: bytes) -> list[bytes]:
-        out = [prefix + text(line) + b"\n"]
-        if exact and not line.endswith(b"\n"):
-            out.append(_NO_NEWLINE)
-        return out
-
     keys_old = list(old) if exact else [chomp(x) for x in old]
     keys_new = list(new) if exact else [chomp(x) for x in new]
+    return _diff_lines(SequenceMatcher(None, keys_old, keys_new, autojunk=False).get_opcodes(), old, new, exact)
+
+
+def _emit(prefix: bytes, line: bytes, exact: bool = True) -> list[bytes]:
+    """One diff line (``exact``: its terminator kept, a missing one marked; else the line's own dropped)."""
+    if not exact:
+        return [prefix + chomp(line) + b"\n"]
+    return [prefix + line] if line.endswith(b"\n") else [prefix + line + b"\n", _NO_NEWLINE]
+
+
+def _diff_lines(opcodes: Sequence[tuple[str, int, int, int, int]], old: Sequence[bytes], new: Sequence[bytes],
+                exact: bool = True) -> list[bytes]:
+    """The `` ``/``-``/``+`` lines of ``opcodes`` (:meth:`difflib.SequenceMatcher.get_opcodes`)."""
     body: list[bytes] = []
-    for tag, a0, a1, b0, b1 in SequenceMatcher(None, keys_old, keys_new, autojunk=False).get_opcodes():
-        if tag == "equal":
-            for line in old[a0:a1]:
-                body += emit(b" ", line)
-            continue
+    for tag, a0, a1, b0, b1 in opcodes:
         for line in old[a0:a1]:
-            body += emit(b"-", line)
-        for line in new[b0:b1]:
-            body += emit(b"+", line)
+            body += _emit(b" " if tag == "equal" else b"-", line, exact)
+        if tag != "equal":
+            for line in new[b0:b1]:
+                body += _emit(b"+", line, exact)
     return body
 
 
@@ -293,12 +293,6 @@ def _range(start: int, length: int) -> bytes:
     return b"%d" % first if length == 1 else b"%d,%d" % (first, length)
 
 
-def _emit(prefix: bytes, line: bytes) -> list[bytes]:
-    if line.endswith(b"\n"):
-        return [prefix + line]
-    return [prefix + line + b"\n", _NO_NEWLINE]
-
-
 def make_unified(path: str, old: bytes | None, new: bytes | None, *, context: int = 3) -> bytes:
     """A git-style unified diff of one file (``old``/``new`` ``None``: the file is added/deleted)."""
     name = path.encode("utf-8", "surrogateescape")
@@ -318,13 +312,5 @@ def make_unified(path: str, old: bytes | None, new: bytes | None, *, context: in
     for group in SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(context):
         i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
         body.append(b"@@ -" + _range(i1, i2 - i1) + b" +" + _range(j1, j2 - j1) + b" @@\n")
-        for tag, a0, a1, b0, b1 in group:
-            if tag == "equal":
-                for line in a[a0:a1]:
-                    body += _emit(b" ", line)
-                continue
-            for line in a[a0:a1]:
-                body += _emit(b"-", line)
-            for line in b[b0:b1]:
-                body += _emit(b"+", line)
+        body += _diff_lines(group, a, b)
     return b"".join(head + body)
