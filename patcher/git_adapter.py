@@ -41,6 +41,7 @@ from cas.pids import gone
 from cas.index_lock import break_dead_own_index_lock, dead_own_index_lock, update_index
 from cas.worktree import index_matches, materialise, worktree_files_match
 from receipts.adapter import QueryResult
+from receipts.adapters import builtin_adapters
 from receipts.errors import CorruptReceipt
 from receipts.flock import file_lock
 from receipts.identity import key_hash
@@ -64,10 +65,8 @@ def adapters(rstore: ReceiptStore, stores: dict[str, Any] | None = None, *,
     its tool's adapter).  ``read_only``: a stale lock is only reported;
     ``lock_timeout``: how long git's locks are waited for (the default's when ``None``).
     """
-    from receipts.adapters import builtin_adapters
-
-    git = (GitAdapter(rstore, stores, read_only=read_only) if lock_timeout is None
-           else GitAdapter(rstore, stores, read_only=read_only, lock_timeout=lock_timeout))
+    git = GitAdapter(rstore, stores, read_only=read_only,
+                     lock_timeout=DEFAULT_LOCK_TIMEOUT if lock_timeout is None else lock_timeout)
     return {**builtin_adapters(), git.tool: git}
 
 
@@ -137,7 +136,7 @@ class GitAdapter:
         older than the marker the owner wrote just before locking (the branch), or
         it is the lock of a key ref that does not exist (only oncepatch writes one).
         """
-        branch = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
+        branch = _branch_of(receipt)
         candidate = receipt.candidate or ""
         marker = ref_lock_marker(self._rstore, receipt.key) if self._rstore is not None else None
         try:
@@ -181,7 +180,7 @@ class GitAdapter:
         gstore = self._store(receipt)
         notes: list[str] = []
         self._remove_own_stale_locks(gstore, receipt, notes)
-        branch = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
+        branch = _branch_of(receipt)
         key_ref = KEY_REF_PREFIX + key_hash(receipt.key)
         by_key_ref = gstore.resolve(key_ref) == candidate
         if gstore.has_object(candidate):
@@ -223,7 +222,7 @@ class GitAdapter:
         if gstore.resolve(key_ref) is None:
             gstore.create_key_ref(key_ref, candidate, f"oncepatch recover: {receipt.call_id}")
             done.append(f"created '{key_ref}'")
-        branch = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
+        branch = _branch_of(receipt)
         tip = gstore.resolve(branch)
         if tip is None:
             return done
@@ -244,13 +243,13 @@ class GitAdapter:
             for path in touched:
                 want = gstore.lookup_file(tip_tree, path)
                 was = gstore.lookup_file(base_tree, path)
-                if _matches(gstore, workdir, path, want) and _index_matches(workdir, path, want):
+                if _matches(gstore, workdir, path, (want,)) and _index_matches(workdir, path, (want,)):
                     continue
-                if _matches_any(gstore, workdir, path, (was, want)) and _index_any(workdir, path, (was, want)):
+                if _matches(gstore, workdir, path, (was, want)) and _index_matches(workdir, path, (was, want)):
                     stale[path] = want
                 else:
                     left.append(path)
-                    if was != want and _index_matches(workdir, path, was):
+                    if was != want and _index_matches(workdir, path, (was,)):
                         # The file was edited since the crash: it is kept.  The index
                         # still holds the base, a staged revert of the commit that
                         # the next 'git commit' would make; it gets the commit's entry.
@@ -326,7 +325,6 @@ class GitAdapter:
         the ref points at its commit); any other key ref — no receipt (a store
         deleted or emptied), or a receipt that says it never committed — is a failure.
         """
-        from cas.errors import GitStoreError, UsageError
         places: dict[str, str] = {}
         home = _store_home(rstore)
         if home is not None:
@@ -500,6 +498,10 @@ class GitAdapter:
         return list(dict.fromkeys(removed))  # a lock found both ways is listed once
 
 
+def _branch_of(receipt: Receipt) -> str:
+    return str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
+
+
 def _stop_processes_in(folder: str) -> None:
     """SIGKILL every process of this host whose working folder lies in ``folder`` (a dead call's check).
 
@@ -568,8 +570,6 @@ def _pid_of_tmp(rest: str) -> int | None:
 def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:
     """Where cas leaves tmp files of its own in a git dir: beside the index (``index.optmp-<pid>…``,
     ``.index.lock.optmp-<pid>``).  (libgit2's tmp files of objects: :func:`_remove_old_object_tmp_files`.)"""
-    from cas.durable import TMP_MARK
-
     real = os.path.realpath(git_dir)
     return [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}")]
 
@@ -732,17 +732,11 @@ def _try_lock_hash(rstore: ReceiptStore, h: str) -> Any:
     return lk
 
 
-def _matches(gstore: GitStore, workdir: str, path: str, entry: TreeEntry | None) -> bool:
-    return worktree_files_match(gstore, workdir, {path: entry})
+def _matches(gstore: GitStore, workdir: str, path: str, entries: tuple[TreeEntry | None, ...]) -> bool:
+    """Whether the worktree's file at ``path`` is one of ``entries`` (``None``: no file)."""
+    return any(worktree_files_match(gstore, workdir, {path: e}) for e in entries)
 
 
-def _matches_any(gstore: GitStore, workdir: str, path: str, entries: tuple[TreeEntry | None, ...]) -> bool:
-    return any(_matches(gstore, workdir, path, e) for e in entries)
-
-
-def _index_matches(workdir: str, path: str, entry: TreeEntry | None) -> bool:
-    return index_matches(workdir, {path: entry})
-
-
-def _index_any(workdir: str, path: str, entries: tuple[TreeEntry | None, ...]) -> bool:
-    return any(_index_matches(workdir, path, e) for e in entries)
+def _index_matches(workdir: str, path: str, entries: tuple[TreeEntry | None, ...]) -> bool:
+    """Whether the index's entry of ``path`` is one of ``entries``."""
+    return any(index_matches(workdir, {path: e}) for e in entries)
