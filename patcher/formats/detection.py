@@ -14,15 +14,8 @@ from typing import Any
 
 from receipts import jsonio
 
-__all__ = [
-    "DETECTORS",
-    "json_items",
-    "looks_unified",
-    "looks_envelope",
-    "looks_search_replace",
-    "looks_str_replace",
-    "looks_whole_file",
-]
+__all__ = ["DETECTORS", "json_items", "looks_unified", "looks_envelope", "looks_search_replace", "looks_str_replace",
+           "looks_whole_file"]
 
 #: The patterns each test is, in full.  They are compiled when a patch needs them: the
 #: cheap checks in each test settle what agents send without them (a replay's start-up

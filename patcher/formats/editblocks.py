@@ -24,16 +24,8 @@ from patcher.lines import dominant_eol
 from patcher.matching import apply_hunks, capped_candidates, chomp, shown_lines, split_lines
 from patcher.model import AppliedFile, FileEdit, Hunk, Patch
 
-__all__ = [
-    "SEARCH_REPLACE",
-    "STR_REPLACE",
-    "looks_search_replace",
-    "parse_search_replace",
-    "looks_str_replace",
-    "parse_str_replace",
-    "apply_sequential",
-    "FORMATS",
-]
+__all__ = ["SEARCH_REPLACE", "STR_REPLACE", "looks_search_replace", "parse_search_replace", "looks_str_replace",
+           "parse_str_replace", "apply_sequential", "FORMATS"]
 
 SEARCH_REPLACE = "search_replace"
 STR_REPLACE = "str_replace"
