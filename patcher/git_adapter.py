@@ -452,43 +452,33 @@ class GitAdapter:
         except FileNotFoundError:
             return list(dict.fromkeys(removed))  # a linked worktree's common dir is listed once
         for name in names:
-            if name.startswith("ref-lock-"):
-                # Its stale ref locks are handled by query() under the key lock; an
-                # orphan marker (the call failed cleanly or was settled) is just removed.
-                h = name[len("ref-lock-"):]
-                lk = _try_lock_hash(rstore, h)
-                if lk is not None:
-                    try:
-                        marker = os.path.join(rstore.tmp_dir, name)
-                        if rstore.read_hash(h) is None or not _unresolved(rstore, h):
-                            removed.append(marker)
-                            if not dry_run:
-                                with contextlib.suppress(FileNotFoundError):
-                                    os.unlink(marker)
-                    finally:
-                        lk.release()
-                continue
-            if not name.startswith("index-lock-"):
+            kind, _, h = name.partition("-lock-")
+            if kind not in ("ref", "index"):
                 continue
             marker = os.path.join(rstore.tmp_dir, name)
-            h = name[len("index-lock-"):]
-            if _unresolved(rstore, h):
+            if kind == "index" and _unresolved(rstore, h):
                 continue  # protected (see above); settled by a later recover, then removed
             lk = _try_lock_hash(rstore, h)
             if lk is None:
-                continue  # its owner is alive and may hold the index lock right now
+                continue  # its owner is alive (and may hold the index lock right now)
             try:
-                try:
-                    with open(marker, "rb") as fh:
-                        index_lock = fh.read().decode("utf-8", "surrogateescape").strip()
-                except FileNotFoundError:
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    if index_lock.endswith("index.lock") and dead_own_index_lock(index_lock):
-                        # cas breaks it under the folder's flock (a bare unlink could hit a
-                        # live call's lock created in its place since the read).
-                        if dry_run or break_dead_own_index_lock(index_lock):
-                            removed.append(index_lock)
+                if kind == "ref":
+                    # Its stale ref locks are handled by query() under the key lock; an
+                    # orphan marker (the call failed cleanly or was settled) is just removed.
+                    if rstore.read_hash(h) is not None and _unresolved(rstore, h):
+                        continue
+                else:
+                    try:
+                        with open(marker, "rb") as fh:
+                            index_lock = fh.read().decode("utf-8", "surrogateescape").strip()
+                    except FileNotFoundError:
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        if index_lock.endswith("index.lock") and dead_own_index_lock(index_lock):
+                            # cas breaks it under the folder's flock (a bare unlink could hit a
+                            # live call's lock created in its place since the read).
+                            if dry_run or break_dead_own_index_lock(index_lock):
+                                removed.append(index_lock)
                 removed.append(marker)
                 if not dry_run:
                     with contextlib.suppress(FileNotFoundError):
