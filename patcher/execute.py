@@ -21,13 +21,7 @@ one function per step, in the order :func:`_execute` runs them:
 6. :func:`_finalise`: the key ref and the ``committed`` receipt, one batch
    (``before-receipt-replace``).
 
-The crash points armed on the way are the ones
-``tests/integration/test_crash_matrix.py`` predicts; the pause points
-(``ONCEPATCH_PAUSE_AT``, :func:`receipts.engine.pause_point`) are
-``after-prepare`` and ``before-finalise`` (the engine's), ``before-ref``
-(after the fence check made without locks, before the branch's locks) and
-``after-ref`` (the branch moved; the worktrees' index locks still held, their
-files not yet written).
+The crash and pause points armed on the way: docs/DESIGN.md section 4.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cas.crash import crash_hook, crash_point
@@ -143,28 +137,24 @@ def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout:
         raise foreign_error(exc, effect_status="unknown", next_action="query_before_retry", key=call.key) from exc
 
 
+@dataclass(slots=True)
 class _Run:
     """What the steps of one execution share (under the key's lock)."""
 
-    __slots__ = ("call", "args", "stores", "check_timeout", "lock_timeout", "gstore", "patch", "paths", "message",
-                 "worktrees", "branch")
-
-    def __init__(self, call: Call, args: CallArgs, stores: dict[str, Any] | None, check_timeout: float,
-                 lock_timeout: float) -> None:
-        self.call = call
-        self.args = args
-        self.stores = stores
-        self.check_timeout = check_timeout
-        self.lock_timeout = lock_timeout  # every lock of the call is waited for this long
-        self.gstore: GitStore
-        self.patch: Patch
-        self.paths: list[str]
-        self.message: str
-        self.worktrees: list[tuple[str, str]] = []
-        #: What is known of the branch: ``untouched`` (provably not moved by this call),
-        #: ``swapping`` (the move was under way when it failed: only a query can tell)
-        #: or ``moved``.  :func:`_truthful` builds the failed call's envelope from it.
-        self.branch = "untouched"
+    call: Call
+    args: CallArgs
+    stores: dict[str, Any] | None
+    check_timeout: float
+    lock_timeout: float  # every lock of the call is waited for this long
+    gstore: GitStore = field(init=False)
+    patch: Patch = field(init=False)
+    paths: list[str] = field(init=False)
+    message: str = field(init=False)
+    worktrees: list[tuple[str, str]] = field(default_factory=list)
+    #: What is known of the branch: ``untouched`` (provably not moved by this call),
+    #: ``swapping`` (the move was under way when it failed: only a query can tell)
+    #: or ``moved``.  :func:`_truthful` builds the failed call's envelope from it.
+    branch: str = "untouched"
 
     @property
     def rstore(self) -> ReceiptStore:
