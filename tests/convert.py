@@ -1,5 +1,8 @@
 """Converting unified diffs to the ``apply_patch`` envelope, and contents to unified diffs (pure).
 
+Test code: the cross-format tests' oracle (no command, API or tool of
+oncepatch converts, so it is not part of the installed package).
+
 :func:`unified_to_envelope` (docs/FORMATS.md, "The unified → envelope
 converter") grows each hunk's context until it matches exactly once and
 checks its output by parsing it back and applying it; it writes the
