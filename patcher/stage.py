@@ -286,17 +286,7 @@ def _plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> Stage
                                       details={"path": edit.target})
             if current is None:
                 raise ContextNotFound(f"cannot copy '{edit.path}': it does not exist", details={"path": edit.path})
-            content, mode, g, _same = _apply_one(store, edit, current, applier)
-            verify_path(edit.target, mode)
-            if g:
-                grades[edit.target] = g
-            missing.append(edit.target)
-            copied: dict[str, Any] = {"path": edit.target, "op": "add", "sha256": hashlib.sha256(content).hexdigest(),
-                                      "blob": None, "mode": mode, "from": edit.path}
-            outputs.append(copied)
-            blobs.append((edit.target, content, mode, copied))
-            continue
-        if edit.op == "rename":
+        elif edit.op == "rename":
             target_now = _lookup(store, base_tree, edit.target, deleted)
             if current is None and target_now is not None:
                 # Already moved?  Apply the content edit to the target to check.
@@ -314,15 +304,15 @@ def _plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> Stage
         verify_path(edit.target, mode)
         if g:
             grades[edit.target] = g
-        if done and edit.op != "rename":
+        if done and edit.op not in ("rename", "copy"):
             present.append(edit.path)
             continue
-        missing.append(edit.path)
+        missing.append(edit.target if edit.op == "copy" else edit.path)
         if edit.op == "rename":
             changes[edit.path] = None
-        out: dict[str, Any] = {"path": edit.target, "op": edit.op, "sha256": hashlib.sha256(content).hexdigest(),
-                               "blob": None, "mode": mode}
-        if edit.op == "rename":
+        out: dict[str, Any] = {"path": edit.target, "op": "add" if edit.op == "copy" else edit.op,
+                               "sha256": hashlib.sha256(content).hexdigest(), "blob": None, "mode": mode}
+        if edit.op in ("rename", "copy"):
             out["from"] = edit.path
         outputs.append(out)
         blobs.append((edit.target, content, mode, out))
