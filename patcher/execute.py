@@ -314,12 +314,8 @@ def _check_candidate(run: _Run, base: str | None, candidate: str) -> None:
 def _prepare(run: _Run, base: str | None, candidate: str, staged: Staged) -> None:
     """The staged objects as loose objects (synced by libgit2), then the ``prepared`` receipt naming them."""
     run.gstore.flush_objects()
-    run.call.prepare(
-        base={"ref": run.args.branch, "commit": base},
-        candidate=candidate,
-        outputs=staged.outputs,
-        extra={"touched": run.paths, "grades": {k: list(v) for k, v in staged.grades.items()}},
-    )
+    run.call.prepare(base={"ref": run.args.branch, "commit": base}, candidate=candidate, outputs=staged.outputs,
+                     extra={"touched": run.paths, "grades": {k: list(v) for k, v in staged.grades.items()}})
 
 
 def _land(run: _Run, staged: Staged) -> tuple[Staged, list[str]]:
@@ -560,13 +556,8 @@ def _worktrees_now(gstore: GitStore, branch: str) -> list[tuple[str, str]]:
     return sorted(worktrees_on(gstore.common_dir, branch, gstore.main_workdir))
 
 
-def _move_refs(
-    run: _Run,
-    staged: Staged,
-    *,
-    before_libgit2: Callable[[], None] | None = None,
-    before_swap: Callable[[str], None] | None = None,
-) -> Staged:
+def _move_refs(run: _Run, staged: Staged, *, before_libgit2: Callable[[], None] | None = None,
+               before_swap: Callable[[str], None] | None = None) -> Staged:
     """Compare-and-swap the branch to the candidate (re-staging onto a moved head, :func:`_restage`).
 
     ``before_libgit2``: see
@@ -665,7 +656,8 @@ def _restage(run: _Run, new_base: str | None, rounds: int) -> Staged:
         FencedOff: another process took the key over or settled this attempt.
     """
     args, paths = run.args, run.paths
-    conflict: OncepatchError | None = None
+    moved = f"branch '{args.branch}' moved to {str(new_base)[:12]}"
+    conflict: Conflict | None = None
     new_candidate: str | None = None
     if rounds > MAX_RESTAGE_ROUNDS:
         conflict = Conflict(f"branch '{args.branch}' kept moving: gave up after {MAX_RESTAGE_ROUNDS} rounds",
@@ -673,25 +665,17 @@ def _restage(run: _Run, new_base: str | None, rounds: int) -> Staged:
     elif args.check is not None:
         # A re-staged candidate is another tree than the one the check passed:
         # it must not land unchecked.  The retry checks the new head's candidate.
-        conflict = Conflict(
-            f"branch '{args.branch}' moved to {str(new_base)[:12]} while --check ran on the "
-            f"candidate: nothing was moved; retry to check the change on the new head",
-            details={"paths": paths, "reason": "moved_during_check"},
-        )
+        conflict = Conflict(f"{moved} while --check ran on the candidate: nothing was moved; retry to check the "
+                            f"change on the new head", details={"paths": paths, "reason": "moved_during_check"})
     else:
         try:
             staged, new_candidate = stage(run.gstore, new_base, run.patch, run.message)
         except PatchError as exc:
-            conflict = Conflict(
-                f"branch '{args.branch}' moved to {str(new_base)[:12]} and the patch no longer "
-                f"applies there: {exc.message}",
-                details={"paths": paths, "cause": exc.envelope()},
-            )
+            conflict = Conflict(f"{moved} and the patch no longer applies there: {exc.message}",
+                                details={"paths": paths, "cause": exc.envelope()})
         else:
             if new_candidate is None:
-                conflict = Conflict(
-                    f"branch '{args.branch}' moved to {str(new_base)[:12]}, which already "
-                    "contains this change", details={"paths": paths})
+                conflict = Conflict(f"{moved}, which already contains this change", details={"paths": paths})
     if conflict is not None or new_candidate is None:
         assert conflict is not None
         _reject(run, conflict, *_base_and_candidate(run))
