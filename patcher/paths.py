@@ -134,10 +134,7 @@ def _show(path: str) -> str:
 
 
 def _refuse(path: str, reason: str, **extra: str) -> UnsafePath:
-    return UnsafePath(
-        f"unsafe path '{_show(path)}': {reason}",
-        details={"path": path, "reason": reason, **extra},
-    )
+    return UnsafePath(f"unsafe path '{_show(path)}': {reason}", details={"path": path, "reason": reason, **extra})
 
 
 def check_path(path: str) -> str:
@@ -230,9 +227,5 @@ def check_paths(paths: Iterable[str], *, removed: Iterable[str] = ()) -> None:
         parent, sep, _ = norm.rpartition("/")
         while sep:
             if parent in seen and parent not in gone:
-                raise _refuse(
-                    seen[parent],
-                    f"is both a file and the directory of '{_show(norm)}'",
-                    conflicts_with=raw,
-                )
+                raise _refuse(seen[parent], f"is both a file and the directory of '{_show(norm)}'", conflicts_with=raw)
             parent, sep, _ = parent.rpartition("/")

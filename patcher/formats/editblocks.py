@@ -327,11 +327,10 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
         return AppliedFile(content=original, grades=tuple(grades), already_applied=True)
     refuse_inexact(path, grades, [i - 1 for i in applied])
     if present:
-        raise PartiallyApplied(
-            f"patch is partially applied to '{path}': edits {', '.join(map(str, present))} "
-            f"already present, edits {', '.join(map(str, applied))} not",
-            details={"path": path, "applied_hunks": present, "missing_hunks": applied, "sequential": True},
-        )
+        raise PartiallyApplied(f"patch is partially applied to '{path}': edits {', '.join(map(str, present))} "
+                               f"already present, edits {', '.join(map(str, applied))} not",
+                               details={"path": path, "applied_hunks": present, "missing_hunks": applied,
+                                        "sequential": True})
     return AppliedFile(content=content, grades=tuple(grades))
 
 

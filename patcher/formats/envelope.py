@@ -150,15 +150,8 @@ def _hunk(buf: _HunkBuf, path: str, index: int) -> Hunk:
             if exact and not line.endswith(b"\n"):
                 raise _error(f"hunk {index} of '{path}': '\\ No newline' marks a line that is not "
                              "the last of its side", buf.line, path=path, hunk=index)
-    return Hunk(
-        old_lines=tuple(old),
-        new_lines=tuple(new),
-        scopes=tuple(buf.scopes),
-        at_eof=buf.at_eof or exact,
-        eol_agnostic=not exact,
-        header=buf.header,
-        kept=tuple(kept),
-    )
+    return Hunk(old_lines=tuple(old), new_lines=tuple(new), scopes=tuple(buf.scopes), at_eof=buf.at_eof or exact,
+                eol_agnostic=not exact, header=buf.header, kept=tuple(kept))
 
 
 def _parse_update(lines: list[_Line], i: int, path: str) -> tuple[list[Hunk], int]:

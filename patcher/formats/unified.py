@@ -302,11 +302,9 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
     changed = False
 
     def fail(what: str, at: int) -> ParseError:
-        return ParseError(
-            f"hunk at line {i + 1} of '{block.display()}' {what} at line {at}: "
-            f"header says {old_count} old and {new_count} new lines",
-            details={"line": at, "hunk_line": i + 1, "path": block.display()},
-        )
+        return ParseError(f"hunk at line {i + 1} of '{block.display()}' {what} at line {at}: header says "
+                          f"{old_count} old and {new_count} new lines",
+                          details={"line": at, "hunk_line": i + 1, "path": block.display()})
 
     def no_newline(at: int) -> None:
         if not sides:
@@ -358,19 +356,13 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
     # git apply's anchors (apply.c, match_beginning / match_end): a hunk from line 1 starts
     # the file; one with no context after its change ends it.  A hunk with no context at all
     # (-U0) is read by its line numbers, as 'git apply --unidiff-zero' reads it.
-    block.hunks.append(
-        Hunk(
-            old_lines=tuple(old),
-            new_lines=tuple(new),
-            old_start=int(head[1]),
-            header=chomp(lines[i]).decode("utf-8", "replace"),
-            prefer_start=bool(old) and int(head[1]) == 1,
-            prefer_eof=bool(old) and changed and trailing == 0 and leading > 0,
-            # A side whose last line has no terminator ends the file there (only a file's
-            # last line can lack one): such a hunk is never placed mid-file.
-            at_eof=bool(old) and (not old[-1].endswith(b"\n") or bool(new) and not new[-1].endswith(b"\n")),
-        )
-    )
+    block.hunks.append(Hunk(
+        old_lines=tuple(old), new_lines=tuple(new), old_start=int(head[1]),
+        header=chomp(lines[i]).decode("utf-8", "replace"), prefer_start=bool(old) and int(head[1]) == 1,
+        prefer_eof=bool(old) and changed and trailing == 0 and leading > 0,
+        # A side whose last line has no terminator ends the file there (only a file's
+        # last line can lack one): such a hunk is never placed mid-file.
+        at_eof=bool(old) and (not old[-1].endswith(b"\n") or bool(new) and not new[-1].endswith(b"\n"))))
     return j
 
 
@@ -389,26 +381,15 @@ def _read_git_block(lines: list[bytes], i: int, budget: InflateBudget) -> tuple[
             block.binary_data, _reverse, i = read_binary_hunks(lines, i, block.display(), budget)
             return block, _read_hunks(lines, i, block)  # hunks here are an error (_to_edit)
     if i + 1 < len(lines) and lines[i].startswith(b"--- ") and lines[i + 1].startswith(b"+++ "):
-        block.minus, block.minus_epoch = _name_field(lines[i][4:], i + 1)
-        block.plus, block.plus_epoch = _name_field(lines[i + 1][4:], i + 2)
-        i += 2
+        i = _read_names(block, lines, i)
     return block, _read_hunks(lines, i, block)
 
 
-def _plain_header_at(lines: list[bytes], i: int) -> bool:
-    return (
-        i + 2 < len(lines)
-        and lines[i].startswith(b"--- ")
-        and lines[i + 1].startswith(b"+++ ")
-        and lines[i + 2].startswith(b"@@ -")
-    )
-
-
-def _read_plain_block(lines: list[bytes], i: int) -> tuple[_Block, int]:
-    block = _Block(line=i + 1, git=False)
+def _read_names(block: _Block, lines: list[bytes], i: int) -> int:
+    """Read the ``---``/``+++`` lines at ``lines[i]`` into ``block``; return the index after them."""
     block.minus, block.minus_epoch = _name_field(lines[i][4:], i + 1)
     block.plus, block.plus_epoch = _name_field(lines[i + 1][4:], i + 2)
-    return block, _read_hunks(lines, i + 2, block)
+    return i + 2
 
 
 # ---------------------------------------------------------------------------
@@ -583,29 +564,23 @@ def parse_unified(data: bytes) -> Patch:
         line = lines[i]
         if line.startswith(b"diff --git "):
             block, i = _read_git_block(lines, i, inflate)
-        elif _plain_header_at(lines, i):
-            block, i = _read_plain_block(lines, i)
+        elif i + 2 < len(lines) and lines[i].startswith(b"--- ") and lines[i + 1].startswith(b"+++ ") \
+                and lines[i + 2].startswith(b"@@ -"):
+            block = _Block(line=i + 1, git=False)
+            i = _read_hunks(lines, _read_names(block, lines, i), block)
         elif line.startswith((b"diff --cc ", b"diff --combined ")):
             raise UnsupportedPatch(f"combined diffs are not supported at line {i + 1}", details={"line": i + 1})
         elif (binary := _BINARY.fullmatch(chomp(line))) is not None:
             target = binary[2] if binary[2] != _DEV_NULL else binary[1]
             shown = _show(target[2:] if target.startswith((b"a/", b"b/")) else target)
-            raise UnsupportedPatch(
-                f"binary file '{shown}' changed, but the patch carries no data: "
-                "make it with 'git diff --binary'",
-                details={"path": shown, "line": i + 1, "reason": "binary"},
-            )
+            raise UnsupportedPatch(f"binary file '{shown}' changed, but the patch carries no data: make it with "
+                                   "'git diff --binary'", details={"path": shown, "line": i + 1, "reason": "binary"})
         else:
             i += 1
             continue
         edit = _to_edit(block)
-        if (
-            edit.op == "add"
-            and edits
-            and edits[-1].op == "delete"
-            and edits[-1].path == edit.path
-            and (edits[-1].old_mode == MODE_LINK) != (edit.new_mode == MODE_LINK)
-        ):
+        if (edit.op == "add" and edits and edits[-1].op == "delete" and edits[-1].path == edit.path
+                and (edits[-1].old_mode == MODE_LINK) != (edit.new_mode == MODE_LINK)):
             # A type change (symlink <-> file): git writes a delete and an add of one
             # path; it is one whole-content replacement with a new mode.
             gone = edits.pop()
@@ -618,10 +593,8 @@ def parse_unified(data: bytes) -> Patch:
                 mails = len(_MAIL_START.findall(data))
                 series = (f": the input is a series of {mails} patches (git format-patch); "
                           "apply them one call each") if mails > 1 else ""
-                raise ParseError(
-                    f"'{path}' is changed more than once in the patch (line {block.line}){series}",
-                    details={"line": block.line, "path": path, **({"patches": mails} if series else {})},
-                )
+                raise ParseError(f"'{path}' is changed more than once in the patch (line {block.line}){series}",
+                                 details={"line": block.line, "path": path, **({"patches": mails} if series else {})})
             side_sets[side].add(path)
         edits.append(edit)
     if not edits:
