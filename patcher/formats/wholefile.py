@@ -21,9 +21,9 @@ __all__ = ["WHOLE_FILE", "looks_whole_file", "parse_whole_file", "FORMATS"]
 WHOLE_FILE = "whole_file"
 
 _KEYS = {"path", "content", "content_b64", "delete", "mode"}
-_MODES = {
-    "100644": MODE_FILE, "644": MODE_FILE, "0644": MODE_FILE,
-    "100755": MODE_EXEC, "755": MODE_EXEC, "0755": MODE_EXEC,
+_MODES: dict[int | str, int] = {
+    "100644": MODE_FILE, "644": MODE_FILE, "0644": MODE_FILE, 0o644: MODE_FILE, MODE_FILE: MODE_FILE,
+    "100755": MODE_EXEC, "755": MODE_EXEC, "0755": MODE_EXEC, 0o755: MODE_EXEC, MODE_EXEC: MODE_EXEC,
 }
 
 
@@ -36,15 +36,8 @@ def _error(message: str, item: int | None = None, **extra: Any) -> ParseError:
 
 
 def _mode(value: Any, n: int) -> int:
-    if isinstance(value, bool):
-        raise _error(f"'mode' must be \"100644\" or \"100755\", not {value!r}", n)
-    if isinstance(value, int):
-        if value in (0o644, MODE_FILE):
-            return MODE_FILE
-        if value in (0o755, MODE_EXEC):
-            return MODE_EXEC
-    if isinstance(value, str) and value in _MODES:
-        return _MODES[value]
+    if isinstance(value, (int, str)) and not isinstance(value, bool) and value in _MODES:
+        return _MODES[value]  # (a float such as 420.0 equals 0o644, and is refused)
     raise _error(f"'mode' must be \"100644\" or \"100755\", not {value!r}", n)
 
 
