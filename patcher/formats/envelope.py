@@ -104,10 +104,7 @@ def _path(line: _Line, marker: bytes) -> str:
     raw = line.marker[len(marker):].strip()
     if not raw:
         raise _error(f"'{marker.decode()}' without a path", line.no)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("utf-8", "surrogateescape")
+    return raw.decode("utf-8", "surrogateescape")  # (valid UTF-8 decodes as with "strict")
 
 
 @dataclass(slots=True)
@@ -225,12 +222,8 @@ def _scope_of(ln: _Line) -> bytes | None:
     text = ln.text.lstrip()
     if _UNIFIED_HEADER.fullmatch(text.rstrip()):
         return None
-    rest = text[2:]
-    if rest.startswith(b" "):
-        rest = rest[1:]
-    if not rest.strip():
-        return None
-    return rest
+    rest = text[3:] if text[2:3] == b" " else text[2:]
+    return rest if rest.strip() else None
 
 
 def parse_envelope(data: bytes) -> Patch:
