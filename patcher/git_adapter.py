@@ -185,16 +185,15 @@ class GitAdapter:
         by_key_ref = gstore.resolve(key_ref) == candidate
         if gstore.has_object(candidate):
             tip = gstore.resolve(branch)
-            if tip is not None and gstore.is_ancestor(candidate, tip):
-                reason = "key_ref" if by_key_ref else "reachable_from_branch"
-                return QueryResult("applied", reason, self._fields(gstore, candidate, notes))
             # Not reflog_names(): the reflog entry (base -> candidate) is appended *before*
             # renaming <branch>.lock, so a crash between the two leaves the candidate named
             # in the reflog of a branch that never moved.  Only an entry that moves the
             # branch *from* the candidate (a reset or a later move) proves it was there.
-            if _reflog_left(gstore.common_dir, branch, candidate):
-                reason = "key_ref" if by_key_ref else "named_in_reflog"
-                return QueryResult("applied", reason, self._fields(gstore, candidate, notes))
+            proof = ("reachable_from_branch" if tip is not None and gstore.is_ancestor(candidate, tip)
+                     else "named_in_reflog" if _reflog_left(gstore.common_dir, branch, candidate) else None)
+            if proof is not None:
+                return QueryResult("applied", "key_ref" if by_key_ref else proof,
+                                   self._fields(gstore, candidate, notes))
         if by_key_ref:
             # The key ref is created after the branch moved (cas/refs.py), so it never points
             # at a candidate the branch never held -- unless it was set by hand.  Believing it
