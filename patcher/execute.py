@@ -81,16 +81,10 @@ def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str, timeout: f
     """
     os.makedirs(rstore.locks_dir, exist_ok=True)
     name = "branch-" + sha256_hex(f"{gstore.common_dir}\0{branch}".encode()) + ".lock"
-    turn = flocked(os.path.join(rstore.locks_dir, name), timeout)
-    try:
-        turn.__enter__()
-    except InProgress:
+    with contextlib.ExitStack() as held:
+        with contextlib.suppress(InProgress):
+            held.enter_context(flocked(os.path.join(rstore.locks_dir, name), timeout))
         yield
-        return
-    try:
-        yield
-    finally:
-        turn.__exit__(None, None, None)
 
 
 def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout: float,
@@ -195,10 +189,8 @@ def _refuse_store_paths(args: CallArgs, store_root: str, paths: list[str]) -> No
 
     (``--store .opstore`` from a worktree.)  Committed, such a file would be
     checked out over the store's own receipts, by this call or by any later
-    checkout of the branch.  Every worktree of the repository is looked at
-    (the main one, the linked ones, the one the call came from), all by their
-    real paths (a store named through a symlink is the same folder).
-    Nothing is written before this check.
+    checkout of the branch.  Worktrees are compared by their real paths (a
+    store named through a symlink is the same folder).
 
     Raises:
         UnsafePath: a touched path is the store's folder, lies in it, or is a folder above it.
