@@ -77,20 +77,12 @@ def split_lines(data: bytes) -> list[bytes]:
 
 def chomp(line: bytes) -> bytes:
     """``line`` without its terminator (``\\r\\n`` or ``\\n``)."""
-    if line.endswith(b"\r\n"):
-        return line[:-2]
-    if line.endswith(b"\n"):
-        return line[:-1]
-    return line
+    return line[:-2] if line.endswith(b"\r\n") else line[:-1] if line.endswith(b"\n") else line
 
 
 def eol_of(line: bytes) -> bytes:
     """The terminator ``line`` ends with (``b""`` for none)."""
-    if line.endswith(b"\r\n"):
-        return b"\r\n"
-    if line.endswith(b"\n"):
-        return b"\n"
-    return b""
+    return b"\r\n" if line.endswith(b"\r\n") else b"\n" if line.endswith(b"\n") else b""
 
 
 def _punct(line: bytes) -> str:

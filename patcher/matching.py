@@ -38,15 +38,9 @@ _SHOWN = 20  # candidate lines an error lists (and how many there are in all)
 
 def _dominant(lines: Sequence[bytes]) -> bytes:
     """``\\r\\n`` if more of ``lines`` end so than with a bare ``\\n``; ``b""`` if none ends."""
-    crlf = lf = 0
-    for line in lines:
-        if line.endswith(b"\r\n"):
-            crlf += 1
-        elif line.endswith(b"\n"):
-            lf += 1
-    if crlf == lf == 0:
-        return b""
-    return b"\r\n" if crlf > lf else b"\n"
+    ends = [eol_of(line) for line in lines]
+    crlf, lf = ends.count(b"\r\n"), ends.count(b"\n")
+    return b"" if crlf == lf == 0 else b"\r\n" if crlf > lf else b"\n"
 
 
 @dataclass(frozen=True, slots=True)
