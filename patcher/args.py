@@ -1,32 +1,11 @@
 """The ``apply_patch`` tool's schema: normalising a call's arguments (no pygit2).
 
-Normalised args are what the identity hashes (docs/DESIGN.md section 2):
-
-* ``repo``: the repository, absolute and real: its main worktree's folder (or
-  its git dir when bare), whichever of its worktrees the call came from — a
-  linked worktree shares the branches, the objects and the receipt store, so
-  the same patch to the same branch is the same intent from any of them (a
-  retry from another worktree replays instead of applying again);
-* ``branch``: a full ref name ``refs/heads/<name>``; by default the branch the
-  repository's HEAD names (a detached HEAD needs ``--branch``); a branch
-  alias (a symbolic ref under ``refs/heads/``) names the branch it points at;
-* ``patch_sha256``: the patch is represented by its sha256, never its text;
-* ``format``: the detected format when ``auto`` was asked (so ``auto`` and the
-  explicit name are the same intent);
-* ``check``, ``message``: ``None`` when not given.
-
-A ``message`` (the commit's subject and body, from the agent) is refused
-(:func:`check_message`, a usage error) when it holds a control character
-other than newline and tab (a NUL byte, which ``git fsck`` reports as
-``nulInCommit``; a carriage return or an escape sequence that rewrites what
-``git log`` shows), or a line of its own starting ``Oncepatch-`` (in any
-case): the ``Oncepatch-Call`` and ``Oncepatch-Key`` trailers name the call
-that made a commit, and only oncepatch writes them.
-
-``TOOL_VERSION`` names the semantics of the tool, not the package release: it
-changes only when the same args would produce a different effect, because a
-new version gives every call a new identity (a retry across such an upgrade
-executes again).
+Normalised args are what the identity hashes (docs/DESIGN.md section 2; each
+field's rule: docs/DECISIONS.md, "Normalised args of `apply_patch`").  A
+``message`` git would not keep, or one forging oncepatch's own trailers, is
+refused (:func:`check_message`; docs/SECURITY.md).  ``TOOL_VERSION`` names the
+tool's semantics, not the package release: a new one gives every call a new
+identity, so it changes only when the same args would produce another effect.
 """
 
 from __future__ import annotations
@@ -106,14 +85,8 @@ class CallArgs:
     message: str | None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "repo": self.repo,
-            "branch": self.branch,
-            "patch_sha256": self.patch_sha256,
-            "format": self.format,
-            "check": self.check,
-            "message": self.message,
-        }
+        return {"repo": self.repo, "branch": self.branch, "patch_sha256": self.patch_sha256, "format": self.format,
+                "check": self.check, "message": self.message}
 
 
 def normalise_branch(branch: str | None, layout: GitLayout) -> str:
@@ -151,16 +124,8 @@ def repository_path(layout: GitLayout) -> str:
     return main_worktree_of(layout.common_dir) or layout.common_dir
 
 
-def normalise_args(
-    repo: str,
-    patch: str | bytes,
-    *,
-    branch: str | None,
-    format: str,
-    check: str | None,
-    message: str | None,
-    detect: Any,
-) -> CallArgs:
+def normalise_args(repo: str, patch: str | bytes, *, branch: str | None, format: str, check: str | None,
+                   message: str | None, detect: Any) -> CallArgs:
     """Normalise one call's arguments; ``detect(bytes) -> str`` resolves ``auto``.
 
     Raises:
@@ -178,22 +143,12 @@ def normalise_args(
         raise UsageError(f"the patch is not valid Unicode text (at character {exc.start}): "
                          f"pass it as bytes, or as text without lone surrogates") from None
     if len(data) > MAX_PATCH_BYTES:
-        raise TooLarge(
-            f"patch is {len(data)} bytes, over the limit of {MAX_PATCH_BYTES}",
-            details={"size": len(data), "limit": MAX_PATCH_BYTES},
-        )
+        raise TooLarge(f"patch is {len(data)} bytes, over the limit of {MAX_PATCH_BYTES}",
+                       details={"size": len(data), "limit": MAX_PATCH_BYTES})
     if not known_format(format):
         raise UsageError(f"unknown patch format '{format}': use auto, {', '.join(BUILTIN_NAMES)}")
     layout = discover(repo)
     fmt = detect(data) if format == "auto" else format
-    return CallArgs(
-        layout=layout,
-        repo=repository_path(layout),
-        where=layout.workdir or layout.git_dir,
-        branch=normalise_branch(branch, layout),
-        patch=data,
-        patch_sha256=sha256_hex(data),
-        format=fmt,
-        check=check,
-        message=message,
-    )
+    return CallArgs(layout=layout, repo=repository_path(layout), where=layout.workdir or layout.git_dir,
+                    branch=normalise_branch(branch, layout), patch=data, patch_sha256=sha256_hex(data), format=fmt,
+                    check=check, message=message)

@@ -21,13 +21,7 @@ one function per step, in the order :func:`_execute` runs them:
 6. :func:`_finalise`: the key ref and the ``committed`` receipt, one batch
    (``before-receipt-replace``).
 
-The crash points armed on the way are the ones
-``tests/integration/test_crash_matrix.py`` predicts; the pause points
-(``ONCEPATCH_PAUSE_AT``, :func:`receipts.engine.pause_point`) are
-``after-prepare`` and ``before-finalise`` (the engine's), ``before-ref``
-(after the fence check made without locks, before the branch's locks) and
-``after-ref`` (the branch moved; the worktrees' index locks still held, their
-files not yet written).
+The crash and pause points armed on the way: docs/DESIGN.md section 4.
 """
 
 from __future__ import annotations
@@ -35,31 +29,35 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
 from cas.errors import (DurableWriteError, GitStoreError, ObjectsMissing, OncepatchError, RefLockedError,
                         RefMovedError, UsageError)
-from cas.gitdir import read_head
+from cas.gitdir import all_worktrees, read_head, worktrees_on
+from cas.hashing import sha256_hex
+from cas.index_lock import IndexLock
 from cas.objects import GitStore, open_store
+from cas.worktree import dirty_paths
 from receipts.engine import Call, after_effect, pause_point
-from receipts.errors import FencedOff, IdempotencyConflict
+from receipts.errors import FencedOff, IdempotencyConflict, InProgress
+from receipts.flock import flocked
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.args import CallArgs
-from patcher.errors import Conflict, PatchError
+from patcher.check import run_check
+from patcher.errors import Conflict, DirtyPath, PatchError, UnsafePath
 from patcher.formats import parse_patch
+from patcher.git_adapter import GitAdapter
 from patcher.grades import grade_warnings
 from patcher.markers import ref_lock_marker
 from patcher.model import Patch
 from patcher.outcome import KEY_REF_PREFIX, ApplyResult, foreign_error, replay_final
-
-if TYPE_CHECKING:
-    from cas.index_lock import IndexLock
-    from patcher.stage import Staged, StagePlan
-    from patcher.worktrees import IndexesAhead
+from patcher.stage import Staged, StagePlan, plan_stage, stage, touched_paths, write_stage
+from patcher.worktrees import (IndexesAhead, check_worktrees, hold_index_locks, materialise_all, prefetch_indexes,
+                               release_index_locks, settle_dead_calls)
 
 __all__ = ["locked_apply", "MAX_RESTAGE_ROUNDS"]
 
@@ -81,22 +79,12 @@ def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str, timeout: f
     its holder dies, and a call that cannot get it within ``timeout`` (the call's
     lock timeout; its holder is stopped, say) goes ahead without it.
     """
-    from cas.hashing import sha256_hex
-    from receipts.errors import InProgress
-    from receipts.flock import flocked
-
     os.makedirs(rstore.locks_dir, exist_ok=True)
     name = "branch-" + sha256_hex(f"{gstore.common_dir}\0{branch}".encode()) + ".lock"
-    turn = flocked(os.path.join(rstore.locks_dir, name), timeout)
-    try:
-        turn.__enter__()
-    except InProgress:
+    with contextlib.ExitStack() as held:
+        with contextlib.suppress(InProgress):
+            held.enter_context(flocked(os.path.join(rstore.locks_dir, name), timeout))
         yield
-        return
-    try:
-        yield
-    finally:
-        turn.__exit__(None, None, None)
 
 
 def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout: float,
@@ -106,8 +94,6 @@ def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout:
     Raises:
         OncepatchError: a subclass with the envelope fields, carrying the call's key.
     """
-    from patcher.git_adapter import GitAdapter
-
     pre: _PreCheck | None = None
     if call.previous is None:
         # First call: every input error is found before the lock is taken, so a
@@ -145,28 +131,24 @@ def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout:
         raise foreign_error(exc, effect_status="unknown", next_action="query_before_retry", key=call.key) from exc
 
 
+@dataclass(slots=True)
 class _Run:
     """What the steps of one execution share (under the key's lock)."""
 
-    __slots__ = ("call", "args", "stores", "check_timeout", "lock_timeout", "gstore", "patch", "paths", "message",
-                 "worktrees", "branch")
-
-    def __init__(self, call: Call, args: CallArgs, stores: dict[str, Any] | None, check_timeout: float,
-                 lock_timeout: float) -> None:
-        self.call = call
-        self.args = args
-        self.stores = stores
-        self.check_timeout = check_timeout
-        self.lock_timeout = lock_timeout  # every lock of the call is waited for this long
-        self.gstore: GitStore
-        self.patch: Patch
-        self.paths: list[str]
-        self.message: str
-        self.worktrees: list[tuple[str, str]] = []
-        #: What is known of the branch: ``untouched`` (provably not moved by this call),
-        #: ``swapping`` (the move was under way when it failed: only a query can tell)
-        #: or ``moved``.  :func:`_truthful` builds the failed call's envelope from it.
-        self.branch = "untouched"
+    call: Call
+    args: CallArgs
+    stores: dict[str, Any] | None
+    check_timeout: float
+    lock_timeout: float  # every lock of the call is waited for this long
+    gstore: GitStore = field(init=False)
+    patch: Patch = field(init=False)
+    paths: list[str] = field(init=False)
+    message: str = field(init=False)
+    worktrees: list[tuple[str, str]] = field(default_factory=list)
+    #: What is known of the branch: ``untouched`` (provably not moved by this call),
+    #: ``swapping`` (the move was under way when it failed: only a query can tell)
+    #: or ``moved``.  :func:`_truthful` builds the failed call's envelope from it.
+    branch: str = "untouched"
 
     @property
     def rstore(self) -> ReceiptStore:
@@ -190,9 +172,6 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore, lock
     (Unless a dead call's ``index.lock`` is met: that call is settled first, see
     :func:`patcher.worktrees.settle_dead_calls`.)
     """
-    from patcher.stage import plan_stage, touched_paths
-    from patcher.worktrees import check_worktrees, prefetch_indexes, settle_dead_calls
-
     parsed = parse_patch(args.patch, args.format)
     _refuse_store_paths(args, rstore.root, touched_paths(parsed))
     gstore = open_store(args.where, stores)
@@ -210,17 +189,12 @@ def _refuse_store_paths(args: CallArgs, store_root: str, paths: list[str]) -> No
 
     (``--store .opstore`` from a worktree.)  Committed, such a file would be
     checked out over the store's own receipts, by this call or by any later
-    checkout of the branch.  Every worktree of the repository is looked at
-    (the main one, the linked ones, the one the call came from), all by their
-    real paths (a store named through a symlink is the same folder).
-    Nothing is written before this check.
+    checkout of the branch.  Worktrees are compared by their real paths (a
+    store named through a symlink is the same folder).
 
     Raises:
         UnsafePath: a touched path is the store's folder, lies in it, or is a folder above it.
     """
-    from cas.gitdir import all_worktrees
-    from patcher.errors import UnsafePath
-
     store = os.path.realpath(store_root)
     if store.startswith(args.layout.common_dir + "/"):
         return  # the default store, inside the git dir: no worktree is there (nor any look at them per call)
@@ -266,8 +240,6 @@ def _branch_head(gstore: GitStore, args: CallArgs) -> str | None:
 
 def _execute(run: _Run, pre: _PreCheck | None) -> ApplyResult:
     """The steps, in order (module docstring)."""
-    from patcher.stage import write_stage
-
     _open(run, pre)
     plan = _plan(run, pre)
     base = plan.base_commit
@@ -288,8 +260,6 @@ def _execute(run: _Run, pre: _PreCheck | None) -> ApplyResult:
 
 def _open(run: _Run, pre: _PreCheck | None) -> None:
     """Decode the patch (the pre-check's, if any), refuse unsafe paths, open the repository."""
-    from patcher.stage import touched_paths
-
     args = run.args
     run.patch = pre.patch if pre is not None else parse_patch(args.patch, args.format)
     run.paths = touched_paths(run.patch)
@@ -304,9 +274,6 @@ def _open(run: _Run, pre: _PreCheck | None) -> None:
 
 def _plan(run: _Run, pre: _PreCheck | None) -> StagePlan:
     """The change against the branch's head now (the pre-check's, if the head is the same), worktrees checked."""
-    from patcher.stage import plan_stage
-    from patcher.worktrees import check_worktrees, settle_dead_calls
-
     gstore, args = run.gstore, run.args
     # Under the key lock: a call of this store that holds the key has written its
     # receipt by the time the lock is ours (read by the engine, and replayed).
@@ -331,8 +298,6 @@ def _check_candidate(run: _Run, base: str | None, candidate: str) -> None:
     """
     if run.args.check is None:
         return
-    from patcher.check import run_check
-
     run.gstore.flush_objects()  # git checks the candidate out: its objects must be on disk
     run_check(run.rstore, run.gstore, candidate, run.args.check, key=run.key, timeout=run.check_timeout,
               on_fail=lambda err: _reject(run, err, base, candidate))
@@ -341,18 +306,12 @@ def _check_candidate(run: _Run, base: str | None, candidate: str) -> None:
 def _prepare(run: _Run, base: str | None, candidate: str, staged: Staged) -> None:
     """The staged objects as loose objects (synced by libgit2), then the ``prepared`` receipt naming them."""
     run.gstore.flush_objects()
-    run.call.prepare(
-        base={"ref": run.args.branch, "commit": base},
-        candidate=candidate,
-        outputs=staged.outputs,
-        extra={"touched": run.paths, "grades": {k: list(v) for k, v in staged.grades.items()}},
-    )
+    run.call.prepare(base={"ref": run.args.branch, "commit": base}, candidate=candidate, outputs=staged.outputs,
+                     extra={"touched": run.paths, "grades": {k: list(v) for k, v in staged.grades.items()}})
 
 
 def _land(run: _Run, staged: Staged) -> tuple[Staged, list[str]]:
     """Move the branch and bring its worktrees along, under their index locks; return what landed and warnings."""
-    from patcher.worktrees import IndexesAhead
-
     held = _hold_index_locks(run)
     ahead = IndexesAhead(run.gstore, held, run.paths)
     materialised = False
@@ -381,8 +340,6 @@ def _hold_index_locks(run: _Run) -> dict[str, IndexLock]:
     Raises:
         RefLockedError: an index lock is held by someone else.
     """
-    from patcher.worktrees import hold_index_locks, settle_dead_calls
-
     try:
         return hold_index_locks(run.rstore, run.worktrees, run.key, run.lock_timeout,
                                 on_dead=settle_dead_calls(run.rstore, run.stores, run.key))
@@ -448,8 +405,6 @@ def _materialise(run: _Run, held: dict[str, IndexLock]) -> list[str]:
     Raises:
         RefUpdateUnknown: the move's own sync failed in a worktree's round (receipt ``unknown``).
     """
-    from patcher.worktrees import materialise_all
-
     gstore = run.gstore
     try:
         warnings = materialise_all(gstore, run.rstore, run.worktrees, run.args.branch, run.paths, run.key, held,
@@ -537,8 +492,6 @@ def _settle_and_release(ahead: IndexesAhead, held: dict[str, IndexLock], materia
     Raises:
         GitStoreError: an index could not be settled, and the call had not failed.
     """
-    from patcher.worktrees import release_index_locks
-
     try:
         ahead.settle(materialised, moved)
     except Exception as exc:
@@ -560,9 +513,6 @@ def _dirty_again(gstore: GitStore, worktrees: list[tuple[str, str]], branch: str
     Raises:
         DirtyPath: a touched path differs from the base there now.
     """
-    from cas.worktree import dirty_paths
-    from patcher.errors import DirtyPath
-
     tree = gstore.commit_tree(base) if base else None
     for workdir, _git_dir in worktrees:
         dirty = dirty_paths(gstore, workdir, paths, tree)
@@ -595,18 +545,11 @@ def _check_key_ref_free(gstore: GitStore, key: str) -> None:
 
 
 def _worktrees_now(gstore: GitStore, branch: str) -> list[tuple[str, str]]:
-    from cas.gitdir import worktrees_on
-
     return sorted(worktrees_on(gstore.common_dir, branch, gstore.main_workdir))
 
 
-def _move_refs(
-    run: _Run,
-    staged: Staged,
-    *,
-    before_libgit2: Callable[[], None] | None = None,
-    before_swap: Callable[[str], None] | None = None,
-) -> Staged:
+def _move_refs(run: _Run, staged: Staged, *, before_libgit2: Callable[[], None] | None = None,
+               before_swap: Callable[[str], None] | None = None) -> Staged:
     """Compare-and-swap the branch to the candidate (re-staging onto a moved head, :func:`_restage`).
 
     ``before_libgit2``: see
@@ -704,10 +647,9 @@ def _restage(run: _Run, new_base: str | None, rounds: int) -> Staged:
             a patch that no longer applies or is already in the new head.
         FencedOff: another process took the key over or settled this attempt.
     """
-    from patcher.stage import stage
-
     args, paths = run.args, run.paths
-    conflict: OncepatchError | None = None
+    moved = f"branch '{args.branch}' moved to {str(new_base)[:12]}"
+    conflict: Conflict | None = None
     new_candidate: str | None = None
     if rounds > MAX_RESTAGE_ROUNDS:
         conflict = Conflict(f"branch '{args.branch}' kept moving: gave up after {MAX_RESTAGE_ROUNDS} rounds",
@@ -715,25 +657,17 @@ def _restage(run: _Run, new_base: str | None, rounds: int) -> Staged:
     elif args.check is not None:
         # A re-staged candidate is another tree than the one the check passed:
         # it must not land unchecked.  The retry checks the new head's candidate.
-        conflict = Conflict(
-            f"branch '{args.branch}' moved to {str(new_base)[:12]} while --check ran on the "
-            f"candidate: nothing was moved; retry to check the change on the new head",
-            details={"paths": paths, "reason": "moved_during_check"},
-        )
+        conflict = Conflict(f"{moved} while --check ran on the candidate: nothing was moved; retry to check the "
+                            f"change on the new head", details={"paths": paths, "reason": "moved_during_check"})
     else:
         try:
             staged, new_candidate = stage(run.gstore, new_base, run.patch, run.message)
         except PatchError as exc:
-            conflict = Conflict(
-                f"branch '{args.branch}' moved to {str(new_base)[:12]} and the patch no longer "
-                f"applies there: {exc.message}",
-                details={"paths": paths, "cause": exc.envelope()},
-            )
+            conflict = Conflict(f"{moved} and the patch no longer applies there: {exc.message}",
+                                details={"paths": paths, "cause": exc.envelope()})
         else:
             if new_candidate is None:
-                conflict = Conflict(
-                    f"branch '{args.branch}' moved to {str(new_base)[:12]}, which already "
-                    "contains this change", details={"paths": paths})
+                conflict = Conflict(f"{moved}, which already contains this change", details={"paths": paths})
     if conflict is not None or new_candidate is None:
         assert conflict is not None
         _reject(run, conflict, *_base_and_candidate(run))

@@ -41,6 +41,7 @@ from cas.pids import gone
 from cas.index_lock import break_dead_own_index_lock, dead_own_index_lock, update_index
 from cas.worktree import index_matches, materialise, worktree_files_match
 from receipts.adapter import QueryResult
+from receipts.adapters import builtin_adapters
 from receipts.errors import CorruptReceipt
 from receipts.flock import file_lock
 from receipts.identity import key_hash
@@ -64,10 +65,8 @@ def adapters(rstore: ReceiptStore, stores: dict[str, Any] | None = None, *,
     its tool's adapter).  ``read_only``: a stale lock is only reported;
     ``lock_timeout``: how long git's locks are waited for (the default's when ``None``).
     """
-    from receipts.adapters import builtin_adapters
-
-    git = (GitAdapter(rstore, stores, read_only=read_only) if lock_timeout is None
-           else GitAdapter(rstore, stores, read_only=read_only, lock_timeout=lock_timeout))
+    git = GitAdapter(rstore, stores, read_only=read_only,
+                     lock_timeout=DEFAULT_LOCK_TIMEOUT if lock_timeout is None else lock_timeout)
     return {**builtin_adapters(), git.tool: git}
 
 
@@ -137,7 +136,7 @@ class GitAdapter:
         older than the marker the owner wrote just before locking (the branch), or
         it is the lock of a key ref that does not exist (only oncepatch writes one).
         """
-        branch = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
+        branch = _branch_of(receipt)
         candidate = receipt.candidate or ""
         marker = ref_lock_marker(self._rstore, receipt.key) if self._rstore is not None else None
         try:
@@ -181,21 +180,20 @@ class GitAdapter:
         gstore = self._store(receipt)
         notes: list[str] = []
         self._remove_own_stale_locks(gstore, receipt, notes)
-        branch = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
+        branch = _branch_of(receipt)
         key_ref = KEY_REF_PREFIX + key_hash(receipt.key)
         by_key_ref = gstore.resolve(key_ref) == candidate
         if gstore.has_object(candidate):
             tip = gstore.resolve(branch)
-            if tip is not None and gstore.is_ancestor(candidate, tip):
-                reason = "key_ref" if by_key_ref else "reachable_from_branch"
-                return QueryResult("applied", reason, self._fields(gstore, candidate, notes))
             # Not reflog_names(): the reflog entry (base -> candidate) is appended *before*
             # renaming <branch>.lock, so a crash between the two leaves the candidate named
             # in the reflog of a branch that never moved.  Only an entry that moves the
             # branch *from* the candidate (a reset or a later move) proves it was there.
-            if _reflog_left(gstore.common_dir, branch, candidate):
-                reason = "key_ref" if by_key_ref else "named_in_reflog"
-                return QueryResult("applied", reason, self._fields(gstore, candidate, notes))
+            proof = ("reachable_from_branch" if tip is not None and gstore.is_ancestor(candidate, tip)
+                     else "named_in_reflog" if _reflog_left(gstore.common_dir, branch, candidate) else None)
+            if proof is not None:
+                return QueryResult("applied", "key_ref" if by_key_ref else proof,
+                                   self._fields(gstore, candidate, notes))
         if by_key_ref:
             # The key ref is created after the branch moved (cas/refs.py), so it never points
             # at a candidate the branch never held -- unless it was set by hand.  Believing it
@@ -223,7 +221,7 @@ class GitAdapter:
         if gstore.resolve(key_ref) is None:
             gstore.create_key_ref(key_ref, candidate, f"oncepatch recover: {receipt.call_id}")
             done.append(f"created '{key_ref}'")
-        branch = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
+        branch = _branch_of(receipt)
         tip = gstore.resolve(branch)
         if tip is None:
             return done
@@ -244,13 +242,13 @@ class GitAdapter:
             for path in touched:
                 want = gstore.lookup_file(tip_tree, path)
                 was = gstore.lookup_file(base_tree, path)
-                if _matches(gstore, workdir, path, want) and _index_matches(workdir, path, want):
+                if _matches(gstore, workdir, path, (want,)) and _index_matches(workdir, path, (want,)):
                     continue
-                if _matches_any(gstore, workdir, path, (was, want)) and _index_any(workdir, path, (was, want)):
+                if _matches(gstore, workdir, path, (was, want)) and _index_matches(workdir, path, (was, want)):
                     stale[path] = want
                 else:
                     left.append(path)
-                    if was != want and _index_matches(workdir, path, was):
+                    if was != want and _index_matches(workdir, path, (was,)):
                         # The file was edited since the crash: it is kept.  The index
                         # still holds the base, a staged revert of the commit that
                         # the next 'git commit' would make; it gets the commit's entry.
@@ -326,7 +324,6 @@ class GitAdapter:
         the ref points at its commit); any other key ref — no receipt (a store
         deleted or emptied), or a receipt that says it never committed — is a failure.
         """
-        from cas.errors import GitStoreError, UsageError
         places: dict[str, str] = {}
         home = _store_home(rstore)
         if home is not None:
@@ -454,43 +451,33 @@ class GitAdapter:
         except FileNotFoundError:
             return list(dict.fromkeys(removed))  # a linked worktree's common dir is listed once
         for name in names:
-            if name.startswith("ref-lock-"):
-                # Its stale ref locks are handled by query() under the key lock; an
-                # orphan marker (the call failed cleanly or was settled) is just removed.
-                h = name[len("ref-lock-"):]
-                lk = _try_lock_hash(rstore, h)
-                if lk is not None:
-                    try:
-                        marker = os.path.join(rstore.tmp_dir, name)
-                        if rstore.read_hash(h) is None or not _unresolved(rstore, h):
-                            removed.append(marker)
-                            if not dry_run:
-                                with contextlib.suppress(FileNotFoundError):
-                                    os.unlink(marker)
-                    finally:
-                        lk.release()
-                continue
-            if not name.startswith("index-lock-"):
+            kind, _, h = name.partition("-lock-")
+            if kind not in ("ref", "index"):
                 continue
             marker = os.path.join(rstore.tmp_dir, name)
-            h = name[len("index-lock-"):]
-            if _unresolved(rstore, h):
+            if kind == "index" and _unresolved(rstore, h):
                 continue  # protected (see above); settled by a later recover, then removed
             lk = _try_lock_hash(rstore, h)
             if lk is None:
-                continue  # its owner is alive and may hold the index lock right now
+                continue  # its owner is alive (and may hold the index lock right now)
             try:
-                try:
-                    with open(marker, "rb") as fh:
-                        index_lock = fh.read().decode("utf-8", "surrogateescape").strip()
-                except FileNotFoundError:
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    if index_lock.endswith("index.lock") and dead_own_index_lock(index_lock):
-                        # cas breaks it under the folder's flock (a bare unlink could hit a
-                        # live call's lock created in its place since the read).
-                        if dry_run or break_dead_own_index_lock(index_lock):
-                            removed.append(index_lock)
+                if kind == "ref":
+                    # Its stale ref locks are handled by query() under the key lock; an
+                    # orphan marker (the call failed cleanly or was settled) is just removed.
+                    if rstore.read_hash(h) is not None and _unresolved(rstore, h):
+                        continue
+                else:
+                    try:
+                        with open(marker, "rb") as fh:
+                            index_lock = fh.read().decode("utf-8", "surrogateescape").strip()
+                    except FileNotFoundError:
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        if index_lock.endswith("index.lock") and dead_own_index_lock(index_lock):
+                            # cas breaks it under the folder's flock (a bare unlink could hit a
+                            # live call's lock created in its place since the read).
+                            if dry_run or break_dead_own_index_lock(index_lock):
+                                removed.append(index_lock)
                 removed.append(marker)
                 if not dry_run:
                     with contextlib.suppress(FileNotFoundError):
@@ -498,6 +485,10 @@ class GitAdapter:
             finally:
                 lk.release()
         return list(dict.fromkeys(removed))  # a lock found both ways is listed once
+
+
+def _branch_of(receipt: Receipt) -> str:
+    return str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
 
 
 def _stop_processes_in(folder: str) -> None:
@@ -568,8 +559,6 @@ def _pid_of_tmp(rest: str) -> int | None:
 def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:
     """Where cas leaves tmp files of its own in a git dir: beside the index (``index.optmp-<pid>…``,
     ``.index.lock.optmp-<pid>``).  (libgit2's tmp files of objects: :func:`_remove_old_object_tmp_files`.)"""
-    from cas.durable import TMP_MARK
-
     real = os.path.realpath(git_dir)
     return [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}")]
 
@@ -732,17 +721,11 @@ def _try_lock_hash(rstore: ReceiptStore, h: str) -> Any:
     return lk
 
 
-def _matches(gstore: GitStore, workdir: str, path: str, entry: TreeEntry | None) -> bool:
-    return worktree_files_match(gstore, workdir, {path: entry})
+def _matches(gstore: GitStore, workdir: str, path: str, entries: tuple[TreeEntry | None, ...]) -> bool:
+    """Whether the worktree's file at ``path`` is one of ``entries`` (``None``: no file)."""
+    return any(worktree_files_match(gstore, workdir, {path: e}) for e in entries)
 
 
-def _matches_any(gstore: GitStore, workdir: str, path: str, entries: tuple[TreeEntry | None, ...]) -> bool:
-    return any(_matches(gstore, workdir, path, e) for e in entries)
-
-
-def _index_matches(workdir: str, path: str, entry: TreeEntry | None) -> bool:
-    return index_matches(workdir, {path: entry})
-
-
-def _index_any(workdir: str, path: str, entries: tuple[TreeEntry | None, ...]) -> bool:
-    return any(_index_matches(workdir, path, e) for e in entries)
+def _index_matches(workdir: str, path: str, entries: tuple[TreeEntry | None, ...]) -> bool:
+    """Whether the index's entry of ``path`` is one of ``entries``."""
+    return any(index_matches(workdir, {path: e}) for e in entries)

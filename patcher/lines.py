@@ -1,24 +1,11 @@
 """A file's lines, their comparison keys per grade, and linear search over them (pure: no I/O).
 
-:class:`Lines` holds a file's lines (:func:`split_lines`) and, per grade of
-:mod:`patcher.matching` (``exact``, ``rstrip``, ``strip``, ``punct``), the key
-of every line, computed once, when a search first needs it.
-
-**Search** (:meth:`Lines.scan`: every start of a line sequence; :meth:`Lines.first`:
-the next line with a given key) is linear in the file and the sequence, never a
-rescan per start position:
-
-* a few searches walk the keys with ``list.index`` (in C) and compare the
-  sequence at each start its first line is found at;
-* once the searches of a grade have walked the file twice, the grade's keys
-  are *indexed* (key → sorted positions) and a sequence's starts are found
-  through the positions of its rarest line (by bisection from where the
-  search starts);
-* when comparing at those starts would cost more than a few passes over the
-  file (a sequence whose every line is everywhere: ``a`` x 20,000 against
-  ``a`` x 50,000), Knuth-Morris-Pratt finds every start in one pass.
-
-Every step is paid for from the call's :class:`patcher.budget.WorkBudget`.
+Search is linear in the file and the sequence, never a rescan per start
+position (docs/FORMATS.md, "Bounded work"): ``list.index`` in C for a few
+searches; once a grade's searches walked the file twice, an index (key →
+sorted positions) through the sequence's rarest line; and one
+Knuth-Morris-Pratt pass when comparing at the starts would cost more than a
+few passes.  Every step is paid for from the call's :class:`patcher.budget.WorkBudget`.
 """
 
 from __future__ import annotations
@@ -30,7 +17,8 @@ from typing import Any
 
 from patcher.budget import WorkBudget
 
-__all__ = ["Lines", "split_lines", "chomp", "eol_of", "key_fn", "find_all", "has_lone_cr", "cr_chomp", "cr_eol_of"]
+__all__ = ["Lines", "split_lines", "chomp", "eol_of", "dominant_eol", "key_fn", "find_all", "has_lone_cr", "cr_chomp",
+           "cr_eol_of"]
 
 _PUNCT_TABLE = str.maketrans(
     {
@@ -50,6 +38,12 @@ _VERIFY_PASSES = 4  # comparing at candidate starts may cost this many passes be
 
 _LINE = re.compile(rb"[^\n]*\n|[^\n]+\Z")
 _CR_LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)|[^\r\n]+\Z")
+
+
+def dominant_eol(data: bytes) -> bytes:
+    """``\\r\\n`` if more lines of ``data`` end so than with a bare ``\\n``, else ``\\n``."""
+    crlf = data.count(b"\r\n")
+    return b"\r\n" if crlf > data.count(b"\n") - crlf else b"\n"
 
 
 def has_lone_cr(data: bytes) -> bool:
@@ -83,20 +77,12 @@ def split_lines(data: bytes) -> list[bytes]:
 
 def chomp(line: bytes) -> bytes:
     """``line`` without its terminator (``\\r\\n`` or ``\\n``)."""
-    if line.endswith(b"\r\n"):
-        return line[:-2]
-    if line.endswith(b"\n"):
-        return line[:-1]
-    return line
+    return line[:-2] if line.endswith(b"\r\n") else line[:-1] if line.endswith(b"\n") else line
 
 
 def eol_of(line: bytes) -> bytes:
     """The terminator ``line`` ends with (``b""`` for none)."""
-    if line.endswith(b"\r\n"):
-        return b"\r\n"
-    if line.endswith(b"\n"):
-        return b"\n"
-    return b""
+    return b"\r\n" if line.endswith(b"\r\n") else b"\n" if line.endswith(b"\n") else b""
 
 
 def _punct(line: bytes) -> str:
@@ -174,8 +160,7 @@ class Lines:
     def eol(self) -> bytes:
         """The file's dominant terminator: ``\\r\\n`` if more lines end so than with a bare ``\\n``."""
         if self._eol is None:
-            crlf = self.data.count(b"\r\n")
-            self._eol = b"\r\n" if crlf > self.data.count(b"\n") - crlf else b"\n"
+            self._eol = dominant_eol(self.data)
         return self._eol
 
     def spend(self, steps: int) -> None:

@@ -1,119 +1,13 @@
 """Applying hunks to one file's bytes (pure: no I/O).
 
-These rules hold for every context-based patch format.
-
-**Lines.**  :func:`split_lines` splits on ``\\n`` only and keeps terminators; a
-lone ``\\r`` is part of its line.  Only the file's last line may lack ``\\n``.
-When ``eol_agnostic`` hunks are not found so and the file holds a lone
-``\\r``, the file is read again split at it too (a file that uses it as a
-line break; :func:`apply_hunks`), a line so ended keeping its ``\\r``.
-
-**Grades**, strictest first; a grade is tried only when every stricter grade
-found no candidate:
-
-``exact``   bytes equal, terminators included (``eol_agnostic`` hunks: equal
-            once ``\\r\\n``/``\\n`` is removed from both sides);
-``rstrip``  equal ignoring trailing ASCII whitespace (``\\r`` included);
-``strip``   equal ignoring leading and trailing ASCII whitespace;
-``punct``   UTF-8 decoded (invalid bytes replaced, for comparing only),
-            stripped, Unicode dashes/minus → ``-``, curly quotes → ``'``/``"``,
-            Unicode spaces → space, stripped again.
-
-**Where a hunk may match.**  Hunks of a file are matched in order against the
-*original* file; hunk *i* may only match at or after the end of hunk *i-1*'s
-match (no overlap) -- except that a hunk without ``old_start`` found nowhere
-there is taken *before* it (:func:`_out_of_order`, as codex takes envelope
-chunks) when it is found once in the whole file and overlaps no earlier
-hunk's lines.
-
-* With ``old_start`` (unified diffs) the *stated position* is
-  ``old_start - 1`` plus the offset at which the previous hunk was found
-  (where it matched minus where it said it was, as GNU patch carries it).
-  At a grade, a match at the stated position wins; else the unique nearest
-  candidate wins; two at equal distance → :class:`AmbiguousMatch`.
-* Without ``old_start`` and without scopes, more than one candidate at the
-  first grade that has any → :class:`AmbiguousMatch`; the first match is never
-  taken silently.
-* ``scopes`` (apply_patch ``@@ def foo():`` anchors, compared as line
-  contents: the terminator never matters): the first scope line is looked up
-  from the current position (at the strictest grade that finds it); each
-  later scope line is the first match after the previous one.  The hunk is
-  then the *first* candidate after the last scope line.  A first scope line
-  that occurs several times is tried at each occurrence, and the hunk is
-  ambiguous only if those occurrences lead to *different* hunk positions —
-  an ambiguous scope is harmless when the hunk resolves it.  Scopes take
-  precedence over ``old_start``.
-* ``at_eof``: the hunk's old lines must end at the file's last line.
-* ``prefer_start`` / ``prefer_eof`` (unified hunks git anchors): the hunk is
-  judged at the file's start / end (both: the whole file) and, unless that
-  is exact, by the rules above anywhere; the anchored verdict wins unless the
-  other is at a stricter grade (or the anchored one found nothing), or the
-  anchor judged the hunk present elsewhere while its old lines stand exactly
-  at the stated line.
-* An empty old side inserts: with ``old_start`` after line ``old_start``
-  (0 = start of file, plus the carried offset); else after the last scope
-  line, or at the end of the file.
-
-**Writing.**  Matched old lines are replaced by the hunk's new lines.  Lines
-that a hunk keeps (context: as the format says, ``Hunk.kept``, else paired by
-content between old and new side) are written as the *file's* bytes whenever
-the match was not an exact one, or the hunk is ``eol_agnostic``.  Endings of
-an ``eol_agnostic`` hunk's other lines go **by position**: a line that
-replaces a removed line (the k-th added line between two kept ones, the k-th
-removed there) takes that line's ending; any other takes the ending of the
-line before it (at the start of the file, of the line after it); when such a
-block ends the file and the file had no final newline, its last line gets
-none either.  For other hunks matched at a fuzzy grade, added lines keep the
-patch's bytes, except that if the patch's line ending differs from the
-matched region's (an LF patch on a CRLF file) they take the region's.  A line
-left without terminator in the middle of the result (the old last line of a
-file without final newline, with lines now after it) gets the file's
-dominant terminator, so lines are never glued together.
-
-**Indentation.**  At the grades that ignore leading whitespace
-(:data:`patcher.indentation.LOOSE_INDENT_GRADES`) every non-blank matched line must be off by one
-same delta (the file's indentation is the patch's plus or minus one
-whitespace string; tabs against spaces is none): added lines move by it.
-Else :class:`IndentationMismatch`, before anything is written.
-
-**Strict.**  Under :data:`patcher.grades.STRICT` (a ``strict`` call) a hunk that applies
-below ``exact`` is :class:`InexactMatch` (:func:`refuse_inexact`).
-
-**Already applied.**  A hunk whose old side is found exactly once, inside an
-exact occurrence of its new side (an insertion whose added lines end with a
-copy of its context leaves the old lines once, within the block it
-inserted), is *present* there — if the new side holds the old one at one
-offset only, adds a line that is none of the old ones, and (with line
-numbers) that occurrence is at the stated line.  A hunk whose old side is found nowhere but whose new
-side is found, by the same rules and from the same position, is *present*
-(if the new side occurs at several places, the one nearest the stated
-position counts, else the first) — if the two sides share a line (context).
-A hunk without context (every old line removed, every new line added) is
-present only when its new side is at its stated position (unified diffs;
-never for hunks without line numbers): a lone ``return None`` found elsewhere
-proves nothing.  A hunk whose old side is found only at a grade looser than
-its new side (a whitespace-only change re-applied) is present when the new
-side is found, more strictly, *where* the old side was.  "Its removed lines absent" thus
-means: the old side (context and removed lines together) is not in the file.
-A hunk with an empty old side (pure insertion) or an empty new side can never
-be judged present.  All hunks present →
-``AppliedFile(content=original, already_applied=True)``; some present, the
-rest applicable → :class:`PartiallyApplied` (``applied_hunks`` /
-``missing_hunks``, 1-based); a hunk neither applicable nor present →
-:class:`ContextNotFound` for the first such hunk.
-
-**Errors** carry ``details``: ``path``, ``hunk`` (1-based), ``hunk_header``,
-``expected`` (first 3 old lines, one string), ``grade_tried``, ``closest``
-(``line``, ``lines``, ``diff``: the window of the file sharing most lines with
-the old side under ``strip``, ties → nearest the stated position; ``None`` if
-no line is shared) and, when ambiguous, ``candidates`` (1-based lines).
-
-**Cost.**  The usual case (exact at the stated position) is O(hunk) after
-:func:`split_lines`; a search is O(file + hunk) (:mod:`patcher.lines`), and
-every step is paid from the call's :class:`patcher.budget.WorkBudget`
-(:class:`patcher.errors.TooLarge` past it).  Errors list at most 20
-``candidates`` (``candidate_count``: all); ``closest`` and the pairing of kept
-lines are bounded too (:func:`patcher.hints.closest`, :func:`patcher.hints.opcodes`).
+The rules every context-based format shares (grades, where a hunk may match,
+line endings by position, indentation, already applied, errors, cost) are
+docs/FORMATS.md, "Matching"; the functions below cite them by name.  Hunks
+are matched in order against the *original* file, each at or after the end
+of the previous one's match, except a hunk without ``old_start`` found
+nowhere there (:func:`_out_of_order`, as codex takes envelope chunks).  A
+false "already applied" is a success with nothing changed, so what counts as
+present is narrow.
 """
 
 from __future__ import annotations
@@ -144,15 +38,9 @@ _SHOWN = 20  # candidate lines an error lists (and how many there are in all)
 
 def _dominant(lines: Sequence[bytes]) -> bytes:
     """``\\r\\n`` if more of ``lines`` end so than with a bare ``\\n``; ``b""`` if none ends."""
-    crlf = lf = 0
-    for line in lines:
-        if line.endswith(b"\r\n"):
-            crlf += 1
-        elif line.endswith(b"\n"):
-            lf += 1
-    if crlf == lf == 0:
-        return b""
-    return b"\r\n" if crlf > lf else b"\n"
+    ends = [eol_of(line) for line in lines]
+    crlf, lf = ends.count(b"\r\n"), ends.count(b"\n")
+    return b"" if crlf == lf == 0 else b"\r\n" if crlf > lf else b"\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,18 +51,9 @@ class _Loc:
     positions: tuple[int, ...]
 
 
-def _locate(
-    f: _File,
-    seq: Sequence[bytes],
-    *,
-    agnostic: bool,
-    lo: int,
-    expected: int | None,
-    starts: Sequence[int] | None,
-    at_eof: bool,
-    at_start: bool = False,
-    grades: Sequence[str] = GRADES,
-) -> _Loc | None:
+def _locate(f: _File, seq: Sequence[bytes], *, agnostic: bool, lo: int, expected: int | None,
+            starts: Sequence[int] | None, at_eof: bool, at_start: bool = False,
+            grades: Sequence[str] = GRADES) -> _Loc | None:
     """Find the non-empty ``seq`` in ``f`` at or after ``lo`` (rules: module docstring)."""
     n, m = len(f.lines), len(seq)
     last = n - m
@@ -190,12 +69,8 @@ def _locate(
                 return _Loc(grade, (pos,))
             continue
         # Fast path, and the rule "the stated position wins": O(hunk) when it matches.
-        if (
-            expected is not None
-            and starts is None
-            and lo <= expected <= last
-            and f.match_at(grade, agnostic, expected, hkeys)
-        ):
+        if expected is not None and starts is None and lo <= expected <= last and f.match_at(
+                grade, agnostic, expected, hkeys):
             return _Loc(grade, (expected,))
         cands = f.scan(grade, agnostic, hkeys, lo)
         if not cands:
@@ -276,9 +151,7 @@ class _Verdict:
 class _Failure(Exception):
     """Internal: a hunk cannot be placed; turned into a public error with details by the caller."""
 
-    def __init__(
-        self, kind: type[ContextNotFound | AmbiguousMatch], reason: str, **extra: Any
-    ) -> None:
+    def __init__(self, kind: type[ContextNotFound | AmbiguousMatch], reason: str, **extra: Any) -> None:
         super().__init__(reason)
         self.kind = kind
         self.reason = reason
@@ -294,27 +167,17 @@ def _judge(f: _File, hunk: Hunk, lo: int, carry: int, shift: int = 0) -> _Verdic
         _Failure: a scope is missing, an insertion point is outside the file, or
             the old side is ambiguous (and the new side not found more strictly).
     """
-    agnostic = hunk.eol_agnostic
     starts: list[int] | None = None
     if hunk.scopes:
         starts, missing_scope = _resolve_scopes(f, hunk.scopes, lo)
         if missing_scope is not None or not starts:
             shown = chomp(missing_scope or b"").decode("utf-8", "replace")
-            raise _Failure(
-                ContextNotFound,
-                f"scope '{shown}' not found (tried {', '.join(GRADES)})",
-                scope=shown,
-            )
+            raise _Failure(ContextNotFound, f"scope '{shown}' not found (tried {', '.join(GRADES)})", scope=shown)
     if not hunk.old_lines:
         return _Verdict("applies", _insertion_point(f, hunk, lo, carry, starts))
     expected = None if hunk.old_start is None else hunk.old_start - 1 + carry
-    kw: dict[str, Any] = {
-        "agnostic": agnostic,
-        "lo": lo,
-        "expected": expected,
-        "starts": starts,
-        "at_eof": hunk.at_eof,
-    }
+    kw: dict[str, Any] = {"agnostic": hunk.eol_agnostic, "lo": lo, "expected": expected, "starts": starts,
+                          "at_eof": hunk.at_eof}
     if not (hunk.prefer_start or hunk.prefer_eof):
         return _judge_at(f, hunk, kw, shift)
     # Where git would anchor it first: there it applies, or is present, before anywhere
@@ -400,13 +263,10 @@ def _judge_at(f: _File, hunk: Hunk, kw: dict[str, Any], shift: int) -> _Verdict:
         where = "at end of file " if kw["at_eof"] else ""
         return _Verdict("missing", reason=f"context not found {where}(tried {', '.join(GRADES)})")
     if len(old.positions) > 1:
-        raise _Failure(
-            AmbiguousMatch,
-            f"context matches at lines {shown_lines([p + 1 for p in old.positions])} (grade {old.grade}); "
-            "add context to make it unique",
-            **capped_candidates([p + 1 for p in old.positions]),
-            grade_tried=list(GRADES[: GRADES.index(old.grade) + 1]),
-        )
+        raise _Failure(AmbiguousMatch, f"context matches at lines {shown_lines([p + 1 for p in old.positions])} "
+                       f"(grade {old.grade}); add context to make it unique",
+                       **capped_candidates([p + 1 for p in old.positions]),
+                       grade_tried=list(GRADES[: GRADES.index(old.grade) + 1]))
     return _Verdict("applies", old.positions[0], old.grade)
 
 
@@ -447,21 +307,14 @@ def _insertion_point(f: _File, hunk: Hunk, lo: int, carry: int, starts: list[int
         if hunk.at_eof:
             return n
         if len(starts) > 1:
-            raise _Failure(
-                AmbiguousMatch,
-                "insertion point is ambiguous: the scope occurs at several places",
-                **capped_candidates(starts),
-                grade_tried=list(GRADES),
-            )
+            raise _Failure(AmbiguousMatch, "insertion point is ambiguous: the scope occurs at several places",
+                           **capped_candidates(starts), grade_tried=list(GRADES))
         return max(starts[0], lo)
     if hunk.old_start is None or hunk.at_eof:
         return n
     pos = hunk.old_start + carry
     if not lo <= pos <= n:
-        raise _Failure(
-            ContextNotFound,
-            f"insertion after line {hunk.old_start} is outside the file ({n} lines)",
-        )
+        raise _Failure(ContextNotFound, f"insertion after line {hunk.old_start} is outside the file ({n} lines)")
     return pos
 
 
@@ -611,16 +464,10 @@ def _text(line: bytes) -> str:
     return chomp(line).decode("utf-8", "replace")
 
 
-def _error(
-    f: _File, hunk: Hunk, index: int, path: str, lo: int, expected: int | None, failure: _Failure
-) -> ContextNotFound | AmbiguousMatch:
-    details: dict[str, Any] = {
-        "path": path,
-        "hunk": index + 1,
-        "hunk_header": hunk.header,
-        "expected": "\n".join(_text(x) for x in hunk.old_lines[:3]),
-        "grade_tried": list(GRADES),
-    }
+def _error(f: _File, hunk: Hunk, index: int, path: str, lo: int, expected: int | None,
+           failure: _Failure) -> ContextNotFound | AmbiguousMatch:
+    details: dict[str, Any] = {"path": path, "hunk": index + 1, "hunk_header": hunk.header,
+                               "expected": "\n".join(_text(x) for x in hunk.old_lines[:3]), "grade_tried": list(GRADES)}
     details.update(failure.extra)
     details["closest"] = closest(f, hunk.old_lines, lo if expected is None else expected)
     message = f"hunk {index + 1} of '{path}' does not apply: {failure.reason}"
@@ -681,21 +528,18 @@ def _apply(f: _File, original: bytes, hunks: Sequence[Hunk], path: str) -> Appli
             verdict = _judge(f, hunk, lo, carry, shift)
         except _Failure as failure:
             raise _error(f, hunk, index, path, lo, expected, failure) from None
+        placed = verdict
         if verdict.state == "missing":
             earlier = _out_of_order(f, hunk, spans) if hunk.old_start is None and lo > 0 else None
             if earlier is None:
-                raise _error(
-                    f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason)
-                )
-            plan.append((hunk, earlier))
-            insort(spans, _span(hunk, earlier))
-            if earlier.state == "applies":
-                shift += len(hunk.new_lines) - len(hunk.old_lines)
-            continue  # placed before an earlier hunk: where the next one may start stays
-        plan.append((hunk, verdict))
-        insort(spans, _span(hunk, verdict))
-        if verdict.state == "applies":
+                raise _error(f, hunk, index, path, lo, expected, _Failure(ContextNotFound, verdict.reason))
+            placed = earlier
+        plan.append((hunk, placed))
+        insort(spans, _span(hunk, placed))
+        if placed.state == "applies":
             shift += len(hunk.new_lines) - len(hunk.old_lines)
+        if placed is not verdict:
+            continue  # placed before an earlier hunk: where the next one may start stays
         size = len(hunk.old_lines if verdict.state == "applies" else hunk.new_lines)
         lo = verdict.pos + size
         if hunk.old_start is not None and hunk.old_lines:
@@ -711,8 +555,6 @@ def _apply(f: _File, original: bytes, hunks: Sequence[Hunk], path: str) -> Appli
     if len(present) == len(plan):
         return AppliedFile(content=original, grades=grades, already_applied=True)
     missing = [i + 1 for i, (_, v) in enumerate(plan) if v.state == "applies"]
-    raise PartiallyApplied(
-        f"patch is partially applied to '{path}': hunks {', '.join(map(str, present))} "
-        f"already present, hunks {', '.join(map(str, missing))} not",
-        details={"path": path, "applied_hunks": present, "missing_hunks": missing},
-    )
+    raise PartiallyApplied(f"patch is partially applied to '{path}': hunks {', '.join(map(str, present))} "
+                           f"already present, hunks {', '.join(map(str, missing))} not",
+                           details={"path": path, "applied_hunks": present, "missing_hunks": missing})

@@ -1,53 +1,16 @@
 """Path-safety checks for the paths a patch touches (pure: no I/O).
 
-A patch may only name paths *inside* the repository's working tree and never
-git's own files.  :func:`check_path` accepts a path and returns its normal
-form, or raises :class:`~patcher.errors.UnsafePath` (``details`` =
-``{"path": <as given>, "reason": <short text>}``).  Refused:
-
-* the empty path (also ``.``, which normalises to nothing);
-* a name that is not UTF-8 (its bytes arrive as surrogates): receipts and
-  error envelopes are JSON text (the message shows such a byte as ``\\xe9``);
-* control characters ``\\x00``-``\\x1f`` (NUL included);
-* absolute paths: a leading ``/``, a leading ``\\`` (UNC ``\\\\host``), or a
-  Windows drive prefix ``C:`` (also ``C:x``, drive-relative);
-* any backslash: it is a separator on Windows, so ``a\\..\\b`` could escape;
-* a trailing ``/`` (a directory, not a file);
-* an empty component (``a//b``): refused rather than normalised, since no tool
-  emits it and it usually means a path was glued together wrongly;
-* a ``..`` component;
-* a component that is git's directory under any spelling git itself refuses
-  (``verify_path`` in git's ``read-cache.c`` with ``core.protectNTFS`` and
-  ``core.protectHFS`` both on, whatever the platform): ``.git`` in any
-  (ASCII) case, followed by any run of spaces and dots, or by ``:`` (an NTFS
-  stream, ``.git::$INDEX_ALLOCATION``); the NTFS short name ``git~1``;
-  ``.git`` with HFS+-ignorable code points (zero-width joiners, ...) anywhere.
-
-``.`` components are removed (``./a/./b`` → ``a/b``); nothing else is
-rewritten.  :func:`check_paths` checks a whole patch's paths together: no
-duplicates, and no path that is a leading directory of another (``a`` and
-``a/b`` cannot both be files) unless the patch removes it.
-
-:func:`verify_path` adds what depends on the mode of the entry a patch writes,
-known once the patch is planned against its base (a rename keeps a symlink's
-mode): a **symlink** named ``.gitmodules``, ``.gitattributes``, ``.gitignore``
-or ``.mailmap`` -- or any name git reads as one of them: HFS+-ignorable code
-points inside, any ASCII case, NTFS trailing spaces and dots or a ``:``
-stream, NTFS short names (``gitmod~1``, ``gi7eba~1``, ``maba30~1``, ...) --
-is refused.  Git's ``verify_path`` refuses ``.gitmodules`` as a symlink (no
-checkout, no ``git add``; ``git fsck``: ``gitmodulesSymlink``, an error), and
-``git fsck`` reports the other three (``gitattributesSymlink``,
-``gitignoreSymlink``, ``mailmapSymlink``) while git reads them without
-following a symlink: a symlink there is a file git would read elsewhere (or,
-for ``.gitmodules``, a way to steer a clone's submodules).  A symlink is
-never needed there, so all four are refused alike.
-
-The matching follows git's ``is_hfs_dot*`` (``utf8.c``), ``is_ntfs_dot*``
-(``path.c``) and ``verify_dotfile`` (``read-cache.c``) rule for rule: each is
-tried at the start of every component, on the rest of the path.
-
-Whether a path runs through a symlink in the target tree needs the tree and is
-checked by the apply protocol, not here.
+A patch may only name paths *inside* the working tree and never git's own
+files; what is refused is listed in docs/SECURITY.md (path escapes, ``.git``
+under every spelling git refuses, git's own files as symlinks).  The
+matching follows git's ``is_hfs_dot*`` (``utf8.c``), ``is_ntfs_dot*``
+(``path.c``) and ``verify_path``/``verify_dotfile`` (``read-cache.c``, with
+``core.protectNTFS`` and ``core.protectHFS`` on whatever the platform) rule
+for rule, each tried at the start of every component.  ``.`` components are
+removed; nothing else is rewritten.  An empty component (``a//b``) is refused,
+not normalised: no tool emits it, and it usually means a path was glued
+together wrongly.  Whether a path runs through a symlink in the target tree
+needs the tree and is checked by the apply protocol, not here.
 """
 
 from __future__ import annotations
@@ -171,17 +134,14 @@ def _show(path: str) -> str:
 
 
 def _refuse(path: str, reason: str, **extra: str) -> UnsafePath:
-    return UnsafePath(
-        f"unsafe path '{_show(path)}': {reason}",
-        details={"path": path, "reason": reason, **extra},
-    )
+    return UnsafePath(f"unsafe path '{_show(path)}': {reason}", details={"path": path, "reason": reason, **extra})
 
 
 def check_path(path: str) -> str:
     """Return ``path`` as a normalised POSIX path relative to the repository root.
 
     Raises:
-        UnsafePath: for any of the forms listed in the module docstring.
+        UnsafePath: for any of the forms docs/SECURITY.md lists.
     """
     if path == "":
         raise _refuse(path, "empty path")
@@ -267,9 +227,5 @@ def check_paths(paths: Iterable[str], *, removed: Iterable[str] = ()) -> None:
         parent, sep, _ = norm.rpartition("/")
         while sep:
             if parent in seen and parent not in gone:
-                raise _refuse(
-                    seen[parent],
-                    f"is both a file and the directory of '{_show(norm)}'",
-                    conflicts_with=raw,
-                )
+                raise _refuse(seen[parent], f"is both a file and the directory of '{_show(norm)}'", conflicts_with=raw)
             parent, sep, _ = parent.rpartition("/")

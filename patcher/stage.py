@@ -1,34 +1,12 @@
 """Staging: turn parsed file edits into new objects on top of a base commit.
 
-:func:`stage` reads only the blobs the edits touch, applies the hunks
-(:mod:`patcher.matching`), writes the new blobs, rebuilds the trees on the
-changed paths (:meth:`cas.objects.GitStore.edit_tree`) and returns the change
-set.  Nothing here moves a ref: a crash leaves only unreferenced objects.
-
-Rules per operation (every format; docs/FORMATS.md):
-
-* ``add`` of an existing path: already applied if it has the same bytes and
-  mode, else an error (``context_not_found``) -- never an overwrite;
-* ``delete`` of a missing path: an error (``context_not_found``), never
-  "already applied" (the file may have been deleted by something else; the
-  caller learns that instead of a silent success);
-* ``rename`` onto an existing path: an error, unless the patch also deletes or
-  renames that path away; a rename whose source is gone and whose target
-  already holds the result is already applied;
-* ``modify`` of a missing path: an error, except for formats registered with
-  ``writes_create`` (whole-file writes), where it is an ``add``;
-* ``copy``: the source must exist (it is read from the base, whatever else the
-  patch does to it); a target that exists is an error unless it already holds
-  the result (already applied).  The output is an ``add`` of the target with
-  ``from`` naming the source.
-
-Binary edits (``FileEdit.binary``) are checked as ``git apply`` checks them:
-the file must be the blob the patch names as its old side (``old_blob``, in
-full or abbreviated), and the result must hash to the new side
-(``new_blob``); a file that already is the new blob is already applied.
-
-Hunks apply with the format's ``apply_file`` (:class:`patcher.formats.Format`;
-default :func:`patcher.matching.apply_hunks`).
+:func:`plan_stage` reads only the blobs the edits touch and applies them (the
+format's ``apply_file``, default :func:`patcher.matching.apply_hunks`);
+:func:`write_stage` writes the new blobs, trees and the candidate commit.
+Nothing here moves a ref: a crash leaves only unreferenced objects.  The rules
+per operation (an ``add`` never overwrites, a ``delete`` of a missing path is
+never "already applied", ...) are docs/FORMATS.md, "Operations"; binary edits
+are checked against ``old_blob``/``new_blob`` as ``git apply`` checks them.
 """
 
 from __future__ import annotations
@@ -91,27 +69,19 @@ def _lookup(store: GitStore, tree: str | None, path: str, deleted: set[str]) -> 
     found = store.lookup_path(tree, path)
     if found.blocked_by is not None:
         if found.blocked_mode == _MODE_GITLINK:
-            raise UnsafePath(
-                f"refusing to write '{path}': '{found.blocked_by}' is a submodule (a repository of its own): "
-                f"apply the change in that repository",
-                details={"path": path, "reason": "in_submodule", "submodule": found.blocked_by},
-            )
+            raise UnsafePath(f"refusing to write '{path}': '{found.blocked_by}' is a submodule (a repository of its "
+                             f"own): apply the change in that repository",
+                             details={"path": path, "reason": "in_submodule", "submodule": found.blocked_by})
         if found.blocked_mode == MODE_LINK:
-            raise UnsafePath(
-                f"refusing to write '{path}': '{found.blocked_by}' is a symlink in the tree",
-                details={"path": path, "reason": "through_symlink", "symlink": found.blocked_by},
-            )
+            raise UnsafePath(f"refusing to write '{path}': '{found.blocked_by}' is a symlink in the tree",
+                             details={"path": path, "reason": "through_symlink", "symlink": found.blocked_by})
         if found.blocked_by not in deleted:
-            raise ContextNotFound(
-                f"cannot write '{path}': '{found.blocked_by}' is a file, not a folder",
-                details={"path": path, "blocked_by": found.blocked_by},
-            )
+            raise ContextNotFound(f"cannot write '{path}': '{found.blocked_by}' is a file, not a folder",
+                                  details={"path": path, "blocked_by": found.blocked_by})
         return None
     if found.entry is not None and found.entry.mode == _MODE_GITLINK:
-        raise UnsafePath(
-            f"refusing to change '{path}': it is a submodule, and oncepatch does not change submodules",
-            details={"path": path, "reason": "submodule", "submodule": path},
-        )
+        raise UnsafePath(f"refusing to change '{path}': it is a submodule, and oncepatch does not change submodules",
+                         details={"path": path, "reason": "submodule", "submodule": path})
     if found.entry is not None and found.entry.mode == _MODE_TREE:
         if all(f"{path}/{sub}" in deleted for sub in store.list_files(found.entry.oid)):
             return None  # a folder giving way to a file: every file in it is deleted by the patch
@@ -138,21 +108,18 @@ def _binary_result(store: GitStore, edit: FileEdit, old: bytes) -> bytes:
     elif edit.binary == "blob":
         assert edit.new_blob is not None
         if not store.has_object(edit.new_blob):
-            raise UnsupportedPatch(
-                f"binary file '{edit.target}' changed, but the patch carries no data and this repository "
-                f"does not have its new blob {edit.new_blob}: make the patch with 'git diff --binary'",
-                details={"path": edit.target, "blob": edit.new_blob, "reason": "binary"},
-            )
+            raise UnsupportedPatch(f"binary file '{edit.target}' changed, but the patch carries no data and this "
+                                   f"repository does not have its new blob {edit.new_blob}: make the patch with "
+                                   f"'git diff --binary'",
+                                   details={"path": edit.target, "blob": edit.new_blob, "reason": "binary"})
         content = store.read_blob(edit.new_blob)
     else:
         content = edit.content if edit.content is not None else b""
     if edit.new_blob is not None:
         got = git_blob_oid(content)
         if not got.startswith(edit.new_blob):
-            raise ContextNotFound(
-                f"binary patch for '{edit.target}' gives blob {got}, the patch says {edit.new_blob}",
-                details={"path": edit.target, "blob": got, "expected_blob": edit.new_blob},
-            )
+            raise ContextNotFound(f"binary patch for '{edit.target}' gives blob {got}, the patch says {edit.new_blob}",
+                                  details={"path": edit.target, "blob": got, "expected_blob": edit.new_blob})
     return content
 
 
@@ -165,10 +132,8 @@ def _apply_binary(store: GitStore, edit: FileEdit, current: TreeEntry) -> tuple[
     if edit.old_blob is not None and not _is_blob(current.oid, edit.old_blob):
         if edit.binary == "literal" and edit.content == old:
             return old, mode, mode == current.mode
-        raise ContextNotFound(
-            f"'{edit.path}' is blob {current.oid}, the binary patch was made against {edit.old_blob}",
-            details={"path": edit.path, "blob": current.oid, "expected_blob": edit.old_blob},
-        )
+        raise ContextNotFound(f"'{edit.path}' is blob {current.oid}, the binary patch was made against {edit.old_blob}",
+                              details={"path": edit.path, "blob": current.oid, "expected_blob": edit.old_blob})
     content = _binary_result(store, edit, old)
     return content, mode, content == old and mode == current.mode
 
@@ -211,10 +176,9 @@ def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None,
     if current is None:
         raise ContextNotFound(f"cannot change '{edit.path}': it does not exist", details={"path": edit.path})
     if edit.old_mode is not None and edit.old_mode != current.mode and edit.new_mode != current.mode:
-        raise ContextNotFound(
-            f"'{edit.path}' has mode {current.mode:o}, the patch expects {edit.old_mode:o}",
-            details={"path": edit.path, "mode": oct(current.mode), "expected_mode": oct(edit.old_mode)},
-        )
+        raise ContextNotFound(f"'{edit.path}' has mode {current.mode:o}, the patch expects {edit.old_mode:o}",
+                              details={"path": edit.path, "mode": oct(current.mode),
+                                       "expected_mode": oct(edit.old_mode)})
     if edit.binary is not None:
         content, mode, done = _apply_binary(store, edit, current)
         return content, mode, (), done
@@ -227,10 +191,8 @@ def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None,
         done = edit.content == old and mode == current.mode
         if edit.old_blob is not None and not done and not _is_blob(current.oid, edit.old_blob):
             # A type change (git's delete and add of one path): the old side must be what was deleted.
-            raise ContextNotFound(
-                f"'{edit.path}' is blob {current.oid}, the patch replaces {edit.old_blob}",
-                details={"path": edit.path, "blob": current.oid, "expected_blob": edit.old_blob},
-            )
+            raise ContextNotFound(f"'{edit.path}' is blob {current.oid}, the patch replaces {edit.old_blob}",
+                                  details={"path": edit.path, "blob": current.oid, "expected_blob": edit.old_blob})
         return edit.content, mode, (), done
     # A mode change alone (or a pure rename).
     return old, mode, (), mode == current.mode and edit.op != "rename"
@@ -298,22 +260,18 @@ def _plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> Stage
             edit = replace(edit, op="add", content=b"".join(edit.hunks[0].new_lines), hunks=())
         if edit.op == "delete":
             if current is None:
-                raise ContextNotFound(f"cannot delete '{edit.path}': it does not exist",
-                                      details={"path": edit.path})
+                raise ContextNotFound(f"cannot delete '{edit.path}': it does not exist", details={"path": edit.path})
             if edit.old_blob is not None and not _is_blob(current.oid, edit.old_blob):
                 # The index line names what is deleted: with no hunks (an empty file's
                 # delete, 'git diff --irreversible-delete', binary) the only check there is.
-                raise ContextNotFound(
-                    f"cannot delete '{edit.path}': it is blob {current.oid}, the patch deletes {edit.old_blob}",
-                    details={"path": edit.path, "blob": current.oid, "expected_blob": edit.old_blob},
-                )
+                raise ContextNotFound(f"cannot delete '{edit.path}': it is blob {current.oid}, the patch deletes "
+                                      f"{edit.old_blob}",
+                                      details={"path": edit.path, "blob": current.oid, "expected_blob": edit.old_blob})
             if edit.hunks:
                 applied = apply_hunks(store.read_blob(current.oid), edit.hunks, path=edit.path)
                 if applied.content != b"":
-                    raise ContextNotFound(
-                        f"cannot delete '{edit.path}': its content differs from the patch",
-                        details={"path": edit.path},
-                    )
+                    raise ContextNotFound(f"cannot delete '{edit.path}': its content differs from the patch",
+                                          details={"path": edit.path})
             changes[edit.path] = None
             outputs.append({"path": edit.path, "op": "delete", "sha256": None, "blob": None, "mode": None})
             missing.append(edit.path)
@@ -324,23 +282,11 @@ def _plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> Stage
                 if _copy_present(store, edit, target_now, current, preimages, applier):
                     present.append(edit.target)
                     continue
-                raise ContextNotFound(
-                    f"cannot copy '{edit.path}' to '{edit.target}': the target exists",
-                    details={"path": edit.target},
-                )
+                raise ContextNotFound(f"cannot copy '{edit.path}' to '{edit.target}': the target exists",
+                                      details={"path": edit.target})
             if current is None:
                 raise ContextNotFound(f"cannot copy '{edit.path}': it does not exist", details={"path": edit.path})
-            content, mode, g, _same = _apply_one(store, edit, current, applier)
-            verify_path(edit.target, mode)
-            if g:
-                grades[edit.target] = g
-            missing.append(edit.target)
-            copied: dict[str, Any] = {"path": edit.target, "op": "add", "sha256": hashlib.sha256(content).hexdigest(),
-                                      "blob": None, "mode": mode, "from": edit.path}
-            outputs.append(copied)
-            blobs.append((edit.target, content, mode, copied))
-            continue
-        if edit.op == "rename":
+        elif edit.op == "rename":
             target_now = _lookup(store, base_tree, edit.target, deleted)
             if current is None and target_now is not None:
                 # Already moved?  Apply the content edit to the target to check.
@@ -350,38 +296,29 @@ def _plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> Stage
                     continue
                 raise ContextNotFound(f"cannot rename '{edit.path}': it does not exist", details={"path": edit.path})
             if target_now is not None and edit.target not in deleted:
-                raise ContextNotFound(
-                    f"cannot rename '{edit.path}' to '{edit.target}': the target exists",
-                    details={"path": edit.target},
-                )
+                raise ContextNotFound(f"cannot rename '{edit.path}' to '{edit.target}': the target exists",
+                                      details={"path": edit.target})
         content, mode, g, done = _apply_one(store, edit, current, applier)
         # The mode is known here (a rename or a modify keeps a symlink's): git refuses
         # '.gitmodules' and its kin as symlinks, already present or not.
         verify_path(edit.target, mode)
         if g:
             grades[edit.target] = g
-        if done and edit.op != "rename":
+        if done and edit.op not in ("rename", "copy"):
             present.append(edit.path)
             continue
-        missing.append(edit.path)
+        missing.append(edit.target if edit.op == "copy" else edit.path)
         if edit.op == "rename":
             changes[edit.path] = None
-        out: dict[str, Any] = {
-            "path": edit.target,
-            "op": edit.op,
-            "sha256": hashlib.sha256(content).hexdigest(),
-            "blob": None,
-            "mode": mode,
-        }
-        if edit.op == "rename":
+        out: dict[str, Any] = {"path": edit.target, "op": "add" if edit.op == "copy" else edit.op,
+                               "sha256": hashlib.sha256(content).hexdigest(), "blob": None, "mode": mode}
+        if edit.op in ("rename", "copy"):
             out["from"] = edit.path
         outputs.append(out)
         blobs.append((edit.target, content, mode, out))
     if present and missing:
-        raise PartiallyApplied(
-            f"patch is partially applied: {len(present)} of {len(present) + len(missing)} file edits are already present",
-            details={"present": present, "missing": missing},
-        )
+        raise PartiallyApplied(f"patch is partially applied: {len(present)} of {len(present) + len(missing)} file "
+                               f"edits are already present", details={"present": present, "missing": missing})
     return StagePlan(base_commit, base_tree, tuple(blobs), tuple(p for p, e in changes.items() if e is None),
                      tuple(outputs), grades, not missing)
 

@@ -141,10 +141,8 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str], on_dead: Ca
     for workdir, _git_dir in found:
         bad = unsafe_worktree_paths(workdir, paths)
         if bad:
-            raise UnsafePath(
-                f"refusing to write '{bad[0]}' in '{workdir}': a folder on its path is a symlink",
-                details={"paths": bad, "worktree": workdir, "reason": "through_symlink"},
-            )
+            raise UnsafePath(f"refusing to write '{bad[0]}' in '{workdir}': a folder on its path is a symlink",
+                             details={"paths": bad, "worktree": workdir, "reason": "through_symlink"})
         # Race guarded: another call moves the branch (holding index.lock) and only
         # then brings the index along; read in between, HEAD and the index disagree
         # and a clean path looks dirty.  Under index.lock both are read as one state.
@@ -160,21 +158,20 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str], on_dead: Ca
         if sparse:
             # Not a change to commit or stash: a retry would meet the same.
             raise DirtyPath(
-                f"'{sparse[0]}' is outside the sparse checkout of '{workdir}'"
-                + (f" (and {len(sparse) - 1} more)" if len(sparse) > 1 else "")
-                + ": oncepatch writes only files the checkout has; widen it ('git sparse-checkout add') "
-                "or apply to a branch that is not checked out",
+                f"'{sparse[0]}' is outside the sparse checkout of '{workdir}'{_more(sparse)}: oncepatch writes "
+                "only files the checkout has; widen it ('git sparse-checkout add') or apply to a branch that is "
+                "not checked out",
                 retryable=False, next_action="fix_input",
                 details={"paths": sparse, "worktree": workdir, "reason": "outside_sparse_checkout"},
             )
         if dirty:
-            raise DirtyPath(
-                f"'{dirty[0]}' has uncommitted changes in '{workdir}'"
-                + (f" (and {len(dirty) - 1} more)" if len(dirty) > 1 else "")
-                + ": commit or stash them first",
-                details={"paths": dirty, "worktree": workdir},
-            )
+            raise DirtyPath(f"'{dirty[0]}' has uncommitted changes in '{workdir}'{_more(dirty)}: commit or stash them "
+                            f"first", details={"paths": dirty, "worktree": workdir})
     return found
+
+
+def _more(paths: list[str]) -> str:
+    return f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""
 
 
 def hold_index_locks(rstore: ReceiptStore, worktrees: list[tuple[str, str]], key: str,
@@ -283,16 +280,8 @@ class IndexesAhead:
         self._staged.clear()
 
 
-def materialise_all(
-    gstore: GitStore,
-    rstore: ReceiptStore,
-    worktrees: list[tuple[str, str]],
-    branch: str,
-    paths: list[str],
-    key: str,
-    held: dict[str, IndexLock] | None,
-    timeout: float,
-) -> list[str]:
+def materialise_all(gstore: GitStore, rstore: ReceiptStore, worktrees: list[tuple[str, str]], branch: str,
+                    paths: list[str], key: str, held: dict[str, IndexLock] | None, timeout: float) -> list[str]:
     """Bring each worktree's touched paths and index to the branch's *current* head; return warnings.
 
     Under a per-worktree lock, the head is re-read and its entries for the

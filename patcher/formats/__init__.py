@@ -112,14 +112,8 @@ def parse_patch(data: bytes, fmt: str) -> Patch:
     if fmt not in FORMATS:
         raise ParseError(f"unknown patch format '{fmt}'", details={"formats": format_names()})
     parsed = FORMATS[fmt].parse(data)
-    edits = tuple(
-        replace(
-            e,
-            path=check_path(e.path),
-            new_path=None if e.new_path is None else check_path(e.new_path),
-        )
-        for e in parsed.edits
-    )
+    edits = tuple(replace(e, path=check_path(e.path), new_path=None if e.new_path is None else check_path(e.new_path))
+                  for e in parsed.edits)
     # A file may give way to a folder of the same name (or back) in one patch.  A path
     # moved or deleted away and written anew by another edit (git's rename away and
     # copy onto it) is one path that stays a file; each format refuses a path changed

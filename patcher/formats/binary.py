@@ -1,25 +1,11 @@
-"""Git's binary patches (pure: bytes in, bytes out, no I/O).
+"""Git's binary patches (``GIT binary patch``: ``literal``/``delta`` hunks), pure.
 
-``git diff --binary`` and ``git format-patch`` write a changed binary file as::
-
-    GIT binary patch
-    literal 7                 (or: delta 21) -- the size once inflated
-    Ocmc~xEoVr|%mV-lAOeH{     one line per (at most) 52 bytes of zlib data
-                              a blank line ends the hunk
-    literal 0                 the reverse hunk (postimage -> preimage)
-    HcmV?d00001
-
-Each data line starts with its decoded length (``A``-``Z`` = 1-26,
-``a``-``z`` = 27-52) followed by base-85 groups of five characters, each four
-bytes (git's alphabet is RFC 1924's, the one :func:`base64.b85decode` reads;
-:func:`b85decode` here is a faster equivalent).
-The hunk's bytes, joined, are zlib data that inflate to exactly the stated
-size.  A ``literal`` is the whole new content; a ``delta`` is git's delta
-format (:func:`apply_delta`) against the old content.
-
-These rules are git's own (``apply.c``: ``parse_binary_hunk``; ``patch-delta.c``),
-with one leniency: the blank line that ends a hunk may be missing at the end of
-the patch (agents and mailers drop trailing blank lines).
+Each data line is a length byte (``A``-``Z`` = 1-26, ``a``-``z`` = 27-52) and
+base-85 groups; the hunk's bytes are zlib data that inflate to exactly the
+stated size; a ``delta`` is git's delta format against the old content.
+These are git's rules (``apply.c``: ``parse_binary_hunk``; ``patch-delta.c``),
+with one leniency: the blank line that ends a hunk may be missing at the end
+of the patch (agents and mailers drop trailing blank lines).
 """
 
 from __future__ import annotations
@@ -30,7 +16,8 @@ import zlib
 from patcher.errors import ContextNotFound, ParseError, TooLarge
 from patcher.matching import chomp
 
-__all__ = ["BinaryHunk", "InflateBudget", "MAX_BINARY_BYTES", "read_binary_hunks", "apply_delta", "delta_result_size", "b85decode"]
+__all__ = ["BinaryHunk", "InflateBudget", "MAX_BINARY_BYTES", "read_binary_hunks", "apply_delta", "delta_result_size",
+           "b85decode"]
 
 #: The largest file a binary hunk may inflate to, or a delta may make (bytes).  The
 #: patch's own limit does not bound them: deflated data and deltas are far smaller.
@@ -67,15 +54,9 @@ class InflateBudget:
         total = (self.held if held else self.streamed) + size
         if total > self.limit:
             where = "" if line is None else f" (line {line})"
-            details: dict[str, object] = {"path": path, "size": size, "total": total, "limit": self.limit}
-            if line is not None:
-                details["line"] = line
-            raise TooLarge(
-                f"binary data for '{path}'{where} would bring the patch's "
-                f"{'new' if held else 'reverse'} binary data to {total} bytes, over the limit of "
-                f"{self.limit} (ONCEPATCH_MAX_BINARY_BYTES)",
-                details=details,
-            )
+            raise TooLarge(f"binary data for '{path}'{where} would bring the patch's {'new' if held else 'reverse'} "
+                           f"binary data to {total} bytes, over the limit of {self.limit} (ONCEPATCH_MAX_BINARY_BYTES)",
+                           details=_with_line({"path": path, "size": size, "total": total, "limit": self.limit}, line))
         if held:
             self.held = total
         else:
@@ -215,10 +196,12 @@ def _inflate(deflated: bytes, size: int, keep: bool) -> tuple[bytes, int]:
     return data, got
 
 
+def _with_line(details: dict[str, object], line: int | None) -> dict[str, object]:
+    return details if line is None else {**details, "line": line}
+
+
 def _too_large(path: str, size: int, line: int | None = None) -> TooLarge:
-    details: dict[str, object] = {"path": path, "size": size, "limit": MAX_BINARY_BYTES}
-    if line is not None:
-        details["line"] = line
+    details = _with_line({"path": path, "size": size, "limit": MAX_BINARY_BYTES}, line)
     return TooLarge(f"binary data for '{path}' is {size} bytes, over the limit of {MAX_BINARY_BYTES} "
                     "(ONCEPATCH_MAX_BINARY_BYTES)", details=details)
 
@@ -297,20 +280,14 @@ def apply_delta(src: bytes, delta: bytes, path: str) -> bytes:
         cmd = delta[at]
         at += 1
         if cmd & 0x80:
-            offset = size = 0
-            for bit, shift in ((0x01, 0), (0x02, 8), (0x04, 16), (0x08, 24)):
+            fields = [0, 0]  # offset (four bytes), size (three)
+            for k, bit in enumerate((0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40)):
                 if cmd & bit:
                     if at >= top:
                         raise bad("truncated copy")
-                    offset |= delta[at] << shift
+                    fields[k // 4] |= delta[at] << (8 * (k % 4))
                     at += 1
-            for bit, shift in ((0x10, 0), (0x20, 8), (0x40, 16)):
-                if cmd & bit:
-                    if at >= top:
-                        raise bad("truncated copy")
-                    size |= delta[at] << shift
-                    at += 1
-            size = size or 0x10000
+            offset, size = fields[0], fields[1] or 0x10000
             if offset + size > src_size or n + size > dst_size:
                 raise bad("a copy reaches past the data")
             out[n:n + size] = view[offset:offset + size]

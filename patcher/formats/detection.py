@@ -14,37 +14,20 @@ from typing import Any
 
 from receipts import jsonio
 
-__all__ = [
-    "DETECTORS",
-    "json_items",
-    "looks_unified",
-    "looks_envelope",
-    "looks_search_replace",
-    "looks_str_replace",
-    "looks_whole_file",
-]
+__all__ = ["DETECTORS", "json_items", "looks_unified", "looks_envelope", "looks_search_replace", "looks_str_replace",
+           "looks_whole_file"]
 
-#: The patterns each test is, in full.  They are compiled when a patch needs them: the
-#: cheap checks in each test settle what agents send without them (a replay's start-up
-#: then imports no ``re``; docs/DECISIONS.md).
+#: The patterns each test is, in full.  The cheap checks in each test settle what agents
+#: send without them (a pattern scans the whole patch, up to 64 MiB).
 _PATTERNS: dict[str, tuple[bytes, int]] = {
     # (combined diffs are unified, refused by its parser by name)
-    "unified": (rb"^diff --git |^diff --cc |^diff --combined |^--- [^\n]*\n\+\+\+ [^\n]*\n@@ -", 8),
+    "unified": (rb"^diff --git |^diff --cc |^diff --combined |^--- [^\n]*\n\+\+\+ [^\n]*\n@@ -", re.MULTILINE),
     "envelope": (rb"\A\s*(?:(?:(?:apply_patch|applypatch)\s+)?<<-?\s*['\"]?[A-Za-z_][A-Za-z0-9_]*['\"]?[ \t]*\r?\n\s*)?"
                  rb"\*\*\* Begin Patch[ \t]*(?:\r?\n|\Z)", 0),
-    "search": (rb"^<{5,9} SEARCH>?[ \t]*\r?$", 8),
-    "replace": (rb"^>{5,9} REPLACE[ \t]*\r?$", 8),
+    "search": (rb"^<{5,9} SEARCH>?[ \t]*\r?$", re.MULTILINE),
+    "replace": (rb"^>{5,9} REPLACE[ \t]*\r?$", re.MULTILINE),
 }
-_compiled: dict[str, Any] = {}
-
-
-def _pattern(name: str) -> Any:
-    """The compiled ``re`` pattern of :data:`_PATTERNS` (8 is ``re.MULTILINE``)."""
-    found = _compiled.get(name)
-    if found is None:
-        source, flags = _PATTERNS[name]
-        found = _compiled[name] = re.compile(source, flags)
-    return found
+_COMPILED = {name: re.compile(source, flags) for name, (source, flags) in _PATTERNS.items()}
 
 
 #: What ``\s`` matches in a bytes pattern, and what ``bytes.strip()`` strips.
@@ -88,7 +71,7 @@ def looks_unified(data: bytes) -> bool:
         return True  # where git diff and diff -u output begin
     if b"\ndiff --" not in data and not (b"\n+++ " in data and b"\n@@ -" in data):
         return False  # no line could start a match
-    return _pattern("unified").search(data) is not None
+    return _COMPILED["unified"].search(data) is not None
 
 
 def looks_envelope(data: bytes) -> bool:
@@ -99,14 +82,14 @@ def looks_envelope(data: bytes) -> bool:
         return not rest or rest.startswith((b"\n", b"\r\n"))
     if not text.startswith((b"apply_patch", b"applypatch", b"<<")) or b"*** Begin Patch" not in text:
         return False  # no heredoc line could come first
-    return _pattern("envelope").match(data) is not None
+    return _COMPILED["envelope"].match(data) is not None
 
 
 def looks_search_replace(data: bytes) -> bool:
     """A ``<<<<<<< SEARCH`` line and a ``>>>>>>> REPLACE`` line, each at the start of a line."""
     if b"<<<<< SEARCH" not in data or b">>>>> REPLACE" not in data:
         return False
-    return _pattern("search").search(data) is not None and _pattern("replace").search(data) is not None
+    return _COMPILED["search"].search(data) is not None and _COMPILED["replace"].search(data) is not None
 
 
 def looks_str_replace(data: bytes) -> bool:

@@ -1,68 +1,10 @@
 """Search/replace edit blocks and ``str_replace`` JSON edits (pure: no I/O).
 
 Two formats that name a file and the text to replace in it, without line
-numbers, and one rule for applying them.
-
-**search_replace** (the aider style)::
-
-    src/app.py
-    ```python
-    <<<<<<< SEARCH
-    def f():
-        return 1
-    =======
-    def f():
-        return 2
-    >>>>>>> REPLACE
-    ```
-
-The file name is the last non-blank line before the ``<<<<<<< SEARCH`` line
-that is not a code fence (````` ```lang `````), with surrounding ``` ` ```, ``*``,
-``#`` and a trailing ``:`` removed; a block with no such line since the
-previous block belongs to the previous block's file.  Markers stand at the
-start of their line: 5 to 9 ``<``/``=``/``>`` (7 is usual), then ``SEARCH`` /
-nothing / ``REPLACE``.  A block must have exactly one ``=======`` line: with two,
-where SEARCH ends cannot be told (:class:`ParseError`).  An empty SEARCH
-creates the file (``add``: an error if it exists with other content); it
-cannot be mixed with other blocks for the same file.  Prose between blocks is
-ignored.
-
-**str_replace** (JSON)::
-
-    [{"path": "src/app.py", "old": "return 1", "new": "return 2"}, ...]
-
-A list of objects (or one object); ``old_str``/``new_str`` are accepted for
-``old``/``new``; other keys are an error.  ``old`` must not be empty and must
-differ from ``new``.
-
-**Applying** (:func:`apply_sequential`, used by ``patcher.stage`` for both
-formats): the edits of one file apply **in order, each to the result of the
-one before** -- as an agent issuing them one by one expects -- and each must
-match **exactly once**:
-
-1. as whole lines, by the graded matcher (:func:`patcher.matching.apply_hunks`:
-   ``exact`` → ``rstrip`` → ``strip`` → ``punct``, line endings kept); a match at
-   ``exact`` or ``rstrip`` is taken;
-2. otherwise the old text is looked up as an exact **substring** (its ``\\n``
-   read as the file's line ending): found once, it is replaced in place (grade
-   ``substring``: this keeps the indentation and the rest of the line that a
-   partial-line ``old`` leaves out);
-3. otherwise a ``strip``/``punct`` whole-line match from step 1 (or the
-   matcher's "already present" verdict) is taken -- also before step 2 when
-   the substring is whole lines but for indentation and the new text has
-   several lines (the matcher moves every new line by the indentation delta;
-   in place only the first would move);
-4. otherwise a substring found twice or more is :class:`AmbiguousMatch`; else
-   :class:`ContextNotFound` with the matcher's details (and ``new_text_at``
-   when the new text is in the file: applied before, or a coincidence — never
-   taken for "already present", a success with nothing changed).
-
-An edit whose old text occurs once, inside an occurrence of its new text
-(``import os`` → ``import os, sys`` sent again), is "already present".
-
-All edits present → the file is already applied; some present, some not →
-:class:`PartiallyApplied`.  Error details add ``sequential: true``: the
-``closest`` lines of a later edit are those of the file after the earlier edits.
+numbers, and one rule for applying them (:func:`apply_sequential`: each edit
+to the result of the one before, each matching exactly once).  Syntax and
+rules: docs/FORMATS.md, "`search_replace`", "`str_replace`" and "How edit
+blocks and `str_replace` apply".
 """
 
 from __future__ import annotations
@@ -72,25 +14,18 @@ from collections.abc import Sequence
 from typing import Any
 
 
-from patcher.formats.detection import WHOLE_KEYS, json_items, looks_search_replace, looks_str_replace
+from patcher.formats.detection import json_items, looks_search_replace, looks_str_replace
 from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, ParseError, PartiallyApplied
 from patcher.formats import Format
 from patcher.budget import current_budget
 from patcher.grades import STRICT, refuse_inexact
 from patcher.indentation import LOOSE_INDENT_GRADES
+from patcher.lines import dominant_eol
 from patcher.matching import apply_hunks, capped_candidates, chomp, shown_lines, split_lines
 from patcher.model import AppliedFile, FileEdit, Hunk, Patch
 
-__all__ = [
-    "SEARCH_REPLACE",
-    "STR_REPLACE",
-    "looks_search_replace",
-    "parse_search_replace",
-    "looks_str_replace",
-    "parse_str_replace",
-    "apply_sequential",
-    "FORMATS",
-]
+__all__ = ["SEARCH_REPLACE", "STR_REPLACE", "looks_search_replace", "parse_search_replace", "looks_str_replace",
+           "parse_str_replace", "apply_sequential", "FORMATS"]
 
 SEARCH_REPLACE = "search_replace"
 STR_REPLACE = "str_replace"
@@ -102,7 +37,6 @@ _FENCE = re.compile(rb"\s*(```|~~~).*")
 
 _SHOWN = 20  # line numbers an ambiguous match lists (patcher.matching's)
 _STR_KEYS = {"path", "old", "new", "old_str", "new_str"}
-_WHOLE_KEYS = WHOLE_KEYS
 
 
 # --------------------------------------------------------------------------- search/replace blocks
@@ -268,21 +202,11 @@ def _with_index(exc: ContextNotFound | AmbiguousMatch | IndentationMismatch,
     return type(exc)(message, details=details)
 
 
-def _eol(data: bytes) -> bytes:
-    crlf = data.count(b"\r\n")
-    return b"\r\n" if crlf > data.count(b"\n") - crlf else b"\n"
-
-
-def _joined(lines: Sequence[bytes], eol: bytes) -> bytes:
-    return eol.join(lines)
-
-
 def _substring(content: bytes, hunk: Hunk) -> tuple[str, bytes | None, list[int]]:
     """Exact substring lookup: ``("applies", new content, [line])``, ``("ambiguous", None, lines)``,
     ``("present", None, [line])`` or ``("missing", None, [])``."""
-    eol = _eol(content)
-    old = _joined(hunk.old_lines, eol)
-    new = _joined(hunk.new_lines, eol)
+    eol = dominant_eol(content)
+    old, new = eol.join(hunk.old_lines), eol.join(hunk.new_lines)
     if not old:
         return "missing", None, []
     starts: list[int] = []
@@ -321,7 +245,7 @@ def _substring(content: bytes, hunk: Hunk) -> tuple[str, bytes | None, list[int]
 
 def _whole_lines(content: bytes, hunk: Hunk) -> bool:
     """Whether the old text's one occurrence is whole lines but for leading whitespace."""
-    old = _joined(hunk.old_lines, _eol(content))
+    old = dominant_eol(content).join(hunk.old_lines)
     at = content.find(old)
     begin = content.rfind(b"\n", 0, at) + 1
     end = at + len(old)
@@ -359,7 +283,7 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
         finally:
             STRICT.reset(token)
         if lined is not None and lined.grades and lined.grades[0] in ("exact", "rstrip"):
-            chosen: tuple[str, AppliedFile] = ("lines", lined)
+            result = lined
         else:
             state, new_content, lines = _substring(content, hunk)
             if (state == "applies" and lined is not None and lined.grades
@@ -370,9 +294,9 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
                 # the first would be.
                 state = "lines"
             if state == "applies" and new_content is not None:
-                chosen = ("substring", AppliedFile(new_content, ("substring",)))
+                result = AppliedFile(new_content, ("substring",))
             elif lined is not None:
-                chosen = ("lines", lined)
+                result = lined
             elif state == "ambiguous":
                 raise AmbiguousMatch(
                     f"hunk {index} of '{path}' does not apply: its text occurs at lines "
@@ -383,7 +307,7 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
                              **capped_candidates(lines), "sequential": True},
                 )
             elif state == "present":
-                chosen = ("lines", AppliedFile(content, ("substring",), already_applied=True))
+                result = AppliedFile(content, ("substring",), already_applied=True)
             else:
                 if mismatch is not None:
                     raise _with_index(mismatch, index) from None
@@ -393,7 +317,6 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
                     failure.message += (f"; its new text is already at line {lines[0]}: if this edit was "
                                         f"applied before, nothing is left to do")
                 raise _with_index(failure, index) from None
-        result = chosen[1]
         grades.append(result.grades[0] if result.grades else "exact")
         if result.already_applied:
             present.append(index)
@@ -404,11 +327,10 @@ def apply_sequential(original: bytes, hunks: Sequence[Hunk], *, path: str) -> Ap
         return AppliedFile(content=original, grades=tuple(grades), already_applied=True)
     refuse_inexact(path, grades, [i - 1 for i in applied])
     if present:
-        raise PartiallyApplied(
-            f"patch is partially applied to '{path}': edits {', '.join(map(str, present))} "
-            f"already present, edits {', '.join(map(str, applied))} not",
-            details={"path": path, "applied_hunks": present, "missing_hunks": applied, "sequential": True},
-        )
+        raise PartiallyApplied(f"patch is partially applied to '{path}': edits {', '.join(map(str, present))} "
+                               f"already present, edits {', '.join(map(str, applied))} not",
+                               details={"path": path, "applied_hunks": present, "missing_hunks": applied,
+                                        "sequential": True})
     return AppliedFile(content=content, grades=tuple(grades))
 
 

@@ -1,64 +1,15 @@
 """Parser of the ``apply_patch`` envelope (``*** Begin Patch`` ... ``*** End Patch``) (pure).
 
-The envelope is the patch language of coding agents (codex's ``apply_patch``
-tool).  Grammar, as oncepatch reads it (``docs/FORMATS.md`` lists every
-deliberate difference from codex)::
-
-    Patch      := [Wrapper] "*** Begin Patch" NL { FileOp } "*** End Patch" [NL] [WrapperEnd]
-    FileOp     := AddFile | DeleteFile | UpdateFile
-    AddFile    := "*** Add File: " path NL { "+" line NL [NoNewline] }
-    DeleteFile := "*** Delete File: " path NL
-    UpdateFile := "*** Update File: " path NL [ "*** Move to: " path NL ] { Hunk }
-    Hunk       := { "@@" [ " " scope ] NL } { HunkLine } [ "*** End of File" NL ]
-    HunkLine   := (" " | "-" | "+") text NL [NoNewline] | NL      (a bare NL: empty context)
-    NoNewline  := "\\" text NL                                      (oncepatch extension)
-
-What is tolerated, because agents send it:
-
-* whitespace around every marker line (``  *** Update File: x  ``, ``*** End Patch ``)
-  and blank lines before ``*** Begin Patch``, after ``*** End Patch`` and
-  between file sections and hunks;
-* a heredoc wrapper: a first line ``<<'EOF'``, ``<<EOF``, ``<<"EOF"`` (any tag
-  word, ``<<-`` too), optionally preceded by ``apply_patch``/``applypatch``, and
-  a last line that is the tag;
-* a missing final newline; a patch sent with CRLF line endings;
-* several ``@@ <scope>`` lines in a row: they stack, each narrowing the location
-  (:mod:`patcher.matching`); a bare ``@@`` adds no scope; a unified-diff hunk
-  header (``@@ -3,4 +3,5 @@ ...``) is read as a bare ``@@`` (its numbers are
-  ignored: the envelope locates hunks by content only);
-* a first hunk without any ``@@`` line;
-* a bare empty line inside a hunk: an empty context line (editors strip the
-  lone space); blank lines at the *end* of a hunk are dropped (context at the
-  edge of a hunk only narrows its location, so dropping it can make a match
-  ambiguous -- an error -- but never wrong); a `` `` line (a space) is always
-  context, and before ``*** End of File`` blank lines are kept.
-
-What is refused (:class:`~patcher.errors.ParseError`, with ``details["line"]``):
-no ``*** Begin Patch`` or no ``*** End Patch`` (a truncated patch is never
-applied in part), text after ``*** End Patch``, an unknown ``***`` line, a
-line in a hunk that starts with none of `` ``, ``-``, ``+``, an ``Add File``
-line without ``+``, lines after ``Delete File``, an ``Update File`` with no hunk
-and no ``Move to``, a hunk without lines or that changes nothing, a path in
-two file sections, a move onto itself, an empty patch.
-
-Lines.  Update hunks are *line-ending agnostic* (``Hunk.eol_agnostic``): their
-lines carry no terminator, the matcher ignores the file's and writes each
-added line with the ending of the line it replaces or follows (by position,
-``Hunk.kept`` naming the context lines), so a CRLF file stays CRLF and a file
-without a final newline keeps none.  ``Add File`` lines keep the terminator
-they were sent with (``+x\\r\\n`` makes a CRLF line).  The extension line
-``\\ No newline at end of file`` (any text after the backslash), as in unified
-diffs, says the line before it has no terminator: after an ``Add File`` line it
-makes a file without a final newline; in a hunk it makes the hunk exact about
-line endings (its lines keep their bytes, ``\\r`` included, and end in ``\\n``
-unless marked) and anchors it to the end of the file.  That is how a change of
-the final newline, which an agnostic hunk cannot express, is written (the
-converter :mod:`patcher.formats.convert` emits it).
+The grammar, what is tolerated because agents send it, and what is refused:
+docs/FORMATS.md, "`apply_patch`".  Update hunks are line-ending agnostic
+(``Hunk.eol_agnostic``, ``Hunk.kept`` naming the context lines by position);
+a ``\\ No newline`` line makes a hunk exact about line endings instead.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 from patcher.formats.detection import looks_envelope
 from patcher.errors import ParseError
@@ -80,12 +31,12 @@ END_OF_FILE = b"*** End of File"
 _KNOWN = (ADD, DELETE, UPDATE, MOVE, END_OF_FILE, BEGIN, END)
 _HEREDOC = re.compile(rb"(?:(?:apply_patch|applypatch)\s+)?<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
 _UNIFIED_HEADER = re.compile(rb"@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@.*")
-class _Line:
-    __slots__ = ("no", "raw")
 
-    def __init__(self, no: int, raw: bytes) -> None:
-        self.no = no  # 1-based line number in the patch as sent
-        self.raw = raw  # without its "\n" (a "\r" before it is kept)
+
+@dataclass(slots=True)
+class _Line:
+    no: int  # 1-based line number in the patch as sent
+    raw: bytes  # without its "\n" (a "\r" before it is kept)
 
     @property
     def text(self) -> bytes:
@@ -112,13 +63,19 @@ def _lines(data: bytes) -> list[_Line]:
     return [_Line(i + 1, raw) for i, raw in enumerate(parts)]
 
 
+def _trimmed(lines: list[_Line]) -> list[_Line]:
+    """``lines`` without the blank lines at either end."""
+    lo, hi = 0, len(lines)
+    while lo < hi and not lines[lo].marker:
+        lo += 1
+    while hi > lo and not lines[hi - 1].marker:
+        hi -= 1
+    return lines[lo:hi]
+
+
 def _unwrap(lines: list[_Line]) -> list[_Line]:
     """The lines between ``*** Begin Patch`` and ``*** End Patch`` (heredoc and blanks removed)."""
-    body = list(lines)
-    while body and not body[0].marker:
-        body.pop(0)
-    while body and not body[-1].marker:
-        body.pop()
+    body = _trimmed(lines)
     if not body:
         raise _error("the patch is empty")
     heredoc = _HEREDOC.fullmatch(body[0].marker)
@@ -127,11 +84,7 @@ def _unwrap(lines: list[_Line]) -> list[_Line]:
         if len(body) < 2 or body[-1].marker != tag:
             raise _error(f"heredoc '{tag.decode()}' is not closed by a last line '{tag.decode()}'",
                          body[-1].no)
-        body = body[1:-1]
-        while body and not body[0].marker:
-            body.pop(0)
-        while body and not body[-1].marker:
-            body.pop()
+        body = _trimmed(body[1:-1])
     if not body or body[0].marker != BEGIN:
         first = body[0] if body else lines[0]
         raise _error("the first line must be '*** Begin Patch'", first.no)
@@ -151,22 +104,17 @@ def _path(line: _Line, marker: bytes) -> str:
     raw = line.marker[len(marker):].strip()
     if not raw:
         raise _error(f"'{marker.decode()}' without a path", line.no)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("utf-8", "surrogateescape")
+    return raw.decode("utf-8", "surrogateescape")  # (valid UTF-8 decodes as with "strict")
 
 
+@dataclass(slots=True)
 class _HunkBuf:
-    __slots__ = ("line", "header", "scopes", "body", "no_newline", "at_eof")
-
-    def __init__(self, line: int, header: str) -> None:
-        self.line = line
-        self.header = header
-        self.scopes: list[bytes] = []
-        self.body: list[tuple[str, _Line]] = []  # (' ' | '-' | '+', line)
-        self.no_newline: set[int] = set()  # indexes into body
-        self.at_eof = False
+    line: int
+    header: str
+    scopes: list[bytes] = field(default_factory=list)
+    body: list[tuple[str, _Line]] = field(default_factory=list)  # (' ' | '-' | '+', line)
+    no_newline: set[int] = field(default_factory=set)  # indexes into body
+    at_eof: bool = False
 
 
 def _hunk(buf: _HunkBuf, path: str, index: int) -> Hunk:
@@ -199,15 +147,8 @@ def _hunk(buf: _HunkBuf, path: str, index: int) -> Hunk:
             if exact and not line.endswith(b"\n"):
                 raise _error(f"hunk {index} of '{path}': '\\ No newline' marks a line that is not "
                              "the last of its side", buf.line, path=path, hunk=index)
-    return Hunk(
-        old_lines=tuple(old),
-        new_lines=tuple(new),
-        scopes=tuple(buf.scopes),
-        at_eof=buf.at_eof or exact,
-        eol_agnostic=not exact,
-        header=buf.header,
-        kept=tuple(kept),
-    )
+    return Hunk(old_lines=tuple(old), new_lines=tuple(new), scopes=tuple(buf.scopes), at_eof=buf.at_eof or exact,
+                eol_agnostic=not exact, header=buf.header, kept=tuple(kept))
 
 
 def _parse_update(lines: list[_Line], i: int, path: str) -> tuple[list[Hunk], int]:
@@ -281,12 +222,8 @@ def _scope_of(ln: _Line) -> bytes | None:
     text = ln.text.lstrip()
     if _UNIFIED_HEADER.fullmatch(text.rstrip()):
         return None
-    rest = text[2:]
-    if rest.startswith(b" "):
-        rest = rest[1:]
-    if not rest.strip():
-        return None
-    return rest
+    rest = text[3:] if text[2:3] == b" " else text[2:]
+    return rest if rest.strip() else None
 
 
 def parse_envelope(data: bytes) -> Patch:
@@ -364,18 +301,13 @@ def parse_envelope(data: bytes) -> Patch:
             hunks, i = _parse_update(lines, i, path)
             if not hunks and new_path is None:
                 raise _error(f"Update File '{path}' has no hunks", ln.no, path=path)
-            if new_path is not None:
-                edits.append(FileEdit(op="rename", path=path, new_path=new_path, hunks=tuple(hunks)))
-            else:
-                edits.append(FileEdit(op="modify", path=path, hunks=tuple(hunks)))
+            edits.append(FileEdit(op="modify" if new_path is None else "rename", path=path, new_path=new_path,
+                                  hunks=tuple(hunks)))
             continue
         if marker.startswith(MOVE):
             raise _error("'*** Move to:' must directly follow '*** Update File:'", ln.no)
-        raise _error(
-            f"'{ln.text.decode('utf-8', 'replace')[:60]}' is not a file header; expected "
-            "'*** Add File: <path>', '*** Delete File: <path>' or '*** Update File: <path>'",
-            ln.no,
-        )
+        raise _error(f"'{ln.text.decode('utf-8', 'replace')[:60]}' is not a file header; expected "
+                     "'*** Add File: <path>', '*** Delete File: <path>' or '*** Update File: <path>'", ln.no)
     if not edits:
         raise _error("the patch changes no file")
     return Patch(format=FORMAT_NAME, edits=tuple(edits))

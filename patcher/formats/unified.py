@@ -1,80 +1,15 @@
-"""Parser of unified diffs (``git diff``, ``format-patch``, ``diff -u``, agents) into a ``Patch``.
+"""Parser of unified diffs (``git diff``, ``format-patch``, ``diff -u``, agents) into a ``Patch`` (pure).
 
-Pure: bytes in, :class:`~patcher.model.Patch` out, no I/O.  Content stays
-bytes throughout (non-UTF-8 and CRLF survive byte for byte: a line is
-everything through its ``\\n``); paths are decoded as UTF-8 with
-``surrogateescape`` and checked by :func:`patcher.paths.check_path`.
-
-What is read:
-
-* **Git blocks**: ``diff --git <old> <new>`` and its extended header lines
-  (``old mode``/``new mode``, ``new file mode``, ``deleted file mode``,
-  ``rename from``/``rename to`` (also the old ``rename old``/``rename new``),
-  ``copy from``/``copy to``, ``similarity index``, ``dissimilarity index``,
-  ``index <old>..<new> [mode]``), then ``---``/``+++`` and hunks, or a binary
-  payload: ``GIT binary patch`` and its hunks (:mod:`patcher.formats.binary`), or
-  ``Binary files ... differ`` (no data).  Names come from ``rename from/to`` first,
-  then ``---``/``+++``, then the ``diff --git`` line.  The prefixes are those
-  of the ``diff --git`` line: ``a/``/``b/``, the mnemonic pairs (``c/``,
-  ``i/``, ``w/``, ``o/``, ``1/``/``2/``) or any other pair of differing first
-  components with equal remainders; identical names mean ``--no-prefix``.
-* **Plain blocks** (``---``, ``+++``, then ``@@``) without ``diff --git``:
-  ``a/``/``b/`` are stripped only when both sides use them (``/dev/null``
-  fits either), so ``--- x`` / ``+++ x`` stays ``x``.  Two names that differ
-  only in their first component (``--- orig/src/x`` / ``+++ new/src/x``, as
-  ``diff -ruN orig new`` writes them, an epoch-dated side included) lose it.  If the two names still
-  differ, git's rule picks one: the old name if it is a shorter prefix of the
-  new one, else the new name (``--- x.py.orig`` / ``+++ x.py`` → ``x.py``).
-  ``/dev/null``, or a timestamp at the Unix epoch (``diff -N``), on one side
-  makes an add or a delete.
-* Names may be C-quoted as git writes them (``"a/sp\\303\\251cial \\"x\\""``);
-  a tab and what follows (a timestamp) is dropped; so is a trailing
-  ``YYYY-MM-DD hh:mm[:ss]`` date after spaces.
-* A patch whose very last line lacks its ``\\n`` is read as if it had one
-  (``\\r\\n`` if the line before ends so): in a unified diff only the
-  ``\\ No newline`` marker removes a terminator.
-* **Hunks** ``@@ -a[,b] +c[,d] @@ [section]`` (counts default to 1).  Their
-  length must match the header: a hunk that ends early or runs on (a `` ``,
-  ``+`` or ``-`` line right after it) is a :class:`ParseError` naming the
-  patch line.  ``\\ No newline at end of file`` removes the ``\\n`` of the
-  line before it, on the side(s) that line belongs to.  A bare empty line
-  inside a hunk that still expects lines on both sides is a context line
-  (editors strip the lone space).  ``old_start`` is ``a``: for an empty old
-  side (``-a,0``) that is the line to insert after.
-* Anything else outside a block is skipped: mail headers, commit messages,
-  diffstats, ``Index:`` lines; a non-diff line ends a block (the ``-- `` and
-  version signature of ``format-patch``).
-
-What it builds, per file: ``add`` (``content`` = the added lines, ``new_mode``
-from ``new file mode``; no hunks), ``delete`` (the removed lines kept in
-``hunks`` so the caller can check them; ``old_mode`` from ``deleted file
-mode``), ``rename`` (``path`` = old, ``new_path`` = new, hunks if any),
-``copy`` (``path`` = source, ``new_path`` = the copy, hunks if any),
-``modify`` (hunks and/or a mode change: ``old_mode``/``new_mode``).  The mode
-on an ``index`` line is what the file's mode was and stays: it fills
-``old_mode`` (``new_mode`` stays ``None`` = keep).  ``old_blob``/``new_blob``
-come from the ``index`` line; the all-zero oid of an absent side becomes
-``None``.  Modes are canonicalised as git does (any regular file is
-``100644`` or ``100755``).
-
-Binary blocks become edits with ``binary`` set (``literal``: ``content``;
-``delta``: ``delta``; ``blob``: a ``Binary files ... differ`` block whose
-``index`` line names the full new oid, applied only if the repository has that
-object, as ``git apply`` does); staging checks them against ``old_blob`` and
-``new_blob`` (:mod:`patcher.stage`).
-
-Refused with :class:`UnsupportedPatch`: a binary change with no data and no
-full new oid (``git diff`` without ``--binary``; ``Binary files ... differ``
-outside a git block), submodules (mode ``160000``) and combined diffs
-(``diff --cc``).
-:class:`ParseError`: malformed hunks, a block with no change at all, the same
-path changed twice, or nothing recognisable at all.  Size limits are the
-caller's.
+Content stays bytes (non-UTF-8 and CRLF survive byte for byte); paths are
+decoded as UTF-8 with ``surrogateescape`` and checked by
+:func:`patcher.paths.check_path`.  What is read, what each block becomes and
+what is refused: docs/FORMATS.md, "`unified`".  Size limits are the caller's.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from cas.hashing import git_blob_oid
@@ -97,25 +32,8 @@ _DATED_NAME = re.compile(rb"(.*?)\s" + _STAMP)  # 'name 2024-01-01 10:00:00 +000
 _TIMESTAMP = re.compile(_STAMP)
 _BINARY = re.compile(rb"Binary files (.*) and (.*) differ")
 _MAIL_START = re.compile(rb"^From [0-9a-f]{40} Mon Sep 17 00:00:00 2001$", re.MULTILINE)  # format-patch
-_PREFIX_PAIRS = (
-    (b"a/", b"b/"),
-    (b"c/", b"w/"),
-    (b"c/", b"i/"),
-    (b"i/", b"w/"),
-    (b"o/", b"w/"),
-    (b"1/", b"2/"),
-)
-_ESCAPES = {
-    ord("a"): 7,
-    ord("b"): 8,
-    ord("t"): 9,
-    ord("n"): 10,
-    ord("v"): 11,
-    ord("f"): 12,
-    ord("r"): 13,
-    ord('"'): 34,
-    ord("\\"): 92,
-}
+_PREFIX_PAIRS = ((b"a/", b"b/"), (b"c/", b"w/"), (b"c/", b"i/"), (b"i/", b"w/"), (b"o/", b"w/"), (b"1/", b"2/"))
+_ESCAPES = {ord(c): v for c, v in zip('abtnvfr"\\', (7, 8, 9, 10, 11, 12, 13, 34, 92))}
 
 
 # ---------------------------------------------------------------------------
@@ -124,6 +42,10 @@ _ESCAPES = {
 
 def _show(name: bytes) -> str:
     return name.decode("utf-8", "backslashreplace")
+
+
+def _fail(message: str, lineno: int, **extra: object) -> ParseError:
+    return ParseError(message, details={"line": lineno, **extra})
 
 
 def _unquote(text: bytes, start: int, lineno: int) -> tuple[bytes, int]:
@@ -151,15 +73,10 @@ def _unquote(text: bytes, start: int, lineno: int) -> tuple[bytes, int]:
                 out.append(int(octal, 8))
                 i += 3
                 continue
-            raise ParseError(
-                f"bad escape in quoted name at line {lineno}: '{_show(text)}'",
-                details={"line": lineno},
-            )
+            raise _fail(f"bad escape in quoted name at line {lineno}: '{_show(text)}'", lineno)
         out.append(c)
         i += 1
-    raise ParseError(
-        f"unterminated quoted name at line {lineno}: '{_show(text)}'", details={"line": lineno}
-    )
+    raise _fail(f"unterminated quoted name at line {lineno}: '{_show(text)}'", lineno)
 
 
 def _is_epoch(date: bytes, zone: bytes | None) -> bool:
@@ -251,40 +168,32 @@ def _strip(name: bytes, prefix: bytes) -> bytes:
 # blocks
 
 
+@dataclass(slots=True)
 class _Block:
-    """One file's section of the patch while it is being read.
+    """One file's section of the patch while it is being read."""
 
-    A plain slotted class, not a dataclass: importing ``dataclasses`` costs a
-    cold ``apply`` several milliseconds (docs/DECISIONS.md, start-up).
-    """
-
-    __slots__ = ("line", "git", "header", "prefix", "minus", "plus", "minus_epoch", "plus_epoch", "rename_from",
-                 "rename_to", "copy", "old_mode", "new_mode", "new_file_mode", "deleted_mode", "index_mode",
-                 "old_blob", "new_blob", "index_full", "binary", "binary_data", "hunks")
-
-    def __init__(self, line: int, git: bool) -> None:
-        self.line = line
-        self.git = git
-        self.header: tuple[bytes, bytes] | None = None
-        self.prefix: tuple[bytes, bytes] | None = None
-        self.minus: bytes | None = None
-        self.plus: bytes | None = None
-        self.minus_epoch = False
-        self.plus_epoch = False
-        self.rename_from: bytes | None = None
-        self.rename_to: bytes | None = None
-        self.copy: tuple[bytes | None, bytes | None] | None = None
-        self.old_mode: int | None = None
-        self.new_mode: int | None = None
-        self.new_file_mode: int | None = None
-        self.deleted_mode: int | None = None
-        self.index_mode: int | None = None
-        self.old_blob: str | None = None
-        self.new_blob: str | None = None
-        self.index_full = False  # an index line with full object ids on both sides
-        self.binary: str | None = None  # "patch" (GIT binary patch) or "differ" (no data)
-        self.binary_data: BinaryHunk | None = None
-        self.hunks: list[Hunk] = []
+    line: int
+    git: bool
+    header: tuple[bytes, bytes] | None = None
+    prefix: tuple[bytes, bytes] | None = None
+    minus: bytes | None = None
+    plus: bytes | None = None
+    minus_epoch: bool = False
+    plus_epoch: bool = False
+    rename_from: bytes | None = None
+    rename_to: bytes | None = None
+    copy: tuple[bytes | None, bytes | None] | None = None
+    old_mode: int | None = None
+    new_mode: int | None = None
+    new_file_mode: int | None = None
+    deleted_mode: int | None = None
+    index_mode: int | None = None
+    old_blob: str | None = None
+    new_blob: str | None = None
+    index_full: bool = False  # an index line with full object ids on both sides
+    binary: str | None = None  # "patch" (GIT binary patch) or "differ" (no data)
+    binary_data: BinaryHunk | None = None
+    hunks: list[Hunk] = field(default_factory=list)
 
     def display(self) -> str:
         """The block's path as far as it is known yet, for messages."""
@@ -305,7 +214,7 @@ def _mode(raw: bytes, lineno: int) -> int:
         return MODE_LINK
     if kind == 0o100000:
         return MODE_EXEC if mode & 0o100 else MODE_FILE
-    raise ParseError(f"invalid file mode '{_show(raw)}' at line {lineno}", details={"line": lineno})
+    raise _fail(f"invalid file mode '{_show(raw)}' at line {lineno}", lineno)
 
 
 def _blob(oid: bytes) -> str | None:
@@ -341,7 +250,7 @@ def _extended(block: _Block, line: bytes, lineno: int) -> bool:
     elif head == b"index":
         index = _INDEX.fullmatch(value)
         if index is None:
-            raise ParseError(f"malformed index line at line {lineno}", details={"line": lineno})
+            raise _fail(f"malformed index line at line {lineno}", lineno)
         block.old_blob, block.new_blob = _blob(index[1]), _blob(index[2])
         block.index_full = len(index[1]) in _FULL_OID and len(index[2]) in _FULL_OID
         if index[3] is not None:
@@ -381,10 +290,8 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
     n = len(lines)
     head = _HUNK.fullmatch(chomp(lines[i]))
     if head is None:
-        raise ParseError(
-            f"malformed hunk header at line {i + 1}: '{_show(chomp(lines[i]))}'",
-            details={"line": i + 1, "path": block.display()},
-        )
+        raise _fail(f"malformed hunk header at line {i + 1}: '{_show(chomp(lines[i]))}'", i + 1,
+                    path=block.display())
     old_count = 1 if head[2] is None else int(head[2])
     new_count = 1 if head[4] is None else int(head[4])
     old: list[bytes] = []
@@ -395,11 +302,9 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
     changed = False
 
     def fail(what: str, at: int) -> ParseError:
-        return ParseError(
-            f"hunk at line {i + 1} of '{block.display()}' {what} at line {at}: "
-            f"header says {old_count} old and {new_count} new lines",
-            details={"line": at, "hunk_line": i + 1, "path": block.display()},
-        )
+        return ParseError(f"hunk at line {i + 1} of '{block.display()}' {what} at line {at}: header says "
+                          f"{old_count} old and {new_count} new lines",
+                          details={"line": at, "hunk_line": i + 1, "path": block.display()})
 
     def no_newline(at: int) -> None:
         if not sides:
@@ -451,19 +356,13 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
     # git apply's anchors (apply.c, match_beginning / match_end): a hunk from line 1 starts
     # the file; one with no context after its change ends it.  A hunk with no context at all
     # (-U0) is read by its line numbers, as 'git apply --unidiff-zero' reads it.
-    block.hunks.append(
-        Hunk(
-            old_lines=tuple(old),
-            new_lines=tuple(new),
-            old_start=int(head[1]),
-            header=chomp(lines[i]).decode("utf-8", "replace"),
-            prefer_start=bool(old) and int(head[1]) == 1,
-            prefer_eof=bool(old) and changed and trailing == 0 and leading > 0,
-            # A side whose last line has no terminator ends the file there (only a file's
-            # last line can lack one): such a hunk is never placed mid-file.
-            at_eof=bool(old) and (not old[-1].endswith(b"\n") or bool(new) and not new[-1].endswith(b"\n")),
-        )
-    )
+    block.hunks.append(Hunk(
+        old_lines=tuple(old), new_lines=tuple(new), old_start=int(head[1]),
+        header=chomp(lines[i]).decode("utf-8", "replace"), prefer_start=bool(old) and int(head[1]) == 1,
+        prefer_eof=bool(old) and changed and trailing == 0 and leading > 0,
+        # A side whose last line has no terminator ends the file there (only a file's
+        # last line can lack one): such a hunk is never placed mid-file.
+        at_eof=bool(old) and (not old[-1].endswith(b"\n") or bool(new) and not new[-1].endswith(b"\n"))))
     return j
 
 
@@ -482,26 +381,15 @@ def _read_git_block(lines: list[bytes], i: int, budget: InflateBudget) -> tuple[
             block.binary_data, _reverse, i = read_binary_hunks(lines, i, block.display(), budget)
             return block, _read_hunks(lines, i, block)  # hunks here are an error (_to_edit)
     if i + 1 < len(lines) and lines[i].startswith(b"--- ") and lines[i + 1].startswith(b"+++ "):
-        block.minus, block.minus_epoch = _name_field(lines[i][4:], i + 1)
-        block.plus, block.plus_epoch = _name_field(lines[i + 1][4:], i + 2)
-        i += 2
+        i = _read_names(block, lines, i)
     return block, _read_hunks(lines, i, block)
 
 
-def _plain_header_at(lines: list[bytes], i: int) -> bool:
-    return (
-        i + 2 < len(lines)
-        and lines[i].startswith(b"--- ")
-        and lines[i + 1].startswith(b"+++ ")
-        and lines[i + 2].startswith(b"@@ -")
-    )
-
-
-def _read_plain_block(lines: list[bytes], i: int) -> tuple[_Block, int]:
-    block = _Block(line=i + 1, git=False)
+def _read_names(block: _Block, lines: list[bytes], i: int) -> int:
+    """Read the ``---``/``+++`` lines at ``lines[i]`` into ``block``; return the index after them."""
     block.minus, block.minus_epoch = _name_field(lines[i][4:], i + 1)
     block.plus, block.plus_epoch = _name_field(lines[i + 1][4:], i + 2)
-    return block, _read_hunks(lines, i + 2, block)
+    return i + 2
 
 
 # ---------------------------------------------------------------------------
@@ -564,129 +452,61 @@ def _names(block: _Block) -> tuple[bytes | None, bytes | None]:
     return old, new
 
 
-def _binary_edit(block: _Block, old: bytes | None, new: bytes | None, op: str) -> FileEdit:
-    """The edit of a binary block (``GIT binary patch``, or ``Binary files ... differ``)."""
-    lineno = block.line
-    shown = block.display()
-    if not block.index_full:
-        # git apply's rule: without both full object ids, what the patch applies to
-        # (and what it must give) cannot be checked.
-        why = ("changed, but the patch carries no data" if block.binary_data is None
-               else "has no index line with full object ids (git apply refuses it too)")
-        raise UnsupportedPatch(
-            f"binary file '{shown}' {why}: make the patch with 'git diff --binary'",
-            details={"path": shown, "line": lineno, "reason": "binary"},
-        )
-    if block.binary_data is not None:
-        method, data = block.binary_data
-        kind = method
-    else:
-        kind, data = "blob", b""  # a delete needs no data; else the new blob must be in the repository
+def _to_edit(block: _Block) -> FileEdit:
+    lineno, shown = block.line, block.display()
+    if _MODE_GITLINK in (block.old_mode, block.new_mode, block.new_file_mode, block.deleted_mode, block.index_mode):
+        raise UnsupportedPatch(f"submodule changes are not supported: '{shown}'",
+                               details={"path": shown, "line": lineno})
+    old, new = _names(block)
+    if old is None and new is None:
+        raise _fail(f"cannot tell which file the patch at line {lineno} changes", lineno)
+    renamed = block.rename_from is not None or block.rename_to is not None
+    if block.copy is not None and (None in block.copy or renamed):
+        raise _fail(f"copy at line {lineno} needs one 'copy from' and one 'copy to' line", lineno)
+    op = "copy" if block.copy is not None else "rename" if renamed else "modify"
+    if op != "modify" and old == new:
+        raise _fail(f"{op} of '{_show(old or b'')}' onto itself at line {lineno}", lineno, path=_show(old or b""))
+    hunks = tuple(block.hunks)
+    kind: str | None = None
+    data = b""
+    if block.binary is not None:
+        if hunks:
+            raise _fail(f"binary patch for '{shown}' at line {lineno} also has text hunks", lineno, path=shown)
+        if not block.index_full:
+            # git apply's rule: without both full object ids, what the patch applies to
+            # (and what it must give) cannot be checked.
+            why = ("changed, but the patch carries no data" if block.binary_data is None
+                   else "has no index line with full object ids (git apply refuses it too)")
+            raise UnsupportedPatch(f"binary file '{shown}' {why}: make the patch with 'git diff --binary'",
+                                   details={"path": shown, "line": lineno, "reason": "binary"})
+        # No data: a delete needs none; else the new blob must be in the repository.
+        kind, data = block.binary_data if block.binary_data is not None else ("blob", b"")
+    content = data if kind == "literal" else None
     old_mode = block.old_mode if block.old_mode is not None else block.index_mode
     if old is None:
         assert new is not None
         if kind == "delta":
-            raise ParseError(f"new binary file '{_show(new)}' at line {lineno} is a delta, not a literal",
-                             details={"line": lineno, "path": _show(new)})
-        return FileEdit(op="add", path=_decode(new), content=data if kind == "literal" else None,
-                        new_mode=block.new_file_mode, new_blob=block.new_blob, binary=kind)
-    if new is None:
-        return FileEdit(op="delete", path=_decode(old),
-                        old_mode=block.deleted_mode if block.deleted_mode is not None else old_mode,
-                        old_blob=block.old_blob, binary=kind)
-    return FileEdit(
-        op=op,  # type: ignore[arg-type]
-        path=_decode(old),
-        new_path=_decode(new) if op in ("rename", "copy") else None,
-        content=data if kind == "literal" else None,
-        delta=data if kind == "delta" else None,
-        old_mode=old_mode,
-        new_mode=block.new_mode,
-        old_blob=block.old_blob,
-        new_blob=block.new_blob,
-        binary=kind,
-    )
-
-
-def _to_edit(block: _Block) -> FileEdit:
-    lineno = block.line
-    modes = (
-        block.old_mode,
-        block.new_mode,
-        block.new_file_mode,
-        block.deleted_mode,
-        block.index_mode,
-    )
-    if _MODE_GITLINK in modes:
-        raise UnsupportedPatch(
-            f"submodule changes are not supported: '{block.display()}'",
-            details={"path": block.display(), "line": lineno},
-        )
-    old, new = _names(block)
-    if old is None and new is None:
-        raise ParseError(
-            f"cannot tell which file the patch at line {lineno} changes",
-            details={"line": lineno},
-        )
-    renamed = block.rename_from is not None or block.rename_to is not None
-    copied = block.copy is not None
-    if block.copy is not None and (None in block.copy or renamed):
-        raise ParseError(f"copy at line {lineno} needs one 'copy from' and one 'copy to' line",
-                         details={"line": lineno})
-    op = "copy" if copied else "rename" if renamed else "modify"
-    if (renamed or copied) and old == new:
-        raise ParseError(
-            f"{op} of '{_show(old or b'')}' onto itself at line {lineno}",
-            details={"line": lineno, "path": _show(old or b"")},
-        )
-    if block.binary is not None:
-        if block.hunks:
-            raise ParseError(f"binary patch for '{block.display()}' at line {lineno} also has text hunks",
-                             details={"line": lineno, "path": block.display()})
-        return _binary_edit(block, old, new, op)
-    hunks = tuple(block.hunks)
-    if old is None and new is not None:
+            raise _fail(f"new binary file '{_show(new)}' at line {lineno} is a delta, not a literal", lineno,
+                        path=_show(new))
         if any(h.old_lines for h in hunks):
-            raise ParseError(
-                f"new file '{_show(new)}' at line {lineno} has hunks with old lines",
-                details={"line": lineno, "path": _show(new)},
-            )
-        return FileEdit(
-            op="add",
-            path=_decode(new),
-            content=b"".join(line for h in hunks for line in h.new_lines),
-            new_mode=block.new_file_mode,
-            new_blob=block.new_blob,
-        )
-    assert old is not None  # both None was refused above
-    old_mode = block.old_mode if block.old_mode is not None else block.index_mode
+            raise _fail(f"new file '{_show(new)}' at line {lineno} has hunks with old lines", lineno, path=_show(new))
+        if kind is None:
+            content = b"".join(line for h in hunks for line in h.new_lines)
+        return FileEdit(op="add", path=_decode(new), content=content, new_mode=block.new_file_mode,
+                        new_blob=block.new_blob, binary=kind)
     if new is None:
         if any(h.new_lines for h in hunks):
-            raise ParseError(
-                f"deleted file '{_show(old)}' at line {lineno} has hunks with new lines",
-                details={"line": lineno, "path": _show(old)},
-            )
-        return FileEdit(
-            op="delete",
-            path=_decode(old),
-            hunks=hunks,
-            old_mode=block.deleted_mode if block.deleted_mode is not None else old_mode,
-            old_blob=block.old_blob,
-        )
-    if not hunks and op == "modify" and block.new_mode is None:
-        raise ParseError(
-            f"patch for '{_show(new)}' at line {lineno} changes nothing",
-            details={"line": lineno, "path": _show(new)},
-        )
+            raise _fail(f"deleted file '{_show(old)}' at line {lineno} has hunks with new lines", lineno,
+                        path=_show(old))
+        return FileEdit(op="delete", path=_decode(old), hunks=hunks, old_blob=block.old_blob, binary=kind,
+                        old_mode=block.deleted_mode if block.deleted_mode is not None else old_mode)
+    if not hunks and kind is None and op == "modify" and block.new_mode is None:
+        raise _fail(f"patch for '{_show(new)}' at line {lineno} changes nothing", lineno, path=_show(new))
     return FileEdit(
         op=op,  # type: ignore[arg-type]
-        path=_decode(old),
-        new_path=_decode(new) if op != "modify" else None,
-        hunks=hunks,
-        old_mode=old_mode,
-        new_mode=block.new_mode,
-        old_blob=block.old_blob,
-        new_blob=block.new_blob,
+        path=_decode(old), new_path=_decode(new) if op != "modify" else None, hunks=hunks, content=content,
+        delta=data if kind == "delta" else None, old_mode=old_mode, new_mode=block.new_mode,
+        old_blob=block.old_blob, new_blob=block.new_blob, binary=kind,
     )
 
 
@@ -744,31 +564,23 @@ def parse_unified(data: bytes) -> Patch:
         line = lines[i]
         if line.startswith(b"diff --git "):
             block, i = _read_git_block(lines, i, inflate)
-        elif _plain_header_at(lines, i):
-            block, i = _read_plain_block(lines, i)
+        elif i + 2 < len(lines) and lines[i].startswith(b"--- ") and lines[i + 1].startswith(b"+++ ") \
+                and lines[i + 2].startswith(b"@@ -"):
+            block = _Block(line=i + 1, git=False)
+            i = _read_hunks(lines, _read_names(block, lines, i), block)
         elif line.startswith((b"diff --cc ", b"diff --combined ")):
-            raise UnsupportedPatch(
-                f"combined diffs are not supported at line {i + 1}", details={"line": i + 1}
-            )
+            raise UnsupportedPatch(f"combined diffs are not supported at line {i + 1}", details={"line": i + 1})
         elif (binary := _BINARY.fullmatch(chomp(line))) is not None:
             target = binary[2] if binary[2] != _DEV_NULL else binary[1]
             shown = _show(target[2:] if target.startswith((b"a/", b"b/")) else target)
-            raise UnsupportedPatch(
-                f"binary file '{shown}' changed, but the patch carries no data: "
-                "make it with 'git diff --binary'",
-                details={"path": shown, "line": i + 1, "reason": "binary"},
-            )
+            raise UnsupportedPatch(f"binary file '{shown}' changed, but the patch carries no data: make it with "
+                                   "'git diff --binary'", details={"path": shown, "line": i + 1, "reason": "binary"})
         else:
             i += 1
             continue
         edit = _to_edit(block)
-        if (
-            edit.op == "add"
-            and edits
-            and edits[-1].op == "delete"
-            and edits[-1].path == edit.path
-            and (edits[-1].old_mode == MODE_LINK) != (edit.new_mode == MODE_LINK)
-        ):
+        if (edit.op == "add" and edits and edits[-1].op == "delete" and edits[-1].path == edit.path
+                and (edits[-1].old_mode == MODE_LINK) != (edit.new_mode == MODE_LINK)):
             # A type change (symlink <-> file): git writes a delete and an add of one
             # path; it is one whole-content replacement with a new mode.
             gone = edits.pop()
@@ -781,10 +593,8 @@ def parse_unified(data: bytes) -> Patch:
                 mails = len(_MAIL_START.findall(data))
                 series = (f": the input is a series of {mails} patches (git format-patch); "
                           "apply them one call each") if mails > 1 else ""
-                raise ParseError(
-                    f"'{path}' is changed more than once in the patch (line {block.line}){series}",
-                    details={"line": block.line, "path": path, **({"patches": mails} if series else {})},
-                )
+                raise ParseError(f"'{path}' is changed more than once in the patch (line {block.line}){series}",
+                                 details={"line": block.line, "path": path, **({"patches": mails} if series else {})})
             side_sets[side].add(path)
         edits.append(edit)
     if not edits:

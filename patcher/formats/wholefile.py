@@ -1,29 +1,7 @@
-"""Whole-file writes and deletes as JSON (pure: no I/O).
+"""Whole-file writes and deletes as JSON (pure: no I/O; docs/FORMATS.md, "`whole_file`").
 
-::
-
-    [
-      {"path": "src/app.py", "content": "print('hi')\\n"},
-      {"path": "bin/run", "content_b64": "IyEvYmluL3NoCg==", "mode": "100755"},
-      {"path": "old.txt", "delete": true}
-    ]
-
-A list of objects (or one object).  Per item:
-
-* ``path`` (string) and exactly one of ``content`` (a string, written as
-  UTF-8, line endings as given), ``content_b64`` (standard base64, strict) or
-  ``"delete": true``;
-* ``mode`` (writes only): ``"100644"``/``"644"`` or ``"100755"``/``"755"`` (a
-  string, or the int 0o644/0o755/0o100644/0o100755); absent: a new file is
-  ``100644``, an existing one keeps its mode.  Symlinks and other modes are
-  refused.
-* any other key, a duplicate path, ``delete`` not ``true``: :class:`ParseError`.
-
-A write replaces the file whole, or creates it (the format is registered
-with ``writes_create``: :mod:`patcher.stage` turns a write of a missing path
-into an ``add``).  A write of the same bytes and mode is already applied.  A
-delete of a missing file is an error (``context_not_found``), never "already
-applied".  Content is taken as is: there is no matching, so no grades.
+Registered with ``writes_create``: :mod:`patcher.stage` turns a write of a
+missing path into an ``add``.  There is no matching, so no grades.
 """
 
 from __future__ import annotations
@@ -33,7 +11,7 @@ import binascii
 from typing import Any
 
 
-from patcher.formats.detection import EDIT_KEYS, json_items, looks_whole_file
+from patcher.formats.detection import json_items, looks_whole_file
 from patcher.errors import ParseError
 from patcher.formats import Format
 from patcher.model import MODE_EXEC, MODE_FILE, FileEdit, Patch
@@ -43,10 +21,9 @@ __all__ = ["WHOLE_FILE", "looks_whole_file", "parse_whole_file", "FORMATS"]
 WHOLE_FILE = "whole_file"
 
 _KEYS = {"path", "content", "content_b64", "delete", "mode"}
-_EDIT_KEYS = EDIT_KEYS
-_MODES = {
-    "100644": MODE_FILE, "644": MODE_FILE, "0644": MODE_FILE,
-    "100755": MODE_EXEC, "755": MODE_EXEC, "0755": MODE_EXEC,
+_MODES: dict[int | str, int] = {
+    "100644": MODE_FILE, "644": MODE_FILE, "0644": MODE_FILE, 0o644: MODE_FILE, MODE_FILE: MODE_FILE,
+    "100755": MODE_EXEC, "755": MODE_EXEC, "0755": MODE_EXEC, 0o755: MODE_EXEC, MODE_EXEC: MODE_EXEC,
 }
 
 
@@ -59,15 +36,8 @@ def _error(message: str, item: int | None = None, **extra: Any) -> ParseError:
 
 
 def _mode(value: Any, n: int) -> int:
-    if isinstance(value, bool):
-        raise _error(f"'mode' must be \"100644\" or \"100755\", not {value!r}", n)
-    if isinstance(value, int):
-        if value in (0o644, MODE_FILE):
-            return MODE_FILE
-        if value in (0o755, MODE_EXEC):
-            return MODE_EXEC
-    if isinstance(value, str) and value in _MODES:
-        return _MODES[value]
+    if isinstance(value, (int, str)) and not isinstance(value, bool) and value in _MODES:
+        return _MODES[value]  # (a float such as 420.0 equals 0o644, and is refused)
     raise _error(f"'mode' must be \"100644\" or \"100755\", not {value!r}", n)
 
 

@@ -2,7 +2,7 @@
 
 For every non-merge commit C (with parent P) of a history, the change P → C is
 taken as a unified diff (``git diff --full-index -M``) and converted to the
-``apply_patch`` envelope by :func:`patcher.formats.convert.unified_to_envelope` (which
+``apply_patch`` envelope by :func:`tests.convert.unified_to_envelope` (which
 sees P's contents, grows context until each hunk is unique and checks its own
 output).  Both are applied through the real protocol to branches at P; the two
 commits must have the same tree oid, which must be C's tree when nothing was
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Repo, git, make_repo
-from patcher.formats.convert import unified_to_envelope
+from tests.convert import unified_to_envelope
 from patcher.protocol import apply
 
 PROJECT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from patcher.formats.convert import make_unified, unified_to_envelope
+from tests.convert import make_unified, unified_to_envelope
 from patcher.formats.envelope import looks_envelope, parse_envelope
 from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, UnsupportedPatch
 from patcher.matching import apply_hunks

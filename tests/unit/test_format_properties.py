@@ -17,7 +17,7 @@ import json
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from patcher.formats.convert import make_unified, unified_to_envelope
+from tests.convert import make_unified, unified_to_envelope
 from patcher.formats.editblocks import apply_sequential, parse_search_replace, parse_str_replace
 from patcher.formats.envelope import parse_envelope
 from patcher.errors import AmbiguousMatch

@@ -1,25 +1,13 @@
 """Converting unified diffs to the ``apply_patch`` envelope, and contents to unified diffs (pure).
 
-:func:`unified_to_envelope` turns a unified diff (``git diff``) into an
-envelope that makes the same change.  The envelope has no line numbers, so a
-hunk is placed by its content alone; given the old contents (``read_old``),
-the converter **grows each hunk's context** (and merges hunks that then
-touch) until every hunk matches exactly once, marks hunks that end the file
-with ``*** End of File``, and checks, by parsing its own output back and
-applying it, that the result is byte for byte the unified diff's result.
+Test code: the cross-format tests' oracle (no command, API or tool of
+oncepatch converts, so it is not part of the installed package).
 
-What the envelope cannot say is refused with :class:`UnsupportedPatch` (or
-skipped and listed, with ``skip_unsupported=True``): binary files, symlinks,
-mode changes and new files whose mode is not ``100644``, copies, submodules,
-paths with surrounding whitespace, and (with ``read_old``) a hunk that adds
-lines whose line ending differs from the file's dominant one (an envelope
-hunk writes added lines with the file's line ending).
-
-The envelope uses the oncepatch extension ``\\ No newline at end of file``
-(see :mod:`patcher.formats.envelope`) where a final newline is absent or changes.
-
-:func:`make_unified` writes a git-style unified diff of one file from its old
-and new bytes (used by tests and by the converter's users).
+:func:`unified_to_envelope` (docs/FORMATS.md, "The unified → envelope
+converter") grows each hunk's context until it matches exactly once and
+checks its output by parsing it back and applying it; it writes the
+``\\ No newline at end of file`` extension where a final newline is absent
+or changes.  :func:`make_unified` writes a git-style unified diff of one file.
 """
 
 from __future__ import annotations
@@ -30,6 +18,7 @@ from difflib import SequenceMatcher
 
 from patcher.formats.envelope import parse_envelope
 from patcher.errors import AmbiguousMatch, ContextNotFound, ParseError, PartiallyApplied, UnsupportedPatch
+from patcher.lines import dominant_eol
 from patcher.matching import apply_hunks, chomp, eol_of, split_lines
 from patcher.model import MODE_FILE, MODE_LINK, FileEdit, Hunk
 from patcher.formats.unified import parse_unified
@@ -48,11 +37,6 @@ class Conversion:
     unified: bytes
     skipped: tuple[tuple[str, str], ...]
     files: int
-
-
-def _dominant(data: bytes) -> bytes:
-    crlf = data.count(b"\r\n")
-    return b"\r\n" if crlf > data.count(b"\n") - crlf else b"\n"
 
 
 def _blocks(diff: bytes) -> list[bytes]:
@@ -81,28 +65,28 @@ def _exact_needed(old: Sequence[bytes], new: Sequence[bytes]) -> bool:
 def _hunk_body(old: Sequence[bytes], new: Sequence[bytes]) -> list[bytes]:
     """The `` ``/``-``/``+`` lines of one envelope hunk (old and new lines carry their terminators)."""
     exact = _exact_needed(old, new)
-
-    def text(line: bytes) -> bytes:
-        return line[:-1] if exact and line.endswith(b"\n") else line if exact else chomp(line)
-
-    def emit(prefix: bytes, line: bytes) -> list[bytes]:
-        out = [prefix + text(line) + b"\n"]
-        if exact and not line.endswith(b"\n"):
-            out.append(_NO_NEWLINE)
-        return out
-
     keys_old = list(old) if exact else [chomp(x) for x in old]
     keys_new = list(new) if exact else [chomp(x) for x in new]
+    return _diff_lines(SequenceMatcher(None, keys_old, keys_new, autojunk=False).get_opcodes(), old, new, exact)
+
+
+def _emit(prefix: bytes, line: bytes, exact: bool = True) -> list[bytes]:
+    """One diff line (``exact``: its terminator kept, a missing one marked; else the line's own dropped)."""
+    if not exact:
+        return [prefix + chomp(line) + b"\n"]
+    return [prefix + line] if line.endswith(b"\n") else [prefix + line + b"\n", _NO_NEWLINE]
+
+
+def _diff_lines(opcodes: Sequence[tuple[str, int, int, int, int]], old: Sequence[bytes], new: Sequence[bytes],
+                exact: bool = True) -> list[bytes]:
+    """The `` ``/``-``/``+`` lines of ``opcodes`` (:meth:`difflib.SequenceMatcher.get_opcodes`)."""
     body: list[bytes] = []
-    for tag, a0, a1, b0, b1 in SequenceMatcher(None, keys_old, keys_new, autojunk=False).get_opcodes():
-        if tag == "equal":
-            for line in old[a0:a1]:
-                body += emit(b" ", line)
-            continue
+    for tag, a0, a1, b0, b1 in opcodes:
         for line in old[a0:a1]:
-            body += emit(b"-", line)
-        for line in new[b0:b1]:
-            body += emit(b"+", line)
+            body += _emit(b" " if tag == "equal" else b"-", line, exact)
+        if tag != "equal":
+            for line in new[b0:b1]:
+                body += _emit(b"+", line, exact)
     return body
 
 
@@ -180,7 +164,7 @@ def _fit(edit: FileEdit, old_content: bytes) -> list[bytes]:
     """The file section for ``edit`` whose hunks each match ``old_content`` exactly once."""
     file = split_lines(old_content)
     target = apply_hunks(old_content, edit.hunks, path=edit.path).content
-    eol = _dominant(old_content)
+    eol = dominant_eol(old_content)
     regions: list[_Region] = []
     for h in edit.hunks:
         assert h.old_start is not None
@@ -312,12 +296,6 @@ def _range(start: int, length: int) -> bytes:
     return b"%d" % first if length == 1 else b"%d,%d" % (first, length)
 
 
-def _emit(prefix: bytes, line: bytes) -> list[bytes]:
-    if line.endswith(b"\n"):
-        return [prefix + line]
-    return [prefix + line + b"\n", _NO_NEWLINE]
-
-
 def make_unified(path: str, old: bytes | None, new: bytes | None, *, context: int = 3) -> bytes:
     """A git-style unified diff of one file (``old``/``new`` ``None``: the file is added/deleted)."""
     name = path.encode("utf-8", "surrogateescape")
@@ -337,13 +315,5 @@ def make_unified(path: str, old: bytes | None, new: bytes | None, *, context: in
     for group in SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(context):
         i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
         body.append(b"@@ -" + _range(i1, i2 - i1) + b" +" + _range(j1, j2 - j1) + b" @@\n")
-        for tag, a0, a1, b0, b1 in group:
-            if tag == "equal":
-                for line in a[a0:a1]:
-                    body += _emit(b" ", line)
-                continue
-            for line in a[a0:a1]:
-                body += _emit(b"-", line)
-            for line in b[b0:b1]:
-                body += _emit(b"+", line)
+        body += _diff_lines(group, a, b)
     return b"".join(head + body)
