@@ -48,7 +48,10 @@ def serve(src: str, files: int, branch: str, out: str, no_fsync: bool) -> None:
         os.fsync = lambda fd: None
         try:
             from cas.loose_objects import enable_fsync  # it owns libgit2's switch in this tree
-        except ImportError:
+        except ImportError:  # a tree from before it: its first store would switch the syncs on
+            import cas.objects
+
+            cas.objects._FSYNC_ON = True  # type: ignore[attr-defined]
             pygit2.settings.enable_fsync_gitdir(False)
         else:
             enable_fsync(False)

@@ -15,26 +15,27 @@ answer is ``core.fsyncMethod=batch``; this is that answer, step for step.
 1. each object the repository already has (loose, packed, an alternate's) is
    freshened through libgit2's ``Odb.write`` as before: nothing is written,
    nothing needs a sync;
-2. the others are written by libgit2 (``Odb.write``, never by hand) into a
-   temporary object folder beside ``objects/``'s own,
-   ``objects/tmp_objdir-oncepatch-<pid>-<random>/xx/…``, with libgit2's fsync
-   switched off for those writes only (:func:`_unsynced_objects`);
+2. the others are written by libgit2 (``Odb.write``, never by hand) into the
+   process's temporary object folder in ``objects/``,
+   ``objects/tmp_objdir-oncepatch-<pid>-<random>/xx/…`` (git's name for
+   one; kept for the next batches, :class:`_TmpObjdir`), with libgit2's
+   fsync switched off for those writes only (:func:`_unsynced_objects`);
 3. every written file is synced, at once (:func:`cas.durable.fsync_all`: one
-   thread each, one journal commit for all);
+   thread each; the disk flushes them together);
 4. each file is renamed to ``objects/xx/…`` (its fan-out folder made when
    missing);
 5. the fan-out folders renamed into, and ``objects/`` when one was made, are
    synced, at once;
-6. the temporary folder is removed, whatever happened.
+6. a failed batch's files left in the temporary folder are removed.
 
 Crash safety (docs/DESIGN.md, section 4): no object has its final name before
 its bytes are synced (a power cut cannot leave a torn object that a later
 write would take as present), and :func:`write_new` returns only when every
 object is durable under its final name — before the ``prepared`` receipt is
-written and before any ref moves.  A killed writer leaves only the
-temporary folder, which ``git prune`` removes past its expiry (a ``tmp_``
-name in ``objects/``) and ``recover`` past ``--tmp-age``
-(:func:`stale_tmp_objdirs`).
+written and before any ref moves.  The temporary folder is removed as the
+process exits; a killed process leaves it, and ``git prune`` removes it past
+its expiry (a ``tmp_`` name in ``objects/``), ``recover`` past
+``--tmp-age`` (:func:`stale_tmp_objdirs`).
 
 libgit2's switch is process-wide.  What it leaves unsynced while it is off:
 objects written into a folder of libgit2's (its loose backend reads the
@@ -51,6 +52,7 @@ offers no switch per repository.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import os
@@ -213,36 +215,100 @@ class _TmpObjdirGone(Exception):
     """The temporary object folder was removed while the batch used it."""
 
 
+class _TmpObjdir:
+    """This process's temporary object folder in one ``objects/``, kept for its next batches.
+
+    Made once and kept, with the fan-out folders libgit2 makes in it: making
+    and removing folders on every call cost more than the syncs the batch
+    saves, on a busy disk (each new folder is a block allocated, each removed
+    one a block freed and discarded).  Removed as the process exits; a killed
+    process's is removed by ``recover`` or ``git prune`` past their expiry
+    (its mtime is renewed by each batch: age is the proof it is not in use).
+    """
+
+    def __init__(self, objects: str) -> None:
+        self.objects = objects
+        self.path = ""
+        self.odb: pygit2.Odb | None = None
+        self.pid = 0
+        self.lock = threading.Lock()  # one batch at a time: two would share file names
+
+    def open(self) -> tuple[str, pygit2.Odb]:
+        """The folder and libgit2's object database over it, made if missing; its mtime renewed.
+
+        Raises:
+            GitStoreError: it could not be made or opened.
+        """
+        if self.odb is not None and self.pid == os.getpid():
+            try:
+                os.utime(self.path)
+                return self.path, self.odb
+            except FileNotFoundError:
+                pass  # removed (a 'git prune --expire=now', a 'recover --tmp-age 0'): made again
+        self.odb = None
+        path = os.path.join(self.objects, f"{TMP_OBJDIR_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
+        try:
+            os.mkdir(path, 0o700)
+            odb = pygit2.Odb(path)
+        except (OSError, pygit2.GitError) as exc:
+            raise GitStoreError(f"cannot create the temporary object folder '{path}': {exc}") from exc
+        self.path, self.odb, self.pid = path, odb, os.getpid()
+        return path, odb
+
+    def forget(self) -> None:
+        self.odb = None
+
+
+_TMP_OBJDIRS: dict[str, _TmpObjdir] = {}
+_TMP_OBJDIRS_GUARD = threading.Lock()
+
+
+def _tmp_objdir(objects: str) -> _TmpObjdir:
+    with _TMP_OBJDIRS_GUARD:
+        found = _TMP_OBJDIRS.get(objects)
+        if found is None:
+            found = _TMP_OBJDIRS[objects] = _TmpObjdir(objects)
+        return found
+
+
+@atexit.register
+def _remove_tmp_objdirs() -> None:
+    for tmp in list(_TMP_OBJDIRS.values()):
+        if tmp.odb is not None and tmp.pid == os.getpid():  # (a forked child's are its parent's)
+            shutil.rmtree(tmp.path, ignore_errors=True)
+
+
 def _write_batch(objects: str, new: Mapping[str, tuple[bytes, bytes | memoryview]]) -> None:
     if not new:
         return
-    tmp = os.path.join(objects, f"{TMP_OBJDIR_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
-    try:
-        os.mkdir(tmp, 0o700)
-    except OSError as exc:
-        raise GitStoreError(f"cannot create the temporary object folder '{tmp}': {exc}") from exc
-    try:
-        try:
-            staged = pygit2.Odb(tmp)
-        except pygit2.GitError as exc:
-            raise GitStoreError(f"cannot open the temporary object folder '{tmp}': {exc}") from exc
-        with _unsynced_objects():
-            for oid, (header, data) in new.items():
-                try:
-                    write_object(staged, oid, header, data)
-                except GitStoreError:
-                    if not os.path.isdir(tmp):
-                        raise _TmpObjdirGone() from None
-                    raise
+    holder = _tmp_objdir(objects)
+    with holder.lock:
+        tmp, staged = holder.open()
         files = [os.path.join(tmp, oid[:2], oid[2:]) for oid in new]
-        _sync(files, tmp)
-        folders = {os.path.join(objects, oid[:2]): None for oid in new}
-        made = False
-        for oid, src in zip(new, files):
-            made |= _move(src, os.path.join(objects, oid[:2]), oid[2:], tmp)
-        _sync([*folders, *([objects] if made else [])])
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        moved = 0
+        try:
+            with _unsynced_objects():
+                for oid, (header, data) in new.items():
+                    try:
+                        write_object(staged, oid, header, data)
+                    except GitStoreError:
+                        if not os.path.isdir(tmp):
+                            raise _TmpObjdirGone() from None
+                        raise
+            _sync(files, tmp)
+            folders = {os.path.join(objects, oid[:2]): None for oid in new}
+            made = False
+            for oid, src in zip(new, files):
+                made |= _move(src, os.path.join(objects, oid[:2]), oid[2:], tmp)
+                moved += 1
+            _sync([*folders, *([objects] if made else [])])
+        except _TmpObjdirGone:
+            holder.forget()
+            raise
+        finally:
+            for src in files[moved:]:  # a failed batch's files: none is taken for a later write's
+                with contextlib.suppress(OSError):
+                    os.unlink(src)
 
 
 def _move(src: str, folder: str, name: str, tmp: str) -> bool:

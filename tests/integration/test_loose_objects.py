@@ -66,10 +66,14 @@ def test_new_objects_are_synced_before_their_final_names_and_their_folders_after
     tmp_objdir = {os.path.dirname(os.path.dirname(p)) for p in files}
     assert len(tmp_objdir) == 1 and os.path.basename(tmp_objdir.pop()).startswith(lo.TMP_OBJDIR_PREFIX)
     assert not present_then & set(new)
+    assert all(Path(p).is_relative_to(objects) for p in files)
     # round 2: every object at its final name, each fan-out folder synced
     assert set(new) <= present_after
     assert {str(objects / oid[:2]) for oid in new} <= set(folders)
-    assert not [p for p in objects.iterdir() if p.name.startswith("tmp_")]  # the temporary folder is gone
+    # the temporary folder is kept for the next batch (its fan-out folders too), with no file left in it
+    kept = [p for p in objects.iterdir() if p.name.startswith("tmp_")]
+    assert [p.name for p in kept] == [os.path.basename(os.path.dirname(os.path.dirname(files[0])))]
+    assert not [f for f in kept[0].rglob("*") if not f.is_dir()]
     repo.git("fsck", "--full", "--strict")
 
 
