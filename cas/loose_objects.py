@@ -89,9 +89,11 @@ _fsync_on: bool | None = None  # None: never set here (libgit2's default, off)
 
 def _forget_lock_in_child() -> None:
     # A forked child has only the forking thread: a lock another thread held stays held for
-    # ever, and the switch that thread turned off stays off.
-    global _SWITCH
+    # ever, and the switch that thread turned off stays off.  Its temporary object folders
+    # are its own (their names carry its pid).
+    global _SWITCH, _TMP_OBJDIRS, _TMP_OBJDIRS_GUARD
     _SWITCH = threading.Lock()
+    _TMP_OBJDIRS, _TMP_OBJDIRS_GUARD = {}, threading.Lock()
     if _fsync_on:
         pygit2.settings.enable_fsync_gitdir(True)
 
@@ -243,7 +245,7 @@ class _TmpObjdir:
             try:
                 os.utime(self.path)
                 return self.path, self.odb
-            except FileNotFoundError:
+            except OSError:
                 pass  # removed (a 'git prune --expire=now', a 'recover --tmp-age 0'): made again
         self.odb = None
         path = os.path.join(self.objects, f"{TMP_OBJDIR_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
