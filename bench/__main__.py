@@ -52,11 +52,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--out", default=None, help="output folder (default: <repo>/bench-out)")
     ap.add_argument("--update-doc", action="store_true", help="rewrite the tables in docs/BENCHMARKS.md")
+    ap.add_argument("--sizes", default=None, help="comma-separated subset of the repository sizes (e.g. 1k,100k)")
+    ap.add_argument("--object-sync", choices=("batch", "each", "both"), default="batch",
+                    help="a call's new objects synced in one batch (the product's way), one by one by "
+                         "libgit2 (the way before), or both as rows side by side in section 1")
     args = ap.parse_args(argv)
 
     from bench.env import ROOT, setup_env
 
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.sizes:
+        wanted = [x.strip() for x in args.sizes.split(",") if x.strip()]
+        if set(wanted) - set(cfg["sizes"]):
+            ap.error(f"unknown sizes: {', '.join(sorted(set(wanted) - set(cfg['sizes'])))}")
+        cfg["sizes"] = {k: v for k, v in cfg["sizes"].items() if k in wanted}
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(only) - set(SECTIONS)
     if unknown:
@@ -66,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     # Imported after setup_env: the product (and libgit2) must see the bench HOME.
     from bench import report
     from bench.env import fsync_floor, machine_info, metadata_floor
+
+    if args.object_sync == "each":
+        import cas.loose_objects
+
+        cas.loose_objects.BATCH = False
 
     t_start = time.perf_counter()
     loads: list[float] = []
@@ -77,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
 
     res: dict[str, Any] = {
         "command": "scripts/bench" + (" --quick" if args.quick else "") +
-                   (f" --only {args.only}" if args.only != ",".join(SECTIONS) else ""),
+                   (f" --only {args.only}" if args.only != ",".join(SECTIONS) else "") +
+                   (f" --sizes {args.sizes}" if args.sizes else "") +
+                   (f" --object-sync {args.object_sync}" if args.object_sync != "batch" else ""),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "machine": machine_info(env.out), "gen": {},
     }
@@ -87,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if "single" in only:
         from bench.cases_apply import cli_apply_importtime, section_single
 
-        res["single"] = section_single(env, repos, cfg["rounds"], log)
+        res["single"] = section_single(env, repos, cfg["rounds"], log, both_syncs=args.object_sync == "both")
         res["metadata_floor"] = {"bench folder": meta_start} | {  # the calls' own folders, once they ran there
             f"{size} repo's .git": metadata_floor(os.path.join(repo.path, ".git")) for size, repo in repos.items()}
         res["cold_imports"] = cli_apply_importtime(next(iter(repos.values())), env)

@@ -3,6 +3,7 @@
 Usage: python bench/api_median.py SOURCE_TREE [N]   (SOURCE_TREE: a checkout of oncepatch, e.g. a
 'git worktree add /tmp/before <commit>', so that two versions can be compared on one machine).
 NOSYNC=1 stubs every fsync (Python's, and libgit2's setting is never switched on): the CPU cost alone.
+EACH=1 has libgit2 sync each new object on its own (cas.loose_objects.BATCH off), as before the batch.
 """
 import os, statistics, subprocess, sys, tempfile, time
 
@@ -11,9 +12,16 @@ n = int(sys.argv[2]) if len(sys.argv) > 2 else 40
 sys.path.insert(0, src)
 from patcher.protocol import apply  # noqa: E402
 if os.environ.get("NOSYNC"):  # CPU cost only: no fsync from Python or libgit2
-    import cas.objects
     os.fsync = lambda fd: None
-    cas.objects._FSYNC_ON = True
+    try:
+        from cas.loose_objects import enable_fsync
+        enable_fsync(False)  # set once: no store switches it on
+    except ImportError:  # a tree from before cas.loose_objects
+        import cas.objects
+        cas.objects._FSYNC_ON = True
+if os.environ.get("EACH"):  # a call's new objects synced one by one by libgit2, as before the batch
+    import cas.loose_objects
+    cas.loose_objects.BATCH = False
 
 root = tempfile.mkdtemp(prefix="h1bench-")
 repo = os.path.join(root, "repo")

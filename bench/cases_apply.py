@@ -75,12 +75,19 @@ class Contenders:
             return elapsed, {"maxrss_kib": rss} if rusage else None
         return op
 
-    def api(self, branch: str, files: int = 1) -> Callable[[int], Any]:
-        name = f"api-{branch}"
+    def api(self, branch: str, files: int = 1, *, each: bool = False) -> Callable[[int], Any]:
+        """``each``: the call's new objects synced one by one by libgit2 (``cas.loose_objects.BATCH`` off)."""
+        import cas.loose_objects
+
+        name = f"api-{branch}" + ("-each" if each else "")
 
         def op(_r: int) -> tuple[float, dict[str, Any] | None]:
             data = self._make(branch, files, name)
-            elapsed, res = timed(lambda: self.apply(self.repo.path, data, branch=branch, _stores=self.stores))
+            batch, cas.loose_objects.BATCH = cas.loose_objects.BATCH, not each and cas.loose_objects.BATCH
+            try:
+                elapsed, res = timed(lambda: self.apply(self.repo.path, data, branch=branch, _stores=self.stores))
+            finally:
+                cas.loose_objects.BATCH = batch
             if res.replayed or res.status != "committed":
                 raise RuntimeError(f"API apply did not commit: {res}")
             self.applied.setdefault(name, []).append(data)
@@ -177,17 +184,23 @@ def worktree_clean(repo: BenchRepo) -> bool:
 
 
 def section_single(env: Env, repos: dict[str, BenchRepo], rounds: dict[str, int],
-                   log: Callable[[str], None]) -> dict[str, Any]:
-    """One-file patches at each size; then replays of landed calls."""
+                   log: Callable[[str], None], *, both_syncs: bool = False) -> dict[str, Any]:
+    """One-file patches at each size; then replays of landed calls.
+
+    ``both_syncs``: the API also with its new objects synced one by one (rows of their own).
+    """
     tables: dict[str, Any] = {"single": [], "replay": [], "clean": {}}
     for size, repo in repos.items():
         c = Contenders(env, repo, f"s{size}")
         log(f"[1] one-file patch, {size} files: {rounds[size]} rounds")
+        each = [("API, branch not checked out, objects synced one by one", c.api("side", each=True)),
+                ("API, branch checked out, objects synced one by one", c.api("main", each=True))]
         res = interleave([
             ("git pair", c.git_pair()),
             ("git pair fsync=all", c.git_pair(fsync=True)),
             ("API, branch not checked out", c.api("side")),
             ("API, branch checked out", c.api("main")),
+            *(each if both_syncs else []),
             ("CLI cold, branch not checked out", c.cli("side")),
             ("CLI cold, branch checked out", c.cli(None)),
         ], rounds[size], warmup=1, progress=log)

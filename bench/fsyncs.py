@@ -178,7 +178,7 @@ def _normal(path: str, repo: str) -> str:
     if path.startswith(repo + "/"):
         path = path[len(repo) + 1:]
     path = _HEX.sub("<h>", path)
-    path = re.sub(r"(optmp|tmp_object_git2)[-_][0-9a-zA-Z_-]+", r"\1-*", path)
+    path = re.sub(r"(optmp|tmp_object_git2|tmp_objdir-oncepatch)[-_][0-9a-zA-Z_-]+", r"\1-*", path)
     path = re.sub(r"/[0-9a-f]{2}(/|$)", r"/<xx>\1", path)
     return path
 
@@ -244,16 +244,16 @@ def section_fsync(env: Env, repos: dict[str, BenchRepo], rounds: int, ab_rounds:
 
 @contextlib.contextmanager
 def _fsync_off() -> Iterator[None]:
-    import pygit2
+    from cas.loose_objects import enable_fsync  # it owns libgit2's switch
 
     real = os.fsync
     os.fsync = lambda fd: None  # type: ignore[assignment]
-    pygit2.settings.enable_fsync_gitdir(False)
+    enable_fsync(False)
     try:
         yield
     finally:
         os.fsync = real  # type: ignore[assignment]
-        pygit2.settings.enable_fsync_gitdir(True)
+        enable_fsync(True)
 
 
 def _no_fsync_op(op: Callable[[int], Any]) -> Callable[[int], Any]:

@@ -26,12 +26,12 @@ lock, that they still exist, and write them again if a ``git gc
 --prune=now`` removed them meanwhile (:meth:`GitStore.ensure_objects`).
 
 Durability: ``enable_fsync_gitdir`` is switched on when the first store opens,
-so libgit2 fsyncs every object, ref and reflog it writes (and their folders).
+so libgit2 fsyncs every ref and reflog it writes (and their folders); a
+call's new objects are made durable together by :mod:`cas.loose_objects`.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import time
@@ -40,15 +40,14 @@ from dataclasses import dataclass
 
 import pygit2
 
-from cas.durable import fsync_dir
 from cas.gitdir import common_dir_of, core_worktree, read_gitfile
 from cas.errors import GitStoreError, ObjectsMissing, UsageError
+from cas.loose_objects import enable_fsync, open_repository, write_new
 from cas.signature import Signature, git_identity, signature_line
 from cas.refs import KEY_REF_PREFIX, RefUpdates
 
 __all__ = ["GitStore", "TreeEntry", "PathLookup", "Signature", "KEY_REF_PREFIX", "open_store"]
 
-_FSYNC_ON = False
 _TREE_MODE = 0o40000
 _OBJECT_TYPES = {b"commit": 1, b"tree": 2, b"blob": 3}
 
@@ -66,45 +65,6 @@ def _canon_mode(mode: int) -> int:
 def _oid(hex_or_oid: str | pygit2.Oid) -> pygit2.Oid:
     """A full hex id as an ``Oid``: looked up directly, not as a prefix (libgit2's slow path)."""
     return hex_or_oid if isinstance(hex_or_oid, pygit2.Oid) else pygit2.Oid(hex=hex_or_oid)
-
-
-#: How many times one object's write is tried while git's maintenance removes its fan-out folder.
-_WRITE_ATTEMPTS = 16
-
-
-def _write_object(odb: pygit2.Odb, oid: str, header: bytes, data: bytes | memoryview) -> None:
-    """Write one object through ``odb`` (loose, or freshened if there); it must get the id hashed here.
-
-    Raises:
-        GitStoreError: libgit2 failed, or named the object otherwise.
-    """
-    kind = _OBJECT_TYPES[header[:header.index(b" ")]]
-    raw = bytes(data) if isinstance(data, memoryview) else data
-    for attempt in range(_WRITE_ATTEMPTS):
-        try:
-            written = odb.write(kind, raw)
-            break
-        except OSError as exc:
-            # (libgit2's OS errors arrive as a bare OSError, errno unset, strerror in the text.)
-            if not (exc.errno == errno.ENOENT or "No such file or directory" in str(exc)):
-                raise GitStoreError(f"cannot write object '{oid}': {exc}") from exc
-            # Race guarded: git's prune-packed and 'maintenance run --task=loose-objects'
-            # remove an emptied fan-out folder (objects/xx/) between libgit2 making it and
-            # renaming the object into it; git's own writer makes the folder again and
-            # retries (object-file.c, create_tmpfile), libgit2 does not: so here.
-            if attempt == _WRITE_ATTEMPTS - 1:
-                raise GitStoreError(f"cannot write object '{oid}': {exc}") from exc
-        except pygit2.GitError as exc:
-            raise GitStoreError(f"cannot write object '{oid}': {exc}") from exc
-    if str(written) != oid:
-        raise GitStoreError(f"object '{oid}' was written as '{written}'")
-
-
-def _enable_fsync() -> None:
-    global _FSYNC_ON
-    if not _FSYNC_ON:
-        pygit2.settings.enable_fsync_gitdir(True)
-        _FSYNC_ON = True
 
 
 def _parse_tree(raw: bytes) -> dict[bytes, tuple[int, bytes]]:
@@ -143,9 +103,9 @@ class GitStore(RefUpdates):
     """An open repository.  Long-lived callers keep one per repository."""
 
     def __init__(self, path: str) -> None:
-        _enable_fsync()
+        enable_fsync()
         try:
-            self.repo = pygit2.Repository(path)
+            self.repo = open_repository(path)
         except (pygit2.GitError, KeyError) as exc:
             why = str(exc)
             if isinstance(exc, KeyError) or "not found" in why.lower():
@@ -447,11 +407,11 @@ class GitStore(RefUpdates):
             self._pending[oid] = (header, data)
 
     def flush_objects(self) -> None:
-        """Write every staged object as a loose object through libgit2 (synced: ``enable_fsync_gitdir``).
+        """Write every staged object as a loose object through libgit2, durable when this returns.
 
         An object the repository has already is freshened, not written again
-        (libgit2's ``git_odb_write``).  The fan-out folders libgit2 had to
-        create are made durable here too (their entries live in ``objects/``).
+        (libgit2's ``git_odb_write``); the new ones are synced together, with
+        their fan-out folders (:func:`cas.loose_objects.write_new`).
 
         Raises:
             GitStoreError: libgit2 could not write an object, or ``objects/`` could not be synced.
@@ -471,15 +431,7 @@ class GitStore(RefUpdates):
         self._keep_made(made)
 
     def _write_all(self, odb: pygit2.Odb, todo: Mapping[str, tuple[bytes, bytes | memoryview]]) -> None:
-        objects = os.path.join(self.common_dir, "objects")
-        new_fanout = any(not os.path.isdir(os.path.join(objects, oid[:2])) for oid in todo)
-        for oid, (header, data) in todo.items():
-            _write_object(odb, oid, header, data)
-        if new_fanout:
-            try:
-                fsync_dir(objects)
-            except OSError as exc:
-                raise GitStoreError(f"cannot sync '{objects}': {exc}") from exc
+        write_new(odb, os.path.join(self.common_dir, "objects"), todo)
 
     def ensure_objects(self, ref: str, new: str) -> None:
         """Make sure ``new`` and every object this call wrote exist, writing the missing ones again.

@@ -36,6 +36,7 @@ import filelock
 from cas.durable import TMP_MARK
 from cas.errors import GitStoreError, UsageError
 from cas.gitdir import common_dir_of, worktrees_on
+from cas.loose_objects import stale_tmp_objdirs
 from cas.objects import GitStore, TreeEntry, open_store
 from cas.pids import gone
 from cas.index_lock import break_dead_own_index_lock, dead_own_index_lock, update_index
@@ -568,15 +569,15 @@ LIBGIT2_OBJECT_TMP_PREFIX = "tmp_object_git2_"
 
 
 def _remove_old_object_tmp_files(common_dir: str, tmp_age: float, *, remove: bool = True) -> list[str]:
-    """Remove libgit2's tmp files of loose objects older than ``tmp_age`` seconds (a killed writer's).
+    """Remove libgit2's tmp files of loose objects, and cas's temporary object folders, older than ``tmp_age`` seconds.
 
-    Their names carry no pid: like ``git prune`` (which removes ``tmp_`` files
+    A killed writer's.  Like ``git prune`` (which removes ``tmp_`` entries
     in ``objects/`` past its expiry), age is the proof that no writer is still
     filling one.  ``remove=False`` (a dry run): only list them.
     """
     objects = os.path.join(os.path.realpath(common_dir), "objects")
     now = time.time()
-    found: list[str] = []
+    found = stale_tmp_objdirs(objects, tmp_age, remove=remove)
     try:
         entries = os.listdir(objects)
     except (FileNotFoundError, NotADirectoryError):

@@ -4,10 +4,11 @@
   → fsync(folder).
 * faults injected by strace (``-e inject=SYSCALL:error=ERRNO``): the process reports
   ``DurableWriteError``, the target is unchanged, no tmp file is left.
-* a full ``oncepatch apply``: the call's loose objects (libgit2's, with
-  ``enable_fsync_gitdir``) → prepared receipt renamed → branch ref renamed from its
-  ``.lock`` (libgit2's transaction) → key ref → committed receipt renamed, each rename
-  preceded by an fsync of its file.
+* a full ``oncepatch apply``: the call's loose objects (written by libgit2 into a
+  temporary object folder, synced together, renamed into ``objects/``, their folders
+  synced together: ``cas.loose_objects``) → prepared receipt renamed → branch ref
+  renamed from its ``.lock`` (libgit2's transaction) → key ref → committed receipt
+  renamed, each rename preceded by an fsync of its file.
 """
 
 from __future__ import annotations
@@ -324,11 +325,21 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
         assert _synced_before(calls, src, move.n), f"receipt tmp {src} renamed without fsync"
     assert _folder_synced_between(calls, os.path.dirname(receipt), prepared.n, branch_move.n), \
         "receipts folder not synced between the prepared receipt and the ref move"
-    # every object (enable_fsync_gitdir) is synced before its rename, and its folder before
-    # the prepared receipt names it
+    # every object is synced before its rename into objects/ (one round for all: the batch of
+    # cas.loose_objects), and its folder after it and before the prepared receipt names it
     for move, src, dst in object_moves:
         assert _synced_before(calls, src, move.n), f"object {dst} renamed without fsync"
         assert _folder_synced_between(calls, os.path.dirname(dst), move.n, prepared.n), dst
+    # libgit2 wrote them into the temporary object folder with its own syncs off: each
+    # object file is synced once, by the batch, and the folder is gone afterwards
+    staged = [src for _, src, _ in object_moves]
+    tmp_objdir = os.path.dirname(os.path.dirname(staged[0]))
+    assert os.path.basename(tmp_objdir).startswith("tmp_objdir-oncepatch-"), staged
+    assert all(os.path.dirname(os.path.dirname(src)) == tmp_objdir for src in staged)
+    assert not os.path.exists(tmp_objdir)
+    libgit2_tmp = [src for c, src, dst in landings if os.path.dirname(dst).startswith(tmp_objdir + "/")]
+    assert len(libgit2_tmp) == len(staged)
+    assert not any(_synced_before(calls, src, len(calls)) for src in libgit2_tmp), "libgit2 synced an object"
     # the branch's lock file is fsynced before it becomes the ref; the ref's folder after,
     # with the reflog, and both before the committed receipt lands
     assert _synced_before(calls, branch + ".lock", branch_move.n)
@@ -359,7 +370,7 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
         assert any(c.n < index_moves[0].n for c in _fd_calls(calls, folder_fd, worktree_moves[0].n, {"fsync"}))
     else:
         assert worktree_moves == []
-    for move, src, _dst in object_moves:
+    for src in libgit2_tmp:
         # git prune's names for tmp files in objects/: a killed writer's are removed by recover too
         assert os.path.basename(src).startswith("tmp_object_git2_"), src
 

@@ -296,14 +296,10 @@ def test_a_failed_write_keeps_nothing_at_hand(repo: Repo, gs: GitStore, monkeypa
     tree = gs.edit_tree(gs.commit_tree(base), {"src/new.txt": TreeEntry(gs.write_blob(b"n\n"), BLOB)})
     gs.create_commit(tree, [base], "failed\n")
 
-    class FailingOdb:
-        def write(self, kind: int, data: bytes) -> Any:
-            raise pygit2.GitError("failed to write object: no space left on device")
+    def failing(odb: pygit2.Odb, oid: str, header: bytes, data: bytes) -> None:
+        raise GitStoreError(f"cannot write object '{oid}': no space left on device")
 
-    class FailingRepo:
-        odb = FailingOdb()
-
-    with mock.patch.object(gs, "repo", FailingRepo()), pytest.raises(GitStoreError):
+    with mock.patch("cas.loose_objects.write_object", failing), pytest.raises(GitStoreError):
         gs.flush_objects()
     gs.discard_pending()
     counter = CountingRepo(gs.repo)
