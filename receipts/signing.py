@@ -44,7 +44,7 @@ from cas.errors import UsageError
 from cas.hashing import sha256_hex
 from receipts import jsonio
 from receipts.canonical import canonical_json
-from receipts.errors import CorruptReceipt
+from receipts.errors import CorruptReceipt, SigningKeyMissing
 from receipts.receipt import SIGNATURE_FIELD, Receipt, now_iso
 
 __all__ = ["SIGNERS_SCHEMA", "SIGNERS_FILE", "ALLOWED_SIGNERS_ENV", "KEY_DIR_ENV", "SignerKey", "Signers",
@@ -203,6 +203,14 @@ class Signing:
 
     # -- making signatures ------------------------------------------------------
 
+    def ready(self) -> None:
+        """Load the active private key now (a call checks it before it takes its key's lock).
+
+        Raises:
+            SigningKeyMissing: it cannot be read here (lost, or another user's).
+        """
+        self._private_key()
+
     def _private_key(self) -> Any:
         if self._private is None:
             active = self.signers.active
@@ -210,7 +218,7 @@ class Signing:
             try:
                 fd = open_regular(path)
             except OSError as exc:
-                raise UsageError(
+                raise SigningKeyMissing(
                     f"cannot sign for the store: its active key '{active.key_id}' cannot be read at '{path}' "
                     f"({exc.strerror or 'not a regular file'}); a lost key is replaced by 'oncepatch keys rotate' "
                     f"(docs/SECURITY.md)", details={"key_id": active.key_id, "key_path": path}) from None
@@ -230,7 +238,7 @@ class Signing:
         """The signature of a receipt whose ``receipt_sha256`` is ``digest``.
 
         Raises:
-            UsageError: the active key's private key is not readable here (lost, or another user's).
+            SigningKeyMissing: the active key's private key is not readable here (lost, or another user's).
         """
         return self._sign(_RECEIPT_DOMAIN + digest.encode())
 

@@ -253,6 +253,15 @@ class ReceiptStore:
                              f"{exc.strerror or exc}") from exc
         fsync_dir(parent)
 
+    def check_can_sign(self) -> None:
+        """Refuse, before anything is written, a writer of a signed store that cannot sign.
+
+        Raises:
+            SigningKeyMissing: the store's active private key is not readable here.
+        """
+        if self.signing is not None:
+            self.signing.ready()
+
     # -- locks -----------------------------------------------------------------
 
     @contextlib.contextmanager
