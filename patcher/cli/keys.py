@@ -25,7 +25,7 @@ def _cmd_keys(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     root = store_root(args)
     if args.action == "list":
         keys = list_keys(root)
-        doc = {"ok": True, "mode": "signed" if keys else "unsigned", "allowed_signers": signers_path(root),
+        doc: dict[str, Any] = {"ok": True, "mode": "signed" if keys else "unsigned", "allowed_signers": signers_path(root),
                "keys": keys}
         text = "".join(f"{k['key_id']}  {k['status']:<8} {'private key here' if k['private_key'] else '-'}  "
                        f"created {k['created_at']}\n" for k in keys) or "unsigned store: no keys\n"
