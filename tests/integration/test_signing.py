@@ -235,3 +235,16 @@ def test_a_list_kept_outside_the_store_still_catches_a_forger_who_removes_the_st
     r = verify(repo, ONCEPATCH_ALLOWED_SIGNERS=str(pinned))
     assert r.code == 6 and r.json["signatures"]["allowed_signers"] == str(pinned)
     assert any(f["key"] == "ghost" for f in r.json["failures"]), r.out
+
+
+def test_recover_settles_a_crashed_call_of_a_signed_store_with_signatures(tmp_path: Path) -> None:
+    repo = make(tmp_path, signed=True)
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "crash", "-", input=change(repo, 5, "crash"),
+                env={"ONCEPATCH_CRASH_AT": "after-ref"})
+    assert r.code == 137, r.err
+    rec = run_cli("recover", "--repo", str(repo.path), "--json", "--jobs", "1")
+    assert rec.code == 0, rec.out
+    doc = json.loads(Path(ReceiptStore(str(repo.store)).receipt_path("crash")).read_text())
+    assert doc["status"] == "committed" and doc["signature"]["algorithm"] == "ed25519"
+    assert all("signature" in e for e in ledger_lines(repo))
+    assert verify(repo).code == 0
