@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-SECTIONS = ("single", "large", "agents", "store", "watch", "fsync", "profile", "matching")
+SECTIONS = ("single", "large", "agents", "store", "watch", "fsync", "profile", "matching", "signing")
 
 FULL: dict[str, Any] = {
     "sizes": {"1k": 1000, "10k": 10_000, "100k": 100_000},
@@ -29,7 +29,7 @@ FULL: dict[str, Any] = {
     "watch": [("100k", "as specified", [], 5), ("1k", "as specified", [], 5)],
     "fsync_sizes": ("1k", "100k"), "strace_runs": 3, "ab_rounds": 15,
     "profile_size": "100k", "profile_ops": {"side": 40, "main": 20}, "profile_store": "10k",
-    "matching_rounds": 5,
+    "matching_rounds": 5, "signing_rounds": 30,
 }
 QUICK: dict[str, Any] = {
     "sizes": {"1k": 1000, "10k": 10_000},
@@ -42,7 +42,7 @@ QUICK: dict[str, Any] = {
     "watch": [("5k", "as specified", [], 2)],
     "fsync_sizes": ("1k",), "strace_runs": 1, "ab_rounds": 5,
     "profile_size": "10k", "profile_ops": {"side": 10, "main": 5}, "profile_store": "1k",
-    "matching_rounds": 3,
+    "matching_rounds": 3, "signing_rounds": 8,
 }
 
 
@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.cases_matching import section_matching
 
         res["matching"] = section_matching(env, cfg["matching_rounds"], log)
+    if "signing" in only:
+        from bench.cases_signing import section_signing
+
+        res["signing"] = section_signing(env, cfg["signing_rounds"], log)
     if "watch" in only:  # last: it leaves orphaned receipts in the stores
         from bench.cases_store import section_watcher
 

@@ -312,6 +312,26 @@ def render(res: dict[str, Any]) -> str:
                          "applies" if r["git_rc"] == 0 else "refuses"])
         parts.append(_table(["case", "size", "file lines", "patch bytes", "oncepatch outcome", "oncepatch median",
                              "vs half size", "git apply --check", "vs half size", "git outcome"], rows))
+    sg = res.get("signing")
+    if sg:
+        parts.append("\n### Signing cost (docs/SECURITY.md, signed mode; in process unless said; medians)\n\n")
+        rows = [["receipt: sign + verify (Ed25519, `cryptography`)",
+                 fmt_ms(sg["receipt_sign_s"] + sg["receipt_check_s"]),
+                 f"{fmt_ms(sg['receipt_sign_s'])} + {fmt_ms(sg['receipt_check_s'])}"],
+                ["ledger event: sign + verify (canonical JSON included)",
+                 fmt_ms(sg["event_sign_s"] + sg["event_check_s"]),
+                 f"{fmt_ms(sg['event_sign_s'])} + {fmt_ms(sg['event_check_s'])}"]]
+        if "ssh_sign_s" in sg:
+            rows.append(["`ssh-keygen -Y sign` + `-Y verify` (a process each)",
+                         fmt_ms(sg["ssh_sign_s"] + sg["ssh_check_s"]),
+                         f"{fmt_ms(sg['ssh_sign_s'])} + {fmt_ms(sg['ssh_check_s'])}"])
+        rows += [["a call's signing work: the list read, the key loaded, 4 signatures", fmt_ms(sg["call_work_s"]), ""],
+                 ["importing the Ed25519 module (once per process, signed stores only)", fmt_ms(sg["import_s"]), ""],
+                 [f"apply, unsigned store (median of {sg['rounds']})", fmt_ms(sg["call_unsigned_s"]), ""],
+                 [f"apply, signed store (median of {sg['rounds']}; 4 signatures, 1 check)",
+                  fmt_ms(sg["call_signed_s"]),
+                  f"{fmt_ms(sg['call_signed_s'] - sg['call_unsigned_s'])} more"]]
+        parts.append(_table(["what", "ms", "of which (ms)"], rows))
     fs = res.get("fsync")
     if fs:
         parts.append("\n### 6. fsync per transaction\n\n**strace** (`strace -f -T -y`, one cold process each; "

@@ -30,7 +30,7 @@ from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from receipts.verifier import DEFAULT_GRACE, VerifyReport, verify
 from patcher.git_adapter import adapters
-from patcher.protocol import ApplyResult, apply, foreign_error, store_root_for
+from patcher.protocol import ApplyResult, Caller, apply, foreign_error, store_root_for
 
 __all__ = ["apply", "ApplyResult", "Client", "OncepatchError", "status"]
 
@@ -147,10 +147,11 @@ class Client:
         message: str | None = None,
         common_dir: str | None = None,
         strict: bool = False,
+        caller: Caller | None = None,
     ) -> ApplyResult:
         """:func:`patcher.protocol.apply` with this client's defaults and open repositories.
 
-        ``common_dir``, ``strict``: see :func:`patcher.protocol.apply`.
+        ``common_dir``, ``strict``, ``caller``: see :func:`patcher.protocol.apply`.
 
         Raises:
             OncepatchError: as :func:`apply` (conflict 3, rejected 4, in progress / unknown 5).
@@ -159,7 +160,7 @@ class Client:
             self._repo(repo), patch, key=key, branch=branch if branch is not None else self.branch,
             contract_sha256=contract_sha256, attempt=attempt, format=format, check=check, message=message,
             common_dir=common_dir, store=self.store, lock_timeout=self.lock_timeout, check_timeout=self.check_timeout,
-            strict=strict, _stores=self._stores(),
+            strict=strict, caller=caller, _stores=self._stores(),
         )
 
     @_translated("not_started")

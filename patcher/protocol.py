@@ -2,7 +2,9 @@
 
 :func:`apply` is what the CLI and the MCP server call.  Steps:
 
-0. normalise args, compute the identity and key; **replay fast path**: a final
+0. normalise args, compute the identity and key; **authorize** the caller
+   (:func:`_authorize`, :mod:`receipts.policy`: before the key is looked up,
+   so a refused call never replays); **replay fast path**: a final
    receipt is read without the lock, and a committed one answered from only
    where git agrees (:meth:`patcher.git_adapter.GitAdapter.confirm`: the key
    ref at its commit, the commit's trailer, its outputs);
@@ -28,19 +30,21 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
 from cas.errors import OncepatchError, UsageError
 from receipts.engine import Call
 from receipts.identity import make_identity
+from receipts.policy import Caller, Request, authorize, load_policy
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
-from patcher.args import TOOL, TOOL_VERSION, normalise_args
+from patcher.args import TOOL, TOOL_VERSION, CallArgs, normalise_args
 from patcher.errors import PatchError
 from patcher.formats import detect
 from patcher.grades import STRICT
 from patcher.outcome import KEY_REF_PREFIX, REJECTIONS, ApplyResult, foreign_error, replay_final
 
-__all__ = ["ApplyResult", "apply", "store_root_for", "replay_final", "foreign_error", "KEY_REF_PREFIX", "REJECTIONS"]
+__all__ = ["ApplyResult", "Caller", "apply", "store_root_for", "replay_final", "foreign_error", "KEY_REF_PREFIX", "REJECTIONS"]
 
 def store_root_for(common_dir: str, store: str | None = None) -> str:
     """``--store``, else ``$ONCEPATCH_STORE``, else ``<git-common-dir>/oncepatch``."""
@@ -64,6 +68,7 @@ def apply(
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     check_timeout: float = 600.0,
     strict: bool = False,
+    caller: Caller | None = None,
     _stores: dict[str, Any] | None = None,
 ) -> ApplyResult:
     """Apply ``patch`` (its content, never a file name) to ``branch`` of ``repo`` effectively once.
@@ -81,6 +86,9 @@ def apply(
     identity: a strict call makes the same change, and replays the key's
     final receipt as any call does (docs/DECISIONS.md).
 
+    ``caller``: who asks, for the store's policy (the broker's ``SO_PEERCRED``
+    peer, :meth:`Caller.of`); default: this process (:meth:`Caller.current`).
+
     Raises:
         OncepatchError: a subclass with the envelope fields; ``exit_code`` gives
             the CLI's exit status (conflict 3, rejected 4, in progress/unknown 5).
@@ -89,7 +97,7 @@ def apply(
         _stores = {}  # one open repository for the whole call, even for one-shot callers
     try:
         return _apply(repo, patch, key, branch, contract_sha256, attempt, format, check, message, common_dir, store,
-                      lock_timeout, check_timeout, strict, _stores)
+                      lock_timeout, check_timeout, strict, caller, _stores)
     except OncepatchError:
         raise
     except Exception as exc:
@@ -100,7 +108,7 @@ def apply(
 
 def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, contract_sha256: str | None,
            attempt: int, format: str, check: str | None, message: str | None, common_dir: str | None,
-           store: str | None, lock_timeout: float, check_timeout: float, strict: bool,
+           store: str | None, lock_timeout: float, check_timeout: float, strict: bool, caller: Caller | None,
            _stores: dict[str, Any]) -> ApplyResult:
     try:
         _check_options(attempt, lock_timeout, check_timeout, store)
@@ -114,6 +122,10 @@ def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, c
     identity = make_identity(TOOL, TOOL_VERSION, args.as_dict(), contract_sha256=contract_sha256, attempt=attempt)
     rstore = ReceiptStore(store_root_for(args.layout.common_dir, store))
     call = Call(rstore, None, identity, key, errors=REJECTIONS, default_error=PatchError)
+    try:
+        _authorize(rstore, args, call.key, caller)  # authorize, then idempotency
+    except OncepatchError as exc:
+        raise exc.with_key(call.key)
 
     # Fast path: a final receipt is immutable, so it can be read without the lock.
     try:
@@ -144,6 +156,31 @@ def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, c
         worktree = sys.modules.get("cas.index_lock")
         if worktree is not None:
             worktree.drop_lock_marks()
+
+
+def _authorize(rstore: ReceiptStore, args: CallArgs, key: str, caller: Caller | None) -> None:
+    """Refuse a call the store's policy does not allow its caller (:func:`receipts.policy.authorize`).
+
+    Judged first without the patch's paths (caller, repository, branch, format,
+    size: nothing parsed for a caller the policy never names), then with them.
+    No policy: one failed ``open``.
+
+    Raises:
+        Forbidden: refused, one ``forbidden`` event noted; nothing else written.
+        UsageError: the policy cannot be read.
+        PatchError: the patch cannot be parsed (or names an unsafe path): nothing written.
+    """
+    policy = load_policy(rstore.root)
+    if policy is None:
+        return
+    who = caller if caller is not None else Caller.current()
+    request = Request(TOOL, args.repo, args.branch, args.format, len(args.patch), key=key,
+                      patch_sha256=args.patch_sha256)
+    authorize(rstore, who, request, policy)
+    from patcher.formats import parse_patch
+
+    paths = tuple(dict.fromkeys(p for e in parse_patch(args.patch, args.format).edits for p in e.touched))
+    authorize(rstore, who, replace(request, paths=paths), policy)
 
 
 def _check_options(attempt: int, lock_timeout: float, check_timeout: float, store: str | None) -> None:

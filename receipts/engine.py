@@ -51,7 +51,8 @@ from collections.abc import Callable, Iterator, Mapping
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch
 from cas.errors import EXIT_REJECTED, DurableWriteError, OncepatchError
-from receipts.errors import CorruptReceipt, FencedOff, IdempotencyConflict, InProgress, StillUnknown
+from receipts.errors import (CorruptReceipt, FencedOff, IdempotencyConflict, InProgress, SigningKeyMissing,
+                             StillUnknown)
 from receipts.identity import check_key, compute_args_sha256, compute_call_id
 from receipts.receipt import Receipt, now_iso
 from receipts.states import needs_resolution
@@ -303,6 +304,7 @@ class Call:
             IdempotencyConflict: the key's receipt is another call's.
             StillUnknown: a dead owner's call whose outcome the adapter cannot tell.
         """
+        self.store.check_can_sign()  # a signed store's writer without its key: refused before the lock
         with self.store.lock(self.key, timeout=timeout):
             existing = self.store.read(self.key)
             if existing is not None:
@@ -343,7 +345,7 @@ class Call:
             self.store.ledger.append_receipt_event("replayed", receipt, wait=0)
         except InProgress:
             warnings = ("the replay was not noted in the ledger (its lock is held)",)
-        except (OSError, DurableWriteError) as exc:
+        except (OSError, DurableWriteError, SigningKeyMissing) as exc:
             warnings = (f"the replay was not noted in the ledger ({exc})",)
         if receipt.status == "rejected":
             raise error_from_envelope(receipt.error or {}, receipt.key, self._errors, self._default_error)

@@ -15,6 +15,8 @@
     ├── CorruptLedger          event ledger line unreadable               exit 6 corrupt_receipt
     ├── ReadFailed             a transient read error (EIO, EINTR, ...)   exit 5 io_error, retryable
     ├── ReceiptNotFound        no receipt for a key                       exit 2 not_found
+    ├── SigningKeyMissing      a signed store's active key not readable here exit 2 usage
+    ├── Forbidden              the policy refuses the caller this call    exit 4 forbidden
     └── (receipts.effects)     generic effects:
         ├── EffectRejected     provably not done (tool said so, or before sending)  exit 4
         │   └── InvalidEffectArgs   args refused before sending, not retryable     exit 4
@@ -29,6 +31,7 @@ from typing import Any
 from cas.errors import (
     EXIT_CONFLICT,
     EXIT_IN_PROGRESS,
+    EXIT_REJECTED,
     EXIT_USAGE,
     EXIT_VERIFY,
     OncepatchError,
@@ -48,6 +51,8 @@ __all__ = [
     "CorruptLedger",
     "ReadFailed",
     "ReceiptNotFound",
+    "SigningKeyMissing",
+    "Forbidden",
 ]
 
 
@@ -161,3 +166,27 @@ class ReceiptNotFound(ReceiptError):
     type = "not_found"
     exit_code = EXIT_USAGE
     default_next_action = "fix_input"
+
+
+class SigningKeyMissing(ReceiptError):
+    """A signed store's active private key cannot be read by this process (lost, or another user's).
+
+    Refused before anything is written; ``oncepatch keys rotate`` replaces a lost key.
+    """
+
+    type = "usage"
+    exit_code = EXIT_USAGE
+    default_next_action = "none"
+
+
+class Forbidden(ReceiptError):
+    """The policy (:mod:`receipts.policy`) does not allow this caller this call.
+
+    Final and not retryable: the same call is refused again until the policy
+    changes.  Nothing was written but the ledger's ``forbidden`` event.
+    """
+
+    type = "forbidden"
+    exit_code = EXIT_REJECTED
+    default_effect_status = "not_started"
+    default_next_action = "none"

@@ -17,6 +17,11 @@ mid-append: a prefix of an event that chains onto the last full line) from
 anything else; only its own is ever repaired (``recover``), anything else is
 evidence of a ledger changed by hand and is left for a person
 (``oncepatch quarantine --ledger``, docs/RECOVERY.md).
+
+In a signed store (:mod:`receipts.signing`) each event carries a
+``signature`` over its canonical JSON without it, ``seq`` and ``prev``
+included; :meth:`Ledger.verify_chain` reports an event without one, or with
+one that does not verify, as it reports a broken chain.
 """
 
 from __future__ import annotations
@@ -32,7 +37,11 @@ from receipts import jsonio
 from receipts.canonical import canonical_json
 from receipts.errors import CorruptLedger
 from receipts.flock import flocked
-from receipts.receipt import Receipt, now_iso
+from receipts.receipt import SIGNATURE_FIELD, Receipt, now_iso
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from receipts.signing import Signing
 
 __all__ = ["Ledger", "LedgerProblem", "TornTail", "GENESIS"]
 
@@ -112,10 +121,13 @@ def _open_ledger(path: str) -> BinaryIO:
 
 
 class Ledger:
-    def __init__(self, path: str, lock_path: str, lock_timeout: float = 30.0) -> None:
+    def __init__(self, path: str, lock_path: str, lock_timeout: float = 30.0, *,
+                 signing: Signing | None = None) -> None:
         self.path = path
         self.lock_path = lock_path
         self.lock_timeout = lock_timeout
+        #: A signed store's signing: every append is signed, every line checked (module docstring).
+        self.signing = signing
 
     def _tail(self) -> tuple[int, str, int]:
         """(last seq, sha256 of last full line, byte length of the full-line prefix)."""
@@ -210,8 +222,11 @@ class Ledger:
                 finally:
                     os.close(fd)
             stored = dict(event)
+            stored.pop(SIGNATURE_FIELD, None)
             stored["seq"] = seq + 1
             stored["prev"] = prev
+            if self.signing is not None:
+                stored[SIGNATURE_FIELD] = self.signing.sign_event(canonical_json(stored))
             append_durable(self.path, canonical_json(stored) + b"\n", sync=sync)
             return stored
 
@@ -294,6 +309,8 @@ class Ledger:
                     problems.append(LedgerProblem(n, "hash chain broken: prev does not match the line before"))
                 elif obj.get("seq") != expected_seq:
                     problems.append(LedgerProblem(n, f"seq is {obj.get('seq')!r}, expected {expected_seq}"))
+                elif self.signing is not None and (why := self.signing.event_problem(obj)) is not None:
+                    problems.append(LedgerProblem(n, why))
                 prev = sha256_hex(line)
                 seq = obj.get("seq") if isinstance(obj, dict) else None
                 expected_seq = (seq if isinstance(seq, int) else expected_seq) + 1

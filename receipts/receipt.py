@@ -14,6 +14,10 @@ Verification on read (:func:`parse_receipt` with ``expected_key_hash``):
   other field, unknown ones included) matches, so an edit of *any* field —
   status, commit, outputs — is caught, not only edits of the identity.
 
+``signature`` (a signed store's, :mod:`receipts.signing`) is the one field the
+digest does not cover: it signs the digest.  It is kept on the record as read
+(:attr:`Receipt.signature`), never in ``extra``, and the store checks it.
+
 States: ``prepared`` → ``committed`` | ``rejected`` | ``unknown``
 (see :mod:`receipts.states`).
 """
@@ -35,7 +39,7 @@ from receipts.errors import CorruptReceipt
 from receipts.identity import CALL_ID_TAG, key_hash
 from receipts.states import STATUSES, Status
 
-__all__ = ["SCHEMA", "DIGEST_FIELD", "Receipt", "parse_receipt", "receipt_bytes", "receipt_doc_bytes", "now_iso"]
+__all__ = ["SCHEMA", "DIGEST_FIELD", "SIGNATURE_FIELD", "Receipt", "parse_receipt", "receipt_bytes", "receipt_doc_bytes", "now_iso"]
 
 SCHEMA = "oncepatch.receipt/1"
 
@@ -65,6 +69,8 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
 }
 #: The field that holds a receipt's digest over every other field.
 DIGEST_FIELD = "receipt_sha256"
+#: The field that holds a signed store's signature over the digest (outside the digest).
+SIGNATURE_FIELD = "signature"
 
 
 def now_iso() -> str:
@@ -99,6 +105,9 @@ class Receipt:
     #: The verified ``receipt_sha256`` of the file this record was parsed from
     #: (``None`` for a record built in memory); :meth:`evolve` drops it.
     parsed_digest: str | None = field(default=None, compare=False, repr=False)
+    #: The ``signature`` of the file this record was parsed from (``None``: none, or built in
+    #: memory); :meth:`evolve` drops it, the store signs what it writes.
+    signature: Any = field(default=None, compare=False, repr=False)
 
     @property
     def args(self) -> dict[str, Any]:
@@ -114,6 +123,7 @@ class Receipt:
         """A copy with ``changes`` and a fresh ``updated_at``."""
         changes.setdefault("updated_at", now_iso())
         changes.setdefault("parsed_digest", None)
+        changes.setdefault("signature", None)
         return replace(self, **changes)
 
     def to_doc(self) -> dict[str, Any]:
@@ -189,6 +199,7 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
     if not isinstance(stored_digest, str):
         why = "missing field" if stored_digest is None else "wrong type of field"
         raise CorruptReceipt(path, f"{why} '{DIGEST_FIELD}'")
+    signature = doc.pop(SIGNATURE_FIELD, None)
     body = {k: v for k, v in doc.items() if k != DIGEST_FIELD}
     fast = _fast_hashes(body)
     if fast is not None and fast[0] == stored_digest and fast[1] == doc["call_id"] and fast[2] == doc["args_sha256"]:
@@ -202,7 +213,7 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
     _check_outputs(doc.get("outputs"), path)
     known = set(_REQUIRED) | set(_OPTIONAL) | {DIGEST_FIELD}
     extra = {k: v for k, v in doc.items() if k not in known}
-    return _build(doc, extra, identity, stored_digest)
+    return _build(doc, extra, identity, stored_digest, signature)
 
 
 _OUTPUT_FIELDS: dict[str, tuple[type, ...]] = {
@@ -234,6 +245,7 @@ def written_as_is(doc: dict[str, Any], key_hash_hex: str) -> bool:
     (``False``) needs :func:`parse_receipt`, which decides and names the problem.
     """
     stored = doc.pop(DIGEST_FIELD, None)
+    signature = doc.pop(SIGNATURE_FIELD, None)
     try:
         if not isinstance(stored, str) or not isinstance(doc.get("key"), str):
             return False
@@ -246,6 +258,8 @@ def written_as_is(doc: dict[str, Any], key_hash_hex: str) -> bool:
     finally:
         if stored is not None:
             doc[DIGEST_FIELD] = stored
+        if signature is not None:
+            doc[SIGNATURE_FIELD] = signature
 
 
 def _args_doc(identity: dict[str, Any]) -> dict[str, Any]:
@@ -315,7 +329,8 @@ def _checked_hashes(body: dict[str, Any], stored_digest: str, doc: dict[str, Any
     return checked
 
 
-def _build(doc: dict[str, Any], extra: dict[str, Any], identity: dict[str, Any], digest: str) -> Receipt:
+def _build(doc: dict[str, Any], extra: dict[str, Any], identity: dict[str, Any], digest: str,
+           signature: Any) -> Receipt:
     return Receipt(
         key=doc["key"],
         call_id=doc["call_id"],
@@ -339,4 +354,5 @@ def _build(doc: dict[str, Any], extra: dict[str, Any], identity: dict[str, Any],
         extra=extra,
         schema=doc["schema"],
         parsed_digest=digest,
+        signature=signature,
     )

@@ -54,7 +54,8 @@ from receipts.engine import settle
 from receipts.errors import CorruptLedger, CorruptReceipt, StillUnknown
 from receipts.flock import file_lock
 from receipts.identity import key_hash
-from receipts.receipt import Receipt, now_iso, parse_receipt, written_as_is
+from receipts.receipt import SIGNATURE_FIELD, Receipt, now_iso, written_as_is
+from receipts.signing import Signing
 from receipts.states import needs_resolution
 from receipts.store import FILE_MISSING, ReceiptStore
 from receipts.workers import spawn_pool, split
@@ -178,7 +179,7 @@ def recover(
         report.scanned += 1
         _progress(report, progress)
         if looks is None and not isinstance(data, CorruptReceipt):
-            look = _settled_digest(data, h)
+            look = _settled_digest(data, h, store.signing)
             if look[0] and look[0] in ledger_digests and not _to_confirm(adapters, look):
                 continue
         _look_closer(store, adapters, report, dry_run, path, h, data, ledger_digests, ledger_keys, gaps)
@@ -291,13 +292,14 @@ Look = tuple[str, str, str, bool]
 _CLOSER: Look = ("", "", "", False)
 
 
-def _settled_digest(data: bytes, h: str) -> Look:
+def _settled_digest(data: bytes, h: str, signing: Signing | None = None) -> Look:
     """The digest, status and tool of a final receipt that its digest shows unedited: the cheap first look.
 
     Such a receipt, once the ledger holds its digest, needs nothing from
     recover, unless it is ``committed`` and its tool's adapter can check it
     against the world (:func:`_to_confirm`).  Everything else is verified
-    before anything is done with it.
+    before anything is done with it.  In a signed store (``signing``) the
+    digest counts only with its signature.
     """
     try:
         head = orjson.loads(data)
@@ -309,6 +311,7 @@ def _settled_digest(data: bytes, h: str) -> Look:
         and isinstance(head.get("receipt_sha256"), str)
         and not head.get("warnings")
         and written_as_is(head, h)
+        and (signing is None or signing.receipt_problem(head["receipt_sha256"], head.get(SIGNATURE_FIELD)) is None)
     ):
         return str(head["receipt_sha256"]), str(head["status"]), str(head.get("tool")), False
     return _CLOSER
@@ -341,10 +344,10 @@ def _scan_chunk(root: str, paths: list[str], factory: str | None = None) -> list
             out.append(_CLOSER)
             continue
         h = os.path.basename(path)[:-5]
-        look = _settled_digest(data, h)
+        look = _settled_digest(data, h, store.signing)
         if factory is not None and look[0] and _to_confirm(adapters, look):
             try:
-                agreed = not _contradictions(adapters, parse_receipt(data, path=path, expected_key_hash=h))
+                agreed = not _contradictions(adapters, store.parse(data, path, h))
             except CorruptReceipt:
                 agreed = False
             look = (*look[:3], agreed) if agreed else _CLOSER
@@ -372,7 +375,7 @@ def _look_closer(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], rep
         report.corrupt.append({"path": path, "reason": data.reason})
         return
     try:
-        receipt = parse_receipt(data, path=path, expected_key_hash=h)
+        receipt = store.parse(data, path, h)
     except CorruptReceipt as exc:
         report.corrupt.append({"path": path, "reason": exc.reason})
         return

@@ -7,10 +7,14 @@ Layout under the store root::
     locks/ledger.lock             serialises ledger appends
     events.jsonl                  the hash-chained event ledger
     tmp/                          scratch (check worktrees, outputs)
+    allowed_signers.json          a signed store's public keys (receipts/signing.py)
+    policy.toml                   who may call what (receipts/policy.py)
 
 Every write goes through :class:`cas.durable.DurableBatch`.  Reads verify
 (:func:`receipts.receipt.parse_receipt`); a corrupt receipt raises, it is never
-skipped or overwritten silently.
+skipped or overwritten silently.  In a signed store every receipt written
+is signed and every receipt read must carry a signature by an allowed key
+(:mod:`receipts.signing`), else it is corrupt.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress, ReadFai
 from receipts.flock import file_lock
 from receipts.identity import key_hash
 from receipts.ledger import Ledger
-from receipts.receipt import DIGEST_FIELD, Receipt, parse_receipt, receipt_doc_bytes
+from receipts.receipt import DIGEST_FIELD, SIGNATURE_FIELD, Receipt, parse_receipt, receipt_doc_bytes
+from receipts.signing import load_signing
 
 __all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT", "FILE_MISSING", "MAX_RECEIPT_BYTES",
            "TRANSIENT_ERRNOS"]
@@ -174,7 +179,10 @@ class ReceiptStore:
         self.receipts_dir = os.path.join(self.root, "receipts")
         self.locks_dir = os.path.join(self.root, "locks")
         self.tmp_dir = os.path.join(self.root, "tmp")
-        self.ledger = Ledger(os.path.join(self.root, "events.jsonl"), self._ledger_lock_path())
+        #: ``None``: an unsigned store; else every receipt and event is signed and checked.
+        self.signing = load_signing(self.root)
+        self.ledger = Ledger(os.path.join(self.root, "events.jsonl"), self._ledger_lock_path(),
+                             signing=self.signing)
         for folder in (self.receipts_dir, self.locks_dir, self.tmp_dir):
             # Refused before anything is read or written (tmp/ too: check worktrees are made there).
             self.check_folders(folder, before_any_effect=True)
@@ -244,6 +252,15 @@ class ReceiptStore:
             raise UsageError(f"cannot use the store '{self.root}': cannot make '{path}': "
                              f"{exc.strerror or exc}") from exc
         fsync_dir(parent)
+
+    def check_can_sign(self) -> None:
+        """Refuse, before anything is written, a writer of a signed store that cannot sign.
+
+        Raises:
+            SigningKeyMissing: the store's active private key is not readable here.
+        """
+        if self.signing is not None:
+            self.signing.ready()
 
     # -- locks -----------------------------------------------------------------
 
@@ -324,7 +341,18 @@ class ReceiptStore:
                 data = read_receipt_file(path, dir_fd=dfd)
         except FileNotFoundError:
             return None
-        return parse_receipt(data, path=path, expected_key_hash=h)
+        return self.parse(data, path, h)
+
+    def parse(self, data: bytes, path: str, h: str) -> Receipt:
+        """A receipt file's bytes, verified (:func:`parse_receipt`) and, in a signed store, its signature checked.
+
+        Raises:
+            CorruptReceipt: it fails either.
+        """
+        receipt = parse_receipt(data, path=path, expected_key_hash=h)
+        if self.signing is not None:
+            self.signing.check_receipt(receipt, path)
+        return receipt
 
     @contextlib.contextmanager
     def _folder_fd(self, folder: str) -> Iterator[int]:
@@ -364,6 +392,8 @@ class ReceiptStore:
         path = self.path_for_hash(key_hash(receipt.key))
         self.check_folders(path)
         doc = receipt.to_doc()
+        if self.signing is not None:
+            doc[SIGNATURE_FIELD] = self.signing.sign_receipt(str(doc[DIGEST_FIELD]))
         data = receipt_doc_bytes(doc)
         batch = batch if batch is not None else DurableBatch()
         batch.add(path, data)
@@ -463,13 +493,12 @@ class ReceiptStore:
             raise CorruptReceipt(path, f"in the wrong folder (a receipt of key hash {h[:12]}… lives in '{h[:2]}')")
         return read_receipt_file(path)
 
-    @staticmethod
-    def parse_stored(path: str, h: str, data: bytes | CorruptReceipt) -> StoredReceipt:
+    def parse_stored(self, path: str, h: str, data: bytes | CorruptReceipt) -> StoredReceipt:
         """The receipt file ``path`` (key hash ``h``) from its bytes, verified; a corrupt one with its error."""
         if isinstance(data, CorruptReceipt):
             return StoredReceipt(path, h, None, data)
         try:
-            return StoredReceipt(path, h, parse_receipt(data, path=path, expected_key_hash=h), None)
+            return StoredReceipt(path, h, self.parse(data, path, h), None)
         except CorruptReceipt as exc:
             if exc.key is None:
                 exc.key = _claimed_key(data)

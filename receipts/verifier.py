@@ -14,6 +14,9 @@ Checks, each failure naming the receipt and the reason:
   (its ``receipt_sha256``) appears in the ledger — unless its call is still
   running (its key lock held: it renames the receipt, then appends the
   event); every key the ledger records a receipt of has its receipt file;
+* in a signed store (:mod:`receipts.signing`), every receipt and every
+  ledger event carries a signature by a key of the allowed-signers list;
+  the report says which mode it proved (``signatures``);
 * the other direction, for a verifier with ``verify_refs`` (git): every key
   ref has its receipt in the store, one that says it committed — a store
   deleted or emptied is a failure, not "ok: 0 receipts".
@@ -66,6 +69,8 @@ class VerifyReport:
     quarantined: list[dict[str, Any]] = field(default_factory=list)
     #: Keys whose last ledger event is ``quarantined``: no receipt file is expected of them.
     quarantined_keys: set[str] = field(default_factory=set)
+    #: The mode proved: ``{"mode": "unsigned"}``, or the signed store's list and keys.
+    signatures: dict[str, Any] = field(default_factory=lambda: {"mode": "unsigned"})
 
     @property
     def ok(self) -> bool:
@@ -73,7 +78,7 @@ class VerifyReport:
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"ok": self.ok, "receipts": self.receipts, "ledger_events": self.ledger_events,
-                               "failures": [f.to_json() for f in self.failures]}
+                               "signatures": self.signatures, "failures": [f.to_json() for f in self.failures]}
         if self.quarantined:
             doc["quarantined"] = self.quarantined
         return doc
@@ -97,6 +102,8 @@ def verify(
     same as with one process, in file order.
     """
     report = VerifyReport(quarantined=list(quarantines(store)))
+    if store.signing is not None:
+        report.signatures = store.signing.describe()
     paths = store.receipt_paths()
     if jobs > 1 and verifiers_factory is not None \
             and len(paths) >= max(1, PARALLEL_MIN if parallel_min is None else parallel_min):

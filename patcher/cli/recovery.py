@@ -140,8 +140,10 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     shown = "".join(f"quarantined: {q.get('what')}{' of ' + repr(q['key']) if q.get('key') else ''} "
                     f"moved to {q.get('to')}\n" for q in report.quarantined)
     if report.ok:
+        mode = ("signed store: allowed signers " + repr(report.signatures["allowed_signers"])
+                if report.signatures["mode"] == "signed" else "unsigned store")
         text = shown + f"ok: {report.receipts} receipt(s), {report.ledger_events} ledger event(s) verified" + (
-            f", {len(report.quarantined)} quarantine(s)\n" if report.quarantined else "\n")
+            f", {len(report.quarantined)} quarantine(s)" if report.quarantined else "") + f" ({mode})\n"
     else:
         # One line per failure, naming the receipt file (and its key when it could be read).
         text = "".join(

@@ -193,8 +193,9 @@ CASES: dict[str, Callable[[Repo], tuple[Path, str]]] = {
 
 def test_clean_store_passes(repo: Repo) -> None:
     text, js = verify(repo, "--grace", "0")
-    assert text.code == 0 and text.out == "ok: 2 receipt(s), 4 ledger event(s) verified\n"
-    assert js.code == 0 and js.json == {"ok": True, "receipts": 2, "ledger_events": 4, "failures": []}
+    assert text.code == 0 and text.out == "ok: 2 receipt(s), 4 ledger event(s) verified (unsigned store)\n"
+    assert js.code == 0 and js.json == {"ok": True, "receipts": 2, "ledger_events": 4, "signatures": {"mode": "unsigned"},
+                                       "failures": []}
 
 
 @pytest.mark.parametrize("case", list(CASES))

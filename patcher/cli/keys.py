@@ -1,0 +1,50 @@
+"""CLI command ``keys``: a signed store's keys (``init``, ``rotate``, ``list``; docs/SECURITY.md, "Keys")."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from cas.errors import EXIT_OK
+from receipts.receipt import now_iso
+from receipts.signing import init_keys, list_keys, rotate_keys, signers_path
+from receipts.store import ReceiptStore
+from patcher.cli.common import add_common, store_root
+
+__all__ = ["register", "HANDLERS"]
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("keys", help="a signed store's keys: init, rotate, list")
+    add_common(p)
+    p.add_argument("action", choices=["init", "rotate", "list"])
+    p.add_argument("--note", default="", help="why (kept with the key in the allowed-signers list)")
+
+
+def _cmd_keys(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
+    root = store_root(args)
+    if args.action == "list":
+        keys = list_keys(root)
+        doc: dict[str, Any] = {"ok": True, "mode": "signed" if keys else "unsigned", "allowed_signers": signers_path(root),
+               "keys": keys}
+        text = "".join(f"{k['key_id']}  {k['status']:<8} {'private key here' if k['private_key'] else '-'}  "
+                       f"created {k['created_at']}\n" for k in keys) or "unsigned store: no keys\n"
+        return EXIT_OK, doc, text
+    ReceiptStore(root)  # refuses a store path that is no folder before any key is made
+    make = init_keys if args.action == "init" else rotate_keys
+    signers, private_path = make(root, note=args.note or None)
+    active = signers.active
+    retired = [k.key_id for k in signers.keys if k.status == "retired"]
+    # Recorded in the ledger, signed by the new key (a store's story names its keys).
+    event: dict[str, Any] = {"event": "keys_initialized" if args.action == "init" else "keys_rotated",
+                             "at": now_iso(), "key_id": active.key_id, "retired": retired}
+    if args.note:
+        event["note"] = args.note
+    ReceiptStore(root).ledger.append(event)
+    doc = {"ok": True, "key_id": active.key_id, "private_key": private_path, "allowed_signers": signers.path,
+           "retired": retired}
+    text = f"active key {active.key_id}\nprivate key {private_path}\nallowed signers {signers.path}\n"
+    return EXIT_OK, doc, text
+
+
+HANDLERS = {"keys": _cmd_keys}

@@ -1,0 +1,250 @@
+"""Signed stores (docs/SECURITY.md, "Signed mode"): the forgeries an unsigned store cannot tell.
+
+Each forgery is tried on an unsigned store too, where ``verify`` passes it:
+that is the limit the signed mode exists for (issue 26's "Why"), and the
+contrast proves the signed mode's failure comes from the signatures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Repo, make_repo, run_cli, snapshot
+
+import patcher
+from cas.hashing import sha256_hex
+from receipts.canonical import canonical_json
+from receipts.identity import key_hash
+from receipts.store import ReceiptStore
+
+BASE: dict[str, str | bytes] = {"README": "hello\n", "src/app.py": "".join(f"line {i}\n" for i in range(1, 21))}
+
+
+def change(repo: Repo, line: int, word: str) -> bytes:
+    """A unified diff replacing ``line N`` of src/app.py with ``word`` against the branch's head."""
+    head = repo.head()
+    repo.write("src/app.py", (repo.path / "src/app.py").read_text().replace(f"line {line}\n", f"{word}\n"))
+    diff = repo.git("diff", "--full-index").encode()
+    repo.git("checkout", "-q", head, "--", "src/app.py")
+    return diff
+
+
+def make(tmp_path: Path, *, signed: bool) -> Repo:
+    repo = make_repo(tmp_path / "repo", BASE)
+    if signed:
+        r = run_cli("keys", "init", "--repo", str(repo.path), "--json")
+        assert r.code == 0, r.out + r.err
+    for key, line in (("one", 3), ("two", 15)):
+        patcher.apply(str(repo.path), change(repo, line, key), key=key)
+    return repo
+
+
+def verify(repo: Repo, **env: str) -> Any:
+    return run_cli("verify", "--repo", str(repo.path), "--json", "--jobs", "1", env=env)
+
+
+def ledger_lines(repo: Repo) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (repo.store / "events.jsonl").read_bytes().splitlines()]
+
+
+def write_rechained(repo: Repo, events: list[dict[str, Any]]) -> None:
+    """Write ``events`` as the ledger, seq and prev recomputed as an append would (signatures left as they are)."""
+    prev, out = "0" * 64, b""
+    for n, e in enumerate(events, 1):
+        e = {**e, "seq": n, "prev": prev}
+        line = canonical_json(e)
+        prev, out = sha256_hex(line), out + line + b"\n"
+    (repo.store / "events.jsonl").write_bytes(out)
+
+
+# -- what a signed store writes -----------------------------------------------------------------
+
+
+def test_a_signed_store_signs_every_receipt_and_event_and_verify_says_so(tmp_path: Path) -> None:
+    repo = make(tmp_path, signed=True)
+    key_id = json.loads((repo.store / "allowed_signers.json").read_text())["keys"][0]["key_id"]
+    for key in ("one", "two"):
+        doc = json.loads(Path(ReceiptStore(str(repo.store)).receipt_path(key)).read_text())
+        assert doc["signature"]["key_id"] == key_id and doc["signature"]["algorithm"] == "ed25519"
+    events = ledger_lines(repo)
+    assert len(events) == 5 and all(e["signature"]["key_id"] == key_id for e in events)
+    r = verify(repo)
+    assert r.code == 0, r.out
+    assert r.json["signatures"]["mode"] == "signed"
+    assert r.json["signatures"]["keys"] == [{"key_id": key_id, "status": "active"}]
+    text = run_cli("verify", "--repo", str(repo.path))
+    assert text.code == 0 and "(signed store: allowed signers " in text.out
+
+
+def test_an_unsigned_store_says_it_proved_consistency_only(tmp_path: Path) -> None:
+    repo = make(tmp_path, signed=False)
+    r = verify(repo)
+    assert r.code == 0 and r.json["signatures"] == {"mode": "unsigned"}
+    assert "signature" not in (repo.store / "events.jsonl").read_text()
+
+
+# -- the forgeries of issue 26 ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+def test_an_event_rewritten_with_its_chain_recomputed(tmp_path: Path, signed: bool) -> None:
+    repo = make(tmp_path, signed=signed)
+    events = ledger_lines(repo)
+    target = next(i for i, e in enumerate(events) if e.get("key") == "one" and e["event"] == "committed")
+    events[target] = {**events[target], "at": "2020-01-01T00:00:00.000000Z", "note": "nothing happened here"}
+    write_rechained(repo, events)
+    r = verify(repo)
+    if not signed:
+        assert r.code == 0, r.out  # the limit of an unsigned store: consistency, not authorship
+        return
+    assert r.code == 6, r.out
+    reasons = [f["reason"] for f in r.json["failures"]]
+    # The rewritten line, and each line after it: a signature covers its line's prev, which changed.
+    key_id = events[target]["signature"]["key_id"]
+    assert reasons == [f"ledger line {n}: its signature by key '{key_id}' does not verify"
+                       for n in range(target + 1, len(events) + 1)], reasons
+    rec = run_cli("recover", "--repo", str(repo.path), "--json", "--jobs", "1")
+    assert rec.code == 6, rec.out
+
+
+def _fabricate(repo: Repo, tmp_path: Path, forger_store: Path) -> dict[str, Any]:
+    """A key that never ran in ``repo.store``: its commit, a key ref made with ``git update-ref``,
+    its receipt and two ledger events, all made in ``forger_store`` and carried over."""
+    patch = change(repo, 9, "ghost")
+    env = {"ONCEPATCH_KEY_DIR": str(tmp_path / "forger-keys")}
+    r = run_cli("apply", "--repo", str(repo.path), "--store", str(forger_store), "--key", "ghost", "--json", "-",
+                input=patch, env=env)
+    assert r.code == 0, r.out + r.err
+    commit = r.json["commit"]
+    ref = f"refs/oncepatch/keys/{key_hash('ghost')}"
+    repo.git("update-ref", "-d", ref)
+    repo.git("update-ref", ref, commit)
+    src = Path(ReceiptStore(str(forger_store)).receipt_path("ghost"))
+    dst = Path(ReceiptStore(str(repo.store)).receipt_path("ghost"))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    forged = [e for e in (json.loads(x) for x in (forger_store / "events.jsonl").read_bytes().splitlines())
+              if e.get("key") == "ghost"]
+    assert [e["event"] for e in forged] == ["prepared", "committed"]
+    write_rechained(repo, ledger_lines(repo) + forged)
+    return {"patch": patch, "commit": commit}
+
+
+@pytest.mark.parametrize(("signed", "forger"), [(False, "unsigned"), (True, "unsigned"), (True, "own_key")],
+                         ids=["unsigned-store", "signed-store", "signed-store-forger-signs"])
+def test_a_fabricated_key_with_its_key_ref_and_two_events(tmp_path: Path, signed: bool, forger: str) -> None:
+    repo = make(tmp_path, signed=signed)
+    forger_store = tmp_path / "forger-store"
+    if forger == "own_key":  # signs with a key of its own, one the store does not list
+        r = run_cli("keys", "init", "--store", str(forger_store), "--repo", str(repo.path),
+                    env={"ONCEPATCH_KEY_DIR": str(tmp_path / "forger-keys")})
+        assert r.code == 0, r.err
+    forged = _fabricate(repo, tmp_path, forger_store)
+    status = run_cli("status", "--repo", str(repo.path), "ghost", "--json")
+    r = verify(repo)
+    if not signed:
+        # The forgery of issue 26: a key that never ran reads as committed and verifies.
+        assert status.code == 0 and status.json["receipt"]["status"] == "committed"
+        assert r.code == 0, r.out
+        return
+    assert r.code == 6, r.out
+    why = "unsigned, in a signed store" if forger == "unsigned" else "which is not an allowed signer"
+    failures = r.json["failures"]
+    assert any(f["key"] == "ghost" and why in f["reason"] for f in failures), failures
+    assert sum("ledger line" in f["reason"] for f in failures) == 2, failures  # both forged events
+    assert status.code == 6 and status.json["error"]["type"] == "corrupt_receipt", status.out
+    # The replay answers nothing from the forged receipt; the branch stays where it is.
+    head = repo.head("main")
+    replay = run_cli("apply", "--repo", str(repo.path), "--key", "ghost", "--json", "-", input=forged["patch"])
+    assert replay.code == 6 and replay.json["error"]["type"] == "corrupt_receipt", replay.out
+    assert "commit" not in replay.json and repo.head("main") == head
+    rec = run_cli("recover", "--repo", str(repo.path), "--json", "--jobs", "1")
+    assert rec.code == 6 and any("ghost" in json.dumps(c) or "ledger" in c["reason"] for c in rec.json["corrupt"])
+
+
+def test_a_signature_copied_from_another_receipt_does_not_verify(tmp_path: Path) -> None:
+    repo = make(tmp_path, signed=True)
+    store = ReceiptStore(str(repo.store))
+    one, two = Path(store.receipt_path("one")), Path(store.receipt_path("two"))
+    doc = json.loads(one.read_text())
+    doc["signature"] = json.loads(two.read_text())["signature"]
+    one.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    r = verify(repo)
+    assert r.code == 6 and any(f["key"] == "one" and "does not verify" in f["reason"] for f in r.json["failures"])
+    assert run_cli("status", "--repo", str(repo.path), "one").code == 6
+
+
+# -- keys: rotation, loss, trust outside the store ---------------------------------------------------
+
+
+def test_rotation_keeps_old_receipts_verifiable(tmp_path: Path) -> None:
+    repo = make(tmp_path, signed=True)
+    old = json.loads((repo.store / "allowed_signers.json").read_text())["keys"][0]["key_id"]
+    r = run_cli("keys", "rotate", "--repo", str(repo.path), "--note", "yearly", "--json")
+    assert r.code == 0, r.err
+    new = r.json["key_id"]
+    assert new != old and r.json["retired"] == [old]
+    patcher.apply(str(repo.path), change(repo, 7, "three"), key="three")
+    store = ReceiptStore(str(repo.store))
+    signed_by = {k: json.loads(Path(store.receipt_path(k)).read_text())["signature"]["key_id"]
+                 for k in ("one", "two", "three")}
+    assert signed_by == {"one": old, "two": old, "three": new}
+    v = verify(repo)
+    assert v.code == 0, v.out
+    listed = run_cli("keys", "list", "--repo", str(repo.path), "--json").json
+    assert [(k["key_id"], k["status"]) for k in listed["keys"]] == [(old, "retired"), (new, "active")]
+
+
+def test_a_lost_key_refuses_to_write_until_rotated(tmp_path: Path) -> None:
+    repo = make(tmp_path, signed=True)
+    key_id = json.loads((repo.store / "allowed_signers.json").read_text())["keys"][0]["key_id"]
+    (Path(os.environ["XDG_CONFIG_HOME"]) / "oncepatch" / "keys" / f"{key_id}.key").unlink()
+    patch = change(repo, 11, "lost")
+    before = snapshot(repo)
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "k", "--json", "-", input=patch)
+    assert r.code == 2 and "keys rotate" in r.json["error"]["message"], r.out
+    assert r.json["error"]["effect_status"] == "not_started"
+    assert snapshot(repo) == before
+    assert run_cli("keys", "rotate", "--repo", str(repo.path), "--note", "lost").code == 0
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "k", "--json", "-", input=patch)
+    assert r.code == 0, r.out
+    assert verify(repo).code == 0  # the lost key's receipts still verify: its public key is kept
+
+
+def test_keys_init_refuses_a_store_that_holds_unsigned_receipts(tmp_path: Path) -> None:
+    repo = make(tmp_path, signed=False)
+    r = run_cli("keys", "init", "--repo", str(repo.path))
+    assert r.code == 2 and "written unsigned" in r.err
+    assert not (repo.store / "allowed_signers.json").exists()
+
+
+def test_a_list_kept_outside_the_store_still_catches_a_forger_who_removes_the_stores_own(tmp_path: Path) -> None:
+    repo = make(tmp_path, signed=True)
+    pinned = tmp_path / "pinned_signers.json"
+    shutil.copyfile(repo.store / "allowed_signers.json", pinned)
+    forged = _fabricate(repo, tmp_path, tmp_path / "forger-store")
+    assert forged["commit"]
+    (repo.store / "allowed_signers.json").unlink()  # the store now claims to be unsigned
+    assert verify(repo).code == 0  # read without the pinned list: an unsigned store, so said
+    r = verify(repo, ONCEPATCH_ALLOWED_SIGNERS=str(pinned))
+    assert r.code == 6 and r.json["signatures"]["allowed_signers"] == str(pinned)
+    assert any(f["key"] == "ghost" for f in r.json["failures"]), r.out
+
+
+def test_recover_settles_a_crashed_call_of_a_signed_store_with_signatures(tmp_path: Path) -> None:
+    repo = make(tmp_path, signed=True)
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "crash", "-", input=change(repo, 5, "crash"),
+                env={"ONCEPATCH_CRASH_AT": "after-ref"})
+    assert r.code == 137, r.err
+    rec = run_cli("recover", "--repo", str(repo.path), "--json", "--jobs", "1")
+    assert rec.code == 0, rec.out
+    doc = json.loads(Path(ReceiptStore(str(repo.store)).receipt_path("crash")).read_text())
+    assert doc["status"] == "committed" and doc["signature"]["algorithm"] == "ed25519"
+    assert all("signature" in e for e in ledger_lines(repo))
+    assert verify(repo).code == 0

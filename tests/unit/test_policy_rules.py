@@ -1,0 +1,88 @@
+"""The policy's rules and patterns (receipts/policy.py), pure: no disk, no repository."""
+
+from __future__ import annotations
+
+import pytest
+
+from cas.errors import UsageError
+from receipts.policy import Caller, PathPattern, Request, parse_policy
+
+ME = Caller(1000, 1000, frozenset({1000, 50}), "agent", frozenset({"agent", "agents"}))
+
+
+def req(*paths: str, branch: str = "refs/heads/main", fmt: str = "unified", size: int = 10,
+        repo: str = "/srv/repos/app") -> Request:
+    return Request("apply_patch", repo, branch, fmt, size, paths=paths or None)
+
+
+@pytest.mark.parametrize(("pattern", "path", "hit"), [
+    (".github/workflows/**", ".github/workflows/ci.yml", True),
+    (".github/workflows/**", ".github/workflows/sub/ci.yml", True),
+    (".github/workflows/**", ".github/ci.yml", False),
+    (".git*", ".gitattributes", True),
+    (".git*", "sub/dir/.gitmodules", True),  # no slash: a name at any depth
+    (".git*", ".github/workflows/ci.yml", True),  # a folder that matches: all inside it
+    (".git*", "src/git.py", False),
+    ("src/*.py", "src/app.py", True),
+    ("src/*.py", "src/pkg/app.py", False),  # '*' stays within a folder
+    ("src/**/*.py", "src/app.py", True),
+    ("src/**/*.py", "src/pkg/deep/app.py", True),
+    ("docs", "docs/guide.txt", True),
+    ("/docs", "sub/docs/guide.txt", False),  # a leading slash anchors at the root
+    ("secret?.txt", "secret1.txt", True),
+    ("[ab].txt", "c.txt", False),
+    ("a+b(c).txt", "a+b(c).txt", True),  # regex characters are literal
+])
+def test_path_patterns_follow_gits_ignore_globs(pattern: str, path: str, hit: bool) -> None:
+    assert PathPattern.parse(pattern).matches(path) is hit
+
+
+def policy(text: str):  # type: ignore[no-untyped-def]
+    return parse_policy("p.toml", 'schema = "oncepatch.policy/1"\n' + text)
+
+
+def test_a_rule_names_its_callers_by_name_uid_group_or_gid() -> None:
+    for who in ('users = ["agent"]', "users = [1000]", 'groups = ["agents"]', "groups = [50]", ""):
+        assert policy(f"[[allow]]\n{who}\n").refusal(ME, req("a")) is None, who
+    assert policy('[[allow]]\nusers = ["root"]\n').refusal(ME, req("a")) == \
+        "no rule of the policy names user 'agent' (uid 1000)"
+    assert policy("").refusal(ME, req("a")) == "no rule of the policy names user 'agent' (uid 1000)"
+
+
+def test_any_rule_that_allows_it_is_enough_and_the_first_refusal_is_named() -> None:
+    p = policy('[[allow]]\npaths = ["src/**"]\n[[allow]]\npaths = ["docs/**"]\n')
+    assert p.refusal(ME, req("docs/a.md")) is None
+    assert p.refusal(ME, req("README")) == "'README' is outside the paths rule 1 allows"
+
+
+def test_top_level_denials_win_over_every_rule() -> None:
+    p = policy('deny_paths = [".github/workflows/**"]\n[[allow]]\n')
+    assert p.refusal(ME, req(".github/workflows/ci.yml")) == \
+        "'.github/workflows/ci.yml' is denied by the policy ('.github/workflows/**')"
+    # Before the paths are known, the rest is judged alone.
+    assert p.refusal(ME, req()) is None
+
+
+def test_branches_repos_formats_and_sizes() -> None:
+    p = policy('[[allow]]\nbranches = ["agent/*"]\nrepos = ["/srv/repos/*"]\nformats = ["unified"]\n'
+               "max_patch_bytes = 100\nmax_files = 1\n")
+    assert p.refusal(ME, req("a", branch="refs/heads/agent/x")) is None
+    assert "branch 'refs/heads/main'" in str(p.refusal(ME, req("a")))
+    assert "repository '/elsewhere'" in str(p.refusal(ME, req("a", branch="refs/heads/agent/x", repo="/elsewhere")))
+    assert "format 'apply_patch'" in str(p.refusal(ME, req("a", branch="refs/heads/agent/x", fmt="apply_patch")))
+    assert "101 bytes" in str(p.refusal(ME, req("a", branch="refs/heads/agent/x", size=101)))
+    assert "touches 2 files" in str(p.refusal(ME, req("a", "b", branch="refs/heads/agent/x")))
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("[[allow]]\nuser = [1]\n", "unknown keys: user"),
+    ("deny_path = []\n", "unknown keys: deny_path"),
+    ("[[allow]]\nmax_files = -1\n", "whole number"),
+    ("[[allow]]\npaths = [1]\n", "list of strings"),
+    ("[[allow]\n", "not TOML"),
+])
+def test_a_policy_it_cannot_read_is_refused_whole(text: str, why: str) -> None:
+    with pytest.raises(UsageError, match=why):
+        policy(text)
+    with pytest.raises(UsageError, match="schema"):
+        parse_policy("p.toml", "[[allow]]\n")
