@@ -359,7 +359,7 @@ class GitAdapter:
                     if not os.path.lexists(rstore.path_for_hash(h)):
                         out.append((h, name, f"key ref '{ref}' has no receipt in the store '{rstore.root}' "
                                           "(the store was deleted or emptied, or the key was applied through "
-                                          "another store)"))
+                                          "another store); if you know its key, 'oncepatch quarantine KEY' records it"))
                 elif found[1] not in ("committed", "prepared", "unknown"):
                     out.append((h, name, f"key ref '{ref}' exists but its receipt is '{found[1]}': "
                                       "the receipt says the call never committed"))

@@ -228,7 +228,7 @@ def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos
             "server's); branch: target branch (default: the checked-out one); format: auto, "
             "unified or apply_patch; strict: refuse a hunk that matches only loosely (the result's "
             "grades and warnings say when one did). Errors carry error.type, error.retryable and "
-            "error.next_action (retry, fix_input, query_before_retry, recover, none)."
+            "error.next_action (retry, fix_input, new_key, query_before_retry, recover, none)."
         ),
         annotations=A(title="Apply a patch once", readOnlyHint=False, destructiveHint=False,
                       idempotentHint=True, openWorldHint=False),

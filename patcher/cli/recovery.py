@@ -103,6 +103,19 @@ def _progress(n: int) -> None:
     sys.stderr.flush()
 
 
+#: What a person does about what recover cannot settle (docs/RECOVERY.md, "quarantine").
+_QUARANTINE = ("'oncepatch quarantine KEY' moves a corrupt or missing receipt aside (kept as evidence, "
+               "recorded in the ledger); 'oncepatch quarantine --ledger' does so for a broken ledger")
+_QUARANTINE_HINT = f"next: recover never settles these; after looking at them, {_QUARANTINE} (docs/RECOVERY.md)"
+_NEXT_AFTER_FAILURE = (f"next: 'oncepatch recover' settles what a crash left; for what it reports corrupt, "
+                       f"{_QUARANTINE} (docs/RECOVERY.md)")
+
+
+def _hint(text: str) -> None:
+    """A next step for a person, on stderr (stdout stays the report a script reads)."""
+    sys.stderr.write(f"{text}\n")
+
+
 def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     rstore = ReceiptStore(store_root(args))
     adapters = _adapters(rstore, read_only=args.dry_run, lock_timeout=args.lock_timeout)
@@ -125,6 +138,8 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         lines.append(f"  {'would remove' if args.dry_run else 'removed'} {path}")
     if not report.changed and not report.skipped and not report.corrupt:
         lines.append("  nothing to do")
+    if report.corrupt and not args.json:
+        _hint(_QUARANTINE_HINT)
     # Exit 5 when a receipt is left unresolved (its call is alive, or its adapter
     # cannot tell right now): a script must not read "recovered" as "all settled".
     code = EXIT_VERIFY if report.corrupt else EXIT_IN_PROGRESS if report.skipped else EXIT_OK
@@ -138,7 +153,8 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     doc = report.to_json()
     # Quarantined evidence is reported on every run: verify is never ok-silently about it.
     shown = "".join(f"quarantined: {q.get('what')}{' of ' + repr(q['key']) if q.get('key') else ''} "
-                    f"moved to {q.get('to')}\n" for q in report.quarantined)
+                    f"{'recorded in' if q.get('what') == 'missing_receipt' else 'moved to'} {q.get('to')}\n"
+                    for q in report.quarantined)
     if report.ok:
         text = shown + f"ok: {report.receipts} receipt(s), {report.ledger_events} ledger event(s) verified" + (
             f", {len(report.quarantined)} quarantine(s)\n" if report.quarantined else "\n")
@@ -148,6 +164,8 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
             f"{f.path}{f' (key {f.key!r})' if f.key is not None else ''}: {' '.join(f.reason.splitlines())}\n"
             for f in report.failures)
         text = shown + text + f"verification failed: {len(report.failures)} problem(s)\n"
+        if not args.json:
+            _hint(_NEXT_AFTER_FAILURE)
     return (EXIT_OK if report.ok else EXIT_VERIFY), doc, text
 
 
@@ -218,9 +236,29 @@ def _cmd_quarantine(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]
                 f"{len(record['adopted'])} receipt(s)\n")
         text += "".join(f"  not adopted (corrupt): {p}\n" for p in record["not_adopted"])
     else:
-        record = quarantine_receipt(rstore, args.key, note=args.note, timeout=args.lock_timeout)
-        text = f"quarantined the receipt of '{args.key}': moved to {record['to']}\n"
+        record = quarantine_receipt(rstore, args.key, note=args.note, timeout=args.lock_timeout,
+                                    evidence=_key_ref_evidence(args.repo, args.key))
+        if record["what"] == "missing_receipt":
+            text = (f"quarantined the missing receipt of '{args.key}': recorded in {record['to']} "
+                    f"(nothing to move{'; ' + record['evidence'] + ' stays' if record.get('evidence') else ''})\n")
+        else:
+            text = f"quarantined the receipt of '{args.key}': moved to {record['to']}\n"
     return EXIT_OK, {"ok": True, "quarantined": record}, text
+
+
+def _key_ref_evidence(repo: str, key: str) -> str | None:
+    """``"key ref 'R' -> OID"`` when ``repo`` holds the key's ref (evidence of a call whose receipt is gone)."""
+    import pygit2  # deferred: a replayed apply or status imports this module and must not load libgit2
+
+    from cas.refs import KEY_REF_PREFIX
+    from receipts.identity import key_hash
+
+    ref = KEY_REF_PREFIX + key_hash(key)
+    try:
+        target = pygit2.Repository(discover(repo).git_dir).references.get(ref)
+    except (pygit2.GitError, OSError, UsageError):
+        return None
+    return None if target is None else f"key ref '{ref}' -> {str(target.target)[:12]}"
 
 
 HOOK_MARK = "# installed by oncepatch install-hook"

@@ -426,7 +426,9 @@ def test_same_key_other_patch_is_conflict_and_changes_nothing(tmp_path: Path) ->
     assert err["key"] == "ticket-42"
     assert err["retryable"] is False
     assert err["effect_status"] == "not_started"
-    assert err["next_action"] == "fix_input"
+    assert err["next_action"] == "new_key"
+    assert err["differs"] == ["args.patch_sha256"]
+    assert "args.patch_sha256 differs" in err["message"] and "new key" in err["message"]
     assert err["existing_call_id"] == first["call_id"]
     assert snapshot(repo) == before  # not even a ledger line
 

@@ -140,7 +140,7 @@ def test_mcp_tools_apply_replay_and_errors(repo: Repo, tmp_path: Path) -> None:
     assert is_error(seen["conflict"])
     err = structured(seen["conflict"])
     assert err["ok"] is False and err["error"]["type"] == "idempotency_conflict"
-    assert err["error"]["key"] == "issue-7/line-3" and err["error"]["next_action"] == "fix_input"
+    assert err["error"]["key"] == "issue-7/line-3" and err["error"]["next_action"] == "new_key"
 
     assert is_error(seen["stale"])
     stale = structured(seen["stale"])["error"]
