@@ -17,7 +17,7 @@ from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, Usage
 from receipts import jsonio
 from receipts.lookup import status
 from receipts.store import ReceiptStore
-from patcher.cli import mcp as cli_mcp, recovery as cli_recovery
+from patcher.cli import doctor as cli_doctor, mcp as cli_mcp, recovery as cli_recovery
 from patcher.cli.common import store_root
 from patcher.cli.parser import build_parser
 from patcher.protocol import apply
@@ -97,7 +97,8 @@ def _cmd_log(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 
 _HANDLERS: dict[str, Callable[[argparse.Namespace], tuple[int, dict[str, Any], str]]] = {
-    "apply": _cmd_apply, "status": _cmd_status, "log": _cmd_log, **cli_recovery.HANDLERS, **cli_mcp.HANDLERS,
+    "apply": _cmd_apply, "status": _cmd_status, "log": _cmd_log, **cli_recovery.HANDLERS, **cli_doctor.HANDLERS,
+    **cli_mcp.HANDLERS,
 }
 
 

@@ -6,7 +6,7 @@ import argparse
 from typing import Any, NoReturn
 
 from cas.errors import UsageError
-from patcher.cli import mcp as cli_mcp, recovery as cli_recovery
+from patcher.cli import doctor as cli_doctor, mcp as cli_mcp, recovery as cli_recovery
 from patcher.cli.common import Option, add_common, add_options, at_least_one, positive_seconds, seconds
 
 __all__ = ["APPLY_OPTIONS", "build_parser"]
@@ -58,5 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="only the last N events")
 
     cli_recovery.register(sub)
+    cli_doctor.register(sub)
     cli_mcp.register(sub)
     return parser

@@ -23,6 +23,7 @@ from receipts.recovery import DEFAULT_TMP_AGE, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore, check_store_root
 from receipts.verifier import verify
 from receipts.watcher import Watcher
+from patcher import doctor
 from patcher.cli.common import add_common, at_least_one, positive_seconds, seconds, store_root
 
 __all__ = ["register", "HANDLERS"]
@@ -261,7 +262,7 @@ def _key_ref_evidence(repo: str, key: str) -> str | None:
     return None if target is None else f"key ref '{ref}' -> {str(target.target)[:12]}"
 
 
-HOOK_MARK = "# installed by oncepatch install-hook"
+HOOK_MARK = doctor.HOOK_MARK
 
 
 def _hooks_dir(layout: GitLayout) -> tuple[str, bool]:
@@ -314,6 +315,7 @@ fi
 echo "oncepatch pre-commit hook: neither {exe} nor 'oncepatch' on PATH; reinstall with 'oncepatch install-hook'" >&2
 exit 1
 """
+    framework = False  # the hook moved aside is the pre-commit framework's
     if os.path.exists(hook):
         with open(hook, "rb") as fh:
             current = fh.read()
@@ -333,6 +335,7 @@ exit 1
         if os.path.exists(chained):
             raise UsageError(f"'{chained}' already exists: move it away first")
         os.rename(hook, chained)  # moved aside, never lost
+        framework = doctor.PRE_COMMIT_FRAMEWORK_MARK in current
     try:
         os.makedirs(hooks, exist_ok=True)
     except OSError as exc:  # a file where the folder goes, or no way to make it
@@ -340,8 +343,24 @@ exit 1
     write_durable(hook, script.encode(), mode=0o755)
     st = os.stat(hook)
     os.chmod(hook, st.st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return EXIT_OK, {"ok": True, "hook": hook, "chained": os.path.exists(chained), "changed": True}, \
-        f"installed {hook}" + (f" (previous hook kept as {chained})" if os.path.exists(chained) else "") + "\n"
+    text = f"installed {hook}" + (f" (previous hook kept as {chained})" if os.path.exists(chained) else "") + "\n"
+    if framework:
+        listed = _framework_lists_verify(layout.workdir)
+        text += ("note: the previous hook is the pre-commit framework's; it runs first, then 'oncepatch verify'"
+                 + (". .pre-commit-config.yaml lists 'oncepatch-verify' too, so verify now runs twice: "
+                    f"one is enough; to keep the framework's alone: mv '{chained}' '{hook}'" if listed else "")
+                 + "\n")
+    return EXIT_OK, {"ok": True, "hook": hook, "chained": os.path.exists(chained), "changed": True,
+                     "pre_commit_framework": framework}, text
+
+
+def _framework_lists_verify(workdir: str | None) -> bool:
+    """Whether the worktree's ``.pre-commit-config.yaml`` lists the ``oncepatch-verify`` hook."""
+    try:
+        with open(os.path.join(workdir or "", ".pre-commit-config.yaml"), "rb") as fh:
+            return b"oncepatch-verify" in fh.read(1 << 20)
+    except OSError:
+        return False
 
 
 HANDLERS = {
