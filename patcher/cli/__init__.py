@@ -17,7 +17,7 @@ from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, Usage
 from receipts import jsonio
 from receipts.lookup import status
 from receipts.store import ReceiptStore
-from patcher.cli import doctor as cli_doctor, mcp as cli_mcp, recovery as cli_recovery
+from patcher.cli import advice as cli_advice, doctor as cli_doctor, mcp as cli_mcp, recovery as cli_recovery
 from patcher.cli.common import store_root
 from patcher.cli.parser import build_parser
 from patcher.protocol import apply
@@ -131,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(f"oncepatch: {exc.error_type}: {exc.message}\n")
             if exc.key:
                 sys.stderr.write(f"key {exc.key} (next: {exc.next_action})\n")
+            sys.stderr.write(cli_advice.details(doc["error"]))
         return exc.exit_code
     except SystemExit as exc:  # --help
         return int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE
