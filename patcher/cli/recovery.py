@@ -71,16 +71,20 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("watch", help="flag orphaned prepared receipts as they appear")
     add_common(p)
-    p.add_argument("--grace", type=seconds, default=30.0, help="seconds before a prepared receipt may be flagged")
-    p.add_argument("--rescan", type=positive_seconds, default=30.0, help="seconds between full rescans")
+    p.add_argument("--grace", type=seconds, default=30.0,
+                   help="seconds before a prepared receipt may be flagged (default 30)")
+    p.add_argument("--rescan", type=positive_seconds, default=30.0,
+                   help="seconds between full rescans (default 30)")
     p.add_argument("--once", action="store_true", help="one scan, then exit (0 nothing flagged, 6 flagged)")
     p.add_argument("--recover", action="store_true", help="resolve each flagged receipt on the spot")
-    p.add_argument("--duration", type=seconds, default=None, help="stop after this many seconds")
+    p.add_argument("--duration", type=seconds, default=None, help="stop after this many seconds (default: never)")
 
     p = sub.add_parser("resolve", help="settle an unknown receipt by hand")
     add_common(p)
-    p.add_argument("key")
-    p.add_argument("--as", dest="as_", required=True, choices=["committed", "rejected"])
+    p.add_argument("key", metavar="KEY", help="the key (or call_id) of the unknown receipt")
+    p.add_argument("--as", dest="as_", required=True, choices=["committed", "rejected"],
+                   help="what happened: committed (the effect took place) or rejected (it did not); "
+                        "a claim its adapter contradicts is refused")
     p.add_argument("--note", default="", help="why (recorded in the ledger)")
     p.add_argument("--lock-timeout", type=seconds, default=DEFAULT_LOCK_TIMEOUT,
                    help=f"seconds to wait for the key's lock and a worktree's index.lock "
