@@ -56,7 +56,7 @@ def _receipts(store: ReceiptStore) -> tuple[int, list[dict[str, Any]], list[dict
                 last[e["key"]] = str(e.get("event"))
     except OncepatchError:
         pass  # a broken ledger is verify's to name
-    by_hash = {key_hash(k): k for k in last}
+    by_hash: dict[str, str] = {key_hash(k): k for k in last}
     for item in store.scan():
         count += 1
         r = item.receipt

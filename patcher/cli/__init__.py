@@ -20,6 +20,7 @@ from receipts.store import ReceiptStore
 from patcher.cli import advice as cli_advice, doctor as cli_doctor, mcp as cli_mcp, recovery as cli_recovery
 from patcher.cli.common import store_root
 from patcher.cli.parser import build_parser
+from patcher.cli.progress import shown
 from patcher.protocol import apply
 
 __all__ = ["main", "build_parser"]
@@ -37,11 +38,12 @@ def _read_patch(name: str) -> bytes:
 
 def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     data = _read_patch(args.patch)
-    res = apply(
-        args.repo, data, key=args.key, branch=args.branch, contract_sha256=args.contract_sha256,
-        attempt=args.attempt, format=args.format, check=args.check, message=args.message,
-        store=args.store, lock_timeout=args.lock_timeout, check_timeout=args.check_timeout, strict=args.strict,
-    )
+    with shown("applying the patch"):
+        res = apply(
+            args.repo, data, key=args.key, branch=args.branch, contract_sha256=args.contract_sha256,
+            attempt=args.attempt, format=args.format, check=args.check, message=args.message,
+            store=args.store, lock_timeout=args.lock_timeout, check_timeout=args.check_timeout, strict=args.strict,
+        )
     doc = res.to_json()
     if res.already_applied:  # the commit is the branch's, made before this call: never this key's own
         text = (f"{'replayed: ' if res.replayed else ''}already applied: the branch already had every edit "

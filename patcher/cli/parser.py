@@ -57,8 +57,10 @@ class _TopParser(_Parser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         ns, rest = super().parse_known_args(args, namespace)
-        if vars(ns).pop("json_first", False):
+        if getattr(ns, "json_first", False):
             ns.json = True
+        if hasattr(ns, "json_first"):
+            delattr(ns, "json_first")
         return ns, rest
 
 

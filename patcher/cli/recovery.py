@@ -24,6 +24,8 @@ from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore, check_store_root
 from receipts.verifier import verify
 from receipts.watcher import Watcher
 from patcher import doctor
+from cas.progress import count
+from patcher.cli.progress import shown as with_progress
 from patcher.cli.common import add_common, at_least_one, positive_seconds, seconds, store_root
 
 __all__ = ["register", "HANDLERS"]
@@ -104,8 +106,7 @@ def register(sub: Any) -> None:
 
 
 def _progress(n: int) -> None:
-    sys.stderr.write(f"scanned {n} receipts\n")
-    sys.stderr.flush()
+    count(n)  # shown by patcher.cli.progress while the scan runs long, on a terminal
 
 
 #: What a person does about what recover cannot settle (docs/RECOVERY.md, "quarantine").
@@ -125,9 +126,10 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     rstore = ReceiptStore(store_root(args))
     adapters = _adapters(rstore, read_only=args.dry_run, lock_timeout=args.lock_timeout)
     git = adapters["apply_patch"]
-    report = recover(rstore, adapters, dry_run=args.dry_run, tmp_age=args.tmp_age, progress=_progress,
-                     extra_cleanup=git.cleanup, jobs=args.jobs or (os.cpu_count() or 1),
-                     adapters_factory="patcher.cli.recovery:_adapters")
+    with with_progress("recovering: receipts scanned"):
+        report = recover(rstore, adapters, dry_run=args.dry_run, tmp_age=args.tmp_age, progress=_progress,
+                         extra_cleanup=git.cleanup, jobs=args.jobs or (os.cpu_count() or 1),
+                         adapters_factory="patcher.cli.recovery:_adapters")
     doc = report.to_json()
     lines = [f"{'plan' if args.dry_run else 'recovered'}: {len(report.rows)} receipt(s) of {report.scanned}"]
     for r in report.rows:
@@ -153,8 +155,9 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     rstore = ReceiptStore(store_root(args))
-    report = verify(rstore, _adapters(rstore), grace=args.grace, progress=_progress,
-                    jobs=args.jobs or (os.cpu_count() or 1), verifiers_factory="patcher.cli.recovery:_adapters")
+    with with_progress("verifying: receipts read"):
+        report = verify(rstore, _adapters(rstore), grace=args.grace, progress=_progress,
+                        jobs=args.jobs or (os.cpu_count() or 1), verifiers_factory="patcher.cli.recovery:_adapters")
     doc = report.to_json()
     # Quarantined evidence is reported on every run: verify is never ok-silently about it.
     shown = "".join(f"quarantined: {q.get('what')}{' of ' + repr(q['key']) if q.get('key') else ''} "
@@ -210,6 +213,9 @@ def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         flagged = w.scan_once()
         # With --json the last line is this summary (flag lines carry "flag", this one "flags").
         return (EXIT_VERIFY if flagged else EXIT_OK), {"ok": not flagged, "flags": flagged}, ""
+    # A watcher that printed nothing until its first flag looked hung: one line says it runs.
+    _warn(f"watching {rstore.root} (rescan every {args.rescan:g}s, grace {args.grace:g}s"
+          f"{', recovering what it flags' if args.recover else ''}); Ctrl-C ends it")
     stop = threading.Event()
     if args.duration is not None:
         threading.Timer(args.duration, stop.set).start()
