@@ -25,6 +25,7 @@ from typing import Any
 from cas.gitdir import GitLayout, all_worktrees, discover, read_gitfile
 from cas.index_lock import INDEX_LOCK_MARK
 from cas.pids import gone
+from cas.progress import count as progress_count
 from cas.errors import OncepatchError
 from receipts.identity import key_hash
 from receipts.store import FILE_MISSING, ReceiptStore
@@ -59,6 +60,8 @@ def _receipts(store: ReceiptStore) -> tuple[int, list[dict[str, Any]], list[dict
     by_hash: dict[str, str] = {key_hash(k): k for k in last}
     for item in store.scan():
         count += 1
+        if count % 1000 == 0:
+            progress_count(count)
         r = item.receipt
         if r is None:
             key = getattr(item.error, "key", None) or by_hash.get(item.key_hash)

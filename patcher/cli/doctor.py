@@ -8,6 +8,7 @@ from typing import Any
 from cas.errors import EXIT_IN_PROGRESS, EXIT_OK, EXIT_VERIFY
 from cas.gitdir import discover
 from patcher.cli.common import add_common, store_root
+from patcher.cli.progress import shown
 from patcher.doctor import diagnose
 
 __all__ = ["register", "HANDLERS"]
@@ -39,7 +40,8 @@ def _cmd_doctor(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from patcher.cli.recovery import _hooks_dir
 
     hooks, _configured = _hooks_dir(discover(args.repo))
-    d = diagnose(args.repo, store_root(args), hooks)
+    with shown("looking: receipts read"):
+        d = diagnose(args.repo, store_root(args), hooks)
     lines = [f"store {d['store']}: {d['receipts']} receipt(s)"]
     lines.append(f"pending: {len(d['pending'])}")
     for p in d["pending"]:

@@ -113,8 +113,8 @@ def _progress(n: int) -> None:
 _QUARANTINE = ("'oncepatch quarantine KEY' moves a corrupt or missing receipt aside (kept as evidence, "
                "recorded in the ledger); 'oncepatch quarantine --ledger' does so for a broken ledger")
 _QUARANTINE_HINT = f"next: recover never settles these; after looking at them, {_QUARANTINE} (docs/RECOVERY.md)"
-_NEXT_AFTER_FAILURE = (f"next: 'oncepatch recover' settles what a crash left; for what it reports corrupt, "
-                       f"{_QUARANTINE} (docs/RECOVERY.md)")
+_NEXT_AFTER_FAILURE = (f"next: 'oncepatch doctor' names the one command to run; 'oncepatch recover' settles "
+                       f"what a crash left; for what it reports corrupt, {_QUARANTINE} (docs/RECOVERY.md)")
 
 
 def _hint(text: str) -> None:
@@ -360,8 +360,10 @@ exit 1
                  + (". .pre-commit-config.yaml lists 'oncepatch-verify' too, so verify now runs twice: "
                     f"one is enough; to keep the framework's alone: mv '{chained}' '{hook}'" if listed else "")
                  + "\n")
-    return EXIT_OK, {"ok": True, "hook": hook, "chained": os.path.exists(chained), "changed": True,
-                     "pre_commit_framework": framework}, text
+    doc = {"ok": True, "hook": hook, "chained": os.path.exists(chained), "changed": True}
+    if framework:
+        doc["pre_commit_framework"] = True
+    return EXIT_OK, doc, text
 
 
 def _framework_lists_verify(workdir: str | None) -> bool:
