@@ -449,3 +449,37 @@ def test_agents_install_line_installs_from_a_clone(tmp_path: Path) -> None:
                           "--disable-pip-version-check"], capture_output=True, text=True, timeout=BLOCK_TIMEOUT,
                          check=False)
     assert res.returncode == 0, res.stderr
+
+
+def _json_blocks(path: Path) -> list[dict[str, object]]:
+    import json
+
+    return [json.loads(b.text) for b in find_blocks(path) if b.tag == "json"]
+
+
+def test_readme_json_samples_are_what_the_commands_print(tmp_path: Path) -> None:
+    """README shows a first call's JSON and a conflict's envelope: the commands print exactly those,
+    but for what differs from run to run (the commit, the call's receipt path)."""
+    import json
+
+    first_doc, conflict_doc = _json_blocks(ROOT / "README.md")[:2]
+    env = scratch_env(tmp_path)
+    repo = tmp_path / "repo"
+    make_repo(repo, env)
+    run_setup("fix.diff,other.diff", repo, env)
+
+    def run(*args: str) -> tuple[int, dict[str, object]]:
+        res = subprocess.run(["oncepatch", *args], cwd=repo, env=env, capture_output=True, text=True,
+                             timeout=BLOCK_TIMEOUT, check=False)
+        return res.returncode, json.loads(res.stdout)
+
+    code, first = run("apply", "fix.diff", "--key", "fix-greeting", "--json")
+    assert code == 0 and set(first) == set(first_doc)
+    varies = {"commit", "receipt", "call_id"}  # the call_id names the scratch repository's path
+    assert {k: v for k, v in first.items() if k not in varies} == {k: v for k, v in first_doc.items()
+                                                                   if k not in varies}
+    code, conflict = run("apply", "other.diff", "--key", "fix-greeting", "--json")
+    assert code == 3
+    err, want = dict(conflict["error"]), dict(conflict_doc["error"])  # type: ignore[call-overload]
+    err.pop("existing_call_id"), err.pop("existing_tool")
+    assert conflict["ok"] is False and err == want
