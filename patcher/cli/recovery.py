@@ -190,7 +190,9 @@ def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
             if args.json:
                 sys.stdout.buffer.write(jsonio.dumps(obj) + b"\n")
             elif obj.get("flag") == "corrupt_receipt":
-                sys.stdout.write(f"corrupt: {obj['receipt']}: {obj['reason']}\n")
+                key = obj.get("key")
+                sys.stdout.write(f"corrupt: {obj['receipt']}: {obj['reason']}; after looking at it: 'oncepatch "
+                                 f"quarantine {shlex.quote(key) if isinstance(key, str) else 'KEY'}'\n")
             elif "flag" in obj:
                 sys.stdout.write(f"orphan: {obj['key']} prepared {obj['age_s']:.1f}s ago; run 'oncepatch recover'\n")
             else:
