@@ -23,7 +23,6 @@ from datetime import datetime
 from typing import Any
 
 from cas.gitdir import GitLayout, all_worktrees, discover, read_gitfile
-from cas.index_lock import INDEX_LOCK_MARK
 from cas.pids import gone
 from cas.progress import count as progress_count
 from cas.errors import OncepatchError
@@ -89,6 +88,8 @@ def _receipts(store: ReceiptStore) -> tuple[int, list[dict[str, Any]], list[dict
 
 def _lock_owner(path: str) -> dict[str, Any]:
     """Who holds the lock file ``path``: oncepatch (its pid, and whether it is gone) or not."""
+    from cas.index_lock import INDEX_LOCK_MARK  # deferred: it loads libgit2, which the CLI's replays never need
+
     try:
         with open(path, "rb") as fh:
             head = fh.read(4096)
