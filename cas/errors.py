@@ -31,7 +31,7 @@ __all__ = ["EffectStatus", "NextAction", "OncepatchError", "CasError", "DurableW
            "EXIT_IN_PROGRESS", "EXIT_VERIFY"]
 
 EffectStatus = Literal["not_started", "not_applied", "applied", "unknown"]
-NextAction = Literal["fix_input", "retry", "query_before_retry", "recover", "none"]
+NextAction = Literal["fix_input", "new_key", "retry", "query_before_retry", "recover", "none"]
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1

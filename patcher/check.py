@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Callable
 
 from cas.crash import crash_point
+from cas.progress import phase
 from cas.durable import write_durable
 from cas.objects import GitStore
 from receipts.identity import key_hash
@@ -77,7 +78,8 @@ def run_check(
     repo_dir = gstore.repo.workdir or gstore.common_dir
     if os.path.exists(path):
         remove_check_worktree(repo_dir, path)
-    res = _git(repo_dir, "worktree", "add", "--detach", "--force", path, candidate)
+    with phase("creating the check's worktree"):  # seconds in a large repository: say so
+        res = _git(repo_dir, "worktree", "add", "--detach", "--force", path, candidate)
     if res.returncode != 0:
         raise CheckFailed(
             f"cannot create a worktree for the check: {res.stderr.decode(errors='replace').strip()}",
@@ -85,9 +87,11 @@ def run_check(
         )
     try:
         crash_point("check-running")
-        status, output, digest, size, timed_out = _run(cmd, path, timeout)
+        with phase(f"running the check '{cmd}'"):
+            status, output, digest, size, timed_out = _run(cmd, path, timeout)
     finally:
-        remove_check_worktree(repo_dir, path)
+        with phase("removing the check's worktree"):
+            remove_check_worktree(repo_dir, path)
     if status == 0 and not timed_out:
         return
     out_path = rstore.path_for_hash(h)[:-5] + ".check.txt"

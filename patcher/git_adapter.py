@@ -232,6 +232,7 @@ class GitAdapter:
         base_commit = (receipt.base or {}).get("commit")
         base_tree = gstore.commit_tree(base_commit) if base_commit else None
         tip_tree = gstore.commit_tree(tip)
+        done += _undone_since(gstore, branch, tip, candidate, base_tree, tip_tree, touched)
         for workdir, _gd in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
             # A call killed while writing a touched file (or the index) leaves its tmp file
             # beside it: untracked residue in the user's worktree unless removed here.
@@ -357,7 +358,7 @@ class GitAdapter:
                     if not os.path.lexists(rstore.path_for_hash(h)):
                         out.append((h, name, f"key ref '{ref}' has no receipt in the store '{rstore.root}' "
                                           "(the store was deleted or emptied, or the key was applied through "
-                                          "another store)"))
+                                          "another store); if you know its key, 'oncepatch quarantine KEY' records it"))
                 elif found[1] not in ("committed", "prepared", "unknown"):
                     out.append((h, name, f"key ref '{ref}' exists but its receipt is '{found[1]}': "
                                       "the receipt says the call never committed"))
@@ -490,6 +491,26 @@ class GitAdapter:
 
 def _branch_of(receipt: Receipt) -> str:
     return str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
+def _undone_since(gstore: GitStore, branch: str, tip: str, candidate: str, base_tree: str | None, tip_tree: str,
+                  touched: list[str]) -> list[str]:
+    """A warning when the branch's tip holds a touched path as it was *before* the call.
+
+    After a crash the worktree still shows the base; removing the call's
+    ``index.lock`` by hand (git's advice) and running ``git commit -a``
+    commits those stale files: a revert nobody asked for.  The receipt stays
+    ``committed`` (the call's commit is on the branch); this says the tip no
+    longer holds its change.
+    """
+    if tip == candidate:
+        return []
+    cand_tree = gstore.commit_tree(candidate)
+    undone = [p for p in touched
+              if gstore.lookup_file(tip_tree, p) == gstore.lookup_file(base_tree, p) != gstore.lookup_file(cand_tree, p)]
+    if not undone:
+        return []
+    return [f"warning: '{branch}' at {tip[:12]} has {', '.join(repr(p) for p in undone)} back as before this call: "
+            f"a later commit undid its change (a 'git commit -a' of the files a crash left behind?); "
+            f"'git revert' that commit, or apply the change again under a new key"]
 
 
 def _stop_processes_in(folder: str) -> None:

@@ -43,7 +43,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -51,8 +51,13 @@ from cas.errors import OncepatchError, UsageError
 from cas.gitdir import discover
 from receipts.store import DEFAULT_LOCK_TIMEOUT
 from patcher.api import Client
+from patcher.version import version
 
-__all__ = ["build_server", "serve", "SERVER_NAME", "INSTRUCTIONS"]
+__all__ = ["build_server", "serve", "SERVER_NAME", "INSTRUCTIONS", "FormatName"]
+
+#: The ``format`` argument of ``apply_patch`` (its schema's enum): auto, or a built-in format
+#: (:data:`patcher.formats.BUILTIN_NAMES`; a test holds the two equal).
+FormatName = Literal["auto", "apply_patch", "search_replace", "str_replace", "unified", "whole_file"]
 
 SERVER_NAME = "oncepatch"
 log = logging.getLogger("oncepatch.mcp")
@@ -195,7 +200,10 @@ def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos
     server_cls, types = _import_sdk()
     client = Client(repo, store=store, lock_timeout=lock_timeout)
     tools = _Tools(client, types, allow_other_repos=allow_other_repos)
-    server = server_cls(SERVER_NAME, instructions=INSTRUCTIONS)
+    try:
+        server = server_cls(SERVER_NAME, instructions=INSTRUCTIONS, version=version())
+    except TypeError:  # an SDK 1.x FastMCP without 'version': server_info.version stays its default
+        server = server_cls(SERVER_NAME, instructions=INSTRUCTIONS)
     server._oncepatch_client = client  # closed by serve()
 
     def offload(name: str, fn: Callable[[], dict[str, Any]]) -> Any:
@@ -203,7 +211,7 @@ def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos
         return anyio.to_thread.run_sync(functools.partial(tools.run, name, fn))
 
     async def apply_patch(patch: str, idempotency_key: str, repo: str | None = None, branch: str | None = None,
-                          format: str = "auto", message: str | None = None, strict: bool = False) -> Any:
+                          format: FormatName = "auto", message: str | None = None, strict: bool = False) -> Any:
         return await offload("apply_patch", lambda: tools.apply_patch(patch, idempotency_key, repo, branch,
                                                                       format, message, strict))
 
@@ -220,15 +228,16 @@ def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos
     server.add_tool(
         apply_patch, name="apply_patch", title="Apply a patch once",
         description=(
-            "Apply a patch (unified diff, or the apply_patch envelope format) to a git branch as ONE "
+            "Apply a patch (a unified diff as git diff writes it, codex's apply_patch envelope, "
+            "search/replace blocks, str_replace edits as JSON, or whole files as JSON) to a git branch as ONE "
             "atomic commit, at most once per idempotency_key. Returns the commit and a receipt. "
             "idempotency_key: stable per intended change (e.g. 'issue-42/rename-helper'), never per "
             "attempt — repeating a call with the same key and patch replays the first result "
             "(replayed: true) and commits nothing. repo: path of the repository (default: the "
-            "server's); branch: target branch (default: the checked-out one); format: auto, "
-            "unified or apply_patch; strict: refuse a hunk that matches only loosely (the result's "
+            "server's); branch: target branch (default: the checked-out one); format: auto (detected), "
+            "unified, apply_patch, search_replace, str_replace or whole_file; strict: refuse a hunk that matches only loosely (the result's "
             "grades and warnings say when one did). Errors carry error.type, error.retryable and "
-            "error.next_action (retry, fix_input, query_before_retry, recover, none)."
+            "error.next_action (retry, fix_input, new_key, query_before_retry, recover, none)."
         ),
         annotations=A(title="Apply a patch once", readOnlyHint=False, destructiveHint=False,
                       idempotentHint=True, openWorldHint=False),

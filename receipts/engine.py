@@ -107,18 +107,38 @@ def owner_record() -> dict[str, Any]:
 # -- conflict, error rebuild -----------------------------------------------------------------
 
 
-def check_same_intent(existing: Receipt, args_sha: str, key: str) -> None:
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any] | None) -> list[str]:
+    """What differs between two identities: ``tool``, ``tool_version``, ``args.<name>`` (sorted)."""
+    if new is None:
+        return []
+    out = [name for name in ("tool", "tool_version") if old.get(name) != new.get(name)]
+    a, b = old.get("args"), new.get("args")
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        out += [f"args.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    elif a != b:
+        out.append("args")
+    return out
+
+
+def check_same_intent(existing: Receipt, args_sha: str, key: str, identity: Mapping[str, Any] | None = None) -> None:
     """Refuse a key whose receipt was written for another call.
+
+    The error names what differs (``differs``: ``tool``, ``tool_version``,
+    ``args.<name>``) when the new call's ``identity`` is given, and its
+    ``next_action`` is ``new_key``: the key already stands for another change.
 
     Raises:
         IdempotencyConflict: the tool, its version or the args differ.
     """
     if existing.args_sha256 != args_sha:
+        differs = _differences(existing.identity, identity)
+        what = ", ".join(differs) if differs else "tool, version or args"
         raise IdempotencyConflict(
-            f"key '{key}' was used for a different call (tool, version or args differ)",
+            f"key '{key}' was used for a different call ({what} differ{'s' if len(differs) == 1 else ''}); "
+            f"the key stands for its first call's change: give this change a new key",
             key=key,
             details={"existing_call_id": existing.call_id, "existing_status": existing.status,
-                     "existing_tool": existing.tool},
+                     "existing_tool": existing.tool, "differs": differs},
         )
 
 
@@ -288,7 +308,7 @@ class Call:
         existing = self.previous = self.store.read(self.key, before_any_effect=True)
         if existing is None:
             return None
-        check_same_intent(existing, self.args_sha256, self.key)
+        check_same_intent(existing, self.args_sha256, self.key, self.identity)
         return existing if existing.is_final else None
 
     @contextlib.contextmanager
@@ -308,7 +328,7 @@ class Call:
         with self.store.lock(self.key, timeout=timeout):
             existing = self.store.read(self.key)
             if existing is not None:
-                check_same_intent(existing, self.args_sha256, self.key)
+                check_same_intent(existing, self.args_sha256, self.key, self.identity)
                 if needs_resolution(existing.status):
                     assert self.adapter is not None, "an adapter settles a dead owner's call"
                     existing = settle(self.store, existing, self.adapter)

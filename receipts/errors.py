@@ -76,7 +76,7 @@ class IdempotencyConflict(ReceiptError):
     type = "idempotency_conflict"
     exit_code = EXIT_CONFLICT
     default_effect_status = "not_started"
-    default_next_action = "fix_input"
+    default_next_action = "new_key"  # the key already stands for another change
 
 
 class InProgress(ReceiptError):

@@ -62,7 +62,11 @@ def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = No
         if gone is not None:
             raise CorruptReceipt(rstore.receipt_path(gone), FILE_MISSING, key=gone,
                                  next_action="none")  # recover cannot bring it back: a person looks
-        raise ReceiptNotFound(f"no receipt for key or call_id '{key}'", key=key)
+        # No receipt and no running call: nothing was done under this key (a call
+        # killed before it prepared leaves only objects nothing points at).
+        raise ReceiptNotFound(f"no receipt for key or call_id '{key}': nothing was applied under it (a call "
+                              f"killed before it prepared leaves none), so a retry is safe",
+                              key=key, retryable=True, effect_status="not_started", next_action="retry")
     return found
 
 

@@ -10,6 +10,10 @@ reports it, exit 6.  A person who has looked at it moves it aside:
   ``verify`` reports it as quarantined (not as a missing file), and the next
   call with that key runs as a new one (git: it finds its change already on
   the branch, or applies it, or is refused with the usual error).
+  A receipt file already gone (removed by hand, the store emptied) is
+  quarantined the same way with nothing to move: the record says
+  ``what: "missing_receipt"`` and names what still shows the key (its ledger
+  events, or ``evidence``, e.g. the git key ref the caller found).
 * :func:`quarantine_ledger` -- ``events.jsonl`` moves to
   ``<store>/quarantine/<stamp>/events.jsonl``; a new ledger starts with a
   ``quarantined`` event (the old file's sha256 and size), then one
@@ -91,11 +95,27 @@ def _write_record(folder: str, record: dict[str, Any]) -> None:
     write_durable(os.path.join(folder, _RECORD), jsonio.dumps(record) + b"\n")
 
 
-def quarantine_receipt(store: ReceiptStore, key: str, *, note: str = "", timeout: float = 30.0) -> dict[str, Any]:
+def _last_event(store: ReceiptStore, key: str) -> str | None:
+    """The ledger's last event naming ``key`` (``None``: it names it nowhere)."""
+    last = None
+    for e in store.ledger.events():
+        if e.get("key") == key:
+            last = str(e.get("event"))
+    return last
+
+
+def quarantine_receipt(store: ReceiptStore, key: str, *, note: str = "", timeout: float = 30.0,
+                       evidence: str | None = None) -> dict[str, Any]:
     """Move ``key``'s receipt file aside, under its key lock; return the record.
 
+    A receipt file that is already gone is recorded as ``missing_receipt``
+    (nothing moves) when the ledger still names the key or the caller found
+    ``evidence`` of it elsewhere (a git key ref): afterwards ``verify`` lists
+    the key with the quarantines instead of failing on it.
+
     Raises:
-        ReceiptNotFound: the key has no receipt file.
+        ReceiptNotFound: the key has no receipt file, and neither the ledger nor ``evidence`` shows it
+            (or it is quarantined already).
         InProgress: a live call holds the key's lock.
         CorruptReceipt: a store folder on the way is a symlink.
     """
@@ -105,7 +125,13 @@ def quarantine_receipt(store: ReceiptStore, key: str, *, note: str = "", timeout
         try:
             file_sha256, size = _digest(path)
         except FileNotFoundError:
-            raise ReceiptNotFound(f"no receipt for key '{key}' to quarantine", key=key) from None
+            last = _last_event(store, key)
+            if last == "quarantined":
+                raise ReceiptNotFound(f"the receipt of '{key}' is already quarantined", key=key) from None
+            if evidence is None and last is None:
+                raise ReceiptNotFound(f"no receipt for key '{key}' to quarantine, and neither the ledger nor "
+                                      "a key ref names it", key=key) from None
+            return _record_missing(store, key, note, evidence)
         folder = _new_folder(store, "receipt")
         moved_to = os.path.join(folder, "receipts", os.path.basename(path))
         _move(path, moved_to)
@@ -115,6 +141,18 @@ def quarantine_receipt(store: ReceiptStore, key: str, *, note: str = "", timeout
         _write_record(folder, record)
         store.ledger.append({"event": "quarantined", "at": record["at"], "key": key, "what": "receipt",
                              "to": record["to"], "file_sha256": file_sha256, "note": note})
+    return record
+
+
+def _record_missing(store: ReceiptStore, key: str, note: str, evidence: str | None) -> dict[str, Any]:
+    """Record the quarantine of a receipt file that is already gone (under the key's lock)."""
+    folder = _new_folder(store, "missing-receipt")
+    record = {"schema": "oncepatch.quarantine/1", "what": "missing_receipt", "key": key, "at": now_iso(),
+              "from": os.path.relpath(store.receipt_path(key), store.root), "to": os.path.relpath(folder, store.root),
+              "file_sha256": None, "bytes": 0, "evidence": evidence, "note": note}
+    _write_record(folder, record)
+    store.ledger.append({"event": "quarantined", "at": record["at"], "key": key, "what": "missing_receipt",
+                         "to": record["to"], "file_sha256": None, "note": note})
     return record
 
 

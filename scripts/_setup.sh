@@ -4,12 +4,19 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
+STAMP="$VENV/.oncepatch-installed"
+# A .venv half made (interrupted, or made without pip) is made again, not used broken for good.
+if [ -x "$VENV/bin/python" ] && ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+  echo "$VENV has no working pip (a set-up interrupted?): making it again" >&2
+  rm -f "$STAMP"
+  "$PY" -m venv --clear "$VENV"
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setting up $VENV" >&2
   "$PY" -m venv "$VENV"
 fi
-STAMP="$VENV/.oncepatch-installed"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
+  echo "installing oncepatch and its dependencies into $VENV (first run only: about a minute)" >&2
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[dev]" >&2
   touch "$STAMP"
 fi

@@ -22,7 +22,7 @@ commit on ``main``, as in scripts/demo) that is the current folder; HOME an
 empty folder; the identity in GIT_AUTHOR_*/GIT_COMMITTER_*; PATH with the
 project's ``.venv/bin`` first; stdin empty. The placeholders
 ``/abs/path/to/repo`` and ``/abs/path/to/venv`` stand for that repository and
-the project's ``.venv``.
+the project's ``.venv``, ``/abs/path/to/oncepatch`` for the project's folder (a clone).
 
 An HTML comment right before a block gives its context, options separated by ``;``:
 
@@ -32,6 +32,10 @@ An HTML comment right before a block gives its context, options separated by ``;
 * ``<!-- docs-test: cwd=project -->``: run in the project's root instead of the repository.
 * ``<!-- docs-test: setup=NAME,NAME -->``: prepare the repository first with these
   fixtures of SETUPS below (files a block names but does not make, crashed calls, ...).
+* ``<!-- docs-test: output -->`` (console blocks): the sample output must be what the
+  commands print: each sample line matches a line of their stdout, in order (other
+  lines may come between), with the parts that differ from run to run as wildcards:
+  hex ids, numbers, times, the scratch folder's path and ``…``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,7 +102,7 @@ def parse_options(path: Path, line: int, text: str) -> tuple[dict[str, str], dic
     skip_lines: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in split_outside_parens(text))):
         m = OPTION.match(item)
-        if not m or m["name"] not in {"skip", "skip-line", "cwd", "setup"}:
+        if not m or m["name"] not in {"skip", "skip-line", "cwd", "setup", "output"}:
             raise AssertionError(f"{path.name}:{line}: unknown docs-test option {item!r}")
         name, value, reason = m["name"], m["value"] or "", (m["reason"] or "").strip()
         if name.startswith("skip") and not reason:
@@ -278,7 +283,8 @@ def make_repo(repo: Path, env: dict[str, str]) -> None:
 
 
 def substitute(text: str, repo: Path) -> str:
-    return text.replace("/abs/path/to/repo", str(repo)).replace("/abs/path/to/venv", str(VENV_BIN.parent))
+    return (text.replace("/abs/path/to/repo", str(repo)).replace("/abs/path/to/venv", str(VENV_BIN.parent))
+            .replace("/abs/path/to/oncepatch", str(ROOT)))
 
 
 def run_shell(block: Block, cwd: Path, env: dict[str, str], repo: Path, scratch: Path) -> list[str]:
@@ -314,9 +320,54 @@ def run_shell(block: Block, cwd: Path, env: dict[str, str], repo: Path, scratch:
         ok = seen[i] in (0, 130) if cmd.until_stopped else seen[i] == cmd.expected
         if not ok:
             problems.append(f"line {cmd.line}: exit {seen[i]}, documented {cmd.expected}: {cmd.code.strip()}")
+    if "output" in block.options:
+        assert block.tag == "console", f"{block.name}: output= compares a console block's sample output"
+        problems += output_mismatches(block, res.stdout)
     if problems:
         problems.append(f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}")
     return problems
+
+
+_VARIABLE = [  # (what varies, as it reads in the doc) -> a wildcard; applied in this order
+    (re.compile(r"…"), ".*"),                                           # elided by the doc
+    (re.compile(r"(?:/tmp|/abs/path/to)/\S*?/repo\b"), r"\S*/repo"),      # the scratch repository
+    (re.compile(r"\d{8}T\d{6}\.\d{6}Z"), r"\d{8}T\d{6}\.\d{6}Z"),         # a quarantine's time
+    (re.compile(r"(?<=receipts/)[0-9a-f]{2}/[0-9a-f]*"), "[0-9a-f]{2}/[0-9a-f]*"),  # a key's hash
+    (re.compile(r"[0-9a-f]{7,64}"), "[0-9a-f]+"),                       # commits, key hashes
+    (re.compile(r"(?<![\w\[+])\d+(?=s\b|[^\w\]]|$)"), r"\d+"),             # counts, ages (0s), pids
+]
+
+
+def sample_pattern(line: str) -> re.Pattern[str]:
+    """A sample output line as a pattern: literal, but for the parts that vary from run to run."""
+    text = line.rstrip()
+    wildcards: list[str] = []
+
+    def hold(wildcard: str) -> Callable[[re.Match[str]], str]:
+        def put(_m: re.Match[str]) -> str:
+            wildcards.append(wildcard)
+            return f"\x00{chr(0xE000 + len(wildcards) - 1)}\x00"  # no digit, no hex: later rules pass it
+        return put
+
+    for pattern, wildcard in _VARIABLE:
+        text = pattern.sub(hold(wildcard), text)
+    parts = re.split("\x00(.)\x00", text)  # literal, placeholder, literal, ...
+    return re.compile("".join(wildcards[ord(p) - 0xE000] if k % 2 else re.escape(p) for k, p in enumerate(parts)))
+
+
+def output_mismatches(block: Block, stdout: str) -> list[str]:
+    """Sample lines of a console block that its commands' stdout does not show, in order."""
+    samples = [ln for ln in block.text.splitlines() if ln.strip() and not ln.startswith("$ ")]
+    lines = stdout.splitlines()
+    at = 0
+    for sample in samples:
+        want = sample_pattern(sample)
+        while at < len(lines) and not want.fullmatch(lines[at].rstrip()):
+            at += 1
+        if at == len(lines):
+            return [f"sample line not printed (in this order): {sample!r}"]
+        at += 1
+    return []
 
 
 def run_setup(names: str, cwd: Path, env: dict[str, str]) -> None:
@@ -374,3 +425,61 @@ def test_documented_exit_status_is_read_from_the_comment() -> None:
                   "c <<'EOF'\nbody\nEOF\nd   # flag them; Ctrl-C ends it\n")
     assert [(c.line, c.expected, c.until_stopped) for c in commands_of(block)] == [
         (2, 0, False), (4, 3, False), (5, 0, False), (8, 0, True)]
+
+
+def test_sample_output_is_compared_with_wildcards_only_where_runs_differ() -> None:
+    block = Block(ROOT / "docs" / "RECOVERY.md", 1, "console",
+                  "$ x\nrecovered: 2 receipt(s) of 2\n  fix-typo: prepared -> committed (key_ref) d3e8f67fce3b\n"
+                  "  removed /tmp/crashm-demo/repo/.git/index.lock\n")
+    printed = ("recovered: 2 receipt(s) of 2\n  add-file: prepared -> rejected\n"
+               "  fix-typo: prepared -> committed (key_ref) 0123456789ab\n  removed /tmp/pytest-1/x/repo/.git/index.lock\n")
+    assert output_mismatches(block, printed) == []
+    assert output_mismatches(block, printed.replace("committed", "rejected"))  # the words must be there
+    assert output_mismatches(block, printed.replace("(key_ref)", "(reachable_from_branch)"))
+
+
+def test_agents_install_line_installs_from_a_clone(tmp_path: Path) -> None:
+    """The package is not on PyPI: AGENTS.md's pip line names the clone, and pip can install from it."""
+    [line] = [c.code.strip() for b in RUN_BLOCKS if b.path.name == "AGENTS.md" and b.tag in SHELL_TAGS
+              for c in commands_of(b)
+              if c.code.lstrip().startswith("pip install")]
+    argv = shlex.split(substitute(line, tmp_path))
+    assert argv[:2] == ["pip", "install"] and argv[2].startswith(str(ROOT))
+    res = subprocess.run([str(VENV_BIN / "pip"), *argv[1:], "--dry-run", "--ignore-installed", "--no-deps", "--quiet",
+                          "--disable-pip-version-check"], capture_output=True, text=True, timeout=BLOCK_TIMEOUT,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+
+
+def _json_blocks(path: Path) -> list[dict[str, object]]:
+    import json
+
+    return [json.loads(b.text) for b in find_blocks(path) if b.tag == "json"]
+
+
+def test_readme_json_samples_are_what_the_commands_print(tmp_path: Path) -> None:
+    """README shows a first call's JSON and a conflict's envelope: the commands print exactly those,
+    but for what differs from run to run (the commit, the call's receipt path)."""
+    import json
+
+    first_doc, conflict_doc = _json_blocks(ROOT / "README.md")[:2]
+    env = scratch_env(tmp_path)
+    repo = tmp_path / "repo"
+    make_repo(repo, env)
+    run_setup("fix.diff,other.diff", repo, env)
+
+    def run(*args: str) -> tuple[int, dict[str, object]]:
+        res = subprocess.run(["oncepatch", *args], cwd=repo, env=env, capture_output=True, text=True,
+                             timeout=BLOCK_TIMEOUT, check=False)
+        return res.returncode, json.loads(res.stdout)
+
+    code, first = run("apply", "fix.diff", "--key", "fix-greeting", "--json")
+    assert code == 0 and set(first) == set(first_doc)
+    varies = {"commit", "receipt", "call_id"}  # the call_id names the scratch repository's path
+    assert {k: v for k, v in first.items() if k not in varies} == {k: v for k, v in first_doc.items()
+                                                                   if k not in varies}
+    code, conflict = run("apply", "other.diff", "--key", "fix-greeting", "--json")
+    assert code == 3
+    err, want = dict(conflict["error"]), dict(conflict_doc["error"])  # type: ignore[call-overload]
+    err.pop("existing_call_id"), err.pop("existing_tool")
+    assert conflict["ok"] is False and err == want

@@ -17,9 +17,10 @@ from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, Usage
 from receipts import jsonio
 from receipts.lookup import status
 from receipts.store import ReceiptStore
-from patcher.cli import keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery
+from patcher.cli import advice as cli_advice, doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery
 from patcher.cli.common import store_root
 from patcher.cli.parser import build_parser
+from patcher.cli.progress import shown
 from patcher.protocol import apply
 
 __all__ = ["main", "build_parser"]
@@ -37,16 +38,18 @@ def _read_patch(name: str) -> bytes:
 
 def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     data = _read_patch(args.patch)
-    res = apply(
-        args.repo, data, key=args.key, branch=args.branch, contract_sha256=args.contract_sha256,
-        attempt=args.attempt, format=args.format, check=args.check, message=args.message,
-        store=args.store, lock_timeout=args.lock_timeout, check_timeout=args.check_timeout, strict=args.strict,
-    )
+    with shown("applying the patch"):
+        res = apply(
+            args.repo, data, key=args.key, branch=args.branch, contract_sha256=args.contract_sha256,
+            attempt=args.attempt, format=args.format, check=args.check, message=args.message,
+            store=args.store, lock_timeout=args.lock_timeout, check_timeout=args.check_timeout, strict=args.strict,
+        )
     doc = res.to_json()
-    if res.replayed:
+    if res.already_applied:  # the commit is the branch's, made before this call: never this key's own
+        text = (f"{'replayed: ' if res.replayed else ''}already applied: the branch already had every edit "
+                f"at {(res.commit or '')[:12]} (an earlier commit, not this key's); no commit made for this key\n")
+    elif res.replayed:
         text = f"replayed: {res.status} {(res.commit or '')[:12]} (nothing re-executed)\n"
-    elif res.already_applied:
-        text = f"already applied in {(res.commit or '')[:12]}: no new commit\n"
     else:
         text = f"committed {(res.commit or '')[:12]}: {len(res.outputs)} file(s)\n"
     text += f"key {res.key}\nreceipt {res.receipt}\n"
@@ -88,17 +91,23 @@ def _cmd_log(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         value = e.get(name)
         return "" if value is None else str(value)  # whatever a hand-edited line holds (verify judges it)
 
-    lines = [
-        f"{field(e, 'seq'):>5} {field(e, 'at')} {field(e, 'event'):<10} {field(e, 'status'):<10} "
-        f"{(field(e, 'commit') or '-')[:12]:<12} {field(e, 'key')}"
-        for e in events
-    ]
+    # A key whose call found its edits already on the branch records that commit, which is
+    # another's: its rows say so instead of reading as the key's own commit.
+    found: dict[str, str] = {}
+    lines = [f"{'seq':>5} {'at':<27} {'event':<10} {'status':<10} {'commit':<12} key"] if events else []
+    for e in events:
+        key, commit = field(e, "key"), field(e, "commit")
+        if e.get("already_applied") and commit:
+            found[key] = commit
+        note = "  (already on the branch: an earlier commit, not this key's)" if commit and found.get(key) == commit else ""
+        lines.append(f"{field(e, 'seq'):>5} {field(e, 'at'):<27} {field(e, 'event'):<10} {field(e, 'status'):<10} "
+                     f"{(commit or '-')[:12]:<12} {key}{note}")
     return EXIT_OK, {"ok": True, "events": events}, "\n".join(lines) + ("\n" if lines else "")
 
 
 _HANDLERS: dict[str, Callable[[argparse.Namespace], tuple[int, dict[str, Any], str]]] = {
-    "apply": _cmd_apply, "status": _cmd_status, "log": _cmd_log, **cli_recovery.HANDLERS, **cli_mcp.HANDLERS,
-    **cli_keys.HANDLERS,
+    "apply": _cmd_apply, "status": _cmd_status, "log": _cmd_log, **cli_recovery.HANDLERS, **cli_doctor.HANDLERS,
+    **cli_mcp.HANDLERS, **cli_keys.HANDLERS,
 }
 
 
@@ -124,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(f"oncepatch: {exc.error_type}: {exc.message}\n")
             if exc.key:
                 sys.stderr.write(f"key {exc.key} (next: {exc.next_action})\n")
+            sys.stderr.write(cli_advice.details(doc["error"]))
         return exc.exit_code
     except SystemExit as exc:  # --help
         return int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE

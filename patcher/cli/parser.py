@@ -6,7 +6,9 @@ import argparse
 from typing import Any, NoReturn
 
 from cas.errors import UsageError
-from patcher.cli import keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery
+from patcher.formats import BUILTIN_NAMES
+from patcher.cli import doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery
+from patcher.version import version
 from patcher.cli.common import Option, add_common, add_options, at_least_one, positive_seconds, seconds
 
 __all__ = ["APPLY_OPTIONS", "build_parser"]
@@ -17,13 +19,26 @@ APPLY_OPTIONS: tuple[Option, ...] = (
     (("--key",), "key", None, None, None, "idempotency key (default: the call_id)"),
     (("--contract-sha256",), "contract_sha256", None, None, None, "sha256 of the contract the call was made under"),
     (("--attempt",), "attempt", 1, at_least_one, None, "attempt number: a new intent with the same patch"),
-    (("--format",), "format", "auto", None, None, "auto, unified, apply_patch, ..."),
+    (("--format",), "format", "auto", None, None,
+     f"patch format: auto (detected, the default), or one of {', '.join(BUILTIN_NAMES)} (docs/FORMATS.md)"),
     (("--check",), "check", None, None, "CMD", "run CMD in a temporary worktree of the candidate"),
-    (("--check-timeout",), "check_timeout", 600.0, positive_seconds, None, "seconds before --check is stopped"),
+    (("--check-timeout",), "check_timeout", 600.0, positive_seconds, None,
+     "seconds before --check is stopped (default 600)"),
     (("--message", "-m"), "message", None, None, None, "commit subject (default: names the touched files)"),
     (("--lock-timeout",), "lock_timeout", 30.0, seconds, None,
-     "seconds to wait for each lock of the call (key, index.lock, branch)"),
+     "seconds to wait for each lock of the call (key, index.lock, branch) (default 30)"),
 )
+
+
+#: Exit codes, as docs/DESIGN.md section 6 has them (shown by ``oncepatch apply --help``).
+EXIT_CODES = """exit codes:
+  0  done (a replay included)
+  1  internal error
+  2  usage or unreadable input
+  3  idempotency conflict (the key stands for another change: use a new key)
+  4  rejected: does not apply, unsafe or dirty path, check failed (nothing changed)
+  5  in progress (a lock stayed held) or unknown: ask 'oncepatch status KEY' before retrying
+  6  verification failed or a receipt is corrupt: 'oncepatch doctor' says what next"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,12 +52,31 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+class _TopParser(_Parser):
+    """The top-level parser: ``--json`` before the command counts as the command's (``oncepatch --json status K``)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        ns, rest = super().parse_known_args(args, namespace)
+        if getattr(ns, "json_first", False):
+            ns.json = True
+        if hasattr(ns, "json_first"):
+            delattr(ns, "json_first")
+        return ns, rest
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command."""
-    parser = _Parser(prog="oncepatch", description="apply patches to git effectively once")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = _TopParser(prog="oncepatch", description="apply patches to git effectively once: every intended "
+                        "change becomes exactly one atomic commit (or none), with a durable receipt",
+                        epilog="after a crash: 'oncepatch doctor' says what to run next (docs/RECOVERY.md)")
+    parser.add_argument("--version", action="version", version=f"oncepatch {version()}")
+    parser.add_argument("--json", dest="json_first", action="store_true",
+                        help="print exactly one JSON object (also accepted after the command)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
 
-    p = sub.add_parser("apply", help="apply a patch as one atomic commit, once per key")
+    p = sub.add_parser("apply", help="apply a patch as one atomic commit, once per key",
+                       description="Apply a patch as one atomic commit, at most once per idempotency key.",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(p)
     p.add_argument("patch", help="patch file, or - for standard input")
     add_options(p, APPLY_OPTIONS)
@@ -51,13 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="the verified receipt of a key or call_id")
     add_common(p)
-    p.add_argument("key")
+    p.add_argument("key", metavar="KEY", help="the idempotency key (--key of apply), or a call_id (opc1:...)")
 
     p = sub.add_parser("log", help="the event ledger")
     add_common(p)
-    p.add_argument("--limit", type=int, default=None, help="only the last N events")
+    p.add_argument("--limit", type=int, default=None, help="only the last N events (default: all)")
 
     cli_recovery.register(sub)
+    cli_doctor.register(sub)
     cli_mcp.register(sub)
     cli_keys.register(sub)
     return parser

@@ -23,6 +23,9 @@ from receipts.recovery import DEFAULT_TMP_AGE, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore, check_store_root
 from receipts.verifier import verify
 from receipts.watcher import Watcher
+from patcher import doctor
+from cas.progress import count
+from patcher.cli.progress import shown as with_progress
 from patcher.cli.common import add_common, at_least_one, positive_seconds, seconds, store_root
 
 __all__ = ["register", "HANDLERS"]
@@ -70,16 +73,20 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("watch", help="flag orphaned prepared receipts as they appear")
     add_common(p)
-    p.add_argument("--grace", type=seconds, default=30.0, help="seconds before a prepared receipt may be flagged")
-    p.add_argument("--rescan", type=positive_seconds, default=30.0, help="seconds between full rescans")
+    p.add_argument("--grace", type=seconds, default=30.0,
+                   help="seconds before a prepared receipt may be flagged (default 30)")
+    p.add_argument("--rescan", type=positive_seconds, default=30.0,
+                   help="seconds between full rescans (default 30)")
     p.add_argument("--once", action="store_true", help="one scan, then exit (0 nothing flagged, 6 flagged)")
     p.add_argument("--recover", action="store_true", help="resolve each flagged receipt on the spot")
-    p.add_argument("--duration", type=seconds, default=None, help="stop after this many seconds")
+    p.add_argument("--duration", type=seconds, default=None, help="stop after this many seconds (default: never)")
 
     p = sub.add_parser("resolve", help="settle an unknown receipt by hand")
     add_common(p)
-    p.add_argument("key")
-    p.add_argument("--as", dest="as_", required=True, choices=["committed", "rejected"])
+    p.add_argument("key", metavar="KEY", help="the key (or call_id) of the unknown receipt")
+    p.add_argument("--as", dest="as_", required=True, choices=["committed", "rejected"],
+                   help="what happened: committed (the effect took place) or rejected (it did not); "
+                        "a claim its adapter contradicts is refused")
     p.add_argument("--note", default="", help="why (recorded in the ledger)")
     p.add_argument("--lock-timeout", type=seconds, default=DEFAULT_LOCK_TIMEOUT,
                    help=f"seconds to wait for the key's lock and a worktree's index.lock "
@@ -99,17 +106,30 @@ def register(sub: Any) -> None:
 
 
 def _progress(n: int) -> None:
-    sys.stderr.write(f"scanned {n} receipts\n")
-    sys.stderr.flush()
+    count(n)  # shown by patcher.cli.progress while the scan runs long, on a terminal
+
+
+#: What a person does about what recover cannot settle (docs/RECOVERY.md, "quarantine").
+_QUARANTINE = ("'oncepatch quarantine KEY' moves a corrupt or missing receipt aside (kept as evidence, "
+               "recorded in the ledger); 'oncepatch quarantine --ledger' does so for a broken ledger")
+_QUARANTINE_HINT = f"next: recover never settles these; after looking at them, {_QUARANTINE} (docs/RECOVERY.md)"
+_NEXT_AFTER_FAILURE = (f"next: 'oncepatch doctor' names the one command to run; 'oncepatch recover' settles "
+                       f"what a crash left; for what it reports corrupt, {_QUARANTINE} (docs/RECOVERY.md)")
+
+
+def _hint(text: str) -> None:
+    """A next step for a person, on stderr (stdout stays the report a script reads)."""
+    sys.stderr.write(f"{text}\n")
 
 
 def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     rstore = ReceiptStore(store_root(args))
     adapters = _adapters(rstore, read_only=args.dry_run, lock_timeout=args.lock_timeout)
     git = adapters["apply_patch"]
-    report = recover(rstore, adapters, dry_run=args.dry_run, tmp_age=args.tmp_age, progress=_progress,
-                     extra_cleanup=git.cleanup, jobs=args.jobs or (os.cpu_count() or 1),
-                     adapters_factory="patcher.cli.recovery:_adapters")
+    with with_progress("recovering: receipts scanned"):
+        report = recover(rstore, adapters, dry_run=args.dry_run, tmp_age=args.tmp_age, progress=_progress,
+                         extra_cleanup=git.cleanup, jobs=args.jobs or (os.cpu_count() or 1),
+                         adapters_factory="patcher.cli.recovery:_adapters")
     doc = report.to_json()
     lines = [f"{'plan' if args.dry_run else 'recovered'}: {len(report.rows)} receipt(s) of {report.scanned}"]
     for r in report.rows:
@@ -125,6 +145,8 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         lines.append(f"  {'would remove' if args.dry_run else 'removed'} {path}")
     if not report.changed and not report.skipped and not report.corrupt:
         lines.append("  nothing to do")
+    if report.corrupt and not args.json:
+        _hint(_QUARANTINE_HINT)
     # Exit 5 when a receipt is left unresolved (its call is alive, or its adapter
     # cannot tell right now): a script must not read "recovered" as "all settled".
     code = EXIT_VERIFY if report.corrupt else EXIT_IN_PROGRESS if report.skipped else EXIT_OK
@@ -133,12 +155,14 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     rstore = ReceiptStore(store_root(args))
-    report = verify(rstore, _adapters(rstore), grace=args.grace, progress=_progress,
-                    jobs=args.jobs or (os.cpu_count() or 1), verifiers_factory="patcher.cli.recovery:_adapters")
+    with with_progress("verifying: receipts read"):
+        report = verify(rstore, _adapters(rstore), grace=args.grace, progress=_progress,
+                        jobs=args.jobs or (os.cpu_count() or 1), verifiers_factory="patcher.cli.recovery:_adapters")
     doc = report.to_json()
     # Quarantined evidence is reported on every run: verify is never ok-silently about it.
     shown = "".join(f"quarantined: {q.get('what')}{' of ' + repr(q['key']) if q.get('key') else ''} "
-                    f"moved to {q.get('to')}\n" for q in report.quarantined)
+                    f"{'recorded in' if q.get('what') == 'missing_receipt' else 'moved to'} {q.get('to')}\n"
+                    for q in report.quarantined)
     if report.ok:
         mode = ("signed store: allowed signers " + repr(report.signatures["allowed_signers"])
                 if report.signatures["mode"] == "signed" else "unsigned store")
@@ -150,6 +174,8 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
             f"{f.path}{f' (key {f.key!r})' if f.key is not None else ''}: {' '.join(f.reason.splitlines())}\n"
             for f in report.failures)
         text = shown + text + f"verification failed: {len(report.failures)} problem(s)\n"
+        if not args.json:
+            _hint(_NEXT_AFTER_FAILURE)
     return (EXIT_OK if report.ok else EXIT_VERIFY), doc, text
 
 
@@ -166,7 +192,9 @@ def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
             if args.json:
                 sys.stdout.buffer.write(jsonio.dumps(obj) + b"\n")
             elif obj.get("flag") == "corrupt_receipt":
-                sys.stdout.write(f"corrupt: {obj['receipt']}: {obj['reason']}\n")
+                key = obj.get("key")
+                sys.stdout.write(f"corrupt: {obj['receipt']}: {obj['reason']}; after looking at it: 'oncepatch "
+                                 f"quarantine {shlex.quote(key) if isinstance(key, str) else 'KEY'}'\n")
             elif "flag" in obj:
                 sys.stdout.write(f"orphan: {obj['key']} prepared {obj['age_s']:.1f}s ago; run 'oncepatch recover'\n")
             else:
@@ -189,6 +217,9 @@ def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         flagged = w.scan_once()
         # With --json the last line is this summary (flag lines carry "flag", this one "flags").
         return (EXIT_VERIFY if flagged else EXIT_OK), {"ok": not flagged, "flags": flagged}, ""
+    # A watcher that printed nothing until its first flag looked hung: one line says it runs.
+    _warn(f"watching {rstore.root} (rescan every {args.rescan:g}s, grace {args.grace:g}s"
+          f"{', recovering what it flags' if args.recover else ''}); Ctrl-C ends it")
     stop = threading.Event()
     if args.duration is not None:
         threading.Timer(args.duration, stop.set).start()
@@ -220,12 +251,32 @@ def _cmd_quarantine(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]
                 f"{len(record['adopted'])} receipt(s)\n")
         text += "".join(f"  not adopted (corrupt): {p}\n" for p in record["not_adopted"])
     else:
-        record = quarantine_receipt(rstore, args.key, note=args.note, timeout=args.lock_timeout)
-        text = f"quarantined the receipt of '{args.key}': moved to {record['to']}\n"
+        record = quarantine_receipt(rstore, args.key, note=args.note, timeout=args.lock_timeout,
+                                    evidence=_key_ref_evidence(args.repo, args.key))
+        if record["what"] == "missing_receipt":
+            text = (f"quarantined the missing receipt of '{args.key}': recorded in {record['to']} "
+                    f"(nothing to move{'; ' + record['evidence'] + ' stays' if record.get('evidence') else ''})\n")
+        else:
+            text = f"quarantined the receipt of '{args.key}': moved to {record['to']}\n"
     return EXIT_OK, {"ok": True, "quarantined": record}, text
 
 
-HOOK_MARK = "# installed by oncepatch install-hook"
+def _key_ref_evidence(repo: str, key: str) -> str | None:
+    """``"key ref 'R' -> OID"`` when ``repo`` holds the key's ref (evidence of a call whose receipt is gone)."""
+    import pygit2  # deferred: a replayed apply or status imports this module and must not load libgit2
+
+    from cas.refs import KEY_REF_PREFIX
+    from receipts.identity import key_hash
+
+    ref = KEY_REF_PREFIX + key_hash(key)
+    try:
+        target = pygit2.Repository(discover(repo).git_dir).references.get(ref)
+    except (pygit2.GitError, OSError, UsageError):
+        return None
+    return None if target is None else f"key ref '{ref}' -> {str(target.target)[:12]}"
+
+
+HOOK_MARK = doctor.HOOK_MARK
 
 
 def _hooks_dir(layout: GitLayout) -> tuple[str, bool]:
@@ -278,6 +329,7 @@ fi
 echo "oncepatch pre-commit hook: neither {exe} nor 'oncepatch' on PATH; reinstall with 'oncepatch install-hook'" >&2
 exit 1
 """
+    framework = False  # the hook moved aside is the pre-commit framework's
     if os.path.exists(hook):
         with open(hook, "rb") as fh:
             current = fh.read()
@@ -297,6 +349,7 @@ exit 1
         if os.path.exists(chained):
             raise UsageError(f"'{chained}' already exists: move it away first")
         os.rename(hook, chained)  # moved aside, never lost
+        framework = doctor.PRE_COMMIT_FRAMEWORK_MARK in current
     try:
         os.makedirs(hooks, exist_ok=True)
     except OSError as exc:  # a file where the folder goes, or no way to make it
@@ -304,8 +357,26 @@ exit 1
     write_durable(hook, script.encode(), mode=0o755)
     st = os.stat(hook)
     os.chmod(hook, st.st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return EXIT_OK, {"ok": True, "hook": hook, "chained": os.path.exists(chained), "changed": True}, \
-        f"installed {hook}" + (f" (previous hook kept as {chained})" if os.path.exists(chained) else "") + "\n"
+    text = f"installed {hook}" + (f" (previous hook kept as {chained})" if os.path.exists(chained) else "") + "\n"
+    if framework:
+        listed = _framework_lists_verify(layout.workdir)
+        text += ("note: the previous hook is the pre-commit framework's; it runs first, then 'oncepatch verify'"
+                 + (". .pre-commit-config.yaml lists 'oncepatch-verify' too, so verify now runs twice: "
+                    f"one is enough; to keep the framework's alone: mv '{chained}' '{hook}'" if listed else "")
+                 + "\n")
+    doc = {"ok": True, "hook": hook, "chained": os.path.exists(chained), "changed": True}
+    if framework:
+        doc["pre_commit_framework"] = True
+    return EXIT_OK, doc, text
+
+
+def _framework_lists_verify(workdir: str | None) -> bool:
+    """Whether the worktree's ``.pre-commit-config.yaml`` lists the ``oncepatch-verify`` hook."""
+    try:
+        with open(os.path.join(workdir or "", ".pre-commit-config.yaml"), "rb") as fh:
+            return b"oncepatch-verify" in fh.read(1 << 20)
+    except OSError:
+        return False
 
 
 HANDLERS = {

@@ -89,7 +89,7 @@ def test_conflict_raises_idempotency_conflict(repo: Repo) -> None:
     assert env["key"] == "ticket-7"
     assert env["retryable"] is False
     assert env["effect_status"] == "not_started"
-    assert env["next_action"] == "fix_input"
+    assert env["next_action"] == "new_key"
     assert env["existing_call_id"] == first.call_id
     assert env["message"] and "ticket-7" in env["message"]
     assert snapshot(repo) == before

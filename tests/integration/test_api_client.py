@@ -100,7 +100,7 @@ def test_same_key_with_another_patch_is_an_idempotency_conflict(repo: Repo) -> N
     assert err.exit_code == EXIT_CONFLICT
     env = err.envelope()
     assert ENVELOPE_FIELDS <= set(env) and env["type"] == "idempotency_conflict" and env["key"] == "k"
-    assert env["retryable"] is False and env["next_action"] == "fix_input"
+    assert env["retryable"] is False and env["next_action"] == "new_key"
     assert repo.head() == head
 
 

@@ -426,7 +426,9 @@ def test_same_key_other_patch_is_conflict_and_changes_nothing(tmp_path: Path) ->
     assert err["key"] == "ticket-42"
     assert err["retryable"] is False
     assert err["effect_status"] == "not_started"
-    assert err["next_action"] == "fix_input"
+    assert err["next_action"] == "new_key"
+    assert err["differs"] == ["args.patch_sha256"]
+    assert "args.patch_sha256 differs" in err["message"] and "new key" in err["message"]
     assert err["existing_call_id"] == first["call_id"]
     assert snapshot(repo) == before  # not even a ledger line
 
@@ -492,7 +494,7 @@ def test_log_prints_a_hand_edited_ledger_line_it_cannot_read_as_an_event(repo: R
         fh.write(b'{"bogus":1}\n{"seq":5,"event":null}\n')
     text = cli("log", "--repo", str(repo.path))
     assert text.code == 0, text.err
-    assert len(text.out.splitlines()) == 4
+    assert len(text.out.splitlines()) == 1 + 4  # the header, then one row per line
     js = cli("log", "--repo", str(repo.path), "--json")
     assert js.code == 0 and js.json["events"][-2] == {"bogus": 1}
     assert cli("log", "--repo", str(repo.path), "--limit", "-1").code == 2
@@ -554,3 +556,40 @@ def test_status_of_a_key_a_running_call_holds_is_in_progress(repo: Repo, cli: An
     finally:
         lock.release()
     assert cli("status", "k", "--repo", str(repo.path), "--json").code == 2
+
+
+@pytest.mark.parametrize("point", ["after-stage", "check-running"])
+def test_status_of_a_call_killed_before_it_prepared_says_a_retry_is_safe(repo: Repo, cli: Any, point: str) -> None:
+    """Killed before its receipt existed, a call did nothing a retry could double: status says so (exit 2,
+    not_found, as docs/DESIGN.md's table has it, with next_action retry, not fix_input)."""
+    patch = b"--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hello there\n"
+    extra = ["--check", "true"] if point == "check-running" else []
+    r = cli("apply", "-", "--repo", str(repo.path), "--key", "k", *extra, input=patch,
+            env={"ONCEPATCH_CRASH_AT": point})
+    assert r.code == 137
+    js = cli("status", "k", "--repo", str(repo.path), "--json")
+    assert js.code == 2, js.out
+    err = js.json["error"]
+    assert (err["type"], err["effect_status"], err["next_action"], err["retryable"]) == (
+        "not_found", "not_started", "retry", True)
+    text = cli("status", "k", "--repo", str(repo.path))
+    assert text.code == 2 and "a retry is safe" in text.err and "(next: retry)" in text.err, text.err
+    again = cli("apply", "-", "--repo", str(repo.path), "--key", "k", input=patch)
+    assert again.code == 0, again.err  # and it was
+
+
+def test_already_applied_never_names_another_keys_commit_as_this_keys(repo: Repo, cli: Any) -> None:
+    """k2 finds k1's edit on the branch: its text and the log say the commit is an earlier one, not k2's."""
+    patch = b"--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hello there\n"
+    first = cli("apply", "-", "--repo", str(repo.path), "--key", "k1", "--json", input=patch).json
+    for _ in range(2):  # the call, then its replay
+        r = cli("apply", "-", "--repo", str(repo.path), "--key", "k2", input=patch)
+        assert r.code == 0, r.err
+        assert "already applied" in r.out and "not this key's" in r.out and "no commit made for this key" in r.out
+        assert "already applied in" not in r.out
+    rows = cli("log", "--repo", str(repo.path)).out.splitlines()
+    assert rows[0].split() == ["seq", "at", "event", "status", "commit", "key"]
+    mine = [row for row in rows[1:] if row.split()[5] == "k1"]
+    theirs = [row for row in rows[1:] if row.split()[5] == "k2"]
+    assert mine and all("not this key's" not in row for row in mine)
+    assert len(theirs) == 2 and all(first["commit"][:12] in row and "not this key's" in row for row in theirs)

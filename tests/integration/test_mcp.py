@@ -72,6 +72,10 @@ def hints(tool: Any) -> dict[str, Any]:
             "openWorld": _attr(a, "open_world_hint", "openWorldHint")}
 
 
+#: The server_info of the last server started by :func:`with_server`.
+SERVER_INFO: dict[str, Any] = {}
+
+
 def with_server(repo: Repo, errlog: Path,
                 body: Callable[[ClientSession], Awaitable[None]], *extra: str) -> None:
     env = {k: v for k, v in os.environ.items()}
@@ -84,7 +88,7 @@ def with_server(repo: Repo, errlog: Path,
         with open(errlog, "w") as err:
             async with stdio_client(params, errlog=err) as (read, write):
                 async with ClientSession(read, write) as session:
-                    await session.initialize()
+                    SERVER_INFO["last"] = _attr(await session.initialize(), "server_info", "serverInfo")
                     with anyio.fail_after(120):
                         await body(session)
 
@@ -127,6 +131,15 @@ def test_mcp_tools_apply_replay_and_errors(repo: Repo, tmp_path: Path) -> None:
     schema = _attr(tools["apply_patch"], "input_schema", "inputSchema")
     assert set(schema["required"]) == {"patch", "idempotency_key"}
     assert {"repo", "branch", "format", "strict"} <= set(schema["properties"])
+    # Every format is named, in the schema's enum and the description an agent reads.
+    from patcher.formats import BUILTIN_NAMES
+    from patcher.version import version
+
+    enum = schema["properties"]["format"].get("enum") or schema["$defs"][
+        schema["properties"]["format"]["$ref"].rsplit("/", 1)[1]]["enum"]
+    assert sorted(enum) == sorted(["auto", *BUILTIN_NAMES])
+    assert all(name in tools["apply_patch"].description for name in BUILTIN_NAMES)
+    assert SERVER_INFO["last"].name == "oncepatch" and SERVER_INFO["last"].version == version() != ""
 
     first = seen["apply"]
     assert not is_error(first)
@@ -140,7 +153,7 @@ def test_mcp_tools_apply_replay_and_errors(repo: Repo, tmp_path: Path) -> None:
     assert is_error(seen["conflict"])
     err = structured(seen["conflict"])
     assert err["ok"] is False and err["error"]["type"] == "idempotency_conflict"
-    assert err["error"]["key"] == "issue-7/line-3" and err["error"]["next_action"] == "fix_input"
+    assert err["error"]["key"] == "issue-7/line-3" and err["error"]["next_action"] == "new_key"
 
     assert is_error(seen["stale"])
     stale = structured(seen["stale"])["error"]

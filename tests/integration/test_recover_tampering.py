@@ -198,3 +198,42 @@ def test_quarantining_a_corrupt_receipt_moves_it_aside_and_the_key_is_refused_cl
     assert again.code == 3 and "no receipt" in again.json["error"]["message"]  # type: ignore[attr-defined]
     assert repo.head() == head
     assert _quarantine(repo, "k1").code == 2  # type: ignore[attr-defined]  # nothing left to move
+
+
+def test_a_receipt_file_removed_by_hand_is_quarantined_and_verify_agrees_with_what_remains(tmp_path: Path) -> None:
+    """The dead end of issue 31: a receipt file gone (or a whole store) blocked every commit for good."""
+    repo = _committed(tmp_path, 3)
+    Path(ReceiptStore(str(repo.store)).receipt_path("k1")).unlink()
+    text = run_cli("verify", "--repo", str(repo.path))
+    assert text.code == 6 and "file is missing" in text.out
+    assert "oncepatch quarantine KEY" in text.err  # the failure names the way out
+    rec = run_cli("recover", "--repo", str(repo.path))
+    assert rec.code == 6 and "oncepatch quarantine KEY" in rec.err
+    assert _quarantine(repo, "no-such-key").code == 2  # a key nothing shows is not recorded
+    q = _quarantine(repo, "k1", "--note", "removed by hand")
+    assert q.code == 0, q.out + q.err  # type: ignore[attr-defined]
+    record = q.json["quarantined"]  # type: ignore[attr-defined]
+    assert record["what"] == "missing_receipt" and record["key"] == "k1" and "refs/oncepatch/keys/" in record["evidence"]
+    assert (repo.store / record["to"] / "record.json").exists()
+    v = _verify(repo)
+    assert v.code == 0, v.out + v.err  # type: ignore[attr-defined]
+    assert [(x["what"], x["key"]) for x in v.json["quarantined"]] == [("missing_receipt", "k1")]  # type: ignore[attr-defined]
+    assert v.json["receipts"] == 2  # type: ignore[attr-defined]
+    assert _quarantine(repo, "k1").code == 2  # type: ignore[attr-defined]  # already quarantined
+
+
+def test_a_deleted_store_fails_verify_until_each_key_ref_is_accounted_for(tmp_path: Path) -> None:
+    repo = _committed(tmp_path, 2)
+    import shutil
+
+    shutil.rmtree(repo.store)
+    v = _verify(repo)
+    assert v.code == 6 and len(v.json["failures"]) == 2  # type: ignore[attr-defined]  # one per key ref
+    assert all("oncepatch quarantine KEY" in f["reason"] for f in v.json["failures"])  # type: ignore[attr-defined]
+    assert _quarantine(repo, "k0").code == 0  # type: ignore[attr-defined]  # found by its key ref
+    v = _verify(repo)
+    assert v.code == 6 and len(v.json["failures"]) == 1, v.out  # type: ignore[attr-defined]  # k1's ref still stray
+    assert _quarantine(repo, "k1").code == 0  # type: ignore[attr-defined]
+    v = _verify(repo)
+    assert v.code == 0, v.out  # type: ignore[attr-defined]
+    assert sorted(x["key"] for x in v.json["quarantined"]) == ["k0", "k1"]  # type: ignore[attr-defined]

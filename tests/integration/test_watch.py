@@ -339,4 +339,4 @@ def test_a_corrupt_receipt_is_flagged_not_skipped(setup: tuple[Repo, dict[str, P
         assert lines[-1] == {"ok": False, "flags": 1}
     assert Path(path).read_text() != text  # reported, never rewritten
     human = run_cli("watch", "--repo", str(repo.path), "--once", "--grace", "0")
-    assert human.code == 6 and f"corrupt: {path}" in human.out
+    assert human.code == 6 and f"corrupt: {path}" in human.out and "'oncepatch quarantine " in human.out

@@ -41,7 +41,6 @@ def test_apply_lines(argv: list[str], changed: dict[str, object]) -> None:
     ["apply", "p.diff", "--repo", ""],
     ["apply", "p.diff", "--js"],  # no abbreviations: main() chose the output by '--json' alone
     ["apply", "p.diff", "--json=1"],
-    ["--json", "apply", "p.diff"],
     ["frobnicate"],
 ], ids=" ".join)
 def test_refused_lines_are_usage_errors(argv: list[str]) -> None:
