@@ -6,7 +6,7 @@ import argparse
 from typing import Any, NoReturn
 
 from cas.errors import UsageError
-from patcher.cli import mcp as cli_mcp, recovery as cli_recovery
+from patcher.cli import mcp as cli_mcp, recovery as cli_recovery, server as cli_server
 from patcher.cli.common import Option, add_common, add_options, at_least_one, positive_seconds, seconds
 
 __all__ = ["APPLY_OPTIONS", "build_parser"]
@@ -59,4 +59,5 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_recovery.register(sub)
     cli_mcp.register(sub)
+    cli_server.register(sub)
     return parser
