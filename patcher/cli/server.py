@@ -245,11 +245,11 @@ class _Loop:
         last = time.monotonic()
         try:
             while not self.stop:
-                timeout = None if not self.idle else max(0.0, last + self.idle - time.monotonic())
-                if self.idle and timeout == 0.0 and not self.busy:
+                left = last + self.idle - time.monotonic() if self.idle else 1.0
+                if left <= 0 and not self.busy:
                     break
-                readable, _, _ = select.select([self.listener, wake_r], [], [], 1.0 if timeout is None else
-                                               min(timeout, 1.0) if timeout else 1.0)
+                wait = min(max(left, 0.01), 1.0)
+                readable, _, _ = select.select([self.listener.fileno(), wake_r], [], [], wait)
                 if wake_r in readable:
                     try:
                         while os.read(wake_r, 512):
@@ -258,7 +258,7 @@ class _Loop:
                         pass
                     if self._reap():
                         last = time.monotonic()
-                if self.listener in readable:
+                if self.listener.fileno() in readable:
                     self._accept()
                     last = time.monotonic()
                 if not self._still_ours():
