@@ -133,12 +133,12 @@ def _send(s: socket.socket, data: bytes) -> None:
     cwd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         sent = socket.send_fds(s, [data], [0, 1, 2, cwd])
+        if sent < len(data):
+            s.sendall(data[sent:])
     except OSError as exc:  # a closed standard stream, a server gone between connect and send
         raise NoServer(str(exc)) from exc
     finally:
         os.close(cwd)
-    if sent < len(data):
-        s.sendall(data[sent:])
 
 
 def _answers(s: socket.socket) -> tuple[bool, str | None]:
@@ -218,10 +218,8 @@ def call(argv: list[str]) -> int | None:
     with s:
         try:
             _send(s, _request(token, argv))
-        except NoServer:
-            return None if how != "require" else _fail(
-                argv, "io_error", "the oncepatch server did not take the call", effect_status="not_started",
-                next_action="retry", code=5, retryable=True)
+        except NoServer:  # refused at once (its reason may be waiting), or gone: nothing ran
+            pass
         started, last = _answers(s)
     if last is not None and last[0] == "X":
         return int(last[1:])

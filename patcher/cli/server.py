@@ -46,9 +46,9 @@ from patcher.cli.common import path_given, seconds
 
 __all__ = ["register", "serve", "BROKER_ENV"]
 
-#: What a broker takes of its caller's environment: who wrote the change, and when.
-BROKER_ENV = frozenset({"GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_AUTHOR_DATE", "GIT_COMMITTER_NAME",
-                        "GIT_COMMITTER_EMAIL", "GIT_COMMITTER_DATE", "EMAIL", "TZ"})
+#: What a broker takes of its caller's environment: who wrote the change, and when (the
+#: committer is the broker's own identity: it makes the commit).
+BROKER_ENV = frozenset({"GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_AUTHOR_DATE", "TZ"})
 _SO_PEERGROUPS = 59  # Linux's getsockopt for the peer's supplementary groups (4.13 and later)
 _MAX_FRAME = 16 << 20
 Call = Callable[..., int]
@@ -440,7 +440,7 @@ def _serve_one(chan: socket.socket, call: Call, config: _Config) -> int:
 
 
 def _take_environment(env: dict[bytes, bytes], broker: bool) -> None:
-    """The caller's environment, as the CLI would have had it (a broker: only who wrote and when)."""
+    """The caller's environment, as the CLI would have had it (a broker: only the author and the time zone)."""
     if broker:
         for name in BROKER_ENV:
             os.environb.pop(name.encode(), None)
