@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import gc
 import grp
 import importlib
 import io
@@ -189,6 +190,7 @@ def serve(args: argparse.Namespace, call: Call) -> int:
         say(f"running {path}")  # (its pid: the one holding the lock)
         return EXIT_OK
     _preload()
+    gc.freeze()  # what is loaded now is never collected: a call's process does not copy it by scanning it
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         os.unlink(path)  # stale: its server is gone (we hold the lock)
