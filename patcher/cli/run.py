@@ -22,7 +22,7 @@ from receipts.caller import Caller
 from receipts.store import ReceiptStore
 from patcher.cli import mcp as cli_mcp, recovery as cli_recovery, server as cli_server
 from patcher.cli.common import store_root
-from patcher.cli.parser import build_parser
+from patcher.cli.parser import build_parser, the_parser
 from patcher.protocol import apply
 
 __all__ = ["main", "build_parser"]
@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None, *, caller: Caller | None = None, con
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
     try:
-        args = build_parser().parse_args(argv)
+        args = the_parser().parse_args(argv)
         args.caller = caller if caller is not None else Caller.of_process()
         if confined:
             _confine(args)

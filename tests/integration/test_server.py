@@ -377,3 +377,17 @@ def test_an_idle_server_exits_and_takes_its_socket_away(tmp_path: Path) -> None:
     assert os.stat(path).st_mode & 0o777 == 0o600
     wait_for(lambda: gone(pid), "the idle server to exit")
     assert not os.path.exists(path)
+
+
+def test_a_served_call_loads_only_the_thin_client(tmp_path: Path, server: Server) -> None:
+    repo = make_repo(tmp_path / "repo", FILES)
+    probe = ("import sys\nsys.argv = ['oncepatch', 'log', '--json']\nfrom patcher.cli import main\nrc = main()\n"
+             "sys.stderr.write('MODULES ' + ' '.join(sorted(sys.modules)) + '\\n')\nsys.exit(rc)\n")
+    res = subprocess.run([sys.executable, "-c", probe], cwd=repo.path, env={**os.environ, **server.env},
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+    assert '"events":[]' in res.stdout.replace(" ", "")
+    mods = set(res.stderr.split("MODULES ")[-1].split())
+    heavy = {m for m in mods if m.split(".")[0] in {"pygit2", "cas", "receipts", "orjson", "filelock", "json",
+                                                     "argparse", "typing", "dataclasses"}}
+    assert not heavy and "patcher.cli.run" not in mods, heavy
