@@ -391,3 +391,30 @@ def test_a_served_call_loads_only_the_thin_client(tmp_path: Path, server: Server
     heavy = {m for m in mods if m.split(".")[0] in {"pygit2", "cas", "receipts", "orjson", "filelock", "json",
                                                      "argparse", "typing", "dataclasses"}}
     assert not heavy and "patcher.cli.run" not in mods, heavy
+
+
+def test_start_runs_this_call_here_and_starts_a_server_for_the_next(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", FILES)
+    folder = tmp_path / "srv"
+    env = {"ONCEPATCH_SERVER_DIR": str(folder)}
+    res = run_cli("apply", "--json", "-", input=PATCH, cwd=repo.path, env={**env, "ONCEPATCH_SERVER": "start"})
+    assert res.code == 0 and res.json["status"] == "committed"  # in process: no server was running
+    path = connect.socket_path(str(folder), connect.version_token())
+    try:
+        wait_for(lambda: os.path.exists(path), "the server started for the next call")
+        res = run_cli("log", "--json", cwd=repo.path, env={**env, "ONCEPATCH_SERVER": "require"})
+        assert res.code == 0 and len(res.json["events"]) == 2
+    finally:
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    mine = f"ONCEPATCH_SERVER_DIR={folder}".encode() in fh.read().split(b"\0")
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    serving = fh.read().split(b"\0")[-2:-1] == [b"serve"]
+            except OSError:
+                continue
+            try:
+                if mine and serving and os.getpgid(pid) == pid:  # the server (its spare is in its group)
+                    os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
