@@ -17,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,9 +94,28 @@ def box() -> Iterator[Box]:
                     pass
     finally:
         for user in users:
+            _wait_for_no_process_of(user.uid)  # userdel refuses a user whose processes still run
             subprocess.run(["userdel", user.name], capture_output=True, check=False)
             subprocess.run(["groupdel", user.name], capture_output=True, check=False)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _wait_for_no_process_of(uid: int, deadline: float = 60.0) -> None:
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        alive = False
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/status") as fh:
+                    fields = dict(line.split(":", 1) for line in fh if ":" in line)
+            except OSError:
+                continue
+            if int(fields.get("Uid", "-1 ").split()[0]) == uid and fields.get("State", "").split()[:1] != ["Z"]:
+                alive = True
+                break
+        if not alive:
+            return
+        time.sleep(0.01)
 
 
 def _python_for(user: User, base: Path, env: dict[str, str]) -> str:
