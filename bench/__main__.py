@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-SECTIONS = ("single", "large", "agents", "store", "watch", "fsync", "profile", "matching", "signing")
+SECTIONS = ("single", "large", "agents", "store", "watch", "fsync", "profile", "matching", "signing", "server")
 
 FULL: dict[str, Any] = {
     "sizes": {"1k": 1000, "10k": 10_000, "100k": 100_000},
@@ -30,6 +30,7 @@ FULL: dict[str, Any] = {
     "fsync_sizes": ("1k", "100k"), "strace_runs": 3, "ab_rounds": 15,
     "profile_size": "100k", "profile_ops": {"side": 40, "main": 20}, "profile_store": "10k",
     "matching_rounds": 5, "signing_rounds": 30,
+    "server_sizes": ("1k", "100k"),
 }
 QUICK: dict[str, Any] = {
     "sizes": {"1k": 1000, "10k": 10_000},
@@ -43,6 +44,7 @@ QUICK: dict[str, Any] = {
     "fsync_sizes": ("1k",), "strace_runs": 1, "ab_rounds": 5,
     "profile_size": "10k", "profile_ops": {"side": 10, "main": 5}, "profile_store": "1k",
     "matching_rounds": 3, "signing_rounds": 8,
+    "server_sizes": ("1k",),
 }
 
 
@@ -144,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.cases_signing import section_signing
 
         res["signing"] = section_signing(env, cfg["signing_rounds"], log)
+    if "server" in only:
+        from bench.cases_server import section_server
+
+        res["server"] = section_server(env, {k: repos[k] for k in cfg["server_sizes"] if k in repos},
+                                       cfg["rounds"], log)
     if "watch" in only:  # last: it leaves orphaned receipts in the stores
         from bench.cases_store import section_watcher
 
@@ -182,6 +189,8 @@ def _repos(env: Any, cfg: dict[str, Any], only: list[str], res: dict[str, Any], 
         need |= set(cfg["fsync_sizes"])
     if "profile" in only:
         need.add(cfg["profile_size"])
+    if "server" in only:
+        need |= set(cfg["server_sizes"])
     repos = {}
     for label, n in cfg["sizes"].items():
         if label in need:

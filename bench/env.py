@@ -59,6 +59,8 @@ def setup_env(out: str) -> Env:
         "GIT_AUTHOR_NAME": "Bench", "GIT_AUTHOR_EMAIL": "bench@example.com",
         "GIT_COMMITTER_NAME": "Bench", "GIT_COMMITTER_EMAIL": "bench@example.com",
         "LC_ALL": "C",
+        # The CLI rows run in process; the server section asks for its server explicitly.
+        "ONCEPATCH_SERVER": "never",
     })
     with open(os.path.join(home, ".gitconfig"), "w") as fh:
         fh.write("[user]\n\tname = Bench\n\temail = bench@example.com\n"

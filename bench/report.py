@@ -249,6 +249,10 @@ def render(res: dict[str, Any]) -> str:
         if cold:
             parts.append(f"\nCLI cold *apply* imports: {cold['modules']} modules, {cold['import_ms']} ms; largest: "
                          + ", ".join(f"`{m}` {t} ms" for m, t in cold["top"]) + ".\n")
+    if res.get("server"):
+        from bench.cases_server import render_server
+
+        parts.append(render_server(res["server"]))
     lg = res.get("large")
     if lg:
         parts.append(f"\n### 3. Large changes\n\n**500-file patch, {lg['files500'][0]['size']} files** (ms; worktree "

@@ -14,9 +14,13 @@ Errors are :class:`patcher.OncepatchError` instances carrying the envelope.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
+# Not typing's: every CLI process imports this package first, and the thin client
+# (patcher.cli.connect) must not pay for typing (mypy takes any TYPE_CHECKING as true).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from cas.errors import OncepatchError
     from patcher.api import Client, status
     from patcher.protocol import ApplyResult, apply

@@ -72,22 +72,28 @@ class Caller:
     groups: frozenset[int] = frozenset()
     user: str = ""
     group_names: frozenset[str] = frozenset()
+    pid: int = 0
+    #: True when the kernel vouched for it (a server's peer, ``SO_PEERCRED``), False for a process's own view
+    peer: bool = False
 
     @classmethod
-    def of(cls, uid: int, gid: int) -> Caller:
-        """The caller ``uid``/``gid``, with its supplementary groups and names from the system's databases."""
+    def of(cls, uid: int, gid: int, groups: frozenset[int] | None = None, *, pid: int = 0,
+           peer: bool = False) -> Caller:
+        """The caller ``uid``/``gid``, with its groups (``None``: from the system's databases) and names."""
         try:
             user = pwd.getpwuid(uid).pw_name
-            groups = frozenset(os.getgrouplist(user, gid))
+            if groups is None:
+                groups = frozenset(os.getgrouplist(user, gid))
         except KeyError:
-            user, groups = "", frozenset({gid})
+            user = ""
+        groups = groups if groups is not None else frozenset({gid})
         names = set()
         for g in groups | {gid}:
             try:
                 names.add(grp.getgrgid(g).gr_name)
             except KeyError:
                 pass
-        return cls(uid, gid, groups | {gid}, user, frozenset(names))
+        return cls(uid, gid, groups | {gid}, user, frozenset(names), pid, peer)
 
     @classmethod
     def current(cls) -> Caller:

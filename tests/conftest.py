@@ -16,16 +16,48 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: ``ONCEPATCH_TEST_SERVER=1``: every ``oncepatch`` process of the tests goes through one
+#: ``oncepatch serve`` of the session (ONCEPATCH_SERVER=require), the CLI contract run again
+#: through the server (.ci/run picks the files); otherwise every one runs in process.
+THROUGH_SERVER = os.environ.get("ONCEPATCH_TEST_SERVER") == "1"
+
+
+def start_server(folder: Path, *extra: str, env: dict[str, str] | None = None) -> int:
+    """``oncepatch serve --background`` in ``folder``: the server's pid (it prints it when ready)."""
+    res = subprocess.run([sys.executable, "-m", "patcher.cli", "serve", "--background", "--socket-dir",
+                          str(folder), *extra], capture_output=True, env=env, check=False, timeout=120)
+    words = res.stdout.decode().split()
+    assert res.returncode == 0 and words[:1] == ["ready"], (res.returncode, res.stdout, res.stderr)
+    return int(words[words.index("pid") + 1])
+
+
+@pytest.fixture(scope="session")
+def session_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path | None]:
+    if not THROUGH_SERVER:
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("server")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONCEPATCH_")}
+    pid = start_server(folder, "--idle", "0", env=env)
+    yield folder
+    os.kill(pid, 15)
+
 
 @pytest.fixture(autouse=True)
-def hermetic(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No developer's git config, store or crash point leaks into a test."""
+def hermetic(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
+             session_server: Path | None) -> None:
+    """No developer's git config, store, crash point or running server leaks into a test."""
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
     for name in list(os.environ):
         if name.startswith("GIT_") or name.startswith("ONCEPATCH_"):
             monkeypatch.delenv(name, raising=False)
+    if session_server is None:
+        monkeypatch.setenv("ONCEPATCH_SERVER", "never")
+    else:
+        monkeypatch.setenv("ONCEPATCH_SERVER", "require")
+        monkeypatch.setenv("ONCEPATCH_SERVER_DIR", str(session_server))
     monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
     monkeypatch.setenv("GIT_AUTHOR_NAME", "Test Author")
     monkeypatch.setenv("GIT_AUTHOR_EMAIL", "author@example.com")

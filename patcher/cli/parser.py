@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any, NoReturn
 
 from cas.errors import UsageError
 from patcher.formats import BUILTIN_NAMES
-from patcher.cli import doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery
+from patcher.cli import doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
 from patcher.version import version
 from patcher.cli.common import Option, add_common, add_options, at_least_one, positive_seconds, seconds
 
-__all__ = ["APPLY_OPTIONS", "build_parser"]
+__all__ = ["APPLY_OPTIONS", "build_parser", "the_parser"]
 
 #: ``apply``'s own options (besides ``--repo``, ``--store``, ``--json`` and the patch).
 APPLY_OPTIONS: tuple[Option, ...] = (
@@ -95,4 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     cli_doctor.register(sub)
     cli_mcp.register(sub)
     cli_keys.register(sub)
+    cli_server.register(sub)
     return parser
+
+
+@functools.cache
+def the_parser() -> argparse.ArgumentParser:
+    """The parser, built once per process: building it is most of a short call's own time
+    (argparse looks up its translations and the terminal's size for every option).  A
+    server builds it before forking its call processes, which share it.
+    """
+    return build_parser()
+

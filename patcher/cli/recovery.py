@@ -65,7 +65,7 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("verify", help="prove every receipt matches its commits and files")
     add_common(p)
-    p.add_argument("--grace", type=seconds, default=_env_seconds("ONCEPATCH_VERIFY_GRACE", 300.0),
+    p.add_argument("--grace", type=seconds, default=None,  # read at the call: the parser is built once
                    help="a prepared receipt fails at once when its call is gone, and after this many "
                         "seconds while its call still holds the key (default $ONCEPATCH_VERIFY_GRACE or 300)")
     p.add_argument("--jobs", type=at_least_one, default=None,
@@ -155,8 +155,9 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     rstore = ReceiptStore(store_root(args))
+    grace = args.grace if args.grace is not None else _env_seconds("ONCEPATCH_VERIFY_GRACE", 300.0)
     with with_progress("verifying: receipts read"):
-        report = verify(rstore, _adapters(rstore), grace=args.grace, progress=_progress,
+        report = verify(rstore, _adapters(rstore), grace=grace, progress=_progress,
                         jobs=args.jobs or (os.cpu_count() or 1), verifiers_factory="patcher.cli.recovery:_adapters")
     doc = report.to_json()
     # Quarantined evidence is reported on every run: verify is never ok-silently about it.

@@ -1,0 +1,227 @@
+"""``oncepatch serve --broker``: a store owned by its own user, callers told apart by the kernel.
+
+Real users made with ``useradd`` (so: root only, as CI runs): the broker owns
+the repository and the store; the agent calls through the broker's socket,
+reads the receipts and runs ``verify``, and cannot write the store; a user
+the broker does not allow is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import secrets
+import signal
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, Repo, make_repo, snapshot
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
+                                reason="needs root and useradd to create the test's users (CI runs as root)")
+
+PATCH = b"--- a/a.txt\n+++ b/a.txt\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n"
+
+
+@dataclass
+class User:
+    name: str
+    uid: int
+    gid: int
+    home: Path
+
+
+@dataclass
+class Box:
+    base: Path
+    python: str
+    env: dict[str, str]
+    broker: User
+    agent: User
+    stranger: User
+    servers: list[int]
+
+    def run(self, user: User, *argv: str, input: bytes | None = None, env: dict[str, str] | None = None,
+            cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:
+        e = {**self.env, "HOME": str(user.home), **(env or {})}
+        return subprocess.run(list(argv), input=input, env=e, cwd=cwd or self.base, capture_output=True,
+                              user=user.uid, group=user.gid, extra_groups=[], timeout=120, check=False)
+
+    def oncepatch(self, user: User, *argv: str, **kw: object) -> subprocess.CompletedProcess[bytes]:
+        return self.run(user, self.python, "-m", "patcher.cli", *argv, **kw)  # type: ignore[arg-type]
+
+
+def _make_user(prefix: str, base: Path) -> User:
+    name = f"{prefix}{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", "--user-group", name],
+                   check=True, capture_output=True)
+    pw = pwd.getpwnam(name)
+    home = base / f"home-{name}"
+    home.mkdir()
+    os.chown(home, pw.pw_uid, pw.pw_gid)
+    return User(name, pw.pw_uid, pw.pw_gid, home)
+
+
+@pytest.fixture
+def box() -> Iterator[Box]:
+    base = Path(tempfile.mkdtemp(prefix="oncepatch-broker-", dir="/tmp"))
+    base.chmod(0o755)
+    users: list[User] = []
+    try:
+        for prefix in ("opb", "opa", "opx"):
+            users.append(_make_user(prefix, base))
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_CONFIG_NOSYSTEM": "1",
+               "ONCEPATCH_SERVER": "require", "ONCEPATCH_SERVER_DIR": str(base / "sock"),
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": f"{ROOT}:{sysconfig.get_paths()['purelib']}"}
+        python = _python_for(users[1], base, env)
+        box = Box(base, python, env, users[0], users[1], users[2], servers=[])
+        try:
+            yield box
+        finally:
+            for pid in box.servers:  # each in a session of its own: the server, its spare, its calls
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    finally:
+        for user in users:
+            _wait_for_no_process_of(user.uid)  # userdel refuses a user whose processes still run
+            subprocess.run(["userdel", user.name], capture_output=True, check=False)
+            subprocess.run(["groupdel", user.name], capture_output=True, check=False)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _wait_for_no_process_of(uid: int, deadline: float = 60.0) -> None:
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        alive = False
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/status") as fh:
+                    fields = dict(line.split(":", 1) for line in fh if ":" in line)
+            except OSError:
+                continue
+            if int(fields.get("Uid", "-1 ").split()[0]) == uid and fields.get("State", "").split()[:1] != ["Z"]:
+                alive = True
+                break
+        if not alive:
+            return
+        time.sleep(0.01)
+
+
+def _python_for(user: User, base: Path, env: dict[str, str]) -> str:
+    """An interpreter of this version that an unprivileged user can run with this checkout's packages."""
+    tried = []
+    for python in (sys.executable, f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
+        try:
+            res = subprocess.run([python, "-c", "import pygit2, orjson, filelock, patcher.cli.run"], env=env,
+                                 cwd=base, capture_output=True, user=user.uid, group=user.gid, extra_groups=[],
+                                 check=False)
+        except OSError as exc:  # not even executable by the user (a home folder it cannot enter)
+            tried.append(f"{python}: {exc.strerror}")
+            continue
+        if res.returncode == 0:
+            return python
+        tried.append(f"{python}: {res.stderr.decode(errors='replace').strip().splitlines()[-1:]}")
+    pytest.skip(f"no interpreter the test's users can run: {tried}")
+
+
+def _broker_repo(box: Box) -> Repo:
+    """A repository the broker owns (libgit2 opens only its own user's repositories)."""
+    repo = make_repo(box.base / "repo", {"a.txt": "a\nb\nc\n"})
+    subprocess.run(["chown", "-R", f"{box.broker.uid}:{box.broker.gid}", str(repo.path)], check=True)
+    repo.git("config", "--global", "--add", "safe.directory", str(repo.path))  # (the test's own git, as root)
+    return repo
+
+
+def _start_broker(box: Box) -> None:
+    sock = box.base / "sock"
+    sock.mkdir(mode=0o755)
+    os.chown(sock, box.broker.uid, box.broker.gid)
+    res = box.oncepatch(box.broker, "serve", "--background", "--broker", "--allow-user", box.agent.name,
+                        "--socket-dir", str(sock), "--idle", "120",
+                        env={"GIT_COMMITTER_NAME": "Broker", "GIT_COMMITTER_EMAIL": "broker@example.com",
+                             "GIT_AUTHOR_NAME": "Broker", "GIT_AUTHOR_EMAIL": "broker@example.com"})
+    assert res.returncode == 0 and res.stdout.startswith(b"ready"), res
+    words = res.stdout.decode().split()
+    box.servers.append(int(words[words.index("pid") + 1]))
+
+
+def test_the_agent_calls_the_broker_reads_and_verifies_and_cannot_write_the_store(box: Box) -> None:
+    repo = _broker_repo(box)
+    _start_broker(box)
+    agent_env = {"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"}
+
+    res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", "k1", input=PATCH, env=agent_env, cwd=repo.path)
+    assert res.returncode == 0, res
+    assert repo.git("log", "-1", "--format=%an|%cn").strip() == "Agent|Broker"  # the agent's authorship only
+    store = repo.store
+    receipt = next(store.glob("receipts/*/*.json"))
+    assert receipt.stat().st_uid == box.broker.uid and store.stat().st_uid == box.broker.uid
+
+    for argv in (("status", "--json", "k1"), ("log", "--json"), ("verify", "--json")):
+        res = box.oncepatch(box.agent, *argv, cwd=repo.path)
+        assert res.returncode == 0, (argv, res)
+    res = box.run(box.agent, box.python, "-c", f"print(open({str(receipt)!r}).read())")
+    assert res.returncode == 0 and b'"committed"' in res.stdout  # receipts are readable
+
+    before = snapshot(repo)
+    for target in (receipt, store / "events.jsonl", receipt.parent / "forged.json"):
+        res = box.run(box.agent, "sh", "-c", f"echo x >> '{target}'")
+        assert res.returncode != 0, target  # the store is not writable by the agent
+    # In its own process the agent cannot commit either, and changes nothing.
+    res = box.oncepatch(box.agent, "apply", "--json", "--no-server", "-", "--key", "k2",
+                        input=PATCH.replace(b"+B", b"+BB").replace(b"-b", b"-B"), cwd=repo.path)
+    assert res.returncode != 0
+    # Through the broker: no other store, no command run as the broker, no file read as it.
+    for argv in (("--store", str(box.base / "elsewhere")), ("--check", "true")):
+        res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", "k3", *argv, input=PATCH, cwd=repo.path)
+        assert res.returncode == 2, (argv, res)
+    res = box.oncepatch(box.agent, "apply", "--json", str(receipt), cwd=repo.path)
+    assert res.returncode == 2, res
+    assert snapshot(repo) == before
+
+
+def test_a_caller_the_broker_does_not_allow_is_refused(box: Box) -> None:
+    repo = _broker_repo(box)
+    _start_broker(box)
+    before = snapshot(repo)
+    res = box.oncepatch(box.stranger, "apply", "--json", "-", "--key", "k1", input=PATCH, cwd=repo.path)
+    assert res.returncode == 5 and b"not allowed" in res.stdout, res
+    assert snapshot(repo) == before
+
+
+def test_the_call_receives_the_caller_the_kernel_reports(box: Box) -> None:
+    """The hook an authorize step reads: ``caller=(uid, gid, groups)`` of the socket's peer."""
+    sock = box.base / "sock"
+    sock.mkdir(mode=0o755)
+    os.chown(sock, box.broker.uid, box.broker.gid)
+    probe = (
+        "import sys\n"
+        "from patcher.cli import parser, server\n"
+        "args = parser.build_parser().parse_args(sys.argv[1:])\n"
+        "def call(argv, *, caller, confined):\n"
+        "    print(f'caller {caller.uid} {caller.gid} {caller.peer} confined {confined}', flush=True)\n"
+        "    return 0\n"
+        "server.serve(args, call)\n"
+    )
+    proc = subprocess.Popen([box.python, "-c", probe, "serve", "--broker", "--allow-user", box.agent.name,
+                             "--socket-dir", str(sock), "--idle", "120"], env={**box.env, "HOME": str(box.broker.home)},
+                            cwd=box.base, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            user=box.broker.uid, group=box.broker.gid, extra_groups=[], start_new_session=True)
+    box.servers.append(proc.pid)
+    assert proc.stderr is not None
+    assert b"ready" in proc.stderr.readline()
+    res = box.oncepatch(box.agent, "status", "anything")
+    assert res.returncode == 0, res
+    assert res.stdout.decode().split() == ["caller", str(box.agent.uid), str(box.agent.gid), "True",
+                                           "confined", "True"]

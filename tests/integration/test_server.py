@@ -1,0 +1,420 @@
+"""``oncepatch serve`` and the CLI as its thin client: same answers, and a lifecycle that never lies.
+
+Every call here goes through real processes: a server started with
+``serve --background``, clients run as ``python -m patcher.cli``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Repo, make_repo, run_cli, start_server
+from torture_driver import commits_with_trailer
+
+from patcher.cli import connect
+
+PATCH = b"--- a/src/app.py\n+++ b/src/app.py\n@@ -6,3 +6,3 @@\n line 6\n-line 7\n+line seven\n line 8\n"
+OTHER = b"--- a/src/app.py\n+++ b/src/app.py\n@@ -1,3 +1,3 @@\n line 1\n-line 2\n+line two\n line 3\n"
+BAD = b"--- a/src/app.py\n+++ b/src/app.py\n@@ -1,3 +1,3 @@\n nope 1\n-nope 2\n+line two\n nope 3\n"
+NEW = b"--- /dev/null\n+++ b/pkg/new.txt\n@@ -0,0 +1 @@\n+brand new\n"
+FILES: dict[str, str | bytes] = {"README": "hello\n", "src/app.py": "".join(f"line {i}\n" for i in range(1, 21))}
+#: Fixed dates: the same call in two repositories of the same content makes the same commit.
+DATES = {"GIT_AUTHOR_DATE": "1700000000 +0000", "GIT_COMMITTER_DATE": "1700000000 +0000"}
+
+
+class Server:
+    def __init__(self, folder: Path, *extra: str) -> None:
+        self.folder = folder
+        self.pid = start_server(folder, "--idle", "120", *extra)
+        self.env = {"ONCEPATCH_SERVER": "require", "ONCEPATCH_SERVER_DIR": str(folder)}
+
+    def children(self) -> list[int]:
+        return children_of(self.pid)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # its own session: the server, its spare, its calls
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    srv = Server(tmp_path / "srv")
+    yield srv
+    srv.stop()
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def wait_for(what: Callable[[], Any], message: str, deadline: float = 60.0) -> Any:
+    """Poll ``what`` until it is true (an event another process makes happen), at most ``deadline`` s."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {message}")
+
+
+def cwd_of(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def normal(doc: Any, repo: Path) -> Any:
+    """A document without what differs between two runs: times, owners, digests over them, the repo path."""
+    if isinstance(doc, dict):
+        return {k: normal(v, repo) for k, v in doc.items()
+                if k not in {"at", "created_at", "updated_at", "owner", "receipt_sha256", "prev"}}
+    if isinstance(doc, list):
+        return [normal(v, repo) for v in doc]
+    if isinstance(doc, str):
+        return doc.replace(str(repo), "<repo>")
+    return doc
+
+
+def test_the_answers_are_the_same_through_the_server(tmp_path: Path, server: Server,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in DATES.items():  # the initial commits too
+        monkeypatch.setenv(name, value)
+    calls: list[tuple[tuple[str, ...], bytes | None]] = [
+        (("apply", "--json", "-", "--key", "k1"), PATCH),
+        (("apply", "--json", "-", "--key", "k1"), PATCH),  # replay
+        (("apply", "--json", "-", "--key", "k1"), OTHER),  # conflict: exit 3
+        (("apply", "--json", "-", "--key", "k2"), BAD),  # rejected: exit 4
+        (("apply", "-", "--key", "k3"), NEW),  # human text
+        (("apply", "--json", "patch.diff"), None),  # a file, relative to the working folder
+        (("apply", "--json", "missing.diff"), None),  # unreadable: exit 2
+        (("status", "--json", "k1"), None),
+        (("status", "k1"), None),
+        (("status", "--json", "nope"), None),
+        (("log", "--json"), None),
+        (("verify", "--json"), None),
+        (("recover", "--json"), None),
+        (("apply", "--json", "--bogus"), None),  # usage: exit 2
+    ]
+    runs = {}
+    heads = {}
+    for name, env in (("in-process", {"ONCEPATCH_SERVER": "never"}), ("server", server.env)):
+        # One path for both (the repository's path is part of every call_id): the first moves aside.
+        repo = make_repo(tmp_path / "repo", FILES)
+        (repo.path / "patch.diff").write_bytes(OTHER)
+        runs[name] = [run_cli(*argv, cwd=repo.path, input=data, env=env)
+                      for argv, data in calls]
+        heads[name] = repo.head()
+        (tmp_path / "repo").rename(tmp_path / name)
+    ra, rb = runs["in-process"], runs["server"]
+    for (argv, _), x, y in zip(calls, ra, rb):
+        assert x.code == y.code, (argv, x, y)
+        if "--json" in argv:
+            assert normal(x.json, tmp_path) == normal(y.json, tmp_path), argv
+        else:
+            assert x.out.split("updated")[0] == y.out.split("updated")[0], argv  # (status: a time last)
+    assert [x.code for x in ra] == [0, 0, 3, 4, 0, 0, 2, 0, 0, 2, 0, 0, 0, 2]
+    assert heads["in-process"] == heads["server"]  # the same commits, byte for byte
+    # Without the server, require refuses: the answers above came through it.
+    server.stop()
+    res = run_cli("status", "--json", "k1", cwd=tmp_path / "server", env=server.env)
+    assert res.code == 5 and res.json["error"]["type"] == "io_error", res
+
+
+def test_the_call_takes_the_callers_identity_umask_and_folder(tmp_path: Path, server: Server) -> None:
+    repo = make_repo(tmp_path / "repo", FILES)
+    env = {**server.env, "GIT_AUTHOR_NAME": "Caller Person", "GIT_AUTHOR_EMAIL": "caller@example.com"}
+    res = subprocess.run([sys.executable, "-m", "patcher.cli", "apply", "--json", "-"], input=NEW,
+                         cwd=repo.path / "src", env={**os.environ, **env}, capture_output=True,
+                         preexec_fn=lambda: os.umask(0o077), check=False)
+    assert res.returncode == 0, res.stderr
+    assert repo.git("log", "-1", "--format=%an <%ae>").strip() == "Caller Person <caller@example.com>"
+    assert (repo.path / "pkg/new.txt").stat().st_mode & 0o777 == 0o600
+    # The server's own environment (another author) did not leak into the next call.
+    res = run_cli("apply", "--json", "-", input=PATCH, cwd=repo.path, env=server.env)
+    assert res.code == 0
+    assert repo.git("log", "-1", "--format=%an").strip() == "Test Author"
+
+
+def test_a_server_of_another_version_is_never_asked(tmp_path: Path, server: Server) -> None:
+    repo = make_repo(tmp_path / "repo", FILES)
+    other = {"ONCEPATCH_MAX_PATCH_BYTES": str(1 << 20)}  # an import-time limit: part of the version
+    res = run_cli("apply", "--json", "-", input=PATCH, cwd=repo.path, env={**server.env, **other})
+    assert res.code == 5 and res.json["error"]["effect_status"] == "not_started", res
+    assert repo.count() == 1
+    res = run_cli("apply", "--json", "-", input=PATCH, cwd=repo.path,
+                  env={**server.env, **other, "ONCEPATCH_SERVER": "auto"})
+    assert res.code == 0 and res.json["status"] == "committed"  # in process
+    # A request carrying another token is refused before anything runs.
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(connect.socket_path(str(server.folder), connect.version_token()))
+        payload = b"\0".join([connect.PROTOCOL, b"0" * 16, b"18", b"1", b"status"])
+        socket.send_fds(s, [len(payload).to_bytes(4, "big") + payload], [0, 1, 2, 0])
+        assert s.makefile("rb").readline().startswith(b"Ranother version")
+
+
+def test_a_stale_socket_is_passed_over_then_replaced(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", FILES)
+    folder = tmp_path / "srv"
+    folder.mkdir(mode=0o700)
+    path = connect.socket_path(str(folder), connect.version_token())
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)
+    stale.close()  # the file stays, nobody listens: a server that was killed
+    env = {"ONCEPATCH_SERVER_DIR": str(folder)}
+    res = run_cli("apply", "--json", "-", input=PATCH, cwd=repo.path, env={**env, "ONCEPATCH_SERVER": "auto"})
+    assert res.code == 0 and res.json["status"] == "committed"
+    res = run_cli("status", "--json", res.json["key"], cwd=repo.path, env={**env, "ONCEPATCH_SERVER": "require"})
+    assert res.code == 5 and res.json["error"]["type"] == "io_error"
+    srv = Server(folder)
+    try:
+        res = run_cli("log", "--json", cwd=repo.path, env=srv.env)
+        assert res.code == 0 and len(res.json["events"]) == 2
+    finally:
+        srv.stop()
+
+
+def test_two_servers_racing_to_start_leave_one(tmp_path: Path) -> None:
+    folder = tmp_path / "srv"
+    argv = [sys.executable, "-m", "patcher.cli", "serve", "--background", "--idle", "120", "--socket-dir", str(folder)]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    said = sorted(p.communicate(timeout=120)[0].decode().split() for p in procs)
+    assert [p.returncode for p in procs] == [0, 0]
+    assert [words[0] for words in said] == ["ready", "running"], said  # the lock lets one listen
+    pid = int(said[0][said[0].index("pid") + 1])
+    repo = make_repo(tmp_path / "repo", FILES)
+    try:
+        res = run_cli("apply", "--json", "-", input=PATCH, cwd=repo.path,
+                      env={"ONCEPATCH_SERVER": "require", "ONCEPATCH_SERVER_DIR": str(folder)})
+        assert res.code == 0, res
+    finally:
+        os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_full_backlog_runs_the_call_here(tmp_path: Path) -> None:
+    srv = Server(tmp_path / "srv", "--backlog", "1")
+    repo = make_repo(tmp_path / "repo", FILES)
+    fillers: list[socket.socket] = []
+    os.kill(srv.pid, signal.SIGSTOP)  # listening, accepting nothing
+    try:
+        path = connect.socket_path(str(srv.folder), connect.version_token())
+        while True:
+            s = socket.socket(socket.AF_UNIX)
+            s.setblocking(False)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                s.close()
+                break
+            fillers.append(s)
+            assert len(fillers) < 64
+        res = run_cli("apply", "--json", "-", input=PATCH, cwd=repo.path, env={**srv.env, "ONCEPATCH_SERVER": "auto"})
+        assert res.code == 0 and res.json["status"] == "committed"  # in process, at once
+        res = run_cli("status", "--json", res.json["key"], cwd=repo.path, env=srv.env)
+        assert res.code == 5 and res.json["error"]["effect_status"] == "not_started"
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+        for s in fillers:
+            s.close()
+    res = run_cli("log", "--json", cwd=repo.path, env=srv.env)  # served again once it runs
+    assert res.code == 0, res
+    srv.stop()
+
+
+@pytest.mark.parametrize("point", ["after-stage", "after-prepare", "after-index-ahead", "after-ref",
+                                   "after-materialise", "before-receipt-replace"])
+def test_a_call_process_killed_at_a_crash_point_ends_in_one_commit_or_none(
+        tmp_path: Path, server: Server, point: str) -> None:
+    repo = make_repo(tmp_path / "repo", FILES)
+    res = run_cli("apply", "--json", "-", "--key", "k", input=PATCH, cwd=repo.path,
+                  env={**server.env, "ONCEPATCH_CRASH_AT": point})
+    assert res.code == 137 and res.out == "", res  # as the process would have in process
+    assert "recover" in res.err
+    rec = run_cli("recover", "--json", "--tmp-age", "0", cwd=repo.path, env=server.env)
+    assert rec.code == 0, rec
+    status = run_cli("status", "--json", "k", cwd=repo.path, env=server.env)
+    landed = point in ("after-ref", "after-materialise", "before-receipt-replace")
+    if landed:
+        assert status.json["receipt"]["status"] == "committed"
+        assert len(commits_with_trailer(repo.path, status.json["receipt"]["call_id"])) == 1
+    else:
+        assert repo.count() == 1 and status.code in (0, 2)
+    again = run_cli("apply", "--json", "-", "--key", "k", input=PATCH, cwd=repo.path, env=server.env)
+    assert again.code == 0 and repo.count() == 2
+    assert run_cli("verify", cwd=repo.path, env=server.env).code == 0
+
+
+def _hold_the_key(repo: Repo) -> subprocess.Popen[bytes]:
+    """An in-process apply of key 'k' stopped after its prepare, holding the key's lock."""
+    env = {**os.environ, "ONCEPATCH_SERVER": "never", "ONCEPATCH_PAUSE_AT": "after-prepare"}
+    holder = subprocess.Popen([sys.executable, "-m", "patcher.cli", "apply", "--json", "-", "--key", "k"],
+                              cwd=repo.path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    assert holder.stdin is not None
+    holder.stdin.write(PATCH)
+    holder.stdin.close()
+    holder.stdin = None
+    wait_for(lambda: _state(holder.pid) == "T", "the holder to stop after its prepare")
+    return holder
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "?"
+
+
+def _waiting_call(server: Server, repo: Repo) -> int:
+    """The server's process running a call in ``repo`` (it took the caller's working folder)."""
+    return int(wait_for(lambda: next((p for p in server.children() if cwd_of(p) == str(repo.path)), None),
+                        "the server's call to start"))
+
+
+def _client(repo: Repo, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    client = subprocess.Popen([sys.executable, "-m", "patcher.cli", "apply", "--json", "-", "--key", "k",
+                               "--lock-timeout", "120"], cwd=repo.path, env={**os.environ, **env},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert client.stdin is not None
+    client.stdin.write(PATCH)
+    client.stdin.close()
+    client.stdin = None  # (communicate() must not flush it)
+    return client
+
+
+def test_the_server_killed_while_a_client_waits_still_answers_truly(tmp_path: Path, server: Server) -> None:
+    repo = make_repo(tmp_path / "repo", FILES)
+    holder = _hold_the_key(repo)
+    client = _client(repo, server.env)
+    call = _waiting_call(server, repo)
+    os.kill(server.pid, signal.SIGKILL)  # the listening process: the call's own process goes on
+    os.kill(holder.pid, signal.SIGCONT)
+    assert holder.wait(timeout=120) == 0
+    out, err = client.communicate(timeout=120)
+    assert client.returncode == 0, err
+    import json
+
+    doc = json.loads(out)
+    assert doc["replayed"] is True and doc["commit"] == repo.head() and repo.count() == 2
+    wait_for(lambda: gone(call), "the call's process to end")
+
+
+def test_the_whole_server_killed_mid_call_answers_unknown_then_recover_settles(
+        tmp_path: Path, server: Server) -> None:
+    repo = make_repo(tmp_path / "repo", FILES)
+    holder = _hold_the_key(repo)
+    client = _client(repo, server.env)
+    call = _waiting_call(server, repo)
+    os.killpg(server.pid, signal.SIGKILL)  # the server, its spare and the call's process
+    out, err = client.communicate(timeout=120)
+    import json
+
+    doc = json.loads(out)
+    assert client.returncode == 5, err
+    assert doc["error"]["effect_status"] == "unknown" and doc["error"]["next_action"] == "recover"
+    wait_for(lambda: gone(call), "the call's process to end")
+    os.kill(holder.pid, signal.SIGCONT)
+    assert holder.wait(timeout=120) == 0
+    rec = run_cli("recover", "--json", "--tmp-age", "0", cwd=repo.path)
+    assert rec.code == 0
+    assert repo.count() == 2  # one commit for the key
+    assert run_cli("verify", cwd=repo.path).code == 0
+
+
+def test_a_client_killed_mid_call_does_not_stop_the_call(tmp_path: Path, server: Server) -> None:
+    repo = make_repo(tmp_path / "repo", FILES)
+    holder = _hold_the_key(repo)
+    client = _client(repo, {**server.env})
+    call = _waiting_call(server, repo)
+    client.kill()
+    client.wait()
+    os.kill(holder.pid, signal.SIGCONT)
+    assert holder.wait(timeout=120) == 0
+    wait_for(lambda: gone(call), "the call's process to end")  # it finished its call (a replay)
+    status = run_cli("status", "--json", "k", cwd=repo.path, env=server.env)
+    assert status.code == 0 and status.json["receipt"]["status"] == "committed"
+    assert repo.count() == 2
+    assert run_cli("verify", cwd=repo.path, env=server.env).code == 0
+
+
+def test_an_idle_server_exits_and_takes_its_socket_away(tmp_path: Path) -> None:
+    folder = tmp_path / "srv"
+    pid = start_server(folder, "--idle", "0.5")
+    path = connect.socket_path(str(folder), connect.version_token())
+    assert os.path.exists(path) and os.stat(folder).st_mode & 0o777 == 0o700
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    wait_for(lambda: gone(pid), "the idle server to exit")
+    assert not os.path.exists(path)
+
+
+def test_a_served_call_loads_only_the_thin_client(tmp_path: Path, server: Server) -> None:
+    repo = make_repo(tmp_path / "repo", FILES)
+    probe = ("import sys\nsys.argv = ['oncepatch', 'log', '--json']\nfrom patcher.cli import main\nrc = main()\n"
+             "sys.stderr.write('MODULES ' + ' '.join(sorted(sys.modules)) + '\\n')\nsys.exit(rc)\n")
+    res = subprocess.run([sys.executable, "-c", probe], cwd=repo.path, env={**os.environ, **server.env},
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+    assert '"events":[]' in res.stdout.replace(" ", "")
+    mods = set(res.stderr.split("MODULES ")[-1].split())
+    heavy = {m for m in mods if m.split(".")[0] in {"pygit2", "cas", "receipts", "orjson", "filelock", "json",
+                                                     "argparse", "typing", "dataclasses"}}
+    assert not heavy and "patcher.cli.run" not in mods, heavy
+
+
+def test_start_runs_this_call_here_and_starts_a_server_for_the_next(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", FILES)
+    folder = tmp_path / "srv"
+    env = {"ONCEPATCH_SERVER_DIR": str(folder)}
+    res = run_cli("apply", "--json", "-", input=PATCH, cwd=repo.path, env={**env, "ONCEPATCH_SERVER": "start"})
+    assert res.code == 0 and res.json["status"] == "committed"  # in process: no server was running
+    path = connect.socket_path(str(folder), connect.version_token())
+    try:
+        wait_for(lambda: os.path.exists(path), "the server started for the next call")
+        res = run_cli("log", "--json", cwd=repo.path, env={**env, "ONCEPATCH_SERVER": "require"})
+        assert res.code == 0 and len(res.json["events"]) == 2
+    finally:
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    mine = f"ONCEPATCH_SERVER_DIR={folder}".encode() in fh.read().split(b"\0")
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    serving = fh.read().split(b"\0")[-2:-1] == [b"serve"]
+            except OSError:
+                continue
+            try:
+                if mine and serving and os.getpgid(pid) == pid:  # the server (its spare is in its group)
+                    os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
