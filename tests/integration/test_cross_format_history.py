@@ -9,8 +9,9 @@ commits must have the same tree oid, which must be C's tree when nothing was
 skipped (else C's blob at every converted path).  What the envelope cannot say
 (symlinks, mode changes, binary files) is skipped and counted.
 
-Histories: this project's own (``/work/main``, cloned; skipped if it has fewer
-than two commits) and a generated one with renames, CRLF, missing final
+Histories: this project's own (cloned; skipped if it has fewer than two
+commits; in the default run a sample of ``PROJECT_SAMPLE`` commits, the newest
+ones and a spread over the older ones, every commit under ``scripts/test --all``) and a generated one with renames, CRLF, missing final
 newlines, deletes, empty files, repeated blocks (so context must grow),
 non-UTF-8 bytes, trailing whitespace, and the unsupported kinds.
 """
@@ -49,10 +50,24 @@ def _blob(repo: Path, rev: str, path: str) -> bytes | None:
     return res.stdout if res.returncode == 0 else None
 
 
-def check_history(repo: Path) -> Tally:
+def sample(lines: list[str], newest: int, spread: int) -> list[str]:
+    """The ``newest`` last items and ``spread`` more evenly spaced over the older ones (all if fewer)."""
+    if len(lines) <= newest + spread:
+        return lines
+    older = lines[:-newest]
+    picked = {round(i * (len(older) - 1) / (spread - 1)) for i in range(spread)}
+    return [line for i, line in enumerate(older) if i in picked] + lines[-newest:]
+
+
+def check_history(repo: Path, commits: int | None = None) -> Tally:
+    """Every commit of the history, or (``commits``) the newest half of that many and the rest spread
+    evenly over the older ones."""
     tally = Tally()
-    lines = _out(repo, "rev-list", "--reverse", "--no-merges", "--parents", "HEAD").decode().split("\n")
-    for n, line in enumerate(filter(None, lines)):
+    lines = [ln for ln in _out(repo, "rev-list", "--reverse", "--no-merges", "--parents", "HEAD").decode().split("\n")
+             if ln]
+    if commits is not None:
+        lines = sample(lines, commits // 2, commits - commits // 2)
+    for n, line in enumerate(lines):
         commit, *parents = line.split()
         if not parents:
             continue
@@ -80,14 +95,25 @@ def check_history(repo: Path) -> Tally:
     return tally
 
 
-def test_project_history_converts_to_the_same_trees(tmp_path: Path) -> None:
+#: Commits of the project's history converted in the default run: the newest half, the rest spread
+#: over the older ones (every commit, a number that grows with the project, under ``--all``).
+PROJECT_SAMPLE = 40
+
+
+@pytest.mark.parametrize("commits", [
+    PROJECT_SAMPLE,
+    pytest.param(None, marks=pytest.mark.slow, id="all"),
+], ids=str)
+def test_project_history_converts_to_the_same_trees(tmp_path: Path, commits: int | None) -> None:
     count = int(_out(PROJECT, "rev-list", "--count", "HEAD").strip() or 0)
     if count < 2:
         pytest.skip("the project history has fewer than two commits")
     clone = tmp_path / "self"
     git(tmp_path, "clone", "-q", "--no-hardlinks", str(PROJECT), str(clone))
-    tally = check_history(clone)
+    tally = check_history(clone, commits)
     assert tally.compared >= 1
+    if commits is not None and count > 2 * commits:
+        assert tally.commits >= commits - 1  # the whole sample ran (the root, if drawn, has no parent)
     # Only what the envelope cannot say may be skipped (never a mismatch, offset or ambiguity).
     allowed = {"mode", "symlink", "binary", "mixed line endings", "marker line"}
     assert {why for _, _, why in tally.skipped_files} <= allowed, tally.skipped_files
