@@ -159,6 +159,22 @@ def diff_of(repo: Repo, a: str, b: str) -> bytes:
                           capture_output=True, check=True).stdout
 
 
+#: Commits of the project's own history replayed by the default run (the history tests): its
+#: length grows with every commit landed; ``scripts/test --all`` (the ``slow`` variants) takes them all.
+HISTORY_SAMPLE = 40
+
+
+def history_sample(items: list[Any], size: int = HISTORY_SAMPLE) -> list[Any]:
+    """``size`` of a history's ``items`` (oldest first): the newest half, the rest spread evenly over the
+    older ones, the oldest included. Deterministic: a failure names a commit the next run checks again."""
+    newest, spread = size // 2, size - size // 2
+    if len(items) <= size:
+        return list(items)
+    older = items[:-newest]
+    picked = {round(i * (len(older) - 1) / (spread - 1)) for i in range(spread)}
+    return [item for i, item in enumerate(older) if i in picked] + list(items[-newest:])
+
+
 @pytest.fixture
 def tmp_repo_factory(tmp_path: Path) -> Iterator[Any]:
     n = [0]

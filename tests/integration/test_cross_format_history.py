@@ -10,7 +10,7 @@ skipped (else C's blob at every converted path).  What the envelope cannot say
 (symlinks, mode changes, binary files) is skipped and counted.
 
 Histories: this project's own (cloned; skipped if it has fewer than two
-commits; in the default run a sample of ``PROJECT_SAMPLE`` commits, the newest
+commits; in the default run a sample of ``HISTORY_SAMPLE`` commits, the newest
 ones and a spread over the older ones, every commit under ``scripts/test --all``) and a generated one with renames, CRLF, missing final
 newlines, deletes, empty files, repeated blocks (so context must grow),
 non-UTF-8 bytes, trailing whitespace, and the unsupported kinds.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Repo, git, make_repo
+from conftest import HISTORY_SAMPLE, Repo, git, history_sample, make_repo
 from patcher.formats.convert import unified_to_envelope
 from patcher.protocol import apply
 
@@ -50,23 +50,13 @@ def _blob(repo: Path, rev: str, path: str) -> bytes | None:
     return res.stdout if res.returncode == 0 else None
 
 
-def sample(lines: list[str], newest: int, spread: int) -> list[str]:
-    """The ``newest`` last items and ``spread`` more evenly spaced over the older ones (all if fewer)."""
-    if len(lines) <= newest + spread:
-        return lines
-    older = lines[:-newest]
-    picked = {round(i * (len(older) - 1) / (spread - 1)) for i in range(spread)}
-    return [line for i, line in enumerate(older) if i in picked] + lines[-newest:]
-
-
 def check_history(repo: Path, commits: int | None = None) -> Tally:
-    """Every commit of the history, or (``commits``) the newest half of that many and the rest spread
-    evenly over the older ones."""
+    """Every commit of the history, or a sample of ``commits`` of them (:func:`conftest.history_sample`)."""
     tally = Tally()
     lines = [ln for ln in _out(repo, "rev-list", "--reverse", "--no-merges", "--parents", "HEAD").decode().split("\n")
              if ln]
     if commits is not None:
-        lines = sample(lines, commits // 2, commits - commits // 2)
+        lines = history_sample(lines, commits)
     for n, line in enumerate(lines):
         commit, *parents = line.split()
         if not parents:
@@ -95,13 +85,8 @@ def check_history(repo: Path, commits: int | None = None) -> Tally:
     return tally
 
 
-#: Commits of the project's history converted in the default run: the newest half, the rest spread
-#: over the older ones (every commit, a number that grows with the project, under ``--all``).
-PROJECT_SAMPLE = 40
-
-
 @pytest.mark.parametrize("commits", [
-    PROJECT_SAMPLE,
+    HISTORY_SAMPLE,
     pytest.param(None, marks=pytest.mark.slow, id="all"),
 ], ids=str)
 def test_project_history_converts_to_the_same_trees(tmp_path: Path, commits: int | None) -> None:
