@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+import forked_cli
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -110,14 +112,24 @@ class Run:
 
 def run_cli(*args: str, cwd: Path | str | None = None, input: bytes | None = None,
             env: dict[str, str] | None = None, timeout: float = 120) -> Run:
+    """``python -m patcher.cli *args``: forked from a server that imported it (tests/forked_cli.py), or a
+    fresh process where the fork could differ (a variable the imports read, ``ONCEPATCH_TEST_FORK=0``)."""
     e = dict(os.environ)
     if env:
         e.update(env)
+    if forked_cli.can_fork(e):
+        code, out, err = forked_cli.run(list(args), cwd=None if cwd is None else str(cwd), input=input, env=e,
+                                        timeout=timeout)
+        return Run(code, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
     res = subprocess.run(
         [sys.executable, "-m", "patcher.cli", *args], cwd=cwd, input=input, capture_output=True,
         env=e, timeout=timeout, check=False,
     )
     return Run(res.returncode, res.stdout.decode("utf-8", "replace"), res.stderr.decode("utf-8", "replace"))
+
+
+def pytest_sessionfinish() -> None:
+    forked_cli.shutdown()
 
 
 @pytest.fixture
