@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+import forked_cli
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: ``ONCEPATCH_TEST_SERVER=1``: every ``oncepatch`` process of the tests goes through one
@@ -142,14 +144,24 @@ class Run:
 
 def run_cli(*args: str, cwd: Path | str | None = None, input: bytes | None = None,
             env: dict[str, str] | None = None, timeout: float = 120) -> Run:
+    """``python -m patcher.cli *args``: forked from a server that imported it (tests/forked_cli.py), or a
+    fresh process where the fork could differ (a variable the imports read, ``ONCEPATCH_TEST_FORK=0``)."""
     e = dict(os.environ)
     if env:
         e.update(env)
+    if forked_cli.can_fork(e):
+        code, out, err = forked_cli.run(list(args), cwd=None if cwd is None else str(cwd), input=input, env=e,
+                                        timeout=timeout)
+        return Run(code, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
     res = subprocess.run(
         [sys.executable, "-m", "patcher.cli", *args], cwd=cwd, input=input, capture_output=True,
         env=e, timeout=timeout, check=False,
     )
     return Run(res.returncode, res.stdout.decode("utf-8", "replace"), res.stderr.decode("utf-8", "replace"))
+
+
+def pytest_sessionfinish() -> None:
+    forked_cli.shutdown()
 
 
 @pytest.fixture
@@ -189,6 +201,22 @@ def snapshot(repo: Repo, store: Path | None = None) -> dict[str, Any]:
 def diff_of(repo: Repo, a: str, b: str) -> bytes:
     return subprocess.run(["git", "diff", "--full-index", "--binary", a, b], cwd=repo.path,
                           capture_output=True, check=True).stdout
+
+
+#: Commits of the project's own history replayed by the default run (the history tests): its
+#: length grows with every commit landed; ``scripts/test --all`` (the ``slow`` variants) takes them all.
+HISTORY_SAMPLE = 40
+
+
+def history_sample(items: list[Any], size: int = HISTORY_SAMPLE) -> list[Any]:
+    """``size`` of a history's ``items`` (oldest first): the newest half, the rest spread evenly over the
+    older ones, the oldest included. Deterministic: a failure names a commit the next run checks again."""
+    newest, spread = size // 2, size - size // 2
+    if len(items) <= size:
+        return list(items)
+    older = items[:-newest]
+    picked = {round(i * (len(older) - 1) / (spread - 1)) for i in range(spread)}
+    return [item for i, item in enumerate(older) if i in picked] + list(items[-newest:])
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ them.  The tests here hold oncepatch to the same standard.
 
 Everything is driven through the documented CLI only (``python -m
 patcher.cli apply PATCH --repo R --key K --json``, ``recover``, ``verify``):
-each call is its own process, as an agent's would be.  Every process started
+each call is its own process, as an agent's would be (forked from the tests' CLI
+server, tests/forked_cli.py, except where a call is killed or its time measured).  Every process started
 here is registered with a :class:`Procs` and reaped, whatever happens.
 
 The checks after a run (:func:`final_problems`):
@@ -39,6 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import forked_cli
 
 __all__ = [
     "MAINTENANCE",
@@ -266,8 +269,18 @@ def outcome_of(key: str, code: int, out: bytes, err: bytes) -> Outcome:
 
 
 def apply(procs: Procs, repo: Path, patch: Path, key: str, branch: str | None = None,
-          env: dict[str, str] | None = None) -> Outcome:
-    code, out, err = procs.run(apply_argv(repo, patch, key, branch), env=env)
+          env: dict[str, str] | None = None, fork: bool = True) -> Outcome:
+    """One ``apply`` process to its end. Forked from the tests' CLI server (tests/forked_cli.py: a process
+    of its own, without the interpreter's start-up) unless ``fork`` is false: a call whose time is
+    measured to draw kill moments for real processes must be one itself."""
+    argv = apply_argv(repo, patch, key, branch)
+    full_env = dict(os.environ if env is None else env)
+    if fork and forked_cli.can_fork(full_env):
+        if procs.closed:
+            raise RuntimeError("the test is over: no new process")
+        code, out, err = forked_cli.run(argv[3:], cwd=None, input=None, env=full_env, timeout=DEADLINE)
+    else:
+        code, out, err = procs.run(argv, env=env)
     return outcome_of(key, code, out, err)
 
 
@@ -312,7 +325,7 @@ def measure_apply(procs: Procs, repo: Path, patches: Sequence[Path], branch: str
     def work(w: int) -> None:
         for n in range(w, len(patches), workers):
             t0 = time.monotonic()
-            o = apply(procs, repo, patches[n], f"measure-{n}", branch)
+            o = apply(procs, repo, patches[n], f"measure-{n}", branch, fork=False)
             times.append(time.monotonic() - t0)
             assert workers > 1 or o.committed, f"a clean apply failed: {o.describe()}"
 

@@ -9,8 +9,9 @@ commits must have the same tree oid, which must be C's tree when nothing was
 skipped (else C's blob at every converted path).  What the envelope cannot say
 (symlinks, mode changes, binary files) is skipped and counted.
 
-Histories: this project's own (``/work/main``, cloned; skipped if it has fewer
-than two commits) and a generated one with renames, CRLF, missing final
+Histories: this project's own (cloned; skipped if it has fewer than two
+commits; in the default run a sample of ``HISTORY_SAMPLE`` commits, the newest
+ones and a spread over the older ones, every commit under ``scripts/test --all``) and a generated one with renames, CRLF, missing final
 newlines, deletes, empty files, repeated blocks (so context must grow),
 non-UTF-8 bytes, trailing whitespace, and the unsupported kinds.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Repo, git, make_repo
+from conftest import HISTORY_SAMPLE, Repo, git, history_sample, make_repo
 from tests.convert import unified_to_envelope
 from patcher.protocol import apply
 
@@ -49,10 +50,14 @@ def _blob(repo: Path, rev: str, path: str) -> bytes | None:
     return res.stdout if res.returncode == 0 else None
 
 
-def check_history(repo: Path) -> Tally:
+def check_history(repo: Path, commits: int | None = None) -> Tally:
+    """Every commit of the history, or a sample of ``commits`` of them (:func:`conftest.history_sample`)."""
     tally = Tally()
-    lines = _out(repo, "rev-list", "--reverse", "--no-merges", "--parents", "HEAD").decode().split("\n")
-    for n, line in enumerate(filter(None, lines)):
+    lines = [ln for ln in _out(repo, "rev-list", "--reverse", "--no-merges", "--parents", "HEAD").decode().split("\n")
+             if ln]
+    if commits is not None:
+        lines = history_sample(lines, commits)
+    for n, line in enumerate(lines):
         commit, *parents = line.split()
         if not parents:
             continue
@@ -80,14 +85,20 @@ def check_history(repo: Path) -> Tally:
     return tally
 
 
-def test_project_history_converts_to_the_same_trees(tmp_path: Path) -> None:
+@pytest.mark.parametrize("commits", [
+    HISTORY_SAMPLE,
+    pytest.param(None, marks=pytest.mark.slow, id="all"),
+], ids=str)
+def test_project_history_converts_to_the_same_trees(tmp_path: Path, commits: int | None) -> None:
     count = int(_out(PROJECT, "rev-list", "--count", "HEAD").strip() or 0)
     if count < 2:
         pytest.skip("the project history has fewer than two commits")
     clone = tmp_path / "self"
     git(tmp_path, "clone", "-q", "--no-hardlinks", str(PROJECT), str(clone))
-    tally = check_history(clone)
+    tally = check_history(clone, commits)
     assert tally.compared >= 1
+    if commits is not None and count > 2 * commits:
+        assert tally.commits >= commits - 1  # the whole sample ran (the root, if drawn, has no parent)
     # Only what the envelope cannot say may be skipped (never a mismatch, offset or ambiguity).
     allowed = {"mode", "symlink", "binary", "mixed line endings", "marker line"}
     assert {why for _, _, why in tally.skipped_files} <= allowed, tally.skipped_files

@@ -3,7 +3,8 @@
 For every non-merge, non-root commit C, `git diff --full-index --binary -M -C C^ C` is
 applied by oncepatch onto a branch created at C^ (not checked out, so no
 worktree is written) and the new commit's tree must be C's tree, object for
-object.  Two histories: this project's own (cloned to a temp folder), and one
+object.  Two histories: this project's own (cloned to a temp folder; in the
+default run a sample of its commits, every one under ``scripts/test --all``), and one
 generated here with the git CLI that walks through the shapes git diff can
 produce (renames, modes, CRLF, missing final newlines, non-UTF-8 bytes, empty
 files, symlinks, new folders, a file replaced by a folder, quoted names, binary
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, Repo, git, make_repo, run_cli
+from conftest import HISTORY_SAMPLE, ROOT, Repo, git, history_sample, make_repo, run_cli
 from patcher.protocol import apply
 
 
@@ -106,7 +107,12 @@ def check_conformance(repo_path: Path, commits: list[Commit], prefix: str, *, vi
 # -- this project's own history -----------------------------------------------------------
 
 
-def test_own_history_conforms(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sample", [
+    HISTORY_SAMPLE,
+    pytest.param(None, marks=pytest.mark.slow, id="all"),
+], ids=str)
+def test_own_history_conforms(tmp_path: Path, sample: int | None) -> None:
+    """Every commit under ``--all``; in the default run ``HISTORY_SAMPLE`` of them (conftest.history_sample)."""
     clone = tmp_path / "self"
     git(tmp_path, "clone", "-q", "--no-checkout", str(ROOT), str(clone))
     all_commits = git(clone, "rev-list", "--no-merges", "HEAD").split()
@@ -114,6 +120,9 @@ def test_own_history_conforms(tmp_path: Path) -> None:
         pytest.skip(f"the project's history has {len(all_commits)} non-merge commit(s): nothing to replay")
     commits = history(clone)
     assert commits
+    if sample is not None:
+        commits = history_sample(commits, sample)
+        assert len(commits) == min(sample, len(history(clone)))
     problems = check_conformance(clone, commits, "conf", via_cli=1)
     print(f"history conformance: {len(commits)} commits (own history)")
     assert problems == []
