@@ -257,6 +257,8 @@ class ReceiptStore:
         Raises:
             CorruptReceipt: a store folder on the way to the key's lock or
                 receipt is a symlink (:meth:`check_folders`); nothing was started.
+            CorruptLedger: the ledger's last line is torn and no append of ours
+                (:meth:`Ledger.refuse_foreign_tail`); nothing was started.
         """
         self.check_folders(self.locks_dir, before_any_effect=True)
         self.check_folders(self.path_for_hash(key_hash(key)), before_any_effect=True)
@@ -264,6 +266,8 @@ class ReceiptStore:
         if os.path.islink(ledger_lock):
             # The call would write its receipt, then fail to note it (O_NOFOLLOW): refuse first.
             raise CorruptReceipt(ledger_lock, "a symlink, not a lock file", effect_status="not_started", key=key)
+        # The call's first write would chain onto (or cut) a ledger changed by hand: refuse first.
+        self.ledger.refuse_foreign_tail(effect_status="not_started", key=key)
         self._ensure_dir(self.locks_dir)
         lk = file_lock(self.lock_path(key))
         try:
