@@ -8,7 +8,10 @@ Layout under the store root::
     events.jsonl                  the hash-chained event ledger
     tmp/                          scratch (check worktrees, outputs)
 
-Every write goes through :class:`cas.durable.DurableBatch`.  Reads verify
+Every write goes through :class:`cas.durable.DurableBatch`, and every write,
+listing and read goes through folder descriptors opened from the root with
+``O_NOFOLLOW`` (:meth:`ReceiptStore.folder_fd`): a store folder swapped for a
+symlink after a check is refused, never followed.  Reads verify
 (:func:`receipts.receipt.parse_receipt`); a corrupt receipt raises, it is never
 skipped or overwritten silently.
 """
@@ -26,7 +29,7 @@ from typing import Any
 import filelock
 import orjson
 
-from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_dir_nofollow, open_regular
+from cas.durable import DurableBatch, NotRegularFile, fsync_dir, make_dirs, open_dir_nofollow, open_regular
 from cas.errors import UnsafeWorktreePath, UsageError
 from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
@@ -119,15 +122,6 @@ def _claimed_key(data: bytes) -> str | None:
     return key if isinstance(key, str) else None
 
 
-def _names_call_id(path: str, call_id: str) -> bool:
-    """Whether a (corrupt) receipt file says it is the receipt of ``call_id``."""
-    try:
-        doc = orjson.loads(read_receipt_file(path))
-    except (OSError, CorruptReceipt, orjson.JSONDecodeError):
-        return False
-    return isinstance(doc, dict) and doc.get("call_id") == call_id
-
-
 def check_store_root(root: str) -> None:
     """Refuse a store whose folder is a file, lies under one, or is a dangling symlink (a usage error,
     before anything is read).
@@ -158,6 +152,24 @@ def check_store_root(root: str) -> None:
         return
 
 
+def _refuse_steering(root: str, path: str, status: Any) -> None:
+    """:meth:`ReceiptStore.check_folders`, by ``lstat`` of each folder from ``root`` to ``path``."""
+    rel = os.path.relpath(path, root)
+    here = root
+    for part in [] if rel == "." else rel.split(os.sep):
+        here = os.path.join(here, part)
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise CorruptReceipt(here, "a symlink, not a store folder", effect_status=status)
+        if not stat.S_ISDIR(st.st_mode):
+            if here != path:
+                raise CorruptReceipt(here, "not a folder", effect_status=status)
+            return  # the file itself (a receipt): its reader opens it without following
+
+
 class ReceiptStore:
     """Receipts, locks and the ledger of one store folder.
 
@@ -179,6 +191,10 @@ class ReceiptStore:
             # Refused before anything is read or written (tmp/ too: check worktrees are made there).
             self.check_folders(folder, before_any_effect=True)
         self._written: dict[str, bytes] = {}  # path -> bytes of the prepared receipt this object wrote last
+        self._scan_dir: tuple[str, int] | None = None  # the folder a scan reads, open while it reads there
+
+    def __del__(self) -> None:
+        self._forget_scan_dir()
 
     # -- paths -----------------------------------------------------------------
 
@@ -209,41 +225,49 @@ class ReceiptStore:
         Raises:
             CorruptReceipt: a folder on the way is a symlink or something else.
         """
-        rel = os.path.relpath(path, self.root)
-        here = self.root
-        for part in [] if rel == "." else rel.split(os.sep):
-            here = os.path.join(here, part)
-            try:
-                st = os.lstat(here)
-            except FileNotFoundError:
-                return
-            status = "not_started" if before_any_effect else None
-            if stat.S_ISLNK(st.st_mode):
-                raise CorruptReceipt(here, "a symlink, not a store folder", effect_status=status)
-            if not stat.S_ISDIR(st.st_mode) and here != path:
-                raise CorruptReceipt(here, "not a folder", effect_status=status)
-            if not stat.S_ISDIR(st.st_mode):
-                return  # the file itself (a receipt): its reader opens it without following
+        _refuse_steering(self.root, path, "not_started" if before_any_effect else None)
 
     def _ensure_dir(self, path: str) -> None:
         """Create ``path`` and its missing parents, syncing each parent that gained an entry.
 
         Raises:
             UsageError: a folder cannot be made there (no such place, no permission): nothing was written.
+            CorruptReceipt: a store folder on the way is a symlink or no folder.
         """
         self.check_folders(path)
-        if os.path.isdir(path):
-            return
-        parent = os.path.dirname(path)
-        self._ensure_dir(parent)
-        try:
-            os.mkdir(path, 0o755)
-        except FileExistsError:
-            return
-        except OSError as exc:
-            raise UsageError(f"cannot use the store '{self.root}': cannot make '{path}': "
-                             f"{exc.strerror or exc}") from exc
-        fsync_dir(parent)
+        with self.folder_fd(path, create=True):
+            pass
+
+    @contextlib.contextmanager
+    def folder_fd(self, folder: str, *, create: bool = False, gained: list[int] | None = None) -> Iterator[int]:
+        """A descriptor of the store folder ``folder``, reached from the root without following a symlink.
+
+        ``create``: missing folders are made (the root by its path, which is the
+        person's: :func:`check_store_root`), their parents synced, or put in
+        ``gained`` (:func:`cas.durable.open_dir_nofollow`).
+
+        Raises:
+            FileNotFoundError: it does not exist (without ``create``).
+            NotADirectoryError: it is a file.
+            CorruptReceipt: a folder on the way is a symlink or no folder.
+            UsageError: a folder cannot be made (no such place, no permission).
+        """
+        with contextlib.ExitStack() as stack:
+            try:
+                if create:
+                    for made in make_dirs(self.root):
+                        fsync_dir(os.path.dirname(made))
+                fd = stack.enter_context(open_dir_nofollow(self.root, os.path.relpath(folder, self.root),
+                                                           create=create, mode=0o755, gained=gained))
+            except UnsafeWorktreePath:
+                _refuse_steering(self.root, folder, None)  # names the symlink, or the file, on the way
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), folder) from None
+            except OSError as exc:
+                if not create:
+                    raise
+                raise UsageError(f"cannot use the store '{self.root}': cannot make '{folder}': "
+                                 f"{exc.strerror or exc}") from exc
+            yield fd
 
     # -- locks -----------------------------------------------------------------
 
@@ -324,26 +348,11 @@ class ReceiptStore:
         try:
             # Through descriptors reached without following a symlink: a folder swapped for
             # one after the check above is refused, not read through.
-            with self._folder_fd(os.path.dirname(path)) as dfd:
+            with self.folder_fd(os.path.dirname(path)) as dfd:
                 data = read_receipt_file(path, dir_fd=dfd)
         except FileNotFoundError:
             return None
         return parse_receipt(data, path=path, expected_key_hash=h)
-
-    @contextlib.contextmanager
-    def _folder_fd(self, folder: str) -> Iterator[int]:
-        """A descriptor of the store folder ``folder``, reached from the root without following a symlink.
-
-        Raises:
-            FileNotFoundError: it does not exist.
-            CorruptReceipt: a folder on the way is a symlink or no folder.
-        """
-        with contextlib.ExitStack() as stack:
-            try:
-                fd = stack.enter_context(open_dir_nofollow(self.root, os.path.relpath(folder, self.root)))
-            except UnsafeWorktreePath:
-                raise CorruptReceipt(folder, "a symlink, not a store folder") from None
-            yield fd
 
     def write(self, receipt: Receipt, *, before_replace: Callable[[], None] | None = None,
               batch: DurableBatch | None = None) -> str:
@@ -370,17 +379,20 @@ class ReceiptStore:
         doc = receipt.to_doc()
         data = receipt_doc_bytes(doc)
         batch = batch if batch is not None else DurableBatch()
-        batch.add(path, data)
+        gained: list[int] = []  # folders that gained a new folder: synced in the batch's last round
+        with self.folder_fd(os.path.dirname(path), create=True, gained=gained) as dfd:
+            batch.add_in_dir(dfd, os.path.basename(path), data, shown=path)
 
-        def after_renames() -> list[str]:
-            self._remember(path, receipt, data)
-            if event is None:
-                return []
-            # The digest just written (to_doc is the costly part of a write: canonical JSON and a hash).
-            self.ledger.append_receipt_event(event, receipt, sync=False, digest=str(doc[DIGEST_FIELD]), **fields)
-            return [self.ledger.path]
+            def after_renames() -> list[str | int]:
+                self._remember(path, receipt, data)
+                if event is None:
+                    return [*gained]
+                # The digest just written (to_doc is the costly part of a write: canonical JSON and a hash).
+                self.ledger.append_receipt_event(event, receipt, sync=False, digest=str(doc[DIGEST_FIELD]),
+                                                 **fields)
+                return [*gained, self.ledger.path]
 
-        batch.commit(before_replace=before_replace, after_renames=after_renames)
+            batch.commit(before_replace=before_replace, after_renames=after_renames)
         return path
 
     def _remember(self, path: str, receipt: Receipt, data: bytes) -> None:
@@ -401,8 +413,9 @@ class ReceiptStore:
         mine = self._written.get(path)
         if mine is None:
             return False
+        self._forget_scan_dir()  # the folder as it is now, not as a scan opened it
         try:
-            return read_receipt_file(path) == mine
+            return self._read_file(path) == mine
         except (FileNotFoundError, CorruptReceipt):
             return False
 
@@ -417,24 +430,36 @@ class ReceiptStore:
                       if h not in present and not os.path.exists(self.path_for_hash(h)))
 
     def receipt_paths(self) -> list[str]:
-        """Every receipt file's path, in file order (shard, then name), unread."""
-        self.check_folders(self.receipts_dir)
+        """Every receipt file's path, in file order (shard, then name), unread (listed through descriptors).
+
+        Raises:
+            CorruptReceipt: the receipts folder or a shard is a symlink, or cannot be listed.
+        """
+        self._forget_scan_dir()
+        out: list[str] = []
         try:
-            shards = sorted(os.listdir(self.receipts_dir))
+            with self.folder_fd(self.receipts_dir) as rfd:
+                for shard in sorted(os.listdir(rfd)):
+                    if len(shard) != 2:
+                        continue
+                    folder = os.path.join(self.receipts_dir, shard)
+                    try:
+                        sfd = os.open(shard, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rfd)
+                    except NotADirectoryError:
+                        if stat.S_ISLNK(os.lstat(shard, dir_fd=rfd).st_mode):
+                            raise CorruptReceipt(folder, "a symlink, not a store folder") from None
+                        continue
+                    except FileNotFoundError:
+                        continue  # removed since the listing
+                    try:
+                        out += [os.path.join(folder, name) for name in sorted(os.listdir(sfd))
+                                if name.endswith(".json") and not name.startswith(".")]
+                    finally:
+                        os.close(sfd)
         except FileNotFoundError:
-            return []
+            return out
         except OSError as exc:
             raise CorruptReceipt(self.receipts_dir, f"the receipts folder cannot be listed ({exc.strerror})") from None
-        out: list[str] = []
-        for shard in shards:
-            folder = os.path.join(self.receipts_dir, shard)
-            if len(shard) != 2:
-                continue
-            self.check_folders(folder)
-            if not os.path.isdir(folder):
-                continue
-            out += [os.path.join(folder, name) for name in sorted(os.listdir(folder))
-                    if name.endswith(".json") and not name.startswith(".")]
         return out
 
     def files(self) -> Iterator[tuple[str, str, bytes | CorruptReceipt]]:
@@ -447,6 +472,7 @@ class ReceiptStore:
             data = self.read_raw(path)
             if data is not None:
                 yield path, os.path.basename(path)[:-5], data
+        self._forget_scan_dir()
 
     def read_raw(self, path: str) -> bytes | CorruptReceipt | None:
         """The bytes of the receipt file ``path`` of this store, unparsed (a scan's raw input).
@@ -465,7 +491,42 @@ class ReceiptStore:
         h = os.path.basename(path)[:-5]
         if os.path.basename(os.path.dirname(path)) != h[:2]:
             raise CorruptReceipt(path, f"in the wrong folder (a receipt of key hash {h[:12]}… lives in '{h[:2]}')")
-        return read_receipt_file(path)
+        return self._read_file(path)
+
+    def _read_file(self, path: str) -> bytes:
+        """:func:`read_receipt_file` through its folder's descriptor, kept open for the scan's next file there.
+
+        Raises:
+            as :func:`read_receipt_file`; CorruptReceipt: a folder on the way is a symlink.
+        """
+        folder = os.path.dirname(path)
+        held = self._scan_dir
+        if held is not None and held[0] == folder:
+            try:
+                return read_receipt_file(path, dir_fd=held[1])
+            except FileNotFoundError:
+                pass  # the folder may have been made anew since it was opened: look again
+        self._forget_scan_dir()
+        try:
+            with self.folder_fd(folder) as fd:
+                self._scan_dir = (folder, os.dup(fd))
+                return read_receipt_file(path, dir_fd=fd)
+        except NotADirectoryError as exc:
+            raise CorruptReceipt(path, f"cannot be read ({exc.strerror})") from None
+
+    def _names_call_id(self, path: str, call_id: str) -> bool:
+        """Whether a (corrupt) receipt file says it is the receipt of ``call_id``."""
+        try:
+            doc = orjson.loads(self._read_file(path))
+        except (OSError, CorruptReceipt, orjson.JSONDecodeError):
+            return False
+        return isinstance(doc, dict) and doc.get("call_id") == call_id
+
+    def _forget_scan_dir(self) -> None:
+        held = getattr(self, "_scan_dir", None)  # None too when __init__ refused the store
+        if held is not None:
+            self._scan_dir = None
+            os.close(held[1])
 
     @staticmethod
     def parse_stored(path: str, h: str, data: bytes | CorruptReceipt) -> StoredReceipt:
@@ -505,7 +566,7 @@ class ReceiptStore:
         for item in self.scan():
             if item.receipt is not None and item.receipt.call_id == key_or_call_id:
                 matches.append(item.receipt)
-            elif item.error is not None and _names_call_id(item.path, key_or_call_id):
+            elif item.error is not None and self._names_call_id(item.path, key_or_call_id):
                 corrupt.append(item.error)
         if len(matches) > 1:
             keys = sorted(r.key for r in matches)
