@@ -480,24 +480,24 @@ def _settle_again(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, 
                                        "follow_up_settled", receipt.commit, tuple(notes)))
 
 
-def _old_enough(path: str, tmp_age: float, now: float) -> bool:
+def _old_enough(path: str, tmp_age: float, now: float, dir_fd: int | None = None) -> bool:
     try:
-        return now - os.lstat(path).st_mtime >= tmp_age
+        return now - os.lstat(path, dir_fd=dir_fd).st_mtime >= tmp_age
     except FileNotFoundError:
         return False
 
 
 def _cleanup(store: ReceiptStore, dry_run: bool, tmp_age: float, now: float) -> list[str]:
     removed: list[str] = []
-    # 1. tmp files of the durable-write helper, anywhere in the store.
-    for folder, _dirs, files in os.walk(store.root):
+    # 1. tmp files of the durable-write helper, anywhere in the store: through descriptors
+    #    (fwalk follows no symlink, and a folder swapped for one meanwhile is not unlinked through).
+    for folder, _dirs, files, dir_fd in os.fwalk(store.root) if os.path.isdir(store.root) else ():
         for name in files:
-            path = os.path.join(folder, name)
-            if is_own_tmp(name) and _old_enough(path, tmp_age, now):
-                removed.append(path)
+            if is_own_tmp(name) and _old_enough(name, tmp_age, now, dir_fd):
+                removed.append(os.path.join(folder, name))
                 if not dry_run:
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
+                        os.unlink(name, dir_fd=dir_fd)
     # 2. lock files of keys with no receipt, past the age bound, taken before removal.
     try:
         names = sorted(os.listdir(store.locks_dir))
