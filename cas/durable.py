@@ -82,7 +82,7 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def _token() -> str:
-    """Eight random hex digits for tmp names (``secrets.token_hex(4)`` without importing secrets)."""
+    """Eight random hex digits for tmp names (a seam: tests plant files at a known name)."""
     return os.urandom(4).hex()
 
 
@@ -104,6 +104,7 @@ def fsync_dir(path: str | None = None, *, dir_fd: int | None = None) -> None:
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write every byte of ``data`` to ``fd`` (looping on short writes)."""
     view = memoryview(data)
     while view:
         n = os.write(fd, view)
@@ -600,9 +601,7 @@ def write_new(path: str, data: bytes, mode: int = 0o666) -> None:
     os.close(fd)
 
 
-def write_all(fd: int, data: bytes | memoryview) -> None:
-    """Write every byte of ``data`` to ``fd`` (looping on short writes)."""
-    _write_all(fd, data)
+write_all = _write_all
 
 
 #: renameat2's flag for an atomic swap of two names (Linux 3.15; ext4, xfs, btrfs, tmpfs, overlayfs).

@@ -186,7 +186,7 @@ class ReceiptStore:
         self.receipts_dir = os.path.join(self.root, "receipts")
         self.locks_dir = os.path.join(self.root, "locks")
         self.tmp_dir = os.path.join(self.root, "tmp")
-        self.ledger = Ledger(os.path.join(self.root, "events.jsonl"), self._ledger_lock_path())
+        self.ledger = Ledger(os.path.join(self.root, "events.jsonl"), os.path.join(self.locks_dir, "ledger.lock"))
         for folder in (self.receipts_dir, self.locks_dir, self.tmp_dir):
             # Refused before anything is read or written (tmp/ too: check worktrees are made there).
             self.check_folders(folder, before_any_effect=True)
@@ -198,12 +198,8 @@ class ReceiptStore:
 
     # -- paths -----------------------------------------------------------------
 
-    def _ledger_lock_path(self) -> str:
-        return os.path.join(self.root, "locks", "ledger.lock")
-
     def receipt_path(self, key: str) -> str:
-        h = key_hash(key)
-        return self.path_for_hash(h)
+        return self.path_for_hash(key_hash(key))
 
     def path_for_hash(self, h: str) -> str:
         return os.path.join(self.receipts_dir, h[:2], f"{h}.json")
@@ -286,7 +282,7 @@ class ReceiptStore:
         """
         self.check_folders(self.locks_dir, before_any_effect=True)
         self.check_folders(self.path_for_hash(key_hash(key)), before_any_effect=True)
-        ledger_lock = self._ledger_lock_path()
+        ledger_lock = self.ledger.lock_path
         if os.path.islink(ledger_lock):
             # The call would write its receipt, then fail to note it (O_NOFOLLOW): refuse first.
             raise CorruptReceipt(ledger_lock, "a symlink, not a lock file", effect_status="not_started", key=key)
@@ -356,24 +352,18 @@ class ReceiptStore:
 
     def write(self, receipt: Receipt, *, before_replace: Callable[[], None] | None = None,
               batch: DurableBatch | None = None) -> str:
-        """Write ``receipt`` durably; return its path.
+        """Write ``receipt`` durably; return its path (:meth:`record` without a ledger event)."""
+        return self.record(receipt, None, before_replace=before_replace, batch=batch)
+
+    def record(self, receipt: Receipt, event: str | None, *, before_replace: Callable[[], None] | None = None,
+               batch: DurableBatch | None = None, **fields: Any) -> str:
+        """Write ``receipt`` durably and append ``event`` (if any) for it to the ledger; return its path.
 
         ``batch``: files that become durable with it (the git objects it names),
-        synced in the same rounds and renamed before it.
+        synced in the same rounds and renamed before it.  The append follows
+        the receipt's rename and is synced in the batch's last round, with the
+        receipt's folder.
         """
-        return self._write(receipt, None, before_replace, batch, {})
-
-    def record(self, receipt: Receipt, event: str, *, before_replace: Callable[[], None] | None = None,
-               batch: DurableBatch | None = None, **fields: object) -> str:
-        """Write ``receipt`` and append ``event`` for it to the ledger (the usual pairing).
-
-        The append follows the receipt's rename and is synced in the batch's
-        last round, with the receipt's folder.
-        """
-        return self._write(receipt, event, before_replace, batch, fields)
-
-    def _write(self, receipt: Receipt, event: str | None, before_replace: Callable[[], None] | None,
-               batch: DurableBatch | None, fields: dict[str, Any]) -> str:
         path = self.path_for_hash(key_hash(receipt.key))
         self.check_folders(path)
         doc = receipt.to_doc()
@@ -480,18 +470,15 @@ class ReceiptStore:
         In place of the bytes, the error of a file a receipt cannot be read
         from (see :meth:`files`); ``None`` when there is none.
         """
+        h = os.path.basename(path)[:-5]
+        if os.path.basename(os.path.dirname(path)) != h[:2]:
+            return CorruptReceipt(path, f"in the wrong folder (a receipt of key hash {h[:12]}… lives in '{h[:2]}')")
         try:
-            return self._raw(path)
+            return self._read_file(path)
         except FileNotFoundError:
             return None
         except CorruptReceipt as exc:
             return exc
-
-    def _raw(self, path: str) -> bytes:
-        h = os.path.basename(path)[:-5]
-        if os.path.basename(os.path.dirname(path)) != h[:2]:
-            raise CorruptReceipt(path, f"in the wrong folder (a receipt of key hash {h[:12]}… lives in '{h[:2]}')")
-        return self._read_file(path)
 
     def _read_file(self, path: str) -> bytes:
         """:func:`read_receipt_file` through its folder's descriptor, kept open for the scan's next file there.
