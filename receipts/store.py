@@ -212,11 +212,10 @@ class ReceiptStore:
     def check_folders(self, path: str, *, before_any_effect: bool = False) -> None:
         """Refuse a store folder on the way from the root to ``path`` that is a symlink or no folder.
 
-        ``receipts/``, ``locks/``, ``tmp/`` or a shard folder replaced by a
-        symlink would steer writes (and reads) outside the store: it is
-        evidence of a store changed by hand, never followed.  Missing folders
-        are fine (made when first written to, by ``mkdir``, which follows nothing).
-        ``before_any_effect``: the caller has started nothing (the error says ``not_started``).
+        A folder replaced by a symlink would steer writes and reads outside the
+        store: evidence of a store changed by hand, never followed.  Missing
+        folders are fine (made when first written to).  ``before_any_effect``:
+        the caller has started nothing (the error says ``not_started``).
 
         Raises:
             CorruptReceipt: a folder on the way is a symlink or something else.
@@ -426,30 +425,21 @@ class ReceiptStore:
             CorruptReceipt: the receipts folder or a shard is a symlink, or cannot be listed.
         """
         self._forget_scan_dir()
-        out: list[str] = []
         try:
             with self.folder_fd(self.receipts_dir) as rfd:
-                for shard in sorted(os.listdir(rfd)):
-                    if len(shard) != 2:
-                        continue
-                    folder = os.path.join(self.receipts_dir, shard)
-                    try:
-                        sfd = os.open(shard, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rfd)
-                    except NotADirectoryError:
-                        if stat.S_ISLNK(os.lstat(shard, dir_fd=rfd).st_mode):
-                            raise CorruptReceipt(folder, "a symlink, not a store folder") from None
-                        continue
-                    except FileNotFoundError:
-                        continue  # removed since the listing
-                    try:
-                        out += [os.path.join(folder, name) for name in sorted(os.listdir(sfd))
-                                if name.endswith(".json") and not name.startswith(".")]
-                    finally:
-                        os.close(sfd)
+                shards = sorted(name for name in os.listdir(rfd) if len(name) == 2)
         except FileNotFoundError:
-            return out
+            return []
         except OSError as exc:
             raise CorruptReceipt(self.receipts_dir, f"the receipts folder cannot be listed ({exc.strerror})") from None
+        out: list[str] = []
+        for folder in [os.path.join(self.receipts_dir, shard) for shard in shards]:
+            try:
+                with self.folder_fd(folder) as sfd:  # a shard swapped for a symlink meanwhile: refused
+                    out += [os.path.join(folder, name) for name in sorted(os.listdir(sfd))
+                            if name.endswith(".json") and not name.startswith(".")]
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # removed since the listing, or a file: no receipts in it
         return out
 
     def files(self) -> Iterator[tuple[str, str, bytes | CorruptReceipt]]:
