@@ -30,7 +30,7 @@ import filelock
 import orjson
 
 from cas.durable import DurableBatch, NotRegularFile, fsync_dir, make_dirs, open_dir_nofollow, open_regular
-from cas.errors import UnsafeWorktreePath, UsageError
+from cas.errors import DurableWriteError, UnsafeWorktreePath, UsageError
 from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
 from receipts.flock import file_lock
@@ -230,8 +230,12 @@ class ReceiptStore:
             CorruptReceipt: a store folder on the way is a symlink or no folder.
         """
         self.check_folders(path)
-        with self.folder_fd(path, create=True):
-            pass
+        try:
+            with self.folder_fd(path, create=True):
+                pass
+        except OSError as exc:
+            raise UsageError(f"cannot use the store '{self.root}': cannot make '{path}': "
+                             f"{exc.strerror or exc}") from exc
 
     @contextlib.contextmanager
     def folder_fd(self, folder: str, *, create: bool = False, gained: list[int] | None = None) -> Iterator[int]:
@@ -245,7 +249,7 @@ class ReceiptStore:
             FileNotFoundError: it does not exist (without ``create``).
             NotADirectoryError: it is a file.
             CorruptReceipt: a folder on the way is a symlink or no folder.
-            UsageError: a folder cannot be made (no such place, no permission).
+            OSError: a folder cannot be made (no permission, ...).
         """
         with contextlib.ExitStack() as stack:
             try:
@@ -257,11 +261,6 @@ class ReceiptStore:
             except UnsafeWorktreePath:
                 _refuse_steering(self.root, folder, None)  # names the symlink, or the file, on the way
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), folder) from None
-            except OSError as exc:
-                if not create:
-                    raise
-                raise UsageError(f"cannot use the store '{self.root}': cannot make '{folder}': "
-                                 f"{exc.strerror or exc}") from exc
             yield fd
 
     # -- locks -----------------------------------------------------------------
@@ -369,7 +368,11 @@ class ReceiptStore:
         data = receipt_doc_bytes(doc)
         batch = batch if batch is not None else DurableBatch()
         gained: list[int] = []  # folders that gained a new folder: synced in the batch's last round
-        with self.folder_fd(os.path.dirname(path), create=True, gained=gained) as dfd:
+        with contextlib.ExitStack() as stack:
+            try:
+                dfd = stack.enter_context(self.folder_fd(os.path.dirname(path), create=True, gained=gained))
+            except OSError as exc:  # a shard that cannot be made: the write failed, nothing written
+                raise DurableWriteError(os.path.dirname(path), exc) from exc
             batch.add_in_dir(dfd, os.path.basename(path), data, shown=path)
 
             def after_renames() -> list[str | int]:
