@@ -82,7 +82,7 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def _token() -> str:
-    """Eight random hex digits for tmp names (``secrets.token_hex(4)`` without importing secrets)."""
+    """Eight random hex digits for tmp names (a seam: tests plant files at a known name)."""
     return os.urandom(4).hex()
 
 
@@ -104,6 +104,7 @@ def fsync_dir(path: str | None = None, *, dir_fd: int | None = None) -> None:
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write every byte of ``data`` to ``fd`` (looping on short writes)."""
     view = memoryview(data)
     while view:
         n = os.write(fd, view)
@@ -188,15 +189,19 @@ def append_durable(path: str, data: bytes, *, sync: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def open_dir_nofollow(root: str, rel_dir: str, *, create: bool = False) -> Iterator[int]:
+def open_dir_nofollow(root: str, rel_dir: str, *, create: bool = False, mode: int = 0o777,
+                      gained: list[int] | None = None) -> Iterator[int]:
     """Yield an fd of ``root/rel_dir`` reached without following any symlink below ``root``.
 
-    With ``create``, missing folders are made (and their parents synced).
+    With ``create``, missing folders are made (``mode``, less the umask) and
+    their parents synced -- or, with ``gained``, the parents' descriptors are
+    appended to it, kept open until the context exits, for the caller to sync.
 
     Raises:
         UnsafeWorktreePath: a component is a symlink or not a folder.
     """
     fd = os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    kept: list[int] = []
     try:
         for part in [p for p in rel_dir.split("/") if p]:
             try:
@@ -204,8 +209,13 @@ def open_dir_nofollow(root: str, rel_dir: str, *, create: bool = False) -> Itera
             except FileNotFoundError:
                 if not create:
                     raise
-                os.mkdir(part, 0o777, dir_fd=fd)  # less the umask, as git makes a worktree's folders
-                os.fsync(fd)
+                with contextlib.suppress(FileExistsError):  # made meanwhile by another writer
+                    os.mkdir(part, mode, dir_fd=fd)
+                if gained is None:
+                    os.fsync(fd)
+                else:
+                    gained.append(fd)
+                    kept.append(fd)
                 nfd = os.open(part, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
             except OSError as exc:
                 st = None
@@ -217,11 +227,13 @@ def open_dir_nofollow(root: str, rel_dir: str, *, create: bool = False) -> Itera
                         details={"path": rel_dir},
                     ) from exc
                 raise
-            os.close(fd)
+            if fd not in kept:
+                os.close(fd)
             fd = nfd
         yield fd
     finally:
-        os.close(fd)
+        for one in {fd, *kept}:
+            os.close(one)
 
 
 # -- several files at once ------------------------------------------------------
@@ -327,11 +339,12 @@ def fsync_all(paths: Iterable[str | int | tuple[int, str]]) -> None:
 
 
 class _Item:
-    __slots__ = ("path", "data", "mode", "tmp", "dir_fd", "symlink", "fd")
+    __slots__ = ("path", "shown", "data", "mode", "tmp", "dir_fd", "symlink", "fd")
 
     def __init__(self, path: str, data: bytes | memoryview | None, mode: int, *,
-                 dir_fd: int | None = None, symlink: str | None = None) -> None:
+                 dir_fd: int | None = None, symlink: str | None = None, shown: str | None = None) -> None:
         self.path = path  # a name in ``dir_fd`` when that is given
+        self.shown = shown or path  # the file as errors name it
         self.data = data
         self.mode = mode
         self.dir_fd = dir_fd
@@ -368,12 +381,13 @@ class DurableBatch:
         self._items.append(_Item(path, data, mode))
 
     def add_in_dir(self, dir_fd: int, name: str, data: bytes | memoryview | None = None, *, mode: int = 0o644,
-                   symlink: str | None = None) -> None:
+                   symlink: str | None = None, shown: str | None = None) -> None:
         """Queue ``name`` in the open folder ``dir_fd`` (reached without following links by the caller).
 
         With ``symlink``, the entry becomes a symbolic link to it (made as a tmp
         link, renamed like a file; only its folder is synced).  The caller keeps
-        ``dir_fd`` open until :meth:`commit` returns.
+        ``dir_fd`` open until :meth:`commit` returns.  ``shown``: the file's
+        path as errors name it (default: ``name``).
         """
         if (data is None) == (symlink is None):
             raise ValueError("give exactly one of data and symlink")
@@ -381,7 +395,7 @@ class DurableBatch:
         if key in self._paths:
             raise ValueError(f"'{name}' is already in this batch")
         self._paths.add(key)
-        self._items.append(_Item(name, data, mode, dir_fd=dir_fd, symlink=symlink))
+        self._items.append(_Item(name, data, mode, dir_fd=dir_fd, symlink=symlink, shown=shown))
 
     def sync_first(self, paths: list[str]) -> None:
         """Sync ``paths`` (written earlier, e.g. a moved ref's folder) in this batch's first round.
@@ -391,15 +405,16 @@ class DurableBatch:
         self._also.extend(paths)
 
     def commit(self, *, before_replace: Callable[[], None] | None = None,
-               after_renames: Callable[[], Iterable[str]] | None = None,
+               after_renames: Callable[[], Iterable[str | int]] | None = None,
                defer_folders: list[str | int] | None = None) -> None:
         """Write, sync and rename every queued file; then sync their folders.
 
         ``before_replace`` runs when every tmp file is written and synced and
         every file but the last is renamed, just before the last rename (a
         crash point: the last file is the one a caller cares about).
-        ``after_renames`` runs after the last rename and returns more paths to
-        sync in the last round (a log the caller appended to without syncing).
+        ``after_renames`` runs after the last rename and returns more paths (or
+        open folders' descriptors) to sync in the last round (a log the caller
+        appended to without syncing, folders it made).
         ``defer_folders``: the last round is not made here; its folders (paths,
         or descriptors the caller keeps open) are appended to this list, and
         the caller syncs them with its next round.
@@ -427,7 +442,7 @@ class DurableBatch:
                     continue
                 if item.fd is not None:
                     targets.append(item.fd)
-                    self._open[item.fd] = item.path
+                    self._open[item.fd] = item.shown
                     item.fd = None
                 else:
                     targets.append(_synced_file(item))
@@ -449,7 +464,7 @@ class DurableBatch:
             if isinstance(exc, OSError) and not isinstance(exc, DurableWriteError):
                 # Name the file the system refused (a tmp file's folder, say), not the batch's first.
                 failed = exc.filename if isinstance(exc.filename, str) else None
-                raise DurableWriteError(failed or (self._items[0].path if self._items else ""), exc) from exc
+                raise DurableWriteError(failed or (self._items[0].shown if self._items else ""), exc) from exc
             raise
         last = len(self._items) - 1
         for n, item in enumerate(self._items):
@@ -464,7 +479,7 @@ class DurableBatch:
                 os.replace(item.tmp, item.path, src_dir_fd=item.dir_fd, dst_dir_fd=item.dir_fd)
             except OSError as exc:
                 self._discard(start=n)
-                raise DurableWriteError(item.path, exc) from exc
+                raise DurableWriteError(item.shown, exc) from exc
             item.tmp = None
         extra = list(after_renames()) if after_renames is not None else []
         if defer_folders is not None:
@@ -586,9 +601,7 @@ def write_new(path: str, data: bytes, mode: int = 0o666) -> None:
     os.close(fd)
 
 
-def write_all(fd: int, data: bytes | memoryview) -> None:
-    """Write every byte of ``data`` to ``fd`` (looping on short writes)."""
-    _write_all(fd, data)
+write_all = _write_all
 
 
 #: renameat2's flag for an atomic swap of two names (Linux 3.15; ext4, xfs, btrfs, tmpfs, overlayfs).

@@ -69,7 +69,7 @@ import inspect
 import os
 import socket
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -248,9 +248,7 @@ class EffectResult:
     fencing_token: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": True, "key": self.key, "call_id": self.call_id, "tool": self.tool, "status": self.status,
-                "replayed": self.replayed, "result": self.result, "receipt": self.receipt,
-                "fencing_token": self.fencing_token}
+        return {"ok": True, **asdict(self)}
 
 
 class EffectCall:

@@ -51,8 +51,8 @@ from collections.abc import Callable, Iterator, Mapping
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch
 from cas.errors import EXIT_REJECTED, DurableWriteError, OncepatchError
-from receipts.errors import (CorruptReceipt, FencedOff, IdempotencyConflict, InProgress, SigningKeyMissing,
-                             StillUnknown)
+from receipts.errors import (CorruptLedger, CorruptReceipt, FencedOff, IdempotencyConflict, InProgress,
+                             SigningKeyMissing, StillUnknown)
 from receipts.identity import check_key, compute_args_sha256, compute_call_id
 from receipts.receipt import Receipt, now_iso
 from receipts.states import needs_resolution
@@ -365,7 +365,7 @@ class Call:
             self.store.ledger.append_receipt_event("replayed", receipt, wait=0)
         except InProgress:
             warnings = ("the replay was not noted in the ledger (its lock is held)",)
-        except (OSError, DurableWriteError, SigningKeyMissing) as exc:
+        except (OSError, DurableWriteError, SigningKeyMissing, CorruptLedger) as exc:  # CorruptLedger: a foreign torn tail, never cut for a note
             warnings = (f"the replay was not noted in the ledger ({exc})",)
         if receipt.status == "rejected":
             raise error_from_envelope(receipt.error or {}, receipt.key, self._errors, self._default_error)

@@ -14,9 +14,11 @@ newline was lost) is kept: the next append completes it with its newline.
 
 :meth:`Ledger.torn_tail` tells a torn line of the ledger's *own* (a crash
 mid-append: a prefix of an event that chains onto the last full line) from
-anything else; only its own is ever repaired (``recover``), anything else is
-evidence of a ledger changed by hand and is left for a person
-(``oncepatch quarantine --ledger``, docs/RECOVERY.md).
+anything else; only its own is ever repaired (by the next append, or
+``recover``).  Anything else is evidence of a ledger changed by hand: no
+append cuts it or chains onto it (:class:`~receipts.errors.CorruptLedger`,
+exit 6), it is left for a person (``oncepatch quarantine --ledger``,
+docs/RECOVERY.md).
 
 In a signed store (:mod:`receipts.signing`) each event carries a
 ``signature`` over its canonical JSON without it, ``seq`` and ``prev``
@@ -190,6 +192,32 @@ class Ledger:
         own = complete or (obj is None and _own_prefix(data, seq, prev))
         return TornTail(good_len, data, complete, own)
 
+    def refuse_foreign_tail(self, **kw: Any) -> None:
+        """Raise if the ledger's last line is torn and is no append of ours (one byte read when it is not torn).
+
+        Raises:
+            CorruptLedger: such a tail (``kw``: the error's fields), or an unreadable last full line.
+        """
+        try:
+            fd = open_regular(self.path)
+        except OSError:
+            return  # none, or unreadable: the append itself reports it
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+                return
+        finally:
+            os.close(fd)
+        torn = self.torn_tail()
+        if torn is not None and not torn.own:
+            raise self._foreign_tail(**kw)
+
+    def _foreign_tail(self, **kw: Any) -> CorruptLedger:
+        return CorruptLedger(f"ledger '{self.path}': its last line is torn and is no event an append could have "
+                             "been writing there (changed by hand): nothing is appended to it; 'oncepatch recover' "
+                             "reports it, 'oncepatch quarantine --ledger' moves it aside", next_action="recover",
+                             details={"path": self.path}, **kw)
+
     def append(self, event: dict[str, Any], *, sync: bool = True, wait: float | None = None) -> dict[str, Any]:
         """Append ``event`` (seq and prev filled in) durably; return the stored object.
 
@@ -200,6 +228,7 @@ class Ledger:
         Raises:
             InProgress: the ledger lock could not be taken in time.
             DurableWriteError: the append failed.
+            CorruptLedger: the last line is torn and no append of ours (:meth:`refuse_foreign_tail`).
         """
         os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
         with flocked(self.lock_path, self.lock_timeout if wait is None else wait):
@@ -209,6 +238,8 @@ class Ledger:
             except FileNotFoundError:
                 size = 0
             torn = self._torn_after(seq, prev, good_len) if size != good_len else None
+            if torn is not None and not torn.own:
+                raise self._foreign_tail()
             if torn is not None and torn.complete:
                 # A whole event that lost only its newline: complete it, keep the event.
                 append_durable(self.path, b"\n")

@@ -28,15 +28,15 @@ evidence moved but unrecorded, never lost.  :func:`quarantines` lists them
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import stat
 from collections.abc import Iterator
 from typing import Any
 
-from cas.durable import fsync_dir, open_regular, write_durable
+from cas.durable import open_regular, write_durable
 from receipts import jsonio
-from receipts.errors import CorruptReceipt, ReceiptNotFound
+from receipts.errors import ReceiptNotFound
 from receipts.flock import flocked
 from receipts.receipt import now_iso
 from receipts.store import MAX_RECEIPT_BYTES, ReceiptStore
@@ -46,14 +46,24 @@ __all__ = ["QUARANTINE_DIR", "quarantine_receipt", "quarantine_ledger", "quarant
 #: The folder under the store root that holds quarantined evidence.
 QUARANTINE_DIR = "quarantine"
 _RECORD = "record.json"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+# Every file is opened, moved and written through folder descriptors the store opened without
+# following a symlink (ReceiptStore.folder_fd): a store folder swapped for one is never followed.
 
 
-def _digest(path: str) -> tuple[str | None, int]:
-    """sha256 and size of the regular file ``path`` (``None``: not one, or too large to read)."""
+def _digest(dir_fd: int, name: str) -> tuple[str | None, int]:
+    """sha256 and size of the regular file ``name`` in ``dir_fd`` (``None``: not one, or too large to read).
+
+    Raises:
+        FileNotFoundError: there is none.
+    """
     try:
-        fd = open_regular(path)
+        fd = open_regular(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
     except OSError:
-        return None, os.lstat(path).st_size
+        return None, os.lstat(name, dir_fd=dir_fd).st_size
     with os.fdopen(fd, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size > MAX_RECEIPT_BYTES:
@@ -64,35 +74,32 @@ def _digest(path: str) -> tuple[str | None, int]:
         return h.hexdigest(), size
 
 
-def _new_folder(store: ReceiptStore, what: str) -> str:
-    """A fresh ``<store>/quarantine/<stamp>-<what>/`` folder (made, its parents synced)."""
+def _new_folder(store: ReceiptStore, stack: contextlib.ExitStack, what: str) -> tuple[str, int]:
+    """A fresh ``<store>/quarantine/<stamp>-<what>/`` folder (made, its parents synced) and its descriptor."""
     base = os.path.join(store.root, QUARANTINE_DIR)
-    store.check_folders(base)
-    os.makedirs(base, exist_ok=True)
+    base_fd = stack.enter_context(store.folder_fd(base, create=True))
     stamp = now_iso().replace(":", "").replace("-", "")
     n = 0
     while True:
-        folder = os.path.join(base, f"{stamp}-{what}" + (f"-{n}" if n else ""))
+        name = f"{stamp}-{what}" + (f"-{n}" if n else "")
         try:
-            os.mkdir(folder, 0o755)
+            os.mkdir(name, 0o755, dir_fd=base_fd)
         except FileExistsError:
             n += 1
             continue
-        fsync_dir(base)
-        fsync_dir(store.root)
-        return folder
+        os.fsync(base_fd)
+        return os.path.join(base, name), os.open(name, _DIR_FLAGS, dir_fd=base_fd)
 
 
-def _move(src: str, dst: str) -> None:
-    """Rename ``src`` to ``dst`` (same store, so the same file system) and sync both folders."""
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    os.rename(src, dst)
-    fsync_dir(os.path.dirname(dst))
-    fsync_dir(os.path.dirname(src))
+def _move(src_fd: int, dst_fd: int, name: str) -> None:
+    """Rename ``name`` from folder ``src_fd`` to ``dst_fd`` (one store: one file system) and sync both."""
+    os.rename(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+    os.fsync(dst_fd)
+    os.fsync(src_fd)
 
 
-def _write_record(folder: str, record: dict[str, Any]) -> None:
-    write_durable(os.path.join(folder, _RECORD), jsonio.dumps(record) + b"\n")
+def _write_record(folder_fd: int, record: dict[str, Any]) -> None:
+    write_durable(_RECORD, jsonio.dumps(record) + b"\n", dir_fd=folder_fd)
 
 
 def _last_event(store: ReceiptStore, key: str) -> str | None:
@@ -120,10 +127,12 @@ def quarantine_receipt(store: ReceiptStore, key: str, *, note: str = "", timeout
         CorruptReceipt: a store folder on the way is a symlink.
     """
     path = store.receipt_path(key)
-    with store.lock(key, timeout=timeout):
+    name = os.path.basename(path)
+    with store.lock(key, timeout=timeout), contextlib.ExitStack() as stack:
         store.check_folders(path)
         try:
-            file_sha256, size = _digest(path)
+            shard_fd = stack.enter_context(store.folder_fd(os.path.dirname(path)))
+            file_sha256, size = _digest(shard_fd, name)
         except FileNotFoundError:
             last = _last_event(store, key)
             if last == "quarantined":
@@ -131,26 +140,33 @@ def quarantine_receipt(store: ReceiptStore, key: str, *, note: str = "", timeout
             if evidence is None and last is None:
                 raise ReceiptNotFound(f"no receipt for key '{key}' to quarantine, and neither the ledger nor "
                                       "a key ref names it", key=key) from None
-            return _record_missing(store, key, note, evidence)
-        folder = _new_folder(store, "receipt")
-        moved_to = os.path.join(folder, "receipts", os.path.basename(path))
-        _move(path, moved_to)
+            return _record_missing(store, stack, key, note, evidence)
+        folder, folder_fd = _new_folder(store, stack, "receipt")
+        stack.callback(os.close, folder_fd)
+        moved_to = os.path.join(folder, "receipts", name)
+        os.mkdir("receipts", 0o755, dir_fd=folder_fd)
+        os.fsync(folder_fd)
+        receipts_fd = os.open("receipts", _DIR_FLAGS, dir_fd=folder_fd)
+        stack.callback(os.close, receipts_fd)
+        _move(shard_fd, receipts_fd, name)
         record = {"schema": "oncepatch.quarantine/1", "what": "receipt", "key": key, "at": now_iso(),
                   "from": os.path.relpath(path, store.root), "to": os.path.relpath(moved_to, store.root),
                   "file_sha256": file_sha256, "bytes": size, "note": note}
-        _write_record(folder, record)
+        _write_record(folder_fd, record)
         store.ledger.append({"event": "quarantined", "at": record["at"], "key": key, "what": "receipt",
                              "to": record["to"], "file_sha256": file_sha256, "note": note})
     return record
 
 
-def _record_missing(store: ReceiptStore, key: str, note: str, evidence: str | None) -> dict[str, Any]:
+def _record_missing(store: ReceiptStore, stack: contextlib.ExitStack, key: str, note: str,
+                    evidence: str | None) -> dict[str, Any]:
     """Record the quarantine of a receipt file that is already gone (under the key's lock)."""
-    folder = _new_folder(store, "missing-receipt")
+    folder, folder_fd = _new_folder(store, stack, "missing-receipt")
+    stack.callback(os.close, folder_fd)
     record = {"schema": "oncepatch.quarantine/1", "what": "missing_receipt", "key": key, "at": now_iso(),
               "from": os.path.relpath(store.receipt_path(key), store.root), "to": os.path.relpath(folder, store.root),
               "file_sha256": None, "bytes": 0, "evidence": evidence, "note": note}
-    _write_record(folder, record)
+    _write_record(folder_fd, record)
     store.ledger.append({"event": "quarantined", "at": record["at"], "key": key, "what": "missing_receipt",
                          "to": record["to"], "file_sha256": None, "note": note})
     return record
@@ -162,60 +178,76 @@ def quarantine_ledger(store: ReceiptStore, *, note: str = "", timeout: float = 3
     Raises:
         ReceiptNotFound: there is no ledger file.
         InProgress: the ledger lock stayed held for ``timeout`` seconds.
+        CorruptReceipt: a store folder on the way is a symlink.
     """
     ledger = store.ledger
-    store.check_folders(os.path.dirname(ledger.lock_path))
-    os.makedirs(os.path.dirname(ledger.lock_path), exist_ok=True)
-    with flocked(ledger.lock_path, timeout):
-        if not os.path.lexists(ledger.path):
-            raise ReceiptNotFound(f"no ledger '{ledger.path}' to quarantine")
-        file_sha256, size = _digest(ledger.path)
-        folder = _new_folder(store, "ledger")
-        moved_to = os.path.join(folder, "events.jsonl")
-        _move(ledger.path, moved_to)
-    at = now_iso()
-    adopted: list[str] = []
-    corrupt: list[str] = []
-    ledger.append({"event": "quarantined", "at": at, "what": "ledger", "to": os.path.relpath(moved_to, store.root),
-                   "file_sha256": file_sha256, "bytes": size, "note": note})
-    for item in store.scan():
-        if item.receipt is None:
-            corrupt.append(item.path)
-            continue
-        ledger.append_receipt_event("adopted", item.receipt, reason="ledger_quarantined")
-        adopted.append(item.receipt.key)
-    record = {"schema": "oncepatch.quarantine/1", "what": "ledger", "at": at,
-              "from": os.path.relpath(ledger.path, store.root), "to": os.path.relpath(moved_to, store.root),
-              "file_sha256": file_sha256, "bytes": size, "note": note, "adopted": adopted,
-              "not_adopted": [os.path.relpath(p, store.root) for p in corrupt]}
-    _write_record(folder, record)
+    name = os.path.basename(ledger.path)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(store.folder_fd(os.path.dirname(ledger.lock_path), create=True))
+        root_fd = stack.enter_context(store.folder_fd(store.root))
+        with flocked(ledger.lock_path, timeout):
+            try:
+                file_sha256, size = _digest(root_fd, name)
+            except FileNotFoundError:
+                raise ReceiptNotFound(f"no ledger '{ledger.path}' to quarantine") from None
+            folder, folder_fd = _new_folder(store, stack, "ledger")
+            stack.callback(os.close, folder_fd)
+            moved_to = os.path.join(folder, name)
+            _move(root_fd, folder_fd, name)
+        at = now_iso()
+        adopted: list[str] = []
+        corrupt: list[str] = []
+        ledger.append({"event": "quarantined", "at": at, "what": "ledger", "to": os.path.relpath(moved_to, store.root),
+                       "file_sha256": file_sha256, "bytes": size, "note": note})
+        for item in store.scan():
+            if item.receipt is None:
+                corrupt.append(item.path)
+                continue
+            ledger.append_receipt_event("adopted", item.receipt, reason="ledger_quarantined")
+            adopted.append(item.receipt.key)
+        record = {"schema": "oncepatch.quarantine/1", "what": "ledger", "at": at,
+                  "from": os.path.relpath(ledger.path, store.root), "to": os.path.relpath(moved_to, store.root),
+                  "file_sha256": file_sha256, "bytes": size, "note": note, "adopted": adopted,
+                  "not_adopted": [os.path.relpath(p, store.root) for p in corrupt]}
+        _write_record(folder_fd, record)
     return record
 
 
 def quarantines(store: ReceiptStore) -> Iterator[dict[str, Any]]:
-    """Every quarantine record of the store, oldest first (a folder without one: its files, unrecorded)."""
+    """Every quarantine record of the store, oldest first (a folder without one: its files, unrecorded).
+
+    Raises:
+        CorruptReceipt: the quarantine folder is a symlink.
+    """
     base = os.path.join(store.root, QUARANTINE_DIR)
     try:
-        if stat.S_ISLNK(os.lstat(base).st_mode):
-            raise CorruptReceipt(base, "a symlink, not a store folder")
-        names = sorted(os.listdir(base))
+        with store.folder_fd(base) as base_fd:
+            for name in sorted(os.listdir(base_fd)):
+                yield _quarantine_record(store, base_fd, name)
     except FileNotFoundError:
         return
-    for name in names:
-        folder = os.path.join(base, name)
+
+
+def _quarantine_record(store: ReceiptStore, base_fd: int, name: str) -> dict[str, Any]:
+    to = os.path.relpath(os.path.join(store.root, QUARANTINE_DIR, name), store.root)
+    try:
+        folder_fd = os.open(name, _DIR_FLAGS, dir_fd=base_fd)
+    except OSError:
+        return {"what": "unrecorded", "to": to, "files": []}  # no folder: nothing in it to list
+    try:
+        fd = open_regular(_RECORD, dir_fd=folder_fd)
+    except OSError:
+        files = sorted(os.path.normpath(os.path.join(to, d, f))
+                       for d, _dirs, fs, _fd in os.fwalk(".", dir_fd=folder_fd) for f in fs)
+        return {"what": "unrecorded", "to": to, "files": files}
+    finally:
+        os.close(folder_fd)
+    with os.fdopen(fd, "rb") as fh:
         try:
-            fd = open_regular(os.path.join(folder, _RECORD))
-        except OSError:
-            files = sorted(os.path.relpath(os.path.join(d, f), store.root)
-                           for d, _dirs, fs in os.walk(folder) for f in fs)
-            yield {"what": "unrecorded", "to": os.path.relpath(folder, store.root), "files": files}
-            continue
-        with os.fdopen(fd, "rb") as fh:
-            try:
-                doc = jsonio.loads(fh.read(1 << 20))
-            except jsonio.JsonError:
-                doc = None
-        yield doc if isinstance(doc, dict) else {"what": "unreadable", "to": os.path.relpath(folder, store.root)}
+            doc = jsonio.loads(fh.read(1 << 20))
+        except jsonio.JsonError:
+            doc = None
+    return doc if isinstance(doc, dict) else {"what": "unreadable", "to": to}
 
 
 def quarantined_keys(events: Iterator[dict[str, Any]]) -> set[str]:

@@ -1,7 +1,6 @@
 """Recovery after a crash (docs/DESIGN.md section 5), generic over tools.
 
-:func:`plan` computes what :func:`recover` would do (``--dry-run`` prints it);
-:func:`recover` does it.  For every ``prepared`` or ``unknown`` receipt whose
+:func:`recover` does it (with ``dry_run``, reports what it would do).  For every ``prepared`` or ``unknown`` receipt whose
 key lock can be taken without waiting (a live owner holds it otherwise, and
 is never touched), the tool's adapter is queried:
 
@@ -40,7 +39,7 @@ import datetime as _dt
 import importlib
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +53,8 @@ from receipts.engine import settle
 from receipts.errors import CorruptLedger, CorruptReceipt, StillUnknown
 from receipts.flock import file_lock
 from receipts.identity import key_hash
-from receipts.receipt import SIGNATURE_FIELD, Receipt, now_iso, written_as_is
+from receipts.quarantine import quarantined_keys
+from receipts.receipt import SIGNATURE_FIELD, Receipt, now_iso, parse_receipt, written_as_is
 from receipts.signing import Signing
 from receipts.states import needs_resolution
 from receipts.store import FILE_MISSING, ReceiptStore
@@ -263,20 +263,19 @@ def _progress(report: RecoveryReport, progress: Callable[[int], None] | None) ->
 
 
 def _ledger_digests(store: ReceiptStore) -> tuple[set[str], set[str]]:
-    """The receipt digests the ledger records, and the keys its events name (less quarantined ones)."""
+    """The receipt digests the ledger records, and the keys its events name (less quarantined ones:
+    no receipt file by a person's choice), in one pass."""
     digests: set[str] = set()
     keys: set[str] = set()
-    quarantined: set[str] = set()
-    for e in store.ledger.events():
-        digests.add(str(e.get("receipt_sha256")))
-        key = e.get("key")
-        if isinstance(key, str):
-            keys.add(key)
-            # A key whose last event is `quarantined` has no receipt file by a person's choice.
-            if e.get("event") == "quarantined":
-                quarantined.add(key)
-            else:
-                quarantined.discard(key)
+
+    def each() -> Iterator[dict[str, Any]]:
+        for e in store.ledger.events():
+            digests.add(str(e.get("receipt_sha256")))
+            if isinstance(key := e.get("key"), str):
+                keys.add(key)
+            yield e
+
+    quarantined = quarantined_keys(each())
     return digests, keys - quarantined
 
 
@@ -483,35 +482,28 @@ def _settle_again(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, 
                                        "follow_up_settled", receipt.commit, tuple(notes)))
 
 
-def _old_enough(path: str, tmp_age: float, now: float) -> bool:
+def _old_enough(path: str, tmp_age: float, now: float, dir_fd: int | None = None) -> bool:
     try:
-        return now - os.lstat(path).st_mtime >= tmp_age
+        return now - os.lstat(path, dir_fd=dir_fd).st_mtime >= tmp_age
     except FileNotFoundError:
         return False
 
 
 def _cleanup(store: ReceiptStore, dry_run: bool, tmp_age: float, now: float) -> list[str]:
     removed: list[str] = []
-    # 1. tmp files of the durable-write helper, anywhere in the store.
-    for folder, _dirs, files in os.walk(store.root):
+    # 1. tmp files of the durable-write helper, anywhere in the store: through descriptors
+    #    (fwalk follows no symlink, and a folder swapped for one meanwhile is not unlinked through).
+    for folder, _dirs, files, dir_fd in os.fwalk(store.root) if os.path.isdir(store.root) else ():
         for name in files:
-            path = os.path.join(folder, name)
-            if is_own_tmp(name) and _old_enough(path, tmp_age, now):
-                removed.append(path)
+            if is_own_tmp(name) and _old_enough(name, tmp_age, now, dir_fd):
+                removed.append(os.path.join(folder, name))
                 if not dry_run:
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
-    # 2. lock files of keys with no receipt, past the age bound, taken before removal.
-    try:
-        names = sorted(os.listdir(store.locks_dir))
-    except FileNotFoundError:
-        names = []
-    for name in names:
-        if not name.endswith(".lock") or name == "ledger.lock" or len(name) != 69:
-            continue
-        h = name[:-5]
-        path = os.path.join(store.locks_dir, name)
-        if os.path.exists(store.path_for_hash(h)) or not _old_enough(path, tmp_age, now):
+                        os.unlink(name, dir_fd=dir_fd)
+    # 2. lock files of keys with no receipt (``<64 hex>.lock``), past the age bound, taken before removal.
+    names = sorted(os.listdir(store.locks_dir)) if os.path.isdir(store.locks_dir) else []
+    for path in [os.path.join(store.locks_dir, n) for n in names if n.endswith(".lock") and len(n) == 69]:
+        if os.path.exists(store.path_for_hash(os.path.basename(path)[:-5])) or not _old_enough(path, tmp_age, now):
             continue
         lk = file_lock(path)
         try:

@@ -10,7 +10,10 @@ Layout under the store root::
     allowed_signers.json          a signed store's public keys (receipts/signing.py)
     policy.toml                   who may call what (receipts/policy.py)
 
-Every write goes through :class:`cas.durable.DurableBatch`.  Reads verify
+Every write goes through :class:`cas.durable.DurableBatch`, and every write,
+listing and read goes through folder descriptors opened from the root with
+``O_NOFOLLOW`` (:meth:`ReceiptStore.folder_fd`): a store folder swapped for a
+symlink after a check is refused, never followed.  Reads verify
 (:func:`receipts.receipt.parse_receipt`); a corrupt receipt raises, it is never
 skipped or overwritten silently.  In a signed store every receipt written
 is signed and every receipt read must carry a signature by an allowed key
@@ -30,8 +33,8 @@ from typing import Any
 import filelock
 import orjson
 
-from cas.durable import DurableBatch, NotRegularFile, fsync_dir, open_dir_nofollow, open_regular
-from cas.errors import UnsafeWorktreePath, UsageError
+from cas.durable import DurableBatch, NotRegularFile, fsync_dir, make_dirs, open_dir_nofollow, open_regular
+from cas.errors import DurableWriteError, UnsafeWorktreePath, UsageError
 from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
 from receipts.flock import file_lock
@@ -124,15 +127,6 @@ def _claimed_key(data: bytes) -> str | None:
     return key if isinstance(key, str) else None
 
 
-def _names_call_id(path: str, call_id: str) -> bool:
-    """Whether a (corrupt) receipt file says it is the receipt of ``call_id``."""
-    try:
-        doc = orjson.loads(read_receipt_file(path))
-    except (OSError, CorruptReceipt, orjson.JSONDecodeError):
-        return False
-    return isinstance(doc, dict) and doc.get("call_id") == call_id
-
-
 def check_store_root(root: str) -> None:
     """Refuse a store whose folder is a file, lies under one, or is a dangling symlink (a usage error,
     before anything is read).
@@ -163,6 +157,24 @@ def check_store_root(root: str) -> None:
         return
 
 
+def _refuse_steering(root: str, path: str, status: Any) -> None:
+    """:meth:`ReceiptStore.check_folders`, by ``lstat`` of each folder from ``root`` to ``path``."""
+    rel = os.path.relpath(path, root)
+    here = root
+    for part in [] if rel == "." else rel.split(os.sep):
+        here = os.path.join(here, part)
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise CorruptReceipt(here, "a symlink, not a store folder", effect_status=status)
+        if not stat.S_ISDIR(st.st_mode):
+            if here != path:
+                raise CorruptReceipt(here, "not a folder", effect_status=status)
+            return  # the file itself (a receipt): its reader opens it without following
+
+
 class ReceiptStore:
     """Receipts, locks and the ledger of one store folder.
 
@@ -187,15 +199,15 @@ class ReceiptStore:
             # Refused before anything is read or written (tmp/ too: check worktrees are made there).
             self.check_folders(folder, before_any_effect=True)
         self._written: dict[str, bytes] = {}  # path -> bytes of the prepared receipt this object wrote last
+        self._scan_dir: tuple[str, int] | None = None  # the folder a scan reads, open while it reads there
+
+    def __del__(self) -> None:
+        self._forget_scan_dir()
 
     # -- paths -----------------------------------------------------------------
 
-    def _ledger_lock_path(self) -> str:
-        return os.path.join(self.root, "locks", "ledger.lock")
-
     def receipt_path(self, key: str) -> str:
-        h = key_hash(key)
-        return self.path_for_hash(h)
+        return self.path_for_hash(key_hash(key))
 
     def path_for_hash(self, h: str) -> str:
         return os.path.join(self.receipts_dir, h[:2], f"{h}.json")
@@ -208,50 +220,56 @@ class ReceiptStore:
     def check_folders(self, path: str, *, before_any_effect: bool = False) -> None:
         """Refuse a store folder on the way from the root to ``path`` that is a symlink or no folder.
 
-        ``receipts/``, ``locks/``, ``tmp/`` or a shard folder replaced by a
-        symlink would steer writes (and reads) outside the store: it is
-        evidence of a store changed by hand, never followed.  Missing folders
-        are fine (made when first written to, by ``mkdir``, which follows nothing).
-        ``before_any_effect``: the caller has started nothing (the error says ``not_started``).
+        A folder replaced by a symlink would steer writes and reads outside the
+        store: evidence of a store changed by hand, never followed.  Missing
+        folders are fine (made when first written to).  ``before_any_effect``:
+        the caller has started nothing (the error says ``not_started``).
 
         Raises:
             CorruptReceipt: a folder on the way is a symlink or something else.
         """
-        rel = os.path.relpath(path, self.root)
-        here = self.root
-        for part in [] if rel == "." else rel.split(os.sep):
-            here = os.path.join(here, part)
-            try:
-                st = os.lstat(here)
-            except FileNotFoundError:
-                return
-            status = "not_started" if before_any_effect else None
-            if stat.S_ISLNK(st.st_mode):
-                raise CorruptReceipt(here, "a symlink, not a store folder", effect_status=status)
-            if not stat.S_ISDIR(st.st_mode) and here != path:
-                raise CorruptReceipt(here, "not a folder", effect_status=status)
-            if not stat.S_ISDIR(st.st_mode):
-                return  # the file itself (a receipt): its reader opens it without following
+        _refuse_steering(self.root, path, "not_started" if before_any_effect else None)
 
     def _ensure_dir(self, path: str) -> None:
         """Create ``path`` and its missing parents, syncing each parent that gained an entry.
 
         Raises:
             UsageError: a folder cannot be made there (no such place, no permission): nothing was written.
+            CorruptReceipt: a store folder on the way is a symlink or no folder.
         """
         self.check_folders(path)
-        if os.path.isdir(path):
-            return
-        parent = os.path.dirname(path)
-        self._ensure_dir(parent)
         try:
-            os.mkdir(path, 0o755)
-        except FileExistsError:
-            return
+            with self.folder_fd(path, create=True):
+                pass
         except OSError as exc:
             raise UsageError(f"cannot use the store '{self.root}': cannot make '{path}': "
                              f"{exc.strerror or exc}") from exc
-        fsync_dir(parent)
+
+    @contextlib.contextmanager
+    def folder_fd(self, folder: str, *, create: bool = False, gained: list[int] | None = None) -> Iterator[int]:
+        """A descriptor of the store folder ``folder``, reached from the root without following a symlink.
+
+        ``create``: missing folders are made (the root by its path, which is the
+        person's: :func:`check_store_root`), their parents synced, or put in
+        ``gained`` (:func:`cas.durable.open_dir_nofollow`).
+
+        Raises:
+            FileNotFoundError: it does not exist (without ``create``).
+            NotADirectoryError: it is a file.
+            CorruptReceipt: a folder on the way is a symlink or no folder.
+            OSError: a folder cannot be made (no permission, ...).
+        """
+        with contextlib.ExitStack() as stack:
+            try:
+                if create:
+                    for made in make_dirs(self.root):
+                        fsync_dir(os.path.dirname(made))
+                fd = stack.enter_context(open_dir_nofollow(self.root, os.path.relpath(folder, self.root),
+                                                           create=create, mode=0o755, gained=gained))
+            except UnsafeWorktreePath:
+                _refuse_steering(self.root, folder, None)  # names the symlink, or the file, on the way
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), folder) from None
+            yield fd
 
     def check_can_sign(self) -> None:
         """Refuse, before anything is written, a writer of a signed store that cannot sign.
@@ -274,13 +292,17 @@ class ReceiptStore:
         Raises:
             CorruptReceipt: a store folder on the way to the key's lock or
                 receipt is a symlink (:meth:`check_folders`); nothing was started.
+            CorruptLedger: the ledger's last line is torn and no append of ours
+                (:meth:`Ledger.refuse_foreign_tail`); nothing was started.
         """
         self.check_folders(self.locks_dir, before_any_effect=True)
         self.check_folders(self.path_for_hash(key_hash(key)), before_any_effect=True)
-        ledger_lock = self._ledger_lock_path()
+        ledger_lock = self.ledger.lock_path
         if os.path.islink(ledger_lock):
             # The call would write its receipt, then fail to note it (O_NOFOLLOW): refuse first.
             raise CorruptReceipt(ledger_lock, "a symlink, not a lock file", effect_status="not_started", key=key)
+        # The call's first write would chain onto (or cut) a ledger changed by hand: refuse first.
+        self.ledger.refuse_foreign_tail(effect_status="not_started", key=key)
         self._ensure_dir(self.locks_dir)
         lk = file_lock(self.lock_path(key))
         try:
@@ -337,7 +359,7 @@ class ReceiptStore:
         try:
             # Through descriptors reached without following a symlink: a folder swapped for
             # one after the check above is refused, not read through.
-            with self._folder_fd(os.path.dirname(path)) as dfd:
+            with self.folder_fd(os.path.dirname(path)) as dfd:
                 data = read_receipt_file(path, dir_fd=dfd)
         except FileNotFoundError:
             return None
@@ -354,41 +376,20 @@ class ReceiptStore:
             self.signing.check_receipt(receipt, path)
         return receipt
 
-    @contextlib.contextmanager
-    def _folder_fd(self, folder: str) -> Iterator[int]:
-        """A descriptor of the store folder ``folder``, reached from the root without following a symlink.
-
-        Raises:
-            FileNotFoundError: it does not exist.
-            CorruptReceipt: a folder on the way is a symlink or no folder.
-        """
-        with contextlib.ExitStack() as stack:
-            try:
-                fd = stack.enter_context(open_dir_nofollow(self.root, os.path.relpath(folder, self.root)))
-            except UnsafeWorktreePath:
-                raise CorruptReceipt(folder, "a symlink, not a store folder") from None
-            yield fd
-
     def write(self, receipt: Receipt, *, before_replace: Callable[[], None] | None = None,
               batch: DurableBatch | None = None) -> str:
-        """Write ``receipt`` durably; return its path.
+        """Write ``receipt`` durably; return its path (:meth:`record` without a ledger event)."""
+        return self.record(receipt, None, before_replace=before_replace, batch=batch)
+
+    def record(self, receipt: Receipt, event: str | None, *, before_replace: Callable[[], None] | None = None,
+               batch: DurableBatch | None = None, **fields: Any) -> str:
+        """Write ``receipt`` durably and append ``event`` (if any) for it to the ledger; return its path.
 
         ``batch``: files that become durable with it (the git objects it names),
-        synced in the same rounds and renamed before it.
+        synced in the same rounds and renamed before it.  The append follows
+        the receipt's rename and is synced in the batch's last round, with the
+        receipt's folder.
         """
-        return self._write(receipt, None, before_replace, batch, {})
-
-    def record(self, receipt: Receipt, event: str, *, before_replace: Callable[[], None] | None = None,
-               batch: DurableBatch | None = None, **fields: object) -> str:
-        """Write ``receipt`` and append ``event`` for it to the ledger (the usual pairing).
-
-        The append follows the receipt's rename and is synced in the batch's
-        last round, with the receipt's folder.
-        """
-        return self._write(receipt, event, before_replace, batch, fields)
-
-    def _write(self, receipt: Receipt, event: str | None, before_replace: Callable[[], None] | None,
-               batch: DurableBatch | None, fields: dict[str, Any]) -> str:
         path = self.path_for_hash(key_hash(receipt.key))
         self.check_folders(path)
         doc = receipt.to_doc()
@@ -396,17 +397,24 @@ class ReceiptStore:
             doc[SIGNATURE_FIELD] = self.signing.sign_receipt(str(doc[DIGEST_FIELD]))
         data = receipt_doc_bytes(doc)
         batch = batch if batch is not None else DurableBatch()
-        batch.add(path, data)
+        gained: list[int] = []  # folders that gained a new folder: synced in the batch's last round
+        with contextlib.ExitStack() as stack:
+            try:
+                dfd = stack.enter_context(self.folder_fd(os.path.dirname(path), create=True, gained=gained))
+            except OSError as exc:  # a shard that cannot be made: the write failed, nothing written
+                raise DurableWriteError(os.path.dirname(path), exc) from exc
+            batch.add_in_dir(dfd, os.path.basename(path), data, shown=path)
 
-        def after_renames() -> list[str]:
-            self._remember(path, receipt, data)
-            if event is None:
-                return []
-            # The digest just written (to_doc is the costly part of a write: canonical JSON and a hash).
-            self.ledger.append_receipt_event(event, receipt, sync=False, digest=str(doc[DIGEST_FIELD]), **fields)
-            return [self.ledger.path]
+            def after_renames() -> list[str | int]:
+                self._remember(path, receipt, data)
+                if event is None:
+                    return [*gained]
+                # The digest just written (to_doc is the costly part of a write: canonical JSON and a hash).
+                self.ledger.append_receipt_event(event, receipt, sync=False, digest=str(doc[DIGEST_FIELD]),
+                                                 **fields)
+                return [*gained, self.ledger.path]
 
-        batch.commit(before_replace=before_replace, after_renames=after_renames)
+            batch.commit(before_replace=before_replace, after_renames=after_renames)
         return path
 
     def _remember(self, path: str, receipt: Receipt, data: bytes) -> None:
@@ -427,8 +435,9 @@ class ReceiptStore:
         mine = self._written.get(path)
         if mine is None:
             return False
+        self._forget_scan_dir()  # the folder as it is now, not as a scan opened it
         try:
-            return read_receipt_file(path) == mine
+            return self._read_file(path) == mine
         except (FileNotFoundError, CorruptReceipt):
             return False
 
@@ -443,24 +452,27 @@ class ReceiptStore:
                       if h not in present and not os.path.exists(self.path_for_hash(h)))
 
     def receipt_paths(self) -> list[str]:
-        """Every receipt file's path, in file order (shard, then name), unread."""
-        self.check_folders(self.receipts_dir)
+        """Every receipt file's path, in file order (shard, then name), unread (listed through descriptors).
+
+        Raises:
+            CorruptReceipt: the receipts folder or a shard is a symlink, or cannot be listed.
+        """
+        self._forget_scan_dir()
         try:
-            shards = sorted(os.listdir(self.receipts_dir))
+            with self.folder_fd(self.receipts_dir) as rfd:
+                shards = sorted(name for name in os.listdir(rfd) if len(name) == 2)
         except FileNotFoundError:
             return []
         except OSError as exc:
             raise CorruptReceipt(self.receipts_dir, f"the receipts folder cannot be listed ({exc.strerror})") from None
         out: list[str] = []
-        for shard in shards:
-            folder = os.path.join(self.receipts_dir, shard)
-            if len(shard) != 2:
-                continue
-            self.check_folders(folder)
-            if not os.path.isdir(folder):
-                continue
-            out += [os.path.join(folder, name) for name in sorted(os.listdir(folder))
-                    if name.endswith(".json") and not name.startswith(".")]
+        for folder in [os.path.join(self.receipts_dir, shard) for shard in shards]:
+            try:
+                with self.folder_fd(folder) as sfd:  # a shard swapped for a symlink meanwhile: refused
+                    out += [os.path.join(folder, name) for name in sorted(os.listdir(sfd))
+                            if name.endswith(".json") and not name.startswith(".")]
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # removed since the listing, or a file: no receipts in it
         return out
 
     def files(self) -> Iterator[tuple[str, str, bytes | CorruptReceipt]]:
@@ -473,6 +485,7 @@ class ReceiptStore:
             data = self.read_raw(path)
             if data is not None:
                 yield path, os.path.basename(path)[:-5], data
+        self._forget_scan_dir()
 
     def read_raw(self, path: str) -> bytes | CorruptReceipt | None:
         """The bytes of the receipt file ``path`` of this store, unparsed (a scan's raw input).
@@ -480,18 +493,50 @@ class ReceiptStore:
         In place of the bytes, the error of a file a receipt cannot be read
         from (see :meth:`files`); ``None`` when there is none.
         """
+        h = os.path.basename(path)[:-5]
+        if os.path.basename(os.path.dirname(path)) != h[:2]:
+            return CorruptReceipt(path, f"in the wrong folder (a receipt of key hash {h[:12]}… lives in '{h[:2]}')")
         try:
-            return self._raw(path)
+            return self._read_file(path)
         except FileNotFoundError:
             return None
         except CorruptReceipt as exc:
             return exc
 
-    def _raw(self, path: str) -> bytes:
-        h = os.path.basename(path)[:-5]
-        if os.path.basename(os.path.dirname(path)) != h[:2]:
-            raise CorruptReceipt(path, f"in the wrong folder (a receipt of key hash {h[:12]}… lives in '{h[:2]}')")
-        return read_receipt_file(path)
+    def _read_file(self, path: str) -> bytes:
+        """:func:`read_receipt_file` through its folder's descriptor, kept open for the scan's next file there.
+
+        Raises:
+            as :func:`read_receipt_file`; CorruptReceipt: a folder on the way is a symlink.
+        """
+        folder = os.path.dirname(path)
+        held = self._scan_dir
+        if held is not None and held[0] == folder:
+            try:
+                return read_receipt_file(path, dir_fd=held[1])
+            except FileNotFoundError:
+                pass  # the folder may have been made anew since it was opened: look again
+        self._forget_scan_dir()
+        try:
+            with self.folder_fd(folder) as fd:
+                self._scan_dir = (folder, os.dup(fd))
+                return read_receipt_file(path, dir_fd=fd)
+        except NotADirectoryError as exc:
+            raise CorruptReceipt(path, f"cannot be read ({exc.strerror})") from None
+
+    def _names_call_id(self, path: str, call_id: str) -> bool:
+        """Whether a (corrupt) receipt file says it is the receipt of ``call_id``."""
+        try:
+            doc = orjson.loads(self._read_file(path))
+        except (OSError, CorruptReceipt, orjson.JSONDecodeError):
+            return False
+        return isinstance(doc, dict) and doc.get("call_id") == call_id
+
+    def _forget_scan_dir(self) -> None:
+        held = getattr(self, "_scan_dir", None)  # None too when __init__ refused the store
+        if held is not None:
+            self._scan_dir = None
+            os.close(held[1])
 
     def parse_stored(self, path: str, h: str, data: bytes | CorruptReceipt) -> StoredReceipt:
         """The receipt file ``path`` (key hash ``h``) from its bytes, verified; a corrupt one with its error."""
@@ -530,7 +575,7 @@ class ReceiptStore:
         for item in self.scan():
             if item.receipt is not None and item.receipt.call_id == key_or_call_id:
                 matches.append(item.receipt)
-            elif item.error is not None and _names_call_id(item.path, key_or_call_id):
+            elif item.error is not None and self._names_call_id(item.path, key_or_call_id):
                 corrupt.append(item.error)
         if len(matches) > 1:
             keys = sorted(r.key for r in matches)

@@ -52,6 +52,9 @@ class Call:
     args: str
     ret: int
     injected: bool
+    #: The absolute paths the call names (an ``openat``'s file, a rename's source and destination, the
+    #: file an ``fsync``'s descriptor is), descriptors resolved by :func:`resolve_fds`.
+    where: tuple[str, ...] = ()
 
     def arg(self, i: int) -> str:
         return _split_args(self.args)[i]
@@ -116,6 +119,36 @@ def parse_trace(text: str) -> list[Call]:
             continue
         calls.append(Call(len(calls), pid, d.group(1), d.group(2), int(d.group(3)), "(INJECTED)" in d.group(4)))
     return calls
+
+
+def resolve_fds(calls: list[Call], cwd: str) -> list[Call]:
+    """``calls`` with :attr:`Call.where` filled in: folder descriptors followed from the ``openat`` that made them.
+
+    The store and the worktree are written through folders opened without following links
+    (``openat(fd, name)``, ``renameat(fd, name, fd, name)``): their paths are the folder's and the name.
+    """
+    fds: dict[str, str] = {}
+
+    def at(dirfd: str, name: str) -> str:
+        base = cwd if dirfd == "AT_FDCWD" else fds.get(dirfd, f"<fd {dirfd}>")
+        return os.path.normpath(os.path.join(base, name))
+
+    out = []
+    for c in calls:
+        where: tuple[str, ...] = ()
+        if c.name == "openat" and c.ret >= 0:
+            where = (at(c.arg(0), c.path_arg(1)),)
+            fds[str(c.ret)] = where[0]
+        elif c.name in ("renameat", "renameat2", "linkat"):
+            where = (at(c.arg(0), c.path_arg(1)), at(c.arg(2), c.path_arg(3)))
+        elif c.name in ("rename", "link"):
+            where = (at("AT_FDCWD", c.path_arg(0)), at("AT_FDCWD", c.path_arg(1)))
+        elif c.name in ("fsync", "fdatasync") and c.arg(0) in fds:
+            where = (fds[c.arg(0)],)
+        elif c.name == "close":
+            fds.pop(c.arg(0), None)
+        out.append(Call(c.n, c.pid, c.name, c.args, c.ret, c.injected, where))
+    return out
 
 
 def run_traced(strace: str, tmp_path: Path, argv: list[str], trace: str, *, inject: str | None = None,
@@ -230,15 +263,8 @@ APPLY_TRACE = "fsync,fdatasync,rename,renameat,renameat2,openat,close,link,linka
 
 def _landings(calls: list[Call]) -> list[tuple[Call, str, str]]:
     """Every rename or link that put a file in place: (call, source, destination)."""
-    out = []
-    for c in calls:
-        if c.ret != 0:
-            continue
-        if c.name in ("rename", "link"):
-            out.append((c, c.path_arg(0), c.path_arg(1)))
-        elif c.name in ("renameat", "renameat2", "linkat"):
-            out.append((c, c.path_arg(1), c.path_arg(3)))
-    return out
+    return [(c, c.where[0], c.where[1]) for c in calls
+            if c.ret == 0 and c.name in ("rename", "link", "renameat", "renameat2", "linkat")]
 
 
 def _synced_before(calls: list[Call], path: str, before: int) -> bool:
@@ -254,7 +280,7 @@ def _synced_before(calls: list[Call], path: str, before: int) -> bool:
     for c in calls:
         if c.n >= before:
             break
-        if c.name == "openat" and c.ret >= 0 and c.path_arg(1) in names:
+        if c.name == "openat" and c.ret >= 0 and c.where[0] in names:
             for s in _fd_calls(calls, c.ret, c.n, {"fsync", "fdatasync"}):
                 if s.n < before:
                     return True
@@ -262,11 +288,8 @@ def _synced_before(calls: list[Call], path: str, before: int) -> bool:
 
 
 def _folder_synced_between(calls: list[Call], folder: str, start: int, end: int) -> bool:
-    for c in calls[start:end]:
-        if c.name == "openat" and c.ret >= 0 and c.path_arg(1).rstrip("/") == folder:
-            if any(s.n < end for s in _fd_calls(calls, c.ret, c.n, {"fsync"})):
-                return True
-    return False
+    """An fsync of a descriptor of ``folder`` ran between call ``start`` and call ``end``."""
+    return any(c.name == "fsync" and c.ret == 0 and c.where == (folder,) for c in calls[start:end])
 
 
 @pytest.mark.parametrize("name", ["main", "side"], ids=["checked-out", "not-checked-out"])
@@ -282,6 +305,7 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
 
     res, calls = run_traced(strace, tmp_path, [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--json",
                                                "--branch", name], APPLY_TRACE, cwd=repo.path)
+    calls = resolve_fds(calls, str(repo.path))
     assert res.returncode == 0, res.stdout + res.stderr
     out = json.loads(res.stdout)
     assert out["ok"] and out["status"] == "committed"
@@ -348,7 +372,7 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
     assert _folder_synced_between(calls, os.path.dirname(branch), branch_move.n, committed.n), \
         "the branch's folder not synced between its move and the committed receipt"
     # worktree files are renamed inside a folder opened without following links: renameat(fd, name, fd, name)
-    worktree_moves = [c for c, _, dst in landings if dst in (str(repo.path / "README"), "README")]
+    worktree_moves = [c for c, _, dst in landings if dst == str(repo.path / "README")]
     if name == "main":  # checked out: the move is durable before the worktree's file changes
         assert len(worktree_moves) == 1 and branch_move.n < worktree_moves[0].n < committed.n
         assert _folder_synced_between(calls, os.path.dirname(branch), branch_move.n, worktree_moves[0].n)

@@ -100,6 +100,44 @@ def test_a_torn_last_line_that_is_no_append_of_ours_is_reported(tmp_path: Path) 
     assert snapshot(repo) == before
 
 
+def test_a_call_on_a_ledger_with_a_foreign_torn_tail_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """No call cuts, or chains onto, a torn last line it did not write; a replay answers with a warning."""
+    repo = _committed(tmp_path, 1)
+    ledger = repo.store / "events.jsonl"
+    with open(ledger, "ab") as fh:
+        fh.write(b'{"event":"forged","seq":')  # no event starts so
+    before = snapshot(repo)
+    r = _apply(repo, 5, "new")
+    assert r.code == 6, r.out + r.err  # type: ignore[attr-defined]
+    err = r.json["error"]  # type: ignore[attr-defined]
+    assert (err["type"], err["effect_status"], err["next_action"]) == ("corrupt_receipt", "not_started", "recover")
+    assert "oncepatch recover" in err["message"] and "torn" in err["message"]
+    assert snapshot(repo) == before  # no receipt, no lock file, the tail kept
+    replay = _apply(repo, 0, "k0")
+    assert replay.code == 0 and replay.json["replayed"] is True  # type: ignore[attr-defined]
+    assert any("not noted in the ledger" in w for w in replay.json["warnings"])  # type: ignore[attr-defined]
+    assert snapshot(repo) == before
+    assert _recover(repo).code == 6  # type: ignore[attr-defined]
+    assert run_cli("quarantine", "--ledger", "--repo", str(repo.path), "--json").code == 0
+    assert _apply(repo, 5, "new").code == 0  # type: ignore[attr-defined]
+    assert _verify(repo).code == 0  # type: ignore[attr-defined]
+
+
+def test_a_tail_torn_by_a_killed_append_lets_the_next_call_run_and_recover_finish(tmp_path: Path) -> None:
+    """What a call killed in the middle of its last append leaves: a prefix of that event."""
+    repo = _committed(tmp_path, 2)
+    ledger = repo.store / "events.jsonl"
+    lines = _lines(repo)
+    ledger.write_bytes(b"".join(lines[:-1]) + lines[-1][:len(lines[-1]) // 2])  # k1's committed event, torn
+    assert _verify(repo).code == 6  # type: ignore[attr-defined]
+    r = _apply(repo, 5, "new")
+    assert r.code == 0, r.out + r.err  # type: ignore[attr-defined]
+    assert lines[-1][:len(lines[-1]) // 2] not in ledger.read_bytes()  # the torn bytes were no event: cut
+    rec = _recover(repo)
+    assert rec.code == 0 and rec.json["ledger_repaired"] == ["k1"]  # type: ignore[attr-defined]
+    assert _verify(repo).code == 0  # type: ignore[attr-defined]
+
+
 def test_a_receipt_rewritten_after_its_ledger_events_is_still_repaired(tmp_path: Path) -> None:
     """The crash the repair is for: the receipt's latest state is missing, its history is not."""
     repo = _committed(tmp_path, 2)

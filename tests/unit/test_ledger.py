@@ -150,7 +150,7 @@ def test_torn_last_line_is_skipped_then_truncated_by_next_append(tmp_path: Path)
     led = make_ledger(tmp_path, 3)
     intact = Path(led.path).read_bytes()
     with open(led.path, "ab") as fh:
-        fh.write(b'{"event":"half","se')  # the crash: no newline
+        fh.write(b'{"at":"2026-01-01T00:00:00Z","event":"half","i')  # the crash: no newline
     assert [e["seq"] for e in led.events()] == [1, 2, 3]
     problems = led.verify_chain()
     assert [p.line for p in problems] == [4] and "torn" in problems[0].reason
@@ -166,7 +166,7 @@ def test_torn_last_line_is_skipped_then_truncated_by_next_append(tmp_path: Path)
 
 def test_torn_only_line_is_truncated(tmp_path: Path) -> None:
     led = make_ledger(tmp_path)
-    Path(led.path).write_bytes(b'{"seq":1')
+    Path(led.path).write_bytes(b'{"at":"2026-01-01')
     assert list(led.events()) == []
     assert led.append({"event": "first"}) == {"event": "first", "seq": 1, "prev": GENESIS}
     assert led.verify_chain() == []
@@ -266,3 +266,36 @@ def test_torn_tail_tells_an_append_of_ours_from_anything_else(tmp_path: Path, ta
         fh.write(tail)
     torn = led.torn_tail()
     assert torn is not None and torn.own is own and not torn.complete and torn.data == tail
+
+
+@pytest.mark.parametrize("tail", [
+    b'{"event":"half","se',  # not how an event starts
+    b'{"seq":1',
+    b'{"at":"x","event":"y","prev":"' + b"1" * 10,  # another chain's prev
+])
+def test_a_torn_tail_that_is_no_append_of_ours_is_never_cut_or_chained_onto(tmp_path: Path, tail: bytes) -> None:
+    led = make_ledger(tmp_path, 2)
+    with open(led.path, "ab") as fh:
+        fh.write(tail)
+    before = Path(led.path).read_bytes()
+    with pytest.raises(CorruptLedger) as exc:
+        led.refuse_foreign_tail(effect_status="not_started")
+    assert exc.value.effect_status == "not_started" and exc.value.next_action == "recover"
+    assert "oncepatch recover" in exc.value.message
+    with pytest.raises(CorruptLedger):
+        led.append({"event": "after"})
+    assert Path(led.path).read_bytes() == before  # the evidence kept, byte for byte
+
+
+@pytest.mark.parametrize("cut", [0, 1, 7, 40, None])
+def test_a_tail_torn_from_an_append_of_ours_is_allowed_and_repaired(tmp_path: Path, cut: int | None) -> None:
+    """Every prefix of the event an append was writing (a process killed mid-write) is its own."""
+    led = make_ledger(tmp_path, 2)
+    intact = Path(led.path).read_bytes()
+    third = led.append({"at": "2026-01-01T00:00:00Z", "event": "third"})
+    line = canonical_json(third)
+    Path(led.path).write_bytes(intact + line[:cut])  # None: the whole event, without its newline
+    led.refuse_foreign_tail()  # raises nothing
+    fourth = led.append({"at": "2026-01-01T00:00:01Z", "event": "fourth"})
+    expected_seq = 4 if cut is None else 3  # a whole event that lost its newline is kept
+    assert fourth["seq"] == expected_seq and led.verify_chain() == []

@@ -237,3 +237,53 @@ def test_try_lock_excludes_lock_in_same_process(store: ReceiptStore) -> None:
                 pass
     finally:
         lk.release()
+
+
+# -- a store folder swapped for a symlink between the check and the write (issue 25) ----------
+
+
+def _files_under(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+
+
+def _swap_after_the_check(monkeypatch: pytest.MonkeyPatch, folder: str, outside: Path) -> None:
+    """The race: right after the store's check passes, ``folder`` becomes a symlink to ``outside``."""
+    real = ReceiptStore.check_folders
+
+    def check_then_swap(self: ReceiptStore, path: str, **kw: Any) -> None:
+        real(self, path, **kw)
+        if os.path.isdir(folder) and not os.path.islink(folder):
+            os.rename(folder, folder + ".aside")
+            os.symlink(outside, folder)
+
+    monkeypatch.setattr(ReceiptStore, "check_folders", check_then_swap)
+
+
+@pytest.mark.parametrize("swapped", ["receipts", "shard"])
+def test_a_folder_swapped_for_a_symlink_after_the_check_is_never_written_through(
+        store: ReceiptStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swapped: str) -> None:
+    store.write(make_receipt(1, key="k"))  # the shard of key "k" exists
+    outside = tmp_path / "outside"
+    (outside / key_hash("k")[:2]).mkdir(parents=True)  # a shard there too, to be written into
+    before = _files_under(outside)
+    folder = store.receipts_dir if swapped == "receipts" else os.path.dirname(store.receipt_path("k"))
+    _swap_after_the_check(monkeypatch, folder, outside)
+    with pytest.raises(CorruptReceipt) as exc:
+        store.record(make_receipt(1, key="k").evolve(status="committed", commit="c" * 40), "committed")
+    assert "symlink" in exc.value.reason and os.path.islink(folder)
+    assert _files_under(outside) == before  # nothing written where the link points
+    assert [e["event"] for e in store.ledger.events()] == []  # no event for a receipt never written
+
+
+def test_a_scan_never_reads_through_a_folder_swapped_after_its_listing(store: ReceiptStore, tmp_path: Path) -> None:
+    path = store.write(make_receipt(1, key="k"))
+    assert store.receipt_paths() == [path]
+    outside = tmp_path / "outside"
+    (outside / key_hash("k")[:2]).mkdir(parents=True)
+    (outside / key_hash("k")[:2] / os.path.basename(path)).write_bytes(b"planted")
+    os.rename(store.receipts_dir, store.receipts_dir + ".aside")
+    os.symlink(outside, store.receipts_dir)
+    got = store.read_raw(path)
+    assert isinstance(got, CorruptReceipt) and "symlink" in got.reason  # not b"planted"
+    with pytest.raises(CorruptReceipt):
+        store.receipt_paths()
