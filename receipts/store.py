@@ -193,7 +193,7 @@ class ReceiptStore:
         self.tmp_dir = os.path.join(self.root, "tmp")
         #: ``None``: an unsigned store; else every receipt and event is signed and checked.
         self.signing = load_signing(self.root)
-        self.ledger = Ledger(os.path.join(self.root, "events.jsonl"), self._ledger_lock_path(),
+        self.ledger = Ledger(os.path.join(self.root, "events.jsonl"), os.path.join(self.locks_dir, "ledger.lock"),
                              signing=self.signing)
         for folder in (self.receipts_dir, self.locks_dir, self.tmp_dir):
             # Refused before anything is read or written (tmp/ too: check worktrees are made there).
