@@ -225,3 +225,48 @@ def test_the_call_receives_the_caller_the_kernel_reports(box: Box) -> None:
     assert res.returncode == 0, res
     assert res.stdout.decode().split() == ["caller", str(box.agent.uid), str(box.agent.gid), "True",
                                            "confined", "True"]
+
+
+def test_the_brokers_policy_judges_the_caller_the_kernel_names_and_its_store_is_signed(box: Box) -> None:
+    """Authorize through the broker: the policy sees the socket's peer, and the broker signs what it writes."""
+    repo = _broker_repo(box)
+    store = repo.store
+    keys = box.base / "broker-keys"
+    keys.mkdir(mode=0o700)
+    subprocess.run(["chown", "-R", f"{box.broker.uid}:{box.broker.gid}", str(keys)], check=True)
+    res = box.oncepatch(box.broker, "keys", "init", "--note", "the broker's", cwd=repo.path,
+                        env={"ONCEPATCH_KEY_DIR": str(keys), "ONCEPATCH_SERVER": "never"})
+    assert res.returncode == 0, res
+    (store / "policy.toml").write_text(
+        'schema = "oncepatch.policy/1"\n'
+        f'[[allow]]\nusers = ["{box.agent.name}"]\npaths = ["a.txt"]\n'
+        f'[[allow]]\nusers = [{box.broker.uid}]\n')
+    os.chown(store / "policy.toml", box.broker.uid, box.broker.gid)
+    sock = box.base / "sock"
+    sock.mkdir(mode=0o755)
+    os.chown(sock, box.broker.uid, box.broker.gid)
+    res = box.oncepatch(box.broker, "serve", "--background", "--broker", "--allow-user", box.agent.name,
+                        "--socket-dir", str(sock), "--idle", "120",
+                        env={"ONCEPATCH_KEY_DIR": str(keys), "GIT_COMMITTER_NAME": "Broker",
+                             "GIT_COMMITTER_EMAIL": "broker@example.com"})
+    assert res.returncode == 0 and res.stdout.startswith(b"ready"), res
+    words = res.stdout.decode().split()
+    box.servers.append(int(words[words.index("pid") + 1]))
+    agent_env = {"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"}
+
+    res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", "ok", input=PATCH, env=agent_env, cwd=repo.path)
+    assert res.returncode == 0, res
+    before = snapshot(repo)
+    other = b"--- /dev/null\n+++ b/b.txt\n@@ -0,0 +1 @@\n+b\n"
+    res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", "no", input=other, env=agent_env, cwd=repo.path)
+    assert res.returncode == 4 and b'"forbidden"' in res.stdout, res
+    after = snapshot(repo)
+    assert {k: v for k, v in after.items() if k != "store"} == {k: v for k, v in before.items() if k != "store"}
+    assert {k: v for k, v in after["store"].items() if k != "events.jsonl"} == \
+        {k: v for k, v in before["store"].items() if k != "events.jsonl"}  # only the refusal's event is new
+    events = [line for line in (store / "events.jsonl").read_text().splitlines() if '"forbidden"' in line]
+    assert len(events) == 1 and f'"uid":{box.agent.uid}' in events[0].replace(" ", ""), events
+    # Signed by the broker: the agent's verify proves it, and the agent holds no key to forge with.
+    res = box.oncepatch(box.agent, "verify", cwd=repo.path)
+    assert res.returncode == 0 and b"signed store" in res.stdout, res
+    assert not any(keys.iterdir()) or box.run(box.agent, "ls", str(keys)).returncode != 0
