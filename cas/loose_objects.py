@@ -67,7 +67,7 @@ import pygit2
 from cas.durable import fsync_all
 from cas.errors import DurableWriteError, GitStoreError
 
-__all__ = ["BATCH", "TMP_OBJDIR_PREFIX", "enable_fsync", "open_repository", "stale_tmp_objdirs", "write_new",
+__all__ = ["BATCH", "LIBGIT2_OBJECT_TMP_PREFIX", "TMP_OBJDIR_PREFIX", "enable_fsync", "open_repository", "stale_tmp_objdirs", "write_new",
            "write_object"]
 
 #: Off: every object is written and synced by libgit2 on its own, one after another (the
@@ -368,11 +368,17 @@ def _sync(paths: list[str], tmp: str | None = None) -> None:
         raise GitStoreError(f"cannot sync '{exc.path}': {exc.cause}") from exc
 
 
-def stale_tmp_objdirs(objects: str, tmp_age: float, *, remove: bool = True) -> list[str]:
-    """The temporary object folders in ``objects`` older than ``tmp_age`` seconds (a killed writer's), removed.
+#: libgit2 writes a loose object to ``objects/tmp_object_git2_XXXXXX`` before renaming it into place.
+LIBGIT2_OBJECT_TMP_PREFIX = "tmp_object_git2_"
 
-    Age is the proof no writer still fills one, as for ``git prune``;
-    ``remove=False`` (a dry run): only list them.  Never follows a symlink.
+
+def stale_tmp_objdirs(objects: str, tmp_age: float, *, remove: bool = True) -> list[str]:
+    """What killed writers left in ``objects``, older than ``tmp_age`` seconds, removed.
+
+    Our temporary object folders and libgit2's ``tmp_object_git2_*`` files.
+    Like ``git prune`` (which removes ``tmp_`` entries past its expiry), age is
+    the proof no writer still fills one; ``remove=False`` (a dry run): only
+    list them.  Never follows a symlink.
     """
     found: list[str] = []
     try:
@@ -381,17 +387,27 @@ def stale_tmp_objdirs(objects: str, tmp_age: float, *, remove: bool = True) -> l
         return found
     now = time.time()
     for entry in sorted(entries):
-        if not entry.startswith(TMP_OBJDIR_PREFIX):
+        if entry.startswith(TMP_OBJDIR_PREFIX):
+            is_kind = stat.S_ISDIR
+        elif entry.startswith(LIBGIT2_OBJECT_TMP_PREFIX):
+            is_kind = stat.S_ISREG
+        else:
             continue
         path = os.path.join(objects, entry)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             continue
-        if not stat.S_ISDIR(st.st_mode) or now - st.st_mtime < tmp_age:
+        if not is_kind(st.st_mode) or now - st.st_mtime < tmp_age:
             continue
         if remove:
-            shutil.rmtree(path, ignore_errors=True)
+            if is_kind is stat.S_ISDIR:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:  # another cleaner's
+                    continue
             if os.path.lexists(path):
                 continue
         found.append(path)

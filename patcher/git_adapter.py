@@ -585,41 +585,12 @@ def _git_dir_tmp_prefixes(git_dir: str) -> list[tuple[str, str]]:
     return [(real, f"index{TMP_MARK}"), (real, f".index.lock{TMP_MARK}")]
 
 
-#: libgit2 writes a loose object to ``objects/tmp_object_git2_XXXXXX`` before renaming it into place.
-LIBGIT2_OBJECT_TMP_PREFIX = "tmp_object_git2_"
-
-
 def _remove_old_object_tmp_files(common_dir: str, tmp_age: float, *, remove: bool = True) -> list[str]:
     """Remove libgit2's tmp files of loose objects, and cas's temporary object folders, older than ``tmp_age`` seconds.
 
-    A killed writer's.  Like ``git prune`` (which removes ``tmp_`` entries
-    in ``objects/`` past its expiry), age is the proof that no writer is still
-    filling one.  ``remove=False`` (a dry run): only list them.
+    A killed writer's (:func:`cas.loose_objects.stale_tmp_objdirs`).
     """
-    objects = os.path.join(os.path.realpath(common_dir), "objects")
-    now = time.time()
-    found = stale_tmp_objdirs(objects, tmp_age, remove=remove)
-    try:
-        entries = os.listdir(objects)
-    except (FileNotFoundError, NotADirectoryError):
-        return found
-    for entry in sorted(entries):
-        if not entry.startswith(LIBGIT2_OBJECT_TMP_PREFIX):
-            continue
-        path = os.path.join(objects, entry)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < tmp_age:
-            continue
-        if remove:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                continue
-        found.append(path)
-    return found
+    return stale_tmp_objdirs(os.path.join(os.path.realpath(common_dir), "objects"), tmp_age, remove=remove)
 
 
 def _remove_dead_tmp_files(workdir: str | None, git_dir: str, touched: list[str], *,
