@@ -75,7 +75,7 @@ def _serve() -> None:
 
     environ_type.__getitem__ = recording  # type: ignore[method-assign]
     try:
-        import patcher.cli  # noqa: F401  (its __main__ is run by runpy in each child)
+        import patcher.cli.run  # noqa: F401  (the in-process CLI; patcher.cli's __main__ is run by runpy in each child)
     finally:
         environ_type.__getitem__ = real_getitem  # type: ignore[method-assign]
     import pygit2
