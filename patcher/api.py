@@ -41,10 +41,10 @@ from patcher.protocol import ApplyResult, Caller, apply, foreign_error, store_ro
 __all__ = ["apply", "ApplyResult", "Client", "OncepatchError", "status"]
 
 #: The error classes an answer from a server is rebuilt as, by type (else :class:`OncepatchError` of that type).
-_ANSWERS: dict[str, type[OncepatchError]] = {
-    cls.type: cls for cls in (*REJECTIONS, IdempotencyConflict, InProgress, StillUnknown, Forbidden, UsageError,
-                              ReceiptNotFound, NotResolvable, AmbiguousCallId)
-}
+_ANSWER_CLASSES: tuple[type[OncepatchError], ...] = (*REJECTIONS, IdempotencyConflict, InProgress, StillUnknown,
+                                                     Forbidden, UsageError, ReceiptNotFound, NotResolvable,
+                                                     AmbiguousCallId)
+_ANSWERS: dict[str, type[OncepatchError]] = {cls.type: cls for cls in _ANSWER_CLASSES}
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -229,7 +229,8 @@ class Client:
             raise foreign_error(exc, effect_status="not_started", key=None) from exc
         if doc is None or doc.get("ok"):
             return doc
-        err = doc.get("error") if isinstance(doc.get("error"), dict) else {"type": "internal", "message": str(doc)}
+        found = doc.get("error")
+        err: dict[str, Any] = found if isinstance(found, dict) else {"type": "internal", "message": str(doc)}
         raise error_from_envelope(err, err.get("key"), _ANSWERS, OncepatchError, replayed=False)
 
     @_translated("unknown")  # it may have settled some receipts before it failed
