@@ -115,6 +115,17 @@ def _stdin_cli(c: Contenders, env_vars: dict[str, str], name: str) -> Callable[[
     return op
 
 
+def _status_none(repo: BenchRepo, env_vars: dict[str, str]) -> Callable[[int], Any]:
+    """``oncepatch status none --json``: a served call with no commit and no fsync (the per-call path alone)."""
+    def op(_r: int) -> tuple[float, dict[str, Any] | None]:
+        cmd = [ONCEPATCH, "status", "none", "--json", "--repo", repo.path]
+        elapsed, rc, out, err, _rss = run_rusage(cmd, cwd=repo.path, env={**os.environ, **env_vars})
+        if b"not_found" not in out:
+            raise RuntimeError(f"status through the server failed ({rc}): {out[-500:]!r} {err[-500:]!r}")
+        return elapsed, None
+    return op
+
+
 def _start(folder: str, *extra: str) -> int:
     started = run([PYTHON, "-m", "patcher.cli", "serve", "--background", "--socket-dir", folder, "--idle", "900",
                    *extra])
@@ -193,6 +204,13 @@ def section_server(env: Env, repos: dict[str, BenchRepo], rounds: dict[str, int]
             ], max(5, rounds[size]), warmup=1)
             floor = rep["python -c pass"]
             out["replay"] += [_row(s, None if s is floor else floor, size=size) for s in rep.values()]
+        first = next(iter(repos.values()))
+        log("[server] broker per-call overhead: a status call through each")
+        per = interleave([("status, through the server", _status_none(first, served)),
+                          ("status, through `serve --broker`", _status_none(first, brokered))],
+                         max(20, max(rounds.values())), warmup=1)
+        out["broker_status"] = [_row(st, None)
+                                for st in per.values()]
         out["client_imports"] = _client_imports(next(iter(repos.values())), served)
     finally:
         for server in (pid, broker_pid):
@@ -250,6 +268,12 @@ def render_server(s: dict[str, Any]) -> str:
             ratio = r["median_s"] / r["baseline_median_s"]
             checks.append([f"{r['size']}: replay ≤ 3× python -c pass ({fmt_ms(r['baseline_median_s'])} ms)",
                            f"{ratio:.2f}×", "met" if ratio <= 3 else "NOT met"])
+    per = {r["name"]: r for r in s.get("broker_status", [])}
+    if len(per) == 2:
+        a, b = per["status, through the server"], per["status, through `serve --broker`"]
+        checks.append(["broker per-call overhead: `status` (no commit) through `serve --broker` − through "
+                       "the server", f"{(b['median_s'] - a['median_s']) * 1000:+.1f} ms "
+                       f"({fmt_ms(b['median_s'])} vs {fmt_ms(a['median_s'])} ms, n {b['n']})", "–"])
     if not s.get("codex"):
         checks.append(["codex apply_patch", "not installed", "–"])
     parts.append("\n**Targets (issue 27)**\n\n")
