@@ -182,20 +182,22 @@ class Client:
             how = remote.choose(self.server)
             if how != "never":
                 path = self._repo(repo)
-                argv = ["apply", "-", "--json", "--repo", path, "--format", format, "--attempt", str(attempt),
-                        "--lock-timeout", repr(self.lock_timeout), "--check-timeout", repr(self.check_timeout)]
+                # '--flag=value': a key or message that starts with '-' stays a value.
+                argv = ["apply", "-", "--json", f"--repo={path}", f"--format={format}", f"--attempt={attempt}",
+                        f"--lock-timeout={self.lock_timeout!r}", f"--check-timeout={self.check_timeout!r}"]
                 branch = branch if branch is not None else self.branch
                 for flag, value in (("--key", key), ("--branch", branch), ("--contract-sha256", contract_sha256),
                                     ("--check", check), ("--message", message), ("--common-dir", common_dir),
                                     ("--store", self.store)):
                     if value is not None:
-                        argv += [flag, value]
+                        argv.append(f"{flag}={value}")
                 if strict:
                     argv.append("--strict")
                 data = patch.encode("utf-8", "surrogateescape") if isinstance(patch, str) else patch
-                doc = self._through(argv, how, data)
-                if doc is not None:
-                    return _result(doc)
+                if not any("\0" in a for a in argv):  # (a NUL cannot cross the wire: refused in process)
+                    doc = self._through(argv, how, data)
+                    if doc is not None:
+                        return _result(doc)
         return apply(
             self._repo(repo), patch, key=key, branch=branch if branch is not None else self.branch,
             contract_sha256=contract_sha256, attempt=attempt, format=format, check=check, message=message,
@@ -212,10 +214,11 @@ class Client:
         """
         how = remote.choose(self.server)
         if how != "never":
-            argv = ["status", key, "--json", "--repo", self._repo(repo)]
+            argv = ["status", "--json", f"--repo={self._repo(repo)}"]
             if self.store is not None:
-                argv += ["--store", self.store]
-            doc = self._through(argv, how)
+                argv.append(f"--store={self.store}")
+            argv += ["--", key]
+            doc = self._through(argv, how) if not any("\0" in a for a in argv) else None
             if doc is not None:
                 return parse_receipt(jsonio.dumps(doc["receipt"]), path=str(doc["path"]))
         rstore = self.receipt_store(repo)
