@@ -483,3 +483,25 @@ def test_the_api_client_and_the_mcp_tool_answer_the_same_through_the_server(
     with pytest.raises(OncepatchError) as err, Client(tmp_path / "server") as client:
         client.apply(PATCH, key="k9")
     assert err.value.error_type == "io_error" and err.value.effect_status == "not_started"
+
+
+def test_an_api_call_whose_server_process_dies_is_unknown_and_says_recover(
+        tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's call process killed after the ref moved: the API never guesses, and recover settles it."""
+    from cas.errors import OncepatchError
+    from patcher.api import Client
+
+    repo = make_repo(tmp_path / "repo", FILES)
+    for k, v in {**server.env, "ONCEPATCH_CRASH_AT": "after-ref"}.items():
+        monkeypatch.setenv(k, v)
+    with Client(repo.path) as client:
+        before = repo.head()
+        with pytest.raises(OncepatchError) as err:
+            client.apply(PATCH, key="k")
+        assert (err.value.error_type, err.value.effect_status, err.value.next_action) == \
+            ("unknown", "unknown", "recover"), err.value.envelope()
+        assert "137" in err.value.message and repo.head() != before  # it had landed: only its record is missing
+        monkeypatch.delenv("ONCEPATCH_CRASH_AT")
+        client.recover(repo=repo.path)
+        assert client.status("k").status == "committed"
+        assert client.apply(PATCH, key="k").replayed
