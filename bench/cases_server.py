@@ -7,6 +7,9 @@ Contenders, one new change each per round, interleaved:
   the section);
 * ``CLI cold, in process`` — the same with ``ONCEPATCH_SERVER=never``;
 * ``API`` — :func:`patcher.protocol.apply` in this process (kept stores);
+* the same CLI call with the patch on standard input through the server and
+  through a ``serve --broker`` of the same user (a broker reads the patch from
+  there only): the difference is the broker's per-call overhead (issue 26);
 * ``git pair`` — ``git apply --index && git commit`` (the baseline);
 * ``codex apply_patch`` — OpenAI Codex's native binary run through a symlink
   named ``apply_patch`` (``npm install -g @openai/codex``), on a 200-line file
@@ -37,6 +40,8 @@ from bench.stats import fmt_ms, interleave
 __all__ = ["section_server", "render_server", "codex_apply_patch"]
 
 SERVED = "CLI cold, through the server"
+STDIN_SERVED = "CLI cold, through the server, patch on stdin"
+BROKERED = "CLI cold, through `serve --broker`, patch on stdin"
 
 
 def codex_apply_patch(env: Env) -> str | None:
@@ -97,6 +102,39 @@ def _server_cli(c: Contenders, env_vars: dict[str, str]) -> Callable[[int], Any]
     return op
 
 
+def _stdin_cli(c: Contenders, env_vars: dict[str, str], name: str) -> Callable[[int], Any]:
+    """``oncepatch apply - --json`` with the patch on standard input (a broker reads it from there only)."""
+    def op(_r: int) -> tuple[float, dict[str, Any] | None]:
+        with open(c._patch_file(c._make("main", 1, name)), "rb") as fh:
+            data = fh.read()
+        cmd = [ONCEPATCH, "apply", "-", "--json", "--repo", c.repo.path]
+        elapsed, rc, out, err, _rss = run_rusage(cmd, cwd=c.repo.path, env={**os.environ, **env_vars}, stdin=data)
+        if rc != 0 or orjson.loads(out).get("replayed"):
+            raise RuntimeError(f"{name} apply failed ({rc}): {out[-500:]!r} {err[-500:]!r}")
+        return elapsed, None
+    return op
+
+
+def _status_none(repo: BenchRepo, env_vars: dict[str, str]) -> Callable[[int], Any]:
+    """``oncepatch status none --json``: a served call with no commit and no fsync (the per-call path alone)."""
+    def op(_r: int) -> tuple[float, dict[str, Any] | None]:
+        cmd = [ONCEPATCH, "status", "none", "--json", "--repo", repo.path]
+        elapsed, rc, out, err, _rss = run_rusage(cmd, cwd=repo.path, env={**os.environ, **env_vars})
+        if b"not_found" not in out:
+            raise RuntimeError(f"status through the server failed ({rc}): {out[-500:]!r} {err[-500:]!r}")
+        return elapsed, None
+    return op
+
+
+def _start(folder: str, *extra: str) -> int:
+    started = run([PYTHON, "-m", "patcher.cli", "serve", "--background", "--socket-dir", folder, "--idle", "900",
+                   *extra])
+    words = started.stdout.decode().split()
+    if started.returncode != 0 or "pid" not in words:
+        raise RuntimeError(f"the server did not start: {started.stdout!r} {started.stderr!r}")
+    return int(words[words.index("pid") + 1])
+
+
 def _server_replay(c: Contenders, env_vars: dict[str, str]) -> Callable[[int], Any]:
     def op(r: int) -> tuple[float, dict[str, Any] | None]:
         files = c.applied["cli-served"]
@@ -132,12 +170,13 @@ def _client_imports(repo: BenchRepo, env_vars: dict[str, str]) -> dict[str, Any]
 def section_server(env: Env, repos: dict[str, BenchRepo], rounds: dict[str, int],
                    log: Callable[[str], None]) -> dict[str, Any]:
     folder = os.path.join(env.tmp, "server")
-    started = run([PYTHON, "-m", "patcher.cli", "serve", "--background", "--socket-dir", folder, "--idle", "900"])
-    words = started.stdout.decode().split()
-    if started.returncode != 0 or "pid" not in words:
-        raise RuntimeError(f"the server did not start: {started.stdout!r} {started.stderr!r}")
-    pid = int(words[words.index("pid") + 1])
+    pid = _start(folder)
+    # A broker of this same user (no root needed): the broker's own path per call — the caller's
+    # environment filtered, its own umask, the confinement checks — beside the plain server.
+    broker_folder = os.path.join(env.tmp, "broker")
+    broker_pid = _start(broker_folder, "--broker")
     served = {"ONCEPATCH_SERVER": "require", "ONCEPATCH_SERVER_DIR": folder}
+    brokered = {"ONCEPATCH_SERVER": "require", "ONCEPATCH_SERVER_DIR": broker_folder}
     never = {"ONCEPATCH_SERVER": "never"}
     codex = codex_apply_patch(env)
     out: dict[str, Any] = {"rows": [], "replay": [], "codex": codex}
@@ -149,6 +188,8 @@ def section_server(env: Env, repos: dict[str, BenchRepo], rounds: dict[str, int]
                 ("API, branch checked out", c.api("main")),
                 (SERVED, _server_cli(c, served)),
                 ("CLI cold, in process", _in_process(c, never)),
+                (STDIN_SERVED, _stdin_cli(c, served, "cli-served-stdin")),
+                (BROKERED, _stdin_cli(c, brokered, "cli-brokered")),
             ]
             if codex:
                 contenders.append(("codex apply_patch (native binary)", _codex(env, codex)))
@@ -163,12 +204,20 @@ def section_server(env: Env, repos: dict[str, BenchRepo], rounds: dict[str, int]
             ], max(5, rounds[size]), warmup=1)
             floor = rep["python -c pass"]
             out["replay"] += [_row(s, None if s is floor else floor, size=size) for s in rep.values()]
+        first = next(iter(repos.values()))
+        log("[server] broker per-call overhead: a status call through each")
+        per = interleave([("status, through the server", _status_none(first, served)),
+                          ("status, through `serve --broker`", _status_none(first, brokered))],
+                         max(20, max(rounds.values())), warmup=1)
+        out["broker_status"] = [_row(st, None)
+                                for st in per.values()]
         out["client_imports"] = _client_imports(next(iter(repos.values())), served)
     finally:
-        try:
-            os.kill(pid, 15)
-        except ProcessLookupError:
-            pass
+        for server in (pid, broker_pid):
+            try:
+                os.kill(server, 15)
+            except ProcessLookupError:
+                pass
     return out
 
 
@@ -210,11 +259,21 @@ def render_server(s: dict[str, Any]) -> str:
         if codex:
             checks.append([f"{size}: through the server ≤ 5× codex apply_patch", f"{ours / codex['median_s']:.1f}×",
                            "met" if ours <= 5 * codex["median_s"] else "NOT met"])
+        if STDIN_SERVED in rows and BROKERED in rows:
+            extra = rows[BROKERED]["median_s"] - rows[STDIN_SERVED]["median_s"]
+            checks.append([f"{size}: broker per-call overhead (broker − server median, both stdin)",
+                           f"{extra * 1000:+.1f} ms", "–"])
     for r in s["replay"]:
         if r["name"].startswith("CLI replay"):
             ratio = r["median_s"] / r["baseline_median_s"]
             checks.append([f"{r['size']}: replay ≤ 3× python -c pass ({fmt_ms(r['baseline_median_s'])} ms)",
                            f"{ratio:.2f}×", "met" if ratio <= 3 else "NOT met"])
+    per = {r["name"]: r for r in s.get("broker_status", [])}
+    if len(per) == 2:
+        a, b = per["status, through the server"], per["status, through `serve --broker`"]
+        checks.append(["broker per-call overhead: `status` (no commit) through `serve --broker` − through "
+                       "the server", f"{(b['median_s'] - a['median_s']) * 1000:+.1f} ms "
+                       f"({fmt_ms(b['median_s'])} vs {fmt_ms(a['median_s'])} ms, n {b['n']})", "–"])
     if not s.get("codex"):
         checks.append(["codex apply_patch", "not installed", "–"])
     parts.append("\n**Targets (issue 27)**\n\n")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 
 # Not typing's: every CLI process imports this package first, and the thin client
-# (patcher.cli.connect) must not pay for typing (mypy takes any TYPE_CHECKING as true).
+# (patcher.connect) must not pay for typing (mypy takes any TYPE_CHECKING as true).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any

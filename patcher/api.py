@@ -22,17 +22,29 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
-from cas.errors import EffectStatus, OncepatchError
+from cas.errors import EffectStatus, OncepatchError, UsageError
 from cas.gitdir import discover
+from receipts import jsonio
+from receipts.engine import error_from_envelope
+from receipts.errors import (AmbiguousCallId, Forbidden, IdempotencyConflict, InProgress, NotResolvable,
+                             ReceiptNotFound, StillUnknown)
 from receipts.lookup import status as _status
-from receipts.receipt import Receipt
+from receipts.receipt import Receipt, parse_receipt
 from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from receipts.verifier import DEFAULT_GRACE, VerifyReport, verify
+from patcher import remote
 from patcher.git_adapter import adapters
+from patcher.outcome import REJECTIONS
 from patcher.protocol import ApplyResult, Caller, apply, foreign_error, store_root_for
 
 __all__ = ["apply", "ApplyResult", "Client", "OncepatchError", "status"]
+
+#: The error classes an answer from a server is rebuilt as, by type (else :class:`OncepatchError` of that type).
+_ANSWER_CLASSES: tuple[type[OncepatchError], ...] = (*REJECTIONS, IdempotencyConflict, InProgress, StillUnknown,
+                                                     Forbidden, UsageError, ReceiptNotFound, NotResolvable,
+                                                     AmbiguousCallId)
+_ANSWERS: dict[str, type[OncepatchError]] = {cls.type: cls for cls in _ANSWER_CLASSES}
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -74,6 +86,13 @@ class Client:
 
     ``repo``, ``store`` and ``branch`` are defaults that each call may override.
     Use it as a context manager, or call :meth:`close` once no call is running.
+
+    ``server``: how :meth:`apply` and :meth:`status` choose between a running
+    ``oncepatch serve`` (or broker) and this process — the CLI's rules, ``auto``
+    (a server of this version when one answers, else in process), ``never``,
+    ``start``, ``require``; ``None`` reads ``$ONCEPATCH_SERVER`` at each call
+    (default ``auto``).  Through a server the answer is rebuilt from its envelope:
+    the same :class:`ApplyResult`, the same error classes (docs/DECISIONS.md).
     """
 
     def __init__(
@@ -84,12 +103,14 @@ class Client:
         branch: str | None = None,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         check_timeout: float = 600.0,
+        server: str | None = None,
     ) -> None:
         self.repo = os.path.abspath(os.fspath(repo))
         self.store = os.path.abspath(os.fspath(store)) if store is not None else None
         self.branch = branch
         self.lock_timeout = lock_timeout
         self.check_timeout = check_timeout
+        self.server = server
         self._local = threading.local()
         self._guard = threading.Lock()
         self._caches: list[dict[str, Any]] = []
@@ -151,11 +172,32 @@ class Client:
     ) -> ApplyResult:
         """:func:`patcher.protocol.apply` with this client's defaults and open repositories.
 
-        ``common_dir``, ``strict``, ``caller``: see :func:`patcher.protocol.apply`.
+        ``common_dir``, ``strict``, ``caller``: see :func:`patcher.protocol.apply`.  A call
+        with an explicit ``caller`` always runs in process (a server judges its own peer).
 
         Raises:
             OncepatchError: as :func:`apply` (conflict 3, rejected 4, in progress / unknown 5).
         """
+        if caller is None:
+            how = remote.choose(self.server)
+            if how != "never":
+                path = self._repo(repo)
+                # '--flag=value': a key or message that starts with '-' stays a value.
+                argv = ["apply", "-", "--json", f"--repo={path}", f"--format={format}", f"--attempt={attempt}",
+                        f"--lock-timeout={self.lock_timeout!r}", f"--check-timeout={self.check_timeout!r}"]
+                branch = branch if branch is not None else self.branch
+                for flag, value in (("--key", key), ("--branch", branch), ("--contract-sha256", contract_sha256),
+                                    ("--check", check), ("--message", message), ("--common-dir", common_dir),
+                                    ("--store", self.store)):
+                    if value is not None:
+                        argv.append(f"{flag}={value}")
+                if strict:
+                    argv.append("--strict")
+                data = patch.encode("utf-8", "surrogateescape") if isinstance(patch, str) else patch
+                if not any("\0" in a for a in argv):  # (a NUL cannot cross the wire: refused in process)
+                    doc = self._through(argv, how, data)
+                    if doc is not None:
+                        return _result(doc)
         return apply(
             self._repo(repo), patch, key=key, branch=branch if branch is not None else self.branch,
             contract_sha256=contract_sha256, attempt=attempt, format=format, check=check, message=message,
@@ -170,8 +212,29 @@ class Client:
         Raises:
             ReceiptNotFound, CorruptReceipt.
         """
+        how = remote.choose(self.server)
+        if how != "never":
+            argv = ["status", "--json", f"--repo={self._repo(repo)}"]
+            if self.store is not None:
+                argv.append(f"--store={self.store}")
+            argv += ["--", key]
+            doc = self._through(argv, how) if not any("\0" in a for a in argv) else None
+            if doc is not None:
+                return parse_receipt(jsonio.dumps(doc["receipt"]), path=str(doc["path"]))
         rstore = self.receipt_store(repo)
         return _status(key, store=rstore, adapters=lambda r: self._adapters(r, read_only=True))
+
+    def _through(self, argv: list[str], how: str, stdin: bytes = b"") -> dict[str, Any] | None:
+        """The envelope of ``argv`` run by a server (an error envelope raised as its error), or None: in process."""
+        try:
+            doc = remote.run(argv, how, stdin=stdin)
+        except OSError as exc:  # an in-memory file or the folder could not be made: nothing was sent
+            raise foreign_error(exc, effect_status="not_started", key=None) from exc
+        if doc is None or doc.get("ok"):
+            return doc
+        found = doc.get("error")
+        err: dict[str, Any] = found if isinstance(found, dict) else {"type": "internal", "message": str(doc)}
+        raise error_from_envelope(err, err.get("key"), _ANSWERS, OncepatchError, replayed=False)
 
     @_translated("unknown")  # it may have settled some receipts before it failed
     def recover(self, *, repo: str | os.PathLike[str] | None = None, dry_run: bool = False,
@@ -212,3 +275,13 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _result(doc: Mapping[str, Any]) -> ApplyResult:
+    """An :class:`ApplyResult` from ``apply --json``'s envelope (its ``to_json``, read back)."""
+    return ApplyResult(
+        key=doc["key"], call_id=doc["call_id"], status=doc["status"], replayed=bool(doc["replayed"]),
+        commit=doc.get("commit"), tree=doc.get("tree"), outputs=tuple(doc.get("outputs") or ()),
+        receipt=doc["receipt"], already_applied=bool(doc.get("already_applied", False)),
+        warnings=tuple(doc.get("warnings") or ()), grades=doc.get("grades"),
+    )

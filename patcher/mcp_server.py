@@ -6,7 +6,10 @@ installed: the same ``add_tool`` call, the same wire result).
 
 Tools, each a thin layer over :class:`patcher.api.Client` (one per server, so
 repositories and stores stay open between calls; calls run on worker
-threads, and the client keeps one open repository per thread):
+threads, and the client keeps one open repository per thread).  The client
+sends ``apply_patch`` and ``receipt_status`` to a running ``oncepatch serve``
+or broker by the CLI's rules (``ONCEPATCH_SERVER``; docs/AGENTS.md), with
+the repository resolved once here (its real path and common git dir):
 
 =================  ===========  =============  ==========  =========
 tool               readOnly     destructive    idempotent  openWorld

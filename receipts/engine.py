@@ -145,15 +145,17 @@ def check_same_intent(existing: Receipt, args_sha: str, key: str, identity: Mapp
 _ENVELOPE_FIELDS = frozenset({"type", "message", "retryable", "effect_status", "key", "next_action"})
 
 
-def error_from_envelope(err: Mapping[str, Any], key: str, classes: Mapping[str, type[OncepatchError]],
-                        default: type[OncepatchError]) -> OncepatchError:
+def error_from_envelope(err: Mapping[str, Any], key: str | None, classes: Mapping[str, type[OncepatchError]],
+                        default: type[OncepatchError], *, replayed: bool = True) -> OncepatchError:
     """A stored rejection rebuilt as an error of its type (``classes``, else ``default``), same envelope.
 
-    The envelope's extra fields become details, with ``replayed: true``.
+    The envelope's extra fields become details, with ``replayed: true`` (``replayed=False``: an
+    answer passed on as it came, e.g. a server's, :mod:`patcher.remote`).
     """
     etype = str(err.get("type") or "rejected")
     details = {k: v for k, v in err.items() if k not in _ENVELOPE_FIELDS}
-    details["replayed"] = True
+    if replayed:
+        details["replayed"] = True
     return classes.get(etype, default)(
         str(err.get("message") or "rejected"),
         retryable=bool(err.get("retryable", False)),

@@ -1,7 +1,7 @@
 """``oncepatch`` command line (docs/DESIGN.md section 6).
 
 :func:`main` is the console script.  Run from the command line it first asks
-a running ``oncepatch serve`` (:mod:`patcher.cli.connect`, a few standard
+a running ``oncepatch serve`` (:mod:`patcher.connect`, a few standard
 modules only), and runs the command in this process (:mod:`patcher.cli.run`)
 when there is none.  Called with an explicit ``argv`` it always runs in process.
 """
@@ -15,7 +15,7 @@ __all__ = ["main", "build_parser"]
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
-        from patcher.cli import connect
+        from patcher import connect
 
         code = connect.call(sys.argv[1:])
         if code is not None:

@@ -75,7 +75,7 @@ def add_options(p: argparse.ArgumentParser, options: tuple[Option, ...]) -> None
 def add_common(p: argparse.ArgumentParser) -> None:
     add_options(p, COMMON_OPTIONS)
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    # Read by the thin client (patcher.cli.connect) before any parsing; accepted here so both agree.
+    # Read by the thin client (patcher.connect) before any parsing; accepted here so both agree.
     p.add_argument("--no-server", action="store_true",
                    help="run in this process, not through a running 'oncepatch serve' ($ONCEPATCH_SERVER)")
 

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, APPLY_OPTIONS)
     p.add_argument("--strict", action="store_true",
                    help="refuse a hunk that matches only loosely (below the exact grade)")
+    # The common git dir the caller resolved the repository to (patcher.remote): refused if it differs.
+    p.add_argument("--common-dir", default=None, help=argparse.SUPPRESS)
 
     p = sub.add_parser("status", help="the verified receipt of a key or call_id")
     add_common(p)

@@ -1,6 +1,6 @@
 """``oncepatch`` command line, in process: a thin layer over the Python API (docs/DESIGN.md section 6).
 
-:mod:`patcher.cli` tries a running server first (:mod:`patcher.cli.connect`)
+:mod:`patcher.cli` tries a running server first (:mod:`patcher.connect`)
 and comes here when there is none; the server runs every call through this
 same :func:`main`, so the answers are the same either way.  Only this module prints.  With ``--json`` stdout is exactly one
 JSON object (one per line for ``watch``); human text otherwise; logs and
@@ -46,7 +46,7 @@ def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
             args.repo, data, key=args.key, branch=args.branch, contract_sha256=args.contract_sha256,
             attempt=args.attempt, format=args.format, check=args.check, message=args.message,
             store=args.store, lock_timeout=args.lock_timeout, check_timeout=args.check_timeout, strict=args.strict,
-            caller=args.caller,
+            caller=args.caller, common_dir=args.common_dir,
         )
     doc = res.to_json()
     if res.already_applied:  # the commit is the branch's, made before this call: never this key's own

@@ -14,7 +14,7 @@ the spare, forks the next spare, and, when a call's process dies before it
 answered (a crash point, ``kill -9``), tells the client its exit status.
 It exits after ``--idle`` seconds without a call.
 
-The wire is described in :mod:`patcher.cli.connect`.
+The wire is described in :mod:`patcher.connect`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 
 from cas.errors import EXIT_OK, UsageError
 from receipts.policy import Caller
-from patcher.cli import connect
+from patcher import connect
 from patcher.cli.common import path_given, seconds
 
 __all__ = ["register", "serve", "BROKER_ENV"]

@@ -227,8 +227,8 @@ def test_the_call_receives_the_caller_the_kernel_reports(box: Box) -> None:
                                            "confined", "True"]
 
 
-def test_the_brokers_policy_judges_the_caller_the_kernel_names_and_its_store_is_signed(box: Box) -> None:
-    """Authorize through the broker: the policy sees the socket's peer, and the broker signs what it writes."""
+def _signed_broker(box: Box) -> tuple[Repo, Path, Path]:
+    """A broker with its own key and a policy that allows the agent ``a.txt`` only: (repo, store, keys)."""
     repo = _broker_repo(box)
     store = repo.store
     keys = box.base / "broker-keys"
@@ -252,6 +252,12 @@ def test_the_brokers_policy_judges_the_caller_the_kernel_names_and_its_store_is_
     assert res.returncode == 0 and res.stdout.startswith(b"ready"), res
     words = res.stdout.decode().split()
     box.servers.append(int(words[words.index("pid") + 1]))
+    return repo, store, keys
+
+
+def test_the_brokers_policy_judges_the_caller_the_kernel_names_and_its_store_is_signed(box: Box) -> None:
+    """Authorize through the broker: the policy sees the socket's peer, and the broker signs what it writes."""
+    repo, store, keys = _signed_broker(box)
     agent_env = {"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"}
 
     res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", "ok", input=PATCH, env=agent_env, cwd=repo.path)
@@ -270,3 +276,52 @@ def test_the_brokers_policy_judges_the_caller_the_kernel_names_and_its_store_is_
     res = box.oncepatch(box.agent, "verify", cwd=repo.path)
     assert res.returncode == 0 and b"signed store" in res.stdout, res
     assert not any(keys.iterdir()) or box.run(box.agent, "ls", str(keys)).returncode != 0
+
+
+AGENT_SCRIPT = """
+import json, sys
+import mcp.types as types
+from cas.errors import OncepatchError
+from patcher.api import Client
+from patcher.mcp_server import _Tools
+
+repo, patch, again, other = sys.argv[1], *(a.encode().decode('unicode_escape') for a in sys.argv[2:5])
+out = {}
+with Client(repo) as client:
+    out['api'] = client.apply(patch, key='api-ok').to_json()
+    try:
+        client.apply(other, key='api-no')
+    except OncepatchError as exc:
+        out['api_no'] = [type(exc).__name__, exc.exit_code, exc.envelope()]
+    out['status'] = client.status('api-ok').to_doc()
+    tools = _Tools(client, types, allow_other_repos=False)
+    for key, text in (('mcp-ok', again), ('mcp-no', other)):
+        res = tools.run('apply_patch', lambda: tools.apply_patch(text, key, repo, None, 'auto', None))
+        out[key] = json.loads(res.content[0].text)
+print(json.dumps(out))
+"""
+
+
+def test_the_agents_api_and_mcp_calls_go_through_the_broker_signed_and_judged_as_the_agent(box: Box) -> None:
+    """The Python API and the MCP tool of the agent's process reach the broker: its key, its policy, its peer."""
+    pytest.importorskip("mcp")
+    repo, store, keys = _signed_broker(box)
+    again = "--- a/a.txt\n+++ b/a.txt\n@@ -1,3 +1,3 @@\n-a\n+A\n B\n c\n"
+    other = "--- /dev/null\n+++ b/b.txt\n@@ -0,0 +1 @@\n+b\n"
+    res = box.run(box.agent, box.python, "-c", AGENT_SCRIPT, str(repo.path), PATCH.decode().replace("\n", "\\n"),
+                  again.replace("\n", "\\n"), other.replace("\n", "\\n"),
+                  env={"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"}, cwd=repo.path)
+    assert res.returncode == 0, res
+    out = __import__("json").loads(res.stdout)
+    assert out["api"]["ok"] and out["mcp-ok"]["ok"] and not out["api"]["replayed"], out
+    assert out["api_no"][:2] == ["Forbidden", 4] and out["api_no"][2]["type"] == "forbidden", out
+    assert out["mcp-no"]["error"]["type"] == "forbidden", out
+    assert out["status"]["status"] == "committed" and out["status"]["commit"] == out["api"]["commit"]
+    # Written by the broker's user, authored by the agent, committed by the broker.
+    assert {p.stat().st_uid for p in store.glob("receipts/*/*.json")} == {box.broker.uid}
+    assert repo.git("log", "-2", "--format=%an|%cn").split() == ["Agent|Broker", "Agent|Broker"]
+    # Each refusal is a ledger event naming the agent's uid, as the kernel reported it.
+    events = [line for line in (store / "events.jsonl").read_text().splitlines() if '"forbidden"' in line]
+    assert len(events) == 2 and all(f'"uid":{box.agent.uid}' in e.replace(" ", "") for e in events), events
+    res = box.oncepatch(box.agent, "verify", cwd=repo.path)
+    assert res.returncode == 0 and b"signed store" in res.stdout, res

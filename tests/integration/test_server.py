@@ -6,6 +6,8 @@ Every call here goes through real processes: a server started with
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import socket
@@ -21,7 +23,7 @@ import pytest
 from conftest import Repo, make_repo, run_cli, start_server
 from torture_driver import commits_with_trailer
 
-from patcher.cli import connect
+from patcher import connect
 
 PATCH = b"--- a/src/app.py\n+++ b/src/app.py\n@@ -6,3 +6,3 @@\n line 6\n-line 7\n+line seven\n line 8\n"
 OTHER = b"--- a/src/app.py\n+++ b/src/app.py\n@@ -1,3 +1,3 @@\n line 1\n-line 2\n+line two\n line 3\n"
@@ -418,3 +420,88 @@ def test_start_runs_this_call_here_and_starts_a_server_for_the_next(tmp_path: Pa
                     os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _api_and_mcp_calls(repo: Path) -> list[Any]:
+    """The API client's and the MCP tool's answers to a fixed series of calls: results, or errors as raised."""
+    from cas.errors import OncepatchError
+    from patcher.api import Client
+    from patcher.mcp_server import _Tools
+
+    types = pytest.importorskip("mcp.types")
+    out: list[Any] = []
+    with Client(repo) as client:
+        tools = _Tools(client, types, allow_other_repos=False)
+        for key, patch in (("k1", PATCH), ("k1", PATCH), ("k1", OTHER), ("k2", BAD), ("--k4", OTHER)):
+            try:
+                res = client.apply(patch, key=key)
+                out.append(("ok", res, res.to_json()))
+            except OncepatchError as exc:
+                out.append((type(exc).__name__, exc.exit_code, exc.envelope()))
+        for key in ("k1", "--k4"):  # (a key that looks like an option stays a key through the server)
+            receipt = client.status(key)
+            out.append(("status", receipt.status, receipt.commit, receipt.key, receipt.call_id))
+        for key, patch in (("k3", NEW), ("k3", NEW), ("k2", BAD)):
+            res = tools.run("apply_patch", lambda: tools.apply_patch(patch.decode(), key, str(repo), None,
+                                                                     "auto", None))
+            out.append(("mcp", getattr(res, "is_error", None) if hasattr(res, "is_error") else res.isError,
+                        getattr(res, "structured_content", None) if hasattr(res, "structured_content")
+                        else res.structuredContent, res.content[0].text))
+        out.append(("owner", client.status("k3").owner.get("pid")))
+    return out
+
+
+def test_the_api_client_and_the_mcp_tool_answer_the_same_through_the_server(
+        tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in DATES.items():
+        monkeypatch.setenv(name, value)
+    runs, heads = {}, {}
+    for name, env in (("in-process", {"ONCEPATCH_SERVER": "never"}), ("server", server.env)):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        repo = make_repo(tmp_path / "repo", FILES)  # one path for both: the first moves aside
+        runs[name] = _api_and_mcp_calls(repo.path)
+        heads[name] = repo.head()
+        (tmp_path / "repo").rename(tmp_path / name)
+    ra, rb = runs["in-process"], runs["server"]
+    assert [x[0] for x in ra] == ["ok", "ok", "IdempotencyConflict", "ContextNotFound", "ok", "status", "status",
+                                  "mcp", "mcp", "mcp", "owner"]
+    for x, y in zip(ra[:-1], rb[:-1]):
+        assert normal(list(x[1:]) if x[0] != "ok" else x[2], tmp_path) == \
+            normal(list(y[1:]) if y[0] != "ok" else y[2], tmp_path), (x, y)
+        if x[0] == "ok":  # the very ApplyResult, rebuilt from the server's envelope
+            assert normal(json.loads(json.dumps(dataclasses.asdict(x[1]))), tmp_path) == \
+                normal(json.loads(json.dumps(dataclasses.asdict(y[1]))), tmp_path)
+    assert [x[1] for x in ra[7:10]] == [False, False, True]  # MCP: committed, replayed, the rejection as a tool error
+    assert heads["in-process"] == heads["server"]  # the same commits, byte for byte
+    # The server's call process wrote the receipts, not this one; and without it, require refuses.
+    assert ra[-1][1] == os.getpid() and rb[-1][1] != os.getpid()
+    server.stop()
+    from cas.errors import OncepatchError
+    from patcher.api import Client
+
+    with pytest.raises(OncepatchError) as err, Client(tmp_path / "server") as client:
+        client.apply(PATCH, key="k9")
+    assert err.value.error_type == "io_error" and err.value.effect_status == "not_started"
+
+
+def test_an_api_call_whose_server_process_dies_is_unknown_and_says_recover(
+        tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's call process killed after the ref moved: the API never guesses, and recover settles it."""
+    from cas.errors import OncepatchError
+    from patcher.api import Client
+
+    repo = make_repo(tmp_path / "repo", FILES)
+    for k, v in {**server.env, "ONCEPATCH_CRASH_AT": "after-ref"}.items():
+        monkeypatch.setenv(k, v)
+    with Client(repo.path) as client:
+        before = repo.head()
+        with pytest.raises(OncepatchError) as err:
+            client.apply(PATCH, key="k")
+        assert (err.value.error_type, err.value.effect_status, err.value.next_action) == \
+            ("unknown", "unknown", "recover"), err.value.envelope()
+        assert "137" in err.value.message and repo.head() != before  # it had landed: only its record is missing
+        monkeypatch.delenv("ONCEPATCH_CRASH_AT")
+        client.recover(repo=repo.path)
+        assert client.status("k").status == "committed"
+        assert client.apply(PATCH, key="k").replayed

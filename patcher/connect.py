@@ -31,7 +31,7 @@ import stat
 import sys
 import zlib
 
-__all__ = ["COMMANDS", "PROTOCOL", "call", "mode", "socket_dir", "socket_path", "version_token"]
+__all__ = ["COMMANDS", "PROTOCOL", "NoServer", "call", "exchange", "mode", "socket_dir", "socket_path", "version_token"]
 
 #: The commands a server answers (the others always run in process).
 COMMANDS = frozenset({"apply", "status", "verify", "recover", "log"})
@@ -129,16 +129,17 @@ def _connect(path: str) -> socket.socket:
     return s
 
 
-def _send(s: socket.socket, data: bytes) -> None:
-    cwd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def _send(s: socket.socket, data: bytes, fds: tuple[int, int, int, int] | None) -> None:
+    cwd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if fds is None else -1
     try:
-        sent = socket.send_fds(s, [data], [0, 1, 2, cwd])
+        sent = socket.send_fds(s, [data], list(fds) if fds is not None else [0, 1, 2, cwd])
         if sent < len(data):
             s.sendall(data[sent:])
     except OSError as exc:  # a closed standard stream, a server gone between connect and send
         raise NoServer(str(exc)) from exc
     finally:
-        os.close(cwd)
+        if cwd >= 0:
+            os.close(cwd)
 
 
 def _answers(s: socket.socket) -> tuple[bool, str | None]:
@@ -189,6 +190,35 @@ def _fail(argv: list[str], kind: str, message: str, *, effect_status: str, next_
     return code
 
 
+def exchange(argv: list[str], how: str, fds: tuple[int, int, int, int] | None = None) -> tuple[bool, str | None]:
+    """Send one call to the server of this version: (whether it started, its last answer line; None: none).
+
+    ``fds``: the call's standard input, output, error and working folder
+    (default: this process's own 0, 1, 2 and ``.``) — how the API client and
+    the MCP server hand a call over (:mod:`patcher.remote`).
+
+    Raises:
+        NoServer: no usable server answered (``start``: one is started for the next call); nothing ran.
+    """
+    token = version_token()
+    folder, explicit = socket_dir()
+    path = socket_path(folder, token)
+    try:
+        if not trusted(folder, explicit):
+            raise NoServer(f"no private server folder '{folder}'")
+        s = _connect(path)
+    except NoServer as exc:
+        if how == "start":
+            _start_background()
+        raise NoServer(f"no oncepatch server of this version at '{path}': {exc}") from exc
+    with s:
+        try:
+            _send(s, _request(token, argv), fds)
+        except NoServer:  # refused at once (its reason may be waiting), or gone: nothing ran
+            pass
+        return _answers(s)
+
+
 def call(argv: list[str]) -> int | None:
     """Run ``argv`` through a server: its exit status, or None to run it in process instead."""
     how = mode(argv)
@@ -200,27 +230,13 @@ def call(argv: list[str]) -> int | None:
         return None
     if os.environ.get("ONCEPATCH_PAUSE_AT"):
         return None  # a pause point stops the process running the call: its caller watches this one
-    token = version_token()
-    folder, explicit = socket_dir()
-    path = socket_path(folder, token)
     try:
-        if not trusted(folder, explicit):
-            raise NoServer(f"no private server folder '{folder}'")
-        s = _connect(path)
+        started, last = exchange(argv, how)
     except NoServer as exc:
-        if how == "start":
-            _start_background()
         if how == "require":
-            return _fail(argv, "io_error", f"no oncepatch server of this version at '{path}' "
-                         f"(ONCEPATCH_SERVER=require): {exc}", effect_status="not_started",
+            return _fail(argv, "io_error", f"{exc} (ONCEPATCH_SERVER=require)", effect_status="not_started",
                          next_action="retry", code=5, retryable=True)
         return None
-    with s:
-        try:
-            _send(s, _request(token, argv))
-        except NoServer:  # refused at once (its reason may be waiting), or gone: nothing ran
-            pass
-        started, last = _answers(s)
     if last is not None and last[0] == "X":
         return int(last[1:])
     if last is not None and last[0] == "D":
