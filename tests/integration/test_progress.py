@@ -29,3 +29,42 @@ def test_watch_says_it_started(tmp_path: Path) -> None:
     r = run_cli("watch", "--repo", str(repo.path), "--duration", "0.2", "--json")
     assert r.code == 0 and r.out.splitlines()[-1].startswith("{"), r.out
     assert "oncepatch watch: watching" in r.err and "Ctrl-C ends it" in r.err, r.err
+
+
+def test_on_a_terminal_the_line_is_redrawn_in_place_and_cleared(tmp_path: Path) -> None:
+    """stderr a terminal (a pty), nothing asked: one line redrawn with ``\\r`` and erased when the work ends."""
+    import os
+    import pty
+    import subprocess
+    import sys
+    import threading
+
+    repo = make_repo(tmp_path / "repo")
+    slow = f"sleep {AFTER + 2:g}"
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "ONCEPATCH_PROGRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "patcher.cli", "apply", "-", "--repo", str(repo.path),
+                             "--key", "t", "--check", slow], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=slave, env=env)
+    os.close(slave)
+    seen = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: every writer of the pty is gone
+                return
+            if not chunk:
+                return
+            seen.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    out, _ = proc.communicate(PATCH, timeout=120)
+    reader.join(60)
+    os.close(master)
+    assert proc.returncode == 0, (out, bytes(seen))
+    text = bytes(seen).decode(errors="replace")
+    assert f"\r\x1b[Koncepatch: running the check '{slow}'" in text, text
+    assert text.endswith("\r\x1b[K") or text.rstrip("\r\n").endswith("\r\x1b[K"), repr(text)  # erased at the end
