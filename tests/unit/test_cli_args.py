@@ -9,7 +9,8 @@ from patcher.cli import build_parser
 
 DEFAULTS = {"command": "apply", "patch": "p.diff", "json": False, "repo": ".", "store": None, "branch": None,
             "key": None, "contract_sha256": None, "attempt": 1, "format": "auto", "check": None,
-            "check_timeout": 600.0, "message": None, "lock_timeout": 30.0, "strict": False, "no_server": False}
+            "check_timeout": 600.0, "message": None, "lock_timeout": 30.0, "strict": False, "no_server": False,
+            "common_dir": None}
 
 
 @pytest.mark.parametrize(("argv", "changed"), [
