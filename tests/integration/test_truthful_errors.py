@@ -311,7 +311,7 @@ def test_no_raw_os_error_before_the_lock(repo: Repo, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(ReceiptStore, "read", read)
     with pytest.raises(OncepatchError) as info:
-        Client(str(repo.path)).apply(PATCH, key=KEY)
+        Client(str(repo.path), server="never").apply(PATCH, key=KEY)  # the fault is in this process
     err = info.value.envelope()
     assert (err["effect_status"], err["retryable"], err["errno"]) == ("unknown", True, "EIO")
     assert repo.count() == 1
@@ -398,7 +398,7 @@ def test_no_raw_os_error_out_of_the_client(repo: Repo, monkeypatch: pytest.Monke
         raise OSError(errno.EIO, os.strerror(errno.EIO), str(repo.store))
 
     monkeypatch.setattr(target, fail)
-    with Client(str(repo.path)) as client:
+    with Client(str(repo.path), server="never") as client:  # the fault is injected in this process
         with pytest.raises(OncepatchError) as info:
             getattr(client, method)(*([KEY] if method == "status" else []))
     err = info.value.envelope()
