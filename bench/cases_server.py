@@ -235,19 +235,13 @@ def _in_process(c: Contenders, env_vars: dict[str, str]) -> Callable[[int], Any]
 
 
 def render_server(s: dict[str, Any]) -> str:
-    from bench.report import _table, _timing_rows
+    from bench.report import _table, _tables_by_size
 
     parts = ["\n### Server: a cold CLI apply through `oncepatch serve` (ms; ratio = git pair median / this "
              "median, > 1 is faster)\n"]
-    for size in dict.fromkeys(r["size"] for r in s["rows"]):
-        rows = [r for r in s["rows"] if r["size"] == size]
-        parts.append(f"\n**{size} files**\n\n")
-        parts.append(_table(["contender", "median", "p90", "n", "vs git pair"], _timing_rows(rows)))
+    parts += _tables_by_size(s["rows"], "**{size} files**", "vs git pair")
     parts.append("\n**Replay through the server** (ratio = `python -c pass` median / this median)\n")
-    for size in dict.fromkeys(r["size"] for r in s["replay"]):
-        rows = [r for r in s["replay"] if r["size"] == size]
-        parts.append(f"\n{size} files\n\n")
-        parts.append(_table(["contender", "median", "p90", "n", "vs python -c pass"], _timing_rows(rows)))
+    parts += _tables_by_size(s["replay"], "{size} files", "vs python -c pass")
     checks = []
     for size in dict.fromkeys(r["size"] for r in s["rows"]):
         rows = {r["name"]: r for r in s["rows"] if r["size"] == size}

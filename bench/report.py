@@ -21,6 +21,16 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _tables_by_size(rows: list[dict[str, Any]], title: str, ratio: str) -> list[str]:
+    """One timing table per size, in the order the sizes ran; ``title`` formats ``{size}``."""
+    parts = []
+    for size in dict.fromkeys(r["size"] for r in rows):
+        parts.append(f"\n{title.format(size=size)}\n\n")
+        parts.append(_table(["contender", "median", "p90", "n", ratio],
+                            _timing_rows([r for r in rows if r["size"] == size])))
+    return parts
+
+
 def _timing_rows(rows: list[dict[str, Any]], *, rss: bool = False) -> list[list[str]]:
     out = []
     for r in rows:
@@ -229,14 +239,11 @@ def render(res: dict[str, Any]) -> str:
     if s:
         parts.append("\n### 1. One-file patch (ms; ratio = git pair median / this median, > 1 is faster)\n")
         for size in dict.fromkeys(r["size"] for r in s["single"]):
-            rows = [r for r in s["single"] if r["size"] == size]
-            parts.append(f"\n**{size} files** (worktree clean afterwards: {s['clean'].get(size)})\n\n")
-            parts.append(_table(["contender", "median", "p90", "n", "vs git pair"], _timing_rows(rows)))
+            clean = s["clean"].get(size)
+            parts += _tables_by_size([r for r in s["single"] if r["size"] == size],
+                                     f"**{{size}} files** (worktree clean afterwards: {clean})", "vs git pair")
         parts.append("\n### 2. Replay of a committed call (ms)\n")
-        for size in dict.fromkeys(r["size"] for r in s["replay"]):
-            rows = [r for r in s["replay"] if r["size"] == size]
-            parts.append(f"\n**{size} files**\n\n")
-            parts.append(_table(["contender", "median", "p90", "n", "vs git pair"], _timing_rows(rows)))
+        parts += _tables_by_size(s["replay"], "**{size} files**", "vs git pair")
         imp = s.get("importtime", {})
         if imp:
             rp = imp["replay"]
