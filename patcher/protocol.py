@@ -95,15 +95,43 @@ def apply(
     """
     if _stores is None:
         _stores = {}  # one open repository for the whole call, even for one-shot callers
-    try:
-        return _apply(repo, patch, key, branch, contract_sha256, attempt, format, check, message, common_dir, store,
-                      lock_timeout, check_timeout, strict, caller, _stores)
-    except OncepatchError:
-        raise
-    except Exception as exc:
-        # Only what fails before the key's receipt is read gets here (the replay and
-        # patcher.execute translate the rest, knowing how far they went): nothing was written.
-        raise foreign_error(exc, effect_status="not_started", key=key) from exc
+    for round_ in (1, 2):
+        try:
+            return _apply(repo, patch, key, branch, contract_sha256, attempt, format, check, message, common_dir,
+                          store, lock_timeout, check_timeout, strict, caller, _stores)
+        except OncepatchError as exc:
+            if exc.effect_status not in ("not_started", "not_applied") or not _pack_vanished(exc.__cause__):
+                raise
+            # The open repositories' pack lists are stale: a long-lived caller
+            # would meet the same failure on every later call.  Nothing was applied,
+            # so this call is run once more on freshly opened ones, as git re-reads
+            # its packs and retries a read whose pack went away.
+            _stores.clear()
+            if round_ == 2:
+                raise
+        except Exception as exc:
+            # Only what fails before the key's receipt is read gets here (the replay and
+            # patcher.execute translate the rest, knowing how far they went): nothing was written.
+            raise foreign_error(exc, effect_status="not_started", key=key) from exc
+    raise AssertionError("unreachable")
+
+
+def _pack_vanished(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) is libgit2 failing to read a pack that git maintenance replaced.
+
+    ``git repack -a -d``, ``gc`` and ``multi-pack-index expire`` delete and write packs
+    beside readers; libgit2 retries a lookup that finds nothing after rescanning the
+    pack folder, but not a read from a pack it listed before and that changed or
+    went away meanwhile ("invalid packfile").
+    """
+    pygit2 = sys.modules.get("pygit2")
+    for _ in range(8):  # (a chain is a few links long)
+        if exc is None or pygit2 is None:
+            return False
+        if isinstance(exc, pygit2.GitError) and ("packfile" in str(exc) or "pack file" in str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, contract_sha256: str | None,
@@ -128,18 +156,23 @@ def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, c
         raise exc.with_key(call.key)
 
     # Fast path: a final receipt is immutable, so it can be read without the lock.
-    try:
-        final = call.lookup()
-        if final is not None:
+    for round_ in (1, 2):
+        try:
+            final = call.lookup()
+            if final is None:
+                break
             from patcher.git_adapter import GitAdapter
 
             # The receipt is answered from only where git agrees (its key ref, commit and outputs).
             call.adapter = GitAdapter(rstore, _stores, lock_timeout=lock_timeout)
             return replay_final(call, final)
-    except OncepatchError:
-        raise
-    except Exception as exc:  # the key's receipt, or git's side of it, could not be read: not known
-        raise foreign_error(exc, effect_status="unknown", key=call.key, next_action="retry") from exc
+        except OncepatchError:
+            raise
+        except Exception as exc:  # the key's receipt, or git's side of it, could not be read: not known
+            if round_ == 1 and _pack_vanished(exc):
+                _stores.clear()  # (a replay only reads: read again, as apply() runs a call again)
+                continue
+            raise foreign_error(exc, effect_status="unknown", key=call.key, next_action="retry") from exc
 
     strictness = None
     try:

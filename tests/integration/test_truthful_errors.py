@@ -404,3 +404,88 @@ def test_no_raw_os_error_out_of_the_client(repo: Repo, monkeypatch: pytest.Monke
     err = info.value.envelope()
     assert (err["effect_status"], err["retryable"], err["errno"], err["path"]) == (effect, True, "EIO",
                                                                                   str(repo.store))
+
+
+# -- a pack that git maintenance replaced under a read ---------------------------------------
+
+#: libgit2's words when a pack it listed changed or went away before it read from it.
+VANISHED = "90a5ed6b4404971c220f6efda74bec7a330748b6: invalid packfile '/r/.git/objects/pack/loose-91.pack': "
+
+
+def _fail_move(monkeypatch: pytest.MonkeyPatch, message: str, times: int) -> list[GitStore]:
+    """The branch's move raises libgit2's ``message`` for the first ``times`` calls; returns each call's store."""
+    seen: list[GitStore] = []
+    real = patcher.execute._move_refs
+
+    def move_refs(run: Any, *args: Any, **kw: Any) -> Any:
+        seen.append(run.gstore)
+        if len(seen) <= times:
+            raise pygit2.GitError(message)
+        return real(run, *args, **kw)
+
+    monkeypatch.setattr(patcher.execute, "_move_refs", move_refs)
+    return seen
+
+
+def test_a_pack_replaced_under_a_read_is_read_again_from_fresh_packs(
+        repo: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found beside ``git maintenance``: the call ended ``internal`` although a second read would have worked.
+
+    After ``prepared``, before the branch moves: nothing is applied, so the call runs
+    once more on a freshly opened repository (a long-lived client's stale pack list
+    is dropped with it) and lands once.
+    """
+    seen = _fail_move(monkeypatch, VANISHED, times=1)
+    base = repo.head()
+    with Client(str(repo.path)) as client:
+        res = client.apply(PATCH, key=KEY)
+        assert res.status == "committed" and not res.replayed
+        assert len(seen) == 2 and seen[0] is not seen[1]  # the second round opened the repository afresh
+        assert client.apply(PATCH, key=KEY).replayed
+    assert commits_with_key(repo) == [res.commit] == [repo.head()]
+    assert repo.head(f"{res.commit}^") == base
+    events = [json.loads(line) for line in (repo.store / "events.jsonl").read_text().splitlines()]
+    mine = [e.get("status") for e in events if e.get("key") == KEY]
+    assert mine.index("rejected") < mine.index("committed"), mine  # the first round's, then the second's
+
+
+def test_a_pack_that_stays_unreadable_fails_once_more_and_says_nothing_was_applied(
+        repo: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _fail_move(monkeypatch, VANISHED, times=99)
+    base = repo.head()
+    before = {k: v for k, v in snapshot(repo).items() if k != "store"}
+    with pytest.raises(OncepatchError) as info:
+        apply(str(repo.path), PATCH, key=KEY)
+    err = info.value.envelope()
+    assert (err["type"], err["effect_status"], err["next_action"], err["retryable"]) == (
+        "internal", "not_applied", "retry", True)
+    assert len(seen) == 2  # one more round, never more
+    assert repo.head() == base and commits_with_key(repo) == []
+    assert {k: v for k, v in snapshot(repo).items() if k != "store"} == before
+    assert receipt_of(repo)["status"] == "rejected" and receipt_of(repo)["retryable"] is True
+
+
+def test_another_libgit2_failure_is_not_run_again(repo: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _fail_move(monkeypatch, "failed to write reference: disk quota exceeded", times=1)
+    with pytest.raises(OncepatchError) as info:
+        apply(str(repo.path), PATCH, key=KEY)
+    assert info.value.envelope()["effect_status"] == "not_applied"
+    assert len(seen) == 1
+
+
+def test_a_replay_whose_pack_was_replaced_reads_again(repo: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
+    import patcher.git_adapter
+
+    first = apply(str(repo.path), PATCH, key=KEY)
+    real = patcher.git_adapter.GitAdapter.confirm
+    calls: list[int] = []
+
+    def confirm(self: Any, receipt: Any) -> list[str]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise pygit2.GitError(VANISHED)
+        return real(self, receipt)
+
+    monkeypatch.setattr(patcher.git_adapter.GitAdapter, "confirm", confirm)
+    again = apply(str(repo.path), PATCH, key=KEY)
+    assert again.replayed and again.commit == first.commit and len(calls) == 2
