@@ -145,3 +145,32 @@ def test_a_prepared_over_an_unsettled_attempt_is_a_lease_takeover() -> None:
     assert stats.counters["unknowns"] == {("t",): 1}
     assert sorted(stats.latencies["t"]) == [1.0, 2.0]  # 2 -> 3 and 6 -> 7; the crashed attempt 1 has none
     assert stats.states == {("t", "committed"): 1, ("t", "unknown"): 1}
+
+
+def test_a_signed_ledger_with_an_unsigned_event_is_refused(tmp_path: Path) -> None:
+    """The chain holds (seq and prev are right), the signature does not: refused as verify refuses it."""
+    from receipts.ledger import Ledger
+    from receipts.store import ReceiptStore
+
+    repo = make_repo(tmp_path / "repo", {"a.txt": "a\n"})
+    assert run_cli("keys", "init", "--repo", str(repo.path)).code == 0
+    _apply(repo, P1, "k1")
+    assert run_cli("stats", "--repo", str(repo.path)).code == 0
+    store = ReceiptStore(str(repo.store))
+    Ledger(store.ledger.path, store.ledger.lock_path).append({"event": "replayed", "at": "2026-01-01T00:00:00Z",
+                                                              "key": "k1", "tool": "apply_patch"})
+    r = run_cli("stats", "--repo", str(repo.path), "--json")
+    assert r.code == 6, r.out + r.err
+    assert r.json["error"]["type"] == "corrupt_receipt" and "line 4: unsigned" in r.json["error"]["message"]
+
+
+def test_forbidden_and_settled_unknowns_are_told_apart() -> None:
+    events = [{"seq": 1, "event": "forbidden", "at": "2026-01-01T00:00:00Z", "request": {"tool": "apply_patch"}},
+              _ev(2, "prepared", "k", 1, "prepared", "01"),
+              # written by a settle whose query could not tell: no error, not the call's own end
+              _ev(3, "unknown", "k", 1, "unknown", "09", reason="cannot_tell"),
+              _ev(4, "resolved", "k", 1, "committed", "10")]
+    stats = count_events(events)
+    assert stats.counters["forbidden"] == {("apply_patch",): 1}
+    assert stats.counters["unknowns"] == {("t",): 1} and not stats.counters["executions"]
+    assert stats.latencies == {} and stats.counters["recoveries"] == {("t", "person", "committed"): 1}
