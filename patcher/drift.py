@@ -86,13 +86,15 @@ def _last_change(gstore: GitStore, tip: str, since: str, path: str) -> pygit2.Co
     return None
 
 
-def _who(commit: pygit2.Commit) -> dict[str, Any]:
+def _who(commit: pygit2.Commit, keys: dict[str, str]) -> dict[str, Any]:
+    """Who made ``commit``: oncepatch (its trailers; ``keys``: key by its sha256, this store's) or outside it."""
     trailers = _trailers(commit.message)
     out: dict[str, Any] = {"commit": str(commit.id), "subject": commit.message.split("\n", 1)[0]}
     if "Oncepatch-Call" in trailers or "Oncepatch-Key" in trailers:
         out["by"] = "oncepatch"
         out["key_sha256"] = trailers.get("Oncepatch-Key")
         out["call_id"] = trailers.get("Oncepatch-Call")
+        out["key"] = keys.get(out["key_sha256"] or "")
     else:
         out["by"] = "outside"
     return out
@@ -128,7 +130,7 @@ def _applied_commit(gstore: GitStore, receipt: Receipt, tip: str | None) -> tupl
     return None, receipt.status
 
 
-def _one(gstore: GitStore, receipt: Receipt) -> dict[str, Any] | None:
+def _one(gstore: GitStore, receipt: Receipt, keys: dict[str, str]) -> dict[str, Any] | None:
     branch = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
     tip = gstore.resolve(branch)
     commit, known = _applied_commit(gstore, receipt, tip)
@@ -153,7 +155,7 @@ def _one(gstore: GitStore, receipt: Receipt) -> dict[str, Any] | None:
             item["state"] = "reverted" if head == _entry(gstore, base_tree, path) else "changed"
             last = _last_change(gstore, tip, commit, path)
             if last is not None:
-                item.update(_who(last))
+                item.update(_who(last, keys))
         dirty = [w for w in worktrees if not worktree_files_match(gstore, w, {path: head})]
         if dirty:
             item["dirty"] = dirty
@@ -169,7 +171,9 @@ def drift(rstore: ReceiptStore, stores: dict[str, GitStore] | None = None) -> Dr
     """Every applied receipt of ``rstore`` against its branch and worktrees (module docstring)."""
     stores = stores if stores is not None else {}
     report = DriftReport()
-    for item in rstore.scan():
+    scanned = list(rstore.scan())
+    keys = {i.key_hash: i.receipt.key for i in scanned if i.receipt is not None}
+    for item in scanned:
         receipt = item.receipt
         if receipt is None:
             report.skipped.append({"path": item.path, "reason": "corrupt receipt ('oncepatch verify' names it)"})
@@ -180,7 +184,7 @@ def drift(rstore: ReceiptStore, stores: dict[str, GitStore] | None = None) -> Dr
             continue
         try:
             gstore = open_store(str(receipt.args.get("repo")), stores)
-            row = _one(gstore, receipt)
+            row = _one(gstore, receipt, keys)
         except (OncepatchError, pygit2.GitError, KeyError, ValueError) as exc:
             report.skipped.append({"key": receipt.key, "reason": f"{type(exc).__name__}: {exc}"})
             continue

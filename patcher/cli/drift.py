@@ -25,7 +25,8 @@ def register(sub: Any) -> None:
 def _line(item: dict[str, Any]) -> str:
     text = f"  {item['path']}: {item['state']}"
     if "commit" in item:
-        who = "by oncepatch" if item["by"] == "oncepatch" else "outside oncepatch"
+        who = (("by oncepatch" + (f", key {item['key']!r}" if item.get("key") else ""))
+               if item["by"] == "oncepatch" else "outside oncepatch")
         text += f" by {item['commit'][:12]} ({who}: {item['subject']!r})"
     if item.get("dirty"):
         text += f"; dirty in {', '.join(item['dirty'])}"

@@ -77,7 +77,9 @@ def test_unchanged_then_changed_by_oncepatch_then_dirty(tmp_path: Path) -> None:
     assert r.code == 7
     item = _path(r.json, "k1", "greet.py")
     assert item["state"] == "changed" and item["by"] == "oncepatch" and item["commit"] == repo.head()
-    assert item["call_id"] is not None and item["key_sha256"] is not None
+    assert item["call_id"] is not None and item["key_sha256"] is not None and item["key"] == "k2"
+    text = run_cli("drift", "--repo", str(repo.path))
+    assert f"greet.py: changed by {repo.head()[:12]} (by oncepatch, key 'k2':" in text.out
     assert _path(r.json, "k2", "greet.py")["state"] == "unchanged"
 
     assert _apply(repo, OTHER, "k3") == 0
