@@ -37,6 +37,7 @@ from cas.worktree import worktree_files_match
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 from patcher.args import TOOL
+from patcher.evidence import BranchHistory
 
 __all__ = ["DriftReport", "drift"]
 
@@ -120,29 +121,49 @@ def _paths(gstore: GitStore, receipt: Receipt, commit: str) -> dict[str, TreeEnt
     return {p: _entry(gstore, tree, p) for p in found}
 
 
-def _applied_commit(gstore: GitStore, receipt: Receipt, tip: str | None) -> tuple[str | None, str]:
+@dataclass
+class _Branch:
+    """One branch, looked at once for all its receipts: one walk of its history (a walk per receipt is
+    quadratic in the number of calls), its tip's tree, the worktrees that have it checked out."""
+
+    history: BranchHistory
+    tip_tree: str | None
+    worktrees: list[str]
+
+
+def _branch(gstore: GitStore, name: str, seen: dict[tuple[str, str], _Branch]) -> _Branch:
+    found = seen.get((gstore.common_dir, name))
+    if found is None:
+        history = BranchHistory(gstore, name)
+        found = seen[(gstore.common_dir, name)] = _Branch(
+            history, gstore.commit_tree(history.tip) if history.tip is not None else None,
+            [w for w, _g in worktrees_on(gstore.common_dir, name, gstore.main_workdir)])
+    return found
+
+
+def _applied_commit(gstore: GitStore, receipt: Receipt, branch: _Branch) -> tuple[str | None, str]:
     """The receipt's commit when its change is applied, and how that is known."""
     if receipt.status == "committed" and receipt.commit:
         return receipt.commit, "committed"
-    if receipt.status in ("prepared", "unknown") and receipt.candidate and tip is not None:
-        if gstore.has_object(receipt.candidate) and gstore.is_ancestor(receipt.candidate, tip):
+    if receipt.status in ("prepared", "unknown") and receipt.candidate:
+        if gstore.has_object(receipt.candidate) and branch.history.reaches(receipt.candidate):
             return receipt.candidate, f"{receipt.status}, its candidate on the branch ('oncepatch recover' records it)"
     return None, receipt.status
 
 
-def _one(gstore: GitStore, receipt: Receipt, keys: dict[str, str]) -> dict[str, Any] | None:
-    branch = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
-    tip = gstore.resolve(branch)
-    commit, known = _applied_commit(gstore, receipt, tip)
+def _one(gstore: GitStore, receipt: Receipt, keys: dict[str, str],
+         branches: dict[tuple[str, str], _Branch]) -> dict[str, Any] | None:
+    name = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
+    branch = _branch(gstore, name, branches)
+    tip, tip_tree, worktrees = branch.history.tip, branch.tip_tree, branch.worktrees
+    commit, known = _applied_commit(gstore, receipt, branch)
     if commit is None:
         return None
     row: dict[str, Any] = {"key": receipt.key, "status": receipt.status, "known": known, "commit": commit,
-                           "branch": branch, "paths": []}
+                           "branch": name, "paths": []}
     c = gstore.repo.get(commit)
     base_tree = str(c.parents[0].tree_id) if isinstance(c, pygit2.Commit) and c.parents else None
-    on_branch = tip is not None and (tip == commit or gstore.is_ancestor(commit, tip))
-    tip_tree = gstore.commit_tree(tip) if tip is not None else None
-    worktrees = [w for w, _g in worktrees_on(gstore.common_dir, branch, gstore.main_workdir)]
+    on_branch = branch.history.reaches(commit)
     for path, want in sorted(_paths(gstore, receipt, commit).items()):
         head = _entry(gstore, tip_tree, path)
         item: dict[str, Any] = {"path": path}
@@ -170,6 +191,7 @@ def _one(gstore: GitStore, receipt: Receipt, keys: dict[str, str]) -> dict[str, 
 def drift(rstore: ReceiptStore, stores: dict[str, GitStore] | None = None) -> DriftReport:
     """Every applied receipt of ``rstore`` against its branch and worktrees (module docstring)."""
     stores = stores if stores is not None else {}
+    branches: dict[tuple[str, str], _Branch] = {}
     report = DriftReport()
     scanned = list(rstore.scan())
     keys = {i.key_hash: i.receipt.key for i in scanned if i.receipt is not None}
@@ -184,7 +206,7 @@ def drift(rstore: ReceiptStore, stores: dict[str, GitStore] | None = None) -> Dr
             continue
         try:
             gstore = open_store(str(receipt.args.get("repo")), stores)
-            row = _one(gstore, receipt, keys)
+            row = _one(gstore, receipt, keys, branches)
         except (OncepatchError, pygit2.GitError, KeyError, ValueError) as exc:
             report.skipped.append({"key": receipt.key, "reason": f"{type(exc).__name__}: {exc}"})
             continue
