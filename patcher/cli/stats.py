@@ -40,7 +40,7 @@ def _text(stats: Stats) -> str:
         rows = stats.counters[name]
         lines.append(f"{name.replace('_', ' ')}: {sum(rows.values())}")
         for key, n in sorted(rows.items()):
-            if len(labels) > 1:
+            if len(labels) > 1 or len(rows) > 1:  # one tool's total is the line above
                 lines.append("  " + " ".join(f"{lab}={val}" for lab, val in zip(labels, key)) + f"  {n}")
     lines.append("keys now:")
     for (tool, state), n in sorted(stats.states.items()):
