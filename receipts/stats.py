@@ -18,9 +18,11 @@ From these (pure: :func:`count_events` takes the events, does no I/O):
 * a **call** starts at ``prepared``, ``replayed``, or a ``committed``/``rejected``
   without this attempt's ``prepared``; a **duplicate request** is a call for a key
   an earlier call already used;
-* a **lease takeover** is a ``prepared`` whose key's previous attempt was still
-  ``prepared`` (never settled): its key lock was lost and the next token took
-  over (the fencing rule of :mod:`receipts.engine`);
+* a **lease takeover** is the key's next call settling an attempt its owner
+  left ``prepared`` or ``unknown`` (a dead owner, or a lost key lock), to run
+  with the next fencing token: the settle's event says ``takeover: true``
+  (:func:`receipts.engine.settle`); also a ``prepared`` over an attempt still
+  ``prepared`` with no settle between (a ledger that lost the settle's event);
 * **latency** is from an execution's ``prepared`` to its own final event;
   a call settled later by ``recover`` or a person has no latency (the gap is
   the time it lay crashed, not the call's);
@@ -63,7 +65,7 @@ COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "executions": (("tool", "outcome"), "attempts that wrote prepared, by how they ended themselves"),
     "rejected": (("tool", "error_type", "retryable"), "rejections written by the call itself"),
     "unknowns": (("tool",), "receipts written unknown: the effect may have happened"),
-    "lease_takeovers": (("tool",), "attempts that took a key over from an unsettled attempt (next fencing token)"),
+    "lease_takeovers": (("tool",), "calls that took a key over from an attempt left unsettled (next fencing token)"),
     "recoveries": (("tool", "by", "outcome"), "dead owners' calls settled: by query (recover, watch, the "
                                               "next call) or by person (resolve)"),
     "forbidden": (("tool",), "calls the store's policy refused"),
@@ -211,10 +213,14 @@ def count_events(events: Iterable[dict[str, Any]], *, since: datetime | None = N
                                    "true" if event.get("retryable") else "false")] += 1
                 elif kind == "unknown":
                     c["unknowns"][(tool,)] += 1
+                    if event.get("takeover"):
+                        c["lease_takeovers"][(tool,)] += 1
             k.open_token, k.open_at = None, None
         elif kind in ("recovered", "resolved"):
             if counted:
                 c["recoveries"][(tool, "query" if kind == "recovered" else "person", str(status))] += 1
+                if event.get("takeover"):
+                    c["lease_takeovers"][(tool,)] += 1
             k.open_token, k.open_at = None, None
         if isinstance(status, str) and kind != "replayed":
             k.status = status

@@ -2,7 +2,8 @@
 
 The store: a commit and its replay, an idempotency conflict, a rejected
 ``--check``, a call killed after its branch moved then ``recover``, a call
-killed after its prepare then ``resolve``, and one more replay.  The
+killed after its prepare then ``resolve``, one more replay, and a call killed
+after its prepare whose key the next call takes over.  The
 Prometheus file is read back with ``prometheus_client``'s own parser.
 """
 
@@ -26,6 +27,7 @@ def _patch(path: str, old: str, new: str) -> bytes:
 
 P1, P2 = _patch("a.txt", "a", "A"), _patch("b.txt", "b", "B")
 P3, P4 = _patch("c.txt", "c", "C"), _patch("d.txt", "d", "D")
+P5 = _patch("e.txt", "e", "E")
 
 
 def _apply(repo: Repo, patch: bytes, key: str, *extra: str, code: int = 0, env: dict[str, str] | None = None) -> None:
@@ -36,7 +38,7 @@ def _apply(repo: Repo, patch: bytes, key: str, *extra: str, code: int = 0, env: 
 @pytest.fixture
 def busy(tmp_path: Path) -> Repo:
     """A store made by real calls (module docstring)."""
-    repo = make_repo(tmp_path / "repo", {"a.txt": "a\n", "b.txt": "b\n", "c.txt": "c\n", "d.txt": "d\n"})
+    repo = make_repo(tmp_path / "repo", {"a.txt": "a\n", "b.txt": "b\n", "c.txt": "c\n", "d.txt": "d\n", "e.txt": "e\n"})
     _apply(repo, P1, "k1")
     _apply(repo, P1, "k1")  # replayed
     _apply(repo, P2, "k1", code=3)  # idempotency conflict: nothing recorded
@@ -47,6 +49,8 @@ def busy(tmp_path: Path) -> Repo:
     r = run_cli("resolve", "k6", "--as", "rejected", "--note", "looked", "--repo", str(repo.path))
     assert r.code == 0, r.out + r.err  # by person
     _apply(repo, P3, "k2")  # replayed
+    _apply(repo, P5, "k7", code=137, env={"ONCEPATCH_CRASH_AT": "after-prepare"})
+    _apply(repo, P5, "k7")  # takes the key over: settles attempt 1 (by query), commits as attempt 2
     return repo
 
 
@@ -61,17 +65,19 @@ def test_stats_counts_what_the_calls_did(busy: Repo) -> None:
     doc = r.json
     assert doc["ok"] is True
     t = "apply_patch"
-    assert _counter(doc, "calls", tool=t) == 6  # k1 x2, k5, k2 x2, k6
-    assert _counter(doc, "duplicate_requests", tool=t) == 2
+    assert _counter(doc, "calls", tool=t) == 8  # k1 x2, k5, k2 x2, k6, k7 x2
+    assert _counter(doc, "duplicate_requests", tool=t) == 3
     assert _counter(doc, "replays", tool=t, status="committed") == 2
-    assert _counter(doc, "executions", tool=t, outcome="committed") == 1
+    assert _counter(doc, "executions", tool=t, outcome="committed") == 2
     assert _counter(doc, "rejected", tool=t, error_type="check_failed", retryable="false") == 1
     assert _counter(doc, "recoveries", tool=t, by="query", outcome="committed") == 1
+    assert _counter(doc, "recoveries", tool=t, by="query", outcome="rejected") == 1  # k7's attempt 1
     assert _counter(doc, "recoveries", tool=t, by="person", outcome="rejected") == 1
-    assert doc["counters"]["unknowns"]["total"] == 0 and doc["counters"]["lease_takeovers"]["total"] == 0
-    assert doc["keys"] == {t: {"committed": 2, "rejected": 2}}
+    assert _counter(doc, "lease_takeovers", tool=t) == 1  # k7, not k2 (recover settled it)
+    assert doc["counters"]["unknowns"]["total"] == 0
+    assert doc["keys"] == {t: {"committed": 3, "rejected": 2}}
     lat = doc["latency_seconds"][t]
-    assert lat["count"] == 1 and 0 <= lat["p50"] <= lat["p95"]
+    assert lat["count"] == 2 and 0 <= lat["p50"] <= lat["p95"]
     assert "idempotency_conflicts" in doc["not_counted"]
 
 
@@ -94,11 +100,12 @@ def test_prometheus_file_parses_and_agrees(busy: Repo, tmp_path: Path) -> None:
     assert families["oncepatch_calls"].type == "counter"
     assert families["oncepatch_call_latency_seconds"].type == "summary"
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
-    assert samples[("oncepatch_duplicate_requests_total", (("tool", "apply_patch"),))] == 2
+    assert samples[("oncepatch_duplicate_requests_total", (("tool", "apply_patch"),))] == 3
     assert samples[("oncepatch_recoveries_total", (("by", "person"), ("outcome", "rejected"),
                                                    ("tool", "apply_patch")))] == 1
-    assert samples[("oncepatch_keys", (("state", "committed"), ("tool", "apply_patch")))] == 2
-    assert samples[("oncepatch_call_latency_seconds_count", (("tool", "apply_patch"),))] == 1
+    assert samples[("oncepatch_keys", (("state", "committed"), ("tool", "apply_patch")))] == 3
+    assert samples[("oncepatch_lease_takeovers_total", (("tool", "apply_patch"),))] == 1
+    assert samples[("oncepatch_call_latency_seconds_count", (("tool", "apply_patch"),))] == 2
     assert ("oncepatch_call_latency_seconds", (("quantile", "0.95"), ("tool", "apply_patch"))) in samples
 
 
@@ -106,9 +113,9 @@ def test_since_counts_only_the_window(busy: Repo) -> None:
     r = run_cli("stats", "--repo", str(busy.path), "--since", "0s", "--json")
     assert r.code == 0, r.out + r.err
     assert r.json["counted_events"] == 0 and r.json["counters"]["calls"]["total"] == 0
-    assert r.json["keys"]["apply_patch"] == {"committed": 2, "rejected": 2}, "states are now's, whatever the window"
+    assert r.json["keys"]["apply_patch"] == {"committed": 3, "rejected": 2}, "states are now's, whatever the window"
     wide = run_cli("stats", "--repo", str(busy.path), "--since", "1d", "--json")
-    assert wide.json["counters"]["calls"]["total"] == 6
+    assert wide.json["counters"]["calls"]["total"] == 8
     assert run_cli("stats", "--repo", str(busy.path), "--since", "soon").code == 2
     assert run_cli("stats", "--repo", str(busy.path), "--since", "1h", "--prometheus", "x.prom").code == 2
 
@@ -130,7 +137,7 @@ def _ev(seq: int, event: str, key: str, token: int, status: str, at: str, **extr
 
 
 def test_a_prepared_over_an_unsettled_attempt_is_a_lease_takeover() -> None:
-    """The key lock was lost (a stopped process): attempt 2 prepared while attempt 1 was still prepared."""
+    """Attempt 2 prepared while attempt 1 was still prepared and no settle is recorded between."""
     events = [_ev(1, "prepared", "k", 1, "prepared", "00"),
               _ev(2, "prepared", "k", 2, "prepared", "01"),
               _ev(3, "committed", "k", 2, "committed", "03"),
