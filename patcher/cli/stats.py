@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from cas.durable import write_durable
-from cas.errors import EXIT_OK, UsageError
+from cas.errors import EXIT_OK, DurableWriteError, UsageError
 from receipts.stats import COUNTERS, Stats, parse_duration, read_stats, to_prometheus
 from receipts.store import ReceiptStore
 from patcher.cli.common import add_common, path_given, store_root
@@ -63,7 +63,10 @@ def _cmd_stats(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         target = os.path.abspath(args.prometheus)
         # write_durable: a tmp file beside the target (same folder, a name the collector's *.prom
         # glob skips), renamed over it; a scrape sees the old file or the new one, never half of one.
-        write_durable(target, to_prometheus(stats).encode(), mode=0o644)
+        try:
+            write_durable(target, to_prometheus(stats).encode(), mode=0o644)
+        except DurableWriteError as exc:  # a folder missing, a folder named so, no right to write: the caller's to fix
+            raise UsageError(f"{exc.message} (--prometheus; nothing was written)") from exc
         doc["prometheus"] = target
         text += f"wrote {target}\n"
     return EXIT_OK, doc, text

@@ -118,6 +118,8 @@ def test_since_counts_only_the_window(busy: Repo) -> None:
     assert wide.json["counters"]["calls"]["total"] == 8
     assert run_cli("stats", "--repo", str(busy.path), "--since", "soon").code == 2
     assert run_cli("stats", "--repo", str(busy.path), "--since", "1h", "--prometheus", "x.prom").code == 2
+    missing = run_cli("stats", "--repo", str(busy.path), "--prometheus", str(busy.path / "no" / "m.prom"), "--json")
+    assert missing.code == 2 and "cannot write" in missing.json["error"]["message"]
 
 
 def test_a_ledger_that_fails_its_chain_is_refused(busy: Repo, tmp_path: Path) -> None:
