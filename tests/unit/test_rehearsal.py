@@ -37,3 +37,33 @@ def test_what_the_last_event_says_a_call_gets_now() -> None:
     assert expected(_ev(1, "rejected", "a", 1, "rejected")) == {"replay", "execute"}  # an event older than the field
     assert expected(_ev(1, "prepared", "a", 1, "prepared")) == {"query", "person"}
     assert expected({"event": "quarantined", "key": "a"}) == {"execute"}
+
+
+def test_the_recorder_asks_queries_and_refuses_writes() -> None:
+    import pytest
+
+    from receipts.adapter import QueryResult
+    from receipts.rehearsal import Recorder, WouldWrite
+
+    class Adapter:
+        tool = "t"
+        wrote: list[str] = []
+
+        def query(self, receipt: Any) -> QueryResult:
+            return QueryResult("applied", "seen")
+
+        def settle(self, receipt: Any) -> list[str]:
+            self.wrote.append("settle")
+            return []
+
+    class R:
+        key = "k"
+
+    inner = Adapter()
+    rec = Recorder(inner)
+    assert rec.query(R()).status == "applied" and rec.confirm(R()) == []  # type: ignore[arg-type]
+    with pytest.raises(WouldWrite):
+        rec.settle(R())  # type: ignore[arg-type]
+    with pytest.raises(WouldWrite):
+        rec.execute(R())  # type: ignore[arg-type]
+    assert rec.recorded == [("settle", "k"), ("execute", "k")] and inner.wrote == []
