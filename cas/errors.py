@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 __all__ = ["EffectStatus", "NextAction", "OncepatchError", "CasError", "DurableWriteError", "RefLockedError",
            "RefMovedError", "RefUpdateUnknown", "ObjectsMissing", "UnsafeWorktreePath", "GitStoreError", "UsageError",
            "InternalError", "EXIT_OK", "EXIT_INTERNAL", "EXIT_USAGE", "EXIT_CONFLICT", "EXIT_REJECTED",
-           "EXIT_IN_PROGRESS", "EXIT_VERIFY"]
+           "EXIT_IN_PROGRESS", "EXIT_VERIFY", "EXIT_DRIFTED"]
 
 EffectStatus = Literal["not_started", "not_applied", "applied", "unknown"]
 NextAction = Literal["fix_input", "new_key", "retry", "query_before_retry", "recover", "none"]
@@ -40,6 +40,8 @@ EXIT_CONFLICT = 3
 EXIT_REJECTED = 4
 EXIT_IN_PROGRESS = 5
 EXIT_VERIFY = 6
+#: ``drift``: a receipt's change is no longer as it wrote it; ``replay``: a decision differs from the ledger's.
+EXIT_DRIFTED = 7
 
 
 class OncepatchError(Exception):

@@ -194,7 +194,7 @@ def after_effect(exc: Exception, key: str, effect_status: EffectStatus = "applie
 
 
 def settle(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapter, result: QueryResult | None = None,
-           *, note: str | None = None) -> Receipt:
+           *, note: str | None = None, takeover: bool = False) -> Receipt:
     """Settle one ``prepared``/``unknown`` receipt through the adapter's ``query``; the caller holds the key's lock.
 
     ``applied`` → ``committed`` (then the adapter's ``settle`` follow-up);
@@ -202,6 +202,8 @@ def settle(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapter, result
     The token is kept: the attempt that wrote the receipt is fenced off.
     ``note``: a person resolved it (``oncepatch resolve``) with the adapter's
     agreement; the ledger event is ``resolved`` with the note, not ``recovered``.
+    ``takeover``: the key's next call settles it to take the key over (the
+    event says ``takeover: true``; ``oncepatch stats`` counts lease takeovers by it).
 
     Raises:
         StillUnknown: the adapter cannot tell; the receipt is written ``unknown``.
@@ -224,7 +226,7 @@ def settle(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapter, result
             new = new.evolve(extra={**new.extra, "warnings": [*new.extra.get("warnings", []), warning]})
         if notes:
             new = new.evolve(extra={**new.extra, "recovery_notes": notes})
-        _record_settled(store, new, hook, result.reason, note)
+        _record_settled(store, new, hook, result.reason, note, takeover)
         return new
     if result.status == "not_applied":
         err = {
@@ -238,11 +240,12 @@ def settle(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapter, result
         new = receipt.evolve(status="rejected", retryable=True, error=err,
                              extra={**receipt.extra, "recovered": result.reason,
                                     **({"recovery_notes": notes} if notes else {})})
-        _record_settled(store, new, hook, result.reason, note)
+        _record_settled(store, new, hook, result.reason, note, takeover)
         return new
     if receipt.status != "unknown":
         new = receipt.evolve(status="unknown", extra={**receipt.extra, "unknown_reason": result.reason})
-        store.record(new, "unknown", reason=result.reason)
+        noted: dict[str, Any] = {"reason": result.reason, **({"takeover": True} if takeover else {})}
+        store.record(new, "unknown", **noted)
     raise StillUnknown(
         f"outcome of key '{receipt.key}' cannot be told ({result.reason}): "
         "check by hand, then 'oncepatch resolve KEY --as committed|rejected'",
@@ -251,9 +254,10 @@ def settle(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapter, result
 
 
 def _record_settled(store: ReceiptStore, new: Receipt, hook: Callable[[], None] | None, reason: str,
-                    note: str | None) -> None:
+                    note: str | None, takeover: bool = False) -> None:
     if note is None:
-        store.record(new, "recovered", before_replace=hook, reason=reason)
+        fields: dict[str, Any] = {"reason": reason, **({"takeover": True} if takeover else {})}
+        store.record(new, "recovered", before_replace=hook, **fields)
     else:
         store.record(new, "resolved", before_replace=hook, reason=reason, note=note)
 
@@ -333,7 +337,7 @@ class Call:
                 check_same_intent(existing, self.args_sha256, self.key, self.identity)
                 if needs_resolution(existing.status):
                     assert self.adapter is not None, "an adapter settles a dead owner's call"
-                    existing = settle(self.store, existing, self.adapter)
+                    existing = settle(self.store, existing, self.adapter, takeover=True)
             self.previous = existing
             yield existing if existing is not None and existing.is_final else None
 

@@ -279,6 +279,11 @@ class Ledger:
             "commit": receipt.commit,
             "receipt_sha256": digest if digest is not None else receipt.digest,
         }
+        if receipt.error is not None:
+            # What ``oncepatch stats`` counts by (receipts.stats): the receipt is rewritten later
+            # (a retry, a recovery), the event keeps what this write said.
+            doc["error_type"] = receipt.error.get("type")
+            doc["retryable"] = bool(receipt.retryable)
         doc.update(fields)
         return self.append(doc, sync=sync, wait=wait)
 

@@ -1,4 +1,4 @@
-# Sourced by scripts/*: makes .venv (if missing) and installs the project with [dev].
+# Sourced by scripts/*: makes .venv (if missing) and installs the project with [dev,test].
 # Re-installs only when pyproject.toml is newer than the stamp.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,7 +17,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   echo "installing oncepatch and its dependencies into $VENV (first run only: about a minute)" >&2
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[dev]" >&2
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[dev,test]" >&2
   touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -21,6 +21,7 @@ from receipts.lookup import status
 from receipts.policy import Caller
 from receipts.store import ReceiptStore
 from patcher.cli import advice as cli_advice, doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
+from patcher.cli import drift as cli_drift, replay as cli_replay, stats as cli_stats
 from patcher.cli.common import store_root
 from patcher.cli.parser import build_parser, the_parser
 from patcher.cli.progress import shown
@@ -112,6 +113,7 @@ def _cmd_log(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 _HANDLERS: dict[str, Callable[[argparse.Namespace], tuple[int, dict[str, Any], str]]] = {
     "apply": _cmd_apply, "status": _cmd_status, "log": _cmd_log, **cli_recovery.HANDLERS, **cli_doctor.HANDLERS,
     **cli_mcp.HANDLERS, **cli_keys.HANDLERS,
+    **cli_stats.HANDLERS, **cli_replay.HANDLERS, **cli_drift.HANDLERS,
 }
 
 

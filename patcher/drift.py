@@ -1,0 +1,216 @@
+"""Is my change still there?  Every applied receipt's outputs against the branch head and the worktree.
+
+``verify`` is about the receipts' own truth (a committed receipt's commit has
+its outputs); ``drift`` is about what came after: for each path a receipt
+wrote, one of
+
+* ``unchanged`` — the branch head holds the receipt's bytes, and so does every
+  worktree that has the branch checked out;
+* ``changed`` — a later commit changed it (the last one to do so is named, and
+  whether it is oncepatch's: its ``Oncepatch-Key`` / ``Oncepatch-Call``
+  trailer, or outside it);
+* ``reverted`` — the branch head holds the path as it was before the
+  receipt's commit (its parent's version), by the commit named;
+* ``gone`` — the receipt's commit is no longer on its branch (reset, rebased);
+* ``dirty`` — the branch head agrees but a worktree's file does not (an edit
+  not committed yet); also flagged (``dirty: true``) beside the states above.
+
+Which receipts: every ``committed`` one, and every ``prepared``/``unknown`` one
+whose candidate is on its branch (a crashed call whose commit landed and
+``recover`` has not recorded yet: its paths are the candidate's changes).  A
+receipt of another tool, or whose repository cannot be opened, is listed in
+``skipped``.  Reads only: nothing in the repository or the store changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pygit2
+
+from cas.errors import OncepatchError
+from cas.gitdir import worktrees_on
+from cas.objects import GitStore, TreeEntry, open_store
+from cas.worktree import worktree_files_match
+from receipts.receipt import Receipt
+from receipts.store import ReceiptStore
+from patcher.args import TOOL
+from patcher.evidence import BranchHistory
+
+__all__ = ["DriftReport", "drift"]
+
+DRIFTED = ("changed", "reverted", "gone", "dirty")
+
+
+@dataclass
+class DriftReport:
+    receipts: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def drifted(self) -> list[dict[str, Any]]:
+        return [r for r in self.receipts if r["state"] != "unchanged"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"receipts": self.receipts, "drifted": len(self.drifted), "skipped": self.skipped}
+
+
+def _trailers(message: str) -> dict[str, str]:
+    text = message.rstrip("\n")
+    block = text.rsplit("\n\n", 1)[-1].splitlines() if "\n\n" in text else []
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block)
+            if k.startswith("Oncepatch-")}
+
+
+def _entry(gstore: GitStore, tree: str | None, path: str) -> TreeEntry | None:
+    return gstore.lookup_file(tree, path)
+
+
+def _first_parent_chain(repo: pygit2.Repository, tip: str, stop: str) -> Iterator[pygit2.Commit]:
+    """Commits from ``tip`` back along first parents, down to (not including) ``stop``."""
+    commit = repo.get(tip)
+    while isinstance(commit, pygit2.Commit) and str(commit.id) != stop:
+        yield commit
+        if not commit.parents:
+            return
+        commit = commit.parents[0]
+
+
+def _last_change(gstore: GitStore, tip: str, since: str, path: str) -> pygit2.Commit | None:
+    """The newest commit after ``since`` on ``tip``'s first-parent line that changed ``path``."""
+    for commit in _first_parent_chain(gstore.repo, tip, since):
+        parent = str(commit.parents[0].tree_id) if commit.parents else None
+        if _entry(gstore, str(commit.tree_id), path) != _entry(gstore, parent, path):
+            return commit
+    return None
+
+
+def _who(commit: pygit2.Commit, keys: dict[str, str]) -> dict[str, Any]:
+    """Who made ``commit``: oncepatch (its trailers; ``keys``: key by its sha256, this store's) or outside it."""
+    trailers = _trailers(commit.message)
+    out: dict[str, Any] = {"commit": str(commit.id), "subject": commit.message.split("\n", 1)[0]}
+    if "Oncepatch-Call" in trailers or "Oncepatch-Key" in trailers:
+        out["by"] = "oncepatch"
+        out["key_sha256"] = trailers.get("Oncepatch-Key")
+        out["call_id"] = trailers.get("Oncepatch-Call")
+        out["key"] = keys.get(out["key_sha256"] or "")
+    else:
+        out["by"] = "outside"
+    return out
+
+
+def _paths(gstore: GitStore, receipt: Receipt, commit: str) -> dict[str, TreeEntry | None]:
+    """What the receipt's commit wrote: its outputs (a delete: ``None``), else the commit's own changes."""
+    found: dict[str, TreeEntry | None] = {}
+    if receipt.outputs:
+        for out in receipt.outputs:
+            blob = out.get("blob")
+            found[str(out["path"])] = (TreeEntry(str(blob), int(out.get("mode") or 0o100644))
+                                       if out.get("op") != "delete" and blob else None)
+        return found
+    c = gstore.repo.get(commit)
+    assert isinstance(c, pygit2.Commit)
+    parent_tree = c.parents[0].tree if c.parents else None
+    diff = c.tree.diff_to_tree(parent_tree, swap=True) if parent_tree is not None else c.tree.diff_to_tree(swap=True)
+    for delta in diff.deltas:
+        for f in (delta.old_file, delta.new_file):
+            found.setdefault(f.path, None)
+    tree = str(c.tree_id)
+    return {p: _entry(gstore, tree, p) for p in found}
+
+
+@dataclass
+class _Branch:
+    """One branch, looked at once for all its receipts: one walk of its history (a walk per receipt is
+    quadratic in the number of calls), its tip's tree, the worktrees that have it checked out."""
+
+    history: BranchHistory
+    tip_tree: str | None
+    worktrees: list[str]
+
+
+def _branch(gstore: GitStore, name: str, seen: dict[tuple[str, str], _Branch]) -> _Branch:
+    found = seen.get((gstore.common_dir, name))
+    if found is None:
+        history = BranchHistory(gstore, name)
+        found = seen[(gstore.common_dir, name)] = _Branch(
+            history, gstore.commit_tree(history.tip) if history.tip is not None else None,
+            [w for w, _g in worktrees_on(gstore.common_dir, name, gstore.main_workdir)])
+    return found
+
+
+def _applied_commit(gstore: GitStore, receipt: Receipt, branch: _Branch) -> tuple[str | None, str]:
+    """The receipt's commit when its change is applied, and how that is known."""
+    if receipt.status == "committed" and receipt.commit:
+        return receipt.commit, "committed"
+    if receipt.status in ("prepared", "unknown") and receipt.candidate:
+        if gstore.has_object(receipt.candidate) and branch.history.reaches(receipt.candidate):
+            return receipt.candidate, f"{receipt.status}, its candidate on the branch ('oncepatch recover' records it)"
+    return None, receipt.status
+
+
+def _one(gstore: GitStore, receipt: Receipt, keys: dict[str, str],
+         branches: dict[tuple[str, str], _Branch]) -> dict[str, Any] | None:
+    name = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
+    branch = _branch(gstore, name, branches)
+    tip, tip_tree, worktrees = branch.history.tip, branch.tip_tree, branch.worktrees
+    commit, known = _applied_commit(gstore, receipt, branch)
+    if commit is None:
+        return None
+    row: dict[str, Any] = {"key": receipt.key, "status": receipt.status, "known": known, "commit": commit,
+                           "branch": name, "paths": []}
+    c = gstore.repo.get(commit)
+    base_tree = str(c.parents[0].tree_id) if isinstance(c, pygit2.Commit) and c.parents else None
+    on_branch = branch.history.reaches(commit)
+    for path, want in sorted(_paths(gstore, receipt, commit).items()):
+        head = _entry(gstore, tip_tree, path)
+        item: dict[str, Any] = {"path": path}
+        if not on_branch:
+            item["state"] = "gone"
+        elif head == want:
+            item["state"] = "unchanged"
+        else:
+            assert tip is not None
+            item["state"] = "reverted" if head == _entry(gstore, base_tree, path) else "changed"
+            last = _last_change(gstore, tip, commit, path)
+            if last is not None:
+                item.update(_who(last, keys))
+        dirty = [w for w in worktrees if not worktree_files_match(gstore, w, {path: head})]
+        if dirty:
+            item["dirty"] = dirty
+            if item["state"] == "unchanged":
+                item["state"] = "dirty"
+        row["paths"].append(item)
+    states = {p["state"] for p in row["paths"]}
+    row["state"] = next((s for s in DRIFTED if s in states), "unchanged")
+    return row
+
+
+def drift(rstore: ReceiptStore, stores: dict[str, GitStore] | None = None) -> DriftReport:
+    """Every applied receipt of ``rstore`` against its branch and worktrees (module docstring)."""
+    stores = stores if stores is not None else {}
+    branches: dict[tuple[str, str], _Branch] = {}
+    report = DriftReport()
+    scanned = list(rstore.scan())
+    keys = {i.key_hash: i.receipt.key for i in scanned if i.receipt is not None}
+    for item in scanned:
+        receipt = item.receipt
+        if receipt is None:
+            report.skipped.append({"path": item.path, "reason": "corrupt receipt ('oncepatch verify' names it)"})
+            continue
+        if receipt.tool != TOOL:
+            if receipt.status == "committed":
+                report.skipped.append({"key": receipt.key, "reason": f"tool '{receipt.tool}' has no git outputs"})
+            continue
+        try:
+            gstore = open_store(str(receipt.args.get("repo")), stores)
+            row = _one(gstore, receipt, keys, branches)
+        except (OncepatchError, pygit2.GitError, KeyError, ValueError) as exc:
+            report.skipped.append({"key": receipt.key, "reason": f"{type(exc).__name__}: {exc}"})
+            continue
+        if row is not None:
+            report.receipts.append(row)
+    report.receipts.sort(key=lambda r: r["key"])
+    return report

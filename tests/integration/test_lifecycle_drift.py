@@ -1,0 +1,98 @@
+"""``oncepatch drift``: is every applied change still there? (docs/LIFECYCLE.md, "drift").
+
+The sequence of issue 29: a call killed at ``after-ref`` (the branch moved,
+worktree and index did not follow), then git's own advice taken (``rm
+.git/index.lock``, ``git commit -a``): the commit reverts the change, ``verify``
+cannot see it, ``drift`` names the reverting commit as outside oncepatch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from conftest import Repo, make_repo, run_cli, snapshot
+
+PATCH = b"--- a/greet.py\n+++ b/greet.py\n@@ -1 +1 @@\n-hello\n+hello world\n"
+OTHER = b"--- a/other.txt\n+++ b/other.txt\n@@ -1 +1 @@\n-x\n+x2\n"
+
+
+def _drift(repo: Repo) -> Any:
+    before = snapshot(repo)
+    r = run_cli("drift", "--repo", str(repo.path), "--json")
+    assert snapshot(repo) == before, "drift changed something"
+    return r
+
+
+def _repo(tmp_path: Path) -> Repo:
+    return make_repo(tmp_path / "repo", {"greet.py": "hello\n", "other.txt": "x\n"})
+
+
+def _apply(repo: Repo, patch: bytes, key: str, **env: str) -> int:
+    return run_cli("apply", "-", "--repo", str(repo.path), "--key", key, input=patch, env=env or None).code
+
+
+def _path(doc: dict[str, Any], key: str, path: str) -> dict[str, Any]:
+    (row,) = [r for r in doc["receipts"] if r["key"] == key]
+    (item,) = [p for p in row["paths"] if p["path"] == path]
+    return item
+
+
+def test_crash_then_git_commit_a_is_named_as_an_outside_revert(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    assert _apply(repo, PATCH, "k1", ONCEPATCH_CRASH_AT="after-ref") == 137
+    (repo.path / ".git" / "index.lock").unlink()  # git's advice, taken
+    done = subprocess.run(["git", "commit", "-q", "-a", "-m", "x"], cwd=repo.path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    reverting = repo.head()
+    assert repo.git("show", "HEAD:greet.py") == "hello\n"
+
+    r = _drift(repo)  # before recover: the candidate is on the branch, the receipt still prepared
+    assert r.code == 7, r.out + r.err
+    item = _path(r.json, "k1", "greet.py")
+    assert (item["state"], item["commit"], item["by"], item["subject"]) == ("reverted", reverting, "outside", "x")
+
+    assert run_cli("recover", "--repo", str(repo.path)).code == 0
+    assert run_cli("verify", "--repo", str(repo.path)).code == 0  # the receipt's own truth holds
+    r = _drift(repo)
+    assert r.code == 7
+    row = r.json["receipts"][0]
+    assert row["status"] == "committed" and row["state"] == "reverted"
+    assert _path(r.json, "k1", "greet.py")["commit"] == reverting
+    text = run_cli("drift", "--repo", str(repo.path))
+    assert text.code == 7
+    assert f"greet.py: reverted by {reverting[:12]} (outside oncepatch: 'x')" in text.out
+
+
+def test_unchanged_then_changed_by_oncepatch_then_dirty(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    assert _apply(repo, PATCH, "k1") == 0
+    r = _drift(repo)
+    assert r.code == 0 and r.json["ok"] is True and r.json["receipts"][0]["state"] == "unchanged"
+
+    again = b"--- a/greet.py\n+++ b/greet.py\n@@ -1 +1 @@\n-hello world\n+hello there\n"
+    assert _apply(repo, again, "k2") == 0
+    r = _drift(repo)
+    assert r.code == 7
+    item = _path(r.json, "k1", "greet.py")
+    assert item["state"] == "changed" and item["by"] == "oncepatch" and item["commit"] == repo.head()
+    assert item["call_id"] is not None and item["key_sha256"] is not None and item["key"] == "k2"
+    text = run_cli("drift", "--repo", str(repo.path))
+    assert f"greet.py: changed by {repo.head()[:12]} (by oncepatch, key 'k2':" in text.out
+    assert _path(r.json, "k2", "greet.py")["state"] == "unchanged"
+
+    assert _apply(repo, OTHER, "k3") == 0
+    (repo.path / "other.txt").write_text("mine\n")
+    r = _drift(repo)
+    item = _path(r.json, "k3", "other.txt")
+    assert item["state"] == "dirty" and item["dirty"] == [str(repo.path)]
+
+
+def test_a_commit_reset_away_is_gone(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    base = repo.head()
+    assert _apply(repo, PATCH, "k1") == 0
+    repo.git("reset", "-q", "--hard", base)
+    r = _drift(repo)
+    assert r.code == 7 and _path(r.json, "k1", "greet.py")["state"] == "gone"
