@@ -35,6 +35,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
+from typing import Protocol
 
 import pygit2
 
@@ -46,7 +47,7 @@ from cas.index_raw import RawIndex, Unsupported
 from cas.objects import TreeEntry
 from cas.pids import gone
 
-__all__ = ["INDEX_LOCK_MARK", "IndexLock", "RELEASE_ATTEMPTS", "hold_index_lock", "drop_lock_marks",
+__all__ = ["INDEX_LOCK_MARK", "IndexLock", "LockMarker", "RELEASE_ATTEMPTS", "hold_index_lock", "drop_lock_marks",
            "index_lock_owner", "dead_own_index_lock", "break_dead_own_index_lock", "update_index", "KEPT_PREFIX",
            "kept_indexes", "stage_ahead", "settle_ahead"]
 
@@ -54,6 +55,22 @@ __all__ = ["INDEX_LOCK_MARK", "IndexLock", "RELEASE_ATTEMPTS", "hold_index_lock"
 INDEX_LOCK_MARK = b"oncepatch-index-lock "
 #: How many times :meth:`IndexLock.release` tries each removal before it gives up.
 RELEASE_ATTEMPTS = 4
+
+
+class LockMarker(Protocol):
+    """A file outside the git dir naming a lock while it may be ours (the receipt store's ``tmp/`` marker).
+
+    Its owner opens it as it must (the store: through folder descriptors, never
+    following a symlink): here it is only written and removed.
+    """
+
+    path: str
+
+    def write(self, data: bytes) -> None:
+        """Create or replace the file with ``data`` (not synced)."""
+
+    def remove(self) -> None:
+        """Remove the file; nothing if it is gone."""
 
 
 class IndexLock:
@@ -64,7 +81,7 @@ class IndexLock:
     marker (``lock_marker``) exists exactly while the lock may be ours.
     """
 
-    def __init__(self, path: str, git_dir: str, identity: tuple[int, int], marker: str | None) -> None:
+    def __init__(self, path: str, git_dir: str, identity: tuple[int, int], marker: LockMarker | None) -> None:
         self.path = path
         self.git_dir = git_dir
         self._identity = identity
@@ -82,8 +99,7 @@ class IndexLock:
         """
         _with_retries(self._unlink_lock)
         if self._marker is not None:
-            marker = self._marker
-            _with_retries(lambda: _unlink_if_there(marker))
+            _with_retries(self._marker.remove)
             self._marker = None
 
     def _unlink_lock(self) -> None:
@@ -159,7 +175,7 @@ def drop_lock_marks() -> None:
         _unlink_if_there(path)
 
 
-def hold_index_lock(workdir: str, *, timeout: float, lock_marker: str | None = None,
+def hold_index_lock(workdir: str, *, timeout: float, lock_marker: LockMarker | None = None,
                     git_dir: str | None = None, keep_mark: bool = False,
                     on_dead: Callable[[str], None] | None = None, owner: str | None = None) -> IndexLock:
     """Take ``workdir``'s ``index.lock``, waiting up to ``timeout`` seconds while someone else holds it.
@@ -221,8 +237,7 @@ def hold_index_lock(workdir: str, *, timeout: float, lock_marker: str | None = N
         try:
             # Proof for recovery after a *process* crash: it must outlive the process,
             # not the machine (a reboot ends every lock's owner), so it is not fsynced.
-            with open(lock_marker, "wb") as fh:
-                fh.write(index_lock.encode() + b"\n")
+            lock_marker.write(index_lock.encode() + b"\n")
         except BaseException:
             lock.release()
             raise
@@ -301,7 +316,7 @@ def break_dead_own_index_lock(index_lock: str) -> bool:
         os.close(dfd)  # drops the flock
 
 
-def update_index(workdir: str, removed: list[str], added: list[str], *, lock_marker: str | None = None,
+def update_index(workdir: str, removed: list[str], added: list[str], *, lock_marker: LockMarker | None = None,
                  timeout: float = 0.0, held: IndexLock | None = None,
                  known: Mapping[str, TreeEntry | None] | None = None, also_sync: list[str | int] | None = None,
                  defer_dir: list[str] | None = None, unstat: Collection[str] = (), sync: bool = True) -> None:

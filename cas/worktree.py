@@ -29,7 +29,7 @@ from cas.errors import DurableWriteError, GitStoreError
 from cas.git_filters import apply_filters, blob_id_by_git, cleaned_oid, git_output, needs_git, smudged_by_git
 from cas.hashing import git_blob_oid
 from cas.index import IndexSnapshot, snapshot_for
-from cas.index_lock import IndexLock, update_index
+from cas.index_lock import IndexLock, LockMarker, update_index
 from cas.objects import GitStore, TreeEntry
 
 __all__ = ["outside_sparse_checkout", "dirty_paths", "unsafe_worktree_paths", "materialise", "worktree_files_match",
@@ -149,7 +149,7 @@ def _queue_path(batch: DurableBatch, stack: contextlib.ExitStack, folders: dict[
 
 
 def materialise(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry | None], *,
-                lock_marker: str | None = None, held: IndexLock | None = None, timeout: float = 0.0,
+                lock_marker: LockMarker | None = None, held: IndexLock | None = None, timeout: float = 0.0,
                 tree: str | None = None, sync_first: list[str] | None = None,
                 defer_dir: list[str] | None = None) -> None:
     """Write the touched paths of ``workdir`` and its index to match ``changes``.

@@ -29,11 +29,12 @@ from cas.crash import crash_point
 from cas.progress import phase
 from cas.durable import write_durable
 from cas.objects import GitStore
+from receipts.errors import CorruptReceipt
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.errors import CheckFailed
 
-__all__ = ["run_check", "check_worktree_root", "remove_check_worktree", "OUTPUT_CAP"]
+__all__ = ["run_check", "check_worktree_root", "remove_check_worktree", "verified_path", "OUTPUT_CAP"]
 
 #: At most this much of a check's output is kept (the digest covers all of it).
 OUTPUT_CAP = 1 << 20
@@ -48,11 +49,41 @@ def _git(cwd: str, *args: str, timeout: float = 300) -> subprocess.CompletedProc
     return subprocess.run(["git", *args], cwd=cwd, capture_output=True, timeout=timeout, env=env, check=False)
 
 
-def remove_check_worktree(repo_dir: str, path: str) -> None:
-    """Remove a temporary worktree and git's entry for it (safe to repeat)."""
-    res = _git(repo_dir, "worktree", "remove", "--force", path)
-    if res.returncode != 0 and os.path.exists(path):
-        shutil.rmtree(path, ignore_errors=True)
+def verified_path(fd: int, shown: str) -> str:
+    """The path of the folder open as ``fd``, checked to lead to that very folder now (device and inode).
+
+    For the tools that take a path (git, a process's working folder): the path
+    is the folder's own (``/proc/self/fd``: no store folder swapped for a symlink
+    since it was opened lies on it), else ``shown``.  What remains: a folder on
+    the way swapped between this check and the tool's own open of the path.
+
+    Raises:
+        CorruptReceipt: the path leads elsewhere (or nowhere) now.
+    """
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        real = shown
+    st = os.fstat(fd)
+    try:
+        now = os.stat(real)
+    except OSError:
+        now = None
+    if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        raise CorruptReceipt(shown, "a store folder was swapped while in use (a symlink?): not used through its path")
+    return real
+
+
+def remove_check_worktree(repo_dir: str, folder_fd: int, name: str) -> None:
+    """Remove the temporary worktree ``name`` of the folder open as ``folder_fd``, then git's entry for it
+    (safe to repeat).
+
+    Removed through the descriptor (``shutil.rmtree(dir_fd=)`` follows no
+    symlink), never by a path git resolves; ``git worktree prune`` then drops
+    the entry whose folder is gone.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(name, dir_fd=folder_fd)
     _git(repo_dir, "worktree", "prune")
 
 
@@ -68,35 +99,45 @@ def run_check(
 ) -> None:
     """Run ``cmd`` in a temporary worktree of ``candidate``; return if it passed.
 
+    The worktree's folder is made through descriptors reached from the store's
+    root without following a symlink (:meth:`ReceiptStore.folder_fd`); git and
+    the command get its path only once checked to lead there
+    (:func:`verified_path`).
+
     Raises:
         CheckFailed: non-zero exit or timeout (``on_fail`` has recorded the rejection).
+        CorruptReceipt: ``tmp/`` or ``tmp/worktrees`` is a symlink (or was swapped for one): nothing was made.
     """
     h = key_hash(key)
-    root = check_worktree_root(rstore)
-    os.makedirs(root, exist_ok=True)
-    path = os.path.join(root, f"{h}-{os.getpid()}")
+    name = f"{h}-{os.getpid()}"
+    shown = os.path.join(check_worktree_root(rstore), name)
     repo_dir = gstore.repo.workdir or gstore.common_dir
-    if os.path.exists(path):
-        remove_check_worktree(repo_dir, path)
-    with phase("creating the check's worktree"):  # seconds in a large repository: say so
-        res = _git(repo_dir, "worktree", "add", "--detach", "--force", path, candidate)
-    if res.returncode != 0:
-        raise CheckFailed(
-            f"cannot create a worktree for the check: {res.stderr.decode(errors='replace').strip()}",
-            details={"check": cmd}, error_type="check_failed",
-        )
-    try:
+    with contextlib.ExitStack() as stack:
+        root_fd = stack.enter_context(rstore.folder_fd(check_worktree_root(rstore), create=True))
+        with contextlib.suppress(FileNotFoundError):
+            os.lstat(name, dir_fd=root_fd)
+            remove_check_worktree(repo_dir, root_fd, name)  # a crashed call of an earlier process of this pid
+        os.mkdir(name, 0o755, dir_fd=root_fd)
+        stack.callback(remove_check_worktree, repo_dir, root_fd, name)  # also when anything below fails
+        entry_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+        stack.callback(os.close, entry_fd)
+        with phase("creating the check's worktree"):  # seconds in a large repository: say so
+            res = _git(repo_dir, "worktree", "add", "--detach", "--force", verified_path(entry_fd, shown), candidate)
+        if res.returncode != 0:
+            raise CheckFailed(
+                f"cannot create a worktree for the check: {res.stderr.decode(errors='replace').strip()}",
+                details={"check": cmd}, error_type="check_failed",
+            )
         crash_point("check-running")
         with phase(f"running the check '{cmd}'"):
-            status, output, digest, size, timed_out = _run(cmd, path, timeout)
-    finally:
+            status, output, digest, size, timed_out = _run(cmd, verified_path(entry_fd, shown), timeout)
         with phase("removing the check's worktree"):
-            remove_check_worktree(repo_dir, path)
+            stack.close()
     if status == 0 and not timed_out:
         return
     out_path = rstore.path_for_hash(h)[:-5] + ".check.txt"
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    write_durable(out_path, output)
+    with rstore.folder_fd(os.path.dirname(out_path), create=True) as shard_fd:
+        write_durable(os.path.basename(out_path), output, dir_fd=shard_fd)
     reason = f"timed out after {timeout:g}s" if timed_out else f"exited with status {status}"
     err = CheckFailed(
         f"check '{cmd}' {reason}",

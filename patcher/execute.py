@@ -47,12 +47,12 @@ from receipts.flock import flocked
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.args import CallArgs
-from patcher.check import run_check
+from patcher.check import check_worktree_root, run_check
 from patcher.errors import Conflict, DirtyPath, PatchError, UnsafePath
 from patcher.formats import parse_patch
 from patcher.git_adapter import GitAdapter
 from patcher.grades import grade_warnings
-from patcher.markers import ref_lock_marker
+from patcher.markers import ref_lock_marker, refuse_planted_markers
 from patcher.model import Patch
 from patcher.outcome import KEY_REF_PREFIX, ApplyResult, foreign_error, replay_final
 from patcher.stage import Staged, StagePlan, plan_stage, stage, touched_paths, write_stage
@@ -79,11 +79,10 @@ def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str, timeout: f
     its holder dies, and a call that cannot get it within ``timeout`` (the call's
     lock timeout; its holder is stopped, say) goes ahead without it.
     """
-    os.makedirs(rstore.locks_dir, exist_ok=True)
     name = "branch-" + sha256_hex(f"{gstore.common_dir}\0{branch}".encode()) + ".lock"
     with contextlib.ExitStack() as held:
         with contextlib.suppress(InProgress):
-            held.enter_context(flocked(os.path.join(rstore.locks_dir, name), timeout))
+            held.enter_context(flocked(os.path.join(rstore.locks_dir, name), timeout, folder=rstore.locks_folder))
         yield
 
 
@@ -99,6 +98,9 @@ def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout:
         # First call: every input error is found before the lock is taken, so a
         # rejected patch leaves the store (and the repository) exactly as it was.
         try:
+            refuse_planted_markers(call.store, call.key)
+            if args.check is not None:  # the check's worktree is made there
+                call.store.check_folders(check_worktree_root(call.store), before_any_effect=True)
             pre = _precheck(args, _stores, call.store, lock_timeout)
         except GitStoreError as exc:
             # Read before anything is written (say, a blob a partial clone never fetched):
@@ -385,18 +387,16 @@ def _move_branch(run: _Run, staged: Staged, ahead: IndexesAhead) -> Staged:
     marked: list[str] = []
 
     def write_marker() -> None:
-        os.makedirs(run.rstore.tmp_dir, exist_ok=True)
-        with open(ref_marker, "wb") as fh:
-            fh.write(run.args.branch.encode() + b"\n")
-        marked.append(ref_marker)
+        # Through tmp/'s descriptor (receipts.store.StoreFile): a tmp/ swapped for a symlink is refused.
+        ref_marker.write(run.args.branch.encode() + b"\n")
+        marked.append(ref_marker.path)
 
     try:
         return _move_refs(run, staged, before_libgit2=write_marker, before_swap=ahead.stage)
     finally:
         # Reached on every outcome but a crash: our ref locks are released by now.
         if marked:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(ref_marker)
+            ref_marker.remove()
 
 
 def _materialise(run: _Run, held: dict[str, IndexLock]) -> list[str]:

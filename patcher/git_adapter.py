@@ -31,9 +31,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import filelock
 
-from cas.durable import TMP_MARK
+from cas.durable import TMP_MARK, open_regular
 from cas.errors import GitStoreError, UsageError
 from cas.gitdir import common_dir_of, worktrees_on
 from cas.loose_objects import stale_tmp_objdirs
@@ -44,12 +43,11 @@ from cas.worktree import index_matches, materialise, worktree_files_match
 from receipts.adapter import QueryResult
 from receipts.adapters import builtin_adapters
 from receipts.errors import CorruptReceipt
-from receipts.flock import file_lock
 from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL
-from patcher.check import check_worktree_root
+from patcher.check import check_worktree_root, verified_path
 from patcher.evidence import KEY_REF_PREFIX, BranchHistory, contradictions
 from patcher.markers import foreign_index_lock, index_marker, index_markers, ref_lock_marker
 
@@ -141,7 +139,7 @@ class GitAdapter:
         candidate = receipt.candidate or ""
         marker = ref_lock_marker(self._rstore, receipt.key) if self._rstore is not None else None
         try:
-            marker_mtime: float | None = os.stat(marker).st_mtime if marker else None
+            marker_mtime: float | None = marker.stat().st_mtime if marker else None
         except FileNotFoundError:
             marker_mtime = None
         key_ref = KEY_REF_PREFIX + key_hash(receipt.key)
@@ -163,8 +161,7 @@ class GitAdapter:
                     os.unlink(lock)
                     notes.append(f"removed stale '{lock}' left by the crashed call")
         if marker and not self._read_only:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(marker)
+            marker.remove()
 
     def query(self, receipt: Receipt) -> QueryResult:
         """Whether the call of ``receipt`` moved its branch (docs/DESIGN.md section 5).
@@ -262,10 +259,7 @@ class GitAdapter:
                 freed = _remove_dead_marked_index_lock(_gd)
                 if freed is not None:
                     done.append(f"removed stale '{freed}' left by a crashed call")
-                marker = None
-                if self._rstore is not None:
-                    os.makedirs(self._rstore.tmp_dir, exist_ok=True)
-                    marker = index_marker(self._rstore, receipt.key)
+                marker = index_marker(self._rstore, receipt.key) if self._rstore is not None else None
                 if stale:
                     materialise(gstore, workdir, stale, lock_marker=marker, timeout=self._lock_timeout)
                     done.append(f"materialised {len(stale)} path(s) in '{workdir}'")
@@ -368,38 +362,54 @@ class GitAdapter:
 
     @staticmethod
     def _cleanup_check_worktrees(rstore: ReceiptStore, dry_run: bool) -> list[str]:
-        """Remove temporary check worktrees whose owner is gone (its key lock is free)."""
+        """Remove temporary check worktrees whose owner is gone (its key lock is free).
+
+        Listed, read and removed through a descriptor of ``tmp/worktrees`` reached
+        without following a symlink; the processes are looked for in the folder's
+        own path (:func:`patcher.check.verified_path`).
+        """
         removed: list[str] = []
         root = check_worktree_root(rstore)
         try:
-            names = sorted(os.listdir(root))
-        except FileNotFoundError:
+            stack = contextlib.ExitStack()
+            root_fd = stack.enter_context(rstore.folder_fd(root))
+        except (FileNotFoundError, NotADirectoryError):
             return removed
-        for name in names:
-            h = name.split("-", 1)[0]
-            if len(h) != 64:
-                continue
-            lk = _try_lock_hash(rstore, h)
-            if lk is None:
-                continue  # a live check is running there
-            try:
-                path = os.path.join(root, name)
-                repo = _check_worktree_repo(path)
-                removed.append(path)
-                if dry_run:
+        with stack:
+            for name in sorted(os.listdir(root_fd)):
+                h = name.split("-", 1)[0]
+                if len(h) != 64:
                     continue
-                # A call killed while its check ran left the check running (in a session of its
-                # own, so that a timeout can kill it whole): it goes before its folder does.
-                _stop_processes_in(path)
-                shutil.rmtree(path, ignore_errors=True)
-                if repo is not None:
-                    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-                    # Run from the repository, not from here: recover may have been started inside
-                    # the folder just removed, where git cannot even read its working folder.
-                    subprocess.run(["git", "--git-dir", repo, "worktree", "prune"], capture_output=True,
-                                   env=env, check=False, cwd=repo)
-            finally:
-                lk.release()
+                lk = rstore.try_lock_hash(h)
+                if lk is None:
+                    continue  # a live check is running there
+                try:
+                    path = os.path.join(root, name)
+                    repo = _check_worktree_repo(root_fd, name)
+                    removed.append(path)
+                    if dry_run:
+                        continue
+                    # A call killed while its check ran left the check running (in a session of its
+                    # own, so that a timeout can kill it whole): it goes before its folder does.
+                    with contextlib.suppress(OSError):
+                        entry_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                           dir_fd=root_fd)
+                        try:
+                            _stop_processes_in(verified_path(entry_fd, path))
+                        except CorruptReceipt:
+                            pass  # swapped meanwhile: no process is looked for through it
+                        finally:
+                            os.close(entry_fd)
+                    with contextlib.suppress(OSError):
+                        shutil.rmtree(name, dir_fd=root_fd)
+                    if repo is not None:
+                        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+                        # Run from the repository, not from here: recover may have been started inside
+                        # the folder just removed, where git cannot even read its working folder.
+                        subprocess.run(["git", "--git-dir", repo, "worktree", "prune"], capture_output=True,
+                                       env=env, check=False, cwd=repo)
+                finally:
+                    lk.release()
         return removed
 
     def _common_dirs(self, rstore: ReceiptStore) -> list[str]:
@@ -448,18 +458,14 @@ class GitAdapter:
         removed += self._cleanup_dead_index_locks(rstore, dry_run, protected)
         for common_dir in self._common_dirs(rstore):
             removed += _remove_old_object_tmp_files(common_dir, tmp_age, remove=not dry_run)
-        try:
-            names = sorted(os.listdir(rstore.tmp_dir))
-        except FileNotFoundError:
-            return list(dict.fromkeys(removed))  # a linked worktree's common dir is listed once
-        for name in names:
+        for name in rstore.tmp_names():  # through tmp/'s descriptor, as every marker is read and removed
             kind, _, h = name.partition("-lock-")
             if kind not in ("ref", "index"):
                 continue
-            marker = os.path.join(rstore.tmp_dir, name)
+            marker = rstore.tmp_file(name)
             if kind == "index" and _unresolved(rstore, h):
                 continue  # protected (see above); settled by a later recover, then removed
-            lk = _try_lock_hash(rstore, h)
+            lk = rstore.try_lock_hash(h)
             if lk is None:
                 continue  # its owner is alive (and may hold the index lock right now)
             try:
@@ -470,8 +476,7 @@ class GitAdapter:
                         continue
                 else:
                     try:
-                        with open(marker, "rb") as fh:
-                            index_lock = fh.read().decode("utf-8", "surrogateescape").strip()
+                        index_lock = marker.read().decode("utf-8", "surrogateescape").strip()
                     except FileNotFoundError:
                         continue
                     with contextlib.suppress(FileNotFoundError):
@@ -480,10 +485,9 @@ class GitAdapter:
                             # live call's lock created in its place since the read).
                             if dry_run or break_dead_own_index_lock(index_lock):
                                 removed.append(index_lock)
-                removed.append(marker)
+                removed.append(marker.path)
                 if not dry_run:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(marker)
+                    marker.remove()
             finally:
                 lk.release()
         return list(dict.fromkeys(removed))  # a lock found both ways is listed once
@@ -692,26 +696,20 @@ def _unresolved(rstore: ReceiptStore, h: str) -> bool:
     return r is not None and r.status in ("prepared", "unknown")
 
 
-def _check_worktree_repo(path: str) -> str | None:
-    """The repository a temporary check worktree belongs to (from its ``.git`` file)."""
+def _check_worktree_repo(root_fd: int, name: str) -> str | None:
+    """The repository the temporary check worktree ``name`` of ``root_fd`` belongs to (from its ``.git`` file)."""
     try:
-        with open(os.path.join(path, ".git"), "rb") as fh:
-            text = fh.read().decode("utf-8", "surrogateescape").strip()
+        entry_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+        try:
+            with os.fdopen(open_regular(".git", dir_fd=entry_fd), "rb") as fh:
+                text = fh.read(1 << 16).decode("utf-8", "surrogateescape").strip()
+        finally:
+            os.close(entry_fd)
     except OSError:
         return None
     if not text.startswith("gitdir:"):
         return None
     return common_dir_of(os.path.realpath(text[len("gitdir:"):].strip()))
-
-
-def _try_lock_hash(rstore: ReceiptStore, h: str) -> Any:
-    os.makedirs(rstore.locks_dir, exist_ok=True)
-    lk = file_lock(os.path.join(rstore.locks_dir, f"{h}.lock"))
-    try:
-        lk.acquire(timeout=0)
-    except filelock.Timeout:
-        return None
-    return lk
 
 
 def _matches(gstore: GitStore, workdir: str, path: str, entries: tuple[TreeEntry | None, ...]) -> bool:

@@ -17,7 +17,6 @@ from cas.index import prefetch
 from cas.index_lock import IndexLock, hold_index_lock, settle_ahead, stage_ahead
 from cas.objects import GitStore, TreeEntry
 from cas.worktree import dirty_paths, materialise, outside_sparse_checkout, unsafe_worktree_paths
-from receipts.flock import file_lock
 from receipts.engine import settle
 from receipts.states import needs_resolution
 from receipts.store import ReceiptStore
@@ -83,7 +82,7 @@ def settle_dead_calls(rstore: ReceiptStore, stores: dict[str, Any] | None,
                 if needs_resolution(receipt.status):
                     unsettled.append(receipt.key)
                 continue
-            lock = file_lock(rstore.lock_path(receipt.key))
+            lock = rstore.key_lock(receipt.key)
             try:
                 lock.acquire(timeout=SETTLE_WAIT, poll_interval=0.01)
             except filelock.Timeout:
@@ -192,8 +191,6 @@ def hold_index_locks(rstore: ReceiptStore, worktrees: list[tuple[str, str]], key
     try:
         for workdir, git_dir in sorted(worktrees):
             marker = index_marker(rstore, key) if not held else None
-            if marker is not None:
-                os.makedirs(rstore.tmp_dir, exist_ok=True)
             held[workdir] = hold_index_lock(workdir, timeout=timeout, lock_marker=marker, git_dir=git_dir,
                                             keep_mark=True, on_dead=on_dead, owner=rstore.root)
     except BaseException:
@@ -299,11 +296,9 @@ def materialise_all(gstore: GitStore, rstore: ReceiptStore, worktrees: list[tupl
     warnings: list[str] = []
     if not worktrees:
         return warnings
-    os.makedirs(rstore.tmp_dir, exist_ok=True)
-    os.makedirs(rstore.locks_dir, exist_ok=True)
     for workdir, _git_dir in worktrees:
-        wt_lock = os.path.join(rstore.locks_dir, "worktree-" + sha256_hex(workdir.encode()) + ".lock")
-        lk = file_lock(wt_lock)
+        lk = rstore.file_lock("worktree-" + sha256_hex(workdir.encode()) + ".lock")
+        wt_lock = lk.lock_file
         try:
             lk.acquire(timeout=timeout, poll_interval=0.005)
         except filelock.Timeout:

@@ -38,7 +38,7 @@ from cas.hashing import sha256_hex
 from receipts import jsonio
 from receipts.canonical import canonical_json
 from receipts.errors import CorruptLedger
-from receipts.flock import flocked
+from receipts.flock import FolderOpener, flocked
 from receipts.receipt import SIGNATURE_FIELD, Receipt, now_iso
 
 TYPE_CHECKING = False
@@ -124,9 +124,12 @@ def _open_ledger(path: str) -> BinaryIO:
 
 class Ledger:
     def __init__(self, path: str, lock_path: str, lock_timeout: float = 30.0, *,
-                 signing: Signing | None = None) -> None:
+                 signing: Signing | None = None, lock_folder: FolderOpener | None = None) -> None:
         self.path = path
         self.lock_path = lock_path
+        #: Yields a descriptor of the lock's folder (the store's ``locks/``, reached without
+        #: following a symlink: :mod:`receipts.flock`); ``None``: the folder by its path.
+        self.lock_folder = lock_folder
         self.lock_timeout = lock_timeout
         #: A signed store's signing: every append is signed, every line checked (module docstring).
         self.signing = signing
@@ -229,9 +232,12 @@ class Ledger:
             InProgress: the ledger lock could not be taken in time.
             DurableWriteError: the append failed.
             CorruptLedger: the last line is torn and no append of ours (:meth:`refuse_foreign_tail`).
+            CorruptReceipt: the store's ``locks/`` folder is a symlink (from :attr:`lock_folder`).
+            OSError: the lock file cannot be opened (a symlink: ``ELOOP``).
         """
-        os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
-        with flocked(self.lock_path, self.lock_timeout if wait is None else wait):
+        if self.lock_folder is None:
+            os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
+        with flocked(self.lock_path, self.lock_timeout if wait is None else wait, folder=self.lock_folder):
             seq, prev, good_len = self._tail()
             try:
                 size = os.path.getsize(self.path)

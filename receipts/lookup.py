@@ -8,7 +8,6 @@ from typing import Any
 
 from cas.gitdir import discover
 from receipts.errors import CorruptReceipt, InProgress, ReceiptNotFound
-from receipts.flock import held_elsewhere
 from receipts.receipt import Receipt
 from receipts.store import FILE_MISSING, ReceiptStore
 
@@ -54,7 +53,7 @@ def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = No
             raise CorruptReceipt(rstore.receipt_path(found.key), "; ".join(problems), key=found.key,
                                  next_action="none", details={"contradicted_by": found.tool})
     if found is None:
-        if held_elsewhere(rstore.lock_path(key)):
+        if rstore.key_held_elsewhere(key):
             # A first call holds the key and has not written its receipt yet: ask again.
             raise InProgress(f"key '{key}' is being applied by a running call, which has written no "
                              f"receipt yet: ask again when it ends", key=key)

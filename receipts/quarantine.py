@@ -183,9 +183,8 @@ def quarantine_ledger(store: ReceiptStore, *, note: str = "", timeout: float = 3
     ledger = store.ledger
     name = os.path.basename(ledger.path)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(store.folder_fd(os.path.dirname(ledger.lock_path), create=True))
         root_fd = stack.enter_context(store.folder_fd(store.root))
-        with flocked(ledger.lock_path, timeout):
+        with flocked(ledger.lock_path, timeout, folder=store.locks_folder):
             try:
                 file_sha256, size = _digest(root_fd, name)
             except FileNotFoundError:

@@ -501,20 +501,28 @@ def _cleanup(store: ReceiptStore, dry_run: bool, tmp_age: float, now: float) -> 
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(name, dir_fd=dir_fd)
     # 2. lock files of keys with no receipt (``<64 hex>.lock``), past the age bound, taken before removal.
-    names = sorted(os.listdir(store.locks_dir)) if os.path.isdir(store.locks_dir) else []
-    for path in [os.path.join(store.locks_dir, n) for n in names if n.endswith(".lock") and len(n) == 69]:
-        if os.path.exists(store.path_for_hash(os.path.basename(path)[:-5])) or not _old_enough(path, tmp_age, now):
-            continue
-        lk = file_lock(path)
-        try:
-            lk.acquire(timeout=0)
-        except filelock.Timeout:
-            continue
-        try:
-            removed.append(path)
-            if not dry_run:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        finally:
-            lk.release()
+    #    Listed, aged, locked and removed through one descriptor of locks/ (never a symlink).
+    try:
+        locks = contextlib.ExitStack()
+        lfd = locks.enter_context(store.folder_fd(store.locks_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    with locks:
+        names = sorted(os.listdir(lfd))
+        for name in [n for n in names if n.endswith(".lock") and len(n) == 69]:
+            path = os.path.join(store.locks_dir, name)
+            if os.path.exists(store.path_for_hash(name[:-5])) or not _old_enough(name, tmp_age, now, lfd):
+                continue
+            lk = file_lock(path, lambda: contextlib.nullcontext(lfd))  # in the folder listed, not one made since
+            try:
+                lk.acquire(timeout=0)
+            except filelock.Timeout:
+                continue
+            try:
+                removed.append(path)
+                if not dry_run:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=lfd)
+            finally:
+                lk.release()
     return removed

@@ -11,9 +11,10 @@ Layout under the store root::
     policy.toml                   who may call what (receipts/policy.py)
 
 Every write goes through :class:`cas.durable.DurableBatch`, and every write,
-listing and read goes through folder descriptors opened from the root with
-``O_NOFOLLOW`` (:meth:`ReceiptStore.folder_fd`): a store folder swapped for a
-symlink after a check is refused, never followed.  Reads verify
+listing and read -- lock files (:meth:`ReceiptStore.file_lock`) and ``tmp/``
+entries (:meth:`ReceiptStore.tmp_file`) too -- goes through folder descriptors
+opened from the root with ``O_NOFOLLOW`` (:meth:`ReceiptStore.folder_fd`): a
+store folder swapped for a symlink after a check is refused, never followed.  Reads verify
 (:func:`receipts.receipt.parse_receipt`); a corrupt receipt raises, it is never
 skipped or overwritten silently.  In a signed store every receipt written
 is signed and every receipt read must carry a signature by an allowed key
@@ -37,13 +38,13 @@ from cas.durable import DurableBatch, NotRegularFile, fsync_dir, make_dirs, open
 from cas.errors import DurableWriteError, UnsafeWorktreePath, UsageError
 from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
-from receipts.flock import file_lock
+from receipts.flock import FolderLock, file_lock, held_elsewhere
 from receipts.identity import key_hash
 from receipts.ledger import Ledger
 from receipts.receipt import DIGEST_FIELD, SIGNATURE_FIELD, Receipt, parse_receipt, receipt_doc_bytes
 from receipts.signing import load_signing
 
-__all__ = ["ReceiptStore", "StoredReceipt", "DEFAULT_LOCK_TIMEOUT", "FILE_MISSING", "MAX_RECEIPT_BYTES",
+__all__ = ["ReceiptStore", "StoredReceipt", "StoreFile", "DEFAULT_LOCK_TIMEOUT", "FILE_MISSING", "MAX_RECEIPT_BYTES",
            "TRANSIENT_ERRNOS"]
 
 DEFAULT_LOCK_TIMEOUT = 30.0
@@ -72,6 +73,80 @@ class StoredReceipt:
     key_hash: str
     receipt: Receipt | None
     error: CorruptReceipt | None
+
+
+class StoreFile:
+    """A scratch file of the store (``tmp/<name>``: the markers of patcher/markers.py), opened by its
+    name through a descriptor of its folder (:meth:`ReceiptStore.folder_fd`), never following a symlink.
+
+    Implements :class:`cas.index_lock.LockMarker`.  A ``tmp/`` swapped for a
+    symlink is refused (:class:`CorruptReceipt`): nothing is written, read or
+    removed where it points.
+    """
+
+    __slots__ = ("_store", "folder", "name", "path")
+
+    def __init__(self, store: ReceiptStore, folder: str, name: str) -> None:
+        self._store = store
+        self.folder = folder
+        self.name = name
+        self.path = os.path.join(folder, name)
+
+    def write(self, data: bytes) -> None:
+        """Create or replace the file with ``data`` (not synced: it proves a live process's lock).
+
+        Raises:
+            CorruptReceipt: a folder on the way, or the file, is a symlink (nothing is written through it).
+            OSError: it cannot be written.
+        """
+        with self._store.folder_fd(self.folder, create=True) as dfd:
+            try:
+                fd = os.open(self.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+                             | os.O_NONBLOCK, 0o644, dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise CorruptReceipt(self.path, "a symlink, not a scratch file of the store") from None
+                raise
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+
+    def read(self) -> bytes:
+        """Its bytes.
+
+        Raises:
+            FileNotFoundError: it (or its folder) is gone.
+            CorruptReceipt: a folder on the way is a symlink.
+            OSError: it is no regular file, or cannot be read.
+        """
+        with self._store.folder_fd(self.folder) as dfd:
+            with os.fdopen(open_regular(self.name, dir_fd=dfd), "rb") as fh:
+                return fh.read()
+
+    def stat(self) -> os.stat_result:
+        """Its ``lstat``.
+
+        Raises:
+            FileNotFoundError: it (or its folder) is gone.
+            CorruptReceipt: a folder on the way is a symlink.
+        """
+        with self._store.folder_fd(self.folder) as dfd:
+            return os.stat(self.name, dir_fd=dfd, follow_symlinks=False)
+
+    def remove(self) -> None:
+        """Remove it; nothing if it (or its folder) is gone.
+
+        Raises:
+            CorruptReceipt: a folder on the way is a symlink (nothing is removed through it).
+        """
+        try:
+            with self._store.folder_fd(self.folder) as dfd:
+                os.unlink(self.name, dir_fd=dfd)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
 
 
 def read_receipt_file(path: str, *, dir_fd: int | None = None) -> bytes:
@@ -194,7 +269,7 @@ class ReceiptStore:
         #: ``None``: an unsigned store; else every receipt and event is signed and checked.
         self.signing = load_signing(self.root)
         self.ledger = Ledger(os.path.join(self.root, "events.jsonl"), os.path.join(self.locks_dir, "ledger.lock"),
-                             signing=self.signing)
+                             signing=self.signing, lock_folder=self.locks_folder)
         for folder in (self.receipts_dir, self.locks_dir, self.tmp_dir):
             # Refused before anything is read or written (tmp/ too: check worktrees are made there).
             self.check_folders(folder, before_any_effect=True)
@@ -282,6 +357,23 @@ class ReceiptStore:
 
     # -- locks -----------------------------------------------------------------
 
+    def locks_folder(self) -> contextlib.AbstractContextManager[int]:
+        """A descriptor of ``locks/`` (made if missing), reached from the root without following a symlink.
+
+        Every lock file is opened by its name in it (:mod:`receipts.flock`): a
+        ``locks/`` swapped for a symlink after :meth:`check_folders` is refused
+        (:class:`CorruptReceipt`), and no lock file is created where it points.
+        """
+        return self.folder_fd(self.locks_dir, create=True)
+
+    def file_lock(self, name: str) -> FolderLock:
+        """An unheld lock on ``locks/<name>``, opened through :meth:`locks_folder`."""
+        return file_lock(os.path.join(self.locks_dir, name), self.locks_folder)
+
+    def key_lock(self, key: str) -> FolderLock:
+        """An unheld lock on the key's ``locks/<h>.lock`` (:meth:`file_lock`)."""
+        return self.file_lock(f"{key_hash(key)}.lock")
+
     @contextlib.contextmanager
     def lock(self, key: str, timeout: float = DEFAULT_LOCK_TIMEOUT) -> Iterator[None]:
         """Hold the key's lock; raise :class:`InProgress` if it is still held after ``timeout`` s.
@@ -291,7 +383,8 @@ class ReceiptStore:
 
         Raises:
             CorruptReceipt: a store folder on the way to the key's lock or
-                receipt is a symlink (:meth:`check_folders`); nothing was started.
+                receipt is a symlink (:meth:`check_folders`, and again through
+                the descriptors the lock is opened by); nothing was started.
             CorruptLedger: the ledger's last line is torn and no append of ours
                 (:meth:`Ledger.refuse_foreign_tail`); nothing was started.
         """
@@ -303,9 +396,9 @@ class ReceiptStore:
             raise CorruptReceipt(ledger_lock, "a symlink, not a lock file", effect_status="not_started", key=key)
         # The call's first write would chain onto (or cut) a ledger changed by hand: refuse first.
         self.ledger.refuse_foreign_tail(effect_status="not_started", key=key)
-        self._ensure_dir(self.locks_dir)
-        lk = file_lock(self.lock_path(key))
+        lk = self.key_lock(key)
         try:
+            self._ensure_dir(self.locks_dir)
             lk.acquire(timeout=timeout, poll_interval=0.01)
         except filelock.Timeout:
             raise InProgress(
@@ -313,6 +406,8 @@ class ReceiptStore:
                 key=key,
                 details={"lock_path": self.lock_path(key)},
             ) from None
+        except CorruptReceipt as exc:  # locks/ swapped for a symlink since the check: nothing was started
+            raise CorruptReceipt(exc.path, exc.reason, effect_status="not_started", key=key) from None
         except OSError as exc:  # the lock file cannot be made (a store this process may not write, a symlink)
             raise UsageError(f"cannot use the store '{self.root}': cannot take the lock of key '{key}' "
                              f"('{self.lock_path(key)}': {exc.strerror or exc})", key=key) from exc
@@ -321,15 +416,49 @@ class ReceiptStore:
         finally:
             lk.release()
 
-    def try_lock(self, key: str) -> filelock.FileLock | None:
+    def try_lock(self, key: str) -> FolderLock | None:
         """Take the key's lock without waiting; ``None`` if a live process holds it."""
+        return self.try_lock_hash(key_hash(key))
+
+    def try_lock_hash(self, h: str) -> FolderLock | None:
+        """Take the lock of the key whose hash is ``h`` without waiting; ``None`` if a live process holds it."""
         self._ensure_dir(self.locks_dir)
-        lk = file_lock(self.lock_path(key))
+        lk = self.file_lock(f"{h}.lock")
         try:
             lk.acquire(timeout=0)
         except filelock.Timeout:
             return None
         return lk
+
+    def key_held_elsewhere(self, key: str) -> bool:
+        """Whether another holder has the key's lock now (creates nothing: :func:`receipts.flock.held_elsewhere`).
+
+        Raises:
+            CorruptReceipt: ``locks/`` is a symlink.
+        """
+        try:
+            with self.folder_fd(self.locks_dir) as dfd:
+                return held_elsewhere(self.lock_path(key), dir_fd=dfd)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    # -- tmp/ ------------------------------------------------------------------
+
+    def tmp_file(self, name: str, folder: str | None = None) -> StoreFile:
+        """The scratch file ``tmp/<name>`` (or ``<folder>/<name>``, a folder under ``tmp/``), opened through descriptors."""
+        return StoreFile(self, folder or self.tmp_dir, name)
+
+    def tmp_names(self, folder: str | None = None) -> list[str]:
+        """The names in ``tmp/`` (or ``folder`` under it), sorted, listed through its descriptor; none if it is missing.
+
+        Raises:
+            CorruptReceipt: a folder on the way is a symlink.
+        """
+        try:
+            with self.folder_fd(folder or self.tmp_dir) as dfd:
+                return sorted(os.listdir(dfd))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     # -- receipts --------------------------------------------------------------
 

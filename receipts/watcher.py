@@ -246,7 +246,8 @@ class Watcher:
                 if not event.is_directory:
                     feed(event.dest_path)
 
-        os.makedirs(self.store.receipts_dir, exist_ok=True)
+        with self.store.folder_fd(self.store.receipts_dir, create=True):  # made without following a symlink
+            pass
         observer = Observer()
         observer.schedule(Handler(), self.store.receipts_dir, recursive=True)
         observer.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import filelock
 import pytest
 
-from receipts.errors import InProgress
+from receipts.errors import CorruptReceipt, InProgress
 from receipts.flock import file_lock, flocked, held_elsewhere
 
 HOLD = (
@@ -101,10 +102,46 @@ def test_a_symlinked_lock_file_is_refused_and_its_target_not_made(tmp_path: Path
         file_lock(str(path)).acquire(timeout=0)
     assert exc.value.errno == errno.ELOOP
     assert not target.exists()
-    with pytest.raises(OSError):
+    with pytest.raises(CorruptReceipt) as refused:  # flocked names it: a symlink, not a lock file
         with flocked(str(path), 0):
             pass
+    assert "symlink" in refused.value.reason and not target.exists()
     assert not held_elsewhere(str(path))
+
+
+def test_a_lock_file_is_opened_in_its_folder_never_through_a_symlinked_one(tmp_path: Path) -> None:
+    """The folder is opened first (O_NOFOLLOW|O_DIRECTORY), the file by its name in it: a folder that is a
+    symlink gets no lock file where it points."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    locks = tmp_path / "locks"
+    locks.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(OSError) as exc:
+        file_lock(str(locks / "k.lock")).acquire(timeout=0)
+    assert exc.value.errno in (errno.ELOOP, errno.ENOTDIR)
+    assert list(outside.iterdir()) == []
+
+
+def test_a_lock_through_a_given_folder_descriptor_uses_that_folder(tmp_path: Path) -> None:
+    """The store hands over its descriptor of locks/: the file is made there, whatever the path says now."""
+    real = tmp_path / "real"
+    real.mkdir()
+    fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        shown = tmp_path / "renamed-meanwhile" / "k.lock"
+        lock = file_lock(str(shown), lambda: contextlib.nullcontext(fd))
+        lock.acquire(timeout=0)
+        assert lock.is_locked and lock.lock_file == str(shown)
+        assert held_elsewhere(str(shown), dir_fd=fd)
+        other = file_lock(str(real / "k.lock"))
+        with pytest.raises(filelock.Timeout):
+            other.acquire(timeout=0)  # the same file, by its path: excluded
+        with pytest.raises(filelock.Timeout):
+            filelock.FileLock(str(real / "k.lock")).acquire(timeout=0)  # and filelock's own lock contends with it
+        lock.release()
+        assert os.path.exists(real / "k.lock") and not shown.parent.exists()
+    finally:
+        os.close(fd)
 
 
 def test_held_elsewhere_creates_nothing(tmp_path: Path) -> None:
