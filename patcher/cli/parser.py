@@ -8,6 +8,7 @@ from typing import Any, NoReturn
 
 from cas.errors import UsageError
 from patcher.formats import BUILTIN_NAMES
+from patcher.cli import gc as cli_gc, revert as cli_revert
 from patcher.cli import doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
 from patcher.version import version
 from patcher.cli.common import Option, add_common, add_options, at_least_one, positive_seconds, seconds
@@ -99,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     cli_mcp.register(sub)
     cli_keys.register(sub)
     cli_server.register(sub)
+    cli_gc.register(sub)
+    cli_revert.register(sub)
     return parser
 
 
