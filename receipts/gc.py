@@ -318,7 +318,7 @@ def _remove_one(store: ReceiptStore, r: Receipt, adapters: Mapping[str, Any], re
             return
         # The event first: a crash after it leaves a receipt the ledger already names (verify
         # passes), which the next gc removes; a file gone before its event would read as lost.
-        store.ledger.append({"event": "removed", "at": now_iso(), "key": r.key, "tool": r.tool,
+        store.ledger.append({"event": "removed", "at": now_iso(), "key": r.key, "call_id": r.call_id, "tool": r.tool,
                              "status": r.status, "commit": r.commit, "receipt_sha256": r.digest,
                              "bundle_sha256": report.archive_sha256})
         done: list[str] = []
