@@ -236,3 +236,28 @@ def test_signed_store_gc_keeps_verify_passing(tmp_path: Path) -> None:
     lines[0] = json.dumps(first, separators=(",", ":"), sort_keys=True).encode()
     (repo.store / "events.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     assert run_cli("verify", "--repo", str(repo.path), "--json", "--jobs", "1").code == 6
+
+
+def test_gc_keeps_a_receipt_whose_key_lock_a_live_call_holds(tmp_path: Path) -> None:
+    from receipts.flock import file_lock
+    from receipts.store import ReceiptStore
+
+    repo = three_calls(tmp_path)
+    # A live call holds its key's flock from before its look-up until its last write: held here
+    # (another process than gc's), it is a call deciding what to do with task-a/1.
+    lock = file_lock(ReceiptStore(str(repo.store)).lock_path("task-a/1"))
+    lock.acquire(timeout=0)
+    try:
+        r = gc(repo, REMOVE_ALL, tmp=tmp_path)
+        assert r.code == 0, r.out + r.err
+        assert sorted(x["key"] for x in r.json["removed"]) == ["task-a/2", "task-b/1"]
+        assert r.json["stays"] == [{"key": "task-a/1", "status": "committed",
+                                    "reason": "a live call holds its key lock"}]
+        assert key_refs(repo) == ["refs/oncepatch/keys/" + key_hash("task-a/1")]
+        assert r.json["compacted"] is None  # its events are the oldest: nothing before them to compact
+        verify_ok(repo)
+    finally:
+        lock.release()
+    r = gc(repo, REMOVE_ALL, tmp=tmp_path)
+    assert [x["key"] for x in r.json["removed"]] == ["task-a/1"] and key_refs(repo) == []
+    verify_ok(repo)
