@@ -337,7 +337,6 @@ def check_chain(lines: Iterable[bytes], *, prev: str = GENESIS, seq: int = 1, si
     problems: list[LedgerProblem] = []
     expected_seq = seq
     unconfirmed: dict[str, int] = {}
-    n = 0
     for n, raw in enumerate(lines, 1):
         if not raw.endswith(b"\n"):
             problems.append(LedgerProblem(n, "torn last line (crash during append)"))
@@ -350,12 +349,16 @@ def check_chain(lines: Iterable[bytes], *, prev: str = GENESIS, seq: int = 1, si
             prev = sha256_hex(line)
             expected_seq += 1
             continue
-        if isinstance(obj, dict) and each is not None:
-            each(obj)
-        checkpoint = isinstance(obj, dict) and obj.get("event") == "checkpoint"
         if not isinstance(obj, dict):
             problems.append(LedgerProblem(n, "not an object"))
-        elif obj.get("prev") != prev:
+            prev = sha256_hex(line)
+            expected_seq += 1
+            continue
+        if each is not None:
+            each(obj)
+        kind = obj.get("event")
+        checkpoint = kind == "checkpoint"
+        if obj.get("prev") != prev:
             problems.append(LedgerProblem(n, "hash chain broken: prev does not match the line before"))
         elif checkpoint and (why := _checkpoint_problem(obj, expected_seq)) is not None:
             problems.append(LedgerProblem(n, why))
@@ -363,14 +366,14 @@ def check_chain(lines: Iterable[bytes], *, prev: str = GENESIS, seq: int = 1, si
             problems.append(LedgerProblem(n, f"seq is {obj.get('seq')!r}, expected {expected_seq}"))
         elif signing is not None and (why := signing.event_problem(obj)) is not None:
             problems.append(LedgerProblem(n, why))
-        if isinstance(obj, dict) and obj.get("event") == "compacted":
-            unconfirmed.pop(str(obj.get("checkpoint_sha256")), None)
         if checkpoint and isinstance(obj.get("head"), str):
             unconfirmed[sha256_hex(line)] = n
             prev = obj["head"]  # the next line chains onto the last event the checkpoint replaced
         else:
             prev = sha256_hex(line)
-        found = obj.get("seq") if isinstance(obj, dict) else None
+            if kind == "compacted":
+                unconfirmed.pop(str(obj.get("checkpoint_sha256")), None)
+        found = obj.get("seq")
         expected_seq = (found if isinstance(found, int) else expected_seq) + 1
     for line_no in unconfirmed.values():
         problems.append(LedgerProblem(line_no, "checkpoint not confirmed by a later 'compacted' event"))
