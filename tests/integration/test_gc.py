@@ -261,3 +261,18 @@ def test_gc_keeps_a_receipt_whose_key_lock_a_live_call_holds(tmp_path: Path) -> 
     r = gc(repo, REMOVE_ALL, tmp=tmp_path)
     assert [x["key"] for x in r.json["removed"]] == ["task-a/1"] and key_refs(repo) == []
     verify_ok(repo)
+
+
+def test_a_later_gc_folds_the_earlier_checkpoint_into_its_own(tmp_path: Path) -> None:
+    repo = three_calls(tmp_path)
+    first = gc(repo, '[remove]\nolder_than_days = 0\nkey_prefixes = ["task-a/"]\n', tmp=tmp_path).json
+    assert first["compacted"]["events"] == 4
+    second = gc(repo, REMOVE_ALL, tmp=tmp_path).json
+    # The planned range is replaced: the first checkpoint (4 events), task-b's 2, the two removed
+    # events and the first run's compacted event; task-b's own removed event came after the plan.
+    assert second["compacted"]["first_seq"] == 1 and second["compacted"]["events"] == 4 + 2 + 2 + 1
+    ev = events(repo)
+    assert [e["event"] for e in ev] == ["checkpoint", "removed", "compacted"]
+    verify_ok(repo)
+    v = run_cli("gc", "--verify-archive", second["archive"], "--repo", str(repo.path), "--json")
+    assert v.code == 0 and v.json["head"] == ev[0]["head"], v.out
