@@ -27,7 +27,7 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from cas.durable import make_dirs, write_durable
+from cas.durable import fsync_dir, make_dirs, write_durable
 from cas.hashing import sha256_hex
 from receipts import jsonio
 from receipts.errors import CorruptReceipt
@@ -114,7 +114,7 @@ def write_archive(folder: str, data: bytes) -> str:
         DurableWriteError: the write failed (nothing is left).
     """
     for made in make_dirs(folder):
-        del made
+        fsync_dir(os.path.dirname(made))  # the new folder's entry is durable before the archive in it
     stamp = now_iso().replace(":", "").replace("-", "").split(".")[0]
     path = os.path.join(folder, f"gc-{stamp}-{sha256_hex(data)[:12]}.tar.gz")
     write_durable(path, data, mode=0o600)
