@@ -6,7 +6,8 @@ import argparse
 from typing import Any
 
 from cas.errors import EXIT_OK
-from patcher.cli.common import add_common, seconds
+from receipts.store import ReceiptStore
+from patcher.cli.common import add_common, seconds, store_root
 from patcher.cli.progress import shown
 
 __all__ = ["register", "HANDLERS"]
@@ -30,10 +31,13 @@ def _cmd_revert(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         res = revert(args.repo, args.key, new_key=args.new_key, store=args.store, lock_timeout=args.lock_timeout,
                      caller=args.caller)
     doc = res.to_json()
-    doc["compensates"] = args.key
+    # The key its receipt names (KEY may have been given as a call_id).
+    receipt = ReceiptStore(store_root(args)).read(res.key)
+    compensates = receipt.args.get("compensates") if receipt is not None else None
+    doc["compensates"] = compensates if isinstance(compensates, str) else args.key
     head = f"replayed: {res.status} {(res.commit or '')[:12]} (nothing re-executed)" if res.replayed else \
         f"committed {(res.commit or '')[:12]}: reverted {len(res.outputs)} file(s)"
-    return EXIT_OK, doc, f"{head}\nkey {res.key} compensates {args.key}\nreceipt {res.receipt}\n"
+    return EXIT_OK, doc, f"{head}\nkey {res.key} compensates {doc['compensates']}\nreceipt {res.receipt}\n"
 
 
 HANDLERS = {"revert": _cmd_revert}

@@ -67,6 +67,16 @@ def test_revert_lands_once_and_a_retry_replays(tmp_path: Path) -> None:
     assert run_cli("verify", "--repo", str(repo.path), "--json", "--jobs", "1").code == 0
 
 
+def test_a_revert_named_by_call_id_links_the_key(tmp_path: Path) -> None:
+    repo, original = applied(tmp_path)
+    call_id = run_cli("status", "orig", "--repo", str(repo.path), "--json").json["receipt"]["call_id"]
+    r = revert(repo, call_id, "undo-1")
+    assert r.code == 0, r.out + r.err
+    assert r.json["compensates"] == "orig" and (repo.path / "src/app.py").read_text() == original
+    # The same pair named by the key replays.
+    assert revert(repo, "orig", "undo-1").json["replayed"] is True
+
+
 def test_the_same_new_key_for_another_key_is_an_idempotency_conflict(tmp_path: Path) -> None:
     repo, _ = applied(tmp_path)
     r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "other", input=change(repo, 20, "TWENTY"))
