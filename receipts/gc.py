@@ -278,9 +278,12 @@ def collect(store: ReceiptStore, policy: RetentionPolicy, adapters: Mapping[str,
 
     Raises:
         CorruptLedger: the ledger does not verify: nothing changed.
+        SigningKeyMissing: a signed store whose private key this process cannot read: nothing changed.
         DurableWriteError: the archive could not be written: nothing removed.
         InProgress: the ledger lock stayed held.
     """
+    if not dry_run:
+        store.check_can_sign()  # a signed store this process cannot sign for: refused before anything is written
     p = plan(store, policy, adapters, now=now, probe_only=dry_run, must_stay=must_stay)
     report = GcReport(dry_run, p)
     if dry_run:

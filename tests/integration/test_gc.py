@@ -276,3 +276,15 @@ def test_a_later_gc_folds_the_earlier_checkpoint_into_its_own(tmp_path: Path) ->
     verify_ok(repo)
     v = run_cli("gc", "--verify-archive", second["archive"], "--repo", str(repo.path), "--json")
     assert v.code == 0 and v.json["head"] == ev[0]["head"], v.out
+
+
+def test_gc_changes_nothing_in_a_store_whose_ledger_does_not_verify(tmp_path: Path) -> None:
+    repo = three_calls(tmp_path)
+    ledger = repo.store / "events.jsonl"
+    lines = ledger.read_bytes().splitlines()
+    ledger.write_bytes(b"\n".join(lines[:2] + lines[3:]) + b"\n")  # one event deleted by hand
+    before = snapshot(repo)
+    r = gc(repo, REMOVE_ALL, tmp=tmp_path)
+    assert r.code == 6, r.out + r.err
+    assert "gc changes nothing" in r.json["error"]["message"]
+    assert snapshot(repo) == before
