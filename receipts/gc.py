@@ -208,7 +208,8 @@ def plan(store: ReceiptStore, policy: RetentionPolicy, adapters: Mapping[str, An
         if r.is_final and _needs_redaction(r, policy, now):
             result.redact.append(r)
     _keep_compensated(result, have_receipt)
-    result.compact_to = _compactable(events, have_receipt, retained_from)
+    gone = {r.key for r in result.remove} | _removed_keys(events)
+    result.compact_to = _compactable(events, have_receipt, gone, retained_from)
     return result
 
 
@@ -251,17 +252,30 @@ def _why_stays(store: ReceiptStore, r: Receipt, policy: RetentionPolicy, retaine
     return None
 
 
-def _compactable(events: list[dict[str, Any]], have_receipt: set[str], retained_from: int) -> int:
-    """The last seq of the longest prefix of events that names no key with a receipt (0: none).
+def _removed_keys(events: list[dict[str, Any]]) -> set[str]:
+    """The keys whose last event is ``removed`` (gc removed their receipts)."""
+    last: dict[str, str] = {}
+    for e in events:
+        k = e.get("key")
+        if isinstance(k, str):
+            last[k] = str(e.get("event"))
+    return {k for k, kind in last.items() if kind == "removed"}
 
-    A key whose receipt goes (or went) may have its events replaced; one that
-    keeps its receipt keeps its whole history, so ``verify`` still finds its digests.
+
+def _compactable(events: list[dict[str, Any]], have_receipt: set[str], gone: set[str], retained_from: int) -> int:
+    """The last seq of the longest prefix of events whose keys are all ``gone`` (0: none).
+
+    Only a key whose receipt gc removes (or removed) may have its events
+    replaced.  One that keeps its receipt keeps its whole history, so
+    ``verify`` still finds its digests; one without a receipt for another
+    reason (quarantined by a person, a file lost) keeps the events that
+    explain it: compaction never hides evidence of a damaged store.
     """
     last = 0
     for e in events:
         seq = int(e["seq"])
         k = e.get("key")
-        if seq >= retained_from or (isinstance(k, str) and key_hash(k) in have_receipt):
+        if seq >= retained_from or (isinstance(k, str) and (k not in gone or key_hash(k) in have_receipt)):
             break
         last = seq
     if last and events and events[0].get("event") == "checkpoint" and int(events[0]["seq"]) == last:
@@ -409,11 +423,12 @@ def _compact(store: ReceiptStore, upto: int, report: GcReport) -> dict[str, Any]
             raise CorruptLedger(f"ledger '{ledger.path}' has a torn last line: 'oncepatch recover' first")
         lines = data.splitlines()
         present = {os.path.basename(p)[:-5] for p in store.receipt_paths()}
+        parsed = [jsonio.loads(line) for line in lines]
+        gone = _removed_keys(parsed)  # as now: a key a call used since the plan is not gone
         count = 0
-        for line in lines:
-            e = jsonio.loads(line)
+        for e in parsed:
             k = e.get("key")
-            if int(e["seq"]) > upto or (isinstance(k, str) and key_hash(k) in present):
+            if int(e["seq"]) > upto or (isinstance(k, str) and (k not in gone or key_hash(k) in present)):
                 break
             count += 1
         if count == 0 or (count == 1 and jsonio.loads(lines[0]).get("event") == "checkpoint"):

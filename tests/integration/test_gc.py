@@ -288,3 +288,17 @@ def test_gc_changes_nothing_in_a_store_whose_ledger_does_not_verify(tmp_path: Pa
     assert r.code == 6, r.out + r.err
     assert "gc changes nothing" in r.json["error"]["message"]
     assert snapshot(repo) == before
+
+
+def test_gc_never_compacts_the_events_that_explain_a_quarantined_key(tmp_path: Path) -> None:
+    repo = three_calls(tmp_path)
+    q = run_cli("quarantine", "task-a/1", "--note", "looked at it", "--repo", str(repo.path), "--json")
+    assert q.code == 0, q.out + q.err
+    verify_ok(repo)
+    r = gc(repo, REMOVE_ALL, tmp=tmp_path)
+    assert r.code == 0, r.out + r.err
+    assert sorted(x["key"] for x in r.json["removed"]) == ["task-a/2", "task-b/1"]
+    # task-a/1's events come first and its key ref stays: nothing before them may be compacted.
+    assert r.json["compact"] is None
+    assert [e["key"] for e in events(repo)[:2]] == ["task-a/1", "task-a/1"]
+    verify_ok(repo)
