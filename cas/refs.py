@@ -187,6 +187,44 @@ class RefUpdates:
         self._create_reflog(ref)
         return _while_locked(lambda: self._create_once(ref, target, message), lock_timeout)
 
+    def delete_key_ref(self, ref: str, expected: str, *, lock_timeout: float = 1.0) -> bool:
+        """Remove ``ref`` if it points at ``expected``; ``False`` if it is already gone.
+
+        Retention (``oncepatch gc``) removes a key's ref together with its
+        receipt, never alone.  One libgit2 transaction: ``<ref>.lock`` taken,
+        the ref re-read under it (compare-and-delete: a ref that moved is left),
+        removed.  The objects it named are never touched.
+
+        Raises:
+            RefMovedError: it points elsewhere (nothing removed).
+            RefLockedError: ``<ref>.lock`` stayed held.
+            RefUpdateUnknown: the commit of the transaction failed; the ref may be gone.
+        """
+        if self.resolve(ref) is None:
+            return False
+        return _while_locked(lambda: self._delete_once(ref, expected), lock_timeout)
+
+    def _delete_once(self, ref: str, expected: str) -> bool:
+        committing = False
+        try:
+            with self.repo.transaction() as txn:
+                try:
+                    txn.lock_ref(ref)
+                except pygit2.GitError as exc:
+                    raise RefLockedError(self._lock_path(ref)) from exc
+                current = self.resolve(ref)  # re-read under the lock: the compare of the delete
+                if current is None:
+                    return False
+                if current != expected:
+                    raise RefMovedError(ref, current, expected)
+                txn.remove(ref)
+                committing = True
+        except pygit2.GitError as exc:
+            if not committing:
+                raise GitStoreError(f"cannot remove ref '{ref}': {exc}") from exc
+            raise RefUpdateUnknown(f"removal of ref '{ref}' failed after locking: {exc}") from exc
+        return True
+
     def _create_once(self, ref: str, target: str, message: str) -> bool:
         with self._locked(ref, "create", "creation") as set_target:
             current = self.resolve(ref)

@@ -83,10 +83,15 @@ class CallArgs:
     format: str
     check: str | None
     message: str | None
+    #: The key this call compensates (``oncepatch revert``); only then part of the args (and the identity).
+    compensates: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"repo": self.repo, "branch": self.branch, "patch_sha256": self.patch_sha256, "format": self.format,
-                "check": self.check, "message": self.message}
+        doc: dict[str, Any] = {"repo": self.repo, "branch": self.branch, "patch_sha256": self.patch_sha256,
+                               "format": self.format, "check": self.check, "message": self.message}
+        if self.compensates is not None:
+            doc["compensates"] = self.compensates
+        return doc
 
 
 def normalise_branch(branch: str | None, layout: GitLayout) -> str:

@@ -33,7 +33,7 @@ from typing import Any
 
 
 from cas.durable import TMP_MARK, open_regular
-from cas.errors import GitStoreError, UsageError
+from cas.errors import GitStoreError, RefMovedError, UsageError
 from cas.gitdir import common_dir_of, worktrees_on
 from cas.loose_objects import stale_tmp_objdirs
 from cas.objects import GitStore, TreeEntry, open_store
@@ -357,6 +357,30 @@ class GitAdapter:
                     out.append((h, name, f"key ref '{ref}' exists but its receipt is '{found[1]}': "
                                       "the receipt says the call never committed"))
         return out
+
+    # -- retention ---------------------------------------------------------------------
+
+    def forget(self, receipt: Receipt, *, dry_run: bool = False) -> list[str]:
+        """Remove the key ref of a receipt retention removes (``oncepatch gc``); git objects never.
+
+        The ref goes only if it points at the receipt's commit (or candidate):
+        compare-and-delete under ``<ref>.lock`` (:meth:`cas.objects.GitStore.delete_key_ref`).
+        Returns what was (``dry_run``: would be) done.
+
+        Raises:
+            RefMovedError: the ref points at another commit (the receipt stays).
+            GitStoreError, RefLockedError, RefUpdateUnknown: as the removal.
+        """
+        gstore = self._store(receipt)
+        ref = KEY_REF_PREFIX + key_hash(receipt.key)
+        current = gstore.resolve(ref)
+        if current is None:
+            return []
+        if current not in {receipt.commit, receipt.candidate}:
+            raise RefMovedError(ref, current, receipt.commit)
+        if not dry_run:
+            gstore.delete_key_ref(ref, current)
+        return [f"{'would remove' if dry_run else 'removed'} key ref '{ref}' ({current[:12]})"]
 
     # -- cleanup -------------------------------------------------------------------
 

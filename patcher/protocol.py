@@ -69,6 +69,7 @@ def apply(
     check_timeout: float = 600.0,
     strict: bool = False,
     caller: Caller | None = None,
+    compensates: str | None = None,
     _stores: dict[str, Any] | None = None,
 ) -> ApplyResult:
     """Apply ``patch`` (its content, never a file name) to ``branch`` of ``repo`` effectively once.
@@ -86,6 +87,10 @@ def apply(
     identity: a strict call makes the same change, and replays the key's
     final receipt as any call does (docs/DECISIONS.md).
 
+    ``compensates``: the key whose change this call undoes (:mod:`patcher.revert`);
+    part of the args, so of the identity: the same key with another
+    ``compensates`` is an idempotency conflict.
+
     ``caller``: who asks, for the store's policy (the broker's ``SO_PEERCRED``
     peer, :meth:`Caller.of`); default: this process (:meth:`Caller.current`).
 
@@ -98,7 +103,7 @@ def apply(
     for round_ in (1, 2):
         try:
             return _apply(repo, patch, key, branch, contract_sha256, attempt, format, check, message, common_dir,
-                          store, lock_timeout, check_timeout, strict, caller, _stores)
+                          store, lock_timeout, check_timeout, strict, caller, _stores, compensates)
         except OncepatchError as exc:
             if exc.effect_status not in ("not_started", "not_applied") or not _pack_vanished(exc.__cause__):
                 raise
@@ -137,11 +142,13 @@ def _pack_vanished(exc: BaseException | None) -> bool:
 def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, contract_sha256: str | None,
            attempt: int, format: str, check: str | None, message: str | None, common_dir: str | None,
            store: str | None, lock_timeout: float, check_timeout: float, strict: bool, caller: Caller | None,
-           _stores: dict[str, Any]) -> ApplyResult:
+           _stores: dict[str, Any], compensates: str | None = None) -> ApplyResult:
     try:
         _check_options(attempt, lock_timeout, check_timeout, store)
         args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message,
                               detect=detect)
+        if compensates is not None:
+            args = replace(args, compensates=compensates)
         if common_dir is not None and args.layout.common_dir != common_dir:
             raise UsageError(f"'{repo}' is no longer the repository it was checked as ('{common_dir}'): "
                              f"it is '{args.layout.common_dir}' now; nothing was done")

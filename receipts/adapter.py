@@ -48,6 +48,15 @@ class EffectAdapter(Protocol):
     question in the cheap form a replay can afford; a replay answers from the
     receipt only when it returns ``[]``).  A tool whose effect leaves nothing
     to check against returns ``[]`` from both.
+
+    Optional, for the receipts' lifecycle (docs/LIFECYCLE.md):
+    ``compensation(receipt, **inputs) -> (args, run)`` (the action that undoes
+    a committed effect, run as a new keyed effect by
+    :func:`receipts.effects.compensate`); ``forget(receipt, *, dry_run) ->
+    list[str]`` (what the world holds for a receipt ``oncepatch gc`` removes,
+    removed with it: git's key ref); ``collect_unneeded(kept, *, dry_run) ->
+    list[str]`` (state of the tool's own that none of the receipts that stay,
+    ``kept``, needs any more: gc's extension point).
     """
 
     tool: str

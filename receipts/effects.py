@@ -78,7 +78,7 @@ from cas.errors import EXIT_REJECTED, OncepatchError, UsageError
 from receipts.adapter import EffectAdapter, QueryResult
 from receipts.canonical import canonical_json
 from receipts.engine import Call
-from receipts.errors import ReceiptError, StillUnknown
+from receipts.errors import ReceiptError, ReceiptNotFound, StillUnknown
 from receipts.identity import make_identity
 from receipts.receipt import Receipt
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
@@ -101,6 +101,7 @@ __all__ = [
     "effect",
     "perform",
     "effectful",
+    "compensate",
     "CRASH_AFTER_EXECUTE",
 ]
 
@@ -566,3 +567,44 @@ def effectful(
         return wrapper
 
     return deco
+
+
+def compensate(
+    key: str,
+    *,
+    new_key: str,
+    adapter: Any,
+    store: ReceiptStore | str | os.PathLike[str] | None = None,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    **inputs: Any,
+) -> EffectResult:
+    """Undo ``key``'s committed effect with its adapter's compensating action: a new effect under ``new_key``.
+
+    Compensation is not a rollback: it is an effect of its own, with its own
+    receipt, which may itself be rejected or go unknown.  An adapter that can
+    compensate declares the optional ``compensation(receipt, **inputs) ->
+    (args, run)``: the normalised args of the compensating call and the
+    function that performs it (as :func:`perform`'s ``fn``).  The args get
+    ``compensates: key``, so it is part of the identity: the same ``new_key``
+    and ``key`` replay, ``new_key`` with another ``key`` is an idempotency
+    conflict; the ledger's events for it carry ``compensates`` too.
+
+    Raises:
+        ReceiptNotFound: ``key`` has no receipt.
+        UsageError: the adapter declares no compensation, or the receipt is
+            not a committed effect of its tool.
+        (and as :func:`effect`)
+    """
+    rstore = open_store(store)
+    original = rstore.find(key)
+    if original is None:
+        raise ReceiptNotFound(f"no receipt for key '{key}': nothing to compensate", key=new_key)
+    declared = getattr(adapter, "compensation", None)
+    if declared is None:
+        raise UsageError(f"tool '{getattr(adapter, 'tool', '?')}' declares no compensating action", key=new_key)
+    if original.tool != getattr(adapter, "tool", None) or original.status != "committed":
+        raise UsageError(f"key '{key}' is not a committed '{getattr(adapter, 'tool', '?')}' effect "
+                         f"(tool '{original.tool}', status '{original.status}'): nothing to compensate", key=new_key)
+    args, run = declared(original, **inputs)
+    return perform(original.tool, {**args, "compensates": original.key}, run, key=new_key, adapter=adapter,
+                   store=rstore, tool_version=original.tool_version, lock_timeout=lock_timeout)

@@ -29,7 +29,7 @@ one that does not verify, as it reports a broken chain.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -45,7 +45,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from receipts.signing import Signing
 
-__all__ = ["Ledger", "LedgerProblem", "TornTail", "GENESIS"]
+__all__ = ["Ledger", "LedgerProblem", "TornTail", "GENESIS", "check_chain", "checkpoint_event"]
 
 GENESIS = "0" * 64
 _TAIL = 1 << 16
@@ -290,6 +290,9 @@ class Ledger:
             # (a retry, a recovery), the event keeps what this write said.
             doc["error_type"] = receipt.error.get("type")
             doc["retryable"] = bool(receipt.retryable)
+        compensates = receipt.args.get("compensates")
+        if isinstance(compensates, str):
+            doc["compensates"] = compensates  # a compensating call (oncepatch revert): counted by stats
         doc.update(fields)
         return self.append(doc, sync=sync, wait=wait)
 
@@ -321,41 +324,100 @@ class Ledger:
         ``each`` is given every complete line that is a JSON object, in order
         (one pass for a caller that also reads the events).
         """
-        problems: list[LedgerProblem] = []
-        prev = GENESIS
-        expected_seq = 1
         try:
             fh = _open_ledger(self.path)
         except FileNotFoundError:
-            return problems
+            return []
         except CorruptLedger as exc:
             return [LedgerProblem(1, exc.message)]
         with fh:
-            for n, raw in enumerate(fh, 1):
-                if not raw.endswith(b"\n"):
-                    problems.append(LedgerProblem(n, "torn last line (crash during append)"))
-                    break
-                line = raw[:-1]
-                try:
-                    obj = jsonio.loads(line)
-                except jsonio.JsonError:
-                    problems.append(LedgerProblem(n, "not JSON"))
-                    prev = sha256_hex(line)
-                    expected_seq += 1
-                    continue
-                if isinstance(obj, dict) and each is not None:
-                    each(obj)
-                if not isinstance(obj, dict):
-                    problems.append(LedgerProblem(n, "not an object"))
-                elif obj.get("prev") != prev:
-                    problems.append(LedgerProblem(n, "hash chain broken: prev does not match the line before"))
-                elif obj.get("seq") != expected_seq:
-                    problems.append(LedgerProblem(n, f"seq is {obj.get('seq')!r}, expected {expected_seq}"))
-                elif self.signing is not None and (why := self.signing.event_problem(obj)) is not None:
-                    problems.append(LedgerProblem(n, why))
-                prev = sha256_hex(line)
-                seq = obj.get("seq") if isinstance(obj, dict) else None
-                expected_seq = (seq if isinstance(seq, int) else expected_seq) + 1
-        return problems
+            return check_chain(fh, signing=self.signing, each=each)
 
 
+def check_chain(lines: Iterable[bytes], *, prev: str = GENESIS, seq: int = 1, signing: Signing | None = None,
+                each: Callable[[dict[str, Any]], None] | None = None) -> list[LedgerProblem]:
+    """The problems of a run of ledger lines (each with its newline) that starts after ``prev`` at ``seq``.
+
+    A ``checkpoint`` event (``oncepatch gc``'s compaction, :func:`checkpoint_event`)
+    stands for the events ``first_seq`` to ``seq`` it replaced: it chains onto
+    the line before it, and the line after it chains onto its ``head`` (the
+    digest of the last line it replaced).  Its own content is confirmed by a
+    later ``compacted`` event naming its digest (``checkpoint_sha256``), which
+    chains as any event does.
+    """
+    problems: list[LedgerProblem] = []
+    expected_seq = seq
+    unconfirmed: dict[str, int] = {}
+    for n, raw in enumerate(lines, 1):
+        if not raw.endswith(b"\n"):
+            problems.append(LedgerProblem(n, "torn last line (crash during append)"))
+            break
+        line = raw[:-1]
+        try:
+            obj = jsonio.loads(line)
+        except jsonio.JsonError:
+            problems.append(LedgerProblem(n, "not JSON"))
+            prev = sha256_hex(line)
+            expected_seq += 1
+            continue
+        if not isinstance(obj, dict):
+            problems.append(LedgerProblem(n, "not an object"))
+            prev = sha256_hex(line)
+            expected_seq += 1
+            continue
+        if each is not None:
+            each(obj)
+        kind = obj.get("event")
+        checkpoint = kind == "checkpoint"
+        if obj.get("prev") != prev:
+            problems.append(LedgerProblem(n, "hash chain broken: prev does not match the line before"))
+        elif checkpoint and (why := _checkpoint_problem(obj, expected_seq)) is not None:
+            problems.append(LedgerProblem(n, why))
+        elif not checkpoint and obj.get("seq") != expected_seq:
+            problems.append(LedgerProblem(n, f"seq is {obj.get('seq')!r}, expected {expected_seq}"))
+        elif signing is not None and (why := signing.event_problem(obj)) is not None:
+            problems.append(LedgerProblem(n, why))
+        if checkpoint and isinstance(obj.get("head"), str):
+            unconfirmed[sha256_hex(line)] = n
+            prev = obj["head"]  # the next line chains onto the last event the checkpoint replaced
+        else:
+            prev = sha256_hex(line)
+            if kind == "compacted":
+                unconfirmed.pop(str(obj.get("checkpoint_sha256")), None)
+        found = obj.get("seq")
+        expected_seq = (found if isinstance(found, int) else expected_seq) + 1
+    for line_no in unconfirmed.values():
+        problems.append(LedgerProblem(line_no, "checkpoint not confirmed by a later 'compacted' event"))
+    return problems
+
+
+def _checkpoint_problem(obj: dict[str, Any], expected_seq: int) -> str | None:
+    first, last, head = obj.get("first_seq"), obj.get("seq"), obj.get("head")
+    if first != expected_seq:
+        return f"checkpoint starts at seq {first!r}, expected {expected_seq}"
+    if not isinstance(last, int) or isinstance(last, bool) or last < expected_seq:
+        return f"checkpoint ends at seq {last!r}, before it starts"
+    if not isinstance(head, str) or len(head) != 64:
+        return "checkpoint has no head digest"
+    return None
+
+
+def checkpoint_event(lines: list[bytes], *, prev: str, first_seq: int, fields: dict[str, Any]) -> dict[str, Any]:
+    """The ``checkpoint`` event that replaces ``lines`` (full ledger lines, newlines stripped).
+
+    ``prev``: what the first of them chains onto; ``first_seq``: its seq (a
+    checkpoint among them passes on its own first one).  ``seq`` is the last
+    line's, ``head`` its digest: the line after the range chains onto it unchanged.
+    """
+    last = jsonio.loads(lines[-1])
+    return {**fields, "event": "checkpoint", "at": now_iso(), "first_seq": first_seq, "seq": last["seq"],
+            "prev": prev, "head": sha256_hex(lines[-1]), "events": _replaced(lines)}
+
+
+def _replaced(lines: list[bytes]) -> int:
+    """How many events ``lines`` stand for (an earlier checkpoint counts its own)."""
+    total = 0
+    for raw in lines:
+        obj = jsonio.loads(raw)
+        total += int(obj.get("events", 1)) if obj.get("event") == "checkpoint" else 1
+    return total

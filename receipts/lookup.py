@@ -57,6 +57,12 @@ def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = No
             # A first call holds the key and has not written its receipt yet: ask again.
             raise InProgress(f"key '{key}' is being applied by a running call, which has written no "
                              f"receipt yet: ask again when it ends", key=key)
+        removed = _removed_by_gc(rstore, key)
+        if removed is not None:
+            raise ReceiptNotFound(f"key '{removed.get('key')}' was removed by 'oncepatch gc' (ledger event "
+                                  f"{removed.get('seq')}, archive sha256 {removed.get('bundle_sha256')}): a call "
+                                  "with it runs as a first one (docs/LIFECYCLE.md)", key=key,
+                                  effect_status="unknown", next_action="none", details={"removed": removed})
         gone = _recorded_without_file(rstore, key)
         if gone is not None:
             raise CorruptReceipt(rstore.receipt_path(gone), FILE_MISSING, key=gone,
@@ -80,3 +86,12 @@ def _recorded_without_file(rstore: ReceiptStore, key: str) -> str | None:
         if isinstance(named, str) and key in (named, event.get("call_id")):
             return named if not os.path.exists(rstore.receipt_path(named)) else None
     return None
+
+
+def _removed_by_gc(rstore: ReceiptStore, key: str) -> dict[str, Any] | None:
+    """The ``removed`` event of ``key`` (a key or call_id) when it is the key's last one, else ``None``."""
+    last: dict[str, Any] | None = None
+    for event in rstore.ledger.events():
+        if key in (event.get("key"), event.get("call_id")):
+            last = event
+    return last if last is not None and last.get("event") == "removed" else None

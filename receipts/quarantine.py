@@ -250,13 +250,14 @@ def _quarantine_record(store: ReceiptStore, base_fd: int, name: str) -> dict[str
 
 
 def quarantined_keys(events: Iterator[dict[str, Any]]) -> set[str]:
-    """The keys whose last ledger event (of ``events``, in order) is ``quarantined``: no receipt is expected."""
+    """The keys whose last ledger event (of ``events``, in order) is ``quarantined`` (or ``removed``:
+    archived and removed by ``oncepatch gc``): no receipt is expected."""
     keys: set[str] = set()
     for e in events:
         k = e.get("key")
         if not isinstance(k, str):
             continue
-        if e.get("event") == "quarantined":
+        if e.get("event") in ("quarantined", "removed"):
             keys.add(k)
         else:
             keys.discard(k)

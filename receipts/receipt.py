@@ -10,6 +10,9 @@ Verification on read (:func:`parse_receipt` with ``expected_key_hash``):
 * ``args_sha256`` is recomputed from ``identity``'s tool, tool version and args;
 * ``tool``/``tool_version`` equal those inside ``identity``;
 * the key's hash equals the file name;
+* (a redacted receipt, ``redacted``: its bodies replaced by their digests by
+  ``oncepatch gc``, keeps call_id and args_sha256 as recorded: they cannot be
+  recomputed from digests; docs/LIFECYCLE.md);
 * ``receipt_sha256`` (a self-digest: sha256 of the canonical JSON of every
   other field, unknown ones included) matches, so an edit of *any* field —
   status, commit, outputs — is caught, not only edits of the identity.
@@ -39,7 +42,7 @@ from receipts.errors import CorruptReceipt
 from receipts.identity import CALL_ID_TAG, key_hash
 from receipts.states import STATUSES, Status
 
-__all__ = ["SCHEMA", "DIGEST_FIELD", "SIGNATURE_FIELD", "Receipt", "parse_receipt", "receipt_bytes", "receipt_doc_bytes", "now_iso"]
+__all__ = ["SCHEMA", "DIGEST_FIELD", "SIGNATURE_FIELD", "REDACTED_FIELD", "Receipt", "parse_receipt", "receipt_bytes", "receipt_doc_bytes", "now_iso"]
 
 SCHEMA = "oncepatch.receipt/1"
 
@@ -71,6 +74,8 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
 DIGEST_FIELD = "receipt_sha256"
 #: The field that holds a signed store's signature over the digest (outside the digest).
 SIGNATURE_FIELD = "signature"
+#: The field a redacted receipt carries (``oncepatch gc``): which bodies were replaced by which digests.
+REDACTED_FIELD = "redacted"
 
 
 def now_iso() -> str:
@@ -321,6 +326,12 @@ def _checked_hashes(body: dict[str, Any], stored_digest: str, doc: dict[str, Any
         raise CorruptReceipt(path, f"cannot recompute hashes ({exc})") from exc
     if actual_digest != stored_digest:
         raise CorruptReceipt(path, "receipt_sha256 does not match its content (edited by hand?)")
+    if isinstance(body.get(REDACTED_FIELD), dict):
+        # Redacted (oncepatch gc): bodies in the identity were replaced by their digests, so
+        # call_id and args_sha256 stand as recorded; the self-digest above, the signature
+        # and the ledger's ``redacted`` event (which names both digests) vouch for them.
+        checked_redacted: dict[str, Any] = identity
+        return checked_redacted
     if call_id != doc["call_id"]:
         raise CorruptReceipt(path, "call_id does not match identity")
     if args_sha != doc["args_sha256"]:

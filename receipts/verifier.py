@@ -300,7 +300,9 @@ def _read_ledger(store: ReceiptStore, report: VerifyReport,
         if latest is not None and isinstance(k, str):
             latest[k] = report.ledger_events
         if isinstance(k, str):
-            if event.get("event") == "quarantined":
+            # A key gc removed (its receipt archived, ``removed``) has no receipt by the policy's
+            # choice, as a quarantined one by a person's: neither is a missing file.
+            if event.get("event") in ("quarantined", "removed"):
                 report.quarantined_keys.add(k)
             else:
                 report.quarantined_keys.discard(k)

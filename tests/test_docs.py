@@ -187,11 +187,21 @@ oncepatch status welcome:7 --store receipts | grep -q '^unknown'
 oncepatch status order-7 --store receipts | grep -q '^unknown'
 """
 
+#: docs/LIFECYCLE.md's two calls and retention policy (its first block), for its later blocks.
+LIFECYCLE_CALLS = r"""
+printf -- '--- a/greet.py\n+++ b/greet.py\n@@ -1,2 +1,2 @@\n def greet(name):\n-    return "hello " + name\n+    return f"hello, {name}!"\n' > ../fix.diff
+oncepatch apply ../fix.diff --key task-7/fix-greeting
+printf -- '--- a/README\n+++ b/README\n@@ -1 +1 @@\n-greet\n+greetings\n' > ../readme.diff
+oncepatch apply ../readme.diff --key task-8/readme -m "readme: greetings (ticket 4711)"
+printf '[remove]\nolder_than_days = 0\nkey_prefixes = ["task-7/"]\n\n[redact]\nfields = ["args.message"]\n' > ../retention.toml
+"""
+
 SETUPS: dict[str, str] = {
     "fix.diff": f"cat > fix.diff <<'EOF'\n{FIX_DIFF}EOF\n",
     "other.diff": f"cat > other.diff <<'EOF'\n{OTHER_DIFF}EOF\n",
     "crashed-calls": CRASHED_CALLS,
     "unknown-effects": UNKNOWN_EFFECTS,
+    "lifecycle-calls": LIFECYCLE_CALLS,
 }
 
 

@@ -20,6 +20,7 @@ from receipts import jsonio
 from receipts.lookup import status
 from receipts.policy import Caller
 from receipts.store import ReceiptStore
+from patcher.cli import gc as cli_gc, revert as cli_revert
 from patcher.cli import advice as cli_advice, doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
 from patcher.cli import drift as cli_drift, replay as cli_replay, stats as cli_stats
 from patcher.cli.common import store_root
@@ -73,6 +74,8 @@ def _cmd_status(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     text = (f"{receipt.status}{' (retryable)' if receipt.retryable else ''}  key {receipt.key}\n"
             f"call_id {receipt.call_id}\ncommit {receipt.commit or '-'}\n"
             f"fencing token {receipt.fencing_token}, updated {receipt.updated_at}\n")
+    if isinstance(receipt.args.get("compensates"), str):
+        text += f"compensates {receipt.args['compensates']}\n"
     return EXIT_OK, doc, text
 
 
@@ -105,6 +108,8 @@ def _cmd_log(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         if e.get("already_applied") and commit:
             found[key] = commit
         note = "  (already on the branch: an earlier commit, not this key's)" if commit and found.get(key) == commit else ""
+        if e.get("compensates") is not None:
+            note += f"  (compensates {field(e, 'compensates')})"
         lines.append(f"{field(e, 'seq'):>5} {field(e, 'at'):<27} {field(e, 'event'):<10} {field(e, 'status'):<10} "
                      f"{(commit or '-')[:12]:<12} {key}{note}")
     return EXIT_OK, {"ok": True, "events": events}, "\n".join(lines) + ("\n" if lines else "")
@@ -112,7 +117,7 @@ def _cmd_log(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 _HANDLERS: dict[str, Callable[[argparse.Namespace], tuple[int, dict[str, Any], str]]] = {
     "apply": _cmd_apply, "status": _cmd_status, "log": _cmd_log, **cli_recovery.HANDLERS, **cli_doctor.HANDLERS,
-    **cli_mcp.HANDLERS, **cli_keys.HANDLERS,
+    **cli_mcp.HANDLERS, **cli_keys.HANDLERS, **cli_gc.HANDLERS, **cli_revert.HANDLERS,
     **cli_stats.HANDLERS, **cli_replay.HANDLERS, **cli_drift.HANDLERS,
 }
 

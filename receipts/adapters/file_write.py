@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
-from cas.durable import write_durable
-from cas.errors import DurableWriteError
+from cas.durable import fsync_dir, write_durable
+from cas.errors import DurableWriteError, UsageError
 from receipts.adapter import QueryResult
 from receipts.effects import EffectCall, EffectRejected, EffectResult, InvalidEffectArgs, perform
 from receipts.receipt import Receipt
@@ -95,6 +96,41 @@ class FileWriteAdapter:
     def verify_committed(self, receipt: Receipt) -> list[str]:
         """Nothing to prove beyond the receipt itself: a file may change after the write."""
         return []
+
+    def compensation(self, receipt: Receipt, data: bytes | None = None
+                     ) -> tuple[dict[str, Any], Callable[[EffectCall], dict[str, Any]]]:
+        """The write that undoes ``receipt``'s (:func:`receipts.effects.compensate`).
+
+        The path held nothing before: the file is removed.  Else ``data``
+        must be the bytes it held (the receipt keeps only their digest,
+        ``before_sha256``).  Either way the file must still hold what the
+        write put there: a later change is never overwritten (rejected, final).
+
+        Raises:
+            UsageError: ``data`` is missing, or is not what the path held before.
+        """
+        args, before = receipt.args, receipt.extra.get("before_sha256")
+        path, written, mode = str(args["path"]), args.get("sha256"), int(args.get("mode", 0o644))
+        if before is None:
+            undo: dict[str, Any] = {"path": path, "sha256": None, "size": None, "mode": mode}
+        else:
+            if data is None or hashlib.sha256(data).hexdigest() != before:
+                raise UsageError(f"undoing the write of '{path}' needs the bytes it held before "
+                                 f"(sha256 {str(before)[:12]}): pass them as data")
+            undo = file_args(path, data, mode)
+
+        def run(call: EffectCall) -> dict[str, Any]:
+            if file_sha256(path) != written:
+                raise EffectRejected(f"'{path}' changed since the write being undone: left alone",
+                                     retryable=False, effect_status="not_applied")
+            if data is None:
+                os.unlink(path)
+                fsync_dir(os.path.dirname(path))
+            else:
+                write_durable(path, data, mode=mode)
+            return {"path": path, "sha256": undo["sha256"], "size": undo["size"]}
+
+        return undo, run
 
 
 def write_file(

@@ -1,0 +1,171 @@
+"""The retention policy of ``oncepatch gc`` (pure): what may go, what must stay, what is redacted.
+
+A TOML file (read with ``tomllib``; docs/LIFECYCLE.md, "gc")::
+
+    schema = "oncepatch.retention/1"
+
+    [remove]                       # a receipt may go when it matches every line given
+    older_than_days = 30           # last written at least this long ago (default 0)
+    states = ["committed", "rejected"]   # final states only (the default: both)
+    key_prefixes = ["task-17/"]    # its key starts with one of these (default: any key)
+    tools = ["apply_patch"]        # default: any tool
+
+    [keep]                         # what stays besides live and unsettled calls
+    key_prefixes = ["release/"]
+    ledger_days = 7                # the ledger's events this recent stay, with every receipt they name
+    ledger_events = 1000           # the last N events likewise
+
+    [redact]                       # receipts that stay: bodies replaced by their digests
+    older_than_days = 7
+    fields = ["args.message", "args.check", "error.message", "result"]
+
+    [archive]
+    dir = "archives"               # relative to the store root (the default), or absolute
+
+Unknown keys are refused (a misspelt ``older_than_day`` must not widen what
+goes): :class:`cas.errors.UsageError`, exit 2, nothing changed.  A
+``prepared`` or ``unknown`` receipt never goes, whatever the file says: the
+states it may name are the final ones.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from cas.errors import UsageError
+
+__all__ = ["RetentionPolicy", "RemoveRule", "RedactRule", "parse_retention", "load_retention", "REDACTABLE",
+           "SCHEMA"]
+
+SCHEMA = "oncepatch.retention/1"
+#: The states a policy may let go: settled ones (``prepared``/``unknown`` wait for recovery or a person).
+REMOVABLE_STATES = ("committed", "rejected")
+#: Redactable fields: ``args.<name>`` (a value of the call's args), the error's message, a tool's result.
+REDACTABLE = ("args.", "error.message", "result")
+_DAY = 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveRule:
+    older_than: float = 0.0  # seconds
+    states: tuple[str, ...] = REMOVABLE_STATES
+    key_prefixes: tuple[str, ...] = ()
+    tools: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RedactRule:
+    older_than: float = 0.0
+    fields: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    path: str
+    remove: RemoveRule | None = None
+    keep_prefixes: tuple[str, ...] = ()
+    ledger_seconds: float | None = None
+    ledger_events: int | None = None
+    redact: RedactRule | None = None
+    archive_dir: str = "archives"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def archive_folder(self, store_root: str) -> str:
+        return os.path.join(store_root, self.archive_dir)
+
+
+def _bad(path: str, why: str) -> UsageError:
+    return UsageError(f"cannot use the retention policy '{path}': {why}", details={"policy": path})
+
+
+def _table(path: str, doc: dict[str, Any], name: str, known: set[str]) -> dict[str, Any] | None:
+    value = doc.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _bad(path, f"'{name}' must be a table")
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise _bad(path, f"unknown key '{name}.{unknown[0]}' (known: {', '.join(sorted(known))})")
+    return value
+
+
+def _days(path: str, where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise _bad(path, f"'{where}' must be a number of days, 0 or more")
+    return float(value) * _DAY
+
+
+def _strings(path: str, where: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise _bad(path, f"'{where}' must be a list of non-empty strings")
+    return tuple(value)
+
+
+def parse_retention(path: str, text: str) -> RetentionPolicy:
+    """Parse a retention policy's TOML text.
+
+    Raises:
+        UsageError: not TOML, an unknown key or table, a value of the wrong type or range.
+    """
+    import tomllib  # deferred: only gc reads one
+
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise _bad(path, f"not TOML ({exc})") from None
+    unknown = sorted(set(doc) - {"schema", "remove", "keep", "redact", "archive"})
+    if unknown:
+        raise _bad(path, f"unknown key '{unknown[0]}' (known: schema, remove, keep, redact, archive)")
+    if doc.get("schema", SCHEMA) != SCHEMA:
+        raise _bad(path, f"unknown schema {doc.get('schema')!r} (this oncepatch reads '{SCHEMA}')")
+    remove = None
+    if (t := _table(path, doc, "remove", {"older_than_days", "states", "key_prefixes", "tools"})) is not None:
+        states = _strings(path, "remove.states", t.get("states", list(REMOVABLE_STATES)))
+        for s in states:
+            if s not in REMOVABLE_STATES:
+                raise _bad(path, f"'remove.states' may name only {' and '.join(REMOVABLE_STATES)}, not '{s}' "
+                                 "(an unsettled receipt never goes: recover or resolve it first)")
+        remove = RemoveRule(_days(path, "remove.older_than_days", t.get("older_than_days", 0)), states,
+                            _strings(path, "remove.key_prefixes", t.get("key_prefixes", [])),
+                            _strings(path, "remove.tools", t.get("tools", [])))
+    keep = _table(path, doc, "keep", {"key_prefixes", "ledger_days", "ledger_events"}) or {}
+    ledger_events = keep.get("ledger_events")
+    if ledger_events is not None and (isinstance(ledger_events, bool) or not isinstance(ledger_events, int)
+                                      or ledger_events < 0):
+        raise _bad(path, "'keep.ledger_events' must be a whole number, 0 or more")
+    redact = None
+    if (t := _table(path, doc, "redact", {"older_than_days", "fields"})) is not None:
+        fields = _strings(path, "redact.fields", t.get("fields", []))
+        for f in fields:
+            if not (f in REDACTABLE or (f.startswith("args.") and len(f) > 5)):
+                raise _bad(path, f"'redact.fields' names '{f}': use args.NAME, error.message or result")
+        redact = RedactRule(_days(path, "redact.older_than_days", t.get("older_than_days", 0)), fields)
+    archive = _table(path, doc, "archive", {"dir"}) or {}
+    archive_dir = archive.get("dir", "archives")
+    if not isinstance(archive_dir, str) or not archive_dir:
+        raise _bad(path, "'archive.dir' must be a path")
+    return RetentionPolicy(
+        path=path, remove=remove,
+        keep_prefixes=_strings(path, "keep.key_prefixes", keep.get("key_prefixes", [])),
+        ledger_seconds=_days(path, "keep.ledger_days", keep["ledger_days"]) if "ledger_days" in keep else None,
+        ledger_events=ledger_events, redact=redact, archive_dir=archive_dir)
+
+
+def load_retention(path: str) -> RetentionPolicy:
+    """Read and parse the policy file ``path``.
+
+    Raises:
+        UsageError: it cannot be read, or :func:`parse_retention` refuses it.
+    """
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(1 << 20)
+    except OSError as exc:
+        raise _bad(path, exc.strerror or str(exc)) from None
+    try:
+        return parse_retention(path, data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise _bad(path, "not UTF-8") from None
