@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 
 from cas.errors import UsageError
 from patcher.formats import BUILTIN_NAMES
-from patcher.cli import doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
+from patcher.cli import dirs as cli_dirs, doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
 from patcher.version import version
 from patcher.cli.common import Option, add_common, add_options, at_least_one, positive_seconds, seconds
 
@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_mcp.register(sub)
     cli_keys.register(sub)
     cli_server.register(sub)
+    cli_dirs.register(sub)  # last: its 'gc' only where no other command took the name
     return parser
 
 
