@@ -23,7 +23,7 @@ import pygit2
 from cas.crash import crash_point
 from cas.errors import GitStoreError, UsageError
 from cas.generations import (BRANCH, DirLayout, build, current_tree, digest_mismatches, generation_folders,
-                             layout_of, leftovers, outside_edits, remove_generation, switch, switch_lock)
+                             layout_of, leftovers, outside_edits, remove_generation, switch, switch_lock, syncfs)
 from cas.objects import GitStore, open_store
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
@@ -122,6 +122,7 @@ def adopt(path: str, *, lock_timeout: float = 30.0) -> dict[str, Any]:
                                 pygit2.Signature(sig.name, sig.email),
                                 f"oncepatch: adopt '{os.path.basename(layout.path)}' as generation one\n",
                                 tree_id, parents)
+    syncfs(layout.objects)  # (libgit2 wrote them without fsync: the ref must not name lost objects)
     repo.references.create(BRANCH, commit, force=True)
     with switch_lock(layout, lock_timeout):
         build(repo, layout, str(tree_id), None)
