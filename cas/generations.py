@@ -14,9 +14,9 @@ Calling sequence of :func:`build` then :func:`switch` (the steps of
 :func:`patcher.dirs.sync`):
 
 1. the new tree is materialised under ``generations/.tmp-<tree>-<pid>-<rand>/``:
-   a file whose path, blob and mode are the source generation's, and whose
-   ``lstat`` still matches the source's manifest, is hard-linked from it; any
-   other file is written from its blob (mode 0444, or 0555 when executable);
+   a path the trees' diff leaves unchanged is hard-linked from the source
+   generation (its manifest entry kept: a link changes no recorded field);
+   a changed one is written from its blob (mode 0444, or 0555 when executable);
    the written files and every folder are fsynced (beyond 256 of them, the
    file system is synced once instead: ``syncfs``), then the folders made 0555;
 2. the manifest is written durably, then the folder is renamed to
@@ -184,7 +184,11 @@ def tree_files(repo: pygit2.Repository, tree: str) -> dict[str, tuple[str, int]]
 def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | None) -> bool:
     """Materialise ``tree`` as ``generations/<tree>`` (steps 1 and 2 of the module docstring); ``False`` if there.
 
-    ``source``: the generation unchanged files are hard-linked from (the current one).
+    ``source``: the generation unchanged files are hard-linked from (the current
+    one).  What changed is the trees' diff (libgit2: unchanged subtrees are
+    skipped by their ids); every other path of the source's manifest is a hard
+    link, keeping its manifest entry.  With no source (or no manifest of it)
+    every file is written.
 
     Raises:
         UsageError: the tree holds a submodule (a commit entry), which a folder cannot hold.
@@ -197,27 +201,44 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
     os.makedirs(layout.manifests, exist_ok=True)
     tmp = os.path.join(layout.generations, f"{_TMP}{tree}-{os.getpid()}-{os.urandom(4).hex()}")
     src_dir = layout.generation(source) if source else None
-    src_files = tree_files(repo, source) if source and src_dir is not None and os.path.isdir(src_dir) else {}
-    src_manifest = (_read_manifest(layout, source) or {}) if source and src_files else {}
+    src_manifest = _read_manifest(layout, source) if source and src_dir and os.path.isdir(src_dir) else None
+    if source is None or src_dir is None or src_manifest is None:
+        linked: dict[str, _Entry] = {}
+        todo = tree_files(repo, tree)
+    else:
+        linked, todo = _delta(repo, source, tree, src_manifest)
+    target = repo[tree].peel(pygit2.Tree)
     manifest: dict[str, _Entry] = {}
-    folders: list[str] = [tmp]
+    folders: set[str] = {tmp}
     try:
         os.mkdir(tmp, 0o755)
-        for path, (blob, mode) in sorted(tree_files(repo, tree).items()):
-            dst = os.path.join(tmp, path)
+
+        def parent_of(dst: str) -> None:
             folder = os.path.dirname(dst)
-            if not os.path.isdir(folder):
-                os.makedirs(folder, 0o755)
-                rel = folder
-                while rel != tmp and rel not in folders:
-                    folders.append(rel)
-                    rel = os.path.dirname(rel)
-            manifest[path] = _place(repo, dst, blob, mode, src_dir, path, src_files, src_manifest)
-        written = [path for path, entry in manifest.items() if not _linked(path, entry, src_manifest)]
-        if len(written) + len(folders) > _SYNC_EACH_UP_TO:
+            if folder in folders:
+                return
+            os.makedirs(folder, 0o755, exist_ok=True)
+            while folder not in folders:
+                folders.add(folder)
+                folder = os.path.dirname(folder)
+
+        for path, entry in linked.items():
+            dst = os.path.join(tmp, path)
+            parent_of(dst)
+            try:
+                os.link(os.path.join(src_dir or "", path), dst, follow_symlinks=False)
+                manifest[path] = entry
+            except FileNotFoundError:  # removed from the source by hand: written from the tree instead
+                found = target[path]
+                todo[path] = (str(found.id), int(found.filemode))
+        for path, (blob, mode) in todo.items():
+            dst = os.path.join(tmp, path)
+            parent_of(dst)
+            manifest[path] = _write(repo, dst, blob, mode, path)
+        if len(todo) + len(folders) > _SYNC_EACH_UP_TO:
             syncfs(tmp)  # one sync of the file system beats thousands of fsyncs (an adopted folder)
         else:
-            for path in written:
+            for path in todo:
                 _fsync_file(os.path.join(tmp, path))
             for folder in folders:
                 fsync_dir(folder)
@@ -232,16 +253,23 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
     return True
 
 
-def _place(repo: pygit2.Repository, dst: str, blob: str, mode: int, src_dir: str | None, path: str,
-           src_files: dict[str, tuple[str, int]], src_manifest: dict[str, _Entry]) -> _Entry:
-    """One entry of a generation being built: linked from the source when provably the same, else written."""
-    if src_dir is not None and src_files.get(path) == (blob, mode) and path in src_manifest:
-        src = os.path.join(src_dir, path)
-        with contextlib.suppress(OSError):
-            st = os.lstat(src)
-            if _stat_entry(st) == src_manifest[path]:
-                os.link(src, dst, follow_symlinks=False)
-                return src_manifest[path]
+def _delta(repo: pygit2.Repository, source: str, tree: str, src_manifest: dict[str, _Entry]
+           ) -> tuple[dict[str, _Entry], dict[str, tuple[str, int]]]:
+    """(paths kept from the source with their manifest entries, paths to write with their blob and mode)."""
+    diff = repo[source].peel(pygit2.Tree).diff_to_tree(repo[tree].peel(pygit2.Tree))
+    changed: set[str] = set()
+    todo: dict[str, tuple[str, int]] = {}
+    for delta in diff.deltas:
+        changed.add(delta.old_file.path)
+        changed.add(delta.new_file.path)
+        if delta.status != pygit2.enums.DeltaStatus.DELETED:
+            todo[delta.new_file.path] = (str(delta.new_file.id), int(delta.new_file.mode))
+    linked = {p: e for p, e in src_manifest.items() if p not in changed}
+    return linked, todo
+
+
+def _write(repo: pygit2.Repository, dst: str, blob: str, mode: int, path: str) -> _Entry:
+    """One file of a generation written from its blob (a symlink made from its target)."""
     data = repo[blob].peel(pygit2.Blob).data
     if mode == pygit2.enums.FileMode.LINK:
         os.symlink(os.fsdecode(data), dst)
@@ -259,10 +287,6 @@ def _place(repo: pygit2.Repository, dst: str, blob: str, mode: int, src_dir: str
 
 #: Up to this many new files and folders a build fsyncs one by one; beyond, it syncs the file system once.
 _SYNC_EACH_UP_TO = 256
-
-
-def _linked(path: str, entry: _Entry, src_manifest: dict[str, _Entry]) -> bool:
-    return src_manifest.get(path) == entry
 
 
 def _fsync_file(path: str) -> None:
