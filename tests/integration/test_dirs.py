@@ -208,3 +208,46 @@ def test_the_matrix_covers_the_directory_step() -> None:
     from cas.crash import POINTS as DEFINED
 
     assert set(POINTS) <= DEFINED and "after-generation" in POINTS
+
+
+def test_recover_removes_what_a_dead_build_left_and_nothing_live(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    site = adopt(tmp_path)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead = int(gone.stdout)
+    gens = Path(str(site) + ".oncepatch/generations")
+    left = gens / f".tmp-{'a' * 40}-{dead}-0badf00d"
+    (left / "sub").mkdir(parents=True)
+    (left / "sub/file").write_text("half built\n")
+    os.chmod(left / "sub", 0o555)
+    live = gens / f".tmp-{'b' * 40}-{os.getpid()}-0badf00d"  # this process lives: its build is not touched
+    live.mkdir()
+    stray = tmp_path / f".site.oncepatch-link-{dead}-0badf00d"
+    os.symlink("site.oncepatch/generations/nothing", stray)
+    before = os.readlink(site)
+    dry = run_cli("recover", "--dir", str(site), "--dry-run", "--json")
+    assert dry.code == 0 and left.exists() and os.path.lexists(stray)
+    assert sorted(dry.json["dir"]["done"]) == sorted([f"removed '{left}' left by a crashed call",
+                                                      f"removed '{stray}' left by a crashed call"])
+    rec = run_cli("recover", "--dir", str(site), "--json")
+    assert rec.code == 0, rec.out + rec.err
+    assert not left.exists() and not os.path.lexists(stray) and live.exists()
+    assert os.readlink(site) == before
+
+
+def test_gc_is_registered_only_where_no_other_gc_is() -> None:
+    import argparse
+
+    from patcher.cli import dirs as cli_dirs
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    theirs = sub.add_parser("gc")
+    cli_dirs.register(sub)
+    assert sub.choices["gc"] is theirs and {"init", "rollback"} <= set(sub.choices)
+    alone = argparse.ArgumentParser().add_subparsers(dest="command")
+    cli_dirs.register(alone)
+    assert "gc" in alone.choices
