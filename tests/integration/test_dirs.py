@@ -114,6 +114,8 @@ def test_init_apply_replay_log_rollback_gc(tmp_path: Path) -> None:
 
     again = run_cli("apply", str(pf), "--dir", str(site), "--key", "k1", "--json")
     assert again.code == 0 and again.json["replayed"] is True and again.json["tree"] == second
+    st = run_cli("status", "k1", "--dir", str(site), "--json")
+    assert st.code == 0 and (st.json["receipt"]["status"], st.json["receipt"]["tree"]) == ("committed", second)
 
     log = run_cli("log", "--dir", str(site), "--json").json["generations"]
     assert [(g["generation"], g["key"], g["current"]) for g in log] == [(second, "k1", True), (first, None, False)]
@@ -157,6 +159,20 @@ def test_an_edit_outside_oncepatch_is_reported_and_refused(tmp_path: Path) -> No
     assert (err["type"], err["effect_status"], err["reason"], err["paths"]) == (
         "dirty_path", "not_started", "edited_outside", ["README"])
     assert snapshot_dir(site) == before  # nothing written: objects, receipts, locks, generations, the symlink
+
+
+def test_a_file_added_into_the_generation_is_refused(tmp_path: Path) -> None:
+    site = adopt(tmp_path)
+    pf, _after = change(tmp_path, "modify")
+    os.chmod(site / "docs", 0o755)
+    (site / "docs/planted.txt").write_text("not from any patch\n")
+    before = snapshot_dir(site)
+    res = run_cli("apply", str(pf), "--dir", str(site), "--key", "k1", "--json")
+    assert res.code == 4 and res.json["error"]["reason"] == "edited_outside", res.out + res.err
+    assert set(res.json["error"]["paths"]) == {"docs/", "docs/planted.txt"}
+    assert snapshot_dir(site) == before
+    ver = run_cli("verify", "--dir", str(site), "--grace", "0", "--json")
+    assert ver.code == 6 and any("planted.txt" in p for p in ver.json["dir"]["problems"])
 
 
 def test_a_folder_not_adopted_is_refused(tmp_path: Path) -> None:
