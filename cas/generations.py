@@ -339,12 +339,15 @@ def outside_edits(layout: DirLayout, tree: str) -> list[str]:
     """Paths of generation ``tree`` that differ from its manifest (changed, added, removed), sorted; lstat only.
 
     A generation with no manifest (built by another version, or its manifest
-    lost) is reported as ``"(no manifest)"``.
+    lost) is reported as ``"(no manifest)"``, one whose folder is gone as
+    ``"(no folder)"`` (``recover`` builds it again).
     """
     manifest = _read_manifest(layout, tree)
     if manifest is None:
         return ["(no manifest)"]
     root = layout.generation(tree)
+    if not os.path.isdir(root):
+        return ["(no folder)"]
     seen: set[str] = set()
     changed: list[str] = []
     for path, st in _walk(root):

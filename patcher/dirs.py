@@ -98,14 +98,15 @@ def adopt(path: str, *, lock_timeout: float = 30.0) -> dict[str, Any]:
         UsageError: ``path`` is no folder, or is a target already.
     """
     layout = layout_of(path)
-    if os.path.isdir(layout.objects):
+    adopted_before = os.path.isdir(layout.objects) and not (os.path.isdir(layout.path)
+                                                            and not os.path.islink(layout.path))
+    if adopted_before:
+        # A target already (or a crash between moving the folder aside and making the symlink): finish.
         gstore = open_store(layout.objects, None)
         if gstore.resolve(BRANCH) is not None:
-            notes = sync(gstore, layout, lock_timeout)
-            tree = current_tree(layout)
-            if notes or os.path.islink(layout.path):
-                return {"path": layout.path, "home": layout.home, "tree": tree, "commit": gstore.resolve(BRANCH),
-                        "adopted": False}
+            sync(gstore, layout, lock_timeout)
+            return {"path": layout.path, "home": layout.home, "tree": current_tree(layout),
+                    "commit": gstore.resolve(BRANCH), "adopted": False}
     if os.path.islink(layout.path) or not os.path.isdir(layout.path):
         raise UsageError(f"'{path}' is not a folder: 'oncepatch init --dir' adopts an existing folder")
     os.makedirs(layout.home, exist_ok=True)
@@ -126,7 +127,12 @@ def adopt(path: str, *, lock_timeout: float = 30.0) -> dict[str, Any]:
     repo.references.create(BRANCH, commit, force=True)
     with switch_lock(layout, lock_timeout):
         build(repo, layout, str(tree_id), None)
-        os.rename(layout.path, os.path.join(layout.home, "adopted"))
+        aside = os.path.join(layout.home, "adopted")
+        n = 1
+        while os.path.lexists(aside):  # (adopted again after a crash before the symlink: the first kept)
+            n += 1
+            aside = os.path.join(layout.home, f"adopted-{n}")
+        os.rename(layout.path, aside)
         switch(layout, str(tree_id))
     return {"path": layout.path, "home": layout.home, "tree": str(tree_id), "commit": str(commit), "adopted": True}
 
@@ -178,6 +184,10 @@ def refuse_outside_edits(gstore: GitStore) -> None:
             raise UsageError(f"'{layout.path}' was replaced by a real folder: it is no longer the directory target")
         return  # never switched yet (a crash during init): the sync after the move makes it
     edited = outside_edits(layout, tree)
+    if edited == ["(no folder)"]:
+        raise DirtyPath(f"the folder of generation {tree[:12]}, which '{layout.path}' shows, is gone: "
+                        f"'oncepatch recover --dir {layout.path}' builds it again", retryable=False,
+                        next_action="recover", details={"reason": "generation_missing", "generation": tree})
     if edited:
         raise DirtyPath(
             f"'{edited[0]}' in '{layout.path}' (generation {tree[:12]}) was changed outside oncepatch"
@@ -198,6 +208,8 @@ def verify_dir(path: str) -> list[str]:
         return [f"'{BRANCH}' does not exist in '{layout.objects}'"]
     if tree is None:
         return [f"'{layout.path}' is not a symlink to one of its generations"]
+    if not os.path.isdir(layout.generation(tree)):
+        return [f"generation {tree[:12]}'s folder is gone: 'oncepatch recover --dir {layout.path}' builds it again"]
     if tree != gstore.commit_tree(tip):
         problems.append(f"'{layout.path}' shows generation {tree[:12]}, the branch's tip is "
                         f"{gstore.commit_tree(tip)[:12]}: run 'oncepatch recover --dir {layout.path}'")

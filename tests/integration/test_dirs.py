@@ -267,3 +267,30 @@ def test_gc_is_registered_only_where_no_other_gc_is() -> None:
     alone = argparse.ArgumentParser().add_subparsers(dest="command")
     cli_dirs.register(alone)
     assert "gc" in alone.choices
+
+
+def test_init_again_finishes_an_adoption_cut_between_its_renames(tmp_path: Path) -> None:
+    site = adopt(tmp_path)
+    link = os.readlink(site)
+    os.unlink(site)  # as a crash after the folder was moved aside, before the symlink was made
+    res = run_cli("init", "--dir", str(site), "--json")
+    assert res.code == 0 and res.json["adopted"] is False, res.out + res.err
+    assert os.readlink(site) == link and view_of_folder(site) == expected_view(BASE)
+
+
+def test_a_removed_current_generation_is_refused_then_recover_builds_it(tmp_path: Path) -> None:
+    import shutil
+
+    site = adopt(tmp_path)
+    pf, after = change(tmp_path, "modify")
+    gen = site.resolve()
+    for folder, _dirs, _files in os.walk(gen):
+        os.chmod(folder, 0o755)
+    shutil.rmtree(gen)
+    res = run_cli("apply", str(pf), "--dir", str(site), "--key", "k", "--json")
+    assert res.code == 4 and res.json["error"]["reason"] == "generation_missing", res.out + res.err
+    assert run_cli("verify", "--dir", str(site), "--grace", "0").code == 6
+    assert run_cli("recover", "--dir", str(site)).code == 0
+    assert view_of_folder(site) == expected_view(BASE)
+    assert run_cli("apply", str(pf), "--dir", str(site), "--key", "k").code == 0
+    assert view_of_folder(site) == expected_view(after)
