@@ -70,6 +70,9 @@ def _cmd_rollback(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         base = (existing.base or {}).get("commit")
         if base:
             patch, tree = rollback_patch(path, args.to, base=base)
+    if not patch.strip():
+        raise UsageError(f"the branch of '{path}' already is at generation {tree[:12]}: nothing to roll back",
+                         key=args.key)
     res = apply(args.repo, patch, key=args.key, format="unified", message=message, store=args.store,
                 lock_timeout=args.lock_timeout, caller=args.caller)
     doc = {**res.to_json(), "generation": tree}

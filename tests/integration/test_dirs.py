@@ -130,6 +130,8 @@ def test_init_apply_replay_log_rollback_gc(tmp_path: Path) -> None:
     assert [(g["generation"], g["key"]) for g in log] == [(first, "rb"), (second, "k1"), (first, None)]
     assert int(git(objects(site), "rev-list", "--count", "refs/heads/generations")) == 3  # history kept
 
+    same = run_cli("rollback", "--dir", str(site), "--to", first, "--key", "rb-same", "--json")
+    assert same.code == 2 and "nothing to roll back" in same.json["error"]["message"]
     dry = run_cli("gc", "--dir", str(site), "--dry-run", "--json")
     assert dry.code == 0 and dry.json["generations"] == [second]
     assert second in generation_folders(site)
