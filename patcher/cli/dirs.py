@@ -29,7 +29,8 @@ def register(sub: Any) -> None:
     p.add_argument("--no-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lock-timeout", type=seconds, default=30.0, help="seconds to wait for the switch lock")
 
-    p = sub.add_parser("rollback", help="switch a directory target back to an earlier generation, as a new keyed change")
+    p = sub.add_parser("rollback",
+                       help="switch a directory target back to an earlier generation, as a new keyed change")
     add_common(p)
     p.add_argument("--to", required=True, help="the generation (its tree hash, or a prefix) or its commit")
     p.add_argument("--key", required=True, help="idempotency key of the rollback")
