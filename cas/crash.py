@@ -6,6 +6,8 @@ flush, as if the machine had killed it there.  Unset, a point costs one dict
 lookup.  The points are :data:`POINTS` (docs/DESIGN.md section 4, and
 recovery's own); at ``after-index-ahead`` the worktrees' indexes show the
 candidate under the branch's lock and the branch has not moved;
+``after-generation`` is a directory target's new generation built and
+renamed into place, the folder's symlink not switched yet;
 ``check-running`` is inside ``--check``; at ``effect-after-execute`` a generic
 effect ran and its receipt is not written.
 """
@@ -19,8 +21,8 @@ __all__ = ["POINTS", "CRASH_ENV", "crash_point", "crash_hook"]
 
 CRASH_ENV = "ONCEPATCH_CRASH_AT"
 POINTS = frozenset({"after-stage", "after-prepare", "after-index-ahead", "after-ref", "after-materialise",
-                    "before-receipt-replace", "recover-after-resolve", "recover-before-receipt-replace",
-                    "check-running", "effect-after-execute"})
+                    "after-generation", "before-receipt-replace", "recover-after-resolve",
+                    "recover-before-receipt-replace", "check-running", "effect-after-execute"})
 _environ = os.environ
 
 

@@ -169,8 +169,11 @@ class Client:
         common_dir: str | None = None,
         strict: bool = False,
         caller: Caller | None = None,
+        dir: str | os.PathLike[str] | None = None,
     ) -> ApplyResult:
         """:func:`patcher.protocol.apply` with this client's defaults and open repositories.
+
+        ``dir``: a directory target (docs/DIRECTORIES.md) instead of ``repo``.
 
         ``common_dir``, ``strict``, ``caller``: see :func:`patcher.protocol.apply`.  A call
         with an explicit ``caller`` always runs in process (a server judges its own peer).
@@ -178,6 +181,8 @@ class Client:
         Raises:
             OncepatchError: as :func:`apply` (conflict 3, rejected 4, in progress / unknown 5).
         """
+        if dir is not None:
+            repo = _objects_of(dir)
         if caller is None:
             how = remote.choose(self.server)
             if how != "never":
@@ -239,13 +244,25 @@ class Client:
     @_translated("unknown")  # it may have settled some receipts before it failed
     def recover(self, *, repo: str | os.PathLike[str] | None = None, dry_run: bool = False,
                 tmp_age: float = DEFAULT_TMP_AGE,
-                adapters: Mapping[str, Any] | None = None) -> RecoveryReport:
-        """Settle every ``prepared``/``unknown`` receipt (git and the built-in generic tools; more via ``adapters``)."""
+                adapters: Mapping[str, Any] | None = None,
+                dir: str | os.PathLike[str] | None = None) -> RecoveryReport:
+        """Settle every ``prepared``/``unknown`` receipt (git and the built-in generic tools; more via ``adapters``).
+
+        ``dir``: a directory target; then a switch a crash left undone is finished and a dead
+        build's leftovers removed too (:func:`patcher.dirs.repair_leftovers`).
+        """
+        if dir is not None:
+            repo = _objects_of(dir)
         rstore = self.receipt_store(repo)
         known = self._adapters(rstore, read_only=dry_run)
         known.update(adapters or {})
-        return recover(rstore, known, dry_run=dry_run, tmp_age=tmp_age,
-                       extra_cleanup=known["apply_patch"].cleanup)
+        report = recover(rstore, known, dry_run=dry_run, tmp_age=tmp_age,
+                         extra_cleanup=known["apply_patch"].cleanup)
+        if dir is not None:
+            from patcher.dirs import repair_leftovers
+
+            repair_leftovers(os.fspath(dir), dry_run=dry_run)
+        return report
 
     @_translated("not_started")
     def verify(self, *, repo: str | os.PathLike[str] | None = None, grace: float = DEFAULT_GRACE,
@@ -275,6 +292,12 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _objects_of(path: str | os.PathLike[str]) -> str:
+    from patcher.dirs import objects_of  # (pygit2: loaded only for a directory target)
+
+    return objects_of(os.fspath(path))
 
 
 def _result(doc: Mapping[str, Any]) -> ApplyResult:

@@ -48,6 +48,7 @@ from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.args import CallArgs
 from patcher.check import check_worktree_root, run_check
+from patcher.dirs import refuse_outside_edits, sync, target_of
 from patcher.errors import Conflict, DirtyPath, PatchError, UnsafePath
 from patcher.formats import parse_patch
 from patcher.git_adapter import GitAdapter
@@ -177,6 +178,7 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore, lock
     parsed = parse_patch(args.patch, args.format)
     _refuse_store_paths(args, rstore.root, touched_paths(parsed))
     gstore = open_store(args.where, stores)
+    refuse_outside_edits(gstore)  # a directory target's current generation, written to by another program
     _read_identities(gstore)
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
@@ -270,6 +272,7 @@ def _open(run: _Run, pre: _PreCheck | None) -> None:
     gstore = run.gstore = open_store(args.where, run.stores)
     gstore.discard_pending()  # whatever an earlier call staged and never wrote
     if pre is None:
+        refuse_outside_edits(gstore)
         _read_identities(gstore)  # (read by the pre-check otherwise)
     run.message = _commit_message(args, run.patch, run.call.call_id, run.key)
 
@@ -326,6 +329,7 @@ def _land(run: _Run, staged: Staged) -> tuple[Staged, list[str]]:
         pause_point("after-ref")
         warnings = _materialise(run, held)
         materialised = not warnings
+        warnings += _switch_generation(run)
     except BaseException as exc:
         _settle_and_release(ahead, held, materialised, moved, exc)
         raise
@@ -417,6 +421,23 @@ def _materialise(run: _Run, held: dict[str, IndexLock]) -> list[str]:
     if failed_sync is not None:  # the move's own sync failed in a worktree's round (receipt unknown: _truthful)
         raise failed_sync
     return warnings
+
+
+def _switch_generation(run: _Run) -> list[str]:
+    """A directory target (docs/DIRECTORIES.md): build the branch tip's generation, switch the folder to it.
+
+    A failure is a warning, as a worktree's is: the branch moved; ``recover``
+    (the git adapter's ``settle``) switches again.
+    """
+    layout = target_of(run.gstore)
+    if layout is None:
+        return []
+    try:
+        sync(run.gstore, layout, run.lock_timeout)
+    except OncepatchError as exc:
+        return [f"'{layout.path}' not switched to the new generation: {exc.message}; run "
+                f"'oncepatch recover --dir {layout.path}'"]
+    return []
 
 
 def _finalise(run: _Run, staged: Staged, warnings: list[str]) -> ApplyResult:

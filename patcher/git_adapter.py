@@ -48,6 +48,7 @@ from receipts.receipt import Receipt
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL
 from patcher.check import check_worktree_root, verified_path
+from patcher.dirs import sync, target_of
 from patcher.evidence import KEY_REF_PREFIX, BranchHistory, contradictions
 from patcher.markers import foreign_index_lock, index_marker, index_markers, ref_lock_marker
 
@@ -272,6 +273,9 @@ class GitAdapter:
                                 f"'{workdir}' (the files keep their edits)")
             if left:
                 done.append(f"left {len(left)} path(s) in '{workdir}' alone: changed since the crash")
+        layout = target_of(gstore)
+        if layout is not None:  # a directory target: its folder follows the branch (docs/DIRECTORIES.md)
+            done += sync(gstore, layout, self._lock_timeout)
         return done
 
     # -- believing a committed receipt -------------------------------------------------

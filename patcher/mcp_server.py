@@ -169,7 +169,11 @@ class _Tools:
     # -- bodies ----------------------------------------------------------------
 
     def apply_patch(self, patch: str, idempotency_key: str, repo: str | None, branch: str | None,
-                    format: str, message: str | None, strict: bool = False) -> dict[str, Any]:
+                    format: str, message: str | None, strict: bool = False, dir: str | None = None) -> dict[str, Any]:
+        if dir:  # a directory target: its object database is the repository (docs/DIRECTORIES.md)
+            from patcher.dirs import objects_of
+
+            repo = objects_of(dir)
         where, common_dir = self._resolve(repo)
         res = self.client.apply(patch, key=idempotency_key, repo=where, branch=branch or None,
                                 format=format or "auto", message=message or None, common_dir=common_dir,
@@ -214,9 +218,10 @@ def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos
         return anyio.to_thread.run_sync(functools.partial(tools.run, name, fn))
 
     async def apply_patch(patch: str, idempotency_key: str, repo: str | None = None, branch: str | None = None,
-                          format: FormatName = "auto", message: str | None = None, strict: bool = False) -> Any:
+                          format: FormatName = "auto", message: str | None = None, strict: bool = False,
+                          dir: str | None = None) -> Any:
         return await offload("apply_patch", lambda: tools.apply_patch(patch, idempotency_key, repo, branch,
-                                                                      format, message, strict))
+                                                                      format, message, strict, dir))
 
     async def receipt_status(key: str, repo: str | None = None) -> Any:
         return await offload("receipt_status", lambda: tools.receipt_status(key, repo))

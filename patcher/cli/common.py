@@ -72,8 +72,21 @@ def add_options(p: argparse.ArgumentParser, options: tuple[Option, ...]) -> None
         p.add_argument(*flags, dest=dest, default=default, help=help_, **extra)
 
 
+class _DirOption(argparse.Action):
+    """``--dir PATH``: a directory target (docs/DIRECTORIES.md); its object database is the repository."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from patcher.dirs import objects_of  # (pygit2: loaded only for a directory target)
+
+        namespace.dir = values
+        namespace.repo = objects_of(str(values))
+
+
 def add_common(p: argparse.ArgumentParser) -> None:
     add_options(p, COMMON_OPTIONS)
+    p.add_argument("--dir", action=_DirOption, default=None, type=path_given, metavar="PATH",
+                   help="a directory target instead of a repository (docs/DIRECTORIES.md)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     # Read by the thin client (patcher.connect) before any parsing; accepted here so both agree.
     p.add_argument("--no-server", action="store_true",

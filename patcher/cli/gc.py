@@ -13,6 +13,7 @@ from receipts.retention import load_retention
 from receipts.signing import load_signing
 from receipts.store import ReceiptStore
 from patcher.cli.common import add_common, path_given, store_root
+from patcher.cli.dirs import gc_generations
 
 __all__ = ["register", "HANDLERS"]
 
@@ -25,6 +26,7 @@ def register(sub: Any) -> None:
     add_common(p)
     p.add_argument("--policy", type=path_given, default=None, metavar="FILE", help="the retention policy (TOML)")
     p.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
+    # With --dir PATH (a directory target) and no --policy: the generation folders nothing needs.
     p.add_argument("--verify-archive", type=path_given, default=None, metavar="FILE",
                    help="prove an archive gc wrote (digests, receipts, the ledger range's chain)")
 
@@ -35,14 +37,20 @@ def _cmd_gc(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
             raise UsageError("give either --policy or --verify-archive, not both")
         return _verify(args)
     if args.policy is None:
-        raise UsageError("gc needs --policy FILE (docs/LIFECYCLE.md has an example)")
+        if getattr(args, "dir", None):
+            return gc_generations(args)
+        raise UsageError("gc needs --policy FILE (docs/LIFECYCLE.md has an example), or --dir PATH")
     policy = load_retention(args.policy)  # a misspelt key: exit 2 before the store is opened
     rstore = ReceiptStore(store_root(args))
     from patcher.git_adapter import adapters  # deferred: libgit2 only for a gc that runs
 
     report = collect(rstore, policy, adapters(rstore, {}, read_only=args.dry_run), dry_run=args.dry_run)
     doc = report.to_json()
-    return EXIT_OK, doc, _text(doc)
+    code, text = EXIT_OK, _text(doc)
+    if getattr(args, "dir", None):  # then the generations the receipts that stay no longer need
+        code, gens, more = gc_generations(args)
+        doc["generations"], text = gens["generations"], text + more
+    return code, doc, text
 
 
 def _text(doc: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 from cas.errors import UsageError
 from patcher.formats import BUILTIN_NAMES
 from patcher.cli import gc as cli_gc, revert as cli_revert
-from patcher.cli import doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
+from patcher.cli import dirs as cli_dirs, doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
 from patcher.cli import drift as cli_drift, replay as cli_replay, stats as cli_stats
 from patcher.version import version
 from patcher.cli.common import Option, add_common, add_options, at_least_one, positive_seconds, seconds
@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_server.register(sub)
     for lifecycle in (cli_stats, cli_replay, cli_drift, cli_gc, cli_revert):
         lifecycle.register(sub)
+    cli_dirs.register(sub)
     return parser
 
 

@@ -21,7 +21,7 @@ from receipts.lookup import status
 from receipts.policy import Caller
 from receipts.store import ReceiptStore
 from patcher.cli import gc as cli_gc, revert as cli_revert
-from patcher.cli import advice as cli_advice, doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
+from patcher.cli import advice as cli_advice, dirs as cli_dirs, doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
 from patcher.cli import drift as cli_drift, replay as cli_replay, stats as cli_stats
 from patcher.cli.common import store_root
 from patcher.cli.parser import build_parser, the_parser
@@ -117,7 +117,7 @@ def _cmd_log(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 _HANDLERS: dict[str, Callable[[argparse.Namespace], tuple[int, dict[str, Any], str]]] = {
     "apply": _cmd_apply, "status": _cmd_status, "log": _cmd_log, **cli_recovery.HANDLERS, **cli_doctor.HANDLERS,
-    **cli_mcp.HANDLERS, **cli_keys.HANDLERS, **cli_gc.HANDLERS, **cli_revert.HANDLERS,
+    **cli_mcp.HANDLERS, **cli_keys.HANDLERS, **cli_gc.HANDLERS, **cli_revert.HANDLERS, **cli_dirs.HANDLERS,
     **cli_stats.HANDLERS, **cli_replay.HANDLERS, **cli_drift.HANDLERS,
 }
 
@@ -162,7 +162,10 @@ def main(argv: Sequence[str] | None = None, *, caller: Caller | None = None, con
         args.caller = caller  # None: this process (the policy looks it up only when there is one)
         if confined:
             _confine(args)
-        code, doc, text = _HANDLERS[args.command](args)
+        handler = _HANDLERS[args.command]
+        if getattr(args, "dir", None) and args.command != "init":
+            handler = cli_dirs.around(args.command, handler)
+        code, doc, text = handler(args)
     except OncepatchError as exc:
         doc = {"ok": False, "error": exc.envelope()}
         if as_json:

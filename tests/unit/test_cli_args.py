@@ -10,7 +10,7 @@ from patcher.cli import build_parser
 DEFAULTS = {"command": "apply", "patch": "p.diff", "json": False, "repo": ".", "store": None, "branch": None,
             "key": None, "contract_sha256": None, "attempt": 1, "format": "auto", "check": None,
             "check_timeout": 600.0, "message": None, "lock_timeout": 30.0, "strict": False, "no_server": False,
-            "common_dir": None}
+            "common_dir": None, "dir": None}
 
 
 @pytest.mark.parametrize(("argv", "changed"), [
@@ -40,6 +40,8 @@ def test_apply_lines(argv: list[str], changed: dict[str, object]) -> None:
     ["apply", "p.diff", "--lock-timeout", "nan"],
     ["apply", "p.diff", "--check-timeout", "0"],
     ["apply", "p.diff", "--repo", ""],
+    ["apply", "p.diff", "--dir", ""],
+    ["apply", "p.diff", "--dir", "/nonexistent/never-adopted"],  # not a directory target
     ["apply", "p.diff", "--js"],  # no abbreviations: main() chose the output by '--json' alone
     ["apply", "p.diff", "--json=1"],
     ["frobnicate"],
@@ -51,5 +53,5 @@ def test_refused_lines_are_usage_errors(argv: list[str]) -> None:
 
 def test_every_command_is_known() -> None:
     for argv in (["status", "k"], ["log"], ["recover", "--dry-run"], ["verify"], ["watch"], ["install-hook"],
-                 ["mcp"]):
+                 ["mcp"], ["init", "--dir", "d"], ["rollback", "--to", "abcd", "--key", "k"], ["gc"]):
         assert build_parser().parse_args(argv).command == argv[0]

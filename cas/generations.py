@@ -1,0 +1,506 @@
+"""A directory target's generations on disk (docs/DIRECTORIES.md): build, switch, scan, prune.
+
+A folder ``PATH`` managed by oncepatch is a symlink to one immutable
+*generation*: the checked-out tree of a commit of a bare object database
+beside it, named by the tree's hash::
+
+    PATH -> PATH.oncepatch/generations/<tree>     (a relative symlink)
+    PATH.oncepatch/objects.git/                   the bare object database, branch refs/heads/generations
+    PATH.oncepatch/generations/<tree>/            one folder per generation, read-only
+    PATH.oncepatch/manifests/<tree>               lstat of every entry of that folder as built
+    PATH.oncepatch/switch.lock                    held while a generation is built and switched to
+
+Calling sequence of :func:`build` then :func:`switch` (the steps of
+:func:`patcher.dirs.sync`):
+
+1. the new tree is materialised under ``generations/.tmp-<tree>-<pid>-<rand>/``:
+   a path the trees' diff leaves unchanged is hard-linked from the source
+   generation (its manifest entry kept: a link changes no recorded field);
+   a changed one is written from its blob (mode 0444, or 0555 when executable);
+   the written files and every folder are fsynced (beyond 256 of them, the
+   file system is synced once instead: ``syncfs``), then the folders made 0555;
+2. the manifest is written durably, then the folder is renamed to
+   ``generations/<tree>`` and ``generations/`` fsynced (a crash before leaves
+   a ``.tmp-`` folder no reader ever sees, removed by ``recover``);
+3. crash point ``after-generation``;
+4. a new symlink ``.<name>.oncepatch-link-<pid>-<rand>`` is made beside
+   ``PATH`` and renamed over it (``os.replace``, one atomic ``rename``), and
+   the parent folder fsynced.
+
+A reader that resolves ``PATH`` once sees one generation, whole.
+
+The manifest records ``(inode, size, mtime_ns, mode)`` and not ``ctime``:
+linking a file into the next generation changes its ctime, a write or a
+chmod changes what is recorded.  :func:`outside_edits` compares the
+current generation with its manifest (lstat only); :func:`digest_mismatches`
+reads every byte and compares with the tree (``verify``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import orjson
+import pygit2
+
+from cas.crash import crash_point
+from cas.durable import fsync_dir, write_all, write_durable
+from cas.errors import UsageError
+from cas.pids import gone as pid_gone
+
+__all__ = ["DirLayout", "layout_of", "current_tree", "build", "switch", "outside_edits", "digest_mismatches",
+           "generation_folders", "remove_generation", "switch_lock", "leftovers", "tree_files", "syncfs", "BRANCH",
+           "HOME_SUFFIX"]
+
+BRANCH = "refs/heads/generations"
+HOME_SUFFIX = ".oncepatch"
+_TMP = ".tmp-"
+_HEX40 = re.compile(r"[0-9a-f]{40}")
+_LINK_MARK = ".oncepatch-link-"
+
+
+@dataclass(frozen=True, slots=True)
+class DirLayout:
+    """Where a directory target's parts live (module docstring)."""
+
+    path: str  # PATH, absolute, as given (not resolved: it is the symlink)
+
+    @property
+    def home(self) -> str:
+        return self.path + HOME_SUFFIX
+
+    @property
+    def objects(self) -> str:
+        return os.path.join(self.home, "objects.git")
+
+    @property
+    def generations(self) -> str:
+        return os.path.join(self.home, "generations")
+
+    @property
+    def manifests(self) -> str:
+        return os.path.join(self.home, "manifests")
+
+    def generation(self, tree: str) -> str:
+        return os.path.join(self.generations, tree)
+
+    def link_target(self, tree: str) -> str:
+        """The symlink's text: relative to PATH's folder, so the pair can be moved together."""
+        return os.path.join(os.path.basename(self.home), "generations", tree)
+
+
+def layout_of(path: str) -> DirLayout:
+    """The layout of the directory target ``path`` (absolute, trailing slashes dropped; a symlink kept)."""
+    if not path:
+        raise UsageError("--dir needs a folder, not an empty path")
+    parent, name = os.path.split(os.path.abspath(path).rstrip("/") or "/")
+    if not name:
+        raise UsageError(f"'{path}' cannot be a directory target (it has no name)")
+    return DirLayout(os.path.join(os.path.realpath(parent), name))
+
+
+def current_tree(layout: DirLayout) -> str | None:
+    """The tree ``PATH`` points at now, or ``None`` (no symlink, or not to one of its generations)."""
+    try:
+        target = os.readlink(layout.path)
+    except OSError:
+        return None
+    head, name = os.path.split(target)
+    if head != os.path.join(os.path.basename(layout.home), "generations") or not _HEX40.fullmatch(name):
+        return None
+    return name
+
+
+# -- the lock ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def switch_lock(layout: DirLayout, timeout: float) -> Iterator[None]:
+    """Hold ``switch.lock`` (an flock: dropped by the kernel when its holder dies).
+
+    Raises:
+        TimeoutError: still held by another process after ``timeout`` seconds.
+    """
+    fd = os.open(os.path.join(layout.home, "switch.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"'{layout.home}/switch.lock' is held by another process") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        yield
+    finally:
+        os.close(fd)
+
+
+# -- building a generation ------------------------------------------------------------------
+
+_Entry = tuple[int, int, int, int]  # inode, size, mtime_ns, mode
+
+
+def _stat_entry(st: os.stat_result) -> _Entry:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+
+
+def _read_manifest(layout: DirLayout, tree: str) -> dict[str, _Entry] | None:
+    try:
+        with open(os.path.join(layout.manifests, tree), "rb") as fh:
+            raw = orjson.loads(fh.read())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    return {path: (e[0], e[1], e[2], e[3]) for path, e in raw.items()}
+
+
+def tree_files(repo: pygit2.Repository, tree: str) -> dict[str, tuple[str, int]]:
+    """Every non-tree entry of ``tree`` by path: ``(blob id, filemode)``."""
+    out: dict[str, tuple[str, int]] = {}
+
+    def walk(t: pygit2.Tree, prefix: str) -> None:
+        for entry in t:
+            name = prefix + str(entry.name)
+            if entry.filemode == pygit2.enums.FileMode.TREE:
+                walk(repo[entry.id].peel(pygit2.Tree), name + "/")
+            else:
+                out[name] = (str(entry.id), int(entry.filemode))
+
+    walk(repo[tree].peel(pygit2.Tree), "")
+    return out
+
+
+def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | None) -> bool:
+    """Materialise ``tree`` as ``generations/<tree>`` (steps 1 and 2 of the module docstring); ``False`` if there.
+
+    ``source``: the generation unchanged files are hard-linked from (the current
+    one).  What changed is the trees' diff (libgit2: unchanged subtrees are
+    skipped by their ids); every other path of the source's manifest is a hard
+    link, keeping its manifest entry.  With no source (or no manifest of it)
+    every file is written.
+
+    Raises:
+        UsageError: the tree holds a submodule (a commit entry), which a folder cannot hold.
+        OSError: the disk's failure; the ``.tmp-`` folder is removed.
+    """
+    final = layout.generation(tree)
+    if os.path.isdir(final):
+        return False  # content-addressed: a folder under its final name was complete when renamed there
+    os.makedirs(layout.generations, exist_ok=True)
+    os.makedirs(layout.manifests, exist_ok=True)
+    tmp = os.path.join(layout.generations, f"{_TMP}{tree}-{os.getpid()}-{os.urandom(4).hex()}")
+    src_dir = layout.generation(source) if source else None
+    src_manifest = _read_manifest(layout, source) if source and src_dir and os.path.isdir(src_dir) else None
+    if source is None or src_dir is None or src_manifest is None:
+        linked: dict[str, _Entry] = {}
+        todo = tree_files(repo, tree)
+    else:
+        linked, todo = _delta(repo, source, tree, src_manifest)
+    target = repo[tree].peel(pygit2.Tree)
+    manifest: dict[str, _Entry] = {}
+    folders: set[str] = {tmp}
+    try:
+        os.mkdir(tmp, 0o755)
+
+        def parent_of(dst: str) -> None:
+            folder = os.path.dirname(dst)
+            if folder in folders:
+                return
+            os.makedirs(folder, 0o755, exist_ok=True)
+            while folder not in folders:
+                folders.add(folder)
+                folder = os.path.dirname(folder)
+
+        if linked:
+            assert src_dir is not None
+            for path in _link_all(src_dir, tmp, linked, parent_of):
+                found = target[path]  # removed from the source by hand: written from the tree instead
+                todo[path] = (str(found.id), int(found.filemode))
+                del linked[path]
+            manifest.update(linked)
+        for path, (blob, mode) in todo.items():
+            dst = os.path.join(tmp, path)
+            parent_of(dst)
+            manifest[path] = _write(repo, dst, blob, mode, path)
+        if len(todo) + len(folders) > _SYNC_EACH_UP_TO:
+            syncfs(tmp)  # one sync of the file system beats thousands of fsyncs (an adopted folder)
+        else:
+            for path in todo:
+                _fsync_file(os.path.join(tmp, path))
+            for folder in folders:
+                fsync_dir(folder)
+        for folder in sorted(folders, key=len, reverse=True):
+            os.chmod(folder, 0o555)
+        write_durable(os.path.join(layout.manifests, tree), orjson.dumps(manifest), mode=0o444)
+        os.rename(tmp, final)
+    except BaseException:
+        _remove_tree(tmp)
+        raise
+    fsync_dir(layout.generations)
+    return True
+
+
+def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: Callable[[str], None]) -> list[str]:
+    """Hard-link ``paths`` from ``src_dir`` into ``dst_dir``; return those the source no longer has.
+
+    Folder by folder through directory descriptors (``linkat``: no path walk
+    per file), the folders on a few threads (the system calls release the GIL).
+    """
+    by_folder: dict[str, list[str]] = {}
+    for path in paths:
+        folder, _, name = path.rpartition("/")
+        by_folder.setdefault(folder, []).append(name)
+    for folder in by_folder:
+        parent_of(os.path.join(dst_dir, folder, "x"))  # the folders are made here, in order, on this thread
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
+
+    def link_folder(item: tuple[str, list[str]]) -> list[str]:
+        folder, names = item
+        sfd = os.open(os.path.join(src_dir, folder), flags)
+        try:
+            dfd = os.open(os.path.join(dst_dir, folder), flags)
+            try:
+                gone = []
+                for name in names:
+                    try:
+                        os.link(name, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        gone.append(f"{folder}/{name}" if folder else name)
+                return gone
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
+
+    items = list(by_folder.items())
+    if len(items) < 8:
+        return [p for item in items for p in link_folder(item)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return [p for gone in pool.map(link_folder, items) for p in gone]
+
+
+def _delta(repo: pygit2.Repository, source: str, tree: str, src_manifest: dict[str, _Entry]
+           ) -> tuple[dict[str, _Entry], dict[str, tuple[str, int]]]:
+    """(paths kept from the source with their manifest entries, paths to write with their blob and mode)."""
+    diff = repo[source].peel(pygit2.Tree).diff_to_tree(repo[tree].peel(pygit2.Tree))
+    changed: set[str] = set()
+    todo: dict[str, tuple[str, int]] = {}
+    for delta in diff.deltas:
+        changed.add(delta.old_file.path)
+        changed.add(delta.new_file.path)
+        if delta.status != pygit2.enums.DeltaStatus.DELETED:
+            todo[delta.new_file.path] = (str(delta.new_file.id), int(delta.new_file.mode))
+    linked = {p: e for p, e in src_manifest.items() if p not in changed}
+    return linked, todo
+
+
+def _write(repo: pygit2.Repository, dst: str, blob: str, mode: int, path: str) -> _Entry:
+    """One file of a generation written from its blob (a symlink made from its target)."""
+    data = repo[blob].peel(pygit2.Blob).data
+    if mode == pygit2.enums.FileMode.LINK:
+        os.symlink(os.fsdecode(data), dst)
+        return _stat_entry(os.lstat(dst))
+    if mode not in (pygit2.enums.FileMode.BLOB, pygit2.enums.FileMode.BLOB_EXECUTABLE):
+        raise UsageError(f"'{path}' is a submodule (mode {mode:o}): a directory target holds only files and symlinks")
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        write_all(fd, data)
+        os.fchmod(fd, 0o555 if mode == pygit2.enums.FileMode.BLOB_EXECUTABLE else 0o444)
+        return _stat_entry(os.fstat(fd))  # (synced by build, with the rest)
+    finally:
+        os.close(fd)
+
+
+#: Up to this many new files and folders a build fsyncs one by one; beyond, it syncs the file system once.
+_SYNC_EACH_UP_TO = 256
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def syncfs(path: str) -> None:
+    """syncfs(2) of the file system holding ``path`` (``os.sync()`` where libc has none)."""
+    import ctypes
+    import ctypes.util
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if getattr(libc, "syncfs", None) is None or libc.syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
+
+
+def switch(layout: DirLayout, tree: str) -> None:
+    """Point ``PATH`` at ``generations/<tree>``: a new symlink renamed over it (step 4), then its folder synced.
+
+    Raises:
+        UsageError: ``PATH`` is a real folder (not adopted: ``oncepatch init --dir``).
+    """
+    parent, name = os.path.split(layout.path)
+    if os.path.isdir(layout.path) and not os.path.islink(layout.path):
+        raise UsageError(f"'{layout.path}' is a folder, not a directory target: adopt it first with "
+                         f"'oncepatch init --dir {layout.path}'")
+    tmp = os.path.join(parent, f".{name}{_LINK_MARK}{os.getpid()}-{os.urandom(4).hex()}")
+    os.symlink(layout.link_target(tree), tmp)
+    try:
+        os.replace(tmp, layout.path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(parent)
+
+
+# -- edits outside oncepatch ------------------------------------------------------------------
+
+
+def outside_edits(layout: DirLayout, tree: str) -> list[str]:
+    """Paths of generation ``tree`` that differ from its manifest (changed, added, removed), sorted; lstat only.
+
+    A generation with no manifest (built by another version, or its manifest
+    lost) is reported as ``"(no manifest)"``, one whose folder is gone as
+    ``"(no folder)"`` (``recover`` builds it again).
+    """
+    manifest = _read_manifest(layout, tree)
+    if manifest is None:
+        return ["(no manifest)"]
+    root = layout.generation(tree)
+    if not os.path.isdir(root):
+        return ["(no folder)"]
+    seen: set[str] = set()
+    changed: list[str] = []
+    for path, st in _walk(root):
+        if stat.S_ISDIR(st.st_mode):
+            if stat.S_IMODE(st.st_mode) != 0o555:
+                changed.append(path + "/")
+            continue
+        seen.add(path)
+        if manifest.get(path) != _stat_entry(st):
+            changed.append(path)
+    changed += [p for p in manifest if p not in seen]
+    return sorted(changed)
+
+
+def _walk(root: str) -> Iterator[tuple[str, os.stat_result]]:
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        with os.scandir(os.path.join(root, rel) if rel else root) as it:
+            for entry in it:
+                path = rel + entry.name
+                st = entry.stat(follow_symlinks=False)
+                yield path, st
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(path + "/")
+
+
+def digest_mismatches(repo: pygit2.Repository, layout: DirLayout, tree: str) -> list[str]:
+    """Paths of generation ``tree`` whose bytes or mode differ from the tree, or that one has and not the other."""
+    want = tree_files(repo, tree)
+    root = layout.generation(tree)
+    bad: list[str] = []
+    seen: set[str] = set()
+    for path, st in _walk(root):
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        seen.add(path)
+        entry = want.get(path)
+        if entry is None:
+            bad.append(path)
+            continue
+        full = os.path.join(root, path)
+        if stat.S_ISLNK(st.st_mode):
+            ok = entry[1] == pygit2.enums.FileMode.LINK and str(pygit2.hash(os.fsencode(os.readlink(full)))) == entry[0]
+        else:
+            with open(full, "rb") as fh:
+                data = fh.read()
+            executable = bool(st.st_mode & 0o100)
+            mode = pygit2.enums.FileMode.BLOB_EXECUTABLE if executable else pygit2.enums.FileMode.BLOB
+            ok = str(pygit2.hash(data)) == entry[0] and mode == entry[1]
+        if not ok:
+            bad.append(path)
+    bad += [p for p in want if p not in seen]
+    return sorted(bad)
+
+
+# -- retention and leftovers ----------------------------------------------------------------
+
+
+def generation_folders(layout: DirLayout) -> list[str]:
+    """The trees whose generation folder exists (complete ones: ``.tmp-`` folders are not listed)."""
+    try:
+        names = os.listdir(layout.generations)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if _HEX40.fullmatch(n))
+
+
+def _remove_tree(folder: str) -> None:
+    """Remove a generation's folder, read-only as it is (folders are made writable first)."""
+    if not os.path.lexists(folder):
+        return
+    for dirpath, dirnames, _files in os.walk(folder):
+        with contextlib.suppress(OSError):
+            os.chmod(dirpath, 0o755)
+        for d in dirnames:
+            with contextlib.suppress(OSError):
+                p = os.path.join(dirpath, d)
+                if not os.path.islink(p):
+                    os.chmod(p, 0o755)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_generation(layout: DirLayout, tree: str) -> None:
+    """Remove generation ``tree``: renamed to a ``.tmp-`` name first (never seen half removed), then its manifest."""
+    doomed = os.path.join(layout.generations, f"{_TMP}{tree}-{os.getpid()}-{os.urandom(4).hex()}")
+    os.rename(layout.generation(tree), doomed)
+    fsync_dir(layout.generations)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(layout.manifests, tree))
+    _remove_tree(doomed)
+
+
+def leftovers(layout: DirLayout, *, remove: bool) -> list[str]:
+    """``.tmp-`` generation folders and link tmp files of processes that are gone (removed when ``remove``)."""
+    found: list[str] = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(layout.generations):
+            if name.startswith(_TMP):
+                pid = name[len(_TMP) + 41:].split("-", 1)[0]
+                if pid.isdigit() and pid_gone(int(pid)):
+                    found.append(os.path.join(layout.generations, name))
+    parent, base = os.path.split(layout.path)
+    prefix = f".{base}{_LINK_MARK}"
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(parent):
+            pid = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
+            if pid.isdigit() and pid_gone(int(pid)):
+                found.append(os.path.join(parent, name))
+    if remove:
+        for path in found:
+            if os.path.islink(path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            else:
+                _remove_tree(path)
+    return found

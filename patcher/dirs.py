@@ -1,0 +1,333 @@
+"""Directory targets (``--dir PATH``): the git adapter on a bare object database, plus generations.
+
+A directory target is a bare repository ``PATH.oncepatch/objects.git`` whose
+``HEAD`` is ``refs/heads/generations`` and whose config names the folder
+(``oncepatch.dir``).  A call to it *is* a git call (:mod:`patcher.execute`):
+the same parsing, matching, staging, receipts, compare-and-swap on the
+branch, key ref and recovery.  What is the directory's own is one step after
+the branch moved (:func:`sync`: materialise the branch's tip as a generation
+and switch ``PATH`` to it, :mod:`cas.generations`), run by the apply after its
+worktrees' materialise step and by the git adapter's ``settle`` (so ``recover``
+finishes a moved branch whose symlink was not switched), and one refusal
+before anything is written (:func:`refuse_outside_edits`).  docs/DIRECTORIES.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pygit2
+
+from cas.crash import crash_point
+from cas.errors import GitStoreError, UsageError
+from cas.generations import (BRANCH, DirLayout, build, current_tree, digest_mismatches, generation_folders,
+                             layout_of, leftovers, outside_edits, remove_generation, switch, switch_lock, syncfs)
+from cas.objects import GitStore, open_store
+from receipts.identity import key_hash
+from receipts.store import ReceiptStore
+from patcher.errors import DirtyPath
+
+__all__ = ["CONFIG", "target_of", "objects_of", "adopt", "sync", "refuse_outside_edits", "verify_dir",
+           "generations", "rollback_patch", "prune_generations", "repair_leftovers"]
+
+#: The git config key of a directory target's object database: the folder it manages.
+CONFIG = "oncepatch.dir"
+
+_targets: dict[str, DirLayout | None] = {}  # common dir -> its layout, or None (a plain repository)
+
+
+def target_of(gstore: GitStore) -> DirLayout | None:
+    """The directory target ``gstore`` is the object database of, or ``None`` for a plain repository."""
+    key = gstore.common_dir
+    if key not in _targets:
+        try:
+            value = gstore.repo.config[CONFIG]
+        except (KeyError, pygit2.GitError):
+            value = None
+        _targets[key] = layout_of(str(value)) if value and gstore.repo.is_bare else None
+    return _targets[key]
+
+
+def objects_of(path: str) -> str:
+    """The object database of the directory target ``path`` (what ``--dir`` hands to ``--repo``).
+
+    Raises:
+        UsageError: ``path`` was never adopted (``oncepatch init --dir``).
+    """
+    layout = layout_of(path)
+    if not os.path.isdir(layout.objects):
+        raise UsageError(f"'{path}' is not a directory target: adopt it first with 'oncepatch init --dir {path}'")
+    return layout.objects
+
+
+# -- adopting a folder ---------------------------------------------------------------------------
+
+
+def _tree_of_folder(repo: pygit2.Repository, folder: str) -> pygit2.Oid:
+    tb = repo.TreeBuilder()
+    with os.scandir(folder) as it:
+        for entry in sorted(it, key=lambda e: e.name):
+            full = os.path.join(folder, entry.name)
+            if entry.is_symlink():
+                tb.insert(entry.name, repo.create_blob(os.fsencode(os.readlink(full))), pygit2.enums.FileMode.LINK)
+            elif entry.is_dir():
+                sub = _tree_of_folder(repo, full)
+                if len(repo[sub].peel(pygit2.Tree)):  # an empty folder is left out: git trees hold none
+                    tb.insert(entry.name, sub, pygit2.enums.FileMode.TREE)
+            elif entry.is_file():
+                mode = (pygit2.enums.FileMode.BLOB_EXECUTABLE if os.stat(full).st_mode & 0o100
+                        else pygit2.enums.FileMode.BLOB)
+                tb.insert(entry.name, repo.create_blob_fromdisk(full), mode)
+            else:
+                raise UsageError(f"'{full}' is neither a file, a folder nor a symlink: a directory target "
+                                 f"cannot hold it")
+    return tb.write()
+
+
+def adopt(path: str, *, lock_timeout: float = 30.0) -> dict[str, Any]:
+    """Adopt the folder ``path`` as generation one (``oncepatch init --dir``); return what was made.
+
+    The folder's files become the first commit of ``refs/heads/generations``
+    in a new bare object database; the generation is built; the original
+    folder is moved to ``PATH.oncepatch/adopted`` (kept, never deleted) and
+    ``PATH`` becomes the symlink.  Run again after a crash, it finishes.
+
+    Raises:
+        UsageError: ``path`` is no folder, or is a target already.
+    """
+    layout = layout_of(path)
+    adopted_before = os.path.isdir(layout.objects) and not (os.path.isdir(layout.path)
+                                                            and not os.path.islink(layout.path))
+    if adopted_before:
+        # A target already (or a crash between moving the folder aside and making the symlink): finish.
+        gstore = open_store(layout.objects, None)
+        if gstore.resolve(BRANCH) is not None:
+            sync(gstore, layout, lock_timeout)
+            return {"path": layout.path, "home": layout.home, "tree": current_tree(layout),
+                    "commit": gstore.resolve(BRANCH), "adopted": False}
+    if os.path.islink(layout.path) or not os.path.isdir(layout.path):
+        raise UsageError(f"'{path}' is not a folder: 'oncepatch init --dir' adopts an existing folder")
+    os.makedirs(layout.home, exist_ok=True)
+    repo = pygit2.init_repository(layout.objects, bare=True, initial_head="generations")
+    repo.config[CONFIG] = layout.path
+    tree_id = _tree_of_folder(repo, layout.path)
+    gstore = open_store(layout.objects, None)
+    gstore.read_identities()
+    sig = gstore.default_signature("committer")
+    author = gstore.default_signature("author")
+    previous = gstore.resolve(BRANCH)
+    parents = [] if previous is None else [previous]
+    commit = repo.create_commit(None, pygit2.Signature(author.name, author.email),
+                                pygit2.Signature(sig.name, sig.email),
+                                f"oncepatch: adopt '{os.path.basename(layout.path)}' as generation one\n",
+                                tree_id, parents)
+    syncfs(layout.objects)  # (libgit2 wrote them without fsync: the ref must not name lost objects)
+    repo.references.create(BRANCH, commit, force=True)
+    with switch_lock(layout, lock_timeout):
+        build(repo, layout, str(tree_id), None)
+        aside = os.path.join(layout.home, "adopted")
+        n = 1
+        while os.path.lexists(aside):  # (adopted again after a crash before the symlink: the first kept)
+            n += 1
+            aside = os.path.join(layout.home, f"adopted-{n}")
+        os.rename(layout.path, aside)
+        switch(layout, str(tree_id))
+    return {"path": layout.path, "home": layout.home, "tree": str(tree_id), "commit": str(commit), "adopted": True}
+
+
+# -- the step after the move --------------------------------------------------------------------
+
+
+def sync(gstore: GitStore, layout: DirLayout, lock_timeout: float) -> list[str]:
+    """Bring ``PATH`` to the branch's tip: build its generation if missing, then switch; return what was done.
+
+    The tip, not a call's own candidate: a later call that landed first is
+    not rolled back.  Under ``switch.lock``, so switches follow the branch's
+    order.  Crash point ``after-generation``: built, not switched.
+
+    Raises:
+        GitStoreError: the lock stayed held, or the disk failed (nothing switched).
+    """
+    try:
+        with switch_lock(layout, lock_timeout):
+            tip = gstore.resolve(BRANCH)
+            if tip is None:
+                return []
+            tree = gstore.commit_tree(tip)
+            current = current_tree(layout)
+            if current == tree and os.path.isdir(layout.generation(tree)):
+                return []
+            repo = pygit2.Repository(layout.objects)
+            built = build(repo, layout, tree, current)
+            crash_point("after-generation")
+            switch(layout, tree)
+    except (OSError, TimeoutError) as exc:
+        raise GitStoreError(f"cannot switch '{layout.path}' to the branch's tip: {exc}") from exc
+    return [f"{'built and ' if built else ''}switched '{layout.path}' to generation {tree[:12]}"]
+
+
+def refuse_outside_edits(gstore: GitStore) -> None:
+    """Refuse a call on a directory target whose current generation was written to outside oncepatch.
+
+    Raises:
+        DirtyPath: a path of the current generation differs from what was built
+            (exit 4, not retryable: a retry would meet it again; nothing written).
+    """
+    layout = target_of(gstore)
+    if layout is None:
+        return
+    tree = current_tree(layout)
+    if tree is None:
+        if os.path.isdir(layout.path) and not os.path.islink(layout.path):
+            raise UsageError(f"'{layout.path}' was replaced by a real folder: it is no longer the directory target")
+        return  # never switched yet (a crash during init): the sync after the move makes it
+    edited = outside_edits(layout, tree)
+    if edited == ["(no folder)"]:
+        raise DirtyPath(f"the folder of generation {tree[:12]}, which '{layout.path}' shows, is gone: "
+                        f"'oncepatch recover --dir {layout.path}' builds it again", retryable=False,
+                        next_action="recover", details={"reason": "generation_missing", "generation": tree})
+    if edited:
+        raise DirtyPath(
+            f"'{edited[0]}' in '{layout.path}' (generation {tree[:12]}) was changed outside oncepatch"
+            f"{f' (and {len(edited) - 1} more)' if len(edited) > 1 else ''}: no receipt describes that content; "
+            f"'oncepatch verify --dir {layout.path}' lists the paths; undo the edits, or make them a patch",
+            retryable=False, next_action="fix_input",
+            details={"paths": edited[:100], "reason": "edited_outside", "generation": tree})
+
+
+def verify_dir(path: str) -> list[str]:
+    """``verify --dir``: what is wrong with the directory target (the symlink, the current generation's bytes)."""
+    layout = layout_of(path)
+    gstore = open_store(layout.objects, None)
+    problems: list[str] = []
+    tip = gstore.resolve(BRANCH)
+    tree = current_tree(layout)
+    if tip is None:
+        return [f"'{BRANCH}' does not exist in '{layout.objects}'"]
+    if tree is None:
+        return [f"'{layout.path}' is not a symlink to one of its generations"]
+    if not os.path.isdir(layout.generation(tree)):
+        return [f"generation {tree[:12]}'s folder is gone: 'oncepatch recover --dir {layout.path}' builds it again"]
+    if tree != gstore.commit_tree(tip):
+        problems.append(f"'{layout.path}' shows generation {tree[:12]}, the branch's tip is "
+                        f"{gstore.commit_tree(tip)[:12]}: run 'oncepatch recover --dir {layout.path}'")
+    repo = pygit2.Repository(layout.objects)
+    for p in digest_mismatches(repo, layout, tree):
+        problems.append(f"'{p}' in generation {tree[:12]} differs from the tree (changed outside oncepatch)")
+    for p in outside_edits(layout, tree):
+        if p.endswith("/") or p == "(no manifest)":
+            problems.append(f"'{p}' in generation {tree[:12]} was changed outside oncepatch")
+    return problems
+
+
+def repair_leftovers(path: str, *, dry_run: bool) -> list[str]:
+    """``recover --dir``: finish a moved branch whose symlink was not switched; remove dead builds' leftovers."""
+    layout = layout_of(path)
+    notes = [f"removed '{p}' left by a crashed call" for p in leftovers(layout, remove=not dry_run)]
+    if dry_run:
+        gstore = open_store(layout.objects, None)
+        tip = gstore.resolve(BRANCH)
+        if tip is not None and current_tree(layout) != gstore.commit_tree(tip):
+            notes.append(f"would switch '{layout.path}' to generation {gstore.commit_tree(tip)[:12]}")
+        return notes
+    return notes + sync(open_store(layout.objects, None), layout, 30.0)
+
+
+# -- history, rollback, retention ---------------------------------------------------------------
+
+
+def _keys_by_hash(rstore: ReceiptStore) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for stored in rstore.scan():
+        receipt = getattr(stored, "receipt", None)
+        if receipt is not None:
+            out[key_hash(receipt.key)] = receipt.key
+    return out
+
+
+def generations(path: str, rstore: ReceiptStore) -> list[dict[str, Any]]:
+    """The branch's commits, newest first: generation (tree), commit, key, when, current, materialised."""
+    layout = layout_of(path)
+    repo = pygit2.Repository(layout.objects)
+    tip = repo.references.get(BRANCH)
+    if tip is None:
+        return []
+    keys = _keys_by_hash(rstore)
+    current = current_tree(layout)
+    folders = set(generation_folders(layout))
+    out: list[dict[str, Any]] = []
+    marked = False
+    for commit in repo.walk(tip.target, pygit2.enums.SortMode.TOPOLOGICAL):
+        h = next((line.split(":", 1)[1].strip() for line in commit.message.splitlines()
+                  if line.startswith("Oncepatch-Key:")), None)
+        tree = str(commit.tree_id)
+        is_current = not marked and tree == current
+        marked = marked or is_current
+        out.append({"generation": tree, "commit": str(commit.id), "key": keys.get(h or "", None) if h else None,
+                    "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(commit.commit_time)),
+                    "subject": commit.message.split("\n", 1)[0], "current": is_current,
+                    "materialised": tree in folders})
+    return out
+
+
+def rollback_patch(path: str, to: str, *, base: str | None = None) -> tuple[bytes, str]:
+    """The patch that turns the branch's tip (or commit ``base``) into generation ``to`` (a git diff, binary
+    included), and ``to``'s full id.
+
+    Raises:
+        UsageError: ``to`` names no generation (tree) of the branch's history.
+    """
+    layout = layout_of(path)
+    repo = pygit2.Repository(layout.objects)
+    tip = repo.references.get(BRANCH)
+    if tip is None:
+        raise UsageError(f"'{path}' has no generation yet")
+    found = None
+    for commit in repo.walk(tip.target, pygit2.enums.SortMode.TOPOLOGICAL):
+        if str(commit.tree_id).startswith(to.lower()) or str(commit.id).startswith(to.lower()):
+            found = str(commit.tree_id)
+            break
+    if found is None or len(to) < 4:
+        raise UsageError(f"'{to}' names no generation of '{path}': 'oncepatch log --dir {path}' lists them")
+    head_tree = repo[base if base is not None else tip.target].peel(pygit2.Tree)
+    diff = head_tree.diff_to_tree(repo[found].peel(pygit2.Tree), flags=pygit2.enums.DiffOption.SHOW_BINARY)
+    return (diff.patch or "").encode("utf-8", "surrogateescape"), found
+
+
+def prune_generations(path: str, rstore: ReceiptStore, *, dry_run: bool = False) -> list[str]:
+    """Remove the generation folders nothing needs; return their trees.
+
+    Kept: the current one (the symlink's), the branch tip's, and those of live
+    calls (a ``prepared`` or ``unknown`` receipt's base and candidate trees).
+    A removed folder is only a materialisation: its content stays in the
+    object database, and a rollback to it builds it again.  ``.tmp-`` builds of
+    gone processes are removed as well (not listed).
+    """
+    layout = layout_of(path)
+    gstore = open_store(layout.objects, None)
+    keep = {current_tree(layout)}
+    tip = gstore.resolve(BRANCH)
+    if tip is not None:
+        keep.add(gstore.commit_tree(tip))
+    for stored in rstore.scan():
+        receipt = getattr(stored, "receipt", None)
+        if receipt is None or receipt.status not in ("prepared", "unknown"):
+            continue
+        for commit in ((receipt.base or {}).get("commit"), receipt.candidate):
+            if commit:
+                try:
+                    keep.add(gstore.commit_tree(commit))
+                except Exception:  # noqa: BLE001 - a candidate never written: no folder of it
+                    pass
+    doomed = [t for t in generation_folders(layout) if t not in keep]
+    if not dry_run:
+        with switch_lock(layout, 30.0):
+            # Under the lock: no build links from a folder being removed, and the symlink does not move.
+            now = current_tree(layout)
+            for tree in doomed:
+                if tree != now:
+                    remove_generation(layout, tree)
+        leftovers(layout, remove=True)
+    return doomed
