@@ -6,8 +6,10 @@ flush, as if the machine had killed it there.  Unset, a point costs one dict
 lookup.  The points are :data:`POINTS` (docs/DESIGN.md section 4, and
 recovery's own); at ``after-index-ahead`` the worktrees' indexes show the
 candidate under the branch's lock and the branch has not moved;
-``check-running`` is inside ``--check``; at ``effect-after-execute`` a generic
-effect ran and its receipt is not written.
+``after-push`` is remote mode's: the atomic push landed, the local receipt
+still says ``prepared`` (docs/REMOTE.md); ``check-running`` is inside
+``--check``; at ``effect-after-execute`` a generic effect ran and its receipt
+is not written.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Callable
 __all__ = ["POINTS", "CRASH_ENV", "crash_point", "crash_hook"]
 
 CRASH_ENV = "ONCEPATCH_CRASH_AT"
-POINTS = frozenset({"after-stage", "after-prepare", "after-index-ahead", "after-ref", "after-materialise",
+POINTS = frozenset({"after-stage", "after-prepare", "after-index-ahead", "after-ref", "after-push",
+                    "after-materialise",
                     "before-receipt-replace", "recover-after-resolve", "recover-before-receipt-replace",
                     "check-running", "effect-after-execute"})
 _environ = os.environ

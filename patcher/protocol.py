@@ -69,6 +69,7 @@ def apply(
     check_timeout: float = 600.0,
     strict: bool = False,
     caller: Caller | None = None,
+    remote: str | None = None,
     _stores: dict[str, Any] | None = None,
 ) -> ApplyResult:
     """Apply ``patch`` (its content, never a file name) to ``branch`` of ``repo`` effectively once.
@@ -86,6 +87,9 @@ def apply(
     identity: a strict call makes the same change, and replays the key's
     final receipt as any call does (docs/DECISIONS.md).
 
+    ``remote``: the git remote the key is claimed on (docs/REMOTE.md); default
+    ``oncepatch.remote`` of the repository's config, else none (a local call).
+
     ``caller``: who asks, for the store's policy (the broker's ``SO_PEERCRED``
     peer, :meth:`Caller.of`); default: this process (:meth:`Caller.current`).
 
@@ -97,7 +101,7 @@ def apply(
         _stores = {}  # one open repository for the whole call, even for one-shot callers
     try:
         return _apply(repo, patch, key, branch, contract_sha256, attempt, format, check, message, common_dir, store,
-                      lock_timeout, check_timeout, strict, caller, _stores)
+                      lock_timeout, check_timeout, strict, caller, _stores, remote)
     except OncepatchError:
         raise
     except Exception as exc:
@@ -109,11 +113,11 @@ def apply(
 def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, contract_sha256: str | None,
            attempt: int, format: str, check: str | None, message: str | None, common_dir: str | None,
            store: str | None, lock_timeout: float, check_timeout: float, strict: bool, caller: Caller | None,
-           _stores: dict[str, Any]) -> ApplyResult:
+           _stores: dict[str, Any], remote: str | None = None) -> ApplyResult:
     try:
         _check_options(attempt, lock_timeout, check_timeout, store)
         args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message,
-                              detect=detect)
+                              detect=detect, remote=remote)
         if common_dir is not None and args.layout.common_dir != common_dir:
             raise UsageError(f"'{repo}' is no longer the repository it was checked as ('{common_dir}'): "
                              f"it is '{args.layout.common_dir}' now; nothing was done")
@@ -148,6 +152,10 @@ def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, c
 
         if strict:
             strictness = STRICT.set(True)
+        if args.remote is not None:  # remote mode (docs/REMOTE.md): the same call, pushed
+            from patcher.remote_push import execute_remote
+
+            return locked_apply(call, args, lock_timeout, check_timeout, _stores, remote_steps=execute_remote)
         return locked_apply(call, args, lock_timeout, check_timeout, _stores)
     finally:
         if strictness is not None:
