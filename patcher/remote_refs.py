@@ -114,24 +114,31 @@ def push(gstore: GitStore, remote: Remote, branch: str, base: str, candidate: st
          receipt_commit: str) -> Pushed:
     """One ``git push --atomic``: the branch from ``base`` to ``candidate``, the key's two refs created."""
     key_ref, receipts_ref = KEY_REF_PREFIX + h, RECEIPTS_REF_PREFIX + h
-    res = _git(gstore, "push", "--atomic", "--porcelain", "--no-verify", "--quiet",
+    res = _git(gstore, "push", "--atomic", "--porcelain", "--no-verify",
                f"--force-with-lease={branch}:{base}", f"--force-with-lease={key_ref}:",
                f"--force-with-lease={receipts_ref}:", remote.name,
                f"{candidate}:{branch}", f"{candidate}:{key_ref}", f"{receipt_commit}:{receipts_ref}")
-    if res.returncode == 0:
-        return Pushed("pushed")
     out = res.stdout.decode("utf-8", "replace")
+    flags: dict[str, tuple[str, str]] = {}  # the porcelain report: "<flag>\t<src>:<dst>\t<summary>" per ref
+    for line in out.splitlines():
+        parts = line.split("\t")
+        if len(parts) == 3 and len(parts[0]) == 1 and ":" in parts[1]:
+            flags[parts[1].rsplit(":", 1)[1]] = (parts[0], parts[2])
+    report = "; ".join(f"{ref} {summary}" for ref, (_flag, summary) in flags.items())
+    landed = {ref for ref, (flag, _s) in flags.items() if flag in " *+"}
+    if res.returncode == 0 and flags.get(key_ref, ("",))[0] == "*" and flags.get(receipts_ref, ("",))[0] == "*":
+        return Pushed("pushed")
     text = _text(res)
     if "does not support --atomic" in text:
         raise UsageError(f"remote '{remote.name}' does not support atomic pushes, which remote mode needs",
                          details={"remote": remote.name})
-    rejected = [line for line in out.splitlines() if line.startswith("!")]
-    if rejected and any("stale info" in line or "fetch first" in line or "non-fast-forward" in line
-                        or "already exists" in line for line in rejected):
-        return Pushed("rejected", "; ".join(rejected))
-    if any(word in text.lower() for word in _UNREACHABLE) and "Done" not in out:
+    if flags and "Done" in out.splitlines()[-1:] and not landed:
+        # Every ref refused (a lease, a ref another push locked or moved, or "up to date": the
+        # same commit already there, claimed by another call): an atomic push changed nothing.
+        return Pushed("rejected", report)
+    if not flags and any(word in text.lower() for word in _UNREACHABLE):
         return Pushed("unreachable", text)
-    return Pushed("unknown", text or out.strip())
+    return Pushed("unknown", report or text)
 
 
 # -- the receipt on the remote ------------------------------------------------------------------
