@@ -37,7 +37,7 @@ import os
 
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch
-from cas.errors import GitStoreError, OncepatchError
+from cas.errors import OncepatchError, RefUpdateUnknown
 from receipts.engine import check_same_intent, pause_point
 from receipts.errors import CorruptReceipt
 from receipts.identity import key_hash
@@ -48,7 +48,7 @@ from patcher.execute import _check_candidate, _open, _reject, _Run
 from patcher.grades import grade_warnings
 from patcher.outcome import ApplyResult
 from patcher.remote_mode import Remote
-from patcher.remote_refs import (fetch, follow, push, read_remote_receipt, receipt_commit,
+from patcher.remote_refs import (RemoteUnreachable, fetch, follow, push, read_remote_receipt, receipt_commit,
                                  remote_problems)
 from patcher.stage import Staged, stage
 
@@ -103,13 +103,13 @@ def execute_remote(run: _Run) -> ApplyResult:
             run.branch = "moved"
             break
         if pushed.outcome == "unknown":
-            raise GitStoreError(f"the push to remote '{remote.name}' failed, and whether it landed cannot be told: "
-                                f"{pushed.detail}", details={"remote": remote.name})
+            raise RefUpdateUnknown(f"the push to remote '{remote.name}' failed once sent, and whether it landed "
+                                   f"cannot be told here: {pushed.detail}; 'oncepatch recover' asks the remote",
+                                   details={"remote": remote.name})
         run.branch = "untouched"
         if pushed.outcome == "unreachable":
-            err = GitStoreError(f"cannot push to remote '{remote.name}' ({remote.url}): {pushed.detail}",
-                                retryable=True, effect_status="not_applied", next_action="retry",
-                                details={"remote": remote.name})
+            err = RemoteUnreachable(f"cannot push to remote '{remote.name}' ({remote.url}): {pushed.detail}",
+                                    effect_status="not_applied", details={"remote": remote.name})
             _reject(run, err, base, candidate, retryable=True)
             raise err
         # A lease said no: the remote moved, or the key was claimed meanwhile.

@@ -22,10 +22,11 @@ from __future__ import annotations
 import os
 import subprocess
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pygit2
 
-from cas.errors import GitStoreError, UsageError
+from cas.errors import EXIT_REJECTED, CasError, EffectStatus, GitStoreError, NextAction, UsageError
 from cas.objects import GitStore, TreeEntry
 from receipts.adapter import QueryResult
 from receipts.errors import CorruptReceipt
@@ -60,8 +61,14 @@ def mirror_prefix(remote: Remote) -> str:
 # -- the git CLI -----------------------------------------------------------------------------
 
 
-class RemoteUnreachable(GitStoreError):
-    """A fetch from (or a push to) the remote failed before anything was sent."""
+class RemoteUnreachable(CasError):
+    """A fetch from (or a push to) the remote failed before anything was sent: nothing changed there."""
+
+    type = "remote_unreachable"
+    exit_code = EXIT_REJECTED
+    default_retryable = True
+    default_effect_status: ClassVar[EffectStatus] = "not_started"
+    default_next_action: ClassVar[NextAction] = "retry"
 
 
 def _git(gstore: GitStore, *argv: str) -> subprocess.CompletedProcess[bytes]:
@@ -234,7 +241,7 @@ def query_remote(rstore: ReceiptStore | None, gstore: GitStore, receipt: Receipt
     h = key_hash(receipt.key)
     try:
         head, key_commit, receipt_commit = fetch(gstore, remote, str(receipt.args.get("branch")), h)
-    except (GitStoreError, UsageError) as exc:
+    except (GitStoreError, RemoteUnreachable, UsageError) as exc:
         return QueryResult("unknown", f"remote_unreachable: {exc.message}")
     if key_commit is None and receipt_commit is None:
         return QueryResult("not_applied", "remote_key_absent")
@@ -282,7 +289,7 @@ def verify_remote(rstore: ReceiptStore | None, gstore: GitStore, receipt: Receip
     try:
         if place not in fetched:
             fetched[place] = fetch(gstore, remote, str(receipt.args.get("branch")), h)
-    except (GitStoreError, UsageError) as exc:
+    except (GitStoreError, RemoteUnreachable, UsageError) as exc:
         return [*problems, f"cannot check the receipt against remote '{remote.name}': {exc.message}"]
     head, key_commit, receipt_commit = fetched[place]
     if key_commit is None or receipt_commit is None:

@@ -151,3 +151,103 @@ def test_distinct_keys_from_three_machines_all_land_once(tmp_path: Path,
 @pytest.mark.slow
 def test_thirty_keys_from_each_of_three_machines(tmp_path: Path, cluster: tuple[GitServer, Cluster]) -> None:
     _distinct_keys(tmp_path, cluster[1], 30)
+
+
+def _receipt_of(machine: Path, key: str) -> dict[str, Any] | None:
+    res = run_cli("status", "--json", "--repo", str(machine), "--", key)
+    return res.json["receipt"] if res.code == 0 else None
+
+
+#: Remote mode's crash points (cas/crash.py) and whether the key has landed on the remote there.
+CRASH_POINTS = {"after-stage": False, "after-prepare": False, "after-push": True, "before-receipt-replace": True}
+
+
+@pytest.mark.parametrize("point", sorted(CRASH_POINTS))
+def test_client_killed_at_each_crash_point_then_recover_everywhere(point: str,
+                                                                    cluster: tuple[GitServer, Cluster]) -> None:
+    _server, c = cluster
+    a, b, _c = c.machines
+    before = remote_git(c, "rev-parse", "main").strip()
+    crashed = cli_apply(a, 0, ONCEPATCH_CRASH_AT=point)
+    assert crashed.returncode == 137, crashed.stderr
+    landed = CRASH_POINTS[point]
+    assert len(remote_commits_with(c, "key-0")) == int(landed)
+    for m in c.machines:
+        rec = run_cli("recover", "--json", "--repo", str(m), "--tmp-age", "0")
+        assert rec.code == 0, rec.out + rec.err
+    receipt = _receipt_of(a, "key-0")
+    key_ref = remote_ref(c, f"refs/oncepatch/keys/{key_hash('key-0')}")
+    if landed:
+        # Settled from the remote: its key ref and receipt are the truth.
+        assert receipt is not None and receipt["status"] == "committed"
+        assert receipt["commit"] == key_ref == remote_git(c, "rev-parse", "main").strip()
+        assert subprocess.run(["git", "-C", str(a), "rev-parse", f"refs/oncepatch/keys/{key_hash('key-0')}"],
+                              capture_output=True, check=True).stdout.decode().strip() == key_ref
+    else:
+        assert key_ref is None and remote_git(c, "rev-parse", "main").strip() == before
+        assert receipt is None or (receipt["status"] == "rejected" and receipt["retryable"])
+    verify_all(c)
+    # The key again, from another machine and from the crashed one: landed once, whatever happened.
+    again_b = cli_apply(b, 0)
+    again_a = cli_apply(a, 0)
+    assert (again_b.returncode, again_a.returncode) == (0, 0), (again_b.stdout, again_a.stdout)
+    doc_b, doc_a = json.loads(again_b.stdout), json.loads(again_a.stdout)
+    assert doc_b["replayed"] is landed and doc_a["replayed"] is True
+    assert doc_a["commit"] == doc_b["commit"]
+    assert remote_commits_with(c, "key-0") == [doc_b["commit"]]
+    assert remote_git(c, "rev-list", "--count", f"{before}..main").strip() == "1"
+    verify_all(c)
+
+
+def test_server_killed_mid_push_is_unknown_until_recover_asks_the_remote(tmp_path: Path,
+                                                                        cluster: tuple[GitServer, Cluster]) -> None:
+    """The daemon (and its receive-pack) killed while the push waits in the server's pre-receive hook."""
+    server, c = cluster
+    a = c.machines[0]
+    ready, go = tmp_path / "hook-ready", tmp_path / "hook-go"
+    os.mkfifo(ready)
+    os.mkfifo(go)
+    hook = c.server_repo / "hooks" / "pre-receive"
+    hook.write_text(f"#!/bin/sh\ncat >/dev/null\necho reached > '{ready}'\nread x < '{go}'\n")
+    hook.chmod(0o755)
+    before = remote_git(c, "rev-parse", "main").strip()
+    proc = subprocess.Popen(apply_argv(a, 0), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env_with())
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(key_patch(0).encode())
+        proc.stdin.close()
+        proc.stdin = None
+        with open(ready) as fh:  # blocks until the push's pack is in and the hook runs
+            assert fh.read().strip() == "reached"
+        server.stop()  # the daemon's whole group: receive-pack and its hook die mid-push
+        out, _err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 5, out
+    err = json.loads(out)["error"]
+    assert err["effect_status"] == "unknown" and err["next_action"] == "recover"
+    receipt = _receipt_of(a, "key-0")
+    assert receipt is not None and receipt["status"] == "unknown"
+    # Server down: recover cannot tell either, and says so.
+    rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
+    assert rec.code != 0
+    assert _receipt_of(a, "key-0")["status"] == "unknown"  # type: ignore[index]
+    # Server back (same port), without the hook: the remote says the push never landed.
+    hook.unlink()
+    restarted = GitServer(server.base, port=server.port).start()
+    try:
+        rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
+        assert rec.code == 0, rec.out + rec.err
+        receipt = _receipt_of(a, "key-0")
+        assert receipt is not None and receipt["status"] == "rejected" and receipt["retryable"]
+        assert remote_git(c, "rev-parse", "main").strip() == before
+        verify_all(c)
+        again = cli_apply(a, 0)
+        assert again.returncode == 0, again.stdout
+        assert remote_commits_with(c, "key-0") == [json.loads(again.stdout)["commit"]]
+        verify_all(c)
+    finally:
+        restarted.stop()
