@@ -251,3 +251,64 @@ def test_server_killed_mid_push_is_unknown_until_recover_asks_the_remote(tmp_pat
         verify_all(c)
     finally:
         restarted.stop()
+
+
+def test_server_down_before_the_call_changes_nothing(cluster: tuple[GitServer, Cluster]) -> None:
+    server, c = cluster
+    a = c.machines[0]
+    server.stop()
+    res = cli_apply(a, 0)
+    assert res.returncode == 4, res.stdout
+    err = json.loads(res.stdout)["error"]
+    assert (err["type"], err["effect_status"], err["next_action"]) == ("remote_unreachable", "not_started", "retry")
+    assert _receipt_of(a, "key-0") is None
+    restarted = GitServer(server.base, port=server.port).start()
+    try:
+        again = cli_apply(a, 0)
+        assert again.returncode == 0, again.stdout
+        assert json.loads(again.stdout)["replayed"] is False
+    finally:
+        restarted.stop()
+
+
+def _forge_remote_receipt(c: Cluster, key: str, **changes: Any) -> None:
+    """Replace the remote's receipt of ``key`` by a well-formed one with ``changes`` (a forged claim)."""
+    from receipts.receipt import parse_receipt, receipt_bytes
+
+    h = key_hash(key)
+    data = remote_git(c, "cat-file", "blob", f"refs/oncepatch/receipts/{h}:receipt.json").encode()
+    forged = receipt_bytes(parse_receipt(data, path="remote", expected_key_hash=h).evolve(**changes))
+    blob = subprocess.run(["git", "hash-object", "-w", "--stdin"], cwd=c.server_repo, input=forged,
+                          capture_output=True, check=True).stdout.decode().strip()
+    tree = subprocess.run(["git", "mktree"], cwd=c.server_repo, input=f"100644 blob {blob}\treceipt.json\n".encode(),
+                          capture_output=True, check=True).stdout.decode().strip()
+    commit = remote_git(c, "commit-tree", tree, "-m", "forged").strip()
+    remote_git(c, "update-ref", f"refs/oncepatch/receipts/{h}", commit)
+
+
+def test_a_replay_from_the_remote_checks_its_receipt_first(cluster: tuple[GitServer, Cluster]) -> None:
+    """A receipt on the remote that names another commit than the key ref is not answered from."""
+    _server, c = cluster
+    a, b, _c = c.machines
+    first = cli_apply(a, 0)
+    assert first.returncode == 0, first.stdout
+    base = remote_git(c, "rev-parse", "main~1").strip()
+    _forge_remote_receipt(c, "key-0", commit=base)
+    forged = cli_apply(b, 0)
+    assert forged.returncode == 6, forged.stdout
+    err = json.loads(forged.stdout)["error"]
+    assert err["type"] == "corrupt_receipt" and "key ref points at" in err["message"]
+    assert _receipt_of(b, "key-0") is None  # nothing answered, nothing recorded
+    # verify on the machine that made it: its receipt disagrees with the remote's now.
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 6 and "remote's receipt has another commit" in ver.out, ver.out
+
+
+def test_verify_finds_a_key_claim_removed_from_the_remote(cluster: tuple[GitServer, Cluster]) -> None:
+    _server, c = cluster
+    a = c.machines[0]
+    assert cli_apply(a, 0).returncode == 0
+    verify_all(c)
+    remote_git(c, "update-ref", "-d", f"refs/oncepatch/keys/{key_hash('key-0')}")
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 6 and "has no claim of key 'key-0'" in ver.out, ver.out
