@@ -16,7 +16,8 @@ from typing import Any
 
 import orjson
 
-SECTIONS = ("single", "large", "agents", "store", "watch", "fsync", "profile", "matching", "signing", "server")
+SECTIONS = ("single", "large", "agents", "store", "watch", "fsync", "profile", "matching", "signing", "server",
+            "remote")
 
 FULL: dict[str, Any] = {
     "sizes": {"1k": 1000, "10k": 10_000, "100k": 100_000},
@@ -31,6 +32,7 @@ FULL: dict[str, Any] = {
     "profile_size": "100k", "profile_ops": {"side": 40, "main": 20}, "profile_store": "10k",
     "matching_rounds": 5, "signing_rounds": 30,
     "server_sizes": ("1k", "100k"),
+    "remote": (3, 30),
 }
 QUICK: dict[str, Any] = {
     "sizes": {"1k": 1000, "10k": 10_000},
@@ -45,6 +47,7 @@ QUICK: dict[str, Any] = {
     "profile_size": "10k", "profile_ops": {"side": 10, "main": 5}, "profile_store": "1k",
     "matching_rounds": 3, "signing_rounds": 8,
     "server_sizes": ("1k",),
+    "remote": (3, 10),
 }
 
 
@@ -151,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
 
         res["server"] = section_server(env, {k: repos[k] for k in cfg["server_sizes"] if k in repos},
                                        cfg["rounds"], log)
+    if "remote" in only:
+        from bench.cases_remote import section_remote
+
+        res["remote"] = section_remote(env, *cfg["remote"], log)
     if "watch" in only:  # last: it leaves orphaned receipts in the stores
         from bench.cases_store import section_watcher
 
