@@ -34,6 +34,7 @@ the push are :mod:`patcher.remote_refs`'s (the git adapter asks it too, for
 from __future__ import annotations
 
 import os
+import time
 
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch
@@ -57,6 +58,9 @@ __all__ = ["MAX_REMOTE_ROUNDS", "execute_remote"]
 #: Re-stages onto a moved remote head before the call gives up with a conflict.  Higher than
 #: the local bound: no turn-taking lock spans machines, so a loser may lose several rounds.
 MAX_REMOTE_ROUNDS = int(os.environ.get("ONCEPATCH_REMOTE_ROUNDS", "64"))
+#: The first wait after a lost lease is up to this long (then doubling, up to ``BACKOFF_MAX_S``).
+BACKOFF_S = 0.02
+BACKOFF_MAX_S = 0.5
 
 
 def execute_remote(run: _Run) -> ApplyResult:
@@ -113,6 +117,7 @@ def execute_remote(run: _Run) -> ApplyResult:
             _reject(run, err, base, candidate, retryable=True)
             raise err
         # A lease said no: the remote moved, or the key was claimed meanwhile.
+        _back_off(restages)
         head, key_commit, receipt_ref = fetch(gstore, remote, args.branch, h)
         if key_commit is not None or receipt_ref is not None:
             return _answer_from_remote(run, remote, head, key_commit, receipt_ref, restages=restages)
@@ -121,6 +126,19 @@ def execute_remote(run: _Run) -> ApplyResult:
     crash_point("after-push")
     pause_point("after-push")
     return _finalise_remote(run, remote, staged, final, rcommit, restages)
+
+
+def _back_off(lost: int) -> None:
+    """Wait a random while before fetching again after ``lost + 1`` lost leases in a row.
+
+    Race guarded: the machine that just won starts its next call at once, half a
+    round ahead of the loser, which learns of its loss only from its push's answer:
+    locked in that phase, one call lost 60 rounds in a row (3 machines × 30 keys).
+    A random wait, growing with the losses, shifts the loser's phase.
+    """
+    import random
+
+    time.sleep(random.uniform(0, min(BACKOFF_S * (2 ** lost), BACKOFF_MAX_S)))
 
 
 def _restage_remote(run: _Run, new_base: str | None, rounds: int) -> Staged:
