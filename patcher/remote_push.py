@@ -59,8 +59,8 @@ __all__ = ["MAX_REMOTE_ROUNDS", "execute_remote"]
 #: the local bound: no turn-taking lock spans machines, so a loser may lose several rounds.
 MAX_REMOTE_ROUNDS = int(os.environ.get("ONCEPATCH_REMOTE_ROUNDS", "64"))
 #: The first wait after a lost lease is up to this long (then doubling, up to ``BACKOFF_MAX_S``).
-BACKOFF_S = 0.02
-BACKOFF_MAX_S = 0.5
+BACKOFF_S = 0.01
+BACKOFF_MAX_S = 0.1
 
 
 def execute_remote(run: _Run) -> ApplyResult:
