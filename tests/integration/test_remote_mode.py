@@ -312,3 +312,35 @@ def test_verify_finds_a_key_claim_removed_from_the_remote(cluster: tuple[GitServ
     remote_git(c, "update-ref", "-d", f"refs/oncepatch/keys/{key_hash('key-0')}")
     ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
     assert ver.code == 6 and "has no claim of key 'key-0'" in ver.out, ver.out
+
+
+def test_a_signed_store_checks_the_remote_receipts_signature(tmp_path: Path,
+                                                            cluster: tuple[GitServer, Cluster]) -> None:
+    """Machines sharing one signers list replay a signed receipt, and refuse it unsigned; an unsigned store cannot tell."""
+    from receipts.signing import SIGNERS_FILE
+
+    _server, c = cluster
+    a, b, unsigned = c.machines
+    d = tmp_path / "machine3"
+    subprocess.run(["git", "clone", "-q", c.url, str(d)], check=True, capture_output=True)
+    init = run_cli("keys", "init", "--repo", str(a), "--json")
+    assert init.code == 0, init.out + init.err
+    for m in (b, d):  # the same signers list (and, HOME being shared here, the same private key)
+        (m / ".git" / "oncepatch").mkdir(parents=True, exist_ok=True)
+        (m / ".git" / "oncepatch" / SIGNERS_FILE).write_bytes(
+            (a / ".git" / "oncepatch" / SIGNERS_FILE).read_bytes())
+    assert cli_apply(a, 0).returncode == 0
+    h = key_hash("key-0")
+    signed = json.loads(remote_git(c, "cat-file", "blob", f"refs/oncepatch/receipts/{h}:receipt.json"))
+    assert signed.get("signature"), signed
+    genuine = cli_apply(b, 0)
+    assert genuine.returncode == 0 and json.loads(genuine.stdout)["replayed"] is True, genuine.stdout
+    # The same receipt, its signature dropped (digest recomputed): a store that signs refuses it.
+    _forge_remote_receipt(c, "key-0", updated_at=signed["updated_at"])
+    refused = cli_apply(d, 0)
+    assert refused.returncode == 6, refused.stdout
+    assert json.loads(refused.stdout)["error"]["type"] == "corrupt_receipt"
+    assert _receipt_of(d, "key-0") is None
+    # An unsigned store has only the receipt's own consistency to go by: it replays it.
+    replayed = cli_apply(unsigned, 0)
+    assert replayed.returncode == 0 and json.loads(replayed.stdout)["replayed"] is True
