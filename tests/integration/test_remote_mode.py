@@ -347,3 +347,74 @@ def test_a_signed_store_checks_the_remote_receipts_signature(tmp_path: Path,
     # An unsigned store has only the receipt's own consistency to go by: it replays it.
     replayed = cli_apply(unsigned, 0)
     assert replayed.returncode == 0 and json.loads(replayed.stdout)["replayed"] is True
+
+
+def _paused_apply(machine: Path, i: int) -> subprocess.Popen[bytes]:
+    """``apply`` of key ``i`` stopped (SIGSTOP) right before its push; the caller continues it."""
+    proc = subprocess.Popen(apply_argv(machine, i), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env_with(ONCEPATCH_PAUSE_AT="before-push"))
+    assert proc.stdin is not None
+    proc.stdin.write(key_patch(i).encode())
+    proc.stdin.close()
+    proc.stdin = None
+    _pid, status = os.waitpid(proc.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), status
+    return proc
+
+
+def _plain_push(c: Cluster, machine: Path, path: str, text: str) -> str:
+    """A person's commit pushed with plain git from ``machine``: the remote's branch moves under a call."""
+    subprocess.run(["git", "-C", str(machine), "pull", "-q", "--ff-only"], check=True, capture_output=True)
+    target = machine / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    for argv in (["add", "-A"], ["commit", "-q", "-m", "by hand"], ["push", "-q", "origin", "HEAD:main"]):
+        subprocess.run(["git", "-C", str(machine), *argv], check=True, capture_output=True)
+    return remote_git(c, "rev-parse", "main").strip()
+
+
+def test_a_push_rejected_by_the_lease_is_restaged_on_the_new_head(cluster: tuple[GitServer, Cluster]) -> None:
+    _server, c = cluster
+    a, b, _c = c.machines
+    proc = _paused_apply(a, 0)
+    try:
+        moved = _plain_push(c, b, "elsewhere.txt", "a person's change\n")
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _err = proc.communicate(timeout=120)
+    finally:
+        _reap([proc])
+    assert proc.returncode == 0, out
+    doc = json.loads(out)
+    assert doc["remote"]["restages"] == 1 and doc["replayed"] is False
+    assert remote_git(c, "rev-parse", "main").strip() == doc["commit"]
+    assert remote_git(c, "rev-parse", f"{doc['commit']}^").strip() == moved  # on top of the person's commit
+    assert remote_git(c, "show", "main:elsewhere.txt") == "a person's change\n"
+    verify_all(c)
+
+
+def test_a_lease_lost_to_an_overlapping_change_is_a_conflict(cluster: tuple[GitServer, Cluster]) -> None:
+    _server, c = cluster
+    a, b, _c = c.machines
+    proc = _paused_apply(a, 0)
+    try:
+        shared = (b / "shared.txt").read_text().replace("line 5\n", "line 5 rewritten by hand\n")
+        moved = _plain_push(c, b, "shared.txt", shared)
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _err = proc.communicate(timeout=120)
+    finally:
+        _reap([proc])
+    assert proc.returncode == 4, out  # rejected, as a local conflict: nothing changed
+    err = json.loads(out)["error"]
+    assert (err["type"], err["effect_status"], err["retryable"]) == ("conflict", "not_applied", True)
+    assert remote_git(c, "rev-parse", "main").strip() == moved
+    assert remote_ref(c, f"refs/oncepatch/keys/{key_hash('key-0')}") is None
+    receipt = _receipt_of(a, "key-0")
+    assert receipt is not None and receipt["status"] == "rejected"
+    verify_all(c)
+
+
+def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
