@@ -418,3 +418,21 @@ def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_the_client_api_takes_remote_and_a_local_call_stays_local(cluster: tuple[GitServer, Cluster]) -> None:
+    """``Client.apply(remote=...)`` claims on the remote; the same clone's call without it is a local call."""
+    import patcher
+
+    _server, c = cluster
+    a = c.machines[0]
+    before = remote_git(c, "rev-parse", "main").strip()
+    with patcher.Client(str(a), server="never") as client:
+        res = client.apply(key_patch(0), key="key-0", remote="origin")
+        assert res.remote is not None and res.remote["name"] == "origin" and not res.replayed
+        assert remote_git(c, "rev-parse", "main").strip() == res.commit
+        local = client.apply(key_patch(1), key="key-1")  # no remote, no oncepatch.remote: this clone only
+        assert local.remote is None
+    assert remote_git(c, "rev-parse", "main").strip() == res.commit != before
+    assert subprocess.run(["git", "-C", str(a), "rev-parse", "main"], capture_output=True,
+                          check=True).stdout.decode().strip() == local.commit
