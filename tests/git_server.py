@@ -30,6 +30,7 @@ class GitServer:
     def __init__(self, base: Path, host: str = "127.0.0.1", port: int | None = None,
                  prefix: list[str] | None = None) -> None:
         self.base, self.host = base, host
+        self._chosen = port is None  # a port picked here may be taken before the daemon binds it: picked again
         self.port = port if port is not None else free_port(host)
         self.prefix = prefix or []  # e.g. ["ip", "netns", "exec", NAME]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -44,6 +45,16 @@ class GitServer:
         Raises:
             RuntimeError: the daemon exited first (its log says why, e.g. the port was taken).
         """
+        for _attempt in range(3 if self._chosen else 1):
+            try:
+                return self._start()
+            except RuntimeError:
+                if not self._chosen:
+                    raise
+                self.port = free_port(self.host)
+        return self._start()
+
+    def _start(self) -> GitServer:
         self.proc = subprocess.Popen(
             [*self.prefix, "git", "daemon", "--verbose", "--reuseaddr", "--export-all", "--enable=receive-pack",
              f"--base-path={self.base}", f"--listen={self.host}", f"--port={self.port}", str(self.base)],
