@@ -17,10 +17,11 @@ the branch's move differs.  Locally the move is a compare-and-swap of
     fetch the branch and the key's refs       # the remote's head, its key ref
     key ref there?  -> answer from the remote # replay (checked) or conflict
     stage on the remote's head; --check       # after-stage
-    prepared (extra.remote names the remote)  # after-prepare
-    push --atomic                             # pause point before-push
+    prepared (its remote field names it)      # after-prepare
+    push --atomic                             # pause point before-push (the first push)
       rejected by a lease: fetch; key there? answer from the remote; else re-stage (bounded)
-      transport failure: the effect is unknown (recover asks the remote)
+      nothing sent (unreachable): rejected, retryable
+      sent, answer lost: the effect is unknown (recover asks the remote)
     after-push                                # crash and pause point
     local refs follow: the remote-tracking branch, a mirror of the key's
     refs, the local key ref; committed        # before-receipt-replace
@@ -34,6 +35,7 @@ the push are :mod:`patcher.remote_refs`'s (the git adapter asks it too, for
 from __future__ import annotations
 
 import os
+import random
 import time
 
 from cas.crash import crash_hook, crash_point
@@ -137,8 +139,6 @@ def _back_off(lost: int) -> None:
     locked in that phase, one call lost 60 rounds in a row (3 machines × 30 keys).
     A random wait, growing with the losses, shifts the loser's phase.
     """
-    import random
-
     time.sleep(random.uniform(0, min(BACKOFF_S * (2 ** lost), BACKOFF_MAX_S)))
 
 
