@@ -15,7 +15,6 @@ serve`` server.
 from __future__ import annotations
 
 import os
-import subprocess
 from dataclasses import dataclass
 
 from cas.errors import UsageError
@@ -70,8 +69,11 @@ def resolve_remote(layout: GitLayout, name: str | None) -> Remote | None:
         name = configured_remote(layout)
         if name is None:
             return None
-    if not name or name.startswith("-") or any(c in name for c in "\0\n\r\t :") :
+    if not name or name.startswith("-") or any(c in name for c in "\0\n\r\t :"):
         raise UsageError(f"not a remote name: '{name}'")
+    # Deferred: every call (a replay too) comes through this module; only one naming a remote spawns git.
+    import subprocess
+
     res = subprocess.run(["git", "--git-dir", layout.common_dir, "config", "--get", f"remote.{name}.url"],
                          capture_output=True, check=False)
     url = res.stdout.decode("utf-8", "surrogateescape").strip()

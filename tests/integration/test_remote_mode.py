@@ -436,3 +436,10 @@ def test_the_client_api_takes_remote_and_a_local_call_stays_local(cluster: tuple
     assert remote_git(c, "rev-parse", "main").strip() == res.commit != before
     assert subprocess.run(["git", "-C", str(a), "rev-parse", "main"], capture_output=True,
                           check=True).stdout.decode().strip() == local.commit
+
+
+def test_a_call_naming_no_remote_pays_no_git_process_nor_subprocess_import() -> None:
+    """Remote mode's face is on every call's path (a replay's too): it reads the config file, no more."""
+    code = "import sys, patcher.protocol; sys.exit('subprocess' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], env=env_with(), capture_output=True, check=False)
+    assert res.returncode == 0, res.stderr
