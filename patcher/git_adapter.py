@@ -184,7 +184,7 @@ class GitAdapter:
             return QueryResult("not_applied", "crashed_before_commit")
         gstore = self._store(receipt)
         if "remote" in receipt.extra:  # remote mode: the remote's key ref and receipt are the truth
-            from patcher import remote_refs  # (deferred: only a remote-mode receipt needs it)
+            from patcher import remote_refs  # (deferred: a replay never needs it, nor its subprocess)
 
             return remote_refs.query_remote(self._rstore, gstore, receipt, remote_refs.remote_of(receipt))
         notes: list[str] = []
