@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 SECTIONS = ("single", "large", "agents", "store", "watch", "fsync", "profile", "matching", "signing", "server",
-            "dirs")
+            "dirs", "remote")
 
 FULL: dict[str, Any] = {
     "sizes": {"1k": 1000, "10k": 10_000, "100k": 100_000},
@@ -33,6 +33,7 @@ FULL: dict[str, Any] = {
     "matching_rounds": 5, "signing_rounds": 30,
     "server_sizes": ("1k", "100k"),
     "dirs_sizes": {"1k": 1000, "100k": 100_000}, "dirs_rounds": 5,
+    "remote": (3, 30),
 }
 QUICK: dict[str, Any] = {
     "sizes": {"1k": 1000, "10k": 10_000},
@@ -48,6 +49,7 @@ QUICK: dict[str, Any] = {
     "matching_rounds": 3, "signing_rounds": 8,
     "server_sizes": ("1k",),
     "dirs_sizes": {"1k": 1000}, "dirs_rounds": 3,
+    "remote": (3, 10),
 }
 
 
@@ -159,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
 
         sizes = {k: v for k, v in cfg["dirs_sizes"].items() if not args.sizes or k in args.sizes.split(",")}
         res["dirs"] = section_dirs(env, sizes, cfg["dirs_rounds"], log)
+    if "remote" in only:
+        from bench.cases_remote import section_remote
+
+        res["remote"] = section_remote(env, *cfg["remote"], log)
     if "watch" in only:  # last: it leaves orphaned receipts in the stores
         from bench.cases_store import section_watcher
 

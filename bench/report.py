@@ -260,6 +260,10 @@ def render(res: dict[str, Any]) -> str:
         from bench.cases_server import render_server
 
         parts.append(render_server(res["server"]))
+    if res.get("remote"):
+        from bench.cases_remote import render_remote
+
+        parts.append(render_remote(res["remote"]))
     lg = res.get("large")
     if lg:
         parts.append(f"\n### 3. Large changes\n\n**500-file patch, {lg['files500'][0]['size']} files** (ms; worktree "

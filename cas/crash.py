@@ -8,8 +8,10 @@ recovery's own); at ``after-index-ahead`` the worktrees' indexes show the
 candidate under the branch's lock and the branch has not moved;
 ``after-generation`` is a directory target's new generation built and
 renamed into place, the folder's symlink not switched yet;
-``check-running`` is inside ``--check``; at ``effect-after-execute`` a generic
-effect ran and its receipt is not written.
+``after-push`` is remote mode's: the atomic push landed, the local receipt
+still says ``prepared`` (docs/REMOTE.md); ``check-running`` is inside
+``--check``; at ``effect-after-execute`` a generic effect ran and its receipt
+is not written.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from collections.abc import Callable
 __all__ = ["POINTS", "CRASH_ENV", "crash_point", "crash_hook"]
 
 CRASH_ENV = "ONCEPATCH_CRASH_AT"
-POINTS = frozenset({"after-stage", "after-prepare", "after-index-ahead", "after-ref", "after-materialise",
-                    "after-generation", "before-receipt-replace", "recover-after-resolve",
+POINTS = frozenset({"after-stage", "after-prepare", "after-index-ahead", "after-ref", "after-push",
+                    "after-materialise", "after-generation", "before-receipt-replace", "recover-after-resolve",
                     "recover-before-receipt-replace", "check-running", "effect-after-execute"})
 _environ = os.environ
 

@@ -34,6 +34,8 @@ from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from receipts.verifier import DEFAULT_GRACE, VerifyReport, verify
 from patcher import remote
+
+_server_client = remote  # the server's client, by a name apply's ``remote=`` argument does not shadow
 from patcher.git_adapter import adapters
 from patcher.outcome import REJECTIONS
 from patcher.protocol import ApplyResult, Caller, apply, foreign_error, store_root_for
@@ -170,12 +172,13 @@ class Client:
         strict: bool = False,
         caller: Caller | None = None,
         dir: str | os.PathLike[str] | None = None,
+        remote: str | None = None,
     ) -> ApplyResult:
         """:func:`patcher.protocol.apply` with this client's defaults and open repositories.
 
         ``dir``: a directory target (docs/DIRECTORIES.md) instead of ``repo``.
 
-        ``common_dir``, ``strict``, ``caller``: see :func:`patcher.protocol.apply`.  A call
+        ``common_dir``, ``strict``, ``caller``, ``remote``: see :func:`patcher.protocol.apply`.  A call
         with an explicit ``caller`` always runs in process (a server judges its own peer).
 
         Raises:
@@ -184,7 +187,7 @@ class Client:
         if dir is not None:
             repo = _objects_of(dir)
         if caller is None:
-            how = remote.choose(self.server)
+            how = _server_client.choose(self.server)  # (``remote`` here is the git remote's name)
             if how != "never":
                 path = self._repo(repo)
                 # '--flag=value': a key or message that starts with '-' stays a value.
@@ -193,7 +196,7 @@ class Client:
                 branch = branch if branch is not None else self.branch
                 for flag, value in (("--key", key), ("--branch", branch), ("--contract-sha256", contract_sha256),
                                     ("--check", check), ("--message", message), ("--common-dir", common_dir),
-                                    ("--store", self.store)):
+                                    ("--store", self.store), ("--remote", remote)):
                     if value is not None:
                         argv.append(f"{flag}={value}")
                 if strict:
@@ -207,7 +210,7 @@ class Client:
             self._repo(repo), patch, key=key, branch=branch if branch is not None else self.branch,
             contract_sha256=contract_sha256, attempt=attempt, format=format, check=check, message=message,
             common_dir=common_dir, store=self.store, lock_timeout=self.lock_timeout, check_timeout=self.check_timeout,
-            strict=strict, caller=caller, _stores=self._stores(),
+            strict=strict, caller=caller, remote=remote, _stores=self._stores(),
         )
 
     @_translated("not_started")
@@ -306,5 +309,5 @@ def _result(doc: Mapping[str, Any]) -> ApplyResult:
         key=doc["key"], call_id=doc["call_id"], status=doc["status"], replayed=bool(doc["replayed"]),
         commit=doc.get("commit"), tree=doc.get("tree"), outputs=tuple(doc.get("outputs") or ()),
         receipt=doc["receipt"], already_applied=bool(doc.get("already_applied", False)),
-        warnings=tuple(doc.get("warnings") or ()), grades=doc.get("grades"),
+        warnings=tuple(doc.get("warnings") or ()), grades=doc.get("grades"), remote=doc.get("remote"),
     )

@@ -19,6 +19,7 @@ from cas.gitdir import GitLayout, discover, main_worktree_of, read_head, resolve
 from cas.hashing import sha256_hex
 from patcher.errors import TooLarge
 from patcher.formats import BUILTIN_NAMES, known_format
+from patcher.remote_mode import Remote, resolve_remote
 
 __all__ = ["TOOL", "TOOL_VERSION", "MAX_PATCH_BYTES", "CallArgs", "check_message", "normalise_args",
            "normalise_branch", "repository_path"]
@@ -85,6 +86,8 @@ class CallArgs:
     message: str | None
     #: The key this call compensates (``oncepatch revert``); only then part of the args (and the identity).
     compensates: str | None = None
+    #: Remote mode (docs/REMOTE.md): the key is claimed on this remote; ``repo`` is its URL.
+    remote: Remote | None = None
 
     def as_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"repo": self.repo, "branch": self.branch, "patch_sha256": self.patch_sha256,
@@ -130,7 +133,7 @@ def repository_path(layout: GitLayout) -> str:
 
 
 def normalise_args(repo: str, patch: str | bytes, *, branch: str | None, format: str, check: str | None,
-                   message: str | None, detect: Any) -> CallArgs:
+                   message: str | None, detect: Any, remote: str | None = None) -> CallArgs:
     """Normalise one call's arguments; ``detect(bytes) -> str`` resolves ``auto``.
 
     Raises:
@@ -154,6 +157,7 @@ def normalise_args(repo: str, patch: str | bytes, *, branch: str | None, format:
         raise UsageError(f"unknown patch format '{format}': use auto, {', '.join(BUILTIN_NAMES)}")
     layout = discover(repo)
     fmt = detect(data) if format == "auto" else format
-    return CallArgs(layout=layout, repo=repository_path(layout), where=layout.workdir or layout.git_dir,
-                    branch=normalise_branch(branch, layout), patch=data, patch_sha256=sha256_hex(data), format=fmt,
-                    check=check, message=message)
+    claimed_on = resolve_remote(layout, remote)
+    return CallArgs(layout=layout, repo=claimed_on.url if claimed_on else repository_path(layout),
+                    where=layout.workdir or layout.git_dir, branch=normalise_branch(branch, layout), patch=data,
+                    patch_sha256=sha256_hex(data), format=fmt, check=check, message=message, remote=claimed_on)

@@ -88,8 +88,11 @@ def _writer_turn(rstore: ReceiptStore, gstore: GitStore, branch: str, timeout: f
 
 
 def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout: float,
-                 _stores: dict[str, Any]) -> ApplyResult:
+                 _stores: dict[str, Any], *, remote_steps: Callable[[_Run], ApplyResult] | None = None) -> ApplyResult:
     """Steps 1 to 7 for a call with no final receipt (``call.previous``: the one read without the lock, if any).
+
+    ``remote_steps``: remote mode's steps (:func:`patcher.remote_push.execute_remote`) run under
+    the key's lock in place of the local ones, with the same engine call and the same truthful envelope.
 
     Raises:
         OncepatchError: a subclass with the envelope fields, carrying the call's key.
@@ -102,7 +105,10 @@ def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout:
             refuse_planted_markers(call.store, call.key)
             if args.check is not None:  # the check's worktree is made there
                 call.store.check_folders(check_worktree_root(call.store), before_any_effect=True)
-            pre = _precheck(args, _stores, call.store, lock_timeout)
+            if remote_steps is None:
+                pre = _precheck(args, _stores, call.store, lock_timeout)
+            else:  # remote mode plans on the remote's head, fetched under the key's lock
+                _refuse_store_paths(args, call.store.root, touched_paths(parse_patch(args.patch, args.format)))
         except GitStoreError as exc:
             # Read before anything is written (say, a blob a partial clone never fetched):
             # nothing happened, whatever libgit2's failure would mean later on.
@@ -120,7 +126,7 @@ def locked_apply(call: Call, args: CallArgs, lock_timeout: float, check_timeout:
                 return replay_final(call, final)
             run = _Run(call, args, _stores, check_timeout, lock_timeout)
             try:
-                return _execute(run, pre)
+                return _execute(run, pre) if remote_steps is None else remote_steps(run)
             except Exception as exc:
                 err = _truthful(run, exc)
                 if err is exc:

@@ -83,6 +83,7 @@ class GitAdapter:
         self._read_only = read_only
         self._where: dict[str, str] = {}  # a receipt's repository path -> where it is settled (_place)
         self._histories: dict[tuple[str, str], BranchHistory] = {}  # (common dir, branch): verify's walks
+        self._fetched: dict[Any, Any] = {}  # remote mode: what verify fetched, per (common dir, remote, key)
 
     def _store(self, receipt: Receipt) -> GitStore:
         """The receipt's repository, opened; never another one found above its folder.
@@ -92,6 +93,9 @@ class GitAdapter:
                 which knows nothing of the call: asking it would answer wrongly).
         """
         repo = str(receipt.args.get("repo"))
+        named = receipt.extra.get("remote")
+        if isinstance(named, dict) and named.get("local"):
+            repo = str(named["local"])  # remote mode: the identity's repo is the remote's URL (docs/REMOTE.md)
         where = self._where.get(repo)  # once per repository and run (verify asks per receipt)
         if where is None:
             where = self._where[repo] = self._place(repo)
@@ -177,6 +181,10 @@ class GitAdapter:
         if not candidate:
             return QueryResult("not_applied", "crashed_before_commit")
         gstore = self._store(receipt)
+        if "remote" in receipt.extra:  # remote mode: the remote's key ref and receipt are the truth
+            from patcher import remote_refs  # (deferred: a replay never needs it, nor its subprocess)
+
+            return remote_refs.query_remote(self._rstore, gstore, receipt, remote_refs.remote_of(receipt))
         notes: list[str] = []
         self._remove_own_stale_locks(gstore, receipt, notes)
         branch = _branch_of(receipt)
@@ -216,6 +224,10 @@ class GitAdapter:
         candidate = receipt.commit or receipt.candidate
         if not candidate:
             return done
+        if "remote" in receipt.extra:  # remote mode moves no local branch nor worktree
+            from patcher import remote_refs
+
+            return remote_refs.settle_remote(gstore, receipt, remote_refs.remote_of(receipt))
         key_ref = KEY_REF_PREFIX + key_hash(receipt.key)
         if gstore.resolve(key_ref) is None:
             gstore.create_key_ref(key_ref, candidate, f"oncepatch recover: {receipt.call_id}")
@@ -305,6 +317,11 @@ class GitAdapter:
         except Exception as exc:  # noqa: BLE001 - a missing repository is a verification failure
             return [f"repository '{receipt.args.get('repo')}' cannot be opened: {exc}"]
         gstore.forget_made()  # proof is what the repository holds now
+        if "remote" in receipt.extra:  # remote mode: checked against the remote's claim too
+            from patcher import remote_refs
+
+            return remote_refs.verify_remote(self._rstore, gstore, receipt, remote_refs.remote_of(receipt),
+                                             self._fetched)
         branch = str(receipt.args.get("branch") or "")
         place = (gstore.common_dir, branch)
         history = self._histories.get(place)

@@ -42,6 +42,7 @@ class ApplyResult:
     warnings: tuple[str, ...] = ()
     error: dict[str, Any] | None = None
     grades: dict[str, list[str]] | None = None  # per touched file, the grade each hunk matched at
+    remote: dict[str, Any] | None = None  # remote mode: name, url, restages (docs/REMOTE.md)
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -61,6 +62,8 @@ class ApplyResult:
             doc["grades"] = {path: list(g) for path, g in self.grades.items()}
         if self.warnings:
             doc["warnings"] = list(self.warnings)
+        if self.remote is not None:
+            doc["remote"] = dict(self.remote)
         return doc
 
 

@@ -70,6 +70,7 @@ def apply(
     strict: bool = False,
     caller: Caller | None = None,
     compensates: str | None = None,
+    remote: str | None = None,
     _stores: dict[str, Any] | None = None,
 ) -> ApplyResult:
     """Apply ``patch`` (its content, never a file name) to ``branch`` of ``repo`` effectively once.
@@ -91,6 +92,9 @@ def apply(
     part of the args, so of the identity: the same key with another
     ``compensates`` is an idempotency conflict.
 
+    ``remote``: the git remote the key is claimed on (docs/REMOTE.md); default
+    ``oncepatch.remote`` of the repository's config, else none (a local call).
+
     ``caller``: who asks, for the store's policy (the broker's ``SO_PEERCRED``
     peer, :meth:`Caller.of`); default: this process (:meth:`Caller.current`).
 
@@ -103,7 +107,7 @@ def apply(
     for round_ in (1, 2):
         try:
             return _apply(repo, patch, key, branch, contract_sha256, attempt, format, check, message, common_dir,
-                          store, lock_timeout, check_timeout, strict, caller, _stores, compensates)
+                          store, lock_timeout, check_timeout, strict, caller, _stores, compensates, remote)
         except OncepatchError as exc:
             if exc.effect_status not in ("not_started", "not_applied") or not _pack_vanished(exc.__cause__):
                 raise
@@ -142,11 +146,11 @@ def _pack_vanished(exc: BaseException | None) -> bool:
 def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, contract_sha256: str | None,
            attempt: int, format: str, check: str | None, message: str | None, common_dir: str | None,
            store: str | None, lock_timeout: float, check_timeout: float, strict: bool, caller: Caller | None,
-           _stores: dict[str, Any], compensates: str | None = None) -> ApplyResult:
+           _stores: dict[str, Any], compensates: str | None = None, remote: str | None = None) -> ApplyResult:
     try:
         _check_options(attempt, lock_timeout, check_timeout, store)
         args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message,
-                              detect=detect)
+                              detect=detect, remote=remote)
         if compensates is not None:
             args = replace(args, compensates=compensates)
         if common_dir is not None and args.layout.common_dir != common_dir:
@@ -188,6 +192,10 @@ def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, c
 
         if strict:
             strictness = STRICT.set(True)
+        if args.remote is not None:  # remote mode (docs/REMOTE.md): the same call, pushed
+            from patcher.remote_push import execute_remote
+
+            return locked_apply(call, args, lock_timeout, check_timeout, _stores, remote_steps=execute_remote)
         return locked_apply(call, args, lock_timeout, check_timeout, _stores)
     finally:
         if strictness is not None:

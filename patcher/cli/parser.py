@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse a hunk that matches only loosely (below the exact grade)")
     # The common git dir the caller resolved the repository to (patcher.remote): refused if it differs.
     p.add_argument("--common-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--remote", default=None, metavar="NAME", help="claim the key on this git remote: one atomic push "
+                   "(default: oncepatch.remote of the repository's config; docs/REMOTE.md)")
 
     p = sub.add_parser("status", help="the verified receipt of a key or call_id")
     add_common(p)

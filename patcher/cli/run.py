@@ -48,7 +48,7 @@ def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
             args.repo, data, key=args.key, branch=args.branch, contract_sha256=args.contract_sha256,
             attempt=args.attempt, format=args.format, check=args.check, message=args.message,
             store=args.store, lock_timeout=args.lock_timeout, check_timeout=args.check_timeout, strict=args.strict,
-            caller=args.caller, common_dir=args.common_dir,
+            caller=args.caller, common_dir=args.common_dir, remote=args.remote,
         )
     doc = res.to_json()
     if res.already_applied:  # the commit is the branch's, made before this call: never this key's own
@@ -58,6 +58,8 @@ def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         text = f"replayed: {res.status} {(res.commit or '')[:12]} (nothing re-executed)\n"
     else:
         text = f"committed {(res.commit or '')[:12]}: {len(res.outputs)} file(s)\n"
+    if res.remote is not None:
+        text += f"remote {res.remote['name']}: {res.remote.get('restages', 0)} re-stage(s)\n"
     text += f"key {res.key}\nreceipt {res.receipt}\n"
     for path, grades in (res.grades or {}).items():
         if any(g != "exact" for g in grades):

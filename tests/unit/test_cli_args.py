@@ -10,7 +10,7 @@ from patcher.cli import build_parser
 DEFAULTS = {"command": "apply", "patch": "p.diff", "json": False, "repo": ".", "store": None, "branch": None,
             "key": None, "contract_sha256": None, "attempt": 1, "format": "auto", "check": None,
             "check_timeout": 600.0, "message": None, "lock_timeout": 30.0, "strict": False, "no_server": False,
-            "common_dir": None, "dir": None}
+            "common_dir": None, "dir": None, "remote": None}
 
 
 @pytest.mark.parametrize(("argv", "changed"), [
@@ -26,6 +26,7 @@ DEFAULTS = {"command": "apply", "patch": "p.diff", "json": False, "repo": ".", "
     (["apply", "p.diff", "--key", ""], {"key": ""}),
     (["apply", "p.diff", "--attempt", " 7 "], {"attempt": 7}),
     (["apply", "--", "-p.diff"], {"patch": "-p.diff"}),
+    (["apply", "p.diff", "--remote", "origin"], {"remote": "origin"}),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_apply_lines(argv: list[str], changed: dict[str, object]) -> None:
     assert vars(build_parser().parse_args(argv)) == {**DEFAULTS, **changed}

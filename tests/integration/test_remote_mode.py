@@ -1,0 +1,445 @@
+"""Remote mode (``apply --remote``, docs/REMOTE.md) against a real ``git daemon`` on 127.0.0.1.
+
+Three "machines" are three clones, each with its own store.  What must hold:
+one key claimed once on the remote whichever machine asks (the others
+replay, checked); distinct keys from every machine all land, once each, the
+tree equal to applying them serially; a client killed at each crash point,
+or the server killed mid-push, leaves each key landed once or not at all,
+and after ``recover`` every machine's ``verify`` agrees with the remote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import ROOT, run_cli
+from git_server import GitServer
+from remote_cluster import Cluster, drive, key_patch, make_cluster, make_server_repo, remote_git, serial_tree
+
+from receipts.identity import key_hash
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[GitServer, Cluster]]:
+    """A ``git daemon`` on 127.0.0.1 serving ``server.git``, and three clones of it ("machines")."""
+    server = GitServer(make_server_repo(tmp_path)).start()
+    try:
+        yield server, make_cluster(tmp_path, server.url("server.git"), 3)
+    finally:
+        server.stop()
+
+
+def apply_argv(machine: Path, i: int, key: str | None = None) -> list[str]:
+    return [sys.executable, "-m", "patcher.cli", "apply", "-", "--json", "--repo", str(machine), "--key",
+            key or f"key-{i}", "--remote", "origin"]
+
+
+def env_with(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT)
+    env.update(extra)
+    return env
+
+
+def remote_commits_with(cluster: Cluster, key: str) -> list[str]:
+    out = remote_git(cluster, "log", "--format=%H", f"--grep=Oncepatch-Key: {key_hash(key)}", "main")
+    return out.split()
+
+
+def remote_ref(cluster: Cluster, ref: str) -> str | None:
+    res = subprocess.run(["git", "rev-parse", "-q", "--verify", ref], cwd=cluster.server_repo, capture_output=True,
+                         check=False)
+    return res.stdout.decode().strip() or None
+
+
+def cli_apply(machine: Path, i: int, key: str | None = None, **env: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(apply_argv(machine, i, key), input=key_patch(i).encode(), capture_output=True,
+                          env=env_with(**env), timeout=120, check=False)
+
+
+def verify_all(cluster: Cluster) -> None:
+    for m in cluster.machines:
+        ver = run_cli("verify", "--json", "--repo", str(m), "--grace", "0")
+        assert ver.code == 0, ver.out + ver.err
+
+
+def test_same_key_from_three_machines_at_once_lands_once(cluster: tuple[GitServer, Cluster]) -> None:
+    """All three staged on the same head and paused before the push, then let go: one push, two replays."""
+    _server, c = cluster
+    before = remote_git(c, "rev-parse", "main").strip()
+    procs = [subprocess.Popen(apply_argv(m, 0), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env_with(ONCEPATCH_PAUSE_AT="before-push"))
+             for m in c.machines]
+    try:
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(key_patch(0).encode())
+            p.stdin.close()
+            p.stdin = None  # (communicate() must not flush it)
+        for p in procs:  # each stops itself (SIGSTOP) right before its push
+            _pid, status = os.waitpid(p.pid, os.WUNTRACED)
+            assert os.WIFSTOPPED(status), status
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
+        docs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0, 0], docs
+    assert sorted(d["replayed"] for d in docs) == [False, True, True]
+    assert len({d["commit"] for d in docs}) == 1
+    assert all(d["remote"]["answered_from_remote"] for d in docs if d["replayed"])
+    # One commit on the remote, on top of the head all three staged on.
+    assert remote_git(c, "rev-list", "--count", f"{before}..main").strip() == "1"
+    assert remote_commits_with(c, "key-0") == [docs[0]["commit"]]
+    assert remote_ref(c, f"refs/oncepatch/keys/{key_hash('key-0')}") == docs[0]["commit"]
+    # Another call under the same key from another machine: a conflict, nothing pushed.
+    other = cli_apply(c.machines[1], 1, key="key-0")
+    assert other.returncode == 3, other.stdout
+    assert json.loads(other.stdout)["error"]["type"] == "idempotency_conflict"
+    assert remote_git(c, "rev-list", "--count", f"{before}..main").strip() == "1"
+    verify_all(c)
+
+
+def _distinct_keys(tmp_path: Path, c: Cluster, n: int) -> list[dict[str, Any]]:
+    before = remote_git(c, "rev-parse", "main").strip()
+    keys = {m: list(range(m * n, (m + 1) * n)) for m in range(len(c.machines))}
+    procs = [drive(machine, keys[m], env_with()) for m, machine in enumerate(c.machines)]
+    docs: list[dict[str, Any]] = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err.decode()
+            docs += [json.loads(line) for line in out.decode().splitlines()]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    total = n * len(c.machines)
+    assert all(d["ok"] and not d["replayed"] for d in docs), [d for d in docs if not d.get("ok")]
+    assert len(docs) == total
+    # Every commit landed once, on one line of history, no update lost.
+    assert remote_git(c, "rev-list", "--count", f"{before}..main").strip() == str(total)
+    assert remote_git(c, "rev-list", "--merges", "--count", "main").strip() == "0"
+    for i in range(total):
+        assert len(remote_commits_with(c, f"key-{i}")) == 1, i
+    assert remote_git(c, "rev-parse", "main^{tree}").strip() == serial_tree(tmp_path, list(range(total)))
+    landed = set(remote_git(c, "rev-list", "main").split())
+    assert {d["commit"] for d in docs} <= landed
+    verify_all(c)
+    return docs
+
+
+def test_distinct_keys_from_three_machines_all_land_once(tmp_path: Path,
+                                                         cluster: tuple[GitServer, Cluster]) -> None:
+    docs = _distinct_keys(tmp_path, cluster[1], 5)
+    for d in docs:  # the re-stages a call needed, in its result and in its receipt alike
+        receipt = json.loads(Path(d["receipt"]).read_text())
+        assert receipt["remote"]["restages"] == d["remote"]["restages"]
+        assert receipt["remote"]["url"] == cluster[0].url("server.git")
+
+
+@pytest.mark.slow
+def test_thirty_keys_from_each_of_three_machines(tmp_path: Path, cluster: tuple[GitServer, Cluster]) -> None:
+    _distinct_keys(tmp_path, cluster[1], 30)
+
+
+def _receipt_of(machine: Path, key: str) -> dict[str, Any] | None:
+    res = run_cli("status", "--json", "--repo", str(machine), "--", key)
+    return res.json["receipt"] if res.code == 0 else None
+
+
+#: Remote mode's crash points (cas/crash.py) and whether the key has landed on the remote there.
+CRASH_POINTS = {"after-stage": False, "after-prepare": False, "after-push": True, "before-receipt-replace": True}
+
+
+@pytest.mark.parametrize("point", sorted(CRASH_POINTS))
+def test_client_killed_at_each_crash_point_then_recover_everywhere(point: str,
+                                                                    cluster: tuple[GitServer, Cluster]) -> None:
+    _server, c = cluster
+    a, b, _c = c.machines
+    before = remote_git(c, "rev-parse", "main").strip()
+    crashed = cli_apply(a, 0, ONCEPATCH_CRASH_AT=point)
+    assert crashed.returncode == 137, crashed.stderr
+    landed = CRASH_POINTS[point]
+    assert len(remote_commits_with(c, "key-0")) == int(landed)
+    for m in c.machines:
+        rec = run_cli("recover", "--json", "--repo", str(m), "--tmp-age", "0")
+        assert rec.code == 0, rec.out + rec.err
+    receipt = _receipt_of(a, "key-0")
+    key_ref = remote_ref(c, f"refs/oncepatch/keys/{key_hash('key-0')}")
+    if landed:
+        # Settled from the remote: its key ref and receipt are the truth.
+        assert receipt is not None and receipt["status"] == "committed"
+        assert receipt["commit"] == key_ref == remote_git(c, "rev-parse", "main").strip()
+        assert subprocess.run(["git", "-C", str(a), "rev-parse", f"refs/oncepatch/keys/{key_hash('key-0')}"],
+                              capture_output=True, check=True).stdout.decode().strip() == key_ref
+    else:
+        assert key_ref is None and remote_git(c, "rev-parse", "main").strip() == before
+        assert receipt is None or (receipt["status"] == "rejected" and receipt["retryable"])
+    verify_all(c)
+    # The key again, from another machine and from the crashed one: landed once, whatever happened.
+    again_b = cli_apply(b, 0)
+    again_a = cli_apply(a, 0)
+    assert (again_b.returncode, again_a.returncode) == (0, 0), (again_b.stdout, again_a.stdout)
+    doc_b, doc_a = json.loads(again_b.stdout), json.loads(again_a.stdout)
+    assert doc_b["replayed"] is landed and doc_a["replayed"] is True
+    assert doc_a["commit"] == doc_b["commit"]
+    assert remote_commits_with(c, "key-0") == [doc_b["commit"]]
+    assert remote_git(c, "rev-list", "--count", f"{before}..main").strip() == "1"
+    verify_all(c)
+
+
+def test_server_killed_mid_push_is_unknown_until_recover_asks_the_remote(tmp_path: Path,
+                                                                        cluster: tuple[GitServer, Cluster]) -> None:
+    """The daemon (and its receive-pack) killed while the push waits in the server's pre-receive hook."""
+    server, c = cluster
+    a = c.machines[0]
+    ready, go = tmp_path / "hook-ready", tmp_path / "hook-go"
+    os.mkfifo(ready)
+    os.mkfifo(go)
+    hook = c.server_repo / "hooks" / "pre-receive"
+    hook.write_text(f"#!/bin/sh\ncat >/dev/null\necho reached > '{ready}'\nread x < '{go}'\n")
+    hook.chmod(0o755)
+    before = remote_git(c, "rev-parse", "main").strip()
+    proc = subprocess.Popen(apply_argv(a, 0), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env_with())
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(key_patch(0).encode())
+        proc.stdin.close()
+        proc.stdin = None
+        with open(ready) as fh:  # blocks until the push's pack is in and the hook runs
+            assert fh.read().strip() == "reached"
+        server.stop()  # the daemon's whole group: receive-pack and its hook die mid-push
+        out, _err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 5, out
+    err = json.loads(out)["error"]
+    assert err["effect_status"] == "unknown" and err["next_action"] == "recover"
+    receipt = _receipt_of(a, "key-0")
+    assert receipt is not None and receipt["status"] == "unknown"
+    # Server down: recover cannot tell either, and says so.
+    rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
+    assert rec.code != 0
+    assert _receipt_of(a, "key-0")["status"] == "unknown"  # type: ignore[index]
+    # Server back (same port), without the hook: the remote says the push never landed.
+    hook.unlink()
+    restarted = GitServer(server.base, port=server.port).start()
+    try:
+        rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
+        assert rec.code == 0, rec.out + rec.err
+        receipt = _receipt_of(a, "key-0")
+        assert receipt is not None and receipt["status"] == "rejected" and receipt["retryable"]
+        assert remote_git(c, "rev-parse", "main").strip() == before
+        verify_all(c)
+        again = cli_apply(a, 0)
+        assert again.returncode == 0, again.stdout
+        assert remote_commits_with(c, "key-0") == [json.loads(again.stdout)["commit"]]
+        verify_all(c)
+    finally:
+        restarted.stop()
+
+
+def test_server_down_before_the_call_changes_nothing(cluster: tuple[GitServer, Cluster]) -> None:
+    server, c = cluster
+    a = c.machines[0]
+    server.stop()
+    res = cli_apply(a, 0)
+    assert res.returncode == 4, res.stdout
+    err = json.loads(res.stdout)["error"]
+    assert (err["type"], err["effect_status"], err["next_action"]) == ("remote_unreachable", "not_started", "retry")
+    assert _receipt_of(a, "key-0") is None
+    restarted = GitServer(server.base, port=server.port).start()
+    try:
+        again = cli_apply(a, 0)
+        assert again.returncode == 0, again.stdout
+        assert json.loads(again.stdout)["replayed"] is False
+    finally:
+        restarted.stop()
+
+
+def _forge_remote_receipt(c: Cluster, key: str, **changes: Any) -> None:
+    """Replace the remote's receipt of ``key`` by a well-formed one with ``changes`` (a forged claim)."""
+    from receipts.receipt import parse_receipt, receipt_bytes
+
+    h = key_hash(key)
+    data = remote_git(c, "cat-file", "blob", f"refs/oncepatch/receipts/{h}:receipt.json").encode()
+    forged = receipt_bytes(parse_receipt(data, path="remote", expected_key_hash=h).evolve(**changes))
+    blob = subprocess.run(["git", "hash-object", "-w", "--stdin"], cwd=c.server_repo, input=forged,
+                          capture_output=True, check=True).stdout.decode().strip()
+    tree = subprocess.run(["git", "mktree"], cwd=c.server_repo, input=f"100644 blob {blob}\treceipt.json\n".encode(),
+                          capture_output=True, check=True).stdout.decode().strip()
+    commit = remote_git(c, "commit-tree", tree, "-m", "forged").strip()
+    remote_git(c, "update-ref", f"refs/oncepatch/receipts/{h}", commit)
+
+
+def test_a_replay_from_the_remote_checks_its_receipt_first(cluster: tuple[GitServer, Cluster]) -> None:
+    """A receipt on the remote that names another commit than the key ref is not answered from."""
+    _server, c = cluster
+    a, b, _c = c.machines
+    first = cli_apply(a, 0)
+    assert first.returncode == 0, first.stdout
+    base = remote_git(c, "rev-parse", "main~1").strip()
+    _forge_remote_receipt(c, "key-0", commit=base)
+    forged = cli_apply(b, 0)
+    assert forged.returncode == 6, forged.stdout
+    err = json.loads(forged.stdout)["error"]
+    assert err["type"] == "corrupt_receipt" and "key ref points at" in err["message"]
+    assert _receipt_of(b, "key-0") is None  # nothing answered, nothing recorded
+    # verify on the machine that made it: its receipt disagrees with the remote's now.
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 6 and "remote's receipt has another commit" in ver.out, ver.out
+
+
+def test_verify_finds_a_key_claim_removed_from_the_remote(cluster: tuple[GitServer, Cluster]) -> None:
+    _server, c = cluster
+    a = c.machines[0]
+    assert cli_apply(a, 0).returncode == 0
+    verify_all(c)
+    remote_git(c, "update-ref", "-d", f"refs/oncepatch/keys/{key_hash('key-0')}")
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 6 and "has no claim of key 'key-0'" in ver.out, ver.out
+
+
+def test_a_signed_store_checks_the_remote_receipts_signature(tmp_path: Path,
+                                                            cluster: tuple[GitServer, Cluster]) -> None:
+    """One signers list on several machines: a signed receipt replays, the same unsigned is refused there."""
+    from receipts.signing import SIGNERS_FILE
+
+    _server, c = cluster
+    a, b, unsigned = c.machines
+    d = tmp_path / "machine3"
+    subprocess.run(["git", "clone", "-q", c.url, str(d)], check=True, capture_output=True)
+    init = run_cli("keys", "init", "--repo", str(a), "--json")
+    assert init.code == 0, init.out + init.err
+    for m in (b, d):  # the same signers list (and, HOME being shared here, the same private key)
+        (m / ".git" / "oncepatch").mkdir(parents=True, exist_ok=True)
+        (m / ".git" / "oncepatch" / SIGNERS_FILE).write_bytes(
+            (a / ".git" / "oncepatch" / SIGNERS_FILE).read_bytes())
+    assert cli_apply(a, 0).returncode == 0
+    h = key_hash("key-0")
+    signed = json.loads(remote_git(c, "cat-file", "blob", f"refs/oncepatch/receipts/{h}:receipt.json"))
+    assert signed.get("signature"), signed
+    genuine = cli_apply(b, 0)
+    assert genuine.returncode == 0 and json.loads(genuine.stdout)["replayed"] is True, genuine.stdout
+    # The same receipt, its signature dropped (digest recomputed): a store that signs refuses it.
+    _forge_remote_receipt(c, "key-0", updated_at=signed["updated_at"])
+    refused = cli_apply(d, 0)
+    assert refused.returncode == 6, refused.stdout
+    assert json.loads(refused.stdout)["error"]["type"] == "corrupt_receipt"
+    assert _receipt_of(d, "key-0") is None
+    # An unsigned store has only the receipt's own consistency to go by: it replays it.
+    replayed = cli_apply(unsigned, 0)
+    assert replayed.returncode == 0 and json.loads(replayed.stdout)["replayed"] is True
+
+
+def _paused_apply(machine: Path, i: int) -> subprocess.Popen[bytes]:
+    """``apply`` of key ``i`` stopped (SIGSTOP) right before its push; the caller continues it."""
+    proc = subprocess.Popen(apply_argv(machine, i), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env_with(ONCEPATCH_PAUSE_AT="before-push"))
+    assert proc.stdin is not None
+    proc.stdin.write(key_patch(i).encode())
+    proc.stdin.close()
+    proc.stdin = None
+    _pid, status = os.waitpid(proc.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), status
+    return proc
+
+
+def _plain_push(c: Cluster, machine: Path, path: str, text: str) -> str:
+    """A person's commit pushed with plain git from ``machine``: the remote's branch moves under a call."""
+    subprocess.run(["git", "-C", str(machine), "pull", "-q", "--ff-only"], check=True, capture_output=True)
+    target = machine / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    for argv in (["add", "-A"], ["commit", "-q", "-m", "by hand"], ["push", "-q", "origin", "HEAD:main"]):
+        subprocess.run(["git", "-C", str(machine), *argv], check=True, capture_output=True)
+    return remote_git(c, "rev-parse", "main").strip()
+
+
+def test_a_push_rejected_by_the_lease_is_restaged_on_the_new_head(cluster: tuple[GitServer, Cluster]) -> None:
+    _server, c = cluster
+    a, b, _c = c.machines
+    proc = _paused_apply(a, 0)
+    try:
+        moved = _plain_push(c, b, "elsewhere.txt", "a person's change\n")
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _err = proc.communicate(timeout=120)
+    finally:
+        _reap([proc])
+    assert proc.returncode == 0, out
+    doc = json.loads(out)
+    assert doc["remote"]["restages"] == 1 and doc["replayed"] is False
+    assert remote_git(c, "rev-parse", "main").strip() == doc["commit"]
+    assert remote_git(c, "rev-parse", f"{doc['commit']}^").strip() == moved  # on top of the person's commit
+    assert remote_git(c, "show", "main:elsewhere.txt") == "a person's change\n"
+    verify_all(c)
+
+
+def test_a_lease_lost_to_an_overlapping_change_is_a_conflict(cluster: tuple[GitServer, Cluster]) -> None:
+    _server, c = cluster
+    a, b, _c = c.machines
+    proc = _paused_apply(a, 0)
+    try:
+        shared = (b / "shared.txt").read_text().replace("line 5\n", "line 5 rewritten by hand\n")
+        moved = _plain_push(c, b, "shared.txt", shared)
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _err = proc.communicate(timeout=120)
+    finally:
+        _reap([proc])
+    assert proc.returncode == 4, out  # rejected, as a local conflict: nothing changed
+    err = json.loads(out)["error"]
+    assert (err["type"], err["effect_status"], err["retryable"]) == ("conflict", "not_applied", True)
+    assert remote_git(c, "rev-parse", "main").strip() == moved
+    assert remote_ref(c, f"refs/oncepatch/keys/{key_hash('key-0')}") is None
+    receipt = _receipt_of(a, "key-0")
+    assert receipt is not None and receipt["status"] == "rejected"
+    verify_all(c)
+
+
+def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_the_client_api_takes_remote_and_a_local_call_stays_local(cluster: tuple[GitServer, Cluster]) -> None:
+    """``Client.apply(remote=...)`` claims on the remote; the same clone's call without it is a local call."""
+    import patcher
+
+    _server, c = cluster
+    a = c.machines[0]
+    before = remote_git(c, "rev-parse", "main").strip()
+    with patcher.Client(str(a), server="never") as client:
+        res = client.apply(key_patch(0), key="key-0", remote="origin")
+        assert res.remote is not None and res.remote["name"] == "origin" and not res.replayed
+        assert remote_git(c, "rev-parse", "main").strip() == res.commit
+        local = client.apply(key_patch(1), key="key-1")  # no remote, no oncepatch.remote: this clone only
+        assert local.remote is None
+    assert remote_git(c, "rev-parse", "main").strip() == res.commit != before
+    assert subprocess.run(["git", "-C", str(a), "rev-parse", "main"], capture_output=True,
+                          check=True).stdout.decode().strip() == local.commit
+
+
+def test_a_call_naming_no_remote_pays_no_git_process_nor_subprocess_import() -> None:
+    """Remote mode's face is on every call's path (a replay's too): it reads the config file, no more."""
+    code = "import sys, patcher.protocol; sys.exit('subprocess' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], env=env_with(), capture_output=True, check=False)
+    assert res.returncode == 0, res.stderr
