@@ -294,6 +294,11 @@ def _labels(pairs: Iterable[tuple[str, str]]) -> str:
     return "{" + inner + "}" if inner else ""
 
 
+def _compacted_events(stats: Stats) -> int:
+    events = (stats.compacted or {}).get("events")
+    return events if isinstance(events, int) and not isinstance(events, bool) else 0
+
+
 def to_prometheus(stats: Stats) -> str:
     """``stats`` in the Prometheus text format (version 0.0.4): counters, a gauge of the keys, a summary."""
     out: list[str] = []
@@ -319,5 +324,5 @@ def to_prometheus(stats: Stats) -> str:
             f"oncepatch_ledger_events {stats.events}",
             "# HELP oncepatch_ledger_compacted_events events oncepatch gc compacted into a checkpoint: not counted",
             "# TYPE oncepatch_ledger_compacted_events gauge",
-            f"oncepatch_ledger_compacted_events {int((stats.compacted or {}).get('events') or 0)}"]
+            f"oncepatch_ledger_compacted_events {_compacted_events(stats)}"]
     return "\n".join(out) + "\n"
