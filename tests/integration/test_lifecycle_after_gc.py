@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Repo, make_repo, run_cli, snapshot
+from receipts.stats import count_events, to_prometheus
 
 BASE = {"src/app.py": "".join(f"line {i}\n" for i in range(1, 31)), "README": "hello\n"}
 POLICY = '[remove]\nolder_than_days = 0\nkey_prefixes = ["old/"]\n\n[redact]\nfields = ["args.message"]\n'
@@ -199,3 +200,25 @@ def test_drift_still_names_a_compensation_whose_receipt_gc_removed(tmp_path: Pat
     assert stats["keys"] == {"apply_patch": {"committed": 1}}
     assert run_cli("replay", "--repo", str(repo.path), "--json").json["divergences"] == 0
     assert os.path.exists(doc["archive"])
+
+
+def test_gc_events_never_crash_the_counts_and_a_checkpoint_is_not_a_call() -> None:
+    """A checkpoint with a malformed count, a 'removed' for a key whose calls it hid, a key used again."""
+    def ev(seq: int, event: str, key: str | None, **extra: Any) -> dict[str, Any]:
+        doc = {"seq": seq, "event": event, "tool": "t", "at": f"2026-01-01T00:00:{seq:02}Z", **extra}
+        return doc if key is None else {**doc, "key": key}
+
+    events = [ev(4, "checkpoint", None, first_seq=1, events="four", head="0" * 64, at="2026-02-01T00:00:00Z"),
+              ev(5, "removed", "a", status="committed"),
+              ev(6, "compacted", None, checkpoint_sha256="0" * 64),
+              ev(7, "committed", "a", status="committed", fencing_token=1),
+              ev(8, "prepared", "b", status="prepared", fencing_token=1, compensates="a"),
+              ev(9, "committed", "b", status="committed", fencing_token=1, compensates="a"),
+              ev(10, "redacted", "b", status="committed", fencing_token=1, compensates="a")]
+    stats = count_events(events)
+    assert stats.compacted == {"first_seq": 1, "last_seq": 4, "events": "four", "bundle_sha256": None}
+    assert stats.first_at == "2026-01-01T00:00:05Z"  # the checkpoint's own time (gc's) is no call's
+    assert stats.counters["calls"] == {("t",): 2} and stats.counters["duplicate_requests"] == {}
+    assert stats.counters["removals"] == {("t",): 1} and stats.counters["compensations"] == {("t",): 1}
+    assert stats.states == {("t", "committed"): 2}
+    assert "oncepatch_ledger_compacted_events 0\n" in to_prometheus(stats)
