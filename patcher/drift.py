@@ -13,7 +13,16 @@ wrote, one of
   receipt's commit (its parent's version), by the commit named;
 * ``gone`` — the receipt's commit is no longer on its branch (reset, rebased);
 * ``dirty`` — the branch head agrees but a worktree's file does not (an edit
-  not committed yet); also flagged (``dirty: true``) beside the states above.
+  not committed yet); also flagged (``dirty: true``) beside the states above;
+* ``compensated`` — the last commit to change it is a compensation of this
+  receipt's key (``oncepatch revert``: a receipt or a ledger event of the
+  commit's key says ``compensates: KEY``), named in ``compensated_by``.  Not
+  drift: the store holds the keyed change that undid it on purpose.
+
+A commit's key is named from its ``Oncepatch-Key`` trailer (the key's sha256)
+by this store's receipts, and by its ledger for a key whose receipt ``oncepatch
+gc`` removed (``removed_by_gc: true``).  A removed key has no receipt, so
+nothing of its own is compared.
 
 Which receipts: every ``committed`` one, and every ``prepared``/``unknown`` one
 whose candidate is on its branch (a crashed call whose commit landed and
@@ -34,6 +43,8 @@ from cas.errors import OncepatchError
 from cas.gitdir import worktrees_on
 from cas.objects import GitStore, TreeEntry, open_store
 from cas.worktree import worktree_files_match
+from receipts.errors import CorruptLedger
+from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 from patcher.args import TOOL
@@ -42,6 +53,8 @@ from patcher.evidence import BranchHistory
 __all__ = ["DriftReport", "drift"]
 
 DRIFTED = ("changed", "reverted", "gone", "dirty")
+#: Not drift: a path undone on purpose by a compensating call (module docstring).
+COMPENSATED = "compensated"
 
 
 @dataclass
@@ -51,7 +64,7 @@ class DriftReport:
 
     @property
     def drifted(self) -> list[dict[str, Any]]:
-        return [r for r in self.receipts if r["state"] != "unchanged"]
+        return [r for r in self.receipts if r["state"] in DRIFTED]
 
     def to_json(self) -> dict[str, Any]:
         return {"receipts": self.receipts, "drifted": len(self.drifted), "skipped": self.skipped}
@@ -87,15 +100,50 @@ def _last_change(gstore: GitStore, tip: str, since: str, path: str) -> pygit2.Co
     return None
 
 
-def _who(commit: pygit2.Commit, keys: dict[str, str]) -> dict[str, Any]:
-    """Who made ``commit``: oncepatch (its trailers; ``keys``: key by its sha256, this store's) or outside it."""
+@dataclass
+class _Keys:
+    """What the store knows of keys: each key by its sha256, which keys gc removed, who compensates whom."""
+
+    by_hash: dict[str, str] = field(default_factory=dict)
+    removed: set[str] = field(default_factory=set)
+    #: compensated key -> the keys of the calls that compensate it
+    compensators: dict[str, set[str]] = field(default_factory=dict)
+
+    def link(self, key: str, compensates: object) -> None:
+        self.by_hash.setdefault(key_hash(key), key)
+        if isinstance(compensates, str):
+            self.compensators.setdefault(compensates, set()).add(key)
+
+
+def _known_keys(rstore: ReceiptStore, receipts: list[Receipt]) -> _Keys:
+    """The keys of ``receipts`` and of the ledger's events (a removed key is only there)."""
+    keys = _Keys()
+    for r in receipts:
+        keys.link(r.key, r.args.get("compensates"))
+    last: dict[str, str] = {}
+    try:
+        for e in rstore.ledger.events():
+            k = e.get("key")
+            if isinstance(k, str):
+                keys.link(k, e.get("compensates"))
+                last[k] = str(e.get("event"))
+    except CorruptLedger:
+        pass  # names from the receipts only: 'oncepatch verify' reports the ledger
+    keys.removed = {k for k, kind in last.items() if kind == "removed"}
+    return keys
+
+
+def _who(commit: pygit2.Commit, keys: _Keys) -> dict[str, Any]:
+    """Who made ``commit``: oncepatch (its trailers, the key named through ``keys``) or outside it."""
     trailers = _trailers(commit.message)
     out: dict[str, Any] = {"commit": str(commit.id), "subject": commit.message.split("\n", 1)[0]}
     if "Oncepatch-Call" in trailers or "Oncepatch-Key" in trailers:
         out["by"] = "oncepatch"
         out["key_sha256"] = trailers.get("Oncepatch-Key")
         out["call_id"] = trailers.get("Oncepatch-Call")
-        out["key"] = keys.get(out["key_sha256"] or "")
+        out["key"] = keys.by_hash.get(out["key_sha256"] or "")
+        if out["key"] in keys.removed:
+            out["removed_by_gc"] = True
     else:
         out["by"] = "outside"
     return out
@@ -151,7 +199,7 @@ def _applied_commit(gstore: GitStore, receipt: Receipt, branch: _Branch) -> tupl
     return None, receipt.status
 
 
-def _one(gstore: GitStore, receipt: Receipt, keys: dict[str, str],
+def _one(gstore: GitStore, receipt: Receipt, keys: _Keys,
          branches: dict[tuple[str, str], _Branch]) -> dict[str, Any] | None:
     name = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
     branch = _branch(gstore, name, branches)
@@ -177,6 +225,8 @@ def _one(gstore: GitStore, receipt: Receipt, keys: dict[str, str],
             last = _last_change(gstore, tip, commit, path)
             if last is not None:
                 item.update(_who(last, keys))
+                if item.get("key") is not None and item["key"] in keys.compensators.get(receipt.key, ()):
+                    item["state"], item["compensated_by"] = COMPENSATED, item["key"]
         dirty = [w for w in worktrees if not worktree_files_match(gstore, w, {path: head})]
         if dirty:
             item["dirty"] = dirty
@@ -184,7 +234,7 @@ def _one(gstore: GitStore, receipt: Receipt, keys: dict[str, str],
                 item["state"] = "dirty"
         row["paths"].append(item)
     states = {p["state"] for p in row["paths"]}
-    row["state"] = next((s for s in DRIFTED if s in states), "unchanged")
+    row["state"] = next((s for s in (*DRIFTED, COMPENSATED) if s in states), "unchanged")
     return row
 
 
@@ -194,7 +244,7 @@ def drift(rstore: ReceiptStore, stores: dict[str, GitStore] | None = None) -> Dr
     branches: dict[tuple[str, str], _Branch] = {}
     report = DriftReport()
     scanned = list(rstore.scan())
-    keys = {i.key_hash: i.receipt.key for i in scanned if i.receipt is not None}
+    keys = _known_keys(rstore, [i.receipt for i in scanned if i.receipt is not None])
     for item in scanned:
         receipt = item.receipt
         if receipt is None:

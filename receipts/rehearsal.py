@@ -25,10 +25,14 @@ and ``settle`` are recorded and refused (:class:`WouldWrite`).
 
 What the ledger says a key's call would get now (the *expected* decision) is
 read from the key's last recorded event: ``committed`` or a final
-``rejected``: ``replay``; a retryable ``rejected`` or a quarantined receipt:
+``rejected``: ``replay``; a retryable ``rejected``, a quarantined receipt or
+one ``oncepatch gc`` removed (``removed``: the key is new again):
 ``execute``; ``prepared`` / ``unknown``: ``query`` or ``person``.  A key
 whose receipt on disk is not the one its last event names (``receipt_sha256``)
-diverges too: a receipt changed or replaced outside a call.
+diverges too: a receipt changed or replaced outside a call.  gc's
+``redacted`` event names the redacted receipt's digest, so a redacted receipt
+is the one its last event names; the events gc compacted into a
+``checkpoint`` are no calls to decide (only removed keys' events are).
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ def recorded_calls(events: Iterable[Mapping[str, Any]]) -> tuple[list[RecordedCa
         key, kind = e.get("key"), str(e.get("event"))
         if not isinstance(key, str):
             continue
-        if kind == "quarantined":
+        if kind in ("quarantined", "removed"):
             last[key] = e
             open_exec.pop(key, None)
             continue
@@ -135,7 +139,7 @@ def recorded_calls(events: Iterable[Mapping[str, Any]]) -> tuple[list[RecordedCa
 
 def expected(last: Mapping[str, Any] | None) -> frozenset[str]:
     """What the ledger says a call of the key would get now (module docstring)."""
-    if last is None or last.get("event") == "quarantined":
+    if last is None or last.get("event") in ("quarantined", "removed"):
         return frozenset({"execute"})
     status = last.get("status")
     if status == "committed":
@@ -233,13 +237,18 @@ def rehearse(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], *, from
         reasons: list[str] = []
         if now.decision not in want:
             reasons.append(f"the ledger says {' or '.join(sorted(want))}, today's store says {now.decision}")
-        named = (last.get(call.key) or {}).get("receipt_sha256")
+        final = last.get(call.key) or {}
+        named = final.get("receipt_sha256")
         if (now.receipt_sha256 is not None and isinstance(named, str) and named != now.receipt_sha256
-                and (last.get(call.key) or {}).get("event") != "quarantined"):
+                and final.get("event") not in ("quarantined", "removed")):
             reasons.append("the receipt on disk is not the one the ledger's last event names")
+        detail = now.detail
+        if final.get("event") == "removed" and now.receipt_sha256 is None:
+            detail = (f"no receipt: removed by 'oncepatch gc' (ledger event {final.get('seq')}), "
+                      "the key's next call runs as a first one")
         out.rows.append({"seq": call.seq, "key": call.key, "call_id": call.call_id, "tool": call.tool,
                          "recorded": call.recorded, "recorded_outcome": call.outcome, "now": now.decision,
-                         "detail": now.detail, "expected": sorted(want), "divergence": bool(reasons),
+                         "detail": detail, "expected": sorted(want), "divergence": bool(reasons),
                          "why": "; ".join(reasons) or None})
     for r in recorders.values():
         out.refused_writes += r.recorded

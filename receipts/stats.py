@@ -33,6 +33,26 @@ From these (pure: :func:`count_events` takes the events, does no I/O):
 ``since`` (seconds): only events at most that old are counted; the history
 before them still tells which key was seen before.  The states (``keys``)
 are every key's state now, whatever the window.
+
+After ``oncepatch gc`` (:mod:`receipts.gc`):
+
+* a **compacted** ledger starts with a ``checkpoint`` that stands for the
+  events ``first_seq``..``seq`` it replaced; it holds their count and chain
+  head, not what they did, so the counts are of the events *since the
+  checkpoint* (:attr:`Stats.compacted` says which range is not counted; the
+  archive holds it).  Compaction replaces only the events of keys gc
+  removed, so every key that still has a receipt keeps its whole history;
+* a ``removed`` event ends its key's state: a key whose last event is
+  ``removed`` has no receipt and is in no state (it is counted in
+  ``removals``); its next call is a call like any other (a duplicate
+  request, if the ledger still shows its earlier ones);
+* a ``redacted`` event rewrites a settled receipt's bodies: no call, no
+  change of state;
+* ``checkpoint`` and ``compacted`` are the store's own events, no call's.
+
+A **compensation** is a call whose events carry ``compensates: KEY``
+(``oncepatch revert``, :func:`receipts.effects.compensate`): counted per
+call that starts (not its replays), beside ``calls``.
 """
 
 from __future__ import annotations
@@ -69,6 +89,9 @@ COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "recoveries": (("tool", "by", "outcome"), "dead owners' calls settled: by query (recover, watch, the "
                                               "next call) or by person (resolve)"),
     "forbidden": (("tool",), "calls the store's policy refused"),
+    "compensations": (("tool",), "compensating calls (oncepatch revert): a new keyed effect undoing a key's, "
+                                 "replays not counted"),
+    "removals": (("tool",), "receipts oncepatch gc removed (their keys are new again)"),
 }
 
 _FINAL_OF_EXECUTION = ("committed", "rejected", "unknown")
@@ -114,6 +137,8 @@ class Stats:
     first_at: str | None = None
     last_at: str | None = None
     since: str | None = None
+    #: the range an ``oncepatch gc`` checkpoint stands for, not counted: first_seq, last_seq, events, bundle_sha256
+    compacted: dict[str, Any] | None = None
     counters: dict[str, Counter[tuple[str, ...]]] = field(default_factory=lambda: defaultdict(Counter))
     #: (tool, state) -> keys in that state now
     states: Counter[tuple[str, str]] = field(default_factory=Counter)
@@ -140,6 +165,7 @@ class Stats:
         for (tool, state), n in sorted(self.states.items()):
             states[tool][state] = n
         return {"events": self.events, "counted_events": self.counted_events, "since": self.since,
+                "compacted": self.compacted,
                 "first_at": self.first_at, "last_at": self.last_at, "counters": counters,
                 "keys": dict(states), "latency_seconds": self.latency(), "not_counted": dict(NOT_COUNTED)}
 
@@ -161,6 +187,11 @@ def count_events(events: Iterable[dict[str, Any]], *, since: datetime | None = N
     for event in events:
         stats.events += 1
         kind = str(event.get("event"))
+        if kind == "checkpoint":
+            # gc's compaction: the events it stands for are not here to count (module docstring).
+            stats.compacted = {"first_seq": event.get("first_seq"), "last_seq": event.get("seq"),
+                               "events": event.get("events"), "bundle_sha256": event.get("bundle_sha256")}
+            continue
         when = _at(event)
         counted = since is None or (when is not None and when >= since)
         if counted:
@@ -179,7 +210,10 @@ def count_events(events: Iterable[dict[str, Any]], *, since: datetime | None = N
         k = keys[key]
         tool = str(event.get("tool") or k.tool)
         k.tool = tool
-        if kind == "quarantined":
+        if kind in ("quarantined", "removed"):
+            # The key has no receipt now: in no state; gc's removal is counted.
+            if kind == "removed" and counted:
+                c["removals"][(tool,)] += 1
             k.status, k.open_token = None, None
             continue
         token = event.get("fencing_token")
@@ -192,6 +226,8 @@ def count_events(events: Iterable[dict[str, Any]], *, since: datetime | None = N
                 c["duplicate_requests"][(tool,)] += 1
         if starts:
             k.seen = True
+            if counted and kind != "replayed" and isinstance(event.get("compensates"), str):
+                c["compensations"][(tool,)] += 1
         if kind == "prepared":
             if k.open_token is not None and isinstance(token, int) and token > k.open_token and counted:
                 c["lease_takeovers"][(tool,)] += 1
@@ -258,6 +294,11 @@ def _labels(pairs: Iterable[tuple[str, str]]) -> str:
     return "{" + inner + "}" if inner else ""
 
 
+def _compacted_events(stats: Stats) -> int:
+    events = (stats.compacted or {}).get("events")
+    return events if isinstance(events, int) and not isinstance(events, bool) else 0
+
+
 def to_prometheus(stats: Stats) -> str:
     """``stats`` in the Prometheus text format (version 0.0.4): counters, a gauge of the keys, a summary."""
     out: list[str] = []
@@ -280,5 +321,8 @@ def to_prometheus(stats: Stats) -> str:
         out.append(f"{metric}_sum{_labels([('tool', tool)])} {row['sum']}")
         out.append(f"{metric}_count{_labels([('tool', tool)])} {row['count']}")
     out += ["# HELP oncepatch_ledger_events ledger events read", "# TYPE oncepatch_ledger_events gauge",
-            f"oncepatch_ledger_events {stats.events}"]
+            f"oncepatch_ledger_events {stats.events}",
+            "# HELP oncepatch_ledger_compacted_events events oncepatch gc compacted into a checkpoint: not counted",
+            "# TYPE oncepatch_ledger_compacted_events gauge",
+            f"oncepatch_ledger_compacted_events {_compacted_events(stats)}"]
     return "\n".join(out) + "\n"

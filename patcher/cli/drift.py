@@ -2,7 +2,8 @@
 
 Exit 0 when nothing drifted, 7 (``EXIT_DRIFTED``, docs/DESIGN.md section 6)
 when a receipt's path changed, was reverted, is gone from its branch or is
-dirty in a worktree.
+dirty in a worktree.  A path undone by a compensating call (``oncepatch
+revert``) is ``compensated``: not drift.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ def register(sub: Any) -> None:
 def _line(item: dict[str, Any]) -> str:
     text = f"  {item['path']}: {item['state']}"
     if "commit" in item:
-        who = (("by oncepatch" + (f", key {item['key']!r}" if item.get("key") else ""))
+        who = (("by oncepatch" + (f", key {item['key']!r}" if item.get("key") else "")
+                + (" (its receipt removed by gc)" if item.get("removed_by_gc") else ""))
                if item["by"] == "oncepatch" else "outside oncepatch")
+        if item.get("compensated_by"):
+            who = f"oncepatch revert, key {item['compensated_by']!r}"
         text += f" by {item['commit'][:12]} ({who}: {item['subject']!r})"
     if item.get("dirty"):
         text += f"; dirty in {', '.join(item['dirty'])}"

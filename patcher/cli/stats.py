@@ -36,6 +36,10 @@ def register(sub: Any) -> None:
 def _text(stats: Stats) -> str:
     window = f" since {stats.since}" if stats.since else ""
     lines = [f"ledger: {stats.events} event(s), {stats.counted_events} counted{window}"]
+    if stats.compacted is not None:
+        c = stats.compacted
+        lines.append(f"compacted by gc: events {c['first_seq']}..{c['last_seq']} ({c['events']} event(s), in the "
+                     "archive), not counted: the counts are of the events since")
     for name, (labels, _help) in COUNTERS.items():
         rows = stats.counters[name]
         lines.append(f"{name.replace('_', ' ')}: {sum(rows.values())}")
