@@ -52,7 +52,7 @@ def version_token() -> str:
     limits read from the environment at import time (``ONCEPATCH_MAX_*``)
     are part of it too.
     """
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding cas/, receipts/, patcher/
     parts = [sys.version, sys.prefix, root]
     for pkg in _PACKAGES:
         for folder, dirs, files in os.walk(os.path.join(root, pkg)):
