@@ -364,7 +364,8 @@ def test_a_client_killed_mid_call_does_not_stop_the_call(tmp_path: Path, server:
     client.wait()
     os.kill(holder.pid, signal.SIGCONT)
     assert holder.wait(timeout=120) == 0
-    wait_for(lambda: gone(call), "the call's process to end")  # it finished its call (a replay)
+    # It finished its call (a replay): its worker, which stays for the next call, left the caller's folder.
+    wait_for(lambda: cwd_of(call) != str(repo.path), "the call to end")
     status = run_cli("status", "--json", "k", cwd=repo.path, env=server.env)
     assert status.code == 0 and status.json["receipt"]["status"] == "committed"
     assert repo.count() == 2
@@ -505,3 +506,56 @@ def test_an_api_call_whose_server_process_dies_is_unknown_and_says_recover(
         client.recover(repo=repo.path)
         assert client.status("k").status == "committed"
         assert client.apply(PATCH, key="k").replayed
+
+
+def test_a_worker_keeps_its_repository_open_and_never_answers_from_stale_state(
+        tmp_path: Path, server: Server) -> None:
+    """One worker serves call after call (no process forked per call) and sees what git did in between."""
+    repo = make_repo(tmp_path / "repo", FILES)
+    assert run_cli("apply", "--json", "-", "--key", "k1", input=PATCH, cwd=repo.path, env=server.env).code == 0
+    workers = set(server.children())  # the worker that ran it (idle again) and a spare
+    # Between two calls: a commit made with git itself (its objects loose, the branch moved) ...
+    repo.write("README", "hello from git\n")
+    by_git = repo.commit_all("by git")
+    res = run_cli("apply", "--json", "-", "--key", "k2", input=OTHER, cwd=repo.path, env=server.env)
+    assert res.code == 0, res
+    assert repo.git("rev-parse", res.json["commit"] + "^").strip() == by_git  # built on git's commit
+    assert (repo.path / "README").read_text() == "hello from git\n"
+    # ... then every object repacked into one new pack, the old packs and loose objects deleted, refs packed.
+    repo.git("repack", "-a", "-d")
+    repo.git("gc", "--prune=now", "--quiet")
+    res = run_cli("apply", "--json", "-", "--key", "k3", input=NEW, cwd=repo.path, env=server.env)
+    assert res.code == 0, res
+    assert repo.count() == 5 and (repo.path / "pkg/new.txt").read_text() == "brand new\n"
+    replay = run_cli("apply", "--json", "-", "--key", "k2", input=OTHER, cwd=repo.path, env=server.env)
+    assert replay.code == 0 and replay.json["replayed"] is True
+    assert set(server.children()) == workers  # the same processes served every call
+    repo.git("fsck", "--strict")
+    assert run_cli("verify", cwd=repo.path, env=server.env).code == 0
+
+
+def test_the_servers_watcher_flags_a_call_killed_after_its_prepare(tmp_path: Path) -> None:
+    from patcher.cli.server import WATCH_LOG
+
+    srv = Server(tmp_path / "srv", "--watch-grace", "0", "--watch-rescan", "3600")
+    try:
+        repo = make_repo(tmp_path / "repo", FILES)
+        assert run_cli("apply", "--json", "-", "--key", "k1", input=PATCH, cwd=repo.path, env=srv.env).code == 0
+        res = run_cli("apply", "--json", "-", "--key", "k2", input=OTHER, cwd=repo.path,
+                      env={**srv.env, "ONCEPATCH_CRASH_AT": "after-prepare"})
+        assert res.code == 137, res
+        log = srv.folder / WATCH_LOG
+
+        def flags() -> list[dict[str, Any]]:
+            lines = log.read_text().splitlines() if log.exists() else []
+            return [doc for doc in map(json.loads, lines) if doc.get("flag") == "orphan_prepared"]
+
+        found = wait_for(flags, "the server's watcher to flag the orphan")
+        assert [(f["key"], f["next_action"]) for f in found] == [("k2", "recover")]
+        assert found[0]["store"] == str(repo.path / ".git" / "oncepatch")
+        status = run_cli("status", "--json", "k2", cwd=repo.path, env=srv.env)
+        assert status.json["receipt"]["status"] == "prepared"  # flagged only: recover settles it
+        assert run_cli("recover", "--json", "--tmp-age", "0", cwd=repo.path, env=srv.env).code == 0
+        assert run_cli("status", "--json", "k2", cwd=repo.path, env=srv.env).json["receipt"]["status"] != "prepared"
+    finally:
+        srv.stop()
