@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -484,6 +485,42 @@ def test_the_api_client_and_the_mcp_tool_answer_the_same_through_the_server(
     with pytest.raises(OncepatchError) as err, Client(tmp_path / "server") as client:
         client.apply(PATCH, key="k9")
     assert err.value.error_type == "io_error" and err.value.effect_status == "not_started"
+
+
+def test_the_api_clients_recover_and_verify_go_through_the_server_with_the_same_answers(
+        tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cas.errors import OncepatchError
+    from patcher.api import Client
+
+    for name, value in DATES.items():
+        monkeypatch.setenv(name, value)
+    reports: dict[str, list[Any]] = {}
+    for name, env in (("in-process", {"ONCEPATCH_SERVER": "never"}), ("server", server.env)):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        repo = make_repo(tmp_path / "repo", FILES)  # one path for both: the first moves aside
+        # An orphan to settle: a call killed after its branch moved (in process either way).
+        crashed = run_cli("apply", "--json", "-", "--key", "k", input=PATCH, cwd=repo.path,
+                          env={"ONCEPATCH_SERVER": "never", "ONCEPATCH_CRASH_AT": "after-ref"})
+        assert crashed.code == 137, crashed
+        # server="require": an answer can only come from the server (or an error says there was none).
+        with Client(repo.path, server="never" if name == "in-process" else "require") as client:
+            plan = client.recover(dry_run=True, tmp_age=0)
+            done = client.recover(tmp_age=0)
+            checked = client.verify(grace=0)
+        # The dead call's leftovers are named after its pid (and a random tail).
+        text = re.sub(r"-[0-9]+-[0-9a-f]{8}\b", "-<pid>", json.dumps([plan.to_json(), done.to_json(), checked.to_json()]))
+        reports[name] = [*json.loads(text), done.changed, checked.ok]
+        (tmp_path / "repo").rename(tmp_path / name)
+    ra, rb = reports["in-process"], reports["server"]
+    assert ra[0]["rows"][0]["from"] == "prepared" and ra[1]["rows"][0]["to"] == "committed" and ra[4] is True
+    assert normal(ra, tmp_path / "repo") == normal(rb, tmp_path / "repo")
+    server.stop()  # without a server, require refuses both
+    with Client(tmp_path / "server", server="require") as client:
+        for call in (client.verify, client.recover):
+            with pytest.raises(OncepatchError) as err:
+                call()
+            assert err.value.error_type == "io_error" and err.value.effect_status == "not_started"
 
 
 def test_an_api_call_whose_server_process_dies_is_unknown_and_says_recover(
