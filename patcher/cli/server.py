@@ -198,7 +198,11 @@ def _background(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace, call: Call) -> int:
-    """``oncepatch serve``: listen until idle; ``call(argv, caller=, confined=)`` runs one command."""
+    """``oncepatch serve``: listen until idle; ``call(argv, caller=, confined=, stores=)`` runs one command.
+
+    ``stores``: the worker's open repositories for the call's configuration
+    environment, to reuse (:func:`patcher.cli.run.main`).
+    """
     if args.background:
         return _background(args)
     config = _config(args)
@@ -638,7 +642,7 @@ _ROOTS: dict[tuple[str, str, str | None, str | None], str | None] = {}
 
 
 def _served_root(argv: list[str]) -> str | None:
-    """The receipt store a call names (``--repo``, ``--store``, ``$ONCEPATCH_STORE``), once it exists; else None."""
+    """The receipt store a call names (``--repo``, ``--store``, ``$ONCEPATCH_STORE``); None: no repository there."""
     def option(name: str) -> str | None:
         found = None
         for i, arg in enumerate(argv):
