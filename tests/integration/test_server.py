@@ -393,7 +393,7 @@ def test_a_served_call_loads_only_the_thin_client(tmp_path: Path, server: Server
     assert '"events":[]' in res.stdout.replace(" ", "")
     mods = set(res.stderr.split("MODULES ")[-1].split())
     heavy = {m for m in mods if m.split(".")[0] in {"pygit2", "cas", "receipts", "orjson", "filelock", "json",
-                                                     "argparse", "typing", "dataclasses"}}
+                                                     "argparse", "typing", "dataclasses", "socket", "selectors", "enum"}}
     assert not heavy and "patcher.cli.run" not in mods, heavy
 
 
