@@ -434,15 +434,23 @@ class _Loop:
     def _start_watcher(self) -> None:
         assert self.watch is not None
         r, w = os.pipe2(os.O_CLOEXEC)
-        settings = self.watch
-        pid = self._fork(lambda: (os.close(w), _watch_stores(r, settings, sorted(self.roots)))[1], keep=(r,))
+        settings, roots = self.watch, sorted(self.roots)
+
+        def body() -> int:
+            os.close(w)  # (the server's end)
+            return _watch_stores(r, settings, roots)
+
+        pid = self._fork(body, keep=(r,))
         os.close(r)
         self.watcher = (pid, w)
 
     def _fork_worker(self) -> _Worker:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        pid = self._fork(lambda: (parent_end.close(), _work(child_end, self.call, self.config))[1],
-                         keep=(child_end.fileno(),))
+        def body() -> int:
+            parent_end.close()  # (the server's end)
+            return _work(child_end, self.call, self.config)
+
+        pid = self._fork(body, keep=(child_end.fileno(),))
         child_end.close()
         worker = self.workers[pid] = _Worker(pid, parent_end)
         return worker
@@ -709,7 +717,7 @@ def _watch_stores(pipe: int, settings: _WatchSettings, roots: list[str]) -> int:
         try:
             Watcher(rstore, adapters(rstore, {}, read_only=True), grace=settings.grace,
                     rescan_interval=settings.rescan, on_flag=lambda obj: flag({**obj, "store": root}),
-                    on_error=lambda msg: sys.stderr.write(f"oncepatch serve: watcher: {msg}\n")).run(stop)
+                    on_error=lambda msg: print(f"oncepatch serve: watcher: {msg}", file=sys.stderr)).run(stop)
         except Exception as exc:  # noqa: BLE001 - a store gone (or unreadable) ends its watcher only
             sys.stderr.write(f"oncepatch serve: watcher of '{root}' ended: {exc}\n")
 
