@@ -244,7 +244,7 @@ def serve(args: argparse.Namespace, call: Call) -> int:
     try:
         watch = None if args.no_watch else _WatchSettings(args.watch_grace, args.watch_rescan,
                                                           os.path.join(folder, WATCH_LOG))
-        _Loop(listener, path, inode, config, call, args.idle, watch).run(lambda: say(f"ready {path} pid {os.getpid()}"))
+        _Loop(listener, path, inode, config, call, args.idle, watch, lock=lock).run(lambda: say(f"ready {path} pid {os.getpid()}"))
     finally:
         try:
             if os.stat(path).st_ino == inode:
@@ -279,6 +279,7 @@ class _Loop:
     ready_workers: list[_Worker] = field(default_factory=list)  # idle, the last one to finish on top
     roots: set[str] = field(default_factory=set)
     watcher: tuple[int, int] | None = None  # (pid, the pipe it reads store roots from)
+    lock: int = -1  # the flock that says a server of this version runs: the listener's alone
     stop: bool = False
 
     def run(self, ready: Callable[[], None]) -> None:
@@ -470,6 +471,8 @@ class _Loop:
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             self.listener.close()
+            if self.lock >= 0:
+                os.close(self.lock)  # a worker finishing its call must not keep the next server from starting
             for worker in self.workers.values():
                 if worker.chan.fileno() not in keep:
                     worker.chan.close()

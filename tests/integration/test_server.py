@@ -301,9 +301,19 @@ def _state(pid: int) -> str:
 
 
 def _waiting_call(server: Server, repo: Repo) -> int:
-    """The server's process running a call in ``repo`` (it took the caller's working folder)."""
-    return int(wait_for(lambda: next((p for p in server.children() if cwd_of(p) == str(repo.path)), None),
-                        "the server's call to start"))
+    """The server's process running a call in ``repo``, waiting for the key's lock: it took the caller's
+    working folder and sleeps between its tries of the lock, which only a call past its answer ``A``
+    (the call runs) does."""
+    def sleeping(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/wchan") as fh:
+                return "nanosleep" in fh.read()
+        except OSError:
+            return False
+
+    return int(wait_for(lambda: next((p for p in server.children()
+                                      if cwd_of(p) == str(repo.path) and sleeping(p)), None),
+                        "the server's call to wait for the key's lock"))
 
 
 def _client(repo: Repo, env: dict[str, str]) -> subprocess.Popen[bytes]:
