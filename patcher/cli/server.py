@@ -67,7 +67,9 @@ BROKER_ENV = frozenset({"GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_AUTHOR_DATE"
 _SO_PEERGROUPS = 59  # Linux's getsockopt for the peer's supplementary groups (4.13 and later)
 _MAX_FRAME = 16 << 20
 _IDLE_WORKERS = 2  # idle workers kept (more finish at once under load: the others exit)
-_WATCHED_STORES = 256  # stores the server's watcher follows, at most
+_WATCHED_STORES = 256  # stores the server's watcher is told of, at most
+_WATCHING = 8  # stores watched at once (each an inotify instance, of the user's 128): the oldest stops for a new one
+_KEPT_REPOSITORIES = 32  # open repositories a worker keeps per configuration environment
 _KEPT_CONFIGS = 8  # configuration environments whose repositories a worker keeps open
 Call = Callable[..., int]
 
@@ -646,6 +648,8 @@ def _kept_stores(env: dict[bytes, bytes]) -> dict[str, Any]:
         while len(_STORES) >= _KEPT_CONFIGS:
             _STORES.pop(next(iter(_STORES)))  # the oldest: its repositories close when collected
         found = _STORES[key] = {}
+    while len(found) >= _KEPT_REPOSITORIES:
+        found.pop(next(iter(found)))  # the first opened: it closes when collected
     return found
 
 
@@ -685,8 +689,10 @@ def _watch_stores(pipe: int, settings: _WatchSettings, roots: list[str]) -> int:
     """The server's watcher: :class:`receipts.watcher.Watcher` over each store root read from ``pipe``.
 
     A root is watched once its ``receipts`` folder exists (the watcher never
-    makes a store: a call refused before it wrote anything leaves none).
-    Ends when the server closes the pipe.
+    makes a store: a call refused before it wrote anything leaves none); at
+    most ``_WATCHING`` at once, the oldest stopped for a new one (``recover``
+    and ``verify`` find all it would flag without it).  Ends when the server
+    closes the pipe.
     """
     import json
     import threading
@@ -699,9 +705,8 @@ def _watch_stores(pipe: int, settings: _WatchSettings, roots: list[str]) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    stop = threading.Event()
     waiting = list(roots)
-    threads: list[threading.Thread] = []
+    threads: list[tuple[threading.Thread, threading.Event]] = []
     lock = threading.Lock()
 
     def flag(obj: dict[str, Any]) -> None:
@@ -715,7 +720,7 @@ def _watch_stores(pipe: int, settings: _WatchSettings, roots: list[str]) -> int:
         sys.stderr.write(f"oncepatch serve: watcher: {line}")
         sys.stderr.flush()
 
-    def watch(root: str) -> None:
+    def watch(root: str, stop: threading.Event) -> None:
         rstore = ReceiptStore(root)
         try:
             Watcher(rstore, adapters(rstore, {}, read_only=True), grace=settings.grace,
@@ -730,9 +735,15 @@ def _watch_stores(pipe: int, settings: _WatchSettings, roots: list[str]) -> int:
             for root in list(waiting):
                 if os.path.isdir(os.path.join(root, "receipts")):
                     waiting.remove(root)
-                    t = threading.Thread(target=watch, args=(root,), name=f"watch {root}", daemon=True)
+                    threads = [(t, stop) for t, stop in threads if t.is_alive()]
+                    if len(threads) >= _WATCHING:
+                        oldest, stop = threads.pop(0)
+                        stop.set()
+                        oldest.join(timeout=5)
+                    stop = threading.Event()
+                    t = threading.Thread(target=watch, args=(root, stop), name=f"watch {root}", daemon=True)
                     t.start()
-                    threads.append(t)
+                    threads.append((t, stop))
             ready, _, _ = select.select([pipe], [], [], 0.5 if waiting else None)
             if not ready:
                 continue
@@ -744,8 +755,9 @@ def _watch_stores(pipe: int, settings: _WatchSettings, roots: list[str]) -> int:
                 line, buf = buf.split(b"\n", 1)
                 waiting.append(os.fsdecode(line))
     finally:
-        stop.set()
-        for t in threads:
+        for _, stop in threads:
+            stop.set()
+        for t, _ in threads:
             t.join(timeout=5)
 
 

@@ -606,3 +606,36 @@ def test_the_servers_watcher_flags_a_call_killed_after_its_prepare(tmp_path: Pat
         assert run_cli("status", "--json", "k2", cwd=repo.path, env=srv.env).json["receipt"]["status"] != "prepared"
     finally:
         srv.stop()
+
+
+def test_the_servers_watcher_watches_the_newest_stores_within_a_bound(tmp_path: Path, server: Server) -> None:
+    """Each watched store costs an inotify instance (128 per user): the oldest watcher stops for a new one."""
+    from patcher.cli.server import _WATCHING
+
+    repos = [make_repo(tmp_path / f"repo{i}", FILES) for i in range(_WATCHING + 2)]
+    for repo in repos:
+        assert run_cli("apply", "--json", "-", input=PATCH, cwd=repo.path, env=server.env).code == 0
+
+    def inotify_of(pid: int) -> list[str]:
+        """The inode numbers (hex) each inotify instance of ``pid`` watches, one string per instance."""
+        found = []
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:inotify":
+                    with open(f"/proc/{pid}/fdinfo/{fd}") as fh:
+                        found.append(fh.read())
+        except OSError:
+            pass
+        return found
+
+    newest = f"ino:{os.stat(repos[-1].store / 'receipts').st_ino:x} "
+
+    def watching_the_newest() -> list[str] | None:
+        for pid in server.children():
+            found = inotify_of(pid)
+            if any(newest in info for info in found):
+                return found
+        return None
+
+    found = wait_for(watching_the_newest, "the watcher to watch the newest store")
+    assert len(found) <= _WATCHING
