@@ -30,9 +30,9 @@ from receipts.errors import (AmbiguousCallId, Forbidden, IdempotencyConflict, In
                              ReceiptNotFound, StillUnknown)
 from receipts.lookup import status as _status
 from receipts.receipt import Receipt, parse_receipt
-from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport, recover
+from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport, RecoveryRow, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
-from receipts.verifier import DEFAULT_GRACE, VerifyReport, verify
+from receipts.verifier import DEFAULT_GRACE, Failure, VerifyReport, verify
 from patcher import remote
 
 _server_client = remote  # the server's client, by a name apply's ``remote=`` argument does not shadow
@@ -244,6 +244,24 @@ class Client:
         err: dict[str, Any] = found if isinstance(found, dict) else {"type": "internal", "message": str(doc)}
         raise error_from_envelope(err, err.get("key"), _ANSWERS, OncepatchError, replayed=False)
 
+    def _report(self, argv: list[str], repo: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+        """The report of ``recover``/``verify`` run by a server (``ok: false`` is a report, not an error), or None."""
+        how = remote.choose(self.server)
+        if how == "never":
+            return None
+        argv = [*argv, f"--repo={self._repo(repo)}"] + ([f"--store={self.store}"] if self.store is not None else [])
+        if any("\0" in a for a in argv):
+            return None
+        try:
+            doc = remote.run(argv, how)
+        except OSError as exc:  # an in-memory file or the folder could not be made: nothing was sent
+            raise foreign_error(exc, effect_status="not_started", key=None) from exc
+        if doc is None or "error" not in doc:
+            return doc
+        found = doc["error"]
+        err: dict[str, Any] = found if isinstance(found, dict) else {"type": "internal", "message": str(doc)}
+        raise error_from_envelope(err, err.get("key"), _ANSWERS, OncepatchError, replayed=False)
+
     @_translated("unknown")  # it may have settled some receipts before it failed
     def recover(self, *, repo: str | os.PathLike[str] | None = None, dry_run: bool = False,
                 tmp_age: float = DEFAULT_TMP_AGE,
@@ -253,9 +271,22 @@ class Client:
 
         ``dir``: a directory target; then a switch a crash left undone is finished and a dead
         build's leftovers removed too (:func:`patcher.dirs.repair_leftovers`).
+
+        Without ``adapters`` nor ``dir`` the call goes to a running server as the
+        CLI's ``recover --json`` (chosen as :meth:`apply` chooses).
         """
         if dir is not None:
             repo = _objects_of(dir)
+        if adapters is None and dir is None:  # (a directory target's repair runs here)
+            argv = ["recover", "--json", f"--tmp-age={tmp_age!r}", "--jobs=1", f"--lock-timeout={self.lock_timeout!r}"]
+            doc = self._report(argv + (["--dry-run"] if dry_run else []), repo)
+            if doc is not None:
+                return RecoveryReport(
+                    dry_run=bool(doc["dry_run"]), scanned=int(doc["scanned"]),
+                    rows=[RecoveryRow(r["key"], r["call_id"], r["from"], r["to"], r["reason"], r.get("commit"),
+                                      tuple(r.get("notes") or ())) for r in doc["rows"]],
+                    skipped=list(doc["skipped"]), corrupt=list(doc["corrupt"]), removed=list(doc["removed"]),
+                    ledger_repaired=list(doc["ledger_repaired"]))
         rstore = self.receipt_store(repo)
         known = self._adapters(rstore, read_only=dry_run)
         known.update(adapters or {})
@@ -270,7 +301,19 @@ class Client:
     @_translated("not_started")
     def verify(self, *, repo: str | os.PathLike[str] | None = None, grace: float = DEFAULT_GRACE,
                verifiers: Mapping[str, Any] | None = None) -> VerifyReport:
-        """Prove every receipt matches what it claims (read-only)."""
+        """Prove every receipt matches what it claims (read-only).
+
+        Without ``verifiers`` the call goes to a running server as the CLI's
+        ``verify --json`` (chosen as :meth:`apply` chooses); its report's
+        ``quarantined_keys`` is then empty (the CLI's JSON does not carry it).
+        """
+        if verifiers is None:
+            doc = self._report(["verify", "--json", f"--grace={grace!r}", "--jobs=1"], repo)
+            if doc is not None:
+                return VerifyReport(
+                    failures=[Failure(f.get("key"), f.get("receipt"), f["reason"]) for f in doc["failures"]],
+                    receipts=int(doc["receipts"]), ledger_events=int(doc["ledger_events"]),
+                    quarantined=list(doc.get("quarantined") or ()), signatures=dict(doc["signatures"]))
         rstore = self.receipt_store(repo)
         known = self._adapters(rstore, read_only=True)
         known.update(verifiers or {})

@@ -1,7 +1,7 @@
 """The API client's and the MCP server's calls sent to a running ``oncepatch serve`` (or broker).
 
-A call goes over the CLI's own wire (:mod:`patcher.connect`) as the CLI's
-command line — ``apply - --json --key K --repo R …`` with the patch on its
+A call (``apply``, ``status``, ``recover``, ``verify``) goes over the CLI's
+own wire (:mod:`patcher.connect`) as the CLI's command line — ``apply - --json --key K --repo R …`` with the patch on its
 standard input — so the server runs the very code the CLI runs, judges the
 caller by ``SO_PEERCRED`` and, as a broker, writes and signs with its own
 user and key.  Its standard input, output and error are anonymous in-memory

@@ -14,7 +14,8 @@ runs ``patcher.cli``'s ``__main__`` exactly as ``python -m patcher.cli`` would:
   working directory, environment, umask and ``sys.argv``/``sys.path[0]`` are
   the caller's, as for a fresh ``python -m``; libgit2's configuration search
   paths (read from ``HOME`` at import) are guessed again from the new
-  environment; at exit it joins its threads, runs atexit and flushes, like
+  environment — taken the way ``oncepatch serve``'s workers take a caller's
+  (:mod:`patcher.cli.server`), with the same code; at exit it joins its threads, runs atexit and flushes, like
   the interpreter's own shutdown;
 * what the server cannot reproduce it does not fake: a call whose environment
   changes a variable that the imports read (``ONCEPATCH_MAX_*`` limits, found
@@ -29,7 +30,6 @@ that way with ``--no-fork-cli``).
 
 from __future__ import annotations
 
-import array
 import json
 import os
 import select
@@ -78,8 +78,7 @@ def _serve() -> None:
         import patcher.cli.run  # noqa: F401  (the in-process CLI; patcher.cli's __main__ is run by runpy in each child)
     finally:
         environ_type.__getitem__ = real_getitem  # type: ignore[method-assign]
-    import pygit2
-    from pygit2.enums import ConfigLevel, Option
+    from patcher.cli import server
 
     base_env = dict(os.environ)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -97,10 +96,10 @@ def _serve() -> None:
         os.closerange(3, 65536)
         os.chdir(req["cwd"])
         os.umask(req["umask"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        for level in (ConfigLevel.SYSTEM, ConfigLevel.XDG, ConfigLevel.GLOBAL, ConfigLevel.PROGRAMDATA):
-            pygit2.option(Option.SET_SEARCH_PATH, level, None)  # guessed again from this HOME
+        # As the server's workers take a caller's: the environment, the time zone, libgit2's
+        # configuration search paths guessed again from this HOME, and the standard streams.
+        server._take_environment({os.fsencode(k): os.fsencode(v) for k, v in req["env"].items()}, broker=False)
+        server._standard_streams()
         sys.path[0] = req["cwd"]
         sys.argv = ["-m", *req["argv"]]
         code: int = 0
@@ -142,11 +141,7 @@ def _serve() -> None:
         if sock not in ready:
             continue
         conn, _ = sock.accept()
-        fds = array.array("i")
-        msg, anc, _flags, _addr = conn.recvmsg(1 << 20, socket.CMSG_LEN(3 * fds.itemsize))
-        for level, kind, data in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+        msg, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
         size = struct.unpack("!I", msg[:4])[0]
         body = msg[4:]
         while len(body) < size:
@@ -261,8 +256,7 @@ def run(args: list[str], *, cwd: str | None, input: bytes | None, env: dict[str,
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect("\0" + server.name)
-        conn.sendmsg([struct.pack("!I", len(req)) + req],
-                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [in_r, out_w, err_w]))])
+        socket.send_fds(conn, [struct.pack("!I", len(req)) + req], [in_r, out_w, err_w])
     finally:
         for fd in (in_r, out_w, err_w):
             os.close(fd)

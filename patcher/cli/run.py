@@ -48,7 +48,7 @@ def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
             args.repo, data, key=args.key, branch=args.branch, contract_sha256=args.contract_sha256,
             attempt=args.attempt, format=args.format, check=args.check, message=args.message,
             store=args.store, lock_timeout=args.lock_timeout, check_timeout=args.check_timeout, strict=args.strict,
-            caller=args.caller, common_dir=args.common_dir, remote=args.remote,
+            caller=args.caller, common_dir=args.common_dir, remote=args.remote, _stores=args.stores,
         )
     doc = res.to_json()
     if res.already_applied:  # the commit is the branch's, made before this call: never this key's own
@@ -149,19 +149,22 @@ def _confine(args: argparse.Namespace) -> None:
         raise UsageError("the broker reads the patch from standard input only: 'oncepatch apply - < FILE'")
 
 
-def main(argv: Sequence[str] | None = None, *, caller: Caller | None = None, confined: bool = False) -> int:
+def main(argv: Sequence[str] | None = None, *, caller: Caller | None = None, confined: bool = False,
+         stores: dict[str, Any] | None = None) -> int:
     """Run one command in this process; ``caller`` is who asked (the server's peer), else this process.
 
     Every handler sees the caller as ``args.caller``: the one place an authorize
     step reads who is calling (docs/SECURITY.md, the broker).  ``confined``: the
     call came to a broker, which refuses what would act with its rights
-    (:func:`_confine`).
+    (:func:`_confine`).  ``stores``: open repositories to reuse (``{path: GitStore}``), kept by a
+    long-lived caller (the server's workers) between calls.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
     try:
         args = the_parser().parse_args(argv)
         args.caller = caller  # None: this process (the policy looks it up only when there is one)
+        args.stores = stores
         if confined:
             _confine(args)
         handler = _HANDLERS[args.command]

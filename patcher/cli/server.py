@@ -2,17 +2,28 @@
 
 One process per user (or, with ``--broker``, per store owner) listens on a
 Unix socket in a private folder and keeps the interpreter and every module
-of oncepatch loaded.  Each call runs in a process forked from it ahead of
-time (a *spare*), which takes the caller's standard streams, working folder,
-umask and environment and runs :func:`patcher.cli.run.main` — the very code
-the CLI runs in process — so the answer, the exit status, the receipts and
-the crash points are the same, and nothing of one call reaches another.
+of oncepatch loaded.  Calls run in **workers**: processes forked from it
+that each run calls one after another.  A worker takes the caller's
+standard streams, working folder, umask and environment for the call, runs
+:func:`patcher.cli.run.main` — the very code the CLI runs in process — and
+then gives all of it back (streams on ``/dev/null``, folder ``/``), so the
+answer, the exit status, the receipts and the crash points are the same,
+and nothing of one call reaches the next but warm caches and the
+repositories it keeps open (per configuration environment; libgit2 reads
+refs, packs and the index from disk again at each use, so another process's
+commit, ``repack`` or ``gc`` between two calls is seen by the next).  A
+call is given to the worker that finished last (the warmest); one more is
+forked ahead when none is idle, and a worker that dies mid-call (a crash
+point, ``kill -9``) is replaced.  Why workers and not a process per call,
+nor calls in the listening process: docs/AGENTS.md, "The CLI through a
+server".
 
 The listening process checks every peer with ``SO_PEERCRED`` (the same uid;
 with ``--broker`` the users and groups it allows), hands the connection to
-the spare, forks the next spare, and, when a call's process dies before it
-answered (a crash point, ``kill -9``), tells the client its exit status.
-It exits after ``--idle`` seconds without a call.
+a worker, and, when a worker dies before it answered, tells the client its
+exit status.  A watcher process runs :class:`receipts.watcher.Watcher` over
+every store the server served and appends its flags to ``watch.jsonl`` in
+the server's folder.  It exits after ``--idle`` seconds without a call.
 
 The wire is described in :mod:`patcher.connect`.
 """
@@ -40,18 +51,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cas.errors import EXIT_OK, UsageError
+from cas.errors import EXIT_INTERNAL, EXIT_OK, UsageError
 from receipts.policy import Caller
 from patcher import connect
 from patcher.cli.common import path_given, seconds
 
-__all__ = ["register", "serve", "BROKER_ENV"]
+__all__ = ["register", "serve", "BROKER_ENV", "WATCH_LOG"]
+
+#: The watcher's flags, in the server's folder: one JSON object a line, as ``oncepatch watch --json`` prints them.
+WATCH_LOG = "watch.jsonl"
 
 #: What a broker takes of its caller's environment: who wrote the change, and when (the
 #: committer is the broker's own identity: it makes the commit).
 BROKER_ENV = frozenset({"GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_AUTHOR_DATE", "TZ"})
 _SO_PEERGROUPS = 59  # Linux's getsockopt for the peer's supplementary groups (4.13 and later)
 _MAX_FRAME = 16 << 20
+_IDLE_WORKERS = 2  # idle workers kept (more finish at once under load: the others exit)
+_WATCHED_STORES = 256  # stores the server's watcher is told of, at most
+_WATCHING = 8  # stores watched at once (each an inotify instance, of the user's 128): the oldest stops for a new one
+_KEPT_REPOSITORIES = 32  # open repositories a worker keeps per configuration environment
+_KEPT_CONFIGS = 8  # configuration environments whose repositories a worker keeps open
 Call = Callable[..., int]
 
 
@@ -71,9 +90,22 @@ def register(sub: Any) -> None:
                    help="with --broker: a user whose calls are served (repeatable)")
     p.add_argument("--allow-group", action="append", default=[], metavar="GROUP",
                    help="with --broker: a group whose members' calls are served (repeatable)")
+    p.add_argument("--no-watch", action="store_true",
+                   help="do not watch the stores it serves for orphaned prepared receipts")
+    p.add_argument("--watch-grace", type=seconds, default=30.0,
+                   help="the watcher flags a prepared receipt this many seconds old whose owner is gone (default 30)")
+    p.add_argument("--watch-rescan", type=seconds, default=30.0,
+                   help="the watcher rescans each store this often, in seconds (default 30)")
     p.add_argument("--backlog", type=int, default=socket.SOMAXCONN, help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+
+
+@dataclass(frozen=True)
+class _WatchSettings:
+    grace: float
+    rescan: float
+    log: str  # the flags, one JSON object a line (as 'oncepatch watch --json' prints them)
 
 
 @dataclass
@@ -142,6 +174,9 @@ def _background(args: argparse.Namespace) -> int:
         argv += ["--socket-dir", os.path.abspath(args.socket_dir)]
     if args.broker:
         argv.append("--broker")
+    if args.no_watch:
+        argv.append("--no-watch")
+    argv += ["--watch-grace", repr(args.watch_grace), "--watch-rescan", repr(args.watch_rescan)]
     for name in args.allow_user:
         argv += ["--allow-user", name]
     for name in args.allow_group:
@@ -165,7 +200,11 @@ def _background(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace, call: Call) -> int:
-    """``oncepatch serve``: listen until idle; ``call(argv, caller=, confined=)`` runs one command."""
+    """``oncepatch serve``: listen until idle; ``call(argv, caller=, confined=, stores=)`` runs one command.
+
+    ``stores``: the worker's open repositories for the call's configuration
+    environment, to reuse (:func:`patcher.cli.run.main`).
+    """
     if args.background:
         return _background(args)
     config = _config(args)
@@ -205,7 +244,9 @@ def serve(args: argparse.Namespace, call: Call) -> int:
     listener.listen(max(1, args.backlog))
     inode = os.stat(path).st_ino
     try:
-        _Loop(listener, path, inode, config, call, args.idle).run(lambda: say(f"ready {path} pid {os.getpid()}"))
+        watch = None if args.no_watch else _WatchSettings(args.watch_grace, args.watch_rescan,
+                                                          os.path.join(folder, WATCH_LOG))
+        _Loop(listener, path, inode, config, call, args.idle, watch, lock=lock).run(lambda: say(f"ready {path} pid {os.getpid()}"))
     finally:
         try:
             if os.stat(path).st_ino == inode:
@@ -218,9 +259,13 @@ def serve(args: argparse.Namespace, call: Call) -> int:
 
 
 @dataclass
-class _Spare:
+class _Worker:
+    """A process that runs calls one after another: idle, or running ``conn``'s call."""
+
     pid: int
     chan: socket.socket
+    conn: socket.socket | None = None
+    said: bytes = b""
 
 
 @dataclass
@@ -231,8 +276,12 @@ class _Loop:
     config: _Config
     call: Call
     idle: float
-    busy: dict[int, socket.socket] = field(default_factory=dict)
-    spare: _Spare | None = None
+    watch: _WatchSettings | None = None
+    workers: dict[int, _Worker] = field(default_factory=dict)
+    ready_workers: list[_Worker] = field(default_factory=list)  # idle, the last one to finish on top
+    roots: set[str] = field(default_factory=set)
+    watcher: tuple[int, int] | None = None  # (pid, the pipe it reads store roots from)
+    lock: int = -1  # the flock that says a server of this version runs: the listener's alone
     stop: bool = False
 
     def run(self, ready: Callable[[], None]) -> None:
@@ -242,16 +291,20 @@ class _Loop:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
-        ready()  # (first: a spare must not inherit the descriptor that says so)
-        self.spare = self._fork_spare()
+        ready()  # (first: a worker must not inherit the descriptor that says so)
+        if self.watch is not None:
+            self._start_watcher()
+        self.ready_workers.append(self._fork_worker())
         last = time.monotonic()
         try:
             while not self.stop:
                 left = last + self.idle - time.monotonic() if self.idle else 1.0
-                if left <= 0 and not self.busy:
+                busy = any(w.conn is not None for w in self.workers.values())
+                if left <= 0 and not busy:
                     break
                 wait = min(max(left, 0.01), 1.0)
-                readable, _, _ = select.select([self.listener.fileno(), wake_r], [], [], wait)
+                chans = {w.chan.fileno(): w for w in self.workers.values() if w.chan.fileno() >= 0}
+                readable, _, _ = select.select([self.listener.fileno(), wake_r, *chans], [], [], wait)
                 if wake_r in readable:
                     try:
                         while os.read(wake_r, 512):
@@ -260,6 +313,10 @@ class _Loop:
                         pass
                     if self._reap():
                         last = time.monotonic()
+                for fd in readable:
+                    if fd in chans:
+                        self._heard(chans[fd])
+                        last = time.monotonic()
                 if self.listener.fileno() in readable:
                     self._accept()
                     last = time.monotonic()
@@ -267,8 +324,10 @@ class _Loop:
                     break
         finally:
             signal.set_wakeup_fd(-1)
-            if self.spare is not None:
-                self.spare.chan.close()  # the spare reads the end of its channel and exits
+            for worker in self.workers.values():
+                worker.chan.close()  # an idle worker reads the end of its channel and exits; a busy one after its call
+            if self.watcher is not None:
+                os.close(self.watcher[1])  # the watcher reads the end of its pipe and exits
             os.close(wake_r)
             os.close(wake_w)
 
@@ -293,19 +352,45 @@ class _Loop:
             _send_quietly(conn, f"Rcaller uid {uid} is not allowed by this server\n".encode())
             conn.close()
             return
-        spare = self.spare
-        if spare is None:
-            spare = self._fork_spare()
+        # The worker that finished last: its caches (modules' first-use state, open repositories) are the warmest.
+        worker = self.ready_workers.pop() if self.ready_workers else self._fork_worker()
         creds = struct.pack(f"!4i{len(groups)}i", pid, uid, gid, len(groups), *groups)
         try:
-            socket.send_fds(spare.chan, [creds], [conn.fileno()])
-        except OSError:  # the spare died: the client reads the end and runs the call itself
+            socket.send_fds(worker.chan, [creds], [conn.fileno()])
+        except OSError:  # the worker died: the client reads the end and runs the call itself
             conn.close()
-            self.spare = self._fork_spare()
+        else:
+            worker.conn = conn
+        if not self.ready_workers:
+            self.ready_workers.append(self._fork_worker())  # the next call's, forked while this one runs
+
+    def _heard(self, worker: _Worker) -> None:
+        """A worker's lines: ``S<root>`` (a store it served), ``I`` (its call is over: idle again)."""
+        try:
+            data = worker.chan.recv(65536)
+        except OSError:
+            data = b""
+        if not data:  # it is ending: reaped (and its caller told) on SIGCHLD
+            self._forget(worker)
             return
-        spare.chan.close()
-        self.busy[spare.pid] = conn
-        self.spare = self._fork_spare()
+        worker.said += data
+        while b"\n" in worker.said:
+            line, worker.said = worker.said.split(b"\n", 1)
+            if line[:1] == b"S":
+                self._watch_root(os.fsdecode(line[1:]))
+            elif line == b"I" and worker.conn is not None:
+                worker.conn.close()
+                worker.conn = None
+                if len(self.ready_workers) < _IDLE_WORKERS:
+                    self.ready_workers.append(worker)
+                else:
+                    self._forget(worker)  # enough idle ones: it reads the end of its channel and exits
+
+    def _forget(self, worker: _Worker) -> None:
+        if worker in self.ready_workers:
+            self.ready_workers.remove(worker)
+        if worker.conn is None:  # (a busy one's caller is told by _reap when it ends)
+            worker.chan.close()
 
     def _reap(self) -> bool:
         reaped = False
@@ -319,40 +404,88 @@ class _Loop:
             reaped = True
             code = os.waitstatus_to_exitcode(status)
             code = 128 - code if code < 0 else code
-            conn = self.busy.pop(pid, None)
-            if conn is not None:
-                _send_quietly(conn, b"D%d\n" % code)  # read only when the call's process never answered
-                conn.close()
-            elif self.spare is not None and pid == self.spare.pid:
-                self.spare.chan.close()
-                self.spare = self._fork_spare()
+            if self.watcher is not None and pid == self.watcher[0]:
+                os.close(self.watcher[1])
+                self.watcher = None
+                if not self.stop:
+                    self._start_watcher()
+                continue
+            worker = self.workers.pop(pid, None)
+            if worker is None:
+                continue
+            if worker.conn is not None:
+                _send_quietly(worker.conn, b"D%d\n" % code)  # read only when the call's process never answered
+                worker.conn.close()
+                worker.conn = None
+            if worker in self.ready_workers:
+                self.ready_workers.remove(worker)
+            worker.chan.close()
+        if reaped and not self.ready_workers and not self.stop:
+            self.ready_workers.append(self._fork_worker())
         return reaped
 
-    def _fork_spare(self) -> _Spare:
+    def _watch_root(self, root: str) -> None:
+        if root in self.roots or len(self.roots) >= _WATCHED_STORES:
+            return
+        self.roots.add(root)
+        if self.watcher is not None:
+            try:
+                os.write(self.watcher[1], os.fsencode(root) + b"\n")
+            except OSError:  # it died: restarted, with every root, when reaped
+                pass
+
+    def _start_watcher(self) -> None:
+        assert self.watch is not None
+        r, w = os.pipe2(os.O_CLOEXEC)
+        settings, roots = self.watch, sorted(self.roots)
+
+        def body() -> int:
+            os.close(w)  # (the server's end)
+            return _watch_stores(r, settings, roots)
+
+        pid = self._fork(body, keep=(r,))
+        os.close(r)
+        self.watcher = (pid, w)
+
+    def _fork_worker(self) -> _Worker:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        def body() -> int:
+            parent_end.close()  # (the server's end)
+            return _work(child_end, self.call, self.config)
+
+        pid = self._fork(body, keep=(child_end.fileno(),))
+        child_end.close()
+        worker = self.workers[pid] = _Worker(pid, parent_end)
+        return worker
+
+    def _fork(self, body: Callable[[], int], keep: tuple[int, ...]) -> int:
+        """A child of this server that runs ``body`` with none of the server's descriptors but ``keep``."""
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
                 stream.flush()
         pid = os.fork()
         if pid:
-            child_end.close()
-            return _Spare(pid, parent_end)
+            return pid
         code = 1
         try:
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            parent_end.close()
             self.listener.close()
-            for conn in self.busy.values():
-                conn.close()
-            if self.spare is not None:
-                self.spare.chan.close()
+            if self.lock >= 0:
+                os.close(self.lock)  # a worker finishing its call must not keep the next server from starting
+            for worker in self.workers.values():
+                if worker.chan.fileno() not in keep:
+                    worker.chan.close()
+                if worker.conn is not None:
+                    worker.conn.close()
+            if self.watcher is not None:
+                os.close(self.watcher[1])
             os.close(self.wake[0])
             os.close(self.wake[1])
-            code = _serve_one(child_end, self.call, self.config)
-        except BaseException:  # noqa: BLE001 - a spare's last line: never back into the server's loop
+            code = body()
+        except BaseException:  # noqa: BLE001 - a child's last line: never back into the server's loop
             traceback.print_exc()
         finally:
             os._exit(code)
@@ -388,16 +521,61 @@ def _read_frame(conn: socket.socket) -> tuple[bytes, list[int]]:
     return data[4:4 + int.from_bytes(data[:4], "big")], fds
 
 
-def _serve_one(chan: socket.socket, call: Call, config: _Config) -> int:
-    """A spare: wait for one connection from the server, run its call, answer, end."""
-    try:
-        msg, fds, _, _ = socket.recv_fds(chan, 4096, 1)
-    except OSError:
-        return 0
-    if not fds:  # the server is shutting down
-        return 0
-    chan.close()
-    conn = socket.socket(fileno=fds[0])
+def _work(chan: socket.socket, call: Call, config: _Config) -> int:
+    """A worker: run the calls the server hands over, one after another, until it closes the channel.
+
+    Between calls the worker is as it was forked: standard streams on
+    ``/dev/null``, working folder ``/``, the server's umask and environment.
+    What it keeps are the modules' warm state and the open repositories
+    (:func:`_kept_stores`).
+    """
+    base_env = dict(os.environb)
+    base_umask = os.umask(0o022)
+    os.umask(base_umask)
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    _settle_streams(null, base_env, base_umask)
+    announced: set[str] = set()
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(chan, 1 << 20, 1)
+        except OSError:
+            return 0
+        if not fds:  # the server is shutting down (or gone)
+            return 0
+        conn = socket.socket(fileno=fds[0])
+        try:
+            root = _serve_call(conn, msg, call, config, announced, chan)
+        finally:
+            _settle_streams(null, base_env, base_umask)
+            conn.close()
+        try:
+            if root is not None and root not in announced:
+                announced.add(root)
+                chan.sendall(b"S" + os.fsencode(root) + b"\n")
+            chan.sendall(b"I\n")
+        except OSError:  # the server is gone: this worker's last call is done
+            return 0
+
+
+def _settle_streams(null: int, env: dict[bytes, bytes], umask: int) -> None:
+    """Back to the worker's own state: nothing of the last caller's (streams, folder, umask, environment)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the client closed its end: the call ran all the same
+            pass
+    for target in (0, 1, 2):
+        os.dup2(null, target)  # the caller's pipes are not held open by an idle worker
+    os.chdir("/")
+    os.umask(umask)
+    if os.environb != env:
+        _take_environment(env, broker=False)
+    _standard_streams()
+
+
+def _serve_call(conn: socket.socket, msg: bytes, call: Call, config: _Config, announced: set[str],
+                chan: socket.socket) -> str | None:
+    """One call: take the caller's streams, folder, umask and environment, run it, answer; its store's root."""
     pid, uid, gid, n = struct.unpack("!4i", msg[:16])
     groups = struct.unpack(f"!{n}i", msg[16:16 + 4 * n])
     received: list[int] = []
@@ -418,7 +596,7 @@ def _serve_one(chan: socket.socket, call: Call, config: _Config) -> int:
         os.fchdir(received[3])
     except (ValueError, OSError) as exc:
         _send_quietly(conn, f"R{exc}\n".encode())
-        return 0
+        return None
     finally:
         for fd in received:
             os.close(fd)
@@ -428,17 +606,159 @@ def _serve_one(chan: socket.socket, call: Call, config: _Config) -> int:
     _standard_streams()
     sys.argv = ["oncepatch", *argv]
     _send_quietly(conn, b"A\n")
+    root = _served_root(argv)
+    if root is not None and root not in announced:  # before the call: a call that dies still has its store watched
+        announced.add(root)
+        try:
+            chan.sendall(b"S" + os.fsencode(root) + b"\n")
+        except OSError:
+            pass
     caller = Caller.of(uid, gid, frozenset(groups), pid=pid, peer=True)
     try:
-        code = call(argv, caller=caller, confined=config.broker)
+        code = call(argv, caller=caller, confined=config.broker, stores=_kept_stores(env))
+    except Exception:  # noqa: BLE001 - (the CLI answers its own errors) what escaped it: a broken pipe while printing
+        traceback.print_exc()
+        code = EXIT_INTERNAL
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the client closed its end: the call ran all the same
+            pass
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for target in (0, 1, 2):
+            os.dup2(null, target)  # before the answer: the caller's pipes end when the caller does
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # the client closed its end: the call ran all the same
-                pass
+        os.close(null)
     _send_quietly(conn, b"X%d\n" % code)
-    return 0
+    return root
+
+
+#: The repositories kept open by a worker, per configuration environment (a repository opened
+#: under one HOME reads that HOME's git config): {(HOME, XDG_CONFIG_HOME, GIT_* but the identity): {path: GitStore}}.
+_STORES: dict[tuple[bytes, ...], dict[str, Any]] = {}
+_IDENTITY = (b"GIT_AUTHOR_", b"GIT_COMMITTER_")
+
+
+def _kept_stores(env: dict[bytes, bytes]) -> dict[str, Any]:
+    key = tuple(sorted(k + b"=" + v for k, v in env.items()
+                       if (k.startswith(b"GIT_") and not k.startswith(_IDENTITY)) or k in (b"HOME", b"XDG_CONFIG_HOME")))
+    found = _STORES.get(key)
+    if found is None:
+        while len(_STORES) >= _KEPT_CONFIGS:
+            _STORES.pop(next(iter(_STORES)))  # the oldest: its repositories close when collected
+        found = _STORES[key] = {}
+    while len(found) >= _KEPT_REPOSITORIES:
+        found.pop(next(iter(found)))  # the first opened: it closes when collected
+    return found
+
+
+_ROOTS: dict[tuple[str, str, str | None, str | None], str | None] = {}
+
+
+def _served_root(argv: list[str]) -> str | None:
+    """The receipt store a call names (``--repo``, ``--store``, ``$ONCEPATCH_STORE``); None: no repository there."""
+    def option(name: str) -> str | None:
+        found = None
+        for i, arg in enumerate(argv):
+            if arg == name and i + 1 < len(argv):
+                found = argv[i + 1]
+            elif arg.startswith(name + "="):
+                found = arg[len(name) + 1:]
+        return found
+
+    where = (os.getcwd(), option("--repo") or ".", option("--store"), os.environ.get("ONCEPATCH_STORE"))
+    root = _ROOTS.get(where)
+    if root is None:
+        try:
+            if where[2] or where[3]:
+                root = os.path.abspath(where[2] or where[3] or "")
+            else:
+                from cas.gitdir import discover
+                from patcher.protocol import store_root_for
+
+                root = store_root_for(discover(where[1]).common_dir)
+        except Exception:  # noqa: BLE001 - no repository there: the call says so itself
+            return None
+        if len(_ROOTS) < 1024:
+            _ROOTS[where] = root
+    return root
+
+
+def _watch_stores(pipe: int, settings: _WatchSettings, roots: list[str]) -> int:
+    """The server's watcher: :class:`receipts.watcher.Watcher` over each store root read from ``pipe``.
+
+    A root is watched once its ``receipts`` folder exists (the watcher never
+    makes a store: a call refused before it wrote anything leaves none); at
+    most ``_WATCHING`` at once, the oldest stopped for a new one (``recover``
+    and ``verify`` find all it would flag without it).  Ends when the server
+    closes the pipe.
+    """
+    import json
+    import threading
+
+    from receipts.store import ReceiptStore
+    from receipts.watcher import Watcher
+    from patcher.git_adapter import adapters
+
+    os.chdir("/")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    waiting = list(roots)
+    threads: list[tuple[threading.Thread, threading.Event]] = []
+    lock = threading.Lock()
+
+    def flag(obj: dict[str, Any]) -> None:
+        line = json.dumps({**obj, "store": obj.get("store") or ""}, separators=(",", ":")) + "\n"
+        with lock:
+            fd = os.open(settings.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        sys.stderr.write(f"oncepatch serve: watcher: {line}")
+        sys.stderr.flush()
+
+    def watch(root: str, stop: threading.Event) -> None:
+        rstore = ReceiptStore(root)
+        try:
+            Watcher(rstore, adapters(rstore, {}, read_only=True), grace=settings.grace,
+                    rescan_interval=settings.rescan, on_flag=lambda obj: flag({**obj, "store": root}),
+                    on_error=lambda msg: print(f"oncepatch serve: watcher: {msg}", file=sys.stderr)).run(stop)
+        except Exception as exc:  # noqa: BLE001 - a store gone (or unreadable) ends its watcher only
+            sys.stderr.write(f"oncepatch serve: watcher of '{root}' ended: {exc}\n")
+
+    buf = b""
+    try:
+        while True:
+            for root in list(waiting):
+                if os.path.isdir(os.path.join(root, "receipts")):
+                    waiting.remove(root)
+                    threads = [(t, stop) for t, stop in threads if t.is_alive()]
+                    if len(threads) >= _WATCHING:
+                        oldest, stop = threads.pop(0)
+                        stop.set()
+                        oldest.join(timeout=5)
+                    stop = threading.Event()
+                    t = threading.Thread(target=watch, args=(root, stop), name=f"watch {root}", daemon=True)
+                    t.start()
+                    threads.append((t, stop))
+            ready, _, _ = select.select([pipe], [], [], 0.5 if waiting else None)
+            if not ready:
+                continue
+            data = os.read(pipe, 65536)
+            if not data:
+                return 0
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                waiting.append(os.fsdecode(line))
+    finally:
+        for _, stop in threads:
+            stop.set()
+        for t, _ in threads:
+            t.join(timeout=5)
 
 
 def _take_environment(env: dict[bytes, bytes], broker: bool) -> None:

@@ -209,7 +209,7 @@ def test_the_call_receives_the_caller_the_kernel_reports(box: Box) -> None:
         "import sys\n"
         "from patcher.cli import parser, server\n"
         "args = parser.build_parser().parse_args(sys.argv[1:])\n"
-        "def call(argv, *, caller, confined):\n"
+        "def call(argv, *, caller, confined, stores):\n"
         "    print(f'caller {caller.uid} {caller.gid} {caller.peer} confined {confined}', flush=True)\n"
         "    return 0\n"
         "server.serve(args, call)\n"

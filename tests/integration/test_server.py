@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -300,9 +301,19 @@ def _state(pid: int) -> str:
 
 
 def _waiting_call(server: Server, repo: Repo) -> int:
-    """The server's process running a call in ``repo`` (it took the caller's working folder)."""
-    return int(wait_for(lambda: next((p for p in server.children() if cwd_of(p) == str(repo.path)), None),
-                        "the server's call to start"))
+    """The server's process running a call in ``repo``, waiting for the key's lock: it took the caller's
+    working folder and sleeps between its tries of the lock, which only a call past its answer ``A``
+    (the call runs) does."""
+    def sleeping(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/wchan") as fh:
+                return "nanosleep" in fh.read()
+        except OSError:
+            return False
+
+    return int(wait_for(lambda: next((p for p in server.children()
+                                      if cwd_of(p) == str(repo.path) and sleeping(p)), None),
+                        "the server's call to wait for the key's lock"))
 
 
 def _client(repo: Repo, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -364,7 +375,8 @@ def test_a_client_killed_mid_call_does_not_stop_the_call(tmp_path: Path, server:
     client.wait()
     os.kill(holder.pid, signal.SIGCONT)
     assert holder.wait(timeout=120) == 0
-    wait_for(lambda: gone(call), "the call's process to end")  # it finished its call (a replay)
+    # It finished its call (a replay): its worker, which stays for the next call, left the caller's folder.
+    wait_for(lambda: cwd_of(call) != str(repo.path), "the call to end")
     status = run_cli("status", "--json", "k", cwd=repo.path, env=server.env)
     assert status.code == 0 and status.json["receipt"]["status"] == "committed"
     assert repo.count() == 2
@@ -391,7 +403,7 @@ def test_a_served_call_loads_only_the_thin_client(tmp_path: Path, server: Server
     assert '"events":[]' in res.stdout.replace(" ", "")
     mods = set(res.stderr.split("MODULES ")[-1].split())
     heavy = {m for m in mods if m.split(".")[0] in {"pygit2", "cas", "receipts", "orjson", "filelock", "json",
-                                                     "argparse", "typing", "dataclasses"}}
+                                                     "argparse", "typing", "dataclasses", "socket", "selectors", "enum"}}
     assert not heavy and "patcher.cli.run" not in mods, heavy
 
 
@@ -485,6 +497,42 @@ def test_the_api_client_and_the_mcp_tool_answer_the_same_through_the_server(
     assert err.value.error_type == "io_error" and err.value.effect_status == "not_started"
 
 
+def test_the_api_clients_recover_and_verify_go_through_the_server_with_the_same_answers(
+        tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cas.errors import OncepatchError
+    from patcher.api import Client
+
+    for name, value in DATES.items():
+        monkeypatch.setenv(name, value)
+    reports: dict[str, list[Any]] = {}
+    for name, env in (("in-process", {"ONCEPATCH_SERVER": "never"}), ("server", server.env)):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        repo = make_repo(tmp_path / "repo", FILES)  # one path for both: the first moves aside
+        # An orphan to settle: a call killed after its branch moved (in process either way).
+        crashed = run_cli("apply", "--json", "-", "--key", "k", input=PATCH, cwd=repo.path,
+                          env={"ONCEPATCH_SERVER": "never", "ONCEPATCH_CRASH_AT": "after-ref"})
+        assert crashed.code == 137, crashed
+        # server="require": an answer can only come from the server (or an error says there was none).
+        with Client(repo.path, server="never" if name == "in-process" else "require") as client:
+            plan = client.recover(dry_run=True, tmp_age=0)
+            done = client.recover(tmp_age=0)
+            checked = client.verify(grace=0)
+        # The dead call's leftovers are named after its pid (and a random tail).
+        text = re.sub(r"-[0-9]+-[0-9a-f]{8}\b", "-<pid>", json.dumps([plan.to_json(), done.to_json(), checked.to_json()]))
+        reports[name] = [*json.loads(text), done.changed, checked.ok]
+        (tmp_path / "repo").rename(tmp_path / name)
+    ra, rb = reports["in-process"], reports["server"]
+    assert ra[0]["rows"][0]["from"] == "prepared" and ra[1]["rows"][0]["to"] == "committed" and ra[4] is True
+    assert normal(ra, tmp_path / "repo") == normal(rb, tmp_path / "repo")
+    server.stop()  # without a server, require refuses both
+    with Client(tmp_path / "server", server="require") as client:
+        for call in (client.verify, client.recover):
+            with pytest.raises(OncepatchError) as err:
+                call()
+            assert err.value.error_type == "io_error" and err.value.effect_status == "not_started"
+
+
 def test_an_api_call_whose_server_process_dies_is_unknown_and_says_recover(
         tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server's call process killed after the ref moved: the API never guesses, and recover settles it."""
@@ -505,3 +553,89 @@ def test_an_api_call_whose_server_process_dies_is_unknown_and_says_recover(
         client.recover(repo=repo.path)
         assert client.status("k").status == "committed"
         assert client.apply(PATCH, key="k").replayed
+
+
+def test_a_worker_keeps_its_repository_open_and_never_answers_from_stale_state(
+        tmp_path: Path, server: Server) -> None:
+    """One worker serves call after call (no process forked per call) and sees what git did in between."""
+    repo = make_repo(tmp_path / "repo", FILES)
+    assert run_cli("apply", "--json", "-", "--key", "k1", input=PATCH, cwd=repo.path, env=server.env).code == 0
+    workers = set(server.children())  # the worker that ran it (idle again) and a spare
+    # Between two calls: a commit made with git itself (its objects loose, the branch moved) ...
+    repo.write("README", "hello from git\n")
+    by_git = repo.commit_all("by git")
+    res = run_cli("apply", "--json", "-", "--key", "k2", input=OTHER, cwd=repo.path, env=server.env)
+    assert res.code == 0, res
+    assert repo.git("rev-parse", res.json["commit"] + "^").strip() == by_git  # built on git's commit
+    assert (repo.path / "README").read_text() == "hello from git\n"
+    # ... then every object repacked into one new pack, the old packs and loose objects deleted, refs packed.
+    repo.git("repack", "-a", "-d")
+    repo.git("gc", "--prune=now", "--quiet")
+    res = run_cli("apply", "--json", "-", "--key", "k3", input=NEW, cwd=repo.path, env=server.env)
+    assert res.code == 0, res
+    assert repo.count() == 5 and (repo.path / "pkg/new.txt").read_text() == "brand new\n"
+    replay = run_cli("apply", "--json", "-", "--key", "k2", input=OTHER, cwd=repo.path, env=server.env)
+    assert replay.code == 0 and replay.json["replayed"] is True
+    assert set(server.children()) == workers  # the same processes served every call
+    repo.git("fsck", "--strict")
+    assert run_cli("verify", cwd=repo.path, env=server.env).code == 0
+
+
+def test_the_servers_watcher_flags_a_call_killed_after_its_prepare(tmp_path: Path) -> None:
+    from patcher.cli.server import WATCH_LOG
+
+    srv = Server(tmp_path / "srv", "--watch-grace", "0", "--watch-rescan", "3600")
+    try:
+        repo = make_repo(tmp_path / "repo", FILES)
+        assert run_cli("apply", "--json", "-", "--key", "k1", input=PATCH, cwd=repo.path, env=srv.env).code == 0
+        res = run_cli("apply", "--json", "-", "--key", "k2", input=OTHER, cwd=repo.path,
+                      env={**srv.env, "ONCEPATCH_CRASH_AT": "after-prepare"})
+        assert res.code == 137, res
+        log = srv.folder / WATCH_LOG
+
+        def flags() -> list[dict[str, Any]]:
+            lines = log.read_text().splitlines() if log.exists() else []
+            return [doc for doc in map(json.loads, lines) if doc.get("flag") == "orphan_prepared"]
+
+        found = wait_for(flags, "the server's watcher to flag the orphan")
+        assert [(f["key"], f["next_action"]) for f in found] == [("k2", "recover")]
+        assert found[0]["store"] == str(repo.path / ".git" / "oncepatch")
+        status = run_cli("status", "--json", "k2", cwd=repo.path, env=srv.env)
+        assert status.json["receipt"]["status"] == "prepared"  # flagged only: recover settles it
+        assert run_cli("recover", "--json", "--tmp-age", "0", cwd=repo.path, env=srv.env).code == 0
+        assert run_cli("status", "--json", "k2", cwd=repo.path, env=srv.env).json["receipt"]["status"] != "prepared"
+    finally:
+        srv.stop()
+
+
+def test_the_servers_watcher_watches_the_newest_stores_within_a_bound(tmp_path: Path, server: Server) -> None:
+    """Each watched store costs an inotify instance (128 per user): the oldest watcher stops for a new one."""
+    from patcher.cli.server import _WATCHING
+
+    repos = [make_repo(tmp_path / f"repo{i}", FILES) for i in range(_WATCHING + 2)]
+    for repo in repos:
+        assert run_cli("apply", "--json", "-", input=PATCH, cwd=repo.path, env=server.env).code == 0
+
+    def inotify_of(pid: int) -> list[str]:
+        """The inode numbers (hex) each inotify instance of ``pid`` watches, one string per instance."""
+        found = []
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:inotify":
+                    with open(f"/proc/{pid}/fdinfo/{fd}") as fh:
+                        found.append(fh.read())
+        except OSError:
+            pass
+        return found
+
+    newest = f"ino:{os.stat(repos[-1].store / 'receipts').st_ino:x} "
+
+    def watching_the_newest() -> list[str] | None:
+        for pid in server.children():
+            found = inotify_of(pid)
+            if any(newest in info for info in found):
+                return found
+        return None
+
+    found = wait_for(watching_the_newest, "the watcher to watch the newest store")
+    assert len(found) <= _WATCHING
