@@ -33,6 +33,7 @@ from receipts.errors import CorruptReceipt
 from receipts.identity import key_hash
 from receipts.receipt import DIGEST_FIELD, SIGNATURE_FIELD, Receipt, parse_receipt, receipt_doc_bytes
 from receipts.store import ReceiptStore
+from receipts.verifier import UNREACHABLE
 from patcher.evidence import KEY_REF_PREFIX, contradictions, trailer_problems
 # The outputs' check of contradictions(), which also asks the local branch (not the remote's).
 from patcher.evidence import _output_problems as output_problems
@@ -285,13 +286,10 @@ def verify_remote(rstore: ReceiptStore | None, gstore: GitStore, receipt: Receip
     if receipt.extra.get("already_applied"):
         return problems  # nothing was claimed on the remote for it
     h = key_hash(receipt.key)
-    place = (gstore.common_dir, remote.name, h)
-    try:
-        if place not in fetched:
-            fetched[place] = fetch(gstore, remote, str(receipt.args.get("branch")), h)
-    except (GitStoreError, RemoteUnreachable, UsageError) as exc:
-        return [*problems, f"cannot check the receipt against remote '{remote.name}': {exc.message}"]
-    head, key_commit, receipt_commit = fetched[place]
+    got = _fetched(gstore, receipt, remote, h, fetched)
+    if isinstance(got, str):
+        return [*problems, got]
+    head, key_commit, receipt_commit = got
     if key_commit is None or receipt_commit is None:
         return [*problems, f"remote '{remote.name}' has no claim of key '{receipt.key}' "
                            f"({KEY_REF_PREFIX}{h} or {RECEIPTS_REF_PREFIX}{h} missing)"]
@@ -303,3 +301,24 @@ def verify_remote(rstore: ReceiptStore | None, gstore: GitStore, receipt: Receip
         if getattr(theirs, name) != getattr(receipt, name):
             problems.append(f"the remote's receipt has another {name} than the local one")
     return problems + remote_problems(gstore, theirs, key_commit, head)
+
+
+def _fetched(gstore: GitStore, receipt: Receipt, remote: Remote, h: str,
+             fetched: dict[tuple[str, str, str], tuple[str | None, str | None, str | None]]
+             ) -> tuple[str | None, str | None, str | None] | str:
+    """The key's refs on the remote, fetched once per verify; or why they could not be (a failure's reason).
+
+    A remote that cannot be reached is a check not made (:data:`receipts.verifier.UNREACHABLE`),
+    not a contradiction: the reason says so, and that the receipt itself was not found wrong.
+    """
+    place = (gstore.common_dir, remote.name, h)
+    if place not in fetched:
+        try:
+            fetched[place] = fetch(gstore, remote, str(receipt.args.get("branch")), h)
+        except (GitStoreError, RemoteUnreachable) as exc:
+            return (f"{UNREACHABLE}remote '{remote.name}' ({remote.url}) could not be reached, so the receipt "
+                    f"was not checked against it (nothing was found wrong with it): {exc.message}; run "
+                    f"'oncepatch verify' again once the remote can be reached")
+        except UsageError as exc:
+            return f"cannot check the receipt against remote '{remote.name}': {exc.message}"
+    return fetched[place]

@@ -41,9 +41,12 @@ from receipts.quarantine import quarantines
 from receipts.store import FILE_MISSING, ReceiptStore, StoredReceipt
 from receipts.workers import spawn_pool, split
 
-__all__ = ["Failure", "VerifyReport", "CommitVerifier", "verify", "DEFAULT_GRACE"]
+__all__ = ["Failure", "VerifyReport", "CommitVerifier", "verify", "DEFAULT_GRACE", "UNREACHABLE"]
 
 DEFAULT_GRACE = 300.0
+#: How a verifier's reason starts when what it checks against (a git remote) could not be reached:
+#: not a contradiction but a check not made (the CLI's exit 5, not 6; docs/REMOTE.md).
+UNREACHABLE = "unreachable: "
 
 
 class CommitVerifier(Protocol):
@@ -56,8 +59,16 @@ class Failure:
     path: str | None
     reason: str
 
+    @property
+    def unreachable(self) -> bool:
+        """Whether this is a check not made (:data:`UNREACHABLE`), rather than a contradiction found."""
+        return self.reason.startswith(UNREACHABLE)
+
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "receipt": self.path, "reason": self.reason}
+        doc: dict[str, Any] = {"key": self.key, "receipt": self.path, "reason": self.reason}
+        if self.unreachable:
+            doc["kind"] = "unreachable"
+        return doc
 
 
 @dataclass(slots=True)
@@ -75,6 +86,11 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.failures
+
+    @property
+    def only_unreachable(self) -> bool:
+        """Failures, every one a check not made because a remote could not be reached (none contradicts)."""
+        return bool(self.failures) and all(f.unreachable for f in self.failures)
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"ok": self.ok, "receipts": self.receipts, "ledger_events": self.ledger_events,

@@ -443,3 +443,30 @@ def test_a_call_naming_no_remote_pays_no_git_process_nor_subprocess_import() -> 
     code = "import sys, patcher.protocol; sys.exit('subprocess' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], env=env_with(), capture_output=True, check=False)
     assert res.returncode == 0, res.stderr
+
+
+def test_verify_says_the_remote_could_not_be_reached_not_that_a_receipt_is_wrong(
+        cluster: tuple[GitServer, Cluster]) -> None:
+    """``verify`` with the server down: a check not made (exit 5, ``kind: unreachable``), not a corrupt receipt."""
+    server, c = cluster
+    a = c.machines[0]
+    assert cli_apply(a, 0).returncode == 0
+    verify_all(c)
+    server.stop()
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 5, ver.out + ver.err
+    failures = ver.json["failures"]
+    assert ver.json["ok"] is False and len(failures) == 1, failures
+    assert failures[0]["kind"] == "unreachable" and failures[0]["key"] == "key-0"
+    reason = failures[0]["reason"]
+    assert "remote 'origin'" in reason and "could not be reached" in reason and "nothing was found wrong" in reason
+    assert "corrupt" not in reason
+    text = run_cli("verify", "--repo", str(a), "--grace", "0")
+    assert text.code == 5 and "verification incomplete" in text.out and "could not be reached" in text.out
+    assert "verification failed" not in text.out and "run 'oncepatch verify' again" in text.err
+    restarted = GitServer(server.base, port=server.port).start()
+    try:
+        verify_all(c)
+    finally:
+        restarted.stop()
+
