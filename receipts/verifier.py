@@ -17,6 +17,8 @@ Checks, each failure naming the receipt and the reason:
 * in a signed store (:mod:`receipts.signing`), every receipt and every
   ledger event carries a signature by a key of the allowed-signers list;
   the report says which mode it proved (``signatures``);
+* a ``rejected`` receipt, for a verifier with ``verify_rejected`` (git, a
+  remote-mode call: the remote claims the key for it after all);
 * the other direction, for a verifier with ``verify_refs`` (git): every key
   ref has its receipt in the store, one that says it committed — a store
   deleted or emptied is a failure, not "ok: 0 receipts".
@@ -274,6 +276,10 @@ def _check_one(store: ReceiptStore, item: StoredReceipt, verifiers: Mapping[str,
         v = verifiers.get(r.tool)
         if v is not None:
             out += [Failure(r.key, item.path, reason) for reason in v.verify_committed(r)]
+    elif r.status == "rejected":
+        check = getattr(verifiers.get(r.tool), "verify_rejected", None)
+        if check is not None:
+            out += [Failure(r.key, item.path, reason) for reason in check(r)]
     return out
 
 
