@@ -329,6 +329,24 @@ class GitAdapter:
             history = self._histories[place] = BranchHistory(gstore, branch)
         return contradictions(gstore, receipt, history=history)
 
+    def verify_rejected(self, receipt: Receipt) -> list[str]:
+        """Why the remote contradicts a remote-mode ``rejected`` receipt, or ``[]`` (a local one: never).
+
+        :func:`patcher.remote_refs.verify_rejected_remote`: the remote's key ref
+        claims the key for this very call (a push that landed after the
+        receipt was settled).
+        """
+        if "remote" not in receipt.extra or not receipt.candidate:
+            return []
+        try:
+            gstore = self._store(receipt)
+        except Exception as exc:  # noqa: BLE001 - a missing repository is a verification failure
+            return [f"repository '{receipt.args.get('repo')}' cannot be opened: {exc}"]
+        from patcher import remote_refs
+
+        return remote_refs.verify_rejected_remote(self._rstore, gstore, receipt, remote_refs.remote_of(receipt),
+                                                  self._fetched)
+
     def verify_refs(self, rstore: ReceiptStore, receipts: Mapping[str, tuple[str, str, str | None]]
                     ) -> list[tuple[str, str, str]]:
         """Key refs the store has no committed receipt for: ``[(key hash, where, reason)]``.

@@ -30,7 +30,10 @@ new commit that deletes; ``git revert`` undoes it.  It is idempotent because
 ``idempotency_key`` is required: the same key with the same patch replays
 the stored receipt and changes nothing (the same key with a different patch
 is an ``idempotency_conflict`` error).  ``--check`` is not offered here: it
-runs arbitrary commands (it would make the tool open-world).
+runs arbitrary commands (it would make the tool open-world).  ``remote`` (remote
+mode, docs/REMOTE.md) names a git remote the repository's config already has,
+never a URL: the tool reaches only what the repository was set up to reach, so
+it stays not open-world.
 
 Errors come back as tool errors (``isError: true``) whose text and
 ``structuredContent`` are the CLI's envelope ``{"ok": false, "error": {...}}``.
@@ -169,7 +172,8 @@ class _Tools:
     # -- bodies ----------------------------------------------------------------
 
     def apply_patch(self, patch: str, idempotency_key: str, repo: str | None, branch: str | None,
-                    format: str, message: str | None, strict: bool = False, dir: str | None = None) -> dict[str, Any]:
+                    format: str, message: str | None, strict: bool = False, dir: str | None = None,
+                    remote: str | None = None) -> dict[str, Any]:
         if dir:  # a directory target: its object database is the repository (docs/DIRECTORIES.md)
             from patcher.dirs import objects_of
 
@@ -177,7 +181,7 @@ class _Tools:
         where, common_dir = self._resolve(repo)
         res = self.client.apply(patch, key=idempotency_key, repo=where, branch=branch or None,
                                 format=format or "auto", message=message or None, common_dir=common_dir,
-                                strict=bool(strict))
+                                strict=bool(strict), remote=remote or None)
         doc: dict[str, Any] = res.to_json()
         return doc
 
@@ -219,9 +223,9 @@ def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos
 
     async def apply_patch(patch: str, idempotency_key: str, repo: str | None = None, branch: str | None = None,
                           format: FormatName = "auto", message: str | None = None, strict: bool = False,
-                          dir: str | None = None) -> Any:
+                          dir: str | None = None, remote: str | None = None) -> Any:
         return await offload("apply_patch", lambda: tools.apply_patch(patch, idempotency_key, repo, branch,
-                                                                      format, message, strict, dir))
+                                                                      format, message, strict, dir, remote))
 
     async def receipt_status(key: str, repo: str | None = None) -> Any:
         return await offload("receipt_status", lambda: tools.receipt_status(key, repo))
@@ -244,7 +248,9 @@ def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos
             "(replayed: true) and commits nothing. repo: path of the repository (default: the "
             "server's); branch: target branch (default: the checked-out one); format: auto (detected), "
             "unified, apply_patch, search_replace, str_replace or whole_file; strict: refuse a hunk that matches only loosely (the result's "
-            "grades and warnings say when one did). Errors carry error.type, error.retryable and "
+            "grades and warnings say when one did); remote: a git remote of the repository (its name, e.g. 'origin') "
+            "to claim the key on, so that every machine sending the same key lands it once on that remote's branch "
+            "(default: the repository's oncepatch.remote config, else none: a local commit). Errors carry error.type, error.retryable and "
             "error.next_action (retry, fix_input, new_key, query_before_retry, recover, none)."
         ),
         annotations=A(title="Apply a patch once", readOnlyHint=False, destructiveHint=False,

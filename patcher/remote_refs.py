@@ -12,8 +12,9 @@ Locally, a fetch copies them to ``refs/oncepatch/remotes/<name>/{keys,receipts}/
 (never to ``refs/oncepatch/keys/``: that is the local key ref, created only
 with a local ``committed`` receipt), and the branch to its remote-tracking ref.
 The remote's key ref and receipt are the truth: :func:`query_remote` settles
-a crashed call from them, :func:`verify_remote` checks a local receipt
-against them.  The git CLI does the fetch and the push (pygit2's push has no
+a crashed call from them, :func:`verify_remote` checks a local committed
+receipt against them, :func:`verify_rejected_remote` a local rejected one
+(a push that landed after all).  The git CLI does the fetch and the push (pygit2's push has no
 ``--atomic`` nor lease), with a fixed argv and no shell.
 """
 
@@ -33,6 +34,7 @@ from receipts.errors import CorruptReceipt
 from receipts.identity import key_hash
 from receipts.receipt import DIGEST_FIELD, SIGNATURE_FIELD, Receipt, parse_receipt, receipt_doc_bytes
 from receipts.store import ReceiptStore
+from receipts.verifier import UNREACHABLE
 from patcher.evidence import KEY_REF_PREFIX, contradictions, trailer_problems
 # The outputs' check of contradictions(), which also asks the local branch (not the remote's).
 from patcher.evidence import _output_problems as output_problems
@@ -40,7 +42,7 @@ from patcher.remote_mode import Remote
 
 __all__ = ["RECEIPTS_REF_PREFIX", "RECEIPT_FILE", "Pushed", "RemoteUnreachable", "tracking_ref", "mirror_prefix",
            "fetch", "push", "receipt_commit", "read_remote_receipt", "remote_problems", "follow", "remote_of",
-           "query_remote", "settle_remote", "verify_remote"]
+           "query_remote", "settle_remote", "verify_remote", "verify_rejected_remote"]
 
 RECEIPTS_REF_PREFIX = "refs/oncepatch/receipts/"
 RECEIPT_FILE = "receipt.json"
@@ -285,13 +287,10 @@ def verify_remote(rstore: ReceiptStore | None, gstore: GitStore, receipt: Receip
     if receipt.extra.get("already_applied"):
         return problems  # nothing was claimed on the remote for it
     h = key_hash(receipt.key)
-    place = (gstore.common_dir, remote.name, h)
-    try:
-        if place not in fetched:
-            fetched[place] = fetch(gstore, remote, str(receipt.args.get("branch")), h)
-    except (GitStoreError, RemoteUnreachable, UsageError) as exc:
-        return [*problems, f"cannot check the receipt against remote '{remote.name}': {exc.message}"]
-    head, key_commit, receipt_commit = fetched[place]
+    got = _fetched(gstore, receipt, remote, h, fetched)
+    if isinstance(got, str):
+        return [*problems, got]
+    head, key_commit, receipt_commit = got
     if key_commit is None or receipt_commit is None:
         return [*problems, f"remote '{remote.name}' has no claim of key '{receipt.key}' "
                            f"({KEY_REF_PREFIX}{h} or {RECEIPTS_REF_PREFIX}{h} missing)"]
@@ -303,3 +302,59 @@ def verify_remote(rstore: ReceiptStore | None, gstore: GitStore, receipt: Receip
         if getattr(theirs, name) != getattr(receipt, name):
             problems.append(f"the remote's receipt has another {name} than the local one")
     return problems + remote_problems(gstore, theirs, key_commit, head)
+
+
+def verify_rejected_remote(rstore: ReceiptStore | None, gstore: GitStore, receipt: Receipt, remote: Remote,
+                           fetched: dict[tuple[str, str, str], tuple[str | None, str | None, str | None]]
+                           ) -> list[str]:
+    """Why the local ``rejected`` ``receipt`` is contradicted by the remote, or ``[]``.
+
+    A push the server finished after its client died (docs/REMOTE.md,
+    "Limits") lands after ``recover`` asked the remote and settled the call
+    ``rejected``: the remote's key ref then names this call's candidate, or
+    its receipt this call.  ``rejected`` is settled (docs/DESIGN.md section
+    3's states): nothing here rewrites it; the failure says what does.
+    """
+    if not receipt.candidate:
+        return []  # never staged: nothing of it could have been pushed
+    h = key_hash(receipt.key)
+    got = _fetched(gstore, receipt, remote, h, fetched)
+    if isinstance(got, str):
+        return [got]
+    _head, key_commit, receipt_commit = got
+    if key_commit is None:
+        return []
+    ours = key_commit == receipt.candidate
+    if not ours and receipt_commit is not None:
+        try:
+            ours = read_remote_receipt(rstore, gstore, remote, h, receipt_commit).call_id == receipt.call_id
+        except CorruptReceipt:
+            pass  # another call's claim, checked where that call is recorded
+    if not ours:
+        return []
+    return [f"key '{receipt.key}' landed on remote '{remote.name}' after this receipt was settled rejected: "
+            f"{KEY_REF_PREFIX}{h} there names this call's commit {key_commit[:12]} (a push the server finished "
+            f"after its client died, before or during 'oncepatch recover'); recover does not reopen a rejected "
+            f"receipt: send the same call again (same key and args), it answers from the remote and records "
+            f"committed"]
+
+
+def _fetched(gstore: GitStore, receipt: Receipt, remote: Remote, h: str,
+             fetched: dict[tuple[str, str, str], tuple[str | None, str | None, str | None]]
+             ) -> tuple[str | None, str | None, str | None] | str:
+    """The key's refs on the remote, fetched once per verify; or why they could not be (a failure's reason).
+
+    A remote that cannot be reached is a check not made (:data:`receipts.verifier.UNREACHABLE`),
+    not a contradiction: the reason says so, and that the receipt itself was not found wrong.
+    """
+    place = (gstore.common_dir, remote.name, h)
+    if place not in fetched:
+        try:
+            fetched[place] = fetch(gstore, remote, str(receipt.args.get("branch")), h)
+        except (GitStoreError, RemoteUnreachable) as exc:
+            return (f"{UNREACHABLE}remote '{remote.name}' ({remote.url}) could not be reached, so the receipt "
+                    f"was not checked against it (nothing was found wrong with it): {exc.message}; run "
+                    f"'oncepatch verify' again once the remote can be reached")
+        except UsageError as exc:
+            return f"cannot check the receipt against remote '{remote.name}': {exc.message}"
+    return fetched[place]

@@ -17,6 +17,8 @@ Checks, each failure naming the receipt and the reason:
 * in a signed store (:mod:`receipts.signing`), every receipt and every
   ledger event carries a signature by a key of the allowed-signers list;
   the report says which mode it proved (``signatures``);
+* a ``rejected`` receipt, for a verifier with ``verify_rejected`` (git, a
+  remote-mode call: the remote claims the key for it after all);
 * the other direction, for a verifier with ``verify_refs`` (git): every key
   ref has its receipt in the store, one that says it committed — a store
   deleted or emptied is a failure, not "ok: 0 receipts".
@@ -41,9 +43,12 @@ from receipts.quarantine import quarantines
 from receipts.store import FILE_MISSING, ReceiptStore, StoredReceipt
 from receipts.workers import spawn_pool, split
 
-__all__ = ["Failure", "VerifyReport", "CommitVerifier", "verify", "DEFAULT_GRACE"]
+__all__ = ["Failure", "VerifyReport", "CommitVerifier", "verify", "DEFAULT_GRACE", "UNREACHABLE"]
 
 DEFAULT_GRACE = 300.0
+#: How a verifier's reason starts when what it checks against (a git remote) could not be reached:
+#: not a contradiction but a check not made (the CLI's exit 5, not 6; docs/REMOTE.md).
+UNREACHABLE = "unreachable: "
 
 
 class CommitVerifier(Protocol):
@@ -56,8 +61,16 @@ class Failure:
     path: str | None
     reason: str
 
+    @property
+    def unreachable(self) -> bool:
+        """Whether this is a check not made (:data:`UNREACHABLE`), rather than a contradiction found."""
+        return self.reason.startswith(UNREACHABLE)
+
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "receipt": self.path, "reason": self.reason}
+        doc: dict[str, Any] = {"key": self.key, "receipt": self.path, "reason": self.reason}
+        if self.unreachable:
+            doc["kind"] = "unreachable"
+        return doc
 
 
 @dataclass(slots=True)
@@ -75,6 +88,11 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.failures
+
+    @property
+    def only_unreachable(self) -> bool:
+        """Failures, every one a check not made because a remote could not be reached (none contradicts)."""
+        return bool(self.failures) and all(f.unreachable for f in self.failures)
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"ok": self.ok, "receipts": self.receipts, "ledger_events": self.ledger_events,
@@ -258,6 +276,10 @@ def _check_one(store: ReceiptStore, item: StoredReceipt, verifiers: Mapping[str,
         v = verifiers.get(r.tool)
         if v is not None:
             out += [Failure(r.key, item.path, reason) for reason in v.verify_committed(r)]
+    elif r.status == "rejected":
+        check = getattr(verifiers.get(r.tool), "verify_rejected", None)
+        if check is not None:
+            out += [Failure(r.key, item.path, reason) for reason in check(r)]
     return out
 
 

@@ -116,6 +116,9 @@ _QUARANTINE_HINT = f"next: recover never settles these; after looking at them, {
 _NEXT_AFTER_FAILURE = (f"next: 'oncepatch doctor' names the one command to run; 'oncepatch recover' settles "
                        f"what a crash left; for what it reports corrupt, {_QUARANTINE} (docs/RECOVERY.md)")
 
+_NEXT_AFTER_UNREACHABLE = ("next: nothing was found wrong; run 'oncepatch verify' again once the remote can be "
+                           "reached (docs/REMOTE.md)")
+
 
 def _hint(text: str) -> None:
     """A next step for a person, on stderr (stdout stays the report a script reads)."""
@@ -174,6 +177,13 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         text = "".join(
             f"{f.path}{f' (key {f.key!r})' if f.key is not None else ''}: {' '.join(f.reason.splitlines())}\n"
             for f in report.failures)
+        if report.only_unreachable:
+            # Nothing was found wrong: some receipts were not checked, their remote unreachable.
+            text = shown + text + (f"verification incomplete: {len(report.failures)} receipt(s) not checked: "
+                                   f"their git remote could not be reached\n")
+            if not args.json:
+                _hint(_NEXT_AFTER_UNREACHABLE)
+            return EXIT_IN_PROGRESS, doc, text
         text = shown + text + f"verification failed: {len(report.failures)} problem(s)\n"
         if not args.json:
             _hint(_NEXT_AFTER_FAILURE)

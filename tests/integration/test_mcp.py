@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, Repo
+from conftest import ROOT, Repo, start_server
 
 pytest.importorskip("mcp")
 
@@ -76,13 +76,16 @@ def hints(tool: Any) -> dict[str, Any]:
 SERVER_INFO: dict[str, Any] = {}
 
 
-def with_server(repo: Repo, errlog: Path,
-                body: Callable[[ClientSession], Awaitable[None]], *extra: str) -> None:
+def with_server(repo: Repo | Path, errlog: Path,
+                body: Callable[[ClientSession], Awaitable[None]], *extra: str,
+                env_extra: dict[str, str] | None = None) -> None:
+    path = repo if isinstance(repo, Path) else repo.path
     env = {k: v for k, v in os.environ.items()}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(env_extra or {})
     params = StdioServerParameters(command=sys.executable,
-                                   args=["-m", "patcher.cli", "mcp", "--repo", str(repo.path), *extra],
-                                   env=env, cwd=str(repo.path))
+                                   args=["-m", "patcher.cli", "mcp", "--repo", str(path), *extra],
+                                   env=env, cwd=str(path))
 
     async def main() -> None:
         with open(errlog, "w") as err:
@@ -130,7 +133,8 @@ def test_mcp_tools_apply_replay_and_errors(repo: Repo, tmp_path: Path) -> None:
                                        "openWorld": False}
     schema = _attr(tools["apply_patch"], "input_schema", "inputSchema")
     assert set(schema["required"]) == {"patch", "idempotency_key"}
-    assert {"repo", "branch", "format", "strict"} <= set(schema["properties"])
+    assert {"repo", "branch", "format", "strict", "remote"} <= set(schema["properties"])
+    assert "remote:" in tools["apply_patch"].description
     # Every format is named, in the schema's enum and the description an agent reads.
     from patcher.formats import BUILTIN_NAMES
     from patcher.version import version
@@ -224,3 +228,74 @@ def test_mcp_lock_timeout_governs_the_index_lock(repo: Repo, tmp_path: Path) -> 
     assert err["type"] == "in_progress" and err["lock_path"] == os.path.realpath(lock)
     assert seen["elapsed"] < 5  # the server's 0.5 s, not the 30 s default (nor the old 10 s)
     assert repo.count() == 1
+
+
+def test_mcp_apply_patch_claims_its_key_on_a_git_remote(tmp_path: Path) -> None:
+    """``apply_patch``'s ``remote``: two machines' MCP servers (one through ``oncepatch serve``), one commit there.
+
+    docs/REMOTE.md: machine A's call pushes the commit and the key's claim to
+    the remote; machine B (another clone, another store) finds the key claimed
+    there and replays it.  Without ``remote`` the call stays in A's clone.
+    """
+    import signal
+    import subprocess
+
+    from git_server import GitServer
+    from remote_cluster import key_patch, make_cluster, make_server_repo, remote_git
+
+    from receipts.identity import key_hash
+
+    git = GitServer(make_server_repo(tmp_path)).start()
+    serve_pid = None
+    try:
+        c = make_cluster(tmp_path, git.url("server.git"), 2)
+        a, b = c.machines
+        before = remote_git(c, "rev-parse", "main").strip()
+        seen: dict[str, Any] = {}
+
+        async def on_a(s: ClientSession) -> None:
+            seen["a"] = await s.call_tool("apply_patch", {"patch": key_patch(0), "idempotency_key": "k0",
+                                                          "remote": "origin"})
+            seen["local"] = await s.call_tool("apply_patch", {"patch": key_patch(1), "idempotency_key": "k1"})
+            seen["nowhere"] = await s.call_tool("apply_patch", {"patch": key_patch(2), "idempotency_key": "k2",
+                                                                "remote": "nowhere"})
+
+        with_server(a, tmp_path / "a.err", on_a)
+        pushed = structured(seen["a"])
+        assert not is_error(seen["a"]) and pushed["replayed"] is False, pushed
+        assert pushed["commit"] == remote_git(c, "rev-parse", "main").strip() != before
+        assert remote_git(c, "rev-parse", f"refs/oncepatch/keys/{key_hash('k0')}").strip() == pushed["commit"]
+        local = structured(seen["local"])
+        assert not is_error(seen["local"]) and local["commit"] != pushed["commit"]
+        assert remote_git(c, "rev-parse", "main").strip() == pushed["commit"]  # the local call pushed nothing
+        nowhere = structured(seen["nowhere"])
+        assert is_error(seen["nowhere"]) and nowhere["error"]["type"] == "usage"
+        assert "'nowhere'" in nowhere["error"]["message"]
+
+        # Machine B's MCP server sends its calls through an 'oncepatch serve' server: 'remote' goes along.
+        folder = tmp_path / "serve"
+        serve_pid = start_server(folder, "--idle", "120")
+        through = {"ONCEPATCH_SERVER": "require", "ONCEPATCH_SERVER_DIR": str(folder)}
+
+        async def on_b(s: ClientSession) -> None:
+            seen["b"] = await s.call_tool("apply_patch", {"patch": key_patch(0), "idempotency_key": "k0",
+                                                          "remote": "origin"})
+            seen["verify"] = await s.call_tool("verify", {})
+
+        with_server(b, tmp_path / "b.err", on_b, env_extra=through)
+        replay = structured(seen["b"])
+        assert not is_error(seen["b"]), replay
+        assert replay["replayed"] is True and replay["commit"] == pushed["commit"]
+        assert structured(seen["verify"])["ok"] is True
+        log = remote_git(c, "log", "--format=%H", f"--grep=Oncepatch-Key: {key_hash('k0')}", "main").split()
+        assert log == [pushed["commit"]]
+        # B's clone did not commit locally: its branch is where the clone left it.
+        assert subprocess.run(["git", "-C", str(b), "rev-parse", "main"], capture_output=True,
+                              check=True).stdout.decode().strip() == before
+    finally:
+        if serve_pid is not None:
+            try:
+                os.killpg(serve_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        git.stop()

@@ -443,3 +443,108 @@ def test_a_call_naming_no_remote_pays_no_git_process_nor_subprocess_import() -> 
     code = "import sys, patcher.protocol; sys.exit('subprocess' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], env=env_with(), capture_output=True, check=False)
     assert res.returncode == 0, res.stderr
+
+
+def test_verify_says_the_remote_could_not_be_reached_not_that_a_receipt_is_wrong(
+        cluster: tuple[GitServer, Cluster]) -> None:
+    """``verify`` with the server down: a check not made (exit 5, ``kind: unreachable``), not a corrupt receipt."""
+    server, c = cluster
+    a = c.machines[0]
+    assert cli_apply(a, 0).returncode == 0
+    verify_all(c)
+    server.stop()
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 5, ver.out + ver.err
+    failures = ver.json["failures"]
+    assert ver.json["ok"] is False and len(failures) == 1, failures
+    assert failures[0]["kind"] == "unreachable" and failures[0]["key"] == "key-0"
+    reason = failures[0]["reason"]
+    assert "remote 'origin'" in reason and "could not be reached" in reason and "nothing was found wrong" in reason
+    assert "corrupt" not in reason
+    text = run_cli("verify", "--repo", str(a), "--grace", "0")
+    assert text.code == 5 and "verification incomplete" in text.out and "could not be reached" in text.out
+    assert "verification failed" not in text.out and "run 'oncepatch verify' again" in text.err
+    restarted = GitServer(server.base, port=server.port).start()
+    try:
+        verify_all(c)
+    finally:
+        restarted.stop()
+
+
+def test_a_push_the_server_finishes_after_recover_settled_it_rejected(tmp_path: Path,
+                                                                      cluster: tuple[GitServer, Cluster]) -> None:
+    """docs/REMOTE.md, "Limits": the client killed during its push, the server lands the push after ``recover``.
+
+    The push waits in the server's pre-receive hook while the client is
+    killed and ``recover`` settles the call ``rejected`` (the key is not
+    claimed yet); then the hook lets the push through (its post-receive hook
+    says when the refs moved).  ``verify`` then fails, naming the key and what
+    to do; ``recover`` leaves the settled receipt alone; the same call again
+    answers from the remote and records ``committed``.
+    """
+    _server, c = cluster
+    a = c.machines[0]
+    ready, go, landed = tmp_path / "hook-ready", tmp_path / "hook-go", tmp_path / "hook-landed"
+    for fifo in (ready, go, landed):
+        os.mkfifo(fifo)
+    hooks = c.server_repo / "hooks"
+    (hooks / "pre-receive").write_text(f"#!/bin/sh\ncat >/dev/null\necho reached > '{ready}'\nread x < '{go}'\n")
+    (hooks / "post-receive").write_text(f"#!/bin/sh\ncat >/dev/null\necho landed > '{landed}'\n")
+    for hook in ("pre-receive", "post-receive"):
+        (hooks / hook).chmod(0o755)
+    before = remote_git(c, "rev-parse", "main").strip()
+    proc = subprocess.Popen(apply_argv(a, 0), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env_with())
+    released = False
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(key_patch(0).encode())
+        proc.stdin.close()
+        proc.stdin = None
+        with open(ready) as fh:  # blocks until the push's pack is in and the hook runs
+            assert fh.read().strip() == "reached"
+        proc.kill()  # kill -9 of the client; its 'git push' child lives on, waiting for the server
+        proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL
+        assert _receipt_of(a, "key-0")["status"] == "prepared"  # type: ignore[index]
+        rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
+        assert rec.code == 0, rec.out + rec.err
+        receipt = _receipt_of(a, "key-0")
+        assert receipt is not None and receipt["status"] == "rejected" and receipt["retryable"]
+        verify_all(c)  # nothing claimed on the remote yet: the rejected receipt is the truth so far
+        with open(go, "w") as fh:  # the hook lets the push through
+            fh.write("go\n")
+        released = True
+        with open(landed) as fh:  # blocks until the remote's refs moved (its post-receive hook)
+            assert fh.read().strip() == "landed"
+    finally:
+        if not released:
+            with open(go, "w") as fh:
+                fh.write("go\n")
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    h = key_hash("key-0")
+    claimed = remote_ref(c, f"refs/oncepatch/keys/{h}")
+    assert claimed == receipt["candidate"] == remote_git(c, "rev-parse", "main").strip() != before
+    # verify: a failure naming the key, the remote's key ref and what to do.
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 6, ver.out + ver.err
+    [failure] = ver.json["failures"]
+    assert failure["key"] == "key-0" and "kind" not in failure
+    assert "landed on remote 'origin' after this receipt was settled rejected" in failure["reason"]
+    assert f"refs/oncepatch/keys/{h}" in failure["reason"] and "oncepatch recover" in failure["reason"]
+    assert "send the same call again" in failure["reason"]
+    # recover does not reopen a settled receipt (docs/REMOTE.md says so): it stays rejected.
+    rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
+    assert rec.code == 0 and rec.json["rows"] == [], rec.out
+    assert _receipt_of(a, "key-0")["status"] == "rejected"  # type: ignore[index]
+    # The same call again answers from the remote: committed, the remote's commit, nothing pushed.
+    for hook in ("pre-receive", "post-receive"):
+        (hooks / hook).unlink()
+    again = cli_apply(a, 0)
+    assert again.returncode == 0, again.stdout
+    doc = json.loads(again.stdout)
+    assert doc["replayed"] is True and doc["commit"] == claimed
+    assert remote_commits_with(c, "key-0") == [claimed]
+    verify_all(c)
