@@ -290,7 +290,7 @@ def _shown(target: str | int | tuple[int, str]) -> str:
     return target
 
 
-def fsync_all(paths: Iterable[str | int | tuple[int, str]]) -> None:
+def fsync_all(paths: Iterable[str | int | tuple[int, str]], *, alongside: Callable[[], None] | None = None) -> None:
     """fsync every path (files or folders) concurrently; return when all are synced.
 
     A path may also be given as an open folder's fd, or as ``(folder fd, name)``.
@@ -298,11 +298,19 @@ def fsync_all(paths: Iterable[str | int | tuple[int, str]]) -> None:
     Concurrent fsyncs of one filesystem are committed together (ext4 and xfs
     group them into one journal commit), so n files cost about one flush, not n.
 
+    ``alongside``: run in this thread while the syncs run in the pool's (work
+    that waits on syncs of its own, so that the two waits overlap); this
+    returns when both are done.  What it raises is raised once every sync
+    has ended (the descriptors it was given stay usable until then).
+
     Raises:
         DurableWriteError: a sync failed (the first failure named; all were
             attempted, and ``failed`` lists every path that failed).
     """
     todo = list(dict.fromkeys(paths))
+    if alongside is not None:
+        _fsync_alongside(todo, alongside)
+        return
     if not todo:
         return
     first: tuple[str | int | tuple[int, str], OSError] | None = None
@@ -332,10 +340,36 @@ def fsync_all(paths: Iterable[str | int | tuple[int, str]]) -> None:
             if first is None:
                 first = (p, err)
     if first is not None:
-        err = DurableWriteError(_shown(first[0]), first[1])
-        err.target = first[0]
-        err.failed = list(failed)
-        raise err from first[1]
+        _raise_sync_failure(first, failed)
+
+
+def _fsync_alongside(todo: list[str | int | tuple[int, str]], alongside: Callable[[], None]) -> None:
+    """:func:`fsync_all` with ``alongside``: every sync in the pool, ``alongside()`` here."""
+    futures = [(p, _pool().submit(_fsync_path, p)) for p in todo]
+    try:
+        alongside()
+    finally:
+        # Every sync ends before this returns or raises: a caller may close or unlink what they use.
+        first: tuple[str | int | tuple[int, str], OSError] | None = None
+        failed: list[object] = []
+        for p, fut in futures:
+            err = fut.exception()
+            if err is None:
+                continue
+            if not isinstance(err, OSError):
+                raise err
+            failed.append(p)
+            if first is None:
+                first = (p, err)
+    if first is not None:
+        _raise_sync_failure(first, failed)
+
+
+def _raise_sync_failure(first: tuple[str | int | tuple[int, str], OSError], failed: list[object]) -> None:
+    err = DurableWriteError(_shown(first[0]), first[1])
+    err.target = first[0]
+    err.failed = list(failed)
+    raise err from first[1]
 
 
 class _Item:
@@ -365,6 +399,7 @@ class DurableBatch:
         self._open: dict[int, str] = {}  # descriptors to sync, and the file each is
         self._kept = 0  # tmp files still open from their write
         self._also: list[str] = []  # synced in the first round, written by someone else
+        self._alongside: Callable[[], None] | None = None  # runs while the first round syncs
 
     def __len__(self) -> int:
         return len(self._items)
@@ -403,6 +438,20 @@ class DurableBatch:
         So they are durable before any of this batch's files is renamed.
         """
         self._also.extend(paths)
+
+    def alongside_first(self, step: Callable[[], None]) -> None:
+        """Run ``step`` in :meth:`commit` while the first round syncs; no file is renamed before it returns.
+
+        For a step that makes something durable on its own which this batch's
+        files rely on (libgit2's creation of a ref, which syncs its lock file
+        and folder one after another): its syncs and the first round's
+        overlap instead of following one another.  If it raises, nothing of
+        the batch is renamed (its tmp files are removed) and the error
+        propagates.
+        """
+        if self._alongside is not None:
+            raise ValueError("a batch runs one step alongside its first round")
+        self._alongside = step
 
     def commit(self, *, before_replace: Callable[[], None] | None = None,
                after_renames: Callable[[], Iterable[str | int]] | None = None,
@@ -448,7 +497,7 @@ class DurableBatch:
                     targets.append(_synced_file(item))
             targets += self._also
             try:
-                fsync_all(targets)
+                fsync_all(targets, alongside=self._alongside)
             except DurableWriteError as err:  # name the files, not their descriptors
                 named: list[object] = [self._open.get(t, t) if isinstance(t, int) else t for t in err.failed]
                 if isinstance(err.target, int) and err.target in self._open:

@@ -422,8 +422,10 @@ def _materialise(run: _Run, held: dict[str, IndexLock]) -> list[str]:
 def _finalise(run: _Run, staged: Staged, warnings: list[str]) -> ApplyResult:
     """The key ref and the ``committed`` receipt: one batch, the key ref renamed first.
 
-    A committed receipt always has its key ref; the batch's first round also
-    syncs the branch's folder when the move left that to it.
+    A committed receipt always has its key ref: libgit2 creates it (and syncs
+    it) while the batch's first round syncs the receipt's tmp file, and the
+    receipt is renamed only once both are done.  The first round also syncs
+    the branch's folder when the move left that to it.
 
     Raises:
         IdempotencyConflict: the key ref was created meanwhile through another store.
@@ -434,8 +436,7 @@ def _finalise(run: _Run, staged: Staged, warnings: list[str]) -> ApplyResult:
     assert candidate is not None
     ref_folders = gstore.take_unsynced()
 
-    def add_key_ref(batch: DurableBatch) -> None:
-        batch.sync_first(ref_folders)
+    def create_key_ref() -> None:
         try:
             gstore.create_key_ref(KEY_REF_PREFIX + key_hash(run.key), candidate, f"oncepatch: {call.call_id}")
         except RefMovedError as exc:
@@ -445,6 +446,12 @@ def _finalise(run: _Run, staged: Staged, warnings: list[str]) -> ApplyResult:
                 f"a call through another store: run 'oncepatch recover', and use one store per repository",
                 key=run.key, effect_status="applied", next_action="recover",
                 details={"commit": candidate}) from exc
+
+    def add_key_ref(batch: DurableBatch) -> None:
+        batch.sync_first(ref_folders)
+        # libgit2 syncs the key ref's reflog, lock and folders one after another: that runs
+        # while the committed receipt's tmp file syncs, and the receipt is renamed after both.
+        batch.alongside_first(create_key_ref)
 
     fields: dict[str, Any] = {"commit": candidate, "tree": staged.tree}
     if warnings:
