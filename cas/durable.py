@@ -242,7 +242,11 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_PID = 0
 _POOL_GUARD = threading.Lock()
 _POOL_THREADS = 8
-_INLINE_MAX = 2
+#: Rounds of this many paths are synced in the calling thread.  Two paths synced one after
+#: the other cost two journal commits when the first is a folder (its commit does not carry
+#: the second file's appended data); on two threads they share one (measured: a receipt's
+#: folder and the ledger, median 4.5 ms one after the other, 0.46 ms together).
+_INLINE_MAX = 1
 
 
 def _forget_pool_in_child() -> None:
@@ -316,7 +320,7 @@ def fsync_all(paths: Iterable[str | int | tuple[int, str]], *, alongside: Callab
     first: tuple[str | int | tuple[int, str], OSError] | None = None
     failed: list[object] = []
     if len(todo) <= _INLINE_MAX:
-        # A thread hand-off costs ~50-100 µs; for one or two files it buys nothing.
+        # A thread hand-off costs ~50-100 µs; for one file it buys nothing.
         for p in todo:
             try:
                 _fsync_path(p)

@@ -619,7 +619,7 @@ def test_fsync_pool_is_remade_in_a_forked_child(tmp_path: Path) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-@pytest.mark.parametrize("n", [2, 5])  # inline, and on the threads
+@pytest.mark.parametrize("n", [2, 5])  # on the threads (one path alone is synced inline)
 def test_fsync_all_reports_a_failure_after_trying_every_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              n: int) -> None:
     files = [tmp_path / f"f{i}" for i in range(n)]
