@@ -42,7 +42,7 @@ import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from cas.errors import DurableWriteError, UnsafeWorktreePath
 
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TMP_MARK",
+    "BatchPart",
     "NotRegularFile",
     "open_regular",
     "DurableBatch",
@@ -391,6 +392,22 @@ class _Item:
         self.fd: int | None = None  # the tmp file, kept open from its write to its sync
 
 
+class BatchPart(Protocol):
+    """Files written by someone else that a :class:`DurableBatch` makes durable with its own (:meth:`DurableBatch.join`)."""
+
+    def to_sync(self) -> list[str]:
+        """The files whose bytes must be synced before any of them or of the batch's gets its name."""
+        ...
+
+    def place(self) -> list[int]:
+        """Give the synced files their names; return open folders to sync in the batch's last round."""
+        ...
+
+    def discard(self) -> None:
+        """The batch failed before its renames: remove what was not placed."""
+        ...
+
+
 class DurableBatch:
     """Files made durable together, with two rounds of concurrent fsyncs (module docstring).
 
@@ -404,6 +421,7 @@ class DurableBatch:
         self._kept = 0  # tmp files still open from their write
         self._also: list[str] = []  # synced in the first round, written by someone else
         self._alongside: Callable[[], None] | None = None  # runs while the first round syncs
+        self._parts: list[BatchPart] = []  # files written by someone else, placed before this batch's
 
     def __len__(self) -> int:
         return len(self._items)
@@ -443,6 +461,18 @@ class DurableBatch:
         """
         self._also.extend(paths)
 
+    def join(self, part: BatchPart) -> None:
+        """Make ``part``'s files durable with this batch's own, in the same two rounds.
+
+        Its files are synced in the first round with the batch's tmp files,
+        then placed (:meth:`BatchPart.place`) before the batch's first rename,
+        and the folders it returns are synced in the last round.  A failure
+        before the batch's renames discards it with the tmp files.  A batch
+        with parts syncs its last round itself (no ``defer_folders``); the
+        part's owner closes what it opened once :meth:`commit` has returned.
+        """
+        self._parts.append(part)
+
     def alongside_first(self, step: Callable[[], None]) -> None:
         """Run ``step`` in :meth:`commit` while the first round syncs; no file is renamed before it returns.
 
@@ -477,6 +507,8 @@ class DurableBatch:
                 target unchanged) — or, with ``effect_status="unknown"``, the
                 renames happened and only the last round's syncs failed.
         """
+        if defer_folders is not None and self._parts:
+            raise ValueError("a batch with parts syncs its last round itself")
         folders: dict[str | int, None] = {}
         try:
             for item in self._items:
@@ -500,6 +532,8 @@ class DurableBatch:
                 else:
                     targets.append(_synced_file(item))
             targets += self._also
+            for part in self._parts:
+                targets += part.to_sync()
             try:
                 fsync_all(targets, alongside=self._alongside)
             except DurableWriteError as err:  # name the files, not their descriptors
@@ -512,8 +546,13 @@ class DurableBatch:
                 raise
             finally:
                 self._close_open()
+            placed: list[int] = []
+            for part in self._parts:
+                placed += part.place()  # named before this batch's files, which may name them
         except BaseException as exc:
             self._discard()
+            for part in self._parts:
+                part.discard()
             if isinstance(exc, OSError) and not isinstance(exc, DurableWriteError):
                 # Name the file the system refused (a tmp file's folder, say), not the batch's first.
                 failed = exc.filename if isinstance(exc.filename, str) else None
@@ -539,7 +578,7 @@ class DurableBatch:
             defer_folders.extend([*folders, *extra])
             return
         try:
-            fsync_all([*folders, *extra])
+            fsync_all([*folders, *placed, *extra])
         except DurableWriteError as exc:
             raise DurableWriteError(exc.path, exc.cause, effect_status="unknown") from exc.cause
 

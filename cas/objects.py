@@ -35,16 +35,21 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pygit2
 
+from cas.durable import DurableBatch
+
 from cas.gitdir import common_dir_of, core_worktree, read_gitfile
 from cas.errors import GitStoreError, ObjectsMissing, UsageError
-from cas.loose_objects import enable_fsync, open_repository, write_new
+from cas.loose_objects import NewObjects, TmpObjdirGone, enable_fsync, open_repository, stage_new, write_new
 from cas.signature import Signature, git_identity, signature_line
 from cas.refs import KEY_REF_PREFIX, RefUpdates
+
+T = TypeVar("T")
 
 __all__ = ["GitStore", "TreeEntry", "PathLookup", "Signature", "KEY_REF_PREFIX", "open_store"]
 
@@ -418,6 +423,53 @@ class GitStore(RefUpdates):
         """
         if not self._pending:
             return
+        self._write_all(self.repo.odb, self._pending)
+        self._flushed()
+
+    def flush_objects_with(self, step: Callable[[DurableBatch | None], T]) -> T:
+        """Write the staged objects durably in one batch with what ``step(batch)`` writes in ``batch``; return its result.
+
+        The objects are written by libgit2 into the temporary object folder
+        and joined to the batch (:func:`cas.loose_objects.stage_new`): synced
+        in its first round, renamed before its files, their folders synced in
+        its last round.  ``step`` commits the batch (the ``prepared`` receipt
+        that names the objects).  It gets ``None`` when there is nothing new to
+        write, or when the temporary folder was removed under the batch (a
+        ``git prune --expire=now``; nothing of the batch was renamed): then the
+        objects are written on their own first (:meth:`flush_objects`).
+
+        Raises:
+            GitStoreError: libgit2 could not write an object, or a folder could not be opened.
+            whatever ``step`` raises.
+        """
+        part: NewObjects | None = None
+        if self._pending:
+            try:
+                part = stage_new(self.repo.odb, os.path.join(self.common_dir, "objects"), self._pending)
+            except TmpObjdirGone:
+                part = None
+        if part is None:
+            self.flush_objects()
+            return step(None)
+        try:
+            batch = DurableBatch()
+            batch.join(part)
+            try:
+                return step(batch)
+            except Exception:
+                if not part.gone():
+                    raise
+        finally:
+            part.close()
+            if part.placed:
+                self._flushed()
+        # Race guarded: 'git prune --expire=now' (unsafe beside writers, git says) removed the
+        # temporary folder before the objects were placed: nothing of the batch was renamed.
+        self.flush_objects()
+        return step(None)
+
+    def _flushed(self) -> None:
+        """The staged objects are written: kept at hand for this call, no longer pending."""
         # Blobs stay at hand until the call ends (forget_recent): materialising a
         # worktree reads them back, and a 100 MiB blob would be inflated again
         # beside the bytes it was made from.
@@ -425,7 +477,6 @@ class GitStore(RefUpdates):
                              if isinstance(data, bytes) and header.startswith(b"blob ")})
         made = {oid: (header[:header.index(b" ")], bytes(data)) for oid, (header, data) in self._pending.items()
                 if header.startswith((b"tree ", b"commit "))}
-        self._write_all(self.repo.odb, self._pending)
         self._written.update(self._pending)
         self._pending.clear()
         self._keep_made(made)

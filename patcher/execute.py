@@ -304,10 +304,14 @@ def _check_candidate(run: _Run, base: str | None, candidate: str) -> None:
 
 
 def _prepare(run: _Run, base: str | None, candidate: str, staged: Staged) -> None:
-    """The staged objects as loose objects (synced by libgit2), then the ``prepared`` receipt naming them."""
-    run.gstore.flush_objects()
-    run.call.prepare(base={"ref": run.args.branch, "commit": base}, candidate=candidate, outputs=staged.outputs,
-                     extra={"touched": run.paths, "grades": {k: list(v) for k, v in staged.grades.items()}})
+    """The staged objects as loose objects and the ``prepared`` receipt naming them: one durable batch.
+
+    The objects are renamed into ``objects/`` before the receipt; both are
+    synced before either is renamed (:meth:`cas.objects.GitStore.flush_objects_with`).
+    """
+    run.gstore.flush_objects_with(lambda batch: run.call.prepare(
+        batch=batch, base={"ref": run.args.branch, "commit": base}, candidate=candidate, outputs=staged.outputs,
+        extra={"touched": run.paths, "grades": {k: list(v) for k, v in staged.grades.items()}}))
 
 
 def _land(run: _Run, staged: Staged) -> tuple[Staged, list[str]]:
