@@ -134,6 +134,8 @@ class GitStore(RefUpdates):
         self._made: dict[str, tuple[bytes, bytes]] = {}
         self._made_entries: dict[str, dict[bytes, tuple[int, bytes]]] = {}  # those trees parsed, once
         self._signature: dict[str, Signature] = {}  # by kind: author, committer
+        self._config_snapshot: pygit2.Config | None = None  # shared by both identities as a call reads them
+        self._reading_identities = False
         self._init_refs()
 
     @property
@@ -555,36 +557,46 @@ class GitStore(RefUpdates):
         """
         sig = self._signature.get(kind)
         if sig is None:
-            cfg: pygit2.Config | None = None
+            snapshot = self._config_snapshot
 
             def config(name: str) -> str | None:
-                nonlocal cfg
+                nonlocal snapshot
                 try:
-                    if cfg is None:
-                        # One snapshot for this identity's lookups: each lookup in the live
-                        # configuration stats every config file again (up to four lookups).
-                        cfg = self.repo.config.snapshot()
-                    value = cfg[name]
+                    if snapshot is None:
+                        # One snapshot for the lookups (each lookup in the live configuration
+                        # stats every config file again): this identity's, or both of a call's.
+                        snapshot = self._config_snapshot = self.repo.config.snapshot()
+                    value = snapshot[name]
                 except (KeyError, pygit2.GitError):
                     return None
                 return str(value) if value else None
 
-            sig = self._signature[kind] = git_identity(kind, config, os.environ)
+            try:
+                sig = self._signature[kind] = git_identity(kind, config, os.environ)
+            finally:
+                if not self._reading_identities:
+                    self._config_snapshot = None
         return sig
 
     def read_identities(self) -> None:
-        """Read the author and committer identities afresh (as a call starts).
+        """Read the author and committer identities afresh (as a call starts), from one configuration snapshot.
 
         Raises:
             ValueError: a ``GIT_<KIND>_DATE`` in a form :func:`parse_git_date` refuses, or a
                 name or email libgit2 refuses.
         """
         self._signature = {}
-        for kind in ("author", "committer"):
-            try:
-                signature_line(self.default_signature(kind))  # what libgit2 would refuse, refused now
-            except pygit2.GitError as exc:
-                raise ValueError(f"{kind}: {exc}") from None
+        self._config_snapshot = None
+        self._reading_identities = True
+        try:
+            for kind in ("author", "committer"):
+                try:
+                    signature_line(self.default_signature(kind))  # what libgit2 would refuse, refused now
+                except pygit2.GitError as exc:
+                    raise ValueError(f"{kind}: {exc}") from None
+        finally:
+            self._reading_identities = False
+            self._config_snapshot = None
 
     def create_commit(self, tree: str, parents: list[str], message: str, author: Signature | None = None) -> str:
         """Stage a commit of ``tree`` (author and committer as git reads them, now unless set); return its id.
