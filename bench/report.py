@@ -372,8 +372,8 @@ def render(res: dict[str, Any]) -> str:
                              "what was synced"], rows))
         if fs.get("points"):
             parts.append("\n**Flush points per apply** (in process, counted at the seams; median of 5 calls): a "
-                         "*round* is one `fsync_all` — its files synced at once, on threads (one or two files: "
-                         "one after the other on the calling thread) — and counts once, whichever module calls it; "
+                         "*round* is one `fsync_all` — its files synced at once, on threads (one file: "
+                         "on the calling thread) — and counts once, whichever module calls it; "
                          "*single* are `os.fsync` calls made alone; libgit2's own are its ref and reflog syncs for "
                          "the branch, one after another (from the strace kinds above). The protocol's floor is two flush points (before and "
                          "after the branch moves).\n\n")

@@ -41,8 +41,23 @@ def _text(path: str, limit: int = -1) -> str:
     Raises:
         OSError: it cannot be read.
     """
-    with open(path, "rb") as fh:
-        return fh.read(limit).decode("utf-8", "surrogateescape").strip()
+    # os.read rather than a buffered file object: git's small files are read several times a
+    # call (HEAD, a branch's ref, commondir, config), and the object's set-up (fstat, isatty,
+    # seek) cost more syscalls than the read itself.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks: list[bytes] = []
+        left = limit
+        while left != 0:
+            chunk = os.read(fd, 65536 if left < 0 else left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if left > 0:
+                left -= len(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", "surrogateescape").strip()
 
 
 def read_gitfile(path: str) -> str | None:

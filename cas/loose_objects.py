@@ -28,6 +28,12 @@ answer is ``core.fsyncMethod=batch``; this is that answer, step for step.
    synced, at once;
 6. a failed batch's files left in the temporary folder are removed.
 
+:func:`stage_new` stops after step 2 and hands steps 3 to 6 to a
+:class:`cas.durable.DurableBatch` that makes other files durable with the
+objects (:class:`NewObjects`): the ``prepared`` receipt's tmp file is synced
+in step 3's round, renamed after step 4, and its folder and the ledger are
+synced in step 5's.  Two rounds of syncs for both instead of four.
+
 Crash safety (docs/DESIGN.md, section 4): no object has its final name before
 its bytes are synced (a power cut cannot leave a torn object that a later
 write would take as present), and :func:`write_new` returns only when every
@@ -67,8 +73,8 @@ import pygit2
 from cas.durable import fsync_all
 from cas.errors import DurableWriteError, GitStoreError
 
-__all__ = ["BATCH", "LIBGIT2_OBJECT_TMP_PREFIX", "TMP_OBJDIR_PREFIX", "enable_fsync", "open_repository", "stale_tmp_objdirs", "write_new",
-           "write_object"]
+__all__ = ["BATCH", "LIBGIT2_OBJECT_TMP_PREFIX", "NewObjects", "TMP_OBJDIR_PREFIX", "TmpObjdirGone", "enable_fsync",
+           "open_repository", "stage_new", "stale_tmp_objdirs", "write_new", "write_object"]
 
 #: Off: every object is written and synced by libgit2 on its own, one after another (the
 #: measured baseline: ``scripts/bench --object-sync both``).
@@ -191,16 +197,7 @@ def write_new(odb: pygit2.Odb, objects: str, todo: Mapping[str, tuple[bytes, byt
         if made:
             _sync([objects])  # a fan-out folder libgit2 made is an entry of objects/
         return
-    new = {}
-    for oid, obj in todo.items():
-        try:
-            present = pygit2.Oid(hex=oid) in odb
-        except pygit2.GitError as exc:
-            raise GitStoreError(f"cannot look object '{oid}' up: {exc}") from exc
-        if present:
-            write_object(odb, oid, *obj)  # freshened (its mtime: gc's grace period), not written
-        else:
-            new[oid] = obj
+    new = _freshen_present(odb, todo)
     for attempt in range(_ATTEMPTS):
         try:
             _write_batch(objects, new)
@@ -211,6 +208,22 @@ def write_new(odb: pygit2.Odb, objects: str, todo: Mapping[str, tuple[bytes, byt
             if attempt == _ATTEMPTS - 1:
                 raise GitStoreError(f"cannot write objects: '{objects}' lost its temporary folder "
                                     f"{_ATTEMPTS} times in a row (a 'git prune --expire=now' loop?)") from None
+
+
+def _freshen_present(odb: pygit2.Odb, todo: Mapping[str, tuple[bytes, bytes | memoryview]]
+                     ) -> dict[str, tuple[bytes, bytes | memoryview]]:
+    """Freshen the objects of ``todo`` the repository has (step 1); return the others."""
+    new = {}
+    for oid, obj in todo.items():
+        try:
+            present = pygit2.Oid(hex=oid) in odb
+        except pygit2.GitError as exc:
+            raise GitStoreError(f"cannot look object '{oid}' up: {exc}") from exc
+        if present:
+            write_object(odb, oid, *obj)  # freshened (its mtime: gc's grace period), not written
+        else:
+            new[oid] = obj
+    return new
 
 
 class _TmpObjdirGone(Exception):
@@ -311,6 +324,121 @@ def _write_batch(objects: str, new: Mapping[str, tuple[bytes, bytes | memoryview
             for src in files[moved:]:  # a failed batch's files: none is taken for a later write's
                 with contextlib.suppress(OSError):
                     os.unlink(src)
+
+
+def stage_new(odb: pygit2.Odb, objects: str,
+              todo: Mapping[str, tuple[bytes, bytes | memoryview]]) -> NewObjects | None:
+    """:func:`write_new`'s steps 1 and 2, the rest left to a :class:`cas.durable.DurableBatch` (:class:`NewObjects`).
+
+    For a batch that makes its own files durable with the objects (the
+    ``prepared`` receipt that names them): one round of syncs for both, the
+    objects renamed before the batch's files, their folders synced in the
+    batch's last round.  ``None``: nothing new to write (the objects the
+    repository has are freshened here).  The caller closes what it gets.
+
+    Raises:
+        TmpObjdirGone: the temporary folder was removed while libgit2 wrote
+            into it (a ``git prune --expire=now``): :func:`write_new` retries.
+        GitStoreError: libgit2 could not write an object.
+    """
+    if not BATCH:
+        return None
+    new = _freshen_present(odb, todo)
+    return NewObjects(objects, new) if new else None
+
+
+class TmpObjdirGone(GitStoreError):
+    """The temporary object folder was removed while a batch used it (nothing of the batch was placed)."""
+
+
+class NewObjects:
+    """New objects written by libgit2 into the temporary folder, made durable by a batch (:func:`stage_new`).
+
+    Holds the temporary folder (one batch at a time) until :meth:`close`.
+    The steps are :func:`write_new`'s: the files synced in the batch's first
+    round (:meth:`to_sync`), renamed into ``objects/`` before the batch's own
+    files (:meth:`place`), their fan-out folders synced in its last round.
+    """
+
+    def __init__(self, objects: str, new: Mapping[str, tuple[bytes, bytes | memoryview]]) -> None:
+        self.objects = objects
+        self._new = new
+        self._holder = _tmp_objdir(objects)
+        self._holder.lock.acquire()
+        self._held = True
+        self._moved = 0
+        self._fds: list[int] = []
+        self.placed = False
+        self.files: list[str] = []
+        self.tmp = ""
+        try:
+            self.tmp, staged = self._holder.open()
+            self.files = [os.path.join(self.tmp, oid[:2], oid[2:]) for oid in new]
+            with _unsynced_objects():
+                for oid, (header, data) in new.items():
+                    try:
+                        write_object(staged, oid, header, data)
+                    except GitStoreError:
+                        if not os.path.isdir(self.tmp):
+                            raise TmpObjdirGone(f"'{self.tmp}' was removed while objects were written") from None
+                        raise
+        except BaseException:
+            if self.tmp and not os.path.isdir(self.tmp):
+                self._holder.forget()
+            self.discard()
+            self.close()
+            raise
+
+    def to_sync(self) -> list[str]:
+        return list(self.files)
+
+    def place(self) -> list[int]:
+        """Rename every object into ``objects/``; return its fan-out folders (and ``objects/`` if one was made), open.
+
+        Raises:
+            TmpObjdirGone: an object is gone with the temporary folder.
+            GitStoreError: a rename failed otherwise, or a folder could not be opened.
+        """
+        made = False
+        try:
+            for oid, src in zip(self._new, self.files):
+                made |= _move(src, os.path.join(self.objects, oid[:2]), oid[2:], self.tmp)
+                self._moved += 1
+        except _TmpObjdirGone:
+            self._holder.forget()
+            raise TmpObjdirGone(f"'{self.tmp}' was removed while its objects were moved") from None
+        self.placed = True
+        folders = [*dict.fromkeys(os.path.join(self.objects, oid[:2]) for oid in self._new),
+                   *([self.objects] if made else [])]
+        for folder in folders:
+            try:
+                self._fds.append(os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+            except FileNotFoundError:
+                # Race guarded: git's 'maintenance run --task=loose-objects' packed the objects
+                # just moved and prune-packed removed their emptied folder (as _sync allows).
+                continue
+            except OSError as exc:
+                raise GitStoreError(f"cannot sync '{folder}': {exc}") from exc
+        return list(self._fds)
+
+    def gone(self) -> bool:
+        """Whether the batch failed because the temporary folder was removed before the objects were placed."""
+        return not self.placed and not os.path.isdir(self.tmp)
+
+    def discard(self) -> None:
+        for src in self.files[self._moved:]:  # a failed batch's files: none is taken for a later write's
+            with contextlib.suppress(OSError):
+                os.unlink(src)
+
+    def close(self) -> None:
+        """Close the folders :meth:`place` opened and let the next batch use the temporary folder."""
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+        if self._held:
+            self._held = False
+            self._holder.lock.release()
 
 
 def _move(src: str, folder: str, name: str, tmp: str) -> bool:

@@ -35,16 +35,21 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pygit2
 
+from cas.durable import DurableBatch
+
 from cas.gitdir import common_dir_of, core_worktree, read_gitfile
 from cas.errors import GitStoreError, ObjectsMissing, UsageError
-from cas.loose_objects import enable_fsync, open_repository, write_new
+from cas.loose_objects import NewObjects, TmpObjdirGone, enable_fsync, open_repository, stage_new, write_new
 from cas.signature import Signature, git_identity, signature_line
 from cas.refs import KEY_REF_PREFIX, RefUpdates
+
+T = TypeVar("T")
 
 __all__ = ["GitStore", "TreeEntry", "PathLookup", "Signature", "KEY_REF_PREFIX", "open_store"]
 
@@ -129,6 +134,8 @@ class GitStore(RefUpdates):
         self._made: dict[str, tuple[bytes, bytes]] = {}
         self._made_entries: dict[str, dict[bytes, tuple[int, bytes]]] = {}  # those trees parsed, once
         self._signature: dict[str, Signature] = {}  # by kind: author, committer
+        self._config_snapshot: pygit2.Config | None = None  # shared by both identities as a call reads them
+        self._reading_identities = False
         self._init_refs()
 
     @property
@@ -418,6 +425,53 @@ class GitStore(RefUpdates):
         """
         if not self._pending:
             return
+        self._write_all(self.repo.odb, self._pending)
+        self._flushed()
+
+    def flush_objects_with(self, step: Callable[[DurableBatch | None], T]) -> T:
+        """Write the staged objects durably in one batch with what ``step(batch)`` writes in ``batch``; return its result.
+
+        The objects are written by libgit2 into the temporary object folder
+        and joined to the batch (:func:`cas.loose_objects.stage_new`): synced
+        in its first round, renamed before its files, their folders synced in
+        its last round.  ``step`` commits the batch (the ``prepared`` receipt
+        that names the objects).  It gets ``None`` when there is nothing new to
+        write, or when the temporary folder was removed under the batch (a
+        ``git prune --expire=now``; nothing of the batch was renamed): then the
+        objects are written on their own first (:meth:`flush_objects`).
+
+        Raises:
+            GitStoreError: libgit2 could not write an object, or a folder could not be opened.
+            whatever ``step`` raises.
+        """
+        part: NewObjects | None = None
+        if self._pending:
+            try:
+                part = stage_new(self.repo.odb, os.path.join(self.common_dir, "objects"), self._pending)
+            except TmpObjdirGone:
+                part = None
+        if part is None:
+            self.flush_objects()
+            return step(None)
+        try:
+            batch = DurableBatch()
+            batch.join(part)
+            try:
+                return step(batch)
+            except Exception:
+                if not part.gone():
+                    raise
+        finally:
+            part.close()
+            if part.placed:
+                self._flushed()
+        # Race guarded: 'git prune --expire=now' (unsafe beside writers, git says) removed the
+        # temporary folder before the objects were placed: nothing of the batch was renamed.
+        self.flush_objects()
+        return step(None)
+
+    def _flushed(self) -> None:
+        """The staged objects are written: kept at hand for this call, no longer pending."""
         # Blobs stay at hand until the call ends (forget_recent): materialising a
         # worktree reads them back, and a 100 MiB blob would be inflated again
         # beside the bytes it was made from.
@@ -425,7 +479,6 @@ class GitStore(RefUpdates):
                              if isinstance(data, bytes) and header.startswith(b"blob ")})
         made = {oid: (header[:header.index(b" ")], bytes(data)) for oid, (header, data) in self._pending.items()
                 if header.startswith((b"tree ", b"commit "))}
-        self._write_all(self.repo.odb, self._pending)
         self._written.update(self._pending)
         self._pending.clear()
         self._keep_made(made)
@@ -504,36 +557,46 @@ class GitStore(RefUpdates):
         """
         sig = self._signature.get(kind)
         if sig is None:
-            cfg: pygit2.Config | None = None
+            snapshot = self._config_snapshot
 
             def config(name: str) -> str | None:
-                nonlocal cfg
+                nonlocal snapshot
                 try:
-                    if cfg is None:
-                        # One snapshot for this identity's lookups: each lookup in the live
-                        # configuration stats every config file again (up to four lookups).
-                        cfg = self.repo.config.snapshot()
-                    value = cfg[name]
+                    if snapshot is None:
+                        # One snapshot for the lookups (each lookup in the live configuration
+                        # stats every config file again): this identity's, or both of a call's.
+                        snapshot = self._config_snapshot = self.repo.config.snapshot()
+                    value = snapshot[name]
                 except (KeyError, pygit2.GitError):
                     return None
                 return str(value) if value else None
 
-            sig = self._signature[kind] = git_identity(kind, config, os.environ)
+            try:
+                sig = self._signature[kind] = git_identity(kind, config, os.environ)
+            finally:
+                if not self._reading_identities:
+                    self._config_snapshot = None
         return sig
 
     def read_identities(self) -> None:
-        """Read the author and committer identities afresh (as a call starts).
+        """Read the author and committer identities afresh (as a call starts), from one configuration snapshot.
 
         Raises:
             ValueError: a ``GIT_<KIND>_DATE`` in a form :func:`parse_git_date` refuses, or a
                 name or email libgit2 refuses.
         """
         self._signature = {}
-        for kind in ("author", "committer"):
-            try:
-                signature_line(self.default_signature(kind))  # what libgit2 would refuse, refused now
-            except pygit2.GitError as exc:
-                raise ValueError(f"{kind}: {exc}") from None
+        self._config_snapshot = None
+        self._reading_identities = True
+        try:
+            for kind in ("author", "committer"):
+                try:
+                    signature_line(self.default_signature(kind))  # what libgit2 would refuse, refused now
+                except pygit2.GitError as exc:
+                    raise ValueError(f"{kind}: {exc}") from None
+        finally:
+            self._reading_identities = False
+            self._config_snapshot = None
 
     def create_commit(self, tree: str, parents: list[str], message: str, author: Signature | None = None) -> str:
         """Stage a commit of ``tree`` (author and committer as git reads them, now unless set); return its id.

@@ -315,10 +315,14 @@ def _check_candidate(run: _Run, base: str | None, candidate: str) -> None:
 
 
 def _prepare(run: _Run, base: str | None, candidate: str, staged: Staged) -> None:
-    """The staged objects as loose objects (synced by libgit2), then the ``prepared`` receipt naming them."""
-    run.gstore.flush_objects()
-    run.call.prepare(base={"ref": run.args.branch, "commit": base}, candidate=candidate, outputs=staged.outputs,
-                     extra={"touched": run.paths, "grades": {k: list(v) for k, v in staged.grades.items()}})
+    """The staged objects as loose objects and the ``prepared`` receipt naming them: one durable batch.
+
+    The objects are renamed into ``objects/`` before the receipt; both are
+    synced before either is renamed (:meth:`cas.objects.GitStore.flush_objects_with`).
+    """
+    run.gstore.flush_objects_with(lambda batch: run.call.prepare(
+        batch=batch, base={"ref": run.args.branch, "commit": base}, candidate=candidate, outputs=staged.outputs,
+        extra={"touched": run.paths, "grades": {k: list(v) for k, v in staged.grades.items()}}))
 
 
 def _land(run: _Run, staged: Staged) -> tuple[Staged, list[str]]:
@@ -449,8 +453,10 @@ def _switch_generation(run: _Run) -> list[str]:
 def _finalise(run: _Run, staged: Staged, warnings: list[str]) -> ApplyResult:
     """The key ref and the ``committed`` receipt: one batch, the key ref renamed first.
 
-    A committed receipt always has its key ref; the batch's first round also
-    syncs the branch's folder when the move left that to it.
+    A committed receipt always has its key ref: libgit2 creates it (and syncs
+    it) while the batch's first round syncs the receipt's tmp file, and the
+    receipt is renamed only once both are done.  The first round also syncs
+    the branch's folder when the move left that to it.
 
     Raises:
         IdempotencyConflict: the key ref was created meanwhile through another store.
@@ -461,8 +467,7 @@ def _finalise(run: _Run, staged: Staged, warnings: list[str]) -> ApplyResult:
     assert candidate is not None
     ref_folders = gstore.take_unsynced()
 
-    def add_key_ref(batch: DurableBatch) -> None:
-        batch.sync_first(ref_folders)
+    def create_key_ref() -> None:
         try:
             gstore.create_key_ref(KEY_REF_PREFIX + key_hash(run.key), candidate, f"oncepatch: {call.call_id}")
         except RefMovedError as exc:
@@ -472,6 +477,12 @@ def _finalise(run: _Run, staged: Staged, warnings: list[str]) -> ApplyResult:
                 f"a call through another store: run 'oncepatch recover', and use one store per repository",
                 key=run.key, effect_status="applied", next_action="recover",
                 details={"commit": candidate}) from exc
+
+    def add_key_ref(batch: DurableBatch) -> None:
+        batch.sync_first(ref_folders)
+        # libgit2 syncs the key ref's reflog, lock and folders one after another: that runs
+        # while the committed receipt's tmp file syncs, and the receipt is renamed after both.
+        batch.alongside_first(create_key_ref)
 
     fields: dict[str, Any] = {"commit": candidate, "tree": staged.tree}
     if warnings:

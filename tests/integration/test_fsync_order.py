@@ -349,11 +349,16 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
         assert _synced_before(calls, src, move.n), f"receipt tmp {src} renamed without fsync"
     assert _folder_synced_between(calls, os.path.dirname(receipt), prepared.n, branch_move.n), \
         "receipts folder not synced between the prepared receipt and the ref move"
-    # every object is synced before its rename into objects/ (one round for all: the batch of
-    # cas.loose_objects), and its folder after it and before the prepared receipt names it
+    # every object is synced before its rename into objects/ (one round for all, with the
+    # prepared receipt's tmp file: the batch of cas.loose_objects joined to the receipt's), and
+    # its folder after it (with the receipt's folder) and before the branch names it
     for move, src, dst in object_moves:
         assert _synced_before(calls, src, move.n), f"object {dst} renamed without fsync"
-        assert _folder_synced_between(calls, os.path.dirname(dst), move.n, prepared.n), dst
+        assert _folder_synced_between(calls, os.path.dirname(dst), move.n, branch_move.n), dst
+    prepared_tmp = next(c for c in calls if c.name == "openat" and c.ret >= 0 and c.where[0] == receipt_moves[0][1])
+    first_object = min(c.n for c, _, _ in object_moves)
+    assert prepared_tmp.n < first_object and _synced_before(calls, receipt_moves[0][1], first_object), \
+        "the prepared receipt's tmp file is not synced in the objects' round"
     # libgit2 wrote them into the temporary object folder with its own syncs off: each
     # object file is synced once, by the batch, and the folder is gone afterwards
     staged = [src for _, src, _ in object_moves]
@@ -387,9 +392,13 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
         index_moves = staged_moves[1:]
         assert worktree_moves[0].n < index_moves[0].n < committed.n
         # the index's folder after its rename, in the finalise batch's first round (with the
-        # committed receipt's tmp file, before its rename), not in a flush point of its own
-        assert _folder_synced_between(calls, git_dir, key_moves[0].n, committed.n)
-        assert not _folder_synced_between(calls, git_dir, index_moves[0].n, key_moves[0].n)
+        # committed receipt's tmp file, before its rename; libgit2 creates the key ref
+        # meanwhile), not in a flush point of its own
+        committed_tmp = next(c for c in calls if c.name == "openat" and c.ret >= 0
+                             and c.where[0] == receipt_moves[1][1])
+        assert index_moves[0].n < committed_tmp.n
+        assert _folder_synced_between(calls, git_dir, committed_tmp.n, committed.n)
+        assert not _folder_synced_between(calls, git_dir, index_moves[0].n, committed_tmp.n)
         folder_fd = int(worktree_moves[0].arg(0))  # renameat(dirfd, …): the folder, opened without following links
         assert any(c.n < index_moves[0].n for c in _fd_calls(calls, folder_fd, worktree_moves[0].n, {"fsync"}))
     else:

@@ -175,3 +175,86 @@ def test_a_repository_is_not_opened_while_libgit2s_syncs_are_off(repo: Repo) -> 
         assert not opened.wait(0.2), "a repository was opened while libgit2's syncs were off"
     assert opened.wait(10)
     t.join()
+
+
+class BatchRounds:
+    """Records each ``fsync_all`` round of a DurableBatch: its targets (descriptors resolved) and the object files then."""
+
+    def __init__(self, objects: Path, oids: list[str], during: Any = None) -> None:
+        import cas.durable
+
+        self.objects, self.oids, self.during = objects, oids, during
+        self.seen: list[tuple[list[str], set[str]]] = []
+        self.real = cas.durable.fsync_all
+
+    def __call__(self, paths: Any, **kw: Any) -> None:
+        paths = list(paths)
+        shown = [os.readlink(f"/proc/self/fd/{p}") if isinstance(p, int) else str(p) for p in paths]
+        present = {oid for oid in self.oids if (self.objects / oid[:2] / oid[2:]).is_file()}
+        self.seen.append((shown, present))
+        if self.during is not None:
+            during, self.during = self.during, None
+            during()
+        self.real(paths, **kw)
+
+
+def test_objects_and_a_batch_that_names_them_share_its_two_rounds(
+        repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cas.durable
+
+    gs = GitStore(str(repo.path))
+    objects = repo.path / ".git" / "objects"
+    oids = _stage(gs, repo, b"joined")
+    new = [oid for oid in oids if not (objects / oid[:2] / oid[2:]).exists()]
+    (tmp_path / "store").mkdir()
+    receipt = tmp_path / "store" / "receipt.json"
+    seen_at_rename: list[set[str]] = []
+
+    def step(batch: cas.durable.DurableBatch | None) -> str:
+        assert batch is not None
+        batch.add(str(receipt), b"names the candidate\n")
+        batch.commit(before_replace=lambda: seen_at_rename.append(
+            {oid for oid in new if (objects / oid[:2] / oid[2:]).is_file()}))
+        return "done"
+
+    rounds = BatchRounds(objects, oids)
+    monkeypatch.setattr(cas.durable, "fsync_all", rounds)
+    assert gs.flush_objects_with(step) == "done"
+    assert len(rounds.seen) == 2, rounds.seen  # one round for every file, one for every folder
+    (files, present_then), (folders, _after) = rounds.seen
+    synced = {os.path.basename(os.path.dirname(p)) + os.path.basename(p) for p in files}
+    assert set(new) <= synced and any(cas.durable.TMP_MARK in p for p in files)  # the receipt's tmp file too
+    assert not present_then & set(new)  # no object had its name before its bytes were synced
+    assert seen_at_rename == [set(new)]  # every object in place before the receipt's rename
+    assert {str(objects / oid[:2]) for oid in new} <= set(folders) and str(receipt.parent) in folders
+    assert receipt.read_bytes() == b"names the candidate\n" and gs._pending == {}
+    repo.git("fsck", "--full", "--strict")
+
+
+def test_a_prune_under_a_joined_batch_writes_the_objects_alone_then_the_batch(
+        repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cas.durable
+
+    gs = GitStore(str(repo.path))
+    objects = repo.path / ".git" / "objects"
+    oids = _stage(gs, repo, b"joined-pruned")
+    (tmp_path / "store").mkdir()
+    receipt = tmp_path / "store" / "receipt.json"
+    batches: list[bool] = []
+
+    def step(batch: cas.durable.DurableBatch | None) -> None:
+        batches.append(batch is not None)
+        batch = batch if batch is not None else cas.durable.DurableBatch()
+        batch.add(str(receipt), b"x\n")
+        batch.commit()
+
+    def prune() -> None:
+        subprocess.run(["git", "prune", "--expire=now"], cwd=repo.path, check=True)
+
+    monkeypatch.setattr(cas.durable, "fsync_all", BatchRounds(objects, oids, during=prune))
+    gs.flush_objects_with(step)
+    assert batches == [True, False]  # the joined batch renamed nothing; then the objects alone, then the receipt
+    assert receipt.read_bytes() == b"x\n" and not [p for p in receipt.parent.iterdir() if p != receipt]
+    for oid in oids:
+        assert (objects / oid[:2] / oid[2:]).is_file(), oid
+    repo.git("fsck", "--full", "--strict")

@@ -619,7 +619,7 @@ def test_fsync_pool_is_remade_in_a_forked_child(tmp_path: Path) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-@pytest.mark.parametrize("n", [2, 5])  # inline, and on the threads
+@pytest.mark.parametrize("n", [2, 5])  # on the threads (one path alone is synced inline)
 def test_fsync_all_reports_a_failure_after_trying_every_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              n: int) -> None:
     files = [tmp_path / f"f{i}" for i in range(n)]
@@ -697,3 +697,43 @@ def test_exchange_swaps_two_names_or_changes_nothing(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         exchange(str(tmp_path / "missing"), str(b))
     assert b.read_bytes() == b"new" and not (tmp_path / "missing").exists()
+
+
+def test_batch_step_alongside_runs_while_the_first_round_syncs(tmp_path: Path, target: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    tmp_synced = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        if TMP_MARK in _fd_path(fd):
+            tmp_synced.set()
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    seen: list[bytes] = []
+
+    def step() -> None:
+        # The tmp file's sync runs on another thread meanwhile: waited for here, not after.
+        assert tmp_synced.wait(10), "the first round did not start before the step"
+        seen.append(target.read_bytes())
+
+    batch = durable.DurableBatch()
+    batch.add(str(target), NEW)
+    batch.alongside_first(step)
+    batch.commit()
+    assert seen == [OLD]  # nothing renamed before the step returned
+    assert target.read_bytes() == NEW and _residue(tmp_path) == []
+
+
+def test_batch_step_alongside_that_fails_renames_nothing(tmp_path: Path, target: Path) -> None:
+    def step() -> None:
+        raise RuntimeError("the ref could not be created")
+
+    batch = durable.DurableBatch()
+    batch.add(str(target), NEW)
+    batch.alongside_first(step)
+    with pytest.raises(RuntimeError, match="could not be created"):
+        batch.commit()
+    assert target.read_bytes() == OLD and _residue(tmp_path) == []
