@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import pygit2
@@ -26,6 +27,7 @@ from cas.generations import (BRANCH, DirLayout, build, current_tree, digest_mism
                              layout_of, leftovers, outside_edits, remove_generation, switch, switch_lock, syncfs)
 from cas.objects import GitStore, open_store
 from receipts.identity import key_hash
+from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath
 
@@ -296,38 +298,50 @@ def rollback_patch(path: str, to: str, *, base: str | None = None) -> tuple[byte
     return (diff.patch or "").encode("utf-8", "surrogateescape"), found
 
 
-def prune_generations(path: str, rstore: ReceiptStore, *, dry_run: bool = False) -> list[str]:
+def prune_generations(path: str, rstore: ReceiptStore, *, dry_run: bool = False,
+                      kept: Iterable[Receipt] | None = None) -> list[str]:
     """Remove the generation folders nothing needs; return their trees.
 
-    Kept: the current one (the symlink's), the branch tip's, and those of live
-    calls (a ``prepared`` or ``unknown`` receipt's base and candidate trees).
-    A removed folder is only a materialisation: its content stays in the
-    object database, and a rollback to it builds it again.  ``.tmp-`` builds of
-    gone processes are removed as well (not listed).
+    Kept: the current one (the symlink's), the branch tip's, the one each
+    remaining receipt made (its ``tree``: while the receipt stays, its
+    generation stays materialised), and those of live calls (a ``prepared`` or
+    ``unknown`` receipt's base and candidate trees).  ``kept``: the receipts
+    that remain (``gc --policy``: those its plan keeps; a dry run's removals are
+    not gone yet); ``None``: every receipt of the store.  A removed folder is
+    only a materialisation: its content stays in the object database, and a
+    rollback to it builds it again.  ``.tmp-`` builds of gone processes are
+    removed as well (not listed).
     """
     layout = layout_of(path)
     gstore = open_store(layout.objects, None)
-    keep = {current_tree(layout)}
-    tip = gstore.resolve(BRANCH)
-    if tip is not None:
-        keep.add(gstore.commit_tree(tip))
-    for stored in rstore.scan():
-        receipt = getattr(stored, "receipt", None)
-        if receipt is None or receipt.status not in ("prepared", "unknown"):
+    named: set[str | None] = set()
+    remaining = kept if kept is not None else (s.receipt for s in rstore.scan() if s.receipt is not None)
+    for receipt in remaining:
+        named.add(receipt.tree)
+        if receipt.status not in ("prepared", "unknown"):
             continue
         for commit in ((receipt.base or {}).get("commit"), receipt.candidate):
             if commit:
                 try:
-                    keep.add(gstore.commit_tree(commit))
+                    named.add(gstore.commit_tree(commit))
                 except Exception:  # noqa: BLE001 - a candidate never written: no folder of it
                     pass
-    doomed = [t for t in generation_folders(layout) if t not in keep]
-    if not dry_run:
-        with switch_lock(layout, 30.0):
-            # Under the lock: no build links from a folder being removed, and the symlink does not move.
-            now = current_tree(layout)
-            for tree in doomed:
-                if tree != now:
-                    remove_generation(layout, tree)
-        leftovers(layout, remove=True)
+
+    def unneeded() -> list[str]:
+        keep = named | {current_tree(layout)}
+        tip = gstore.resolve(BRANCH)
+        if tip is not None:
+            keep.add(gstore.commit_tree(tip))
+        return [t for t in generation_folders(layout) if t not in keep]
+
+    if dry_run:
+        return unneeded()
+    with switch_lock(layout, 30.0):
+        # Under the lock: no build links from a folder being removed, the symlink does not move,
+        # and the tip read here is the one the next switch goes to (a call that landed since the
+        # receipts were read keeps its generation).
+        doomed = unneeded()
+        for tree in doomed:
+            remove_generation(layout, tree)
+    leftovers(layout, remove=True)
     return doomed
