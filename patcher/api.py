@@ -32,7 +32,7 @@ from receipts.lookup import status as _status
 from receipts.receipt import Receipt, parse_receipt
 from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
-from receipts.verifier import DEFAULT_GRACE, VerifyReport, verify
+from receipts.verifier import DEFAULT_GRACE, Failure, VerifyReport, verify
 from patcher import remote
 
 _server_client = remote  # the server's client, by a name apply's ``remote=`` argument does not shadow
@@ -269,12 +269,27 @@ class Client:
 
     @_translated("not_started")
     def verify(self, *, repo: str | os.PathLike[str] | None = None, grace: float = DEFAULT_GRACE,
-               verifiers: Mapping[str, Any] | None = None) -> VerifyReport:
-        """Prove every receipt matches what it claims (read-only)."""
+               verifiers: Mapping[str, Any] | None = None,
+               dir: str | os.PathLike[str] | None = None) -> VerifyReport:
+        """Prove every receipt matches what it claims (read-only).
+
+        ``dir``: a directory target (docs/DIRECTORIES.md); the folder is proved too, as ``verify --dir``
+        does (:func:`patcher.dirs.verify_dir`): each problem (a path written outside oncepatch, a
+        switch left undone, a generation's folder gone) is a failure whose ``path`` is the folder.
+        Always in process: verification reads, and a server would read the same disk.
+        """
+        if dir is not None:
+            repo = _objects_of(dir)
         rstore = self.receipt_store(repo)
         known = self._adapters(rstore, read_only=True)
         known.update(verifiers or {})
-        return verify(rstore, known, grace=grace)
+        report = verify(rstore, known, grace=grace)
+        if dir is not None:
+            from patcher.dirs import layout_of, verify_dir
+
+            folder = layout_of(os.fspath(dir)).path
+            report.failures += [Failure(None, folder, problem) for problem in verify_dir(folder)]
+        return report
 
     # -- lifetime ------------------------------------------------------------
 
