@@ -31,8 +31,8 @@ from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath
 
-__all__ = ["CONFIG", "target_of", "objects_of", "adopt", "sync", "refuse_outside_edits", "verify_dir",
-           "generations", "rollback_patch", "prune_generations", "repair_leftovers"]
+__all__ = ["CONFIG", "target_of", "objects_of", "adopt", "sync", "unfinished_switch", "refuse_outside_edits",
+           "verify_dir", "generations", "rollback_patch", "prune_generations", "repair_leftovers"]
 
 #: The git config key of a directory target's object database: the folder it manages.
 CONFIG = "oncepatch.dir"
@@ -168,6 +168,24 @@ def sync(gstore: GitStore, layout: DirLayout, lock_timeout: float) -> list[str]:
     except (OSError, TimeoutError) as exc:
         raise GitStoreError(f"cannot switch '{layout.path}' to the branch's tip: {exc}") from exc
     return [f"{'built and ' if built else ''}switched '{layout.path}' to generation {tree[:12]}"]
+
+
+def unfinished_switch(gstore: GitStore, layout: DirLayout) -> list[str]:
+    """Why ``PATH`` is not at the branch's tip (a switch left undone, its generation's folder gone), or ``[]``.
+
+    Read-only: what :func:`sync` would do (``watch`` flags it; ``recover --dir`` does it).
+    """
+    tip = gstore.resolve(BRANCH)
+    if tip is None:
+        return []
+    tree = gstore.commit_tree(tip)
+    shows = current_tree(layout)
+    if shows == tree and os.path.isdir(layout.generation(tree)):
+        return []
+    what = ("no generation" if shows is None else f"generation {shows[:12]}, whose folder is gone"
+            if shows == tree else f"generation {shows[:12]}")
+    return [f"'{layout.path}' shows {what}; the branch's tip is generation {tree[:12]}: run "
+            f"'oncepatch recover --dir {layout.path}'"]
 
 
 def refuse_outside_edits(gstore: GitStore) -> None:
