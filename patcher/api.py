@@ -285,7 +285,8 @@ class Client:
         known.update(verifiers or {})
         report = verify(rstore, known, grace=grace)
         if dir is not None:
-            from patcher.dirs import layout_of, verify_dir
+            from cas.generations import layout_of
+            from patcher.dirs import verify_dir
 
             folder = layout_of(os.fspath(dir)).path
             report.failures += [Failure(None, folder, problem) for problem in verify_dir(folder)]
