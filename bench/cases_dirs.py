@@ -8,7 +8,9 @@ in-process API:
 * **oncepatch, directory target** — ``patcher.apply`` on the target's object
   database: the receipt protocol, the commit, then the new generation built
   (unchanged files hard-linked) and the symlink switched; the build and switch
-  are also timed alone (*of which: generation*);
+  are also timed alone (*of which: generation*), and so is the check for
+  edits outside oncepatch that precedes the call (*of which: outside-edit
+  check*: ``patcher.dirs.refuse_outside_edits``);
 * **one by one with fsync** — the same files written into a plain folder of the
   same size, each opened, written, fsynced and closed, then the folder fsynced:
   what a program that writes a live folder in place does, with no atomicity.
@@ -68,7 +70,8 @@ def section_dirs(env: Any, sizes: dict[str, int], rounds: int, log: Any) -> dict
     import patcher.execute as execute
 
     timed: list[float] = []
-    real_sync = execute.sync
+    checked: list[float] = []
+    real_sync, real_check = execute.sync, execute.refuse_outside_edits
 
     def sync(*a: Any, **kw: Any) -> Any:
         t = time.perf_counter()
@@ -77,7 +80,15 @@ def section_dirs(env: Any, sizes: dict[str, int], rounds: int, log: Any) -> dict
         finally:
             timed.append(time.perf_counter() - t)
 
+    def check(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return real_check(*a, **kw)
+        finally:
+            checked.append(time.perf_counter() - t)
+
     execute.sync = sync  # type: ignore[assignment]
+    execute.refuse_outside_edits = check  # type: ignore[assignment]
     rows: list[dict[str, Any]] = []
     try:
         for label, n in sizes.items():
@@ -95,23 +106,26 @@ def section_dirs(env: Any, sizes: dict[str, int], rounds: int, log: Any) -> dict
             objects = site + ".oncepatch/objects.git"
             for files in (1, 100):
                 log(f"[dirs] {label} files: {rounds} rounds of {files}-file changes")
-                ours, hand, gen = [], [], []
+                ours, hand, gen, chk = [], [], [], []
                 for r in range(rounds):
                     rn = files * 1000 + r
                     data = _patch(rn, files)
                     timed.clear()
+                    checked.clear()
                     t = time.perf_counter()
                     patcher.apply(objects, data, key=f"bench-{files}-{r}")
                     ours.append(time.perf_counter() - t)
                     gen.append(sum(timed))
+                    chk.append(sum(checked))
                     t = time.perf_counter()
                     _by_hand(plain, rn, files)
                     hand.append(time.perf_counter() - t)
                 rows.append({"size": label, "files": n, "changed": files, "init_s": init_s,
-                             "apply_s": median(ours), "generation_s": median(gen), "by_hand_s": median(hand),
+                             "apply_s": median(ours), "generation_s": median(gen), "check_s": median(chk), "by_hand_s": median(hand),
                              "rounds": rounds})
             subprocess.run(["chmod", "-R", "u+w", root], check=False)  # read-only generations
             shutil.rmtree(root, ignore_errors=True)
     finally:
         execute.sync = real_sync  # type: ignore[assignment]
+        execute.refuse_outside_edits = real_check  # type: ignore[assignment]
     return {"rows": rows}

@@ -380,25 +380,64 @@ def outside_edits(layout: DirLayout, tree: str) -> list[str]:
     A generation with no manifest (built by another version, or its manifest
     lost) is reported as ``"(no manifest)"``, one whose folder is gone as
     ``"(no folder)"`` (``recover`` builds it again).
+
+    Every entry is stat'ed relative to its folder's descriptor (``fstatat``, as
+    the build links: no path walk per file) and compared with the manifest's
+    lists as parsed; the paths the manifest has and the folder lacks are only
+    looked for when fewer of its files were met than it lists.  (Threads were
+    measured and dropped: the comparison holds the GIL, and it is most of the
+    cost; docs/BENCHMARKS.md, "Issue 28".)
     """
-    manifest = _read_manifest(layout, tree)
-    if manifest is None:
+    try:
+        with open(os.path.join(layout.manifests, tree), "rb") as fh:
+            manifest = orjson.loads(fh.read())
+    except (OSError, orjson.JSONDecodeError):
         return ["(no manifest)"]
     root = layout.generation(tree)
-    if not os.path.isdir(root):
+    try:
+        top = os.open(root, _DIR_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
         return ["(no folder)"]
-    seen: set[str] = set()
     changed: list[str] = []
-    for path, st in _walk(root):
-        if stat.S_ISDIR(st.st_mode):
-            if stat.S_IMODE(st.st_mode) != 0o555:
-                changed.append(path + "/")
-            continue
-        seen.add(path)
-        if manifest.get(path) != _stat_entry(st):
-            changed.append(path)
-    changed += [p for p in manifest if p not in seen]
+    met = 0  # files of the manifest met, unchanged or not
+    stack = [("", top)]
+    while stack:
+        rel, fd = stack.pop()
+        try:
+            with os.scandir(fd) as it:
+                for entry in it:
+                    st = entry.stat(follow_symlinks=False)
+                    path = rel + entry.name
+                    mode = st.st_mode
+                    if stat.S_ISDIR(mode):
+                        if stat.S_IMODE(mode) != 0o555:
+                            changed.append(path + "/")
+                        stack.append((path + "/", os.open(entry.name, _DIR_FLAGS, dir_fd=fd)))
+                        continue
+                    want = manifest.get(path)
+                    if want is None:
+                        changed.append(path)
+                        continue
+                    met += 1
+                    if (want[0] != st.st_ino or want[1] != st.st_size or want[2] != st.st_mtime_ns
+                            or want[3] != mode):
+                        changed.append(path)
+        finally:
+            os.close(fd)
+    if met != len(manifest):  # some listed file is gone (or is a folder now): find which
+        for path in manifest:
+            try:
+                gone = stat.S_ISDIR(os.lstat(os.path.join(root, path)).st_mode)
+            except FileNotFoundError:
+                gone = True
+            except NotADirectoryError:  # a folder on its way became a file
+                gone = True
+            if gone:
+                changed.append(path)
     return sorted(changed)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 def _walk(root: str) -> Iterator[tuple[str, os.stat_result]]:

@@ -300,14 +300,22 @@ class Client:
 
     @_translated("not_started")
     def verify(self, *, repo: str | os.PathLike[str] | None = None, grace: float = DEFAULT_GRACE,
-               verifiers: Mapping[str, Any] | None = None) -> VerifyReport:
+               verifiers: Mapping[str, Any] | None = None,
+               dir: str | os.PathLike[str] | None = None) -> VerifyReport:
         """Prove every receipt matches what it claims (read-only).
 
-        Without ``verifiers`` the call goes to a running server as the CLI's
+        ``dir``: a directory target (docs/DIRECTORIES.md); the folder is proved too, as ``verify --dir``
+        does (:func:`patcher.dirs.verify_dir`): each problem (a path written outside oncepatch, a
+        switch left undone, a generation's folder gone) is a failure whose ``path`` is the folder.
+        Then the call runs in process.
+
+        Without ``verifiers`` nor ``dir`` the call goes to a running server as the CLI's
         ``verify --json`` (chosen as :meth:`apply` chooses); its report's
         ``quarantined_keys`` is then empty (the CLI's JSON does not carry it).
         """
-        if verifiers is None:
+        if dir is not None:
+            repo = _objects_of(dir)
+        if verifiers is None and dir is None:
             doc = self._report(["verify", "--json", f"--grace={grace!r}", "--jobs=1"], repo)
             if doc is not None:
                 return VerifyReport(
@@ -317,7 +325,14 @@ class Client:
         rstore = self.receipt_store(repo)
         known = self._adapters(rstore, read_only=True)
         known.update(verifiers or {})
-        return verify(rstore, known, grace=grace)
+        report = verify(rstore, known, grace=grace)
+        if dir is not None:
+            from cas.generations import layout_of
+            from patcher.dirs import verify_dir
+
+            folder = layout_of(os.fspath(dir)).path
+            report.failures += [Failure(None, folder, problem) for problem in verify_dir(folder)]
+        return report
 
     # -- lifetime ------------------------------------------------------------
 

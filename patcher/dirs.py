@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import pygit2
@@ -26,11 +27,12 @@ from cas.generations import (BRANCH, DirLayout, build, current_tree, digest_mism
                              layout_of, leftovers, outside_edits, remove_generation, switch, switch_lock, syncfs)
 from cas.objects import GitStore, open_store
 from receipts.identity import key_hash
+from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath
 
-__all__ = ["CONFIG", "target_of", "objects_of", "adopt", "sync", "refuse_outside_edits", "verify_dir",
-           "generations", "rollback_patch", "prune_generations", "repair_leftovers"]
+__all__ = ["CONFIG", "target_of", "objects_of", "adopt", "sync", "unfinished_switch", "refuse_outside_edits",
+           "verify_dir", "generations", "rollback_patch", "prune_generations", "repair_leftovers"]
 
 #: The git config key of a directory target's object database: the folder it manages.
 CONFIG = "oncepatch.dir"
@@ -168,6 +170,24 @@ def sync(gstore: GitStore, layout: DirLayout, lock_timeout: float) -> list[str]:
     return [f"{'built and ' if built else ''}switched '{layout.path}' to generation {tree[:12]}"]
 
 
+def unfinished_switch(gstore: GitStore, layout: DirLayout) -> list[str]:
+    """Why ``PATH`` is not at the branch's tip (a switch left undone, its generation's folder gone), or ``[]``.
+
+    Read-only: what :func:`sync` would do (``watch`` flags it; ``recover --dir`` does it).
+    """
+    tip = gstore.resolve(BRANCH)
+    if tip is None:
+        return []
+    tree = gstore.commit_tree(tip)
+    shows = current_tree(layout)
+    if shows == tree and os.path.isdir(layout.generation(tree)):
+        return []
+    what = ("no generation" if shows is None else f"generation {shows[:12]}, whose folder is gone"
+            if shows == tree else f"generation {shows[:12]}")
+    return [f"'{layout.path}' shows {what}; the branch's tip is generation {tree[:12]}: run "
+            f"'oncepatch recover --dir {layout.path}'"]
+
+
 def refuse_outside_edits(gstore: GitStore) -> None:
     """Refuse a call on a directory target whose current generation was written to outside oncepatch.
 
@@ -296,38 +316,50 @@ def rollback_patch(path: str, to: str, *, base: str | None = None) -> tuple[byte
     return (diff.patch or "").encode("utf-8", "surrogateescape"), found
 
 
-def prune_generations(path: str, rstore: ReceiptStore, *, dry_run: bool = False) -> list[str]:
+def prune_generations(path: str, rstore: ReceiptStore, *, dry_run: bool = False,
+                      kept: Iterable[Receipt] | None = None) -> list[str]:
     """Remove the generation folders nothing needs; return their trees.
 
-    Kept: the current one (the symlink's), the branch tip's, and those of live
-    calls (a ``prepared`` or ``unknown`` receipt's base and candidate trees).
-    A removed folder is only a materialisation: its content stays in the
-    object database, and a rollback to it builds it again.  ``.tmp-`` builds of
-    gone processes are removed as well (not listed).
+    Kept: the current one (the symlink's), the branch tip's, the one each
+    remaining receipt made (its ``tree``: while the receipt stays, its
+    generation stays materialised), and those of live calls (a ``prepared`` or
+    ``unknown`` receipt's base and candidate trees).  ``kept``: the receipts
+    that remain (``gc --policy``: those its plan keeps; a dry run's removals are
+    not gone yet); ``None``: every receipt of the store.  A removed folder is
+    only a materialisation: its content stays in the object database, and a
+    rollback to it builds it again.  ``.tmp-`` builds of gone processes are
+    removed as well (not listed).
     """
     layout = layout_of(path)
     gstore = open_store(layout.objects, None)
-    keep = {current_tree(layout)}
-    tip = gstore.resolve(BRANCH)
-    if tip is not None:
-        keep.add(gstore.commit_tree(tip))
-    for stored in rstore.scan():
-        receipt = getattr(stored, "receipt", None)
-        if receipt is None or receipt.status not in ("prepared", "unknown"):
+    named: set[str | None] = set()
+    remaining = kept if kept is not None else (s.receipt for s in rstore.scan() if s.receipt is not None)
+    for receipt in remaining:
+        named.add(receipt.tree)
+        if receipt.status not in ("prepared", "unknown"):
             continue
         for commit in ((receipt.base or {}).get("commit"), receipt.candidate):
             if commit:
                 try:
-                    keep.add(gstore.commit_tree(commit))
+                    named.add(gstore.commit_tree(commit))
                 except Exception:  # noqa: BLE001 - a candidate never written: no folder of it
                     pass
-    doomed = [t for t in generation_folders(layout) if t not in keep]
-    if not dry_run:
-        with switch_lock(layout, 30.0):
-            # Under the lock: no build links from a folder being removed, and the symlink does not move.
-            now = current_tree(layout)
-            for tree in doomed:
-                if tree != now:
-                    remove_generation(layout, tree)
-        leftovers(layout, remove=True)
+
+    def unneeded() -> list[str]:
+        keep = named | {current_tree(layout)}
+        tip = gstore.resolve(BRANCH)
+        if tip is not None:
+            keep.add(gstore.commit_tree(tip))
+        return [t for t in generation_folders(layout) if t not in keep]
+
+    if dry_run:
+        return unneeded()
+    with switch_lock(layout, 30.0):
+        # Under the lock: no build links from a folder being removed, the symlink does not move,
+        # and the tip read here is the one the next switch goes to (a call that landed since the
+        # receipts were read keeps its generation).
+        doomed = unneeded()
+        for tree in doomed:
+            remove_generation(layout, tree)
+    leftovers(layout, remove=True)
     return doomed

@@ -180,12 +180,77 @@ def _next(pending: list[dict[str, Any]], corrupt: list[dict[str, Any]], locks: l
     return "oncepatch verify", "nothing pending; verify proves every receipt against its commit"
 
 
-def diagnose(repo: str, store_root: str, hooks_dir: str) -> dict[str, Any]:
+def _folder(path: str) -> dict[str, Any]:
+    """What is wrong with the directory target ``path`` (docs/DIRECTORIES.md), read-only and quick.
+
+    ``pending_switch`` (the branch's tip is a generation the folder does not
+    show: a switch a crash or a failure left undone), ``generation_missing``,
+    ``edited_outside`` (paths of the current generation whose lstat differs from
+    its manifest: the next apply refuses), ``leftovers`` (``.tmp-`` builds and
+    link files of processes that are gone), ``not_linked`` (``PATH`` is no
+    symlink to a generation: an adoption cut between its renames).
+    """
+    from cas.generations import BRANCH, current_tree, layout_of, leftovers, outside_edits
+    from cas.objects import open_store
+
+    layout = layout_of(path)
+    gstore = open_store(layout.objects, None)
+    tip = gstore.resolve(BRANCH)
+    tip_tree = gstore.commit_tree(tip) if tip is not None else None
+    shows = current_tree(layout)
+    found: dict[str, Any] = {"path": layout.path, "shows": shows, "tip": tip_tree, "pending_switch": False,
+                             "generation_missing": False, "edited_outside": [], "not_linked": shows is None,
+                             "leftovers": leftovers(layout, remove=False)}
+    if shows is None:
+        return found
+    found["pending_switch"] = tip_tree is not None and shows != tip_tree
+    edited = outside_edits(layout, shows)
+    if edited == ["(no folder)"]:
+        found["generation_missing"] = True
+    elif edited != ["(no manifest)"]:
+        found["edited_outside"] = edited
+    return found
+
+
+def _next_for_folder(folder: dict[str, Any], command: str, why: str) -> tuple[str, str]:
+    """The one command next for a directory target: the store's first (with ``--dir``), then the folder's."""
+    flag = f"--dir {shlex.quote(folder['path'])}"
+    if command == "oncepatch recover":
+        return f"oncepatch recover {flag}", why + "; with --dir it also switches the folder to the branch's tip"
+    if command.startswith(("oncepatch quarantine", "oncepatch resolve")) or (
+            command == "none" and why.startswith("a call is running")):
+        return command, why  # a corrupt receipt, an unknown effect, a live call: the store's first
+    if folder["not_linked"]:
+        return (f"oncepatch init {flag}",
+                f"'{folder['path']}' is no symlink to one of its generations (an adoption cut short): "
+                f"init finishes it")
+    if folder["pending_switch"] or folder["generation_missing"]:
+        what = (f"the folder of generation {folder['shows'][:12]}, which '{folder['path']}' shows, is gone"
+                if folder["generation_missing"] else
+                f"the branch moved to generation {folder['tip'][:12]} but '{folder['path']}' still shows "
+                f"{folder['shows'][:12]} (a switch left undone)")
+        return f"oncepatch recover {flag}", f"{what}: recover builds and switches"
+    if folder["edited_outside"]:
+        paths = folder["edited_outside"]
+        return (f"oncepatch verify {flag}",
+                f"'{paths[0]}'{f' and {len(paths) - 1} more path(s)' if len(paths) > 1 else ''} of generation "
+                f"{folder['shows'][:12]} changed outside oncepatch; the next apply refuses; verify compares "
+                f"every byte and lists them: undo the edits, or make them a patch")
+    if folder["leftovers"]:
+        return f"oncepatch recover {flag}", "a crashed build left files no one points at: recover removes them"
+    if command == "oncepatch install-hook":  # a bare object database has no commits of a person to guard
+        return f"oncepatch verify {flag}", "nothing pending; verify proves every receipt and the folder's bytes"
+    return (f"oncepatch verify {flag}", why) if command == "oncepatch verify" else (command, why)
+
+
+def diagnose(repo: str, store_root: str, hooks_dir: str, *, dir: str | None = None) -> dict[str, Any]:
     """The doctor's findings for ``repo`` and its receipt store (nothing is changed).
 
     Returns ``{"ok", "store", "receipts", "pending", "corrupt", "locks",
     "hook", "next", "why"}``; ``ok`` is false when anything is pending,
-    corrupt or locked.
+    corrupt or locked.  ``dir``: a directory target (``repo`` is its object
+    database); ``"dir"`` is added (:func:`_folder`), and ``ok`` is false too
+    when the folder needs a step.
 
     Raises:
         UsageError: ``repo`` is not a git repository.
@@ -195,5 +260,12 @@ def diagnose(repo: str, store_root: str, hooks_dir: str) -> dict[str, Any]:
     locks = _locks(layout)
     hook = _hook(layout, hooks_dir)
     command, why = _next(pending, corrupt, locks, hook)
-    return {"ok": not (pending or corrupt or locks), "store": store_root, "receipts": count, "pending": pending,
-            "corrupt": corrupt, "locks": locks, "hook": hook, "next": command, "why": why}
+    doc = {"ok": not (pending or corrupt or locks), "store": store_root, "receipts": count, "pending": pending,
+           "corrupt": corrupt, "locks": locks, "hook": hook, "next": command, "why": why}
+    if dir is not None:
+        folder = doc["dir"] = _folder(dir)
+        doc["next"], doc["why"] = _next_for_folder(folder, command, why)
+        if (folder["not_linked"] or folder["pending_switch"] or folder["generation_missing"]
+                or folder["edited_outside"] or folder["leftovers"]):
+            doc["ok"] = False
+    return doc

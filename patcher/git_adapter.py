@@ -48,7 +48,7 @@ from receipts.receipt import Receipt
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL
 from patcher.check import check_worktree_root, verified_path
-from patcher.dirs import sync, target_of
+from patcher.dirs import sync, target_of, unfinished_switch
 from patcher.evidence import KEY_REF_PREFIX, BranchHistory, contradictions
 from patcher.markers import foreign_index_lock, index_marker, index_markers, ref_lock_marker
 
@@ -289,6 +289,19 @@ class GitAdapter:
         if layout is not None:  # a directory target: its folder follows the branch (docs/DIRECTORIES.md)
             done += sync(gstore, layout, self._lock_timeout)
         return done
+
+    def unfinished(self, receipt: Receipt) -> list[str]:
+        """What :meth:`settle` would still do for the committed ``receipt``, read-only (``watch`` asks).
+
+        A directory target: its folder not at the branch's tip
+        (:func:`patcher.dirs.unfinished_switch`).  Nothing else is looked at.
+        """
+        try:
+            gstore = self._store(receipt)
+        except Exception:  # noqa: BLE001 - a repository that cannot be opened is verify's to report
+            return []
+        layout = target_of(gstore)
+        return [] if layout is None else unfinished_switch(gstore, layout)
 
     # -- believing a committed receipt -------------------------------------------------
 

@@ -13,6 +13,15 @@ the lock and is never flagged.  Each flag is one JSON object handed to
 then ``cleanup`` runs (the tool's tidying that ``recover`` does after its
 resolutions: for git, a dead call's ``index.lock`` and the index it kept).
 
+A ``committed`` receipt that carries warnings (a follow-up step failed after
+the effect landed: a worktree not brought along, a directory target's folder
+not switched) is asked of its adapter's optional ``unfinished(receipt) ->
+list[str]``: what its ``settle`` would still do, read-only (``[]``: done
+since).  Anything left is flagged (``unfinished``, once per version of the
+file); with ``recover=True`` the adapter's ``settle`` runs, under the key lock
+taken without waiting.  Whether anything is left is the adapter's question
+(git: is the folder at the branch's tip); the watcher only asks it.
+
 A receipt file that does not verify is flagged too (``corrupt_receipt``,
 once per version of the file): docs/DESIGN.md section 3 has a corrupt receipt
 reported, never skipped, and ``verify`` fails on it.
@@ -72,6 +81,7 @@ class Watcher:
         self._pending: dict[str, float] = {}  # path -> when to look again
         self._flagged: set[tuple[str, int]] = set()
         self._corrupt: set[tuple[str, float]] = set()  # (path, mtime) of corrupt files flagged
+        self._unfinished: set[tuple[str, float]] = set()  # (path, mtime) of committed receipts flagged unfinished
         self.flags = 0
 
     # -- feeding -------------------------------------------------------------------
@@ -110,6 +120,8 @@ class Watcher:
         if receipt is None:
             return
         self._seen[path] = (mtime, receipt.status)
+        if receipt.status == "committed" and receipt.extra.get("warnings"):
+            self._ask_unfinished(path, mtime, receipt)
         if receipt.status == "prepared":
             due = time.monotonic() + max(0.0, self.grace - receipt_age(receipt))
             self._pending[path] = min(due, self._pending.get(path, due))
@@ -136,6 +148,38 @@ class Watcher:
         self.flags += 1
         self.on_flag({"flag": "corrupt_receipt", "key": exc.key, "receipt": path, "reason": exc.reason,
                       "next_action": "none"})
+
+    def _ask_unfinished(self, path: str, mtime: float, receipt: Receipt) -> None:
+        """Flag (and with ``recover``, settle) what a committed receipt's follow-up left undone (docstring)."""
+        adapter = self.adapters.get(receipt.tool)
+        ask = getattr(adapter, "unfinished", None)
+        if ask is None or (path, mtime) in self._unfinished:
+            return
+        try:
+            left = list(ask(receipt))
+        except Exception as exc:  # noqa: BLE001 - report and keep watching
+            self.on_error(f"looking at what '{receipt.key}' left undone failed: {exc}")
+            return
+        if not left:
+            return
+        self._unfinished.add((path, mtime))
+        self.flags += 1
+        self.on_flag({"flag": "unfinished", "key": receipt.key, "call_id": receipt.call_id, "commit": receipt.commit,
+                      "left": left, "receipt": path, "next_action": "recover"})
+        if not self.recover or adapter is None:
+            return
+        lock = self.store.try_lock(receipt.key)
+        if lock is None:
+            return  # a call on the key runs: its own follow-up (or the next recover) does it
+        try:
+            done = list(adapter.settle(receipt))
+        except Exception as exc:  # noqa: BLE001
+            self.on_error(f"follow-up of '{receipt.key}' failed: {exc}")
+            return
+        finally:
+            lock.release()
+        self.on_flag({"recovered": receipt.key, "status": receipt.status, "commit": receipt.commit,
+                      "removed": [], "done": done})
 
     # -- judging -------------------------------------------------------------------
 

@@ -9,10 +9,11 @@ remove dead builds) and ``verify`` (the current generation's bytes).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from cas.errors import EXIT_OK, UsageError
+from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 from patcher.cli.common import add_common, path_given, seconds, store_root
 
@@ -77,12 +78,16 @@ def _cmd_rollback(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     return EXIT_OK, doc, text
 
 
-def gc_generations(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    """``gc --dir PATH``: remove the generation folders nothing needs (docs/DIRECTORIES.md)."""
+def gc_generations(args: argparse.Namespace, kept: Iterable[Receipt] | None = None
+                   ) -> tuple[int, dict[str, Any], str]:
+    """``gc --dir PATH``: remove the generation folders nothing needs (docs/DIRECTORIES.md).
+
+    ``kept``: the receipts that remain (``gc --policy``'s plan, for a dry run); ``None``: the store's.
+    """
     from patcher.dirs import prune_generations
 
     path = _need_dir(args)
-    doomed = prune_generations(path, ReceiptStore(store_root(args)), dry_run=args.dry_run)
+    doomed = prune_generations(path, ReceiptStore(store_root(args)), dry_run=args.dry_run, kept=kept)
     verb = "would remove" if args.dry_run else "removed"
     return EXIT_OK, {"ok": True, "dry_run": args.dry_run, "generations": doomed}, \
         "".join(f"{verb} generation {t}\n" for t in doomed) or "nothing to remove\n"

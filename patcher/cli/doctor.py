@@ -19,7 +19,8 @@ def register(sub: Any) -> None:
         "doctor", help="after a crash: what is pending or corrupt, whose lock is left, the one command to run next",
         description="Look at the receipt store and the repository and say what to do next; changes nothing. "
                     "Exit 0: nothing pending; 5: a call pending or a crashed call's lock left "
-                    "(run 'oncepatch recover'); 6: a receipt is corrupt.")
+                    "(run 'oncepatch recover'); 6: a receipt is corrupt. With --dir PATH (a directory target) also the "
+                    "folder: a switch left undone (5), paths changed outside oncepatch (6).")
     add_common(p)
 
 
@@ -36,12 +37,31 @@ def _lock_line(lk: dict[str, Any]) -> str:
     return f"  {lk['path']}: oncepatch's, held by a running call (pid {lk['pid']})"
 
 
+def _folder_lines(folder: dict[str, Any]) -> list[str]:
+    """A directory target's part (docs/DIRECTORIES.md)."""
+    shows = folder["shows"]
+    lines = [f"dir {folder['path']}: " + (f"shows generation {shows[:12]}" if shows else
+                                         "no symlink to one of its generations")]
+    if folder["pending_switch"]:
+        lines.append(f"  switch pending: the branch's tip is generation {folder['tip'][:12]}, the folder shows "
+                     f"{shows[:12]}")
+    if folder["generation_missing"]:
+        lines.append(f"  generation {shows[:12]}'s folder is gone")
+    edited = folder["edited_outside"]
+    if edited:
+        lines.append(f"  changed outside oncepatch: {len(edited)} path(s)")
+        lines += [f"    {p}" for p in edited[:20]] + ([f"    ... and {len(edited) - 20} more"] if len(edited) > 20
+                                                     else [])
+    lines += [f"  left by a crashed build: {p}" for p in folder["leftovers"]]
+    return lines
+
+
 def _cmd_doctor(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from patcher.cli.recovery import _hooks_dir
 
     hooks, _configured = _hooks_dir(discover(args.repo))
     with shown("looking: receipts read"):
-        d = diagnose(args.repo, store_root(args), hooks)
+        d = diagnose(args.repo, store_root(args), hooks, dir=getattr(args, "dir", None))
     lines = [f"store {d['store']}: {d['receipts']} receipt(s)"]
     lines.append(f"pending: {len(d['pending'])}")
     for p in d["pending"]:
@@ -58,9 +78,14 @@ def _cmd_doctor(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         lines.append(f"hook: installed ({h['by']}: {h['path']})")
     else:
         lines.append(f"hook: not installed{' (' + h['note'] + ')' if h.get('note') else ''}")
+    folder = d.get("dir")
+    if folder is not None:
+        lines += _folder_lines(folder)
     lines.append(f"next: {d['next']}  ({d['why']})")
-    code = (EXIT_VERIFY if d["corrupt"] else
+    code = (EXIT_VERIFY if d["corrupt"] or (folder is not None and folder["edited_outside"]) else
             EXIT_IN_PROGRESS if d["pending"] or any(lk["oncepatch"] and lk.get("crashed") for lk in d["locks"])
+            or (folder is not None and (folder["pending_switch"] or folder["generation_missing"]
+                                        or folder["not_linked"] or folder["leftovers"]))
             else EXIT_OK)
     return code, d, "\n".join(lines) + "\n"
 

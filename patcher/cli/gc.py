@@ -48,7 +48,9 @@ def _cmd_gc(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     doc = report.to_json()
     code, text = EXIT_OK, _text(doc)
     if getattr(args, "dir", None):  # then the generations the receipts that stay no longer need
-        code, gens, more = gc_generations(args)
+        # A dry run removed nothing: the receipts its plan keeps are what would remain.  A real run
+        # reads the store again (a receipt whose removal was skipped for a live call stays).
+        code, gens, more = gc_generations(args, report.plan.kept if args.dry_run else None)
         doc["generations"], text = gens["generations"], text + more
     return code, doc, text
 

@@ -206,12 +206,17 @@ def _cmd_watch(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
                 key = obj.get("key")
                 sys.stdout.write(f"corrupt: {obj['receipt']}: {obj['reason']}; after looking at it: 'oncepatch "
                                  f"quarantine {shlex.quote(key) if isinstance(key, str) else 'KEY'}'\n")
+            elif obj.get("flag") == "unfinished":
+                sys.stdout.write(f"unfinished: {obj['key']} committed, follow-up left undone: "
+                                 f"{'; '.join(obj['left'])}\n")
             elif "flag" in obj:
                 sys.stdout.write(f"orphan: {obj['key']} prepared {obj['age_s']:.1f}s ago; run 'oncepatch recover'\n")
             else:
                 sys.stdout.write(f"recovered: {obj.get('recovered')} -> {obj.get('status')}\n")
                 for removed in obj.get("removed") or ():
                     sys.stdout.write(f"  removed {removed}\n")
+                for done in obj.get("done") or ():
+                    sys.stdout.write(f"  {done}\n")
             sys.stdout.flush()
 
     # Without --recover the watcher only flags: its queries must not remove stale locks.

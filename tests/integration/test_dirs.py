@@ -132,17 +132,50 @@ def test_init_apply_replay_log_rollback_gc(tmp_path: Path) -> None:
 
     same = run_cli("rollback", "--dir", str(site), "--to", first, "--key", "rb-same", "--json")
     assert same.code == 2 and "nothing to roll back" in same.json["error"]["message"]
+    # k1's receipt names the second generation (its tree): while the receipt stays, so does the folder.
     dry = run_cli("gc", "--dir", str(site), "--dry-run", "--json")
-    assert dry.code == 0 and dry.json["generations"] == [second]
-    assert second in generation_folders(site)
+    assert dry.code == 0 and dry.json["generations"] == []
     gc = run_cli("gc", "--dir", str(site), "--json")
-    assert gc.code == 0 and gc.json["generations"] == [second]
-    assert generation_folders(site) == [first]
+    assert gc.code == 0 and gc.json["generations"] == []
+    assert generation_folders(site) == sorted([first, second])
     assert run_cli("verify", "--dir", str(site), "--grace", "0").code == 0
-    # A rollback to the pruned generation builds it again from the object database.
-    rb3 = run_cli("rollback", "--dir", str(site), "--to", second, "--key", "rb3", "--json")
-    assert rb3.code == 0, rb3.out + rb3.err
-    assert view_of_folder(site) == expected_view(after)
+
+
+def test_gc_removes_a_generation_once_gc_removed_its_receipt_and_keeps_one_whose_receipt_stays(
+        tmp_path: Path) -> None:
+    site = adopt(tmp_path)
+    first = tree_of(objects(site))  # adopted: no receipt names it
+    trees = {}
+    now = dict(BASE)
+    for key, edit in (("old/k1", _add), ("keep/k2", _modify), ("keep/k3", _delete)):
+        before = dict(now)
+        edit(now)
+        pf = tmp_path / f"{key.replace('/', '-')}.diff"
+        pf.write_bytes(patch_between(tmp_path / f"scratch-{key.replace('/', '-')}", before, now))
+        res = run_cli("apply", str(pf), "--dir", str(site), "--key", key, "--json")
+        assert res.code == 0, res.out + res.err
+        trees[key] = res.json["tree"]
+    assert generation_folders(site) == sorted([first, *trees.values()])
+
+    plain = run_cli("gc", "--dir", str(site), "--json")  # every receipt stays: only the adopted one goes
+    assert plain.code == 0 and plain.json["generations"] == [first], plain.out + plain.err
+    policy = tmp_path / "old.toml"
+    policy.write_text('schema = "oncepatch.retention/1"\n[remove]\nkey_prefixes = ["old/"]\n')
+    dry = run_cli("gc", "--dir", str(site), "--policy", str(policy), "--dry-run", "--json")
+    assert dry.code == 0, dry.out + dry.err
+    assert [r["key"] for r in dry.json["remove"]] == ["old/k1"] and dry.json["generations"] == [trees["old/k1"]]
+    assert trees["old/k1"] in generation_folders(site)  # a dry run: nothing removed
+    gc = run_cli("gc", "--dir", str(site), "--policy", str(policy), "--json")
+    assert gc.code == 0, gc.out + gc.err
+    assert [r["key"] for r in gc.json["removed"]] == ["old/k1"] and gc.json["generations"] == [trees["old/k1"]]
+    # keep/k2's generation is neither current nor the tip's: its receipt alone keeps it.
+    assert generation_folders(site) == sorted([trees["keep/k2"], trees["keep/k3"]])
+    assert run_cli("gc", "--dir", str(site), "--json").json["generations"] == []
+    assert run_cli("verify", "--dir", str(site), "--grace", "0").code == 0
+    # A rollback to a pruned generation builds it again from the object database.
+    rb = run_cli("rollback", "--dir", str(site), "--to", trees["old/k1"], "--key", "rb", "--json")
+    assert rb.code == 0, rb.out + rb.err
+    assert trees["old/k1"] in generation_folders(site) and site.resolve().name == trees["old/k1"]
 
 
 def test_an_edit_outside_oncepatch_is_reported_and_refused(tmp_path: Path) -> None:

@@ -78,3 +78,19 @@ def test_mcp_apply_patch_takes_a_directory(tmp_path: Path) -> None:
     doc = getattr(res, "structured_content", None) or getattr(res, "structuredContent")
     assert doc["ok"] is True and doc["tree"] == tree_of(objects), doc
     assert view_of_folder(site) == _view(AFTER)
+
+
+def test_client_verify_of_a_directory_names_a_path_written_outside_oncepatch(tmp_path: Path) -> None:
+    site, patch = _site(tmp_path)
+    with Client(server="never") as client:
+        client.apply(patch, key="k", dir=str(site))
+        clean = client.verify(dir=str(site), grace=0)
+        assert clean.ok and clean.receipts == 1, [f.to_json() for f in clean.failures]
+        target = site / "css/site.css"  # unchanged by the patch: a hard link shared with generation one
+        os.chmod(target, 0o644)
+        target.write_text("body { color: red }\n")
+        report = client.verify(dir=str(site), grace=0)
+        assert not report.ok
+        assert [f.path for f in report.failures] == [str(site)] * len(report.failures)
+        assert any("'css/site.css'" in f.reason and "outside oncepatch" in f.reason for f in report.failures)
+        assert client.verify(repo=str(Path(str(site) + ".oncepatch/objects.git")), grace=0).ok  # receipts alone

@@ -88,3 +88,48 @@ def test_install_hook_over_the_pre_commit_framework_says_verify_would_run_twice(
     assert r.code == 0 and "pre-commit framework" in r.out and "runs twice" in r.out, r.out
     d = run_cli("doctor", "--repo", str(repo.path), "--json").json
     assert d["hook"]["installed"] is True
+
+
+def test_doctor_of_a_directory_names_a_switch_left_undone_then_an_outside_edit(tmp_path: Path) -> None:
+    import fcntl
+    import os
+
+    from dirs_helpers import patch_between, snapshot_dir, write_tree
+
+    site = tmp_path / "site"
+    site.mkdir()
+    before_files: dict[str, str | bytes] = {"index.html": "old\n", "css/site.css": "body {}\n"}
+    write_tree(site, before_files)
+    assert run_cli("init", "--dir", str(site)).code == 0
+    pf = tmp_path / "p.diff"
+    pf.write_bytes(patch_between(tmp_path / "scratch", before_files, {**before_files, "index.html": "new\n"}))
+    lock_fd = os.open(f"{site}.oncepatch/switch.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # the call commits; its folder cannot be switched
+        res = run_cli("apply", str(pf), "--dir", str(site), "--key", "k1", "--lock-timeout", "0.2", "--json")
+        assert res.code == 0 and res.json["warnings"], res.out + res.err
+    finally:
+        os.close(lock_fd)
+    left = snapshot_dir(site)
+    text = run_cli("doctor", "--dir", str(site))
+    js = run_cli("doctor", "--dir", str(site), "--json")
+    assert text.code == js.code == 5, text.out + text.err
+    d = js.json
+    assert d["dir"]["pending_switch"] is True and d["dir"]["tip"] == res.json["tree"]
+    assert d["next"] == f"oncepatch recover --dir {site}" and "switch left undone" in d["why"]
+    assert "switch pending" in text.out and f"next: oncepatch recover --dir {site}" in text.out
+    assert snapshot_dir(site) == left  # it only looks
+
+    assert run_cli("recover", "--dir", str(site)).code == 0
+    js = run_cli("doctor", "--dir", str(site), "--json")
+    assert js.code == 0 and js.json["next"] == f"oncepatch verify --dir {site}", js.out
+
+    target = site / "css/site.css"
+    os.chmod(target, 0o644)
+    target.write_text("edited by hand\n")
+    text = run_cli("doctor", "--dir", str(site))
+    js = run_cli("doctor", "--dir", str(site), "--json")
+    assert text.code == js.code == 6, text.out + text.err
+    assert js.json["dir"]["edited_outside"] == ["css/site.css"] and js.json["ok"] is False
+    assert js.json["next"] == f"oncepatch verify --dir {site}" and "css/site.css" in js.json["why"]
+    assert "changed outside oncepatch: 1 path(s)" in text.out and "css/site.css" in text.out
