@@ -443,3 +443,39 @@ def test_a_call_naming_no_remote_pays_no_git_process_nor_subprocess_import() -> 
     code = "import sys, patcher.protocol; sys.exit('subprocess' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], env=env_with(), capture_output=True, check=False)
     assert res.returncode == 0, res.stderr
+
+
+def test_a_re_pointed_remote_neither_settles_nor_vouches(cluster: tuple[GitServer, Cluster]) -> None:
+    """recover and verify ask the URL the receipt recorded, never whatever the remote's name reaches today."""
+    server, c = cluster
+    a = c.machines[0]
+    srv = c.server_repo.parent
+    # Another repository behind the same server, as the remote was before the calls: no claims.
+    subprocess.run(["git", "clone", "-q", "--mirror", str(c.server_repo), str(srv / "other.git")], check=True)
+    assert cli_apply(a, 1).returncode == 0
+    crashed = cli_apply(a, 0, ONCEPATCH_CRASH_AT="after-push")
+    assert crashed.returncode == 137, crashed.stderr
+    # And a copy of the remote as it is now: every claim there, but not the remote the receipts name.
+    subprocess.run(["git", "clone", "-q", "--mirror", str(c.server_repo), str(srv / "copy.git")], check=True)
+
+    def origin(url: str) -> None:
+        subprocess.run(["git", "-C", str(a), "remote", "set-url", "origin", url], check=True)
+
+    origin(server.url("other.git"))
+    rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
+    assert rec.code != 0, rec.out + rec.err
+    assert "remote_repointed" in rec.out + rec.err and c.url in rec.out + rec.err
+    receipt = _receipt_of(a, "key-0")
+    assert receipt is not None and receipt["status"] in ("prepared", "unknown"), receipt  # not settled 'rejected'
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 6 and "not checked against another repository" in ver.out, ver.out + ver.err
+    # Back to the recorded URL: the claim is found there and settled.
+    origin(c.url)
+    rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
+    assert rec.code == 0, rec.out + rec.err
+    assert _receipt_of(a, "key-0")["status"] == "committed"  # type: ignore[index]
+    assert run_cli("verify", "--json", "--repo", str(a), "--grace", "0").code == 0
+    # A copy holding the same claims is still another repository: verify does not vouch from it.
+    origin(server.url("copy.git"))
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 6 and "not checked against another repository" in ver.out, ver.out + ver.err
