@@ -479,3 +479,33 @@ def test_a_re_pointed_remote_neither_settles_nor_vouches(cluster: tuple[GitServe
     origin(server.url("copy.git"))
     ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
     assert ver.code == 6 and "not checked against another repository" in ver.out, ver.out + ver.err
+
+
+def test_revert_of_a_remote_mode_key_goes_through_its_remote(cluster: tuple[GitServer, Cluster]) -> None:
+    """``revert`` carries the original's remote over: the undo lands on the remote, once; a re-pointed one refuses."""
+    server, c = cluster
+    a, b = c.machines[0], c.machines[1]
+    before = remote_git(c, "rev-parse", "main^{tree}").strip()
+    assert cli_apply(a, 1).returncode == 0
+    local_main = subprocess.run(["git", "-C", str(a), "rev-parse", "main"], capture_output=True,
+                                check=True).stdout.decode().strip()
+    srv = c.server_repo.parent
+    subprocess.run(["git", "clone", "-q", "--mirror", str(c.server_repo), str(srv / "copy.git")], check=True)
+    subprocess.run(["git", "-C", str(a), "remote", "set-url", "origin", server.url("copy.git")], check=True)
+    refused = run_cli("revert", "key-1", "--key", "undo-1", "--repo", str(a), "--json")
+    assert refused.code == 2 and c.url in refused.json["error"]["message"], refused.out + refused.err
+    subprocess.run(["git", "-C", str(a), "remote", "set-url", "origin", c.url], check=True)
+    r = run_cli("revert", "key-1", "--key", "undo-1", "--repo", str(a), "--json")
+    assert r.code == 0, r.out + r.err
+    assert r.json["compensates"] == "key-1" and r.json["remote"]["name"] == "origin"
+    assert remote_git(c, "log", "-1", "--format=%s", "main").strip() == "Revert key-1"
+    assert remote_git(c, "rev-parse", "main^{tree}").strip() == before
+    assert remote_ref(c, f"refs/oncepatch/keys/{key_hash('undo-1')}") == r.json["commit"]
+    # Remote mode moves no local branch; the same revert from another machine is a replay from the remote
+    # only where that machine has the original's receipt: it has not, so it is refused there (not_found).
+    assert subprocess.run(["git", "-C", str(a), "rev-parse", "main"], capture_output=True,
+                          check=True).stdout.decode().strip() == local_main
+    assert run_cli("revert", "key-1", "--key", "undo-1", "--repo", str(b), "--json").code == 2
+    again = run_cli("revert", "key-1", "--key", "undo-1", "--repo", str(a), "--json")
+    assert again.code == 0 and again.json["replayed"] is True and again.json["commit"] == r.json["commit"]
+    verify_all(c)
