@@ -68,7 +68,7 @@ def revert(repo: str, key: str, *, new_key: str, store: str | None = None,
     if original.extra.get("already_applied"):
         raise UsageError(f"key '{key}' made no commit of its own (its edits were already on the branch at "
                          f"{original.commit[:12]}): nothing of it to revert", key=new_key)
-    remote = _same_repository(layout, original, new_key)
+    remote = _same_repository(layout, rstore, original, new_key)
     branch = str(original.args.get("branch") or "")
     gstore = open_store(layout.workdir or layout.git_dir, stores)
     try:
@@ -96,7 +96,15 @@ def revert(repo: str, key: str, *, new_key: str, store: str | None = None,
                  remote=remote, _stores=stores)
 
 
-def _same_repository(layout: GitLayout, original: Any, new_key: str) -> str | None:
+def _store_home(rstore: ReceiptStore) -> str | None:
+    """The git common dir a store lives in (the default ``<git-common-dir>/oncepatch``), else ``None``."""
+    parent = os.path.realpath(os.path.dirname(rstore.root))
+    if os.path.isfile(os.path.join(parent, "HEAD")) and os.path.isdir(os.path.join(parent, "objects")):
+        return parent
+    return None
+
+
+def _same_repository(layout: GitLayout, rstore: ReceiptStore, original: Any, new_key: str) -> str | None:
     """The remote the compensation goes through (``None``: a local call); refuse another repository.
 
     Raises:
@@ -111,10 +119,14 @@ def _same_repository(layout: GitLayout, original: Any, new_key: str) -> str | No
     if named is not None and not (isinstance(remote_name, str) and remote_name):
         raise UsageError(f"cannot revert key '{original.key}': its receipt claims it on a remote but names none "
                          "(its 'remote' field): nothing was done", key=new_key, details={"compensates": original.key})
-    # The repository the original changed: the clone a remote-mode call ran in, else the one its identity names.
+    # The repository the original changed: the one the store lives in (the default store, moved or
+    # copied with its repository, as the git adapter settles it), else the clone a remote-mode call
+    # ran in, else the one its identity names.
     where = named.get("local") if isinstance(named, dict) else recorded
-    theirs = None
-    if isinstance(where, str) and where:
+    theirs = _store_home(rstore)
+    if theirs is not None:
+        where = theirs
+    elif isinstance(where, str) and where:
         try:
             theirs = discover(where).common_dir
         except Exception:  # (gone, moved, not a repository any more): not provably the same one

@@ -152,6 +152,15 @@ def test_revert_in_a_clone_sharing_the_store_is_refused(tmp_path: Path) -> None:
     assert a.git("log", "-1", "--format=%s").strip() == "Revert k1"
 
 
+def test_a_repository_moved_with_its_store_is_still_the_one_changed(tmp_path: Path) -> None:
+    repo, original = applied(tmp_path)
+    moved = Repo(tmp_path / "moved")
+    repo.path.rename(moved.path)
+    r = revert(moved, "orig", "undo-1")
+    assert r.code == 0, r.out + r.err
+    assert (moved.path / "src/app.py").read_text() == original
+
+
 def test_revert_of_a_commit_no_longer_on_the_branch_is_refused(tmp_path: Path) -> None:
     repo, _ = applied(tmp_path)
     repo.git("reset", "-q", "--hard", "HEAD~1")
