@@ -214,6 +214,11 @@ def _applied_commit(gstore: GitStore, receipt: Receipt, branch: _Branch) -> tupl
 def _one(gstore: GitStore, receipt: Receipt, keys: _Keys,
          branches: dict[tuple[str, str], _Branch]) -> dict[str, Any] | None:
     name = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
+    named = receipt.extra.get("remote")
+    if isinstance(named, dict) and named.get("name"):
+        # Remote mode (docs/REMOTE.md) moved the remote's branch, not the local one: its
+        # remote-tracking branch, as last fetched (drift reads; it fetches nothing).
+        name = f"refs/remotes/{named['name']}/{name.removeprefix('refs/heads/')}"
     branch = _branch(gstore, name, branches)
     tip, tip_tree, worktrees = branch.history.tip, branch.tip_tree, branch.worktrees
     commit, known = _applied_commit(gstore, receipt, branch)
@@ -269,7 +274,9 @@ def drift(rstore: ReceiptStore, stores: dict[str, GitStore] | None = None) -> Dr
                                        "reason": f"tool '{receipt.tool}' has no git outputs"})
             continue
         try:
-            gstore = open_store(str(receipt.args.get("repo")), stores)
+            named = receipt.extra.get("remote")  # remote mode: the identity's repo is the remote's URL
+            where = named.get("local") if isinstance(named, dict) and named.get("local") else receipt.args.get("repo")
+            gstore = open_store(str(where), stores)
             row = _one(gstore, receipt, keys, branches)
         except (OncepatchError, pygit2.GitError, KeyError, ValueError) as exc:
             report.skipped.append({"key": receipt.key, "kind": UNCHECKED, "reason": f"{type(exc).__name__}: {exc}"})

@@ -509,3 +509,15 @@ def test_revert_of_a_remote_mode_key_goes_through_its_remote(cluster: tuple[GitS
     again = run_cli("revert", "key-1", "--key", "undo-1", "--repo", str(a), "--json")
     assert again.code == 0 and again.json["replayed"] is True and again.json["commit"] == r.json["commit"]
     verify_all(c)
+
+
+def test_drift_checks_a_remote_mode_receipt_on_its_tracking_branch(cluster: tuple[GitServer, Cluster]) -> None:
+    """A remote-mode receipt is checked (not skipped as unreadable, which drift counts as exit 6)."""
+    _server, c = cluster
+    a = c.machines[0]
+    assert cli_apply(a, 1).returncode == 0
+    r = run_cli("drift", "--json", "--repo", str(a))
+    assert r.code == 0, r.out + r.err
+    (row,) = r.json["receipts"]
+    assert row["key"] == "key-1" and row["state"] == "unchanged" and row["branch"] == "refs/remotes/origin/main"
+    assert r.json["unchecked"] == 0
