@@ -50,11 +50,17 @@ from receipts.store import ReceiptStore
 from patcher.args import TOOL
 from patcher.evidence import BranchHistory
 
-__all__ = ["DriftReport", "drift"]
+__all__ = ["DriftReport", "drift", "NO_GIT_OUTPUTS", "UNCHECKED"]
 
 DRIFTED = ("changed", "reverted", "gone", "dirty")
 #: Not drift: a path undone on purpose by a compensating call (module docstring).
 COMPENSATED = "compensated"
+
+
+#: ``skipped[].kind``: a receipt of a tool without git outputs (nothing to compare: not drift, not a failure) ...
+NO_GIT_OUTPUTS = "no_git_outputs"
+#: ... or one that could not be checked (unreadable, its repository not openable): ``drift`` exits 6.
+UNCHECKED = "unchecked"
 
 
 @dataclass
@@ -66,8 +72,14 @@ class DriftReport:
     def drifted(self) -> list[dict[str, Any]]:
         return [r for r in self.receipts if r["state"] in DRIFTED]
 
+    @property
+    def unchecked(self) -> list[dict[str, str]]:
+        """The skipped receipts that were not checked for want of a reading (not for having no git outputs)."""
+        return [s for s in self.skipped if s.get("kind") != NO_GIT_OUTPUTS]
+
     def to_json(self) -> dict[str, Any]:
-        return {"receipts": self.receipts, "drifted": len(self.drifted), "skipped": self.skipped}
+        return {"receipts": self.receipts, "drifted": len(self.drifted), "skipped": self.skipped,
+                "unchecked": len(self.unchecked)}
 
 
 def _trailers(message: str) -> dict[str, str]:
@@ -202,6 +214,11 @@ def _applied_commit(gstore: GitStore, receipt: Receipt, branch: _Branch) -> tupl
 def _one(gstore: GitStore, receipt: Receipt, keys: _Keys,
          branches: dict[tuple[str, str], _Branch]) -> dict[str, Any] | None:
     name = str((receipt.base or {}).get("ref") or receipt.args.get("branch"))
+    named = receipt.extra.get("remote")
+    if isinstance(named, dict) and named.get("name"):
+        # Remote mode (docs/REMOTE.md) moved the remote's branch, not the local one: its
+        # remote-tracking branch, as last fetched (drift reads; it fetches nothing).
+        name = f"refs/remotes/{named['name']}/{name.removeprefix('refs/heads/')}"
     branch = _branch(gstore, name, branches)
     tip, tip_tree, worktrees = branch.history.tip, branch.tip_tree, branch.worktrees
     commit, known = _applied_commit(gstore, receipt, branch)
@@ -248,17 +265,21 @@ def drift(rstore: ReceiptStore, stores: dict[str, GitStore] | None = None) -> Dr
     for item in scanned:
         receipt = item.receipt
         if receipt is None:
-            report.skipped.append({"path": item.path, "reason": "corrupt receipt ('oncepatch verify' names it)"})
+            report.skipped.append({"path": item.path, "kind": UNCHECKED,
+                                   "reason": "corrupt receipt ('oncepatch verify' names it)"})
             continue
         if receipt.tool != TOOL:
             if receipt.status == "committed":
-                report.skipped.append({"key": receipt.key, "reason": f"tool '{receipt.tool}' has no git outputs"})
+                report.skipped.append({"key": receipt.key, "kind": NO_GIT_OUTPUTS,
+                                       "reason": f"tool '{receipt.tool}' has no git outputs"})
             continue
         try:
-            gstore = open_store(str(receipt.args.get("repo")), stores)
+            named = receipt.extra.get("remote")  # remote mode: the identity's repo is the remote's URL
+            where = named.get("local") if isinstance(named, dict) and named.get("local") else receipt.args.get("repo")
+            gstore = open_store(str(where), stores)
             row = _one(gstore, receipt, keys, branches)
         except (OncepatchError, pygit2.GitError, KeyError, ValueError) as exc:
-            report.skipped.append({"key": receipt.key, "reason": f"{type(exc).__name__}: {exc}"})
+            report.skipped.append({"key": receipt.key, "kind": UNCHECKED, "reason": f"{type(exc).__name__}: {exc}"})
             continue
         if row is not None:
             report.receipts.append(row)

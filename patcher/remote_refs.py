@@ -42,7 +42,7 @@ from patcher.remote_mode import Remote
 
 __all__ = ["RECEIPTS_REF_PREFIX", "RECEIPT_FILE", "Pushed", "RemoteUnreachable", "tracking_ref", "mirror_prefix",
            "fetch", "push", "receipt_commit", "read_remote_receipt", "remote_problems", "follow", "remote_of",
-           "query_remote", "settle_remote", "verify_remote", "verify_rejected_remote"]
+           "repointed", "query_remote", "settle_remote", "verify_remote", "verify_rejected_remote"]
 
 RECEIPTS_REF_PREFIX = "refs/oncepatch/receipts/"
 RECEIPT_FILE = "receipt.json"
@@ -232,14 +232,37 @@ def remote_of(receipt: Receipt) -> Remote:
     return Remote(str(named.get("name") or "origin"), str(named.get("url") or ""))
 
 
+def repointed(gstore: GitStore, remote: Remote) -> str | None:
+    """Why the remote's name no longer reaches the URL a receipt recorded (``remote.url``), or ``None``.
+
+    The fetches name the remote (its config: ``insteadOf``, proxies, ...), so
+    a remote re-pointed since (``git remote set-url``) would have the receipt
+    judged by another repository: a claim absent there is no proof of anything.
+    """
+    res = _git(gstore, "config", "--get", f"remote.{remote.name}.url")
+    now = res.stdout.decode("utf-8", "surrogateescape").strip() if res.returncode == 0 else ""
+    if remote.url and now == remote.url:
+        return None
+    return (f"remote '{remote.name}' names {repr(now) if now else 'no URL'} today, not '{remote.url}' that the "
+            f"receipt recorded: not checked against another repository (point '{remote.name}' back with "
+            f"'git remote set-url {remote.name} {remote.url}')")
+
+
 def query_remote(rstore: ReceiptStore | None, gstore: GitStore, receipt: Receipt, remote: Remote) -> QueryResult:
     """Whether the remote holds this call's claim: its key ref, and its receipt naming this call.
 
     The remote's key ref is created only with the branch's move (one atomic
-    push): absent, this call's push never landed.
+    push): absent, this call's push never landed.  Asked only of the URL the
+    receipt recorded: a remote re-pointed since cannot tell (``unknown``).
     """
     if not receipt.candidate:
         return QueryResult("not_applied", "crashed_before_commit")
+    try:
+        why = repointed(gstore, remote)
+    except GitStoreError as exc:
+        return QueryResult("unknown", f"remote_unreachable: {exc.message}")
+    if why is not None:
+        return QueryResult("unknown", f"remote_repointed: {why}")
     h = key_hash(receipt.key)
     try:
         head, key_commit, receipt_commit = fetch(gstore, remote, str(receipt.args.get("branch")), h)
@@ -281,7 +304,9 @@ def verify_remote(rstore: ReceiptStore | None, gstore: GitStore, receipt: Receip
 
     Locally: the commit, its trailer, the local key ref, the tree and outputs.
     On the remote (fetched now): its key ref at the commit, its receipt naming
-    the same call, commit, tree and outputs, the commit on its branch.
+    the same call, commit, tree and outputs, the commit on its branch.  Only
+    the URL the receipt recorded is asked: a remote re-pointed since is a
+    failure (:func:`repointed`), not another repository's word.
     """
     problems = contradictions(gstore, receipt, cheap=True)
     if receipt.extra.get("already_applied"):
@@ -348,6 +373,15 @@ def _fetched(gstore: GitStore, receipt: Receipt, remote: Remote, h: str,
     not a contradiction: the reason says so, and that the receipt itself was not found wrong.
     """
     place = (gstore.common_dir, remote.name, h)
+    try:
+        asked = (gstore.common_dir, remote.name, "url " + remote.url)  # once per remote and run, as the fetches
+        if asked not in fetched:
+            fetched[asked] = (repointed(gstore, remote), None, None)
+    except (GitStoreError, UsageError) as exc:
+        return f"cannot check the receipt against remote '{remote.name}': {exc.message}"
+    why = fetched[asked][0]
+    if why is not None:
+        return f"cannot check the receipt against the remote: {why}"
     if place not in fetched:
         try:
             fetched[place] = fetch(gstore, remote, str(receipt.args.get("branch")), h)

@@ -13,22 +13,33 @@ call's.
 Before the first attempt (no receipt for ``NEW_KEY`` yet) a three-way merge
 (:func:`cas.revert.revert_conflicts`, as ``git revert``) tells whether later
 commits touched the same lines: then a ``conflict`` error, nothing written.
+
+The undo goes where the change went, or nowhere (a usage error, nothing
+changed): the repository ``repo`` opens as must be the one the original
+receipt names (the same common git dir: a clone of it, sharing a store, is
+another repository); a remote-mode original (its receipt's ``remote`` field,
+docs/REMOTE.md) is undone through the same remote name, which must still
+name the URL the receipt recorded; and the original commit must still be on
+the branch (its head, or for a remote-mode original the remote-tracking
+branch, descends from it).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from cas.errors import GitStoreError, UsageError
-from cas.gitdir import discover
+from cas.gitdir import GitLayout, discover
 from cas.objects import open_store
 from cas.revert import inverse_patch, revert_conflicts
 from receipts.errors import ReceiptNotFound
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
-from patcher.args import TOOL, normalise_branch
+from patcher.args import TOOL, normalise_branch, repository_path
 from patcher.errors import Conflict
 from patcher.outcome import ApplyResult
 from patcher.protocol import Caller, apply, store_root_for
+from patcher.remote_mode import resolve_remote
 
 __all__ = ["revert"]
 
@@ -57,12 +68,21 @@ def revert(repo: str, key: str, *, new_key: str, store: str | None = None,
     if original.extra.get("already_applied"):
         raise UsageError(f"key '{key}' made no commit of its own (its edits were already on the branch at "
                          f"{original.commit[:12]}): nothing of it to revert", key=new_key)
+    remote = _same_repository(layout, rstore, original, new_key)
     branch = str(original.args.get("branch") or "")
     gstore = open_store(layout.workdir or layout.git_dir, stores)
     try:
         patch = inverse_patch(gstore, original.commit)
         if rstore.read(new_key) is None:  # a first attempt; a retry replays or conflicts by its receipt
-            head = gstore.resolve(normalise_branch(branch, layout))
+            ref = normalise_branch(branch, layout)
+            if remote is not None:  # remote mode moves no local branch: the remote's, as last fetched
+                ref = f"refs/remotes/{remote}/{ref[len('refs/heads/'):]}"
+            head = gstore.resolve(ref)
+            if head is None or not gstore.is_ancestor(original.commit, head):
+                raise UsageError(f"cannot revert key '{original.key}': its commit {original.commit[:12]} is not on "
+                                 f"{ref} (reset or rebased away{', or not fetched yet' if remote else ''}): "
+                                 "nothing was done", key=new_key,
+                                 details={"compensates": original.key, "commit": original.commit, "ref": ref})
             conflicts = revert_conflicts(gstore, original.commit, head) if head is not None else []
             if conflicts:
                 raise Conflict(f"cannot revert key '{original.key}': later commits changed the same lines of "
@@ -73,4 +93,58 @@ def revert(repo: str, key: str, *, new_key: str, store: str | None = None,
         raise UsageError(f"cannot revert key '{original.key}': {exc.message}", key=new_key) from exc
     return apply(repo, patch, key=new_key, branch=branch, format="unified", message=f"Revert {original.key}",
                  store=store, lock_timeout=lock_timeout, strict=True, caller=caller, compensates=original.key,
-                 _stores=stores)
+                 remote=remote, _stores=stores)
+
+
+def _store_home(rstore: ReceiptStore) -> str | None:
+    """The git common dir a store lives in (the default ``<git-common-dir>/oncepatch``), else ``None``."""
+    parent = os.path.realpath(os.path.dirname(rstore.root))
+    if os.path.isfile(os.path.join(parent, "HEAD")) and os.path.isdir(os.path.join(parent, "objects")):
+        return parent
+    return None
+
+
+def _same_repository(layout: GitLayout, rstore: ReceiptStore, original: Any, new_key: str) -> str | None:
+    """The remote the compensation goes through (``None``: a local call); refuse another repository.
+
+    Raises:
+        UsageError: ``layout`` is not the repository ``original`` changed, a
+            remote-mode original names no remote (or one that names another URL
+            today), or a local-mode original meets a repository that now claims
+            its keys on a remote (``oncepatch.remote``): nothing was done.
+    """
+    recorded = original.args.get("repo")
+    named = original.extra.get("remote")
+    remote_name = named.get("name") if isinstance(named, dict) else None
+    if named is not None and not (isinstance(remote_name, str) and remote_name):
+        raise UsageError(f"cannot revert key '{original.key}': its receipt claims it on a remote but names none "
+                         "(its 'remote' field): nothing was done", key=new_key, details={"compensates": original.key})
+    # The repository the original changed: the one the store lives in (the default store, moved or
+    # copied with its repository, as the git adapter settles it), else the clone a remote-mode call
+    # ran in, else the one its identity names.
+    where = named.get("local") if isinstance(named, dict) else recorded
+    theirs = _store_home(rstore)
+    if theirs is not None:
+        where = theirs
+    elif isinstance(where, str) and where:
+        try:
+            theirs = discover(where).common_dir
+        except Exception:  # (gone, moved, not a repository any more): not provably the same one
+            theirs = None
+    if theirs is None or os.path.realpath(theirs) != os.path.realpath(layout.common_dir):
+        raise UsageError(f"cannot revert key '{original.key}' here: it changed the repository at '{where}', and "
+                         f"'{repository_path(layout)}' is another one (git dir '{layout.common_dir}'): run revert "
+                         "with --repo naming that repository; nothing was done", key=new_key,
+                         details={"compensates": original.key, "repo": where})
+    now = resolve_remote(layout, remote_name)  # remote_name None: oncepatch.remote of the config, if any
+    if named is None:
+        if now is None:
+            return None
+        raise UsageError(f"cannot revert key '{original.key}': its change was local, and this repository now claims "
+                         f"keys on remote '{now.name}' (oncepatch.remote): unset it to revert the local change; "
+                         "nothing was done", key=new_key, details={"compensates": original.key, "remote": now.name})
+    if now is None or now.url != recorded:
+        raise UsageError(f"cannot revert key '{original.key}': it was claimed on '{recorded}', and remote "
+                         f"'{remote_name}' names '{now.url if now else None}' today: nothing was done",
+                         key=new_key, details={"compensates": original.key, "remote": remote_name})
+    return remote_name

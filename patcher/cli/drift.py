@@ -2,7 +2,9 @@
 
 Exit 0 when nothing drifted, 7 (``EXIT_DRIFTED``, docs/DESIGN.md section 6)
 when a receipt's path changed, was reverted, is gone from its branch or is
-dirty in a worktree.  A path undone by a compensating call (``oncepatch
+dirty in a worktree; 6 (``EXIT_VERIFY``) when a receipt could not be checked
+at all (unreadable, or its repository cannot be opened), whatever the rest
+says: a monitor must not read "0 drifted" of receipts nobody looked at.  A path undone by a compensating call (``oncepatch
 revert``) is ``compensated``: not drift.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cas.errors import EXIT_DRIFTED, EXIT_OK
+from cas.errors import EXIT_DRIFTED, EXIT_OK, EXIT_VERIFY
 from receipts.store import ReceiptStore
 from patcher.cli.common import add_common, store_root
 
@@ -47,7 +49,12 @@ def _cmd_drift(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
         lines.append(f"{r['key']}: {r['state']} ({r['commit'][:12]} on {r['branch']})")
         lines += [_line(p) for p in r["paths"] if p["state"] != "unchanged"]
     lines += [f"skipped {s.get('key') or s.get('path')}: {s['reason']}" for s in report.skipped]
-    lines.append(f"{len(report.receipts)} receipt(s), {len(report.drifted)} drifted")
+    unchecked = report.unchecked
+    lines.append(f"{len(report.receipts)} receipt(s), {len(report.drifted)} drifted"
+                 + (f", {len(unchecked)} not checked" if unchecked else ""))
+    if unchecked:  # "0 drifted" of receipts nobody looked at is no all-clear
+        doc["ok"] = False
+        return EXIT_VERIFY, doc, "\n".join(lines) + "\n"
     return (EXIT_DRIFTED if report.drifted else EXIT_OK), doc, "\n".join(lines) + "\n"
 
 

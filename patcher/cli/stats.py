@@ -16,11 +16,18 @@ from patcher.cli.common import add_common, path_given, store_root
 __all__ = ["register", "HANDLERS"]
 
 
+#: The longest ``--since`` window: 1000 years (a ledger older than that is older than git).
+MAX_SINCE = 1000 * 366 * 86400.0
+
+
 def _duration(text: str) -> float:
     try:
-        return parse_duration(text)
+        value = parse_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if not value <= MAX_SINCE:  # (inf and NaN too): the window's start would be before year 1
+        raise argparse.ArgumentTypeError(f"{text!r} is longer than 1000 years (the whole ledger: leave out --since)")
+    return value
 
 
 def register(sub: Any) -> None:

@@ -96,3 +96,28 @@ def test_a_commit_reset_away_is_gone(tmp_path: Path) -> None:
     repo.git("reset", "-q", "--hard", base)
     r = _drift(repo)
     assert r.code == 7 and _path(r.json, "k1", "greet.py")["state"] == "gone"
+
+
+def test_a_receipt_that_could_not_be_checked_is_no_all_clear(tmp_path: Path) -> None:
+    """A receipt skipped for want of a reading (its repository gone, its file corrupt) exits 6, not 0."""
+    store = tmp_path / "store"
+    a, b = (make_repo(tmp_path / name, {"greet.py": "hello\n"}) for name in ("a", "b"))
+    for repo, key in ((a, "in-a"), (b, "in-b")):
+        r = run_cli("apply", "-", "--repo", str(repo.path), "--key", key, "--store", str(store), input=PATCH)
+        assert r.code == 0, r.out + r.err
+    ok = run_cli("drift", "--repo", str(a.path), "--store", str(store), "--json")
+    assert ok.code == 0 and ok.json["unchecked"] == 0, ok.out + ok.err
+    subprocess.run(["rm", "-rf", str(b.path)], check=True)
+    r = run_cli("drift", "--repo", str(a.path), "--store", str(store), "--json")
+    assert r.code == 6, r.out + r.err
+    assert r.json["ok"] is False and r.json["drifted"] == 0 and r.json["unchecked"] == 1
+    assert [s["key"] for s in r.json["skipped"]] == ["in-b"] and r.json["skipped"][0]["kind"] == "unchecked"
+    text = run_cli("drift", "--repo", str(a.path), "--store", str(store))
+    assert text.code == 6 and "1 receipt(s), 0 drifted, 1 not checked" in text.out, text.out + text.err
+    # Every receipt skipped (the only one left corrupt): still not "0 drifted, exit 0".
+    only = _repo(tmp_path / "only")
+    assert _apply(only, PATCH, "fix") == 0
+    (receipt,) = (only.path / ".git" / "oncepatch" / "receipts").glob("*/*.json")
+    receipt.write_bytes(b"{not json")
+    r = _drift(only)
+    assert r.code == 6 and r.json["receipts"] == [] and r.json["unchecked"] == 1, r.out + r.err

@@ -117,6 +117,11 @@ def test_since_counts_only_the_window(busy: Repo) -> None:
     wide = run_cli("stats", "--repo", str(busy.path), "--since", "1d", "--json")
     assert wide.json["counters"]["calls"]["total"] == 8
     assert run_cli("stats", "--repo", str(busy.path), "--since", "soon").code == 2
+    for huge in ("99999999999999999999d", "9" * 400, "366001d", "-1d", "nan"):  # usage errors, not internal ones
+        bad = run_cli("stats", "--repo", str(busy.path), "--since", huge, "--json")
+        assert bad.code == 2, (huge, bad.out, bad.err)
+        assert "internal" not in bad.out + bad.err
+    assert run_cli("stats", "--repo", str(busy.path), "--since", "365000d", "--json").json["counted_events"] > 0
     assert run_cli("stats", "--repo", str(busy.path), "--since", "1h", "--prometheus", "x.prom").code == 2
     missing = run_cli("stats", "--repo", str(busy.path), "--prometheus", str(busy.path / "no" / "m.prom"), "--json")
     assert missing.code == 2 and "cannot write" in missing.json["error"]["message"]

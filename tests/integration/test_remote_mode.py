@@ -548,3 +548,79 @@ def test_a_push_the_server_finishes_after_recover_settled_it_rejected(tmp_path: 
     assert doc["replayed"] is True and doc["commit"] == claimed
     assert remote_commits_with(c, "key-0") == [claimed]
     verify_all(c)
+def test_a_re_pointed_remote_neither_settles_nor_vouches(cluster: tuple[GitServer, Cluster]) -> None:
+    """recover and verify ask the URL the receipt recorded, never whatever the remote's name reaches today."""
+    server, c = cluster
+    a = c.machines[0]
+    srv = c.server_repo.parent
+    # Another repository behind the same server, as the remote was before the calls: no claims.
+    subprocess.run(["git", "clone", "-q", "--mirror", str(c.server_repo), str(srv / "other.git")], check=True)
+    assert cli_apply(a, 1).returncode == 0
+    crashed = cli_apply(a, 0, ONCEPATCH_CRASH_AT="after-push")
+    assert crashed.returncode == 137, crashed.stderr
+    # And a copy of the remote as it is now: every claim there, but not the remote the receipts name.
+    subprocess.run(["git", "clone", "-q", "--mirror", str(c.server_repo), str(srv / "copy.git")], check=True)
+
+    def origin(url: str) -> None:
+        subprocess.run(["git", "-C", str(a), "remote", "set-url", "origin", url], check=True)
+
+    origin(server.url("other.git"))
+    rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
+    assert rec.code != 0, rec.out + rec.err
+    assert "remote_repointed" in rec.out + rec.err and c.url in rec.out + rec.err
+    receipt = _receipt_of(a, "key-0")
+    assert receipt is not None and receipt["status"] in ("prepared", "unknown"), receipt  # not settled 'rejected'
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 6 and "not checked against another repository" in ver.out, ver.out + ver.err
+    # Back to the recorded URL: the claim is found there and settled.
+    origin(c.url)
+    rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
+    assert rec.code == 0, rec.out + rec.err
+    assert _receipt_of(a, "key-0")["status"] == "committed"  # type: ignore[index]
+    assert run_cli("verify", "--json", "--repo", str(a), "--grace", "0").code == 0
+    # A copy holding the same claims is still another repository: verify does not vouch from it.
+    origin(server.url("copy.git"))
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 6 and "not checked against another repository" in ver.out, ver.out + ver.err
+
+
+def test_revert_of_a_remote_mode_key_goes_through_its_remote(cluster: tuple[GitServer, Cluster]) -> None:
+    """``revert`` carries the original's remote over: the undo lands on the remote, once; a re-pointed one refuses."""
+    server, c = cluster
+    a, b = c.machines[0], c.machines[1]
+    before = remote_git(c, "rev-parse", "main^{tree}").strip()
+    assert cli_apply(a, 1).returncode == 0
+    local_main = subprocess.run(["git", "-C", str(a), "rev-parse", "main"], capture_output=True,
+                                check=True).stdout.decode().strip()
+    srv = c.server_repo.parent
+    subprocess.run(["git", "clone", "-q", "--mirror", str(c.server_repo), str(srv / "copy.git")], check=True)
+    subprocess.run(["git", "-C", str(a), "remote", "set-url", "origin", server.url("copy.git")], check=True)
+    refused = run_cli("revert", "key-1", "--key", "undo-1", "--repo", str(a), "--json")
+    assert refused.code == 2 and c.url in refused.json["error"]["message"], refused.out + refused.err
+    subprocess.run(["git", "-C", str(a), "remote", "set-url", "origin", c.url], check=True)
+    r = run_cli("revert", "key-1", "--key", "undo-1", "--repo", str(a), "--json")
+    assert r.code == 0, r.out + r.err
+    assert r.json["compensates"] == "key-1" and r.json["remote"]["name"] == "origin"
+    assert remote_git(c, "log", "-1", "--format=%s", "main").strip() == "Revert key-1"
+    assert remote_git(c, "rev-parse", "main^{tree}").strip() == before
+    assert remote_ref(c, f"refs/oncepatch/keys/{key_hash('undo-1')}") == r.json["commit"]
+    # Remote mode moves no local branch; the same revert from another machine is a replay from the remote
+    # only where that machine has the original's receipt: it has not, so it is refused there (not_found).
+    assert subprocess.run(["git", "-C", str(a), "rev-parse", "main"], capture_output=True,
+                          check=True).stdout.decode().strip() == local_main
+    assert run_cli("revert", "key-1", "--key", "undo-1", "--repo", str(b), "--json").code == 2
+    again = run_cli("revert", "key-1", "--key", "undo-1", "--repo", str(a), "--json")
+    assert again.code == 0 and again.json["replayed"] is True and again.json["commit"] == r.json["commit"]
+    verify_all(c)
+
+
+def test_drift_checks_a_remote_mode_receipt_on_its_tracking_branch(cluster: tuple[GitServer, Cluster]) -> None:
+    """A remote-mode receipt is checked (not skipped as unreadable, which drift counts as exit 6)."""
+    _server, c = cluster
+    a = c.machines[0]
+    assert cli_apply(a, 1).returncode == 0
+    r = run_cli("drift", "--json", "--repo", str(a))
+    assert r.code == 0, r.out + r.err
+    (row,) = r.json["receipts"]
+    assert row["key"] == "key-1" and row["state"] == "unchanged" and row["branch"] == "refs/remotes/origin/main"
+    assert r.json["unchecked"] == 0

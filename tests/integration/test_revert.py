@@ -8,7 +8,9 @@ generic effect API's compensation (file_write's).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +120,65 @@ def test_revert_of_an_unknown_key_is_a_clear_error(tmp_path: Path) -> None:
     r = revert(repo, "no-such-key", "undo-1")
     assert r.code == 2, r.out + r.err
     assert r.json["error"]["type"] == "not_found" and "no-such-key" in r.json["error"]["message"]
+    assert snapshot(repo) == before
+
+
+def _tree_of(path: Path) -> dict[str, str]:
+    """Every file under ``path`` (a store), by content digest."""
+    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_revert_in_a_clone_sharing_the_store_is_refused(tmp_path: Path) -> None:
+    """The undo goes to the repository the change went to: a clone with the same store is another one."""
+    a = make_repo(tmp_path / "a", BASE)
+    store = tmp_path / "store"
+    r = run_cli("apply", "-", "--repo", str(a.path), "--key", "k1", "--store", str(store), "--json",
+                input=change(a, 5, "FIVE"))
+    assert r.code == 0, r.out + r.err
+    subprocess.run(["git", "clone", "-q", str(a.path), str(tmp_path / "b")], check=True)
+    b = Repo(tmp_path / "b")
+    before = (snapshot(a), snapshot(b), _tree_of(store))
+    clash = run_cli("revert", "k1", "--key", "rk1", "--repo", str(b.path), "--store", str(store), "--json")
+    assert clash.code == 2, clash.out + clash.err
+    err = clash.json["error"]
+    assert err["type"] == "usage" and err["effect_status"] == "not_started"
+    assert str(a.path) in err["message"] and "another one" in err["message"]
+    assert (snapshot(a), snapshot(b), _tree_of(store)) == before
+    assert "Revert k1" not in b.git("log", "--format=%s")
+    # In the repository it changed, the same revert lands.
+    ok = run_cli("revert", "k1", "--key", "rk1", "--repo", str(a.path), "--store", str(store), "--json")
+    assert ok.code == 0 and ok.json["compensates"] == "k1", ok.out + ok.err
+    assert a.git("log", "-1", "--format=%s").strip() == "Revert k1"
+
+
+def test_a_repository_moved_with_its_store_is_still_the_one_changed(tmp_path: Path) -> None:
+    repo, original = applied(tmp_path)
+    moved = Repo(tmp_path / "moved")
+    repo.path.rename(moved.path)
+    r = revert(moved, "orig", "undo-1")
+    assert r.code == 0, r.out + r.err
+    assert (moved.path / "src/app.py").read_text() == original
+
+
+def test_revert_of_a_commit_no_longer_on_the_branch_is_refused(tmp_path: Path) -> None:
+    repo, _ = applied(tmp_path)
+    repo.git("reset", "-q", "--hard", "HEAD~1")
+    before = snapshot(repo)
+    r = revert(repo, "orig", "undo-1")
+    assert r.code == 2, r.out + r.err
+    assert "is not on refs/heads/main" in r.json["error"]["message"]
+    assert snapshot(repo) == before
+
+
+def test_revert_of_a_local_change_in_a_repository_now_in_remote_mode_is_refused(tmp_path: Path) -> None:
+    repo, _ = applied(tmp_path)
+    repo.git("remote", "add", "origin", str(tmp_path / "nowhere.git"))
+    repo.git("config", "oncepatch.remote", "origin")
+    before = snapshot(repo)
+    r = revert(repo, "orig", "undo-1")
+    assert r.code == 2, r.out + r.err
+    assert "oncepatch.remote" in r.json["error"]["message"]
     assert snapshot(repo) == before
 
 
