@@ -456,22 +456,37 @@ def generation_folders(layout: DirLayout) -> list[str]:
 
 
 def _remove_tree(folder: str) -> None:
-    """Remove a generation's folder, read-only as it is (folders are made writable first)."""
-    if not os.path.lexists(folder):
+    """Remove a generation's folder (read-only as built), never reaching outside it.
+
+    The entry is ``lstat``-ed first: a symlink (or any other non-folder) is
+    unlinked, never followed -- a link planted as ``generations/<tree>`` or
+    ``.tmp-...`` must not make this chmod or delete what it points at.  A real
+    folder is walked through directory descriptors (``os.fwalk`` without
+    following links: each folder opened ``O_NOFOLLOW`` and checked to be the
+    one listed), made writable with ``fchmod`` on its descriptor (never a
+    ``chmod`` by path, which a swapped-in symlink would redirect), then removed
+    by ``shutil.rmtree``'s descriptor-based walk.
+    """
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
         return
-    for dirpath, dirnames, _files in os.walk(folder):
+    if not stat.S_ISDIR(st.st_mode):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(folder)
+        return
+    for _root, _dirs, _files, root_fd in os.fwalk(folder, follow_symlinks=False):
         with contextlib.suppress(OSError):
-            os.chmod(dirpath, 0o755)
-        for d in dirnames:
-            with contextlib.suppress(OSError):
-                p = os.path.join(dirpath, d)
-                if not os.path.islink(p):
-                    os.chmod(p, 0o755)
+            os.fchmod(root_fd, 0o755)
     shutil.rmtree(folder, ignore_errors=True)
 
 
 def remove_generation(layout: DirLayout, tree: str) -> None:
-    """Remove generation ``tree``: renamed to a ``.tmp-`` name first (never seen half removed), then its manifest."""
+    """Remove generation ``tree``: renamed to a ``.tmp-`` name first (never seen half removed), then its manifest.
+
+    A symlink found under the generation's name (planted: oncepatch makes
+    none there) is renamed and unlinked like a folder, never followed.
+    """
     doomed = os.path.join(layout.generations, f"{_TMP}{tree}-{os.getpid()}-{os.urandom(4).hex()}")
     os.rename(layout.generation(tree), doomed)
     fsync_dir(layout.generations)
@@ -498,9 +513,5 @@ def leftovers(layout: DirLayout, *, remove: bool) -> list[str]:
                 found.append(os.path.join(parent, name))
     if remove:
         for path in found:
-            if os.path.islink(path):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            else:
-                _remove_tree(path)
+            _remove_tree(path)  # (a symlink unlinked, never followed)
     return found
