@@ -236,8 +236,9 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
         if len(todo) + len(folders) > _SYNC_EACH_UP_TO:
             syncfs(tmp)  # one sync of the file system beats thousands of fsyncs (an adopted folder)
         else:
-            for path in todo:
-                _fsync_file(os.path.join(tmp, path))
+            for path, (_blob, mode) in todo.items():
+                if mode != pygit2.enums.FileMode.LINK:  # (a symlink is synced with its folder; no fd opens one)
+                    _fsync_file(os.path.join(tmp, path))
             for folder in folders:
                 fsync_dir(folder)
         for folder in sorted(folders, key=len, reverse=True):

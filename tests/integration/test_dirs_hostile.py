@@ -122,3 +122,13 @@ def test_remove_tree_never_chmods_through_a_link(tmp_path: Path) -> None:
     os.chmod(folder, 0o555)
     _remove_tree(str(folder))
     assert not os.path.lexists(folder) and snapshot(v) == before
+
+
+def test_a_folder_holding_symlinks_is_adopted_and_they_stay_links(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    write_tree(site, {"index.html": "x\n"})
+    os.symlink("index.html", site / "latest")
+    os.symlink("/nowhere/at/all", site / "dangling")
+    res = run_cli("init", "--dir", str(site), "--json")  # (a symlink was fsynced by path: ELOOP)
+    assert res.code == 0, res.out + res.err
+    assert (os.readlink(site / "latest"), os.readlink(site / "dangling")) == ("index.html", "/nowhere/at/all")
