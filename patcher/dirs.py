@@ -22,15 +22,16 @@ import pygit2
 
 from cas.crash import crash_point
 from cas.errors import GitStoreError, UsageError
-from cas.generations import (BRANCH, DirLayout, build, current_tree, digest_mismatches, generation_folders,
-                             layout_of, leftovers, outside_edits, remove_generation, switch, switch_lock, syncfs)
+from cas.generations import (BRANCH, DirLayout, build, current_tree, digest_mismatches,
+                             generation_folders, is_real_folder, layout_of, leftovers, outside_edits,
+                             remove_generation, switch, switch_lock, syncfs)
 from cas.objects import GitStore, open_store
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath
 
-__all__ = ["CONFIG", "target_of", "objects_of", "adopt", "sync", "refuse_outside_edits", "verify_dir",
-           "generations", "rollback_patch", "prune_generations", "repair_leftovers"]
+__all__ = ["CONFIG", "target_of", "objects_of", "adopt", "sync", "refuse_outside_edits",
+           "verify_dir", "generations", "rollback_patch", "prune_generations", "repair_leftovers"]
 
 #: The git config key of a directory target's object database: the folder it manages.
 CONFIG = "oncepatch.dir"
@@ -157,15 +158,20 @@ def sync(gstore: GitStore, layout: DirLayout, lock_timeout: float) -> list[str]:
                 return []
             tree = gstore.commit_tree(tip)
             current = current_tree(layout)
-            if current == tree and os.path.isdir(layout.generation(tree)):
+            if current == tree and is_real_folder(layout.generation(tree)) and os.path.lexists(
+                    os.path.join(layout.manifests, tree)):
+                # Shown already.  Its content is not compared here: an edit to the generation
+                # in use is the refusal's and verify's to report, not this step's to hide.
                 return []
             repo = pygit2.Repository(layout.objects)
-            built = build(repo, layout, tree, current)
+            moved: list[str] = []
+            built = build(repo, layout, tree, current, moved_aside=moved)
             crash_point("after-generation")
             switch(layout, tree)
     except (OSError, TimeoutError) as exc:
         raise GitStoreError(f"cannot switch '{layout.path}' to the branch's tip: {exc}") from exc
-    return [f"{'built and ' if built else ''}switched '{layout.path}' to generation {tree[:12]}"]
+    return [f"moved '{m}' aside: it was under generation {tree[:12]}'s name and is not what oncepatch built"
+            for m in moved] + [f"{'built and ' if built else ''}switched '{layout.path}' to generation {tree[:12]}"]
 
 
 def refuse_outside_edits(gstore: GitStore) -> None:
@@ -183,6 +189,12 @@ def refuse_outside_edits(gstore: GitStore) -> None:
         if os.path.isdir(layout.path) and not os.path.islink(layout.path):
             raise UsageError(f"'{layout.path}' was replaced by a real folder: it is no longer the directory target")
         return  # never switched yet (a crash during init): the sync after the move makes it
+    gen = layout.generation(tree)
+    if os.path.lexists(gen) and not is_real_folder(gen):
+        raise DirtyPath(f"generation {tree[:12]}, which '{layout.path}' shows, is not a folder oncepatch built "
+                        f"(a symlink or a file was put in its place): 'oncepatch recover --dir {layout.path}' "
+                        f"moves it aside and builds it again", retryable=False, next_action="recover",
+                        details={"reason": "generation_replaced", "generation": tree})
     edited = outside_edits(layout, tree)
     if edited == ["(no folder)"]:
         raise DirtyPath(f"the folder of generation {tree[:12]}, which '{layout.path}' shows, is gone: "

@@ -72,6 +72,107 @@ def shows_its_own_generation(site: Path, tree: str) -> bool:
         and stat.S_ISDIR(os.lstat(real).st_mode)
 
 
+# -- 1. an entry under a generation's name is not trusted --------------------------------------
+
+
+def test_a_symlink_planted_under_a_pruned_generation_is_moved_aside_and_the_generation_rebuilt(
+        tmp_path: Path) -> None:
+    site = adopt(tmp_path)
+    first = tree_of(objects(site))
+    after = dict(BASE)
+    EDITS["modify"](after)
+    pf = tmp_path / "modify.diff"
+    pf.write_bytes(patch_between(tmp_path / "scratch", BASE, after))
+    assert run_cli("apply", str(pf), "--dir", str(site), "--key", "k1").code == 0
+    gc = run_cli("gc", "--dir", str(site), "--json")
+    assert gc.code == 0 and gc.json["generations"] == [first], gc.out + gc.err
+    outside = tmp_path / "outside"
+    write_tree(outside, {"README": "another folder's content\n"})
+    before = snapshot(outside)
+    os.symlink(outside, gens(site) / first)
+
+    rb = run_cli("rollback", "--dir", str(site), "--to", first, "--key", "rb1", "--json")
+    assert rb.code == 0, rb.out + rb.err
+    assert shows_its_own_generation(site, first)
+    assert view_of_folder(site) == expected_view(BASE)
+    moved = quarantined(site, first)
+    assert len(moved) == 1 and os.readlink(moved[0]) == str(outside)  # kept as it was, for its owner to see
+    assert snapshot(outside) == before
+    assert run_cli("verify", "--dir", str(site), "--grace", "0").code == 0
+    rec = run_cli("recover", "--dir", str(site), "--tmp-age", "0")
+    assert rec.code == 0 and quarantined(site, first) == moved  # never removed by recover or gc
+    assert run_cli("gc", "--dir", str(site)).code == 0 and quarantined(site, first) == moved
+
+
+def test_a_folder_planted_under_the_next_generation_name_is_moved_aside(tmp_path: Path) -> None:
+    site = adopt(tmp_path)
+    after = dict(BASE)
+    EDITS["multi_file"](after)
+    scratch = tmp_path / "scratch"
+    pf = tmp_path / "multi.diff"
+    pf.write_bytes(patch_between(scratch, BASE, after))
+    nxt = git(scratch, "write-tree").strip()  # what the patch makes is predictable
+    planted = gens(site) / nxt
+    write_tree(planted, {**{k: v for k, v in after.items()}, "README": "planted, in no receipt\n"})
+
+    res = run_cli("apply", str(pf), "--dir", str(site), "--key", "k1", "--json")
+    assert res.code == 0, res.out + res.err
+    assert res.json["tree"] == nxt
+    assert shows_its_own_generation(site, nxt)
+    assert view_of_folder(site) == expected_view(after)
+    moved = quarantined(site, nxt)
+    assert len(moved) == 1 and (moved[0] / "README").read_text() == "planted, in no receipt\n"
+    assert run_cli("verify", "--dir", str(site), "--grace", "0").code == 0
+
+
+def test_a_generation_folder_edited_after_it_was_built_is_rebuilt_before_it_is_shown_again(
+        tmp_path: Path) -> None:
+    site = adopt(tmp_path)
+    first = tree_of(objects(site))
+    after = dict(BASE)
+    EDITS["add"](after)
+    pf = tmp_path / "add.diff"
+    pf.write_bytes(patch_between(tmp_path / "scratch", BASE, after))
+    assert run_cli("apply", str(pf), "--dir", str(site), "--key", "k1").code == 0
+    old = gens(site) / first
+    os.chmod(old, 0o755)
+    (old / "planted.txt").write_text("not from any patch\n")  # in the old generation only: no file shared
+    os.chmod(old, 0o555)
+
+    rb = run_cli("rollback", "--dir", str(site), "--to", first, "--key", "rb1")
+    assert rb.code == 0, rb.out + rb.err
+    assert shows_its_own_generation(site, first) and view_of_folder(site) == expected_view(BASE)
+    moved = quarantined(site, first)
+    assert len(moved) == 1 and (moved[0] / "planted.txt").exists()
+
+
+def test_a_symlink_in_place_of_the_current_generation_is_refused_then_recover_rebuilds_it(
+        tmp_path: Path) -> None:
+    site = adopt(tmp_path)
+    first = tree_of(objects(site))
+    after = dict(BASE)
+    EDITS["modify"](after)
+    pf = tmp_path / "modify.diff"
+    pf.write_bytes(patch_between(tmp_path / "scratch", BASE, after))
+    os.rename(gens(site) / first, tmp_path / "moved-away")  # the generation's own folder, elsewhere now
+    outside = tmp_path / "outside"
+    write_tree(outside, {"README": "another folder's content\n"})
+    os.symlink(outside, gens(site) / first)
+    before = snapshot(outside)
+
+    res = run_cli("apply", str(pf), "--dir", str(site), "--key", "k", "--json")
+    assert res.code == 4, res.out + res.err
+    err = res.json["error"]
+    assert (err["type"], err["reason"], err["effect_status"]) == ("dirty_path", "generation_replaced", "not_started")
+    assert tree_of(objects(site)) == first
+    rec = run_cli("recover", "--dir", str(site))
+    assert rec.code == 0, rec.out + rec.err
+    assert shows_its_own_generation(site, first) and view_of_folder(site) == expected_view(BASE)
+    assert len(quarantined(site, first)) == 1 and snapshot(outside) == before
+    assert run_cli("apply", str(pf), "--dir", str(site), "--key", "k").code == 0
+    assert view_of_folder(site) == expected_view(after)
+
+
 # -- 2. removal never reaches through a symlink ---------------------------------------------------
 
 
