@@ -22,7 +22,7 @@ import pygit2
 
 from cas.crash import crash_point
 from cas.errors import GitStoreError, UsageError
-from cas.generations import (BRANCH, DirLayout, build, current_tree, digest_mismatches,
+from cas.generations import (BRANCH, HOME_SUFFIX, DirLayout, build, current_tree, digest_mismatches,
                              generation_folders, is_real_folder, layout_of, leftovers, outside_edits,
                              remove_generation, switch, switch_lock, syncfs)
 from cas.objects import GitStore, open_store
@@ -30,7 +30,7 @@ from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath
 
-__all__ = ["CONFIG", "target_of", "objects_of", "adopt", "sync", "refuse_outside_edits",
+__all__ = ["CONFIG", "target_of", "objects_of", "adoption_refusal", "adopt", "sync", "refuse_outside_edits",
            "verify_dir", "generations", "rollback_patch", "prune_generations", "repair_leftovers"]
 
 #: The git config key of a directory target's object database: the folder it manages.
@@ -87,6 +87,75 @@ def _tree_of_folder(repo: pygit2.Repository, folder: str) -> pygit2.Oid:
     return tb.write()
 
 
+def _is_git_dir(folder: str) -> bool:
+    """``folder`` is a git directory itself (``HEAD``, ``objects/`` and ``refs/``: a ``.git`` or a bare one)."""
+    return (os.path.lexists(os.path.join(folder, "HEAD")) and os.path.isdir(os.path.join(folder, "objects"))
+            and os.path.isdir(os.path.join(folder, "refs")))
+
+
+def _is_store(folder: str) -> bool:
+    """``folder`` is an oncepatch receipt store (``locks/`` beside ``receipts/`` or ``events.jsonl``)."""
+    return os.path.isdir(os.path.join(folder, "locks")) and (
+        os.path.isdir(os.path.join(folder, "receipts")) or os.path.lexists(os.path.join(folder, "events.jsonl")))
+
+
+def _is_target_home(folder: str) -> bool:
+    """``folder`` is a directory target's ``PATH.oncepatch`` (its object database inside)."""
+    return folder.endswith(HOME_SUFFIX) and os.path.isdir(os.path.join(folder, "objects.git"))
+
+
+def _what_it_is(folder: str) -> str | None:
+    if os.path.basename(folder) == ".git" or _is_git_dir(folder):
+        return "a git directory"
+    if _is_store(folder):
+        return "an oncepatch receipt store"
+    if _is_target_home(folder):
+        return "a directory target's own folder"
+    return None
+
+
+def adoption_refusal(path: str) -> str | None:
+    """Why the folder ``path`` must not be adopted by ``init --dir``, or ``None``; reads only.
+
+    Refused: ``/``, the home folder or a folder holding it; a folder that is,
+    lies inside, or holds anywhere below a git directory (a ``.git`` entry of
+    any kind, or a folder with ``HEAD``, ``objects/`` and ``refs/``), an
+    oncepatch receipt store, or a directory target's ``PATH.oncepatch``.
+    Adopting one would move it aside and put a read-only symlink in its place
+    (git, a store or a target would then be written through a generation).
+    Symlinks below are not followed (they are kept as links, not entered).
+    """
+    real = os.path.realpath(path)
+    home = os.path.realpath(os.path.expanduser("~"))
+    if real == "/":
+        return "it is the root folder"
+    if real == home or home.startswith(real.rstrip("/") + "/"):
+        return "it is or holds the home folder"
+    folder = real
+    while True:
+        what = _what_it_is(folder)
+        if what is not None:
+            return f"it is {what}" if folder == real else f"it lies inside {what} ('{folder}')"
+        up = os.path.dirname(folder)
+        if up == folder:
+            break
+        folder = up
+    stack = [real]
+    while stack:
+        here = stack.pop()
+        with os.scandir(here) as it:
+            for entry in it:
+                full = os.path.join(here, entry.name)
+                if entry.name == ".git":
+                    return f"it holds a git directory ('{full}')"
+                if entry.is_dir(follow_symlinks=False):
+                    what = _what_it_is(full)
+                    if what is not None:
+                        return f"it holds {what} ('{full}')"
+                    stack.append(full)
+    return None
+
+
 def adopt(path: str, *, lock_timeout: float = 30.0) -> dict[str, Any]:
     """Adopt the folder ``path`` as generation one (``oncepatch init --dir``); return what was made.
 
@@ -96,7 +165,8 @@ def adopt(path: str, *, lock_timeout: float = 30.0) -> dict[str, Any]:
     ``PATH`` becomes the symlink.  Run again after a crash, it finishes.
 
     Raises:
-        UsageError: ``path`` is no folder, or is a target already.
+        UsageError: ``path`` is no folder, or is a target already, or :func:`adoption_refusal`
+            names why it must not be adopted (nothing is changed).
     """
     layout = layout_of(path)
     adopted_before = os.path.isdir(layout.objects) and not (os.path.isdir(layout.path)
@@ -110,6 +180,9 @@ def adopt(path: str, *, lock_timeout: float = 30.0) -> dict[str, Any]:
                     "commit": gstore.resolve(BRANCH), "adopted": False}
     if os.path.islink(layout.path) or not os.path.isdir(layout.path):
         raise UsageError(f"'{path}' is not a folder: 'oncepatch init --dir' adopts an existing folder")
+    why = adoption_refusal(layout.path)
+    if why is not None:
+        raise UsageError(f"cannot adopt '{path}' as a directory target: {why}")
     os.makedirs(layout.home, exist_ok=True)
     repo = pygit2.init_repository(layout.objects, bare=True, initial_head="generations")
     repo.config[CONFIG] = layout.path

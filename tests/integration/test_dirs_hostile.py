@@ -225,6 +225,91 @@ def test_remove_tree_never_chmods_through_a_link(tmp_path: Path) -> None:
     assert not os.path.lexists(folder) and snapshot(v) == before
 
 
+# -- 3. init --dir refuses what must not become a generation --------------------------------------
+
+
+def _repo(at: Path) -> Path:
+    at.mkdir(parents=True)
+    git(at, "init", "-q")
+    (at / "f.txt").write_text("tracked\n")
+    git(at, "add", "-A")
+    git(at, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    return at
+
+
+def _case(tmp_path: Path, case: str) -> Path:
+    """The folder to adopt; everything the refusal must leave as it was lies under ``tmp_path``."""
+    if case == "a_dot_git":
+        return _repo(tmp_path / "repo") / ".git"
+    if case == "a_worktree":
+        return _repo(tmp_path / "repo")
+    if case == "a_bare_repository":
+        bare = tmp_path / "bare.git"
+        git(tmp_path, "init", "-q", "--bare", str(bare))
+        return bare
+    if case == "a_git_file_deep_below":
+        write_tree(tmp_path / "site", {"index.html": "x\n", "vendor/lib/.git": "gitdir: /elsewhere\n"})
+        return tmp_path / "site"
+    if case == "a_git_dir_deep_below":
+        site = tmp_path / "site"
+        write_tree(site, {"index.html": "x\n"})
+        git(tmp_path, "init", "-q", "--bare", str(site / "a/b/mirror"))
+        return site
+    if case == "a_store":
+        site = tmp_path / "store"
+        write_tree(site, {"receipts/ab/x.json": "{}\n", "locks/ledger.lock": "", "events.jsonl": ""})
+        return site
+    if case == "a_store_below":
+        site = tmp_path / "site"
+        write_tree(site, {"index.html": "x\n", "state/locks/ledger.lock": "", "state/receipts/ab/x.json": "{}\n"})
+        return site
+    if case == "inside_a_git_dir":
+        return _repo(tmp_path / "repo") / ".git" / "refs"
+    if case in ("inside_a_target_home", "a_target_home"):
+        site = tmp_path / "site"
+        write_tree(site, BASE)
+        assert run_cli("init", "--dir", str(site)).code == 0
+        home = Path(str(site) + ".oncepatch")
+        return home / "adopted" if case == "inside_a_target_home" else home
+    if case == "the_home_folder":
+        write_tree(tmp_path / "home", {"notes.txt": "mine\n"})
+        return tmp_path / "home"
+    if case == "a_folder_holding_home":
+        write_tree(tmp_path / "users/me", {"notes.txt": "mine\n"})
+        return tmp_path / "users"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["a_dot_git", "a_worktree", "a_bare_repository", "a_git_file_deep_below",
+                                  "a_git_dir_deep_below", "a_store", "a_store_below", "inside_a_git_dir",
+                                  "inside_a_target_home", "a_target_home", "the_home_folder",
+                                  "a_folder_holding_home"])
+def test_init_refuses_and_changes_nothing(tmp_path: Path, case: str) -> None:
+    folder = _case(tmp_path, case)
+    home = {"the_home_folder": tmp_path / "home", "a_folder_holding_home": tmp_path / "users/me"}.get(case)
+    before = snapshot(tmp_path)
+    res = run_cli("init", "--dir", str(folder), "--json", env=None if home is None else {"HOME": str(home)})
+    assert res.code == 2, (res.code, res.out, res.err)
+    assert "cannot adopt" in res.json["error"]["message"], res.json
+    assert snapshot(tmp_path) == before
+    assert not os.path.lexists(str(folder) + ".oncepatch")
+
+
+def test_init_refuses_the_root_folder() -> None:
+    res = run_cli("init", "--dir", "/", "--json")
+    assert res.code == 2 and not os.path.lexists("/.oncepatch"), res.out + res.err
+
+
+def test_a_folder_with_a_symlink_to_a_repository_is_still_adopted(tmp_path: Path) -> None:
+    repo = _repo(tmp_path / "repo")
+    site = tmp_path / "site"
+    write_tree(site, {"index.html": "x\n"})
+    os.symlink(repo, site / "code")  # kept as a link, never entered: no git directory is adopted
+    res = run_cli("init", "--dir", str(site), "--json")
+    assert res.code == 0, res.out + res.err
+    assert os.readlink(site / "code") == str(repo)
+
+
 def test_a_folder_holding_symlinks_is_adopted_and_they_stay_links(tmp_path: Path) -> None:
     site = tmp_path / "site"
     write_tree(site, {"index.html": "x\n"})
