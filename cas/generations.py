@@ -39,6 +39,7 @@ reads every byte and compares with the tree (``verify``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -58,11 +59,13 @@ from cas.pids import gone as pid_gone
 
 __all__ = ["DirLayout", "layout_of", "current_tree", "build", "switch", "outside_edits", "digest_mismatches",
            "generation_folders", "remove_generation", "switch_lock", "leftovers", "tree_files", "syncfs", "BRANCH",
-           "HOME_SUFFIX"]
+           "HOME_SUFFIX", "QUARANTINE", "is_real_folder", "trusted_generation", "quarantine"]
 
 BRANCH = "refs/heads/generations"
 HOME_SUFFIX = ".oncepatch"
 _TMP = ".tmp-"
+#: The prefix of an entry found under a generation's name and not trusted (:func:`quarantine`); never removed.
+QUARANTINE = ".quarantine-"
 _HEX40 = re.compile(r"[0-9a-f]{40}")
 _LINK_MARK = ".oncepatch-link-"
 
@@ -181,27 +184,76 @@ def tree_files(repo: pygit2.Repository, tree: str) -> dict[str, tuple[str, int]]
     return out
 
 
-def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | None) -> bool:
+def is_real_folder(path: str) -> bool:
+    """``path`` is a folder itself (``lstat``: a symlink to one is not)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def trusted_generation(layout: DirLayout, tree: str) -> bool:
+    """``generations/<tree>`` is what a build made: a real folder (not a symlink), with a manifest it matches.
+
+    An entry under a generation's name is not trusted for being there: a
+    symlink planted there would make ``PATH`` show another folder's content,
+    a folder planted under a tree's name (predictable from a patch) content
+    no receipt describes.  The check is :func:`outside_edits` (``lstat`` of
+    every entry against the manifest), so its cost grows with the folder.
+    """
+    return is_real_folder(layout.generation(tree)) and not outside_edits(layout, tree)
+
+
+def quarantine(layout: DirLayout, tree: str) -> str | None:
+    """Move the entry ``generations/<tree>`` aside, unread and undeleted; return where (``None``: nothing there).
+
+    The new name, ``generations/.quarantine-<tree>-<pid>-<rand>``, is never
+    pointed at, never linked from, and never removed by ``gc`` or ``recover``:
+    it is evidence for its owner to look at (docs/DIRECTORIES.md).
+    """
+    final = layout.generation(tree)
+    aside = os.path.join(layout.generations, f"{QUARANTINE}{tree}-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        os.rename(final, aside)
+    except FileNotFoundError:
+        return None
+    fsync_dir(layout.generations)
+    return aside
+
+
+def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | None,
+          moved_aside: list[str] | None = None) -> bool:
     """Materialise ``tree`` as ``generations/<tree>`` (steps 1 and 2 of the module docstring); ``False`` if there.
 
+    An entry already under the final name is kept only when
+    :func:`trusted_generation`; anything else (a symlink, a folder with no
+    manifest or that differs from it) is moved aside by :func:`quarantine`
+    (its new path appended to ``moved_aside``) and the generation built anew.
+
     ``source``: the generation unchanged files are hard-linked from (the current
-    one).  What changed is the trees' diff (libgit2: unchanged subtrees are
-    skipped by their ids); every other path of the source's manifest is a hard
-    link, keeping its manifest entry.  With no source (or no manifest of it)
-    every file is written.
+    one), used only when it is a real folder with a manifest; its sub-folders
+    are opened one name at a time with ``O_NOFOLLOW``, so no link is made
+    from outside it.  What changed is the trees' diff (libgit2: unchanged
+    subtrees are skipped by their ids); every other path of the source's
+    manifest is a hard link, keeping its manifest entry.  With no source (or
+    no manifest of it) every file is written.
 
     Raises:
         UsageError: the tree holds a submodule (a commit entry), which a folder cannot hold.
         OSError: the disk's failure; the ``.tmp-`` folder is removed.
     """
     final = layout.generation(tree)
-    if os.path.isdir(final):
-        return False  # content-addressed: a folder under its final name was complete when renamed there
+    if os.path.lexists(final):
+        if trusted_generation(layout, tree):
+            return False  # content-addressed: built, renamed there complete, and unchanged since
+        aside = quarantine(layout, tree)
+        if aside is not None and moved_aside is not None:
+            moved_aside.append(aside)
     os.makedirs(layout.generations, exist_ok=True)
     os.makedirs(layout.manifests, exist_ok=True)
     tmp = os.path.join(layout.generations, f"{_TMP}{tree}-{os.getpid()}-{os.urandom(4).hex()}")
     src_dir = layout.generation(source) if source else None
-    src_manifest = _read_manifest(layout, source) if source and src_dir and os.path.isdir(src_dir) else None
+    src_manifest = _read_manifest(layout, source) if source and src_dir and is_real_folder(src_dir) else None
     if source is None or src_dir is None or src_manifest is None:
         linked: dict[str, _Entry] = {}
         todo = tree_files(repo, tree)
@@ -236,8 +288,9 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
         if len(todo) + len(folders) > _SYNC_EACH_UP_TO:
             syncfs(tmp)  # one sync of the file system beats thousands of fsyncs (an adopted folder)
         else:
-            for path in todo:
-                _fsync_file(os.path.join(tmp, path))
+            for path, (_blob, mode) in todo.items():
+                if mode != pygit2.enums.FileMode.LINK:  # (a symlink is synced with its folder; no fd opens one)
+                    _fsync_file(os.path.join(tmp, path))
             for folder in folders:
                 fsync_dir(folder)
         for folder in sorted(folders, key=len, reverse=True):
@@ -264,10 +317,27 @@ def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: C
     for folder in by_folder:
         parent_of(os.path.join(dst_dir, folder, "x"))  # the folders are made here, in order, on this thread
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
+    src_fd = os.open(src_dir, flags)  # (a symlink put in the source's place is refused here)
+
+    def open_source(folder: str) -> int:
+        """The source's sub-folder ``folder``, each name opened with ``O_NOFOLLOW``: a symlink inside is refused."""
+        fd = os.dup(src_fd)
+        for name in folder.split("/") if folder else []:
+            try:
+                sub = os.open(name, flags, dir_fd=fd)
+            finally:
+                os.close(fd)
+            fd = sub
+        return fd
 
     def link_folder(item: tuple[str, list[str]]) -> list[str]:
         folder, names = item
-        sfd = os.open(os.path.join(src_dir, folder), flags)
+        try:
+            sfd = open_source(folder)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):  # gone, or a symlink put in its place
+                return [f"{folder}/{name}" if folder else name for name in names]  # written from the tree
+            raise
         try:
             dfd = os.open(os.path.join(dst_dir, folder), flags)
             try:
@@ -284,12 +354,15 @@ def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: C
             os.close(sfd)
 
     items = list(by_folder.items())
-    if len(items) < 8:
-        return [p for item in items for p in link_folder(item)]
-    from concurrent.futures import ThreadPoolExecutor
+    try:
+        if len(items) < 8:
+            return [p for item in items for p in link_folder(item)]
+        from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return [p for gone in pool.map(link_folder, items) for p in gone]
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            return [p for gone in pool.map(link_folder, items) for p in gone]
+    finally:
+        os.close(src_fd)
 
 
 def _delta(repo: pygit2.Repository, source: str, tree: str, src_manifest: dict[str, _Entry]
@@ -495,22 +568,37 @@ def generation_folders(layout: DirLayout) -> list[str]:
 
 
 def _remove_tree(folder: str) -> None:
-    """Remove a generation's folder, read-only as it is (folders are made writable first)."""
-    if not os.path.lexists(folder):
+    """Remove a generation's folder (read-only as built), never reaching outside it.
+
+    The entry is ``lstat``-ed first: a symlink (or any other non-folder) is
+    unlinked, never followed -- a link planted as ``generations/<tree>`` or
+    ``.tmp-...`` must not make this chmod or delete what it points at.  A real
+    folder is walked through directory descriptors (``os.fwalk`` without
+    following links: each folder opened ``O_NOFOLLOW`` and checked to be the
+    one listed), made writable with ``fchmod`` on its descriptor (never a
+    ``chmod`` by path, which a swapped-in symlink would redirect), then removed
+    by ``shutil.rmtree``'s descriptor-based walk.
+    """
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
         return
-    for dirpath, dirnames, _files in os.walk(folder):
+    if not stat.S_ISDIR(st.st_mode):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(folder)
+        return
+    for _root, _dirs, _files, root_fd in os.fwalk(folder, follow_symlinks=False):
         with contextlib.suppress(OSError):
-            os.chmod(dirpath, 0o755)
-        for d in dirnames:
-            with contextlib.suppress(OSError):
-                p = os.path.join(dirpath, d)
-                if not os.path.islink(p):
-                    os.chmod(p, 0o755)
+            os.fchmod(root_fd, 0o755)
     shutil.rmtree(folder, ignore_errors=True)
 
 
 def remove_generation(layout: DirLayout, tree: str) -> None:
-    """Remove generation ``tree``: renamed to a ``.tmp-`` name first (never seen half removed), then its manifest."""
+    """Remove generation ``tree``: renamed to a ``.tmp-`` name first (never seen half removed), then its manifest.
+
+    A symlink found under the generation's name (planted: oncepatch makes
+    none there) is renamed and unlinked like a folder, never followed.
+    """
     doomed = os.path.join(layout.generations, f"{_TMP}{tree}-{os.getpid()}-{os.urandom(4).hex()}")
     os.rename(layout.generation(tree), doomed)
     fsync_dir(layout.generations)
@@ -537,9 +625,5 @@ def leftovers(layout: DirLayout, *, remove: bool) -> list[str]:
                 found.append(os.path.join(parent, name))
     if remove:
         for path in found:
-            if os.path.islink(path):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            else:
-                _remove_tree(path)
+            _remove_tree(path)  # (a symlink unlinked, never followed)
     return found

@@ -23,16 +23,17 @@ import pygit2
 
 from cas.crash import crash_point
 from cas.errors import GitStoreError, UsageError
-from cas.generations import (BRANCH, DirLayout, build, current_tree, digest_mismatches, generation_folders,
-                             layout_of, leftovers, outside_edits, remove_generation, switch, switch_lock, syncfs)
+from cas.generations import (BRANCH, HOME_SUFFIX, DirLayout, build, current_tree, digest_mismatches,
+                             generation_folders, is_real_folder, layout_of, leftovers, outside_edits,
+                             remove_generation, switch, switch_lock, syncfs)
 from cas.objects import GitStore, open_store
 from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
 from patcher.errors import DirtyPath
 
-__all__ = ["CONFIG", "target_of", "objects_of", "adopt", "sync", "unfinished_switch", "refuse_outside_edits",
-           "verify_dir", "generations", "rollback_patch", "prune_generations", "repair_leftovers"]
+__all__ = ["CONFIG", "target_of", "objects_of", "adoption_refusal", "adopt", "sync", "unfinished_switch",
+           "refuse_outside_edits", "verify_dir", "generations", "rollback_patch", "prune_generations", "repair_leftovers"]
 
 #: The git config key of a directory target's object database: the folder it manages.
 CONFIG = "oncepatch.dir"
@@ -88,6 +89,75 @@ def _tree_of_folder(repo: pygit2.Repository, folder: str) -> pygit2.Oid:
     return tb.write()
 
 
+def _is_git_dir(folder: str) -> bool:
+    """``folder`` is a git directory itself (``HEAD``, ``objects/`` and ``refs/``: a ``.git`` or a bare one)."""
+    return (os.path.lexists(os.path.join(folder, "HEAD")) and os.path.isdir(os.path.join(folder, "objects"))
+            and os.path.isdir(os.path.join(folder, "refs")))
+
+
+def _is_store(folder: str) -> bool:
+    """``folder`` is an oncepatch receipt store (``locks/`` beside ``receipts/`` or ``events.jsonl``)."""
+    return os.path.isdir(os.path.join(folder, "locks")) and (
+        os.path.isdir(os.path.join(folder, "receipts")) or os.path.lexists(os.path.join(folder, "events.jsonl")))
+
+
+def _is_target_home(folder: str) -> bool:
+    """``folder`` is a directory target's ``PATH.oncepatch`` (its object database inside)."""
+    return folder.endswith(HOME_SUFFIX) and os.path.isdir(os.path.join(folder, "objects.git"))
+
+
+def _what_it_is(folder: str) -> str | None:
+    if os.path.basename(folder) == ".git" or _is_git_dir(folder):
+        return "a git directory"
+    if _is_store(folder):
+        return "an oncepatch receipt store"
+    if _is_target_home(folder):
+        return "a directory target's own folder"
+    return None
+
+
+def adoption_refusal(path: str) -> str | None:
+    """Why the folder ``path`` must not be adopted by ``init --dir``, or ``None``; reads only.
+
+    Refused: ``/``, the home folder or a folder holding it; a folder that is,
+    lies inside, or holds anywhere below a git directory (a ``.git`` entry of
+    any kind, or a folder with ``HEAD``, ``objects/`` and ``refs/``), an
+    oncepatch receipt store, or a directory target's ``PATH.oncepatch``.
+    Adopting one would move it aside and put a read-only symlink in its place
+    (git, a store or a target would then be written through a generation).
+    Symlinks below are not followed (they are kept as links, not entered).
+    """
+    real = os.path.realpath(path)
+    home = os.path.realpath(os.path.expanduser("~"))
+    if real == "/":
+        return "it is the root folder"
+    if real == home or home.startswith(real.rstrip("/") + "/"):
+        return "it is or holds the home folder"
+    folder = real
+    while True:
+        what = _what_it_is(folder)
+        if what is not None:
+            return f"it is {what}" if folder == real else f"it lies inside {what} ('{folder}')"
+        up = os.path.dirname(folder)
+        if up == folder:
+            break
+        folder = up
+    stack = [real]
+    while stack:
+        here = stack.pop()
+        with os.scandir(here) as it:
+            for entry in it:
+                full = os.path.join(here, entry.name)
+                if entry.name == ".git":
+                    return f"it holds a git directory ('{full}')"
+                if entry.is_dir(follow_symlinks=False):
+                    what = _what_it_is(full)
+                    if what is not None:
+                        return f"it holds {what} ('{full}')"
+                    stack.append(full)
+    return None
+
+
 def adopt(path: str, *, lock_timeout: float = 30.0) -> dict[str, Any]:
     """Adopt the folder ``path`` as generation one (``oncepatch init --dir``); return what was made.
 
@@ -97,7 +167,8 @@ def adopt(path: str, *, lock_timeout: float = 30.0) -> dict[str, Any]:
     ``PATH`` becomes the symlink.  Run again after a crash, it finishes.
 
     Raises:
-        UsageError: ``path`` is no folder, or is a target already.
+        UsageError: ``path`` is no folder, or is a target already, or :func:`adoption_refusal`
+            names why it must not be adopted (nothing is changed).
     """
     layout = layout_of(path)
     adopted_before = os.path.isdir(layout.objects) and not (os.path.isdir(layout.path)
@@ -111,6 +182,9 @@ def adopt(path: str, *, lock_timeout: float = 30.0) -> dict[str, Any]:
                     "commit": gstore.resolve(BRANCH), "adopted": False}
     if os.path.islink(layout.path) or not os.path.isdir(layout.path):
         raise UsageError(f"'{path}' is not a folder: 'oncepatch init --dir' adopts an existing folder")
+    why = adoption_refusal(layout.path)
+    if why is not None:
+        raise UsageError(f"cannot adopt '{path}' as a directory target: {why}")
     os.makedirs(layout.home, exist_ok=True)
     repo = pygit2.init_repository(layout.objects, bare=True, initial_head="generations")
     repo.config[CONFIG] = layout.path
@@ -159,15 +233,20 @@ def sync(gstore: GitStore, layout: DirLayout, lock_timeout: float) -> list[str]:
                 return []
             tree = gstore.commit_tree(tip)
             current = current_tree(layout)
-            if current == tree and os.path.isdir(layout.generation(tree)):
+            if current == tree and is_real_folder(layout.generation(tree)) and os.path.lexists(
+                    os.path.join(layout.manifests, tree)):
+                # Shown already.  Its content is not compared here: an edit to the generation
+                # in use is the refusal's and verify's to report, not this step's to hide.
                 return []
             repo = pygit2.Repository(layout.objects)
-            built = build(repo, layout, tree, current)
+            moved: list[str] = []
+            built = build(repo, layout, tree, current, moved_aside=moved)
             crash_point("after-generation")
             switch(layout, tree)
     except (OSError, TimeoutError) as exc:
         raise GitStoreError(f"cannot switch '{layout.path}' to the branch's tip: {exc}") from exc
-    return [f"{'built and ' if built else ''}switched '{layout.path}' to generation {tree[:12]}"]
+    return [f"moved '{m}' aside: it was under generation {tree[:12]}'s name and is not what oncepatch built"
+            for m in moved] + [f"{'built and ' if built else ''}switched '{layout.path}' to generation {tree[:12]}"]
 
 
 def unfinished_switch(gstore: GitStore, layout: DirLayout) -> list[str]:
@@ -203,6 +282,12 @@ def refuse_outside_edits(gstore: GitStore) -> None:
         if os.path.isdir(layout.path) and not os.path.islink(layout.path):
             raise UsageError(f"'{layout.path}' was replaced by a real folder: it is no longer the directory target")
         return  # never switched yet (a crash during init): the sync after the move makes it
+    gen = layout.generation(tree)
+    if os.path.lexists(gen) and not is_real_folder(gen):
+        raise DirtyPath(f"generation {tree[:12]}, which '{layout.path}' shows, is not a folder oncepatch built "
+                        f"(a symlink or a file was put in its place): 'oncepatch recover --dir {layout.path}' "
+                        f"moves it aside and builds it again", retryable=False, next_action="recover",
+                        details={"reason": "generation_replaced", "generation": tree})
     edited = outside_edits(layout, tree)
     if edited == ["(no folder)"]:
         raise DirtyPath(f"the folder of generation {tree[:12]}, which '{layout.path}' shows, is gone: "
