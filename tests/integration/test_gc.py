@@ -1,9 +1,10 @@
 """``oncepatch gc --policy``: retention on stores made by real calls (docs/LIFECYCLE.md, "gc").
 
 What goes is archived first (a bundle ``gc --verify-archive`` proves); what a
-live or unsettled call needs stays; key refs go with their receipts, git
-objects never; the ledger's oldest events become a chained checkpoint and
-``verify`` passes after every run.
+live or unsettled call needs stays; a removed receipt's key ref stays as a
+tombstone (the key is retired: a call with it is refused), git objects never
+go; the ledger's oldest events become a chained checkpoint that keeps the
+retired keys, and ``verify`` passes after every run.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def test_gc_archives_removes_with_key_refs_compacts_and_verify_passes(tmp_path: 
     assert r.code == 0, r.out + r.err
     doc = r.json
     assert sorted(x["key"] for x in doc["removed"]) == ["task-a/1", "task-a/2"]
-    # Key refs went with their receipts; git objects never go.
-    assert len(key_refs(repo)) == 1
+    # Key refs stay as tombstones; git objects never go.
+    assert len(key_refs(repo)) == 3
     for key in ("task-a/1", "task-a/2"):
         repo.git("cat-file", "-e", commits[key])
         assert run_cli("status", key, "--repo", str(repo.path), "--json").code == 2
@@ -150,19 +151,89 @@ def test_a_changed_archive_does_not_verify(tmp_path: Path, member: str) -> None:
     assert v.json["ok"] is False and v.json["failures"]
 
 
-def test_a_removed_key_is_new_again_and_never_commits_twice(tmp_path: Path) -> None:
+def retired_refusal(repo: Repo, patch: bytes, key: str) -> None:
+    """A call with ``key`` (retired by gc) is refused, exit 3, not started, and nothing changes."""
+    before = snapshot(repo)
+    count = repo.count()
+    r = apply(repo, patch, key)
+    assert r.code == 3, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "idempotency_conflict" and err["effect_status"] == "not_started"
+    assert f"key '{key}' was retired by 'oncepatch gc' on " in err["message"] and "use a new key" in err["message"]
+    assert repo.count() == count
+    assert snapshot(repo) == before
+
+
+def test_a_removed_key_is_retired_and_never_runs_again(tmp_path: Path) -> None:
     repo = three_calls(tmp_path)
     patch = change(repo, 30, "later")
     assert apply(repo, patch, "task-a/3").code == 0
-    assert gc(repo, '[remove]\nolder_than_days = 0\nkey_prefixes = ["task-a/3"]\n', tmp=tmp_path).code == 0
-    count = repo.count()
-    # Its receipt and key ref are gone: the key runs as a first call, finds its edit on the
-    # branch and makes no second commit.
-    r = apply(repo, patch, "task-a/3")
-    assert r.code == 0, r.out + r.err
-    assert r.json["replayed"] is False and r.json.get("already_applied") is True
-    assert repo.count() == count
+    doc = gc(repo, '[remove]\nolder_than_days = 0\nkey_prefixes = ["task-a/3"]\n', tmp=tmp_path).json
+    # Its receipt is archived and gone; its key ref stays: a tombstone.
+    assert "refs/oncepatch/keys/" + key_hash("task-a/3") in key_refs(repo)
+    retired_refusal(repo, patch, "task-a/3")
+    st = run_cli("status", "task-a/3", "--repo", str(repo.path), "--json")
+    assert st.code == 2 and "was retired by 'oncepatch gc'" in st.json["error"]["message"]
+    assert f"archive sha256 {doc['archive_sha256'][:12]}" in st.json["error"]["message"]
     verify_ok(repo)
+
+
+def test_revert_then_gc_then_apply_never_lands_the_key_twice(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", BASE)
+    patch = change(repo, 7, "seven")
+    assert apply(repo, patch, "k1").code == 0
+    rv = run_cli("revert", "k1", "--key", "rk1", "--repo", str(repo.path), "--json")
+    assert rv.code == 0, rv.out + rv.err
+    # Both go (the compensation too, so the link does not keep k1), then their events are compacted.
+    r = gc(repo, REMOVE_ALL, tmp=tmp_path)
+    assert r.code == 0, r.out + r.err
+    assert sorted(x["key"] for x in r.json["removed"]) == ["k1", "rk1"]
+    r = gc(repo, REMOVE_ALL, tmp=tmp_path)  # the second run compacts the removed events too
+    assert r.code == 0 and r.json["compacted"] is not None, r.out + r.err
+    assert not [e for e in events(repo) if e.get("event") == "removed"]
+    assert set(events(repo)[0]["retired"]) == {"k1", "rk1"}
+    # The change is not on the branch (reverted): run as a first call it would commit again.
+    retired_refusal(repo, patch, "k1")
+    retired_refusal(repo, change(repo, 9, "nine"), "rk1")
+    trailers = repo.git("log", "--format=%(trailers:key=Oncepatch-Key,valueonly)").split()
+    assert trailers.count(key_hash("k1")) == 1
+    st = run_cli("status", "k1", "--repo", str(repo.path), "--json")
+    assert st.code == 2 and "was retired by 'oncepatch gc'" in st.json["error"]["message"]
+    verify_ok(repo)
+    for cmd in (("recover", "--dry-run"), ("doctor",), ("stats",), ("replay",), ("drift",)):
+        out = run_cli(*cmd, "--repo", str(repo.path), "--json")
+        assert out.code in (0, 7), (cmd, out.out, out.err)  # drift: 7 when something drifted
+        assert "corrupt" not in json.dumps(out.json.get("error") or {}), (cmd, out.out)
+
+
+def test_a_crash_between_the_removed_event_and_the_file_leaves_a_store_every_command_reads(tmp_path: Path) -> None:
+    repo2 = make_repo(tmp_path / "repo2", BASE)
+    patch = change(repo2, 4, "four")
+    assert apply(repo2, patch, "k/1").code == 0
+    pf = tmp_path / "p2.toml"
+    pf.write_text(REMOVE_ALL)
+    r = run_cli("gc", "--repo", str(repo2.path), "--policy", str(pf), "--json",
+                env={"ONCEPATCH_CRASH_AT": "gc-after-removed"})
+    assert r.code == 137, r.out + r.err
+    assert [e["event"] for e in events(repo2)][-1] == "removed"
+    assert list((repo2.store / "receipts").rglob("*.json"))  # the file is still there
+    # Every command reads the receipt as it was: no corrupt report.
+    verify_ok(repo2)
+    st = run_cli("status", "k/1", "--repo", str(repo2.path), "--json")
+    assert st.code == 0 and st.json["receipt"]["status"] == "committed", st.out + st.err
+    rec = run_cli("recover", "--repo", str(repo2.path), "--json")
+    assert rec.code == 0, rec.out + rec.err
+    doc = run_cli("doctor", "--repo", str(repo2.path), "--json")
+    assert doc.code == 0, doc.out + doc.err
+    again = apply(repo2, patch, "k/1")
+    assert again.code == 0 and again.json["replayed"] is True, again.out + again.err
+    # The next run finishes: the receipt goes, the key is retired, the store verifies.
+    r = gc(repo2, REMOVE_ALL, tmp=tmp_path)
+    assert r.code == 0 and [x["key"] for x in r.json["removed"]] == ["k/1"], r.out + r.err
+    assert not list((repo2.store / "receipts").rglob("*.json"))
+    verify_ok(repo2)
+    assert run_cli("doctor", "--repo", str(repo2.path), "--json").code == 0
+    retired_refusal(repo2, patch, "k/1")
 
 
 @pytest.mark.parametrize("point, outcome", [("after-prepare", "rejected"), ("after-ref", "committed"),
@@ -181,7 +252,7 @@ def test_gc_never_removes_what_a_crashed_call_needs(tmp_path: Path, point: str, 
     assert sorted(x["key"] for x in r.json["removed"]) == ["task-a/1", "task-a/2", "task-b/1"]
     assert [s["key"] for s in r.json["stays"]] == ["crash/1"] and "unsettled" in r.json["stays"][0]["reason"]
     crash_ref = "refs/oncepatch/keys/" + key_hash("crash/1")
-    assert key_refs(repo) == [x for x in refs_before if x == crash_ref]
+    assert key_refs(repo) == refs_before  # the removed keys' refs stay: tombstones
     assert (crash_ref in refs_before) is (point == "before-receipt-replace")  # made with the final receipt
     assert any(e.get("key") == "crash/1" for e in events(repo))
     rec = run_cli("recover", "--repo", str(repo.path), "--json", "--tmp-age", "0")
@@ -194,7 +265,8 @@ def test_gc_never_removes_what_a_crashed_call_needs(tmp_path: Path, point: str, 
     assert repo.count() == base + 1
     verify_ok(repo)
     assert gc(repo, REMOVE_ALL, tmp=tmp_path).code == 0
-    assert key_refs(repo) == []
+    assert sorted(key_refs(repo)) == sorted(set(refs_before) | {crash_ref})
+    assert not list((repo.store / "receipts").rglob("*.json"))
     verify_ok(repo)
 
 
@@ -253,13 +325,13 @@ def test_gc_keeps_a_receipt_whose_key_lock_a_live_call_holds(tmp_path: Path) -> 
         assert sorted(x["key"] for x in r.json["removed"]) == ["task-a/2", "task-b/1"]
         assert r.json["stays"] == [{"key": "task-a/1", "status": "committed",
                                     "reason": "a live call holds its key lock"}]
-        assert key_refs(repo) == ["refs/oncepatch/keys/" + key_hash("task-a/1")]
+        assert len(key_refs(repo)) == 3  # every ref stays: a tombstone, or the live call's
         assert r.json["compacted"] is None  # its events are the oldest: nothing before them to compact
         verify_ok(repo)
     finally:
         lock.release()
     r = gc(repo, REMOVE_ALL, tmp=tmp_path)
-    assert [x["key"] for x in r.json["removed"]] == ["task-a/1"] and key_refs(repo) == []
+    assert [x["key"] for x in r.json["removed"]] == ["task-a/1"] and len(key_refs(repo)) == 3
     verify_ok(repo)
 
 

@@ -119,3 +119,21 @@ def test_an_edited_or_unconfirmed_checkpoint_breaks_the_chain() -> None:
     cp = json.loads(out[0])
     wrong_head = canonical_json({**cp, "head": "0" * 64})
     assert "hash chain broken" in " ".join(problems([wrong_head, *out[1:]]))
+
+
+def test_retired_keys_follow_removed_events_and_checkpoints() -> None:
+    from receipts.retired import retired_keys
+
+    events: list[dict[str, Any]] = [
+        {"event": "checkpoint", "seq": 4, "retired": {"old": {"seq": 2, "at": "2026-01-01T00:00:00Z"}}},
+        {"event": "committed", "seq": 5, "key": "a"},
+        {"event": "removed", "seq": 6, "key": "a", "at": "2026-02-01T00:00:00Z", "bundle_sha256": "b" * 64},
+        {"event": "committed", "seq": 7, "key": "q"},
+        {"event": "removed", "seq": 8, "key": "q"},
+        {"event": "quarantined", "seq": 9, "key": "q"},  # a later event of a key says what it is
+    ]
+    got = retired_keys(events)
+    assert set(got) == {"old", "a"}
+    assert got["a"]["seq"] == 6 and got["a"]["bundle_sha256"] == "b" * 64
+    assert got["old"] == {"seq": 2, "at": "2026-01-01T00:00:00Z"}
+
