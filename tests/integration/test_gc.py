@@ -206,6 +206,19 @@ def test_revert_then_gc_then_apply_never_lands_the_key_twice(tmp_path: Path) -> 
         assert "corrupt" not in json.dumps(out.json.get("error") or {}), (cmd, out.out)
 
 
+def test_a_redacted_compensation_link_cannot_free_the_key_it_names(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", BASE)
+    assert apply(repo, change(repo, 7, "seven"), "k1").code == 0
+    assert run_cli("revert", "k1", "--key", "rk1", "--repo", str(repo.path), "--json").code == 0
+    before = snapshot(repo)
+    r = gc(repo, '[remove]\nkey_prefixes = ["k1"]\n[redact]\nfields = ["args.compensates"]\n', tmp=tmp_path)
+    assert r.code == 2 and "args.compensates" in r.json["error"]["message"], r.out + r.err
+    assert snapshot(repo) == before
+    r = gc(repo, '[remove]\nkey_prefixes = ["k1"]\n', tmp=tmp_path)
+    assert r.code == 0 and r.json["removed"] == [], r.out + r.err  # rk1 stays and compensates k1
+    assert "compensates" in r.json["stays"][0]["reason"]
+
+
 def test_a_crash_between_the_removed_event_and_the_file_leaves_a_store_every_command_reads(tmp_path: Path) -> None:
     repo2 = make_repo(tmp_path / "repo2", BASE)
     patch = change(repo2, 4, "four")
@@ -234,6 +247,16 @@ def test_a_crash_between_the_removed_event_and_the_file_leaves_a_store_every_com
     verify_ok(repo2)
     assert run_cli("doctor", "--repo", str(repo2.path), "--json").code == 0
     retired_refusal(repo2, patch, "k/1")
+
+
+@pytest.mark.parametrize("field", ["args.repo", "args.branch", "args.patch_sha256", "args.format"])
+def test_redacting_what_a_reader_needs_is_refused(tmp_path: Path, field: str) -> None:
+    repo = three_calls(tmp_path)
+    before = snapshot(repo)
+    r = gc(repo, f'[redact]\nfields = ["{field}"]\n', tmp=tmp_path)
+    assert r.code == 2 and field in r.json["error"]["message"], r.out + r.err
+    assert snapshot(repo) == before
+    verify_ok(repo)
 
 
 @pytest.mark.parametrize("point, outcome", [("after-prepare", "rejected"), ("after-ref", "committed"),

@@ -45,18 +45,25 @@ ledger_events = 10
 older_than_days = 0
 fields = ["args.message", "error.message", "result"]
 [archive]
-dir = "/var/archives"
+dir = "kept/archives"
 """)
     assert p.remove is not None and p.remove.older_than == 1.5 * 86400 and p.remove.states == ("rejected",)
     assert p.keep_prefixes == ("release/",) and p.ledger_seconds == 7 * 86400 and p.ledger_events == 10
     assert p.redact is not None and p.redact.fields == ("args.message", "error.message", "result")
-    assert p.archive_folder("/s") == "/var/archives"
+    assert p.archive_folder("/s") == "/s/kept/archives"
 
 
 @pytest.mark.parametrize("text", [
     "[remove]\nolder_then_days = 1\n", "[keep]\nledger_day = 1\n", "retain = 1\n", "[remove]\nstates = [\"unknown\"]\n",
     "[remove]\nolder_than_days = -1\n", "[redact]\nfields = [\"body\"]\n", "[keep]\nledger_events = true\n",
     "schema = \"oncepatch.retention/2\"\n",
+    # What verify, replay, drift or a compensation link read: never redacted.
+    "[redact]\nfields = [\"args.repo\"]\n", "[redact]\nfields = [\"args.branch\"]\n",
+    "[redact]\nfields = [\"args.patch_sha256\"]\n", "[redact]\nfields = [\"args.format\"]\n",
+    "[redact]\nfields = [\"args.compensates\"]\n",
+    # The archive holds whole receipts: never outside the store.
+    "[archive]\ndir = \"../../../outside\"\n", "[archive]\ndir = \"/var/archives\"\n",
+    "[archive]\ndir = \"archives/../../x\"\n",
 ])
 def test_policy_refuses_what_it_does_not_know(text: str) -> None:
     with pytest.raises(UsageError) as ei:
