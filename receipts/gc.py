@@ -319,7 +319,7 @@ def collect(store: ReceiptStore, policy: RetentionPolicy, adapters: Mapping[str,
             if isinstance(raw, bytes):
                 files.append((key_hash(r.key), r.key, raw))
         data = build_archive(store.root, files, lines)
-        report.archive = write_archive(policy.archive_folder(store.root), data)
+        report.archive = write_archive(store, policy.archive_folder(store.root), data)
         report.archive_sha256 = sha256_hex(data)
     for r in p.remove:
         _remove_one(store, r, report)

@@ -259,6 +259,59 @@ def test_redacting_what_a_reader_needs_is_refused(tmp_path: Path, field: str) ->
     verify_ok(repo)
 
 
+def test_the_archive_folder_stays_inside_the_store(tmp_path: Path) -> None:
+    repo = three_calls(tmp_path)
+    before = snapshot(repo)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for policy in (REMOVE_ALL + '[archive]\ndir = "../../../outside"\n',
+                   REMOVE_ALL + f'[archive]\ndir = "{outside}"\n'):
+        r = gc(repo, policy, tmp=tmp_path)
+        assert r.code == 2 and "archive.dir" in r.json["error"]["message"], r.out + r.err
+    # A symlinked folder on the way is refused too, before anything is written.
+    (repo.store / "linked").symlink_to(outside)
+    r = gc(repo, REMOVE_ALL + '[archive]\ndir = "linked/archives"\n', tmp=tmp_path)
+    assert r.code == 2, r.out + r.err
+    assert list(outside.iterdir()) == []
+    (repo.store / "linked").unlink()
+    assert snapshot(repo) == before
+
+
+def _tar_gz(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return gzip.compress(buf.getvalue())
+
+
+@pytest.mark.parametrize("manifest", [
+    b'{"schema":"oncepatch.archive/1","ledger":{"sha256":"x"},"receipts":["x"]}',
+    b'{"schema":"oncepatch.archive/1","ledger":[],"receipts":[]}',
+    b'[1, 2]',
+    b'not json',
+])
+def test_verify_archive_of_a_malformed_manifest_says_so(tmp_path: Path, manifest: bytes) -> None:
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(_tar_gz({"manifest.json": manifest}))
+    v = run_cli("gc", "--verify-archive", str(bad), "--json")
+    assert v.code == 6, v.out + v.err
+    assert v.json["ok"] is False and "not an archive gc wrote" in v.json["failures"][0]
+
+
+def test_verify_archive_with_a_store_checks_the_store_names_it(tmp_path: Path) -> None:
+    repo = three_calls(tmp_path)
+    other = three_calls(tmp_path / "other")
+    doc = gc(other, '[remove]\nkey_prefixes = ["task-a/"]\n', tmp=tmp_path).json
+    # Sound on its own, but not this store's archive.
+    assert run_cli("gc", "--verify-archive", doc["archive"], "--json").code == 0
+    v = run_cli("gc", "--verify-archive", doc["archive"], "--repo", str(repo.path), "--json")
+    assert v.code == 6 and "the store names no archive" in " ".join(v.json["failures"]), v.out + v.err
+    assert run_cli("gc", "--verify-archive", doc["archive"], "--repo", str(other.path), "--json").code == 0
+
+
 @pytest.mark.parametrize("point, outcome", [("after-prepare", "rejected"), ("after-ref", "committed"),
                                             ("before-receipt-replace", "committed")])
 def test_gc_never_removes_what_a_crashed_call_needs(tmp_path: Path, point: str, outcome: str) -> None:

@@ -144,3 +144,23 @@ def test_retired_keys_follow_removed_events_and_checkpoints() -> None:
     assert got["a"]["seq"] == 6 and got["a"]["bundle_sha256"] == "b" * 64
     assert got["old"] == {"seq": 2, "at": "2026-01-01T00:00:00Z"}
 
+
+def test_verify_archive_caps_the_bytes_read_across_members(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gzip
+    import io
+    import tarfile
+
+    from receipts import archive
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for i in range(4):
+            info = tarfile.TarInfo(f"m{i}")
+            info.size = 100
+            tar.addfile(info, io.BytesIO(b"x" * 100))
+    path = tmp_path / "a.tar.gz"
+    path.write_bytes(gzip.compress(buf.getvalue()))
+    monkeypatch.setattr(archive, "_MEMBER_MAX", 150)  # every member fits on its own ...
+    monkeypatch.setattr(archive, "_TOTAL_MAX", 250)  # ... three together do not
+    report = archive.verify_archive(str(path))
+    assert not report.ok and "more than 250 bytes" in report.failures[0]
