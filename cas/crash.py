@@ -11,7 +11,8 @@ renamed into place, the folder's symlink not switched yet;
 ``after-push`` is remote mode's: the atomic push landed, the local receipt
 still says ``prepared`` (docs/REMOTE.md); ``check-running`` is inside
 ``--check``; at ``effect-after-execute`` a generic effect ran and its receipt
-is not written.
+is not written; ``gc-after-removed`` is gc's: a receipt's ``removed`` event
+written, its file not yet removed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ __all__ = ["POINTS", "CRASH_ENV", "crash_point", "crash_hook"]
 CRASH_ENV = "ONCEPATCH_CRASH_AT"
 POINTS = frozenset({"after-stage", "after-prepare", "after-index-ahead", "after-ref", "after-push",
                     "after-materialise", "after-generation", "before-receipt-replace", "recover-after-resolve",
-                    "recover-before-receipt-replace", "check-running", "effect-after-execute"})
+                    "recover-before-receipt-replace", "check-running", "effect-after-execute",
+                    "gc-after-removed"})
 _environ = os.environ
 
 

@@ -81,7 +81,8 @@ def _receipts(store: ReceiptStore) -> tuple[int, list[dict[str, Any]], list[dict
                         "receipt": item.path})
     for key, event in last.items():
         path = store.receipt_path(key)
-        if event != "quarantined" and not os.path.lexists(path):
+        # quarantined: moved aside by a person; removed: archived by gc, its key retired.
+        if event not in ("quarantined", "removed") and not os.path.lexists(path):
             corrupt.append({"receipt": path, "key": key, "reason": FILE_MISSING})
     return count, pending, corrupt
 

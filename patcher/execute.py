@@ -45,6 +45,7 @@ from receipts.engine import Call, after_effect, pause_point
 from receipts.errors import FencedOff, IdempotencyConflict, InProgress
 from receipts.flock import flocked
 from receipts.identity import key_hash
+from receipts.retired import retired_message, retirement
 from receipts.store import ReceiptStore
 from patcher.args import CallArgs
 from patcher.check import check_worktree_root, run_check
@@ -288,7 +289,7 @@ def _plan(run: _Run, pre: _PreCheck | None) -> StagePlan:
     gstore, args = run.gstore, run.args
     # Under the key lock: a call of this store that holds the key has written its
     # receipt by the time the lock is ours (read by the engine, and replayed).
-    _check_key_ref_free(gstore, run.key)
+    _check_key_ref_free(gstore, run.rstore, run.key)
     base = _branch_head(gstore, args)
     if pre is not None and pre.plan.base_commit == base:
         run.worktrees = pre.worktrees
@@ -561,13 +562,14 @@ def _dirty_again(gstore: GitStore, worktrees: list[tuple[str, str]], branch: str
             raise err
 
 
-def _check_key_ref_free(gstore: GitStore, key: str) -> None:
+def _check_key_ref_free(gstore: GitStore, rstore: ReceiptStore, key: str) -> None:
     """Refuse a key whose key ref exists while this store has no committed receipt of it.
 
     The key ref is the repository's, the receipt the store's: the key was
-    committed through another store (``--store``, ``ONCEPATCH_STORE``), or its
-    receipt was removed.  Executed again, the branch would move and the key
-    ref, created only if absent, could not follow.
+    committed through another store (``--store``, ``ONCEPATCH_STORE``), or
+    ``oncepatch gc`` retired it (its receipt archived, the ref kept as a
+    tombstone: :mod:`receipts.retired`).  Executed again, the branch would
+    move and the key ref, created only if absent, could not follow.
 
     Raises:
         IdempotencyConflict: the key ref exists (nothing written).
@@ -575,6 +577,10 @@ def _check_key_ref_free(gstore: GitStore, key: str) -> None:
     ref = KEY_REF_PREFIX + key_hash(key)
     found = gstore.resolve(ref)
     if found is not None:
+        entry = retirement(rstore, key)  # the ledger is read only for a key ref without a receipt
+        if entry is not None:
+            raise IdempotencyConflict(f"{retired_message(key, entry)}; use a new key", key=key,
+                                      details={"key_ref": ref, "commit": found, "retired": entry})
         raise IdempotencyConflict(
             f"key '{key}' already has a commit in this repository ({ref} -> {found[:12]}) but this store "
             f"has no receipt of it: it was applied through another store (--store / ONCEPATCH_STORE), or its "

@@ -413,7 +413,11 @@ class GitAdapter:
     # -- retention ---------------------------------------------------------------------
 
     def forget(self, receipt: Receipt, *, dry_run: bool = False) -> list[str]:
-        """Remove the key ref of a receipt retention removes (``oncepatch gc``); git objects never.
+        """Remove the key ref of a receipt; git objects never.
+
+        ``oncepatch gc`` asks only with ``dry_run`` (whether the ref still points
+        at the receipt's commit): it keeps the ref of a receipt it removes as a
+        tombstone, so the key never runs again (:mod:`receipts.retired`).
 
         The ref goes only if it points at the receipt's commit (or candidate):
         compare-and-delete under ``<ref>.lock`` (:meth:`cas.objects.GitStore.delete_key_ref`).

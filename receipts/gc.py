@@ -19,9 +19,11 @@ run finishes it):
    compact (:mod:`receipts.archive`), atomically;
 2. per receipt that goes, under its key lock (taken without waiting: a call
    that started since keeps it), re-read and still the one planned: a
-   ``removed`` ledger event (its digest, the archive's), the adapter's
-   ``forget`` (git: the key ref, compare-and-delete; objects never), then the
-   receipt file;
+   ``removed`` ledger event (its digest, the archive's), then the receipt
+   file.  The key ref stays, a tombstone (:mod:`receipts.retired`); a crash
+   between the two (crash point ``gc-after-removed``) leaves the receipt and
+   its key ref as they were, which every command reads as before and the
+   next run removes;
 3. per redaction, under the key lock: the bodies replaced by their digests,
    the receipt rewritten (and signed, in a signed store) with a ``redacted``
    event naming the old and new digests;
@@ -30,14 +32,18 @@ run finishes it):
    replaced by one ``checkpoint`` event that chains onto what they chained
    onto and whose ``head`` the next line chains onto unchanged, followed by a
    ``compacted`` event that confirms it (:func:`receipts.ledger.check_chain`);
-   one atomic rewrite of ``events.jsonl``;
+   one atomic rewrite of ``events.jsonl``.  The checkpoint lists the keys
+   whose ``removed`` events it replaces (``retired``), and a later
+   checkpoint carries an earlier one's on: the record that a key was
+   retired is never compacted away;
 5. asks every adapter that has ``collect_unneeded(kept, dry_run=...)`` to
    drop what only removed receipts needed (the receipts that stay are passed:
    what must stay).
 
-A key whose receipt gc removed is new again: its next call runs as a first
-one (git: it finds its change already on the branch and makes no second
-commit).  Git objects are never deleted.
+A key whose receipt gc removed is retired, never new again: a call with it
+is refused (``IdempotencyConflict``, exit 3, nothing written), since run as
+a first call it would commit its change a second time after a revert.  Git
+objects are never deleted.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cas.crash import crash_point
 from cas.durable import fsync_dir, write_durable
 from cas.errors import OncepatchError
 from cas.hashing import sha256_hex
@@ -62,6 +69,7 @@ from receipts.ledger import GENESIS, checkpoint_event
 from receipts.receipt import REDACTED_FIELD, SIGNATURE_FIELD, Receipt, now_iso
 from receipts.recovery import receipt_age
 from receipts.retention import RetentionPolicy
+from receipts.retired import RETIRED_FIELD, retired_keys
 from receipts.store import ReceiptStore
 
 __all__ = ["GcPlan", "GcReport", "plan", "collect", "redact_receipt"]
@@ -248,7 +256,7 @@ def _why_stays(store: ReceiptStore, r: Receipt, policy: RetentionPolicy, retaine
         try:
             forget(r, dry_run=True)
         except OncepatchError as exc:
-            return f"its key ref cannot go with it: {exc.message}"
+            return f"its key ref does not stand for it (kept as a tombstone, it must): {exc.message}"
     return None
 
 
@@ -311,10 +319,10 @@ def collect(store: ReceiptStore, policy: RetentionPolicy, adapters: Mapping[str,
             if isinstance(raw, bytes):
                 files.append((key_hash(r.key), r.key, raw))
         data = build_archive(store.root, files, lines)
-        report.archive = write_archive(policy.archive_folder(store.root), data)
+        report.archive = write_archive(store, policy.archive_folder(store.root), data)
         report.archive_sha256 = sha256_hex(data)
     for r in p.remove:
-        _remove_one(store, r, adapters, report)
+        _remove_one(store, r, report)
     for r in p.redact:
         _redact_one(store, r, policy, report)
     if p.compact_to:
@@ -323,7 +331,7 @@ def collect(store: ReceiptStore, policy: RetentionPolicy, adapters: Mapping[str,
     return report
 
 
-def _remove_one(store: ReceiptStore, r: Receipt, adapters: Mapping[str, Any], report: GcReport) -> None:
+def _remove_one(store: ReceiptStore, r: Receipt, report: GcReport) -> None:
     lock = store.try_lock(r.key)
     if lock is None:
         report.skipped.append({"key": r.key, "reason": "a call took its key lock since the plan"})
@@ -333,20 +341,18 @@ def _remove_one(store: ReceiptStore, r: Receipt, adapters: Mapping[str, Any], re
         if current is None or current.digest != r.digest:
             report.skipped.append({"key": r.key, "reason": "its receipt changed since the plan"})
             return
-        # The event first: a crash after it leaves a receipt the ledger already names (verify
-        # passes), which the next gc removes; a file gone before its event would read as lost.
+        # The event first: a crash after it leaves the receipt and its key ref as they were (every
+        # command reads them as before; the next gc removes it); a file gone before its event would
+        # read as lost.  The key ref stays: a tombstone, so the key never runs again.
         store.ledger.append({"event": "removed", "at": now_iso(), "key": r.key, "call_id": r.call_id, "tool": r.tool,
                              "status": r.status, "commit": r.commit, "receipt_sha256": r.digest,
                              "bundle_sha256": report.archive_sha256})
-        done: list[str] = []
-        forget = getattr(adapters.get(r.tool), "forget", None)
-        if forget is not None:
-            done = list(forget(r))
+        crash_point("gc-after-removed")
         path = store.receipt_path(r.key)
         with store.folder_fd(os.path.dirname(path)) as dfd:
             os.unlink(os.path.basename(path), dir_fd=dfd)
             fsync_dir(dir_fd=dfd)
-        report.removed.append({**_row(r), "done": done})
+        report.removed.append({**_row(r), "done": []})
     finally:
         lock.release()
 
@@ -437,7 +443,8 @@ def _compact(store: ReceiptStore, upto: int, report: GcReport) -> dict[str, Any]
         first_seq = int(first.get("first_seq", first["seq"])) if first.get("event") == "checkpoint" else int(first["seq"])
         cp = checkpoint_event(lines[:count], prev=str(first.get("prev", GENESIS)), first_seq=first_seq,
                               fields={"bundle_sha256": report.archive_sha256,
-                                      "bundle": os.path.basename(report.archive or "")})
+                                      "bundle": os.path.basename(report.archive or ""),
+                                      RETIRED_FIELD: retired_keys(parsed[:count])})
         cp_line = _signed_line(store, cp)
         rest = lines[count:]
         last = jsonio.loads(rest[-1]) if rest else cp

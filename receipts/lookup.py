@@ -9,6 +9,7 @@ from typing import Any
 from cas.gitdir import discover
 from receipts.errors import CorruptReceipt, InProgress, ReceiptNotFound
 from receipts.receipt import Receipt
+from receipts.retired import retired_keys, retired_message
 from receipts.store import FILE_MISSING, ReceiptStore
 
 __all__ = ["status", "store_root"]
@@ -59,10 +60,9 @@ def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = No
                              f"receipt yet: ask again when it ends", key=key)
         removed = _removed_by_gc(rstore, key)
         if removed is not None:
-            raise ReceiptNotFound(f"key '{removed.get('key')}' was removed by 'oncepatch gc' (ledger event "
-                                  f"{removed.get('seq')}, archive sha256 {removed.get('bundle_sha256')}): a call "
-                                  "with it runs as a first one (docs/LIFECYCLE.md)", key=key,
-                                  effect_status="unknown", next_action="none", details={"removed": removed})
+            raise ReceiptNotFound(f"{retired_message(str(removed.get('key')), removed)}: a call with it is refused, "
+                                  "use a new key (docs/LIFECYCLE.md)", key=key,
+                                  effect_status="unknown", next_action="new_key", details={"removed": removed})
         gone = _recorded_without_file(rstore, key)
         if gone is not None:
             raise CorruptReceipt(rstore.receipt_path(gone), FILE_MISSING, key=gone,
@@ -89,9 +89,17 @@ def _recorded_without_file(rstore: ReceiptStore, key: str) -> str | None:
 
 
 def _removed_by_gc(rstore: ReceiptStore, key: str) -> dict[str, Any] | None:
-    """The ``removed`` event of ``key`` (a key or call_id) when it is the key's last one, else ``None``."""
+    """The retirement of ``key`` (a key or call_id) when gc removed its receipt, else ``None``.
+
+    Its ``removed`` event when that is the key's last one, or the entry a
+    checkpoint keeps of it (:mod:`receipts.retired`).
+    """
     last: dict[str, Any] | None = None
-    for event in rstore.ledger.events():
+    events = list(rstore.ledger.events())
+    for event in events:
         if key in (event.get("key"), event.get("call_id")):
             last = event
-    return last if last is not None and last.get("event") == "removed" else None
+    if last is not None and last.get("event") == "removed":
+        return last
+    entry = retired_keys(events).get(key)
+    return None if entry is None else {"key": key, **entry}

@@ -25,9 +25,12 @@ and ``settle`` are recorded and refused (:class:`WouldWrite`).
 
 What the ledger says a key's call would get now (the *expected* decision) is
 read from the key's last recorded event: ``committed`` or a final
-``rejected``: ``replay``; a retryable ``rejected``, a quarantined receipt or
-one ``oncepatch gc`` removed (``removed``: the key is new again):
-``execute``; ``prepared`` / ``unknown``: ``query`` or ``person``.  A key
+``rejected``: ``replay``; a retryable ``rejected`` or a quarantined
+receipt: ``execute``; one ``oncepatch gc`` removed (``removed``: the key is
+retired, :mod:`receipts.retired`): ``conflict`` (a call with it is
+refused), or ``replay`` while its receipt is still there (gc was stopped
+between its ``removed`` event and the file); ``prepared`` / ``unknown``:
+``query`` or ``person``.  A key
 whose receipt on disk is not the one its last event names (``receipt_sha256``)
 diverges too: a receipt changed or replaced outside a call.  gc's
 ``redacted`` event names the redacted receipt's digest, so a redacted receipt
@@ -45,6 +48,7 @@ from receipts.adapter import EffectAdapter, QueryResult
 from receipts.engine import check_same_intent
 from receipts.errors import CorruptLedger, CorruptReceipt, IdempotencyConflict
 from receipts.receipt import Receipt
+from receipts.retired import retired_entry, retired_message
 from receipts.states import needs_resolution
 from receipts.store import ReceiptStore
 
@@ -139,7 +143,9 @@ def recorded_calls(events: Iterable[Mapping[str, Any]]) -> tuple[list[RecordedCa
 
 def expected(last: Mapping[str, Any] | None) -> frozenset[str]:
     """What the ledger says a call of the key would get now (module docstring)."""
-    if last is None or last.get("event") in ("quarantined", "removed"):
+    if last is not None and last.get("event") == "removed":
+        return frozenset({"conflict", "replay"})  # retired; replay: gc stopped before removing the file
+    if last is None or last.get("event") == "quarantined":
         return frozenset({"execute"})
     status = last.get("status")
     if status == "committed":
@@ -233,6 +239,12 @@ def rehearse(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], *, from
         now = decided.get(call.key)
         if now is None:
             now = decided[call.key] = decide(store, call.key, recorders)
+            final_event = last.get(call.key) or {}
+            if final_event.get("event") == "removed" and now.receipt_sha256 is None:
+                # The key is retired: its key ref stays, and the apply path refuses it.
+                now = decided[call.key] = Decision(
+                    "conflict", f"no receipt: {retired_message(call.key, retired_entry(dict(final_event)))}; "
+                                "a call with it is refused", None)
         want = expected(last.get(call.key))
         reasons: list[str] = []
         if now.decision not in want:
@@ -243,9 +255,6 @@ def rehearse(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], *, from
                 and final.get("event") not in ("quarantined", "removed")):
             reasons.append("the receipt on disk is not the one the ledger's last event names")
         detail = now.detail
-        if final.get("event") == "removed" and now.receipt_sha256 is None:
-            detail = (f"no receipt: removed by 'oncepatch gc' (ledger event {final.get('seq')}), "
-                      "the key's next call runs as a first one")
         out.rows.append({"seq": call.seq, "key": call.key, "call_id": call.call_id, "tool": call.tool,
                          "recorded": call.recorded, "recorded_outcome": call.outcome, "now": now.decision,
                          "detail": detail, "expected": sorted(want), "divergence": bool(reasons),

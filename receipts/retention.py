@@ -20,12 +20,19 @@ A TOML file (read with ``tomllib``; docs/LIFECYCLE.md, "gc")::
     fields = ["args.message", "args.check", "error.message", "result"]
 
     [archive]
-    dir = "archives"               # relative to the store root (the default), or absolute
+    dir = "archives"               # a folder under the store root (the default: archives)
 
 Unknown keys are refused (a misspelt ``older_than_day`` must not widen what
 goes): :class:`cas.errors.UsageError`, exit 2, nothing changed.  A
 ``prepared`` or ``unknown`` receipt never goes, whatever the file says: the
 states it may name are the final ones.
+
+Only free-text bodies may be redacted (:data:`REDACTABLE`): what the engine,
+verify, replay, drift or recovery read from a receipt (``args.repo``,
+``args.branch``, ``args.patch_sha256``, ``args.compensates``, ...) would make
+a committed receipt unreadable or break a link, so it is refused (exit 2).
+``archive.dir`` is a relative folder under the store root, without ``..``:
+the archive holds whole receipts and must not land outside the store.
 """
 
 from __future__ import annotations
@@ -42,8 +49,9 @@ __all__ = ["RetentionPolicy", "RemoveRule", "RedactRule", "parse_retention", "lo
 SCHEMA = "oncepatch.retention/1"
 #: The states a policy may let go: settled ones (``prepared``/``unknown`` wait for recovery or a person).
 REMOVABLE_STATES = ("committed", "rejected")
-#: Redactable fields: ``args.<name>`` (a value of the call's args), the error's message, a tool's result.
-REDACTABLE = ("args.", "error.message", "result")
+#: Redactable fields: free text no reader of a receipt decides on (the commit message, the check command,
+#: the error's message, a tool's result); every other arg is read by the engine, verify, replay or drift.
+REDACTABLE = ("args.message", "args.check", "error.message", "result")
 _DAY = 86400.0
 
 
@@ -73,6 +81,7 @@ class RetentionPolicy:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def archive_folder(self, store_root: str) -> str:
+        """The archive folder's path: ``archive_dir`` (relative, checked by :func:`parse_retention`) under the root."""
         return os.path.join(store_root, self.archive_dir)
 
 
@@ -140,13 +149,19 @@ def parse_retention(path: str, text: str) -> RetentionPolicy:
     if (t := _table(path, doc, "redact", {"older_than_days", "fields"})) is not None:
         fields = _strings(path, "redact.fields", t.get("fields", []))
         for f in fields:
-            if not (f in REDACTABLE or (f.startswith("args.") and len(f) > 5)):
-                raise _bad(path, f"'redact.fields' names '{f}': use args.NAME, error.message or result")
+            if f not in REDACTABLE:
+                raise _bad(path, f"'redact.fields' names '{f}': only free text may be redacted "
+                                 f"({', '.join(REDACTABLE)}); the rest is read to verify, replay or link a receipt")
         redact = RedactRule(_days(path, "redact.older_than_days", t.get("older_than_days", 0)), fields)
     archive = _table(path, doc, "archive", {"dir"}) or {}
     archive_dir = archive.get("dir", "archives")
     if not isinstance(archive_dir, str) or not archive_dir:
         raise _bad(path, "'archive.dir' must be a path")
+    parts = archive_dir.replace("\\", "/").split("/")
+    if os.path.isabs(archive_dir) or archive_dir.startswith(("/", "\\")) or ".." in parts or "\0" in archive_dir:
+        raise _bad(path, f"'archive.dir' is '{archive_dir}': it must be a folder under the store root "
+                         "(relative, without '..'): an archive holds whole receipts")
+    archive_dir = "/".join(p for p in parts if p not in ("", ".")) or "archives"
     return RetentionPolicy(
         path=path, remove=remove,
         keep_prefixes=_strings(path, "keep.key_prefixes", keep.get("key_prefixes", [])),

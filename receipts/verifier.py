@@ -40,6 +40,7 @@ from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.recovery import receipt_age
 from receipts.quarantine import quarantines
+from receipts.retired import RETIRED_FIELD
 from receipts.store import FILE_MISSING, ReceiptStore, StoredReceipt
 from receipts.workers import spawn_pool, split
 
@@ -321,6 +322,10 @@ def _read_ledger(store: ReceiptStore, report: VerifyReport,
         k = event.get("key")
         if latest is not None and isinstance(k, str):
             latest[k] = report.ledger_events
+        retired = event.get(RETIRED_FIELD) if event.get("event") == "checkpoint" else None
+        if isinstance(retired, dict):
+            # The keys whose ``removed`` events the checkpoint replaced: retired, their refs tombstones.
+            report.quarantined_keys.update(k2 for k2 in retired if isinstance(k2, str))
         if isinstance(k, str):
             # A key gc removed (its receipt archived, ``removed``) has no receipt by the policy's
             # choice, as a quarantined one by a person's: neither is a missing file.

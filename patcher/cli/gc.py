@@ -79,10 +79,13 @@ def _verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     path = os.path.abspath(args.verify_archive)
     if not os.path.isfile(path):
         raise UsageError(f"cannot read archive '{path}': no such file")
-    signing = None
+    signing, store_events = None, None
     if args.store or os.environ.get("ONCEPATCH_STORE") or args.repo != ".":
-        signing = load_signing(store_root(args))
-    report = verify_archive(path, signing=signing)
+        # A store given: its signing, and its ledger must name this bundle's digest.
+        root = store_root(args)
+        signing = load_signing(root)
+        store_events = list(ReceiptStore(root).ledger.events())
+    report = verify_archive(path, signing=signing, store_events=store_events)
     doc = report.to_json()
     if report.ok:
         text = (f"ok: archive {path}\n{report.receipts} receipt(s), ledger events {report.first_seq}..{report.last_seq}"

@@ -1,9 +1,10 @@
 """``oncepatch gc --policy``: retention on stores made by real calls (docs/LIFECYCLE.md, "gc").
 
 What goes is archived first (a bundle ``gc --verify-archive`` proves); what a
-live or unsettled call needs stays; key refs go with their receipts, git
-objects never; the ledger's oldest events become a chained checkpoint and
-``verify`` passes after every run.
+live or unsettled call needs stays; a removed receipt's key ref stays as a
+tombstone (the key is retired: a call with it is refused), git objects never
+go; the ledger's oldest events become a chained checkpoint that keeps the
+retired keys, and ``verify`` passes after every run.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def test_gc_archives_removes_with_key_refs_compacts_and_verify_passes(tmp_path: 
     assert r.code == 0, r.out + r.err
     doc = r.json
     assert sorted(x["key"] for x in doc["removed"]) == ["task-a/1", "task-a/2"]
-    # Key refs went with their receipts; git objects never go.
-    assert len(key_refs(repo)) == 1
+    # Key refs stay as tombstones; git objects never go.
+    assert len(key_refs(repo)) == 3
     for key in ("task-a/1", "task-a/2"):
         repo.git("cat-file", "-e", commits[key])
         assert run_cli("status", key, "--repo", str(repo.path), "--json").code == 2
@@ -150,19 +151,165 @@ def test_a_changed_archive_does_not_verify(tmp_path: Path, member: str) -> None:
     assert v.json["ok"] is False and v.json["failures"]
 
 
-def test_a_removed_key_is_new_again_and_never_commits_twice(tmp_path: Path) -> None:
+def retired_refusal(repo: Repo, patch: bytes, key: str) -> None:
+    """A call with ``key`` (retired by gc) is refused, exit 3, not started, and nothing changes."""
+    before = snapshot(repo)
+    count = repo.count()
+    r = apply(repo, patch, key)
+    assert r.code == 3, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "idempotency_conflict" and err["effect_status"] == "not_started"
+    assert f"key '{key}' was retired by 'oncepatch gc' on " in err["message"] and "use a new key" in err["message"]
+    assert repo.count() == count
+    assert snapshot(repo) == before
+
+
+def test_a_removed_key_is_retired_and_never_runs_again(tmp_path: Path) -> None:
     repo = three_calls(tmp_path)
     patch = change(repo, 30, "later")
     assert apply(repo, patch, "task-a/3").code == 0
-    assert gc(repo, '[remove]\nolder_than_days = 0\nkey_prefixes = ["task-a/3"]\n', tmp=tmp_path).code == 0
-    count = repo.count()
-    # Its receipt and key ref are gone: the key runs as a first call, finds its edit on the
-    # branch and makes no second commit.
-    r = apply(repo, patch, "task-a/3")
-    assert r.code == 0, r.out + r.err
-    assert r.json["replayed"] is False and r.json.get("already_applied") is True
-    assert repo.count() == count
+    doc = gc(repo, '[remove]\nolder_than_days = 0\nkey_prefixes = ["task-a/3"]\n', tmp=tmp_path).json
+    # Its receipt is archived and gone; its key ref stays: a tombstone.
+    assert "refs/oncepatch/keys/" + key_hash("task-a/3") in key_refs(repo)
+    retired_refusal(repo, patch, "task-a/3")
+    st = run_cli("status", "task-a/3", "--repo", str(repo.path), "--json")
+    assert st.code == 2 and "was retired by 'oncepatch gc'" in st.json["error"]["message"]
+    assert f"archive sha256 {doc['archive_sha256'][:12]}" in st.json["error"]["message"]
     verify_ok(repo)
+
+
+def test_revert_then_gc_then_apply_never_lands_the_key_twice(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", BASE)
+    patch = change(repo, 7, "seven")
+    assert apply(repo, patch, "k1").code == 0
+    rv = run_cli("revert", "k1", "--key", "rk1", "--repo", str(repo.path), "--json")
+    assert rv.code == 0, rv.out + rv.err
+    # Both go (the compensation too, so the link does not keep k1), then their events are compacted.
+    r = gc(repo, REMOVE_ALL, tmp=tmp_path)
+    assert r.code == 0, r.out + r.err
+    assert sorted(x["key"] for x in r.json["removed"]) == ["k1", "rk1"]
+    r = gc(repo, REMOVE_ALL, tmp=tmp_path)  # the second run compacts the removed events too
+    assert r.code == 0 and r.json["compacted"] is not None, r.out + r.err
+    assert not [e for e in events(repo) if e.get("event") == "removed"]
+    assert set(events(repo)[0]["retired"]) == {"k1", "rk1"}
+    # The change is not on the branch (reverted): run as a first call it would commit again.
+    retired_refusal(repo, patch, "k1")
+    retired_refusal(repo, change(repo, 9, "nine"), "rk1")
+    trailers = repo.git("log", "--format=%(trailers:key=Oncepatch-Key,valueonly)").split()
+    assert trailers.count(key_hash("k1")) == 1
+    st = run_cli("status", "k1", "--repo", str(repo.path), "--json")
+    assert st.code == 2 and "was retired by 'oncepatch gc'" in st.json["error"]["message"]
+    verify_ok(repo)
+    for cmd in (("recover", "--dry-run"), ("doctor",), ("stats",), ("replay",), ("drift",)):
+        out = run_cli(*cmd, "--repo", str(repo.path), "--json")
+        assert out.code in (0, 7), (cmd, out.out, out.err)  # drift: 7 when something drifted
+        assert "corrupt" not in json.dumps(out.json.get("error") or {}), (cmd, out.out)
+
+
+def test_a_redacted_compensation_link_cannot_free_the_key_it_names(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", BASE)
+    assert apply(repo, change(repo, 7, "seven"), "k1").code == 0
+    assert run_cli("revert", "k1", "--key", "rk1", "--repo", str(repo.path), "--json").code == 0
+    before = snapshot(repo)
+    r = gc(repo, '[remove]\nkey_prefixes = ["k1"]\n[redact]\nfields = ["args.compensates"]\n', tmp=tmp_path)
+    assert r.code == 2 and "args.compensates" in r.json["error"]["message"], r.out + r.err
+    assert snapshot(repo) == before
+    r = gc(repo, '[remove]\nkey_prefixes = ["k1"]\n', tmp=tmp_path)
+    assert r.code == 0 and r.json["removed"] == [], r.out + r.err  # rk1 stays and compensates k1
+    assert "compensates" in r.json["stays"][0]["reason"]
+
+
+def test_a_crash_between_the_removed_event_and_the_file_leaves_a_store_every_command_reads(tmp_path: Path) -> None:
+    repo2 = make_repo(tmp_path / "repo2", BASE)
+    patch = change(repo2, 4, "four")
+    assert apply(repo2, patch, "k/1").code == 0
+    pf = tmp_path / "p2.toml"
+    pf.write_text(REMOVE_ALL)
+    r = run_cli("gc", "--repo", str(repo2.path), "--policy", str(pf), "--json",
+                env={"ONCEPATCH_CRASH_AT": "gc-after-removed"})
+    assert r.code == 137, r.out + r.err
+    assert [e["event"] for e in events(repo2)][-1] == "removed"
+    assert list((repo2.store / "receipts").rglob("*.json"))  # the file is still there
+    # Every command reads the receipt as it was: no corrupt report.
+    verify_ok(repo2)
+    st = run_cli("status", "k/1", "--repo", str(repo2.path), "--json")
+    assert st.code == 0 and st.json["receipt"]["status"] == "committed", st.out + st.err
+    rec = run_cli("recover", "--repo", str(repo2.path), "--json")
+    assert rec.code == 0, rec.out + rec.err
+    doc = run_cli("doctor", "--repo", str(repo2.path), "--json")
+    assert doc.code == 0, doc.out + doc.err
+    again = apply(repo2, patch, "k/1")
+    assert again.code == 0 and again.json["replayed"] is True, again.out + again.err
+    # The next run finishes: the receipt goes, the key is retired, the store verifies.
+    r = gc(repo2, REMOVE_ALL, tmp=tmp_path)
+    assert r.code == 0 and [x["key"] for x in r.json["removed"]] == ["k/1"], r.out + r.err
+    assert not list((repo2.store / "receipts").rglob("*.json"))
+    verify_ok(repo2)
+    assert run_cli("doctor", "--repo", str(repo2.path), "--json").code == 0
+    retired_refusal(repo2, patch, "k/1")
+
+
+@pytest.mark.parametrize("field", ["args.repo", "args.branch", "args.patch_sha256", "args.format"])
+def test_redacting_what_a_reader_needs_is_refused(tmp_path: Path, field: str) -> None:
+    repo = three_calls(tmp_path)
+    before = snapshot(repo)
+    r = gc(repo, f'[redact]\nfields = ["{field}"]\n', tmp=tmp_path)
+    assert r.code == 2 and field in r.json["error"]["message"], r.out + r.err
+    assert snapshot(repo) == before
+    verify_ok(repo)
+
+
+def test_the_archive_folder_stays_inside_the_store(tmp_path: Path) -> None:
+    repo = three_calls(tmp_path)
+    before = snapshot(repo)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for policy in (REMOVE_ALL + '[archive]\ndir = "../../../outside"\n',
+                   REMOVE_ALL + f'[archive]\ndir = "{outside}"\n'):
+        r = gc(repo, policy, tmp=tmp_path)
+        assert r.code == 2 and "archive.dir" in r.json["error"]["message"], r.out + r.err
+    # A symlinked folder on the way is refused too, before anything is written.
+    (repo.store / "linked").symlink_to(outside)
+    r = gc(repo, REMOVE_ALL + '[archive]\ndir = "linked/archives"\n', tmp=tmp_path)
+    assert r.code == 2, r.out + r.err
+    assert list(outside.iterdir()) == []
+    (repo.store / "linked").unlink()
+    assert snapshot(repo) == before
+
+
+def _tar_gz(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return gzip.compress(buf.getvalue())
+
+
+@pytest.mark.parametrize("manifest", [
+    b'{"schema":"oncepatch.archive/1","ledger":{"sha256":"x"},"receipts":["x"]}',
+    b'{"schema":"oncepatch.archive/1","ledger":[],"receipts":[]}',
+    b'[1, 2]',
+    b'not json',
+])
+def test_verify_archive_of_a_malformed_manifest_says_so(tmp_path: Path, manifest: bytes) -> None:
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(_tar_gz({"manifest.json": manifest}))
+    v = run_cli("gc", "--verify-archive", str(bad), "--json")
+    assert v.code == 6, v.out + v.err
+    assert v.json["ok"] is False and "not an archive gc wrote" in v.json["failures"][0]
+
+
+def test_verify_archive_with_a_store_checks_the_store_names_it(tmp_path: Path) -> None:
+    repo = three_calls(tmp_path)
+    other = three_calls(tmp_path / "other")
+    doc = gc(other, '[remove]\nkey_prefixes = ["task-a/"]\n', tmp=tmp_path).json
+    # Sound on its own, but not this store's archive.
+    assert run_cli("gc", "--verify-archive", doc["archive"], "--json").code == 0
+    v = run_cli("gc", "--verify-archive", doc["archive"], "--repo", str(repo.path), "--json")
+    assert v.code == 6 and "the store names no archive" in " ".join(v.json["failures"]), v.out + v.err
+    assert run_cli("gc", "--verify-archive", doc["archive"], "--repo", str(other.path), "--json").code == 0
 
 
 @pytest.mark.parametrize("point, outcome", [("after-prepare", "rejected"), ("after-ref", "committed"),
@@ -181,7 +328,7 @@ def test_gc_never_removes_what_a_crashed_call_needs(tmp_path: Path, point: str, 
     assert sorted(x["key"] for x in r.json["removed"]) == ["task-a/1", "task-a/2", "task-b/1"]
     assert [s["key"] for s in r.json["stays"]] == ["crash/1"] and "unsettled" in r.json["stays"][0]["reason"]
     crash_ref = "refs/oncepatch/keys/" + key_hash("crash/1")
-    assert key_refs(repo) == [x for x in refs_before if x == crash_ref]
+    assert key_refs(repo) == refs_before  # the removed keys' refs stay: tombstones
     assert (crash_ref in refs_before) is (point == "before-receipt-replace")  # made with the final receipt
     assert any(e.get("key") == "crash/1" for e in events(repo))
     rec = run_cli("recover", "--repo", str(repo.path), "--json", "--tmp-age", "0")
@@ -194,7 +341,8 @@ def test_gc_never_removes_what_a_crashed_call_needs(tmp_path: Path, point: str, 
     assert repo.count() == base + 1
     verify_ok(repo)
     assert gc(repo, REMOVE_ALL, tmp=tmp_path).code == 0
-    assert key_refs(repo) == []
+    assert sorted(key_refs(repo)) == sorted(set(refs_before) | {crash_ref})
+    assert not list((repo.store / "receipts").rglob("*.json"))
     verify_ok(repo)
 
 
@@ -253,13 +401,13 @@ def test_gc_keeps_a_receipt_whose_key_lock_a_live_call_holds(tmp_path: Path) -> 
         assert sorted(x["key"] for x in r.json["removed"]) == ["task-a/2", "task-b/1"]
         assert r.json["stays"] == [{"key": "task-a/1", "status": "committed",
                                     "reason": "a live call holds its key lock"}]
-        assert key_refs(repo) == ["refs/oncepatch/keys/" + key_hash("task-a/1")]
+        assert len(key_refs(repo)) == 3  # every ref stays: a tombstone, or the live call's
         assert r.json["compacted"] is None  # its events are the oldest: nothing before them to compact
         verify_ok(repo)
     finally:
         lock.release()
     r = gc(repo, REMOVE_ALL, tmp=tmp_path)
-    assert [x["key"] for x in r.json["removed"]] == ["task-a/1"] and key_refs(repo) == []
+    assert [x["key"] for x in r.json["removed"]] == ["task-a/1"] and len(key_refs(repo)) == 3
     verify_ok(repo)
 
 

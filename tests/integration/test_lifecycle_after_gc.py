@@ -107,18 +107,19 @@ def test_replay_after_gc_finds_no_divergence_for_removed_or_redacted_keys(tmp_pa
     assert r.code == 0, r.out + r.err
     assert r.json["divergences"] == 0 and r.json["refused_writes"] == []
     rows = {(row["key"], row["recorded"]): row for row in r.json["calls"]}
-    # old/1's call was compacted away: nothing to decide.  old/2's call stays and would run as a first one.
+    # old/1's call was compacted away: nothing to decide.  old/2's call stays; its key is retired:
+    # a call with it would be refused.
     assert {k for k, _ in rows} == {"keep/1", "old/2", "keep/2"}
     old = rows[("old/2", "execute")]
-    assert old["now"] == "execute" and old["expected"] == ["execute"]
-    assert "removed by 'oncepatch gc'" in old["detail"]
+    assert old["now"] == "conflict" and old["expected"] == ["conflict", "replay"]
+    assert "was retired by 'oncepatch gc'" in old["detail"]
     # keep/1's receipt was redacted: still the one its last event (redacted) names, still replayed.
     assert rows[("keep/1", "execute")]["now"] == "replay" and rows[("keep/1", "replay")]["now"] == "replay"
     status = run_cli("status", "keep/1", "--repo", str(repo.path), "--json").json["receipt"]
     assert status["identity"]["args"]["message"].startswith("redacted:sha256:")
-    # The removed key, used again, is a first call; replay agrees with the ledger.
-    first = apply(repo, old2_patch, "old/2")
-    assert first.json["replayed"] is False and first.json.get("already_applied") is True, first.out
+    # The removed key, used again, is refused (nothing written); replay agrees with the ledger.
+    first = apply(repo, old2_patch, "old/2", code=3)
+    assert first.json["error"]["type"] == "idempotency_conflict" and "retired" in first.json["error"]["message"]
     again = run_cli("replay", "--repo", str(repo.path), "--json")
     assert again.code == 0, again.out + again.err
 

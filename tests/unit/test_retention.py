@@ -45,18 +45,25 @@ ledger_events = 10
 older_than_days = 0
 fields = ["args.message", "error.message", "result"]
 [archive]
-dir = "/var/archives"
+dir = "kept/archives"
 """)
     assert p.remove is not None and p.remove.older_than == 1.5 * 86400 and p.remove.states == ("rejected",)
     assert p.keep_prefixes == ("release/",) and p.ledger_seconds == 7 * 86400 and p.ledger_events == 10
     assert p.redact is not None and p.redact.fields == ("args.message", "error.message", "result")
-    assert p.archive_folder("/s") == "/var/archives"
+    assert p.archive_folder("/s") == "/s/kept/archives"
 
 
 @pytest.mark.parametrize("text", [
     "[remove]\nolder_then_days = 1\n", "[keep]\nledger_day = 1\n", "retain = 1\n", "[remove]\nstates = [\"unknown\"]\n",
     "[remove]\nolder_than_days = -1\n", "[redact]\nfields = [\"body\"]\n", "[keep]\nledger_events = true\n",
     "schema = \"oncepatch.retention/2\"\n",
+    # What verify, replay, drift or a compensation link read: never redacted.
+    "[redact]\nfields = [\"args.repo\"]\n", "[redact]\nfields = [\"args.branch\"]\n",
+    "[redact]\nfields = [\"args.patch_sha256\"]\n", "[redact]\nfields = [\"args.format\"]\n",
+    "[redact]\nfields = [\"args.compensates\"]\n",
+    # The archive holds whole receipts: never outside the store.
+    "[archive]\ndir = \"../../../outside\"\n", "[archive]\ndir = \"/var/archives\"\n",
+    "[archive]\ndir = \"archives/../../x\"\n",
 ])
 def test_policy_refuses_what_it_does_not_know(text: str) -> None:
     with pytest.raises(UsageError) as ei:
@@ -119,3 +126,41 @@ def test_an_edited_or_unconfirmed_checkpoint_breaks_the_chain() -> None:
     cp = json.loads(out[0])
     wrong_head = canonical_json({**cp, "head": "0" * 64})
     assert "hash chain broken" in " ".join(problems([wrong_head, *out[1:]]))
+
+
+def test_retired_keys_follow_removed_events_and_checkpoints() -> None:
+    from receipts.retired import retired_keys
+
+    events: list[dict[str, Any]] = [
+        {"event": "checkpoint", "seq": 4, "retired": {"old": {"seq": 2, "at": "2026-01-01T00:00:00Z"}}},
+        {"event": "committed", "seq": 5, "key": "a"},
+        {"event": "removed", "seq": 6, "key": "a", "at": "2026-02-01T00:00:00Z", "bundle_sha256": "b" * 64},
+        {"event": "committed", "seq": 7, "key": "q"},
+        {"event": "removed", "seq": 8, "key": "q"},
+        {"event": "quarantined", "seq": 9, "key": "q"},  # a later event of a key says what it is
+    ]
+    got = retired_keys(events)
+    assert set(got) == {"old", "a"}
+    assert got["a"]["seq"] == 6 and got["a"]["bundle_sha256"] == "b" * 64
+    assert got["old"] == {"seq": 2, "at": "2026-01-01T00:00:00Z"}
+
+
+def test_verify_archive_caps_the_bytes_read_across_members(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gzip
+    import io
+    import tarfile
+
+    from receipts import archive
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for i in range(4):
+            info = tarfile.TarInfo(f"m{i}")
+            info.size = 100
+            tar.addfile(info, io.BytesIO(b"x" * 100))
+    path = tmp_path / "a.tar.gz"
+    path.write_bytes(gzip.compress(buf.getvalue()))
+    monkeypatch.setattr(archive, "_MEMBER_MAX", 150)  # every member fits on its own ...
+    monkeypatch.setattr(archive, "_TOTAL_MAX", 250)  # ... three together do not
+    report = archive.verify_archive(str(path))
+    assert not report.ok and "more than 250 bytes" in report.failures[0]

@@ -1,0 +1,73 @@
+"""Keys ``oncepatch gc`` retired: their receipts archived and removed, never to run again.
+
+gc removes a receipt with a ``removed`` ledger event and keeps the key's
+ref (git: ``refs/oncepatch/keys/<h>``) as a tombstone.  A key is retired
+when its last event is ``removed``, or when a ``checkpoint`` lists it
+(``retired``: a compaction that replaces ``removed`` events carries them on,
+so the record that a key went is never compacted away).  A call with a
+retired key is refused (``IdempotencyConflict``, exit 3, nothing written):
+executed again it would commit its change a second time (after a revert,
+say) under a key that already committed once.  verify, recover and doctor
+read a retired key's ref as explained, not as a stray one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from receipts.store import ReceiptStore
+
+__all__ = ["RETIRED_FIELD", "retired_keys", "retirement", "retired_entry", "retired_message"]
+
+#: The checkpoint's field listing the keys whose ``removed`` events it replaced: ``{key: entry}``.
+RETIRED_FIELD = "retired"
+
+
+def retired_entry(event: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint keeps of a ``removed`` event (its seq, time, archive, and what the receipt said)."""
+    return {k: event.get(k) for k in ("seq", "at", "bundle_sha256", "receipt_sha256", "status", "commit")}
+
+
+def retired_keys(events: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``{key: entry}`` of the keys retired in ``events`` (a ledger, in order), by ``removed`` or a checkpoint.
+
+    Any later event of a key (a quarantine, a call made before this rule)
+    takes it off the list: its last event says what it is.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for e in events:
+        kind = e.get("event")
+        if kind == "checkpoint" and isinstance(e.get(RETIRED_FIELD), dict):
+            for k, entry in e[RETIRED_FIELD].items():
+                if isinstance(k, str) and isinstance(entry, dict):
+                    out[k] = entry
+            continue
+        k = e.get("key")
+        if not isinstance(k, str):
+            continue
+        if kind == "removed":
+            out[k] = retired_entry(e)
+        else:
+            out.pop(k, None)
+    return out
+
+
+def retirement(store: ReceiptStore, key: str) -> dict[str, Any] | None:
+    """The entry of ``key`` when gc retired it (its receipt removed), else ``None`` (one ledger pass).
+
+    Raises:
+        CorruptLedger: a complete ledger line is not a JSON object.
+    """
+    entry = retired_keys(store.ledger.events()).get(key)
+    return None if entry is None else {"key": key, **entry}
+
+
+def retired_message(key: str, entry: dict[str, Any]) -> str:
+    """``key was retired by gc on <date> (ledger event N, archive <sha>)``: the subject of every refusal."""
+    at = str(entry.get("at") or "?")[:10]
+    bundle = str(entry.get("bundle_sha256") or "?")[:12]
+    return (f"key '{key}' was retired by 'oncepatch gc' on {at} (ledger event {entry.get('seq')}, "
+            f"archive sha256 {bundle}): its receipt is in the archive and the key never runs again")
