@@ -437,7 +437,7 @@ def test_a_pack_replaced_under_a_read_is_read_again_from_fresh_packs(
     """
     seen = _fail_move(monkeypatch, VANISHED, times=1)
     base = repo.head()
-    with Client(str(repo.path)) as client:
+    with Client(str(repo.path), server="never") as client:  # (the fault is in this process)
         res = client.apply(PATCH, key=KEY)
         assert res.status == "committed" and not res.replayed
         assert len(seen) == 2 and seen[0] is not seen[1]  # the second round opened the repository afresh
