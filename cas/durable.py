@@ -42,7 +42,7 @@ import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cas.errors import DurableWriteError, UnsafeWorktreePath
 
@@ -335,17 +335,27 @@ def fsync_all(paths: Iterable[str | int | tuple[int, str]], *, alongside: Callab
         except OSError as exc:
             first = (todo[0], exc)
             failed.append(todo[0])
-        for p, fut in futures:
-            err = fut.exception()
-            if err is None:
-                continue
-            if not isinstance(err, OSError):
-                raise err
-            failed.append(p)
-            if first is None:
-                first = (p, err)
+        first = _wait_all(futures, first, failed)
     if first is not None:
         _raise_sync_failure(first, failed)
+
+
+_Synced = str | int | tuple[int, str]
+
+
+def _wait_all(futures: list[tuple[_Synced, Any]], first: tuple[_Synced, OSError] | None,
+              failed: list[object]) -> tuple[_Synced, OSError] | None:
+    """Wait for every sync of ``futures``; add each failed path to ``failed``; the first failure (``first`` if set)."""
+    for p, fut in futures:
+        err = fut.exception()
+        if err is None:
+            continue
+        if not isinstance(err, OSError):
+            raise err
+        failed.append(p)
+        if first is None:
+            first = (p, err)
+    return first
 
 
 def _fsync_alongside(todo: list[str | int | tuple[int, str]], alongside: Callable[[], None]) -> None:
@@ -355,17 +365,8 @@ def _fsync_alongside(todo: list[str | int | tuple[int, str]], alongside: Callabl
         alongside()
     finally:
         # Every sync ends before this returns or raises: a caller may close or unlink what they use.
-        first: tuple[str | int | tuple[int, str], OSError] | None = None
         failed: list[object] = []
-        for p, fut in futures:
-            err = fut.exception()
-            if err is None:
-                continue
-            if not isinstance(err, OSError):
-                raise err
-            failed.append(p)
-            if first is None:
-                first = (p, err)
+        first = _wait_all(futures, None, failed)
     if first is not None:
         _raise_sync_failure(first, failed)
 
