@@ -48,10 +48,11 @@ objects are never deleted.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -331,15 +332,30 @@ def collect(store: ReceiptStore, policy: RetentionPolicy, adapters: Mapping[str,
     return report
 
 
-def _remove_one(store: ReceiptStore, r: Receipt, report: GcReport) -> None:
+@contextlib.contextmanager
+def _as_planned(store: ReceiptStore, r: Receipt, report: GcReport) -> Iterator[Receipt | None]:
+    """The key's receipt under its lock (taken without waiting), if it is still the one planned; else None.
+
+    A key a call took since the plan, or whose receipt changed, is skipped (``report.skipped`` says why).
+    """
     lock = store.try_lock(r.key)
     if lock is None:
         report.skipped.append({"key": r.key, "reason": "a call took its key lock since the plan"})
+        yield None
         return
     try:
         current = store.read(r.key)
         if current is None or current.digest != r.digest:
             report.skipped.append({"key": r.key, "reason": "its receipt changed since the plan"})
+            current = None
+        yield current
+    finally:
+        lock.release()
+
+
+def _remove_one(store: ReceiptStore, r: Receipt, report: GcReport) -> None:
+    with _as_planned(store, r, report) as current:
+        if current is None:
             return
         # The event first: a crash after it leaves the receipt and its key ref as they were (every
         # command reads them as before; the next gc removes it); a file gone before its event would
@@ -353,8 +369,6 @@ def _remove_one(store: ReceiptStore, r: Receipt, report: GcReport) -> None:
             os.unlink(os.path.basename(path), dir_fd=dfd)
             fsync_dir(dir_fd=dfd)
         report.removed.append({**_row(r), "done": []})
-    finally:
-        lock.release()
 
 
 def _value(doc: dict[str, Any], name: str) -> Any:
@@ -401,22 +415,14 @@ def redact_receipt(r: Receipt, fields: tuple[str, ...]) -> tuple[Receipt, dict[s
 
 def _redact_one(store: ReceiptStore, r: Receipt, policy: RetentionPolicy, report: GcReport) -> None:
     assert policy.redact is not None
-    lock = store.try_lock(r.key)
-    if lock is None:
-        report.skipped.append({"key": r.key, "reason": "a call took its key lock since the plan"})
-        return
-    try:
-        current = store.read(r.key)
-        if current is None or current.digest != r.digest:
-            report.skipped.append({"key": r.key, "reason": "its receipt changed since the plan"})
+    with _as_planned(store, r, report) as current:
+        if current is None:
             return
         new, fields = redact_receipt(current, policy.redact.fields)
         if not fields:
             return
         store.record(new, "redacted", previous_sha256=current.digest, redacted=fields)
         report.redacted.append({**_row(new), "fields": sorted(fields)})
-    finally:
-        lock.release()
 
 
 def _compact(store: ReceiptStore, upto: int, report: GcReport) -> dict[str, Any] | None:
