@@ -253,6 +253,9 @@ def _why_stays(store: ReceiptStore, r: Receipt, policy: RetentionPolicy, retaine
     if must_stay is not None and (why := must_stay(r)) is not None:
         return why
     forget = getattr(adapters.get(r.tool), "forget", None)
+    if forget is None and r.status == "committed":
+        # Only a key ref outside the store (git's) retires a key: removed, this key would run again.
+        return f"tool '{r.tool}' keeps no tombstone outside the store: removed, its key could run again"
     if forget is not None:
         try:
             forget(r, dry_run=True)

@@ -450,3 +450,21 @@ def test_gc_never_compacts_the_events_that_explain_a_quarantined_key(tmp_path: P
     assert r.json["compact"] is None
     assert [e["key"] for e in events(repo)[:2]] == ["task-a/1", "task-a/1"]
     verify_ok(repo)
+
+
+def test_a_committed_generic_effect_stays_its_key_has_no_tombstone(tmp_path: Path) -> None:
+    """A tool with no key ref outside the store (file_write) would run again were its receipt removed."""
+    from receipts.adapters.file_write import write_file
+
+    repo = three_calls(tmp_path)
+    target = tmp_path / "out.txt"
+    assert write_file(target, b"once\n", key="fw-1", store=repo.store).status == "committed"
+    r = gc(repo, '[remove]\nolder_than_days = 0\n', tmp=tmp_path)
+    assert r.code == 0, r.out + r.err
+    assert "fw-1" not in {row["key"] for row in r.json["removed"]}
+    [stays] = [s for s in r.json["stays"] if s["key"] == "fw-1"]
+    assert "no tombstone" in stays["reason"]
+    target.write_bytes(b"changed by hand\n")
+    again = write_file(target, b"once\n", key="fw-1", store=repo.store)
+    assert again.replayed and target.read_bytes() == b"changed by hand\n"  # replayed, never run again
+    verify_ok(repo)
