@@ -91,7 +91,7 @@ COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "forbidden": (("tool",), "calls the store's policy refused"),
     "compensations": (("tool",), "compensating calls (oncepatch revert): a new keyed effect undoing a key's, "
                                  "replays not counted"),
-    "removals": (("tool",), "receipts oncepatch gc removed (their keys are new again)"),
+    "removals": (("tool",), "receipts oncepatch gc removed (their keys retired)"),
 }
 
 _FINAL_OF_EXECUTION = ("committed", "rejected", "unknown")
