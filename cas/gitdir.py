@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from cas.errors import UsageError
 
-__all__ = ["GitLayout", "discover", "read_head", "common_dir_of", "worktrees_on", "read_gitfile", "core_worktree",
+__all__ = ["GitLayout", "config_section", "discover", "read_head", "common_dir_of", "worktrees_on", "read_gitfile", "core_worktree",
            "main_worktree_of", "all_worktrees", "resolve_symbolic", "MainWorktreeUnknown"]
 
 #: How many symbolic refs are followed (git's own limit is 5).
@@ -235,7 +235,15 @@ def _is_bare(core: dict[str, str]) -> bool:
 
 
 def _core(git_dir: str) -> dict[str, str]:
-    """The ``[core]`` settings of the repository's own config file (names lowercased; the last one wins)."""
+    """The ``[core]`` settings of the repository's own config file (:func:`config_section`)."""
+    return config_section(git_dir, "core")
+
+
+def config_section(git_dir: str, wanted: str) -> dict[str, str]:
+    """The settings of ``[wanted]`` in the repository's own config file (names lowercased; the last one wins).
+
+    Read without git (a few hundred bytes): no includes, no subsections.
+    """
     try:
         text = _text(os.path.join(git_dir, "config"))
     except OSError:
@@ -248,7 +256,7 @@ def _core(git_dir: str) -> dict[str, str]:
             section = line[1:line.find("]")].strip().lower() if "]" in line else ""
             continue
         name, eq, rest = line.partition("=")
-        if section == "core" and eq:
+        if section == wanted and eq:
             found[name.strip().lower()] = rest.strip().strip('"')
     return found
 

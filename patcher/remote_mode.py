@@ -14,11 +14,10 @@ serve`` server.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from cas.errors import UsageError
-from cas.gitdir import GitLayout
+from cas.gitdir import GitLayout, config_section
 
 __all__ = ["Remote", "configured_remote", "resolve_remote"]
 
@@ -40,23 +39,8 @@ def configured_remote(layout: GitLayout) -> str | None:
 
     Read without git: a call that names no remote pays one read of a small file.
     """
-    try:
-        with open(os.path.join(layout.common_dir, "config"), encoding="utf-8", errors="replace") as fh:
-            text = fh.read()
-    except OSError:
-        return None
-    if "oncepatch" not in text.lower():
-        return None
-    section, found = "", None
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("["):
-            section = line[1:line.find("]")].strip().lower() if "]" in line else ""
-            continue
-        name, eq, rest = line.partition("=")
-        if section == "oncepatch" and eq and name.strip().lower() == "remote":
-            found = rest.split("#", 1)[0].split(";", 1)[0].strip().strip('"') or None
-    return found
+    value = config_section(layout.common_dir, "oncepatch").get("remote", "")
+    return value.split("#", 1)[0].split(";", 1)[0].strip().strip('"') or None  # (an inline comment dropped)
 
 
 def resolve_remote(layout: GitLayout, name: str | None) -> Remote | None:
