@@ -3,11 +3,14 @@
 Real users made with ``useradd`` (so: root only, as CI runs): the broker owns
 the repository and the store; the agent calls through the broker's socket,
 reads the receipts and runs ``verify``, and cannot write the store; a user
-the broker does not allow is refused.
+the broker does not allow is refused.  Issue 26's forgeries
+(tests/integration/forgeries.py) are refused to the agent by the file system,
+and fail ``verify`` when a writer without the broker's key makes them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import secrets
@@ -24,7 +27,10 @@ from pathlib import Path
 
 import pytest
 
+import forgeries
 from conftest import ROOT, Repo, make_repo, snapshot
+
+from receipts.identity import key_hash
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
                                 reason="needs root and useradd to create the test's users (CI runs as root)")
@@ -265,7 +271,11 @@ def test_the_brokers_policy_judges_the_caller_the_kernel_names_and_its_store_is_
     before = snapshot(repo)
     other = b"--- /dev/null\n+++ b/b.txt\n@@ -0,0 +1 @@\n+b\n"
     res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", "no", input=other, env=agent_env, cwd=repo.path)
-    assert res.returncode == 4 and b'"forbidden"' in res.stdout, res
+    assert res.returncode == 4, res
+    err = json.loads(res.stdout)["error"]
+    assert (err["type"], err["retryable"], err["effect_status"], err["next_action"]) == \
+        ("forbidden", False, "not_started", "none"), err
+    assert "'b.txt' is outside the paths rule 1 allows" in err["message"] and err["caller"]["uid"] == box.agent.uid
     after = snapshot(repo)
     assert {k: v for k, v in after.items() if k != "store"} == {k: v for k, v in before.items() if k != "store"}
     assert {k: v for k, v in after["store"].items() if k != "events.jsonl"} == \
@@ -276,6 +286,79 @@ def test_the_brokers_policy_judges_the_caller_the_kernel_names_and_its_store_is_
     res = box.oncepatch(box.agent, "verify", cwd=repo.path)
     assert res.returncode == 0 and b"signed store" in res.stdout, res
     assert not any(keys.iterdir()) or box.run(box.agent, "ls", str(keys)).returncode != 0
+
+
+FORGER_SCRIPT = """
+import json, os, sys
+from pathlib import Path
+import forgeries
+
+store, head = Path(sys.argv[1]), sys.argv[2]
+attempts = {
+    "an event rewritten, the chain recomputed": lambda: forgeries.rewrite_an_event(store, "one"),
+    "a receipt re-sealed": lambda: forgeries.reseal(store, "one", updated_at="2020-01-01T00:00:00.000000Z"),
+    "a signature copied from another receipt": lambda: forgeries.copy_signature(store, "two", source="one"),
+    "a receipt planted beside one": lambda: (forgeries.receipt_file(store, "one").parent / "forged.json").write_text("{}"),
+    "a receipt planted in a new shard": lambda: forgeries.receipt_file(store, "ghost").parent.mkdir(),
+    "the allowed-signers list replaced": lambda: (store / "allowed_signers.json").write_text("{}"),
+    "the policy replaced": lambda: (store / "policy.toml").write_text('schema = "oncepatch.policy/1"\\n[[allow]]\\n'),
+}
+out = {}
+for name, attempt in attempts.items():
+    try:
+        attempt()
+        out[name] = "done"
+    except PermissionError:
+        out[name] = "refused"
+print(json.dumps(out))
+"""
+
+
+def test_every_forgery_fails_in_broker_mode(box: Box, tmp_path: Path) -> None:
+    """Issue 26's forgeries against a broker's signed store: the agent cannot make them (the file
+    system refuses each write, git's too), and made by a writer of the store without the broker's
+    key they fail the agent's ``verify``, through the broker and in its own process."""
+    repo, store, keys = _signed_broker(box)
+    agent_env = {"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"}
+    again = PATCH.replace(b"@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n", b"@@ -1,3 +1,3 @@\n-a\n+A\n B\n c\n")
+    for key, patch in (("one", PATCH), ("two", again)):
+        res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", key, input=patch, env=agent_env, cwd=repo.path)
+        assert res.returncode == 0, res
+    before = snapshot(repo)
+
+    # As the agent: the forgeries' own code (tests/integration/forgeries.py), run with the agent's rights.
+    helpers = {"PYTHONPATH": f"{box.env['PYTHONPATH']}:{ROOT / 'tests'}:{ROOT / 'tests' / 'integration'}"}
+    res = box.run(box.agent, box.python, "-c", FORGER_SCRIPT, str(store), repo.head(), env=helpers)
+    assert res.returncode == 0, res
+    outcome = json.loads(res.stdout)
+    assert set(outcome.values()) == {"refused"}, outcome
+    ghost_ref = f"refs/oncepatch/keys/{key_hash('ghost')}"
+    for argv in (["git", "-c", "safe.directory=*", "-C", str(repo.path), "update-ref", ghost_ref, repo.head()],
+                 [box.python, "-m", "patcher.cli", "keys", "rotate", "--note", "mine now"],
+                 [box.python, "-m", "patcher.cli", "quarantine", "one"]):
+        res = box.run(box.agent, *argv, cwd=repo.path)
+        assert res.returncode != 0, (argv, res)
+    assert snapshot(repo) == before
+    res = box.oncepatch(box.agent, "verify", cwd=repo.path)
+    assert res.returncode == 0 and b"signed store" in res.stdout, res
+
+    # The same forgeries made by a writer of the store who does not hold the broker's key (root here,
+    # standing in for a store left writable, or a copy restored over it): each fails verify.
+    head = repo.head()
+    forgeries.fabricate(repo, store, tmp_path / "forger-store", b"--- a/a.txt\n+++ b/a.txt\n@@ -1,3 +1,3 @@\n A\n B\n-c\n+C\n")
+    forgeries.reseal(store, "one", updated_at="2020-01-01T00:00:00.000000Z")
+    forgeries.copy_signature(store, "two", source="one")
+    forgeries.rewrite_an_event(store, "two")
+    assert repo.git("rev-parse", ghost_ref).strip() != head
+    for argv in (("verify", "--json"), ("verify", "--json", "--no-server")):
+        res = box.oncepatch(box.agent, *argv, cwd=repo.path)
+        assert res.returncode == 6, (argv, res)
+        failures = json.loads(res.stdout)["failures"]
+        assert {"one", "two", "ghost"} <= {f.get("key") for f in failures}, failures
+        assert any("ledger line" in f["reason"] for f in failures), failures
+    for key in ("ghost", "one", "two"):
+        res = box.oncepatch(box.agent, "status", "--json", key, cwd=repo.path)
+        assert res.returncode == 6 and b'"corrupt_receipt"' in res.stdout and b'"committed"' not in res.stdout, res
 
 
 AGENT_SCRIPT = """
@@ -312,7 +395,7 @@ def test_the_agents_api_and_mcp_calls_go_through_the_broker_signed_and_judged_as
                   again.replace("\n", "\\n"), other.replace("\n", "\\n"),
                   env={"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"}, cwd=repo.path)
     assert res.returncode == 0, res
-    out = __import__("json").loads(res.stdout)
+    out = json.loads(res.stdout)
     assert out["api"]["ok"] and out["mcp-ok"]["ok"] and not out["api"]["replayed"], out
     assert out["api_no"][:2] == ["Forbidden", 4] and out["api_no"][2]["type"] == "forbidden", out
     assert out["mcp-no"]["error"]["type"] == "forbidden", out
