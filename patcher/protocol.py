@@ -210,7 +210,8 @@ def _authorize(rstore: ReceiptStore, args: CallArgs, key: str, caller: Caller | 
     """Refuse a call the store's policy does not allow its caller (:func:`receipts.policy.authorize`).
 
     Judged first without the patch's paths (caller, repository, branch, format,
-    size: nothing parsed for a caller the policy never names), then with them.
+    size: nothing parsed for a caller the policy never names), then with them
+    (a copy's source included).
     No policy: one failed ``open``.
 
     Raises:
@@ -227,7 +228,9 @@ def _authorize(rstore: ReceiptStore, args: CallArgs, key: str, caller: Caller | 
     authorize(rstore, who, request, policy)
     from patcher.formats import parse_patch
 
-    paths = tuple(dict.fromkeys(p for e in parse_patch(args.patch, args.format).edits for p in e.touched))
+    # Every path the patch names: what it changes, and a copy's source, which it reads into
+    # the tree (a secret copied into an allowed folder is a secret written there).
+    paths = tuple(dict.fromkeys(p for e in parse_patch(args.patch, args.format).edits for p in (e.path, *e.touched)))
     authorize(rstore, who, replace(request, paths=paths), policy)
 
 

@@ -22,7 +22,8 @@ repository directly (docs/SECURITY.md)::
     max_files = 50
 
 A call is allowed when some ``[[allow]]`` rule names its caller and allows
-all of it, and no touched path is in the top-level ``deny_paths``.  Path
+all of it, and no path the patch names (a copy's source too) is in the
+top-level ``deny_paths``.  Path
 patterns are git's ignore-file globs: ``*`` and ``?`` stay within a folder,
 ``**`` crosses folders, a pattern without a slash matches a name at any
 depth, and a pattern matching a folder matches everything in it.  Unknown

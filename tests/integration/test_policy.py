@@ -129,6 +129,24 @@ def test_each_limit_of_a_rule_refuses_through_the_api(repo: Repo, patch: bytes, 
     assert events(repo)[-1]["caller"]["uid"] == who.uid
 
 
+@pytest.mark.parametrize("source", ["config/secrets/db.txt", "README"], ids=["denied", "outside"])
+def test_a_copy_from_a_path_the_policy_keeps_out_is_refused(repo: Repo, source: str) -> None:
+    """A copy reads its source into the tree: copying a secret into an allowed folder is refused."""
+    repo.write("config/secrets/db.txt", "hunter2\n")
+    repo.commit_all("a secret")
+    with_policy(repo, POLICY.format(uid=os.getuid()).replace('".git*"]', '".git*", "**/secrets/**"]'))
+    copy = (f"diff --git a/{source} b/src/leak.txt\nsimilarity index 100%\n"
+            f"copy from {source}\ncopy to src/leak.txt\n").encode()
+    before = snapshot(repo)
+    r = apply_cli(repo, copy, "--key", "leak")
+    assert r.code == 4 and r.json["error"]["type"] == "forbidden", r.out
+    why = "is denied by the policy ('**/secrets/**')" if source != "README" else "is outside the paths rule 1 allows"
+    assert f"'{source}' {why}" in r.json["error"]["message"], r.out
+    assert_only_a_refusal_event(repo, before, snapshot(repo))
+    assert not (repo.path / "src/leak.txt").exists()
+    assert events(repo)[-1]["request"]["paths"] == [source, "src/leak.txt"]
+
+
 def test_a_policy_that_cannot_be_read_refuses_every_call(repo: Repo) -> None:
     with_policy(repo, POLICY.format(uid=os.getuid()).replace("deny_paths =", "deny_path ="))
     before = snapshot(repo)
