@@ -32,6 +32,11 @@ def req(*paths: str, branch: str = "refs/heads/main", fmt: str = "unified", size
     ("secret?.txt", "secret1.txt", True),
     ("[ab].txt", "c.txt", False),
     ("a+b(c).txt", "a+b(c).txt", True),  # regex characters are literal
+    ("**/secrets/**", "secrets/db.txt", True),
+    ("**/secrets/**", "config/secrets/prod/db.txt", True),
+    ("**/secrets/**", "src/secrets.py", False),
+    ("*.pem", "deploy/keys/site.pem", True),
+    (".husky/**", ".husky/pre-commit", True),
 ])
 def test_path_patterns_follow_gits_ignore_globs(pattern: str, path: str, hit: bool) -> None:
     assert PathPattern.parse(pattern).matches(path) is hit
@@ -86,3 +91,13 @@ def test_a_policy_it_cannot_read_is_refused_whole(text: str, why: str) -> None:
         policy(text)
     with pytest.raises(UsageError, match="schema"):
         parse_policy("p.toml", "[[allow]]\n")
+
+
+def test_the_documented_denials_keep_out_workflows_git_files_hooks_and_secrets() -> None:
+    """docs/SECURITY.md's example: what issue 26 names (CI workflows, git's own config files, hooks, secrets)."""
+    p = policy('deny_paths = [".github/workflows/**", ".git*", ".husky/**", "**/secrets/**"]\n[[allow]]\n')
+    for path in (".github/workflows/ci.yml", ".gitattributes", ".gitmodules", "sub/.gitignore",
+                 ".githooks/pre-commit", ".husky/pre-push", "secrets/token", "config/secrets/db.txt"):
+        assert p.refusal(ME, req(path)) is not None, path
+        assert p.refusal(ME, req("src/app.py", path)) is not None, path  # one such path refuses the whole call
+    assert p.refusal(ME, req("src/app.py", "README", "docs/git.md")) is None
