@@ -21,7 +21,8 @@ from receipts.identity import key_hash
 if TYPE_CHECKING:
     from conftest import Repo
 
-__all__ = ["receipt_file", "ledger_lines", "write_rechained", "rewrite_an_event", "reseal", "copy_signature", "fabricate"]
+__all__ = ["receipt_file", "ledger_lines", "write_rechained", "rewrite_an_event", "reseal", "copy_signature",
+           "fabricate"]
 
 
 def receipt_file(store: Path, key: str) -> Path:

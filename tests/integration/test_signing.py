@@ -255,7 +255,8 @@ def test_a_list_replaced_in_the_store_is_caught_by_a_pinned_one_only(tmp_path: P
     failures = r.json["failures"]
     assert any(f["key"] == "ghost" and "not an allowed signer" in f["reason"] for f in failures), failures
     assert sum("ledger line" in f["reason"] for f in failures) == 2, failures
-    status = run_cli("status", "--repo", str(repo.path), "ghost", "--json", env={"ONCEPATCH_ALLOWED_SIGNERS": str(pinned)})
+    status = run_cli("status", "--repo", str(repo.path), "ghost", "--json",
+                     env={"ONCEPATCH_ALLOWED_SIGNERS": str(pinned)})
     assert status.code == 6 and status.json["error"]["type"] == "corrupt_receipt", status.out
 
 
