@@ -493,7 +493,9 @@ class _Loop:
 
 def _peer_groups(conn: socket.socket, uid: int, gid: int) -> tuple[int, ...]:
     try:
-        raw = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * 1024)
+        # 1024 bytes (256 groups) is the most Python's getsockopt takes: a larger buffer is refused
+        # (EINVAL), and the group database, below, would answer instead of the kernel.
+        raw = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 1024)
         return tuple(sorted(set(struct.unpack(f"{len(raw) // 4}I", raw))))
     except OSError:
         try:

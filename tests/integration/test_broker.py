@@ -57,10 +57,10 @@ class Box:
     servers: list[int]
 
     def run(self, user: User, *argv: str, input: bytes | None = None, env: dict[str, str] | None = None,
-            cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:
+            cwd: Path | None = None, groups: tuple[int, ...] = ()) -> subprocess.CompletedProcess[bytes]:
         e = {**self.env, "HOME": str(user.home), **(env or {})}
         return subprocess.run(list(argv), input=input, env=e, cwd=cwd or self.base, capture_output=True,
-                              user=user.uid, group=user.gid, extra_groups=[], timeout=120, check=False)
+                              user=user.uid, group=user.gid, extra_groups=list(groups), timeout=120, check=False)
 
     def oncepatch(self, user: User, *argv: str, **kw: object) -> subprocess.CompletedProcess[bytes]:
         return self.run(user, self.python, "-m", "patcher.cli", *argv, **kw)  # type: ignore[arg-type]
@@ -216,7 +216,8 @@ def test_the_call_receives_the_caller_the_kernel_reports(box: Box) -> None:
         "from patcher.cli import parser, server\n"
         "args = parser.build_parser().parse_args(sys.argv[1:])\n"
         "def call(argv, *, caller, confined, stores):\n"
-        "    print(f'caller {caller.uid} {caller.gid} {caller.peer} confined {confined}', flush=True)\n"
+        "    groups = ','.join(map(str, sorted(caller.groups)))\n"
+        "    print(f'caller {caller.uid} {caller.gid} {caller.peer} groups {groups} confined {confined}', flush=True)\n"
         "    return 0\n"
         "server.serve(args, call)\n"
     )
@@ -227,10 +228,13 @@ def test_the_call_receives_the_caller_the_kernel_reports(box: Box) -> None:
     box.servers.append(proc.pid)
     assert proc.stderr is not None
     assert b"ready" in proc.stderr.readline()
-    res = box.oncepatch(box.agent, "status", "anything")
+    # The caller's groups are the kernel's (SO_PEERGROUPS), not the group database's: here the
+    # agent's process holds the stranger's group, which no database entry gives it.
+    res = box.oncepatch(box.agent, "status", "anything", groups=(box.stranger.gid,))
     assert res.returncode == 0, res
+    groups = ",".join(map(str, sorted({box.agent.gid, box.stranger.gid})))
     assert res.stdout.decode().split() == ["caller", str(box.agent.uid), str(box.agent.gid), "True",
-                                           "confined", "True"]
+                                           "groups", groups, "confined", "True"]
 
 
 def _signed_broker(box: Box) -> tuple[Repo, Path, Path]:
@@ -298,7 +302,8 @@ attempts = {
     "an event rewritten, the chain recomputed": lambda: forgeries.rewrite_an_event(store, "one"),
     "a receipt re-sealed": lambda: forgeries.reseal(store, "one", updated_at="2020-01-01T00:00:00.000000Z"),
     "a signature copied from another receipt": lambda: forgeries.copy_signature(store, "two", source="one"),
-    "a receipt planted beside one": lambda: (forgeries.receipt_file(store, "one").parent / "forged.json").write_text("{}"),
+    "a receipt planted beside one":
+        lambda: (forgeries.receipt_file(store, "one").parent / "forged.json").write_text("{}"),
     "a receipt planted in a new shard": lambda: forgeries.receipt_file(store, "ghost").parent.mkdir(),
     "the allowed-signers list replaced": lambda: (store / "allowed_signers.json").write_text("{}"),
     "the policy replaced": lambda: (store / "policy.toml").write_text('schema = "oncepatch.policy/1"\\n[[allow]]\\n'),
@@ -345,7 +350,8 @@ def test_every_forgery_fails_in_broker_mode(box: Box, tmp_path: Path) -> None:
     # The same forgeries made by a writer of the store who does not hold the broker's key (root here,
     # standing in for a store left writable, or a copy restored over it): each fails verify.
     head = repo.head()
-    forgeries.fabricate(repo, store, tmp_path / "forger-store", b"--- a/a.txt\n+++ b/a.txt\n@@ -1,3 +1,3 @@\n A\n B\n-c\n+C\n")
+    ghost = b"--- a/a.txt\n+++ b/a.txt\n@@ -1,3 +1,3 @@\n A\n B\n-c\n+C\n"
+    forgeries.fabricate(repo, store, tmp_path / "forger-store", ghost)
     forgeries.reseal(store, "one", updated_at="2020-01-01T00:00:00.000000Z")
     forgeries.copy_signature(store, "two", source="one")
     forgeries.rewrite_an_event(store, "two")
