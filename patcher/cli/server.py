@@ -208,6 +208,8 @@ def serve(args: argparse.Namespace, call: Call) -> int:
     if args.background:
         return _background(args)
     config = _config(args)
+    if config.broker:  # what it writes is never its callers' to write, whatever umask it was started with
+        os.umask(os.umask(0o022) | 0o022)
     folder = _folder(args)
     path = connect.socket_path(folder, connect.version_token())
     ready = args.ready_fd

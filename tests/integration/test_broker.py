@@ -57,10 +57,11 @@ class Box:
     servers: list[int]
 
     def run(self, user: User, *argv: str, input: bytes | None = None, env: dict[str, str] | None = None,
-            cwd: Path | None = None, groups: tuple[int, ...] = ()) -> subprocess.CompletedProcess[bytes]:
+            cwd: Path | None = None, groups: tuple[int, ...] = (), umask: int = -1) -> subprocess.CompletedProcess[bytes]:
         e = {**self.env, "HOME": str(user.home), **(env or {})}
         return subprocess.run(list(argv), input=input, env=e, cwd=cwd or self.base, capture_output=True,
-                              user=user.uid, group=user.gid, extra_groups=list(groups), timeout=120, check=False)
+                              user=user.uid, group=user.gid, extra_groups=list(groups), umask=umask, timeout=120,
+                              check=False)
 
     def oncepatch(self, user: User, *argv: str, **kw: object) -> subprocess.CompletedProcess[bytes]:
         return self.run(user, self.python, "-m", "patcher.cli", *argv, **kw)  # type: ignore[arg-type]
@@ -149,12 +150,12 @@ def _broker_repo(box: Box) -> Repo:
     return repo
 
 
-def _start_broker(box: Box) -> None:
+def _start_broker(box: Box, *allow: str, umask: int = -1) -> None:
     sock = box.base / "sock"
     sock.mkdir(mode=0o755)
     os.chown(sock, box.broker.uid, box.broker.gid)
-    res = box.oncepatch(box.broker, "serve", "--background", "--broker", "--allow-user", box.agent.name,
-                        "--socket-dir", str(sock), "--idle", "120",
+    res = box.oncepatch(box.broker, "serve", "--background", "--broker", *(allow or ("--allow-user", box.agent.name)),
+                        "--socket-dir", str(sock), "--idle", "120", umask=umask,
                         env={"GIT_COMMITTER_NAME": "Broker", "GIT_COMMITTER_EMAIL": "broker@example.com",
                              "GIT_AUTHOR_NAME": "Broker", "GIT_AUTHOR_EMAIL": "broker@example.com"})
     assert res.returncode == 0 and res.stdout.startswith(b"ready"), res
@@ -194,6 +195,26 @@ def test_the_agent_calls_the_broker_reads_and_verifies_and_cannot_write_the_stor
         assert res.returncode == 2, (argv, res)
     res = box.oncepatch(box.agent, "apply", "--json", str(receipt), cwd=repo.path)
     assert res.returncode == 2, res
+    assert snapshot(repo) == before
+
+
+def test_the_store_stays_unwritable_by_the_brokers_group_whatever_umask_it_was_started_with(box: Box) -> None:
+    """A broker started with a group-writable umask (002, common with a group per user) serving its own
+    group (the default of --allow-group): the store it makes is still writable by the broker only."""
+    repo = _broker_repo(box)
+    _start_broker(box, "--allow-group", box.broker.name, umask=0o002)
+    member = (box.broker.gid,)  # the agent, a member of the group the broker serves
+    res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", "k1", input=PATCH, cwd=repo.path, groups=member,
+                        env={"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"})
+    assert res.returncode == 0, res
+    store = repo.store
+    writable = [str(p) for p in (store, *store.rglob("*")) if not p.is_symlink() and p.stat().st_mode & 0o022]
+    assert writable == [], writable
+    before = snapshot(repo)
+    receipt = next(store.glob("receipts/*/*.json"))
+    for target in (receipt, store / "events.jsonl", receipt.parent / "forged.json", store / "receipts" / "zz"):
+        res = box.run(box.agent, "sh", "-c", f"echo x >> '{target}'", groups=member)
+        assert res.returncode != 0, target
     assert snapshot(repo) == before
 
 
