@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from receipts.store import ReceiptStore
 
 __all__ = ["POLICY_SCHEMA", "POLICY_FILE", "POLICY_ENV", "Caller", "Request", "Rule", "Policy", "policy_path",
-           "load_policy", "authorize"]
+           "load_policy", "authorize", "may_read"]
 
 POLICY_SCHEMA = "oncepatch.policy/1"
 POLICY_FILE = "policy.toml"
@@ -127,6 +127,36 @@ class Request:
         if self.paths is not None:
             doc["paths"] = list(self.paths)
         return doc
+
+
+def may_read(caller: Caller, path: str) -> bool:
+    """Whether ``caller`` could read the folder ``path`` itself: search on each folder on its way, read
+    and search on it (its nearest existing folder, if it is not made yet), by their mode bits.
+
+    A broker answers a caller only about a store the caller could read without it: it
+    must not read, for a caller, what the file system keeps from that caller.  Mode bits
+    only (an ACL that grants more is not honoured: refused, never the other way round).
+    """
+    if caller.uid == 0:
+        return True
+    parts = os.path.realpath(path).split("/")[1:]
+    while parts and not os.path.exists("/" + "/".join(parts)):
+        parts.pop()
+    for n in range(len(parts) + 1):
+        try:
+            st = os.stat("/" + "/".join(parts[:n]))
+        except OSError:
+            return False
+        if st.st_uid == caller.uid:
+            bits = st.st_mode >> 6
+        elif st.st_gid in caller.groups:
+            bits = st.st_mode >> 3
+        else:
+            bits = st.st_mode
+        need = 0o5 if n == len(parts) else 0o1
+        if bits & need != need:
+            return False
+    return True
 
 
 # -- patterns -------------------------------------------------------------------------------------

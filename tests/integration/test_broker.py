@@ -142,9 +142,9 @@ def _python_for(user: User, base: Path, env: dict[str, str]) -> str:
     pytest.skip(f"no interpreter the test's users can run: {tried}")
 
 
-def _broker_repo(box: Box) -> Repo:
+def _broker_repo(box: Box, name: str = "repo") -> Repo:
     """A repository the broker owns (libgit2 opens only its own user's repositories)."""
-    repo = make_repo(box.base / "repo", {"a.txt": "a\nb\nc\n"})
+    repo = make_repo(box.base / name, {"a.txt": "a\nb\nc\n"})
     subprocess.run(["chown", "-R", f"{box.broker.uid}:{box.broker.gid}", str(repo.path)], check=True)
     repo.git("config", "--global", "--add", "safe.directory", str(repo.path))  # (the test's own git, as root)
     return repo
@@ -216,6 +216,32 @@ def test_the_store_stays_unwritable_by_the_brokers_group_whatever_umask_it_was_s
         res = box.run(box.agent, "sh", "-c", f"echo x >> '{target}'", groups=member)
         assert res.returncode != 0, target
     assert snapshot(repo) == before
+
+
+def test_the_broker_answers_only_about_stores_its_caller_could_read(box: Box) -> None:
+    """A repository of the broker's the agent cannot read (its folder 0700): the broker must not read
+    it, write it or apply to it for the agent, by its path or through a symlink the agent made."""
+    repo = _broker_repo(box)
+    private = _broker_repo(box, "private")
+    env = {"GIT_AUTHOR_NAME": "Broker", "GIT_AUTHOR_EMAIL": "broker@example.com",
+           "GIT_COMMITTER_NAME": "Broker", "GIT_COMMITTER_EMAIL": "broker@example.com", "ONCEPATCH_SERVER": "never"}
+    res = box.oncepatch(box.broker, "apply", "-", "--key", "secret-task", input=PATCH, env=env, cwd=private.path)
+    assert res.returncode == 0, res
+    private.path.chmod(0o700)
+    _start_broker(box)
+    link = box.agent.home / "innocent"
+    assert box.run(box.agent, "ln", "-s", str(private.path), str(link)).returncode == 0
+    agent_env = {"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"}
+    before = snapshot(private)
+    for where in (str(private.path), str(link)):
+        for argv in (("log", "--json"), ("status", "--json", "secret-task"), ("verify", "--json"),
+                     ("recover", "--json"), ("apply", "--json", "-", "--key", "k")):
+            res = box.oncepatch(box.agent, *argv, "--repo", where, input=PATCH.replace(b"+B", b"+X"), env=agent_env)
+            assert res.returncode == 2 and b"secret-task" not in res.stdout + res.stderr, (where, argv, res)
+            assert b"could read itself" in res.stdout, res
+    assert snapshot(private) == before
+    res = box.oncepatch(box.agent, "log", "--json", "--repo", str(repo.path))  # one it can read: answered
+    assert res.returncode == 0, res
 
 
 def test_a_caller_the_broker_does_not_allow_is_refused(box: Box) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from conftest import Repo, run_cli, snapshot
 
 import patcher
 from receipts.errors import Forbidden
-from receipts.policy import Caller
+from receipts.policy import Caller, may_read
 
 POLICY = """\
 schema = "oncepatch.policy/1"
@@ -164,3 +166,28 @@ def test_a_policy_named_by_the_environment_is_used_and_must_exist(repo: Repo, tm
     r = run_cli("apply", "--repo", str(repo.path), "--json", "-", input=EDIT_APP,
                 env={"ONCEPATCH_POLICY": str(tmp_path / "missing.toml")})
     assert r.code == 2 and "no such file" in r.json["error"]["message"]
+
+
+def test_may_read_judges_each_folder_on_the_way_by_its_mode_bits(tmp_path: Path) -> None:
+    """What a broker asks before it answers about a store for its caller (docs/SECURITY.md, the broker)."""
+    base = Path(tempfile.mkdtemp(dir="/tmp"))  # (pytest's own folder is its user's alone)
+    try:
+        base.chmod(0o755)
+        group, other = Caller(54321, 54321, frozenset({54321, 4711})), Caller(54322, 54322, frozenset({54322}))
+        store = base / "repo" / ".git" / "oncepatch"
+        store.mkdir(parents=True)
+        assert may_read(other, str(store)) and may_read(other, str(store / "not" / "made"))
+        os.chown(base / "repo", 0, 4711)
+        (base / "repo").chmod(0o750)  # the group's: a member reads it, no one else
+        assert may_read(group, str(store)) and not may_read(other, str(store))
+        link = base / "link"
+        link.symlink_to(base / "repo")
+        assert not may_read(other, str(link / ".git" / "oncepatch"))  # a symlink is judged where it leads
+        (base / "repo").chmod(0o711)  # searchable, not listable: a store not made yet needs its folder read
+        assert may_read(other, str(store)) and not may_read(other, str(base / "repo" / "new"))
+        if os.geteuid() == 0:
+            os.chown(store, 54322, 54322)
+            store.chmod(0o700)
+            assert may_read(other, str(store)) and not may_read(group, str(store))
+    finally:
+        shutil.rmtree(base)
