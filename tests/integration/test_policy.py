@@ -149,6 +149,25 @@ def test_a_copy_from_a_path_the_policy_keeps_out_is_refused(repo: Repo, source: 
     assert events(repo)[-1]["request"]["paths"] == [source, "src/leak.txt"]
 
 
+@pytest.mark.parametrize("allowed", ["repository", "remote", "neither"])
+def test_a_remote_mode_call_is_judged_by_its_repository_or_its_remote(repo: Repo, tmp_path: Path,
+                                                                      allowed: str) -> None:
+    """docs/REMOTE.md: the call's key is claimed on a remote; its rule may name either."""
+    bare = tmp_path / "remote.git"
+    repo.git("init", "-q", "--bare", "-b", "main", str(bare))
+    repo.git("remote", "add", "origin", str(bare))
+    repo.git("push", "-q", "origin", "main")
+    pattern = {"repository": str(repo.path), "remote": str(bare), "neither": str(tmp_path / "other*")}[allowed]
+    with_policy(repo, f'schema = "oncepatch.policy/1"\n[[allow]]\nrepos = ["{pattern}"]\n')
+    r = apply_cli(repo, EDIT_APP, "--key", "r", "--remote", "origin")
+    if allowed != "neither":
+        assert r.code == 0 and r.json["status"] == "committed", r.out
+        return
+    assert r.code == 4 and r.json["error"]["type"] == "forbidden", r.out
+    assert f"repository '{repo.path}' (remote '{bare}') is not one rule 1 allows" in r.json["error"]["message"]
+    assert events(repo)[-1]["request"]["remote"] == str(bare)
+
+
 def test_a_policy_that_cannot_be_read_refuses_every_call(repo: Repo) -> None:
     with_policy(repo, POLICY.format(uid=os.getuid()).replace("deny_paths =", "deny_path ="))
     before = snapshot(repo)

@@ -101,3 +101,16 @@ def test_the_documented_denials_keep_out_workflows_git_files_hooks_and_secrets()
         assert p.refusal(ME, req(path)) is not None, path
         assert p.refusal(ME, req("src/app.py", path)) is not None, path  # one such path refuses the whole call
     assert p.refusal(ME, req("src/app.py", "README", "docs/git.md")) is None
+
+
+def test_a_remote_mode_call_is_judged_by_its_repository_or_its_remotes_url() -> None:
+    """docs/REMOTE.md: the key is claimed on a remote; a rule may name the local repository or that URL."""
+    remote = Request("apply_patch", "/srv/repos/app", "refs/heads/main", "unified", 10, paths=("a",),
+                     remote="https://git.example.com/org/app.git")
+    for repos in ('["/srv/repos/*"]', '["https://git.example.com/org/*"]'):
+        assert policy(f"[[allow]]\nrepos = {repos}\n").refusal(ME, remote) is None, repos
+    why = policy('[[allow]]\nrepos = ["https://git.example.com/other/*"]\n').refusal(ME, remote)
+    assert why == "repository '/srv/repos/app' (remote 'https://git.example.com/org/app.git') is not one rule 1 allows"
+    assert policy('[[allow]]\nrepos = ["git@git.example.com:org/*"]\n').refusal(
+        ME, Request("apply_patch", "/srv/repos/app", "refs/heads/main", "unified", 10,
+                    remote="git@git.example.com:org/app.git")) is None
