@@ -147,11 +147,14 @@ def _confine(args: argparse.Namespace) -> None:
         raise UsageError("the broker writes its own store: leave out --store")
     if args.caller is not None and getattr(args, "repo", None) is not None:
         # Resolved once: a symlink of the caller's, flipped after the check, is not followed again.
-        args.repo = os.path.realpath(str(args.repo))
         try:
+            args.repo = os.path.realpath(str(args.repo), strict=False)
             root = store_root(args)
         except OncepatchError:
             root = None  # no repository there: the call says so itself
+        except OSError as exc:  # unchecked is refused, never let through
+            raise UsageError(f"the broker cannot tell which store '{args.repo}' names for its caller "
+                             f"({exc.strerror or exc})") from None
         if root is not None and not may_read(args.caller, root):
             raise UsageError(f"the broker answers only about a store its caller could read itself: "
                              f"'{root}' is not readable by {args.caller.shown()}")
