@@ -1,6 +1,8 @@
-"""The policy's rules and patterns (receipts/policy.py), pure: no disk, no repository."""
+"""The policy's rules and patterns (receipts/policy.py), pure: no repository (one test reads the doc's example)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -93,14 +95,21 @@ def test_a_policy_it_cannot_read_is_refused_whole(text: str, why: str) -> None:
         parse_policy("p.toml", "[[allow]]\n")
 
 
-def test_the_documented_denials_keep_out_workflows_git_files_hooks_and_secrets() -> None:
-    """docs/SECURITY.md's example: what issue 26 names (CI workflows, git's own config files, hooks, secrets)."""
-    p = policy('deny_paths = [".github/workflows/**", ".git*", ".husky/**", "**/secrets/**"]\n[[allow]]\n')
+def test_the_documented_policy_parses_and_keeps_out_workflows_git_files_hooks_and_secrets() -> None:
+    """docs/SECURITY.md's example policy, as written: what issue 26 names (CI workflows, git's own
+    config files, hooks, secrets) is refused to every caller it allows."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "SECURITY.md").read_text()
+    p = parse_policy("SECURITY.md", doc.split("```toml\n", 1)[1].split("```", 1)[0])
+    agent = Caller(1001, 1001, frozenset({1001}), "agent", frozenset({"agent"}))
+    allowed = req("src/app.py", branch="refs/heads/agent/fix", fmt="unified", repo="/srv/repos/app")
+    assert p.refusal(agent, allowed) is None
     for path in (".github/workflows/ci.yml", ".gitattributes", ".gitmodules", "sub/.gitignore",
-                 ".githooks/pre-commit", ".husky/pre-push", "secrets/token", "config/secrets/db.txt"):
-        assert p.refusal(ME, req(path)) is not None, path
-        assert p.refusal(ME, req("src/app.py", path)) is not None, path  # one such path refuses the whole call
-    assert p.refusal(ME, req("src/app.py", "README", "docs/git.md")) is None
+                 ".githooks/pre-commit", ".husky/pre-push", ".pre-commit-config.yaml", "src/secrets/token",
+                 "src/config/secrets/db.txt"):
+        assert "denied by the policy" in str(p.refusal(agent, req(path, branch="refs/heads/agent/fix",
+                                                                   repo="/srv/repos/app"))), path
+        # one such path refuses the whole call
+        assert p.refusal(agent, req("src/app.py", path, branch="refs/heads/agent/fix", repo="/srv/repos/app"))
 
 
 def test_a_remote_mode_call_is_judged_by_its_repository_or_its_remotes_url() -> None:
