@@ -38,7 +38,7 @@ from receipts.engine import Call
 from receipts.identity import make_identity
 from receipts.policy import Caller, Request, authorize, load_policy
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
-from patcher.args import TOOL, TOOL_VERSION, CallArgs, normalise_args
+from patcher.args import TOOL, TOOL_VERSION, CallArgs, normalise_args, repository_path
 from patcher.errors import PatchError
 from patcher.formats import detect
 from patcher.grades import STRICT
@@ -210,7 +210,8 @@ def _authorize(rstore: ReceiptStore, args: CallArgs, key: str, caller: Caller | 
     """Refuse a call the store's policy does not allow its caller (:func:`receipts.policy.authorize`).
 
     Judged first without the patch's paths (caller, repository, branch, format,
-    size: nothing parsed for a caller the policy never names), then with them.
+    size: nothing parsed for a caller the policy never names), then with them
+    (a copy's source included).
     No policy: one failed ``open``.
 
     Raises:
@@ -222,12 +223,15 @@ def _authorize(rstore: ReceiptStore, args: CallArgs, key: str, caller: Caller | 
     if policy is None:
         return
     who = caller if caller is not None else Caller.current()
-    request = Request(TOOL, args.repo, args.branch, args.format, len(args.patch), key=key,
-                      patch_sha256=args.patch_sha256)
+    remote = args.repo if args.remote is not None else None  # (remote mode: args.repo is the remote's URL)
+    request = Request(TOOL, args.repo if remote is None else repository_path(args.layout), args.branch, args.format,
+                      len(args.patch), key=key, patch_sha256=args.patch_sha256, remote=remote)
     authorize(rstore, who, request, policy)
     from patcher.formats import parse_patch
 
-    paths = tuple(dict.fromkeys(p for e in parse_patch(args.patch, args.format).edits for p in e.touched))
+    # Every path the patch names: what it changes, and a copy's source, which it reads into
+    # the tree (a secret copied into an allowed folder is a secret written there).
+    paths = tuple(dict.fromkeys(p for e in parse_patch(args.patch, args.format).edits for p in (e.path, *e.touched)))
     authorize(rstore, who, replace(request, paths=paths), policy)
 
 

@@ -13,7 +13,7 @@ repository directly (docs/SECURITY.md)::
     [[allow]]
     users = ["agent", 1001]          # user names or uids      } neither: anyone
     groups = ["agents"]              # group names or gids     }
-    repos = ["/srv/repos/*"]         # the repository's real path; default: any
+    repos = ["/srv/repos/*"]         # the repository's real path (or, in remote mode, the remote's URL); default: any
     branches = ["agent/*"]           # short names or full refs; default: any
     paths = ["src/**", "tests/**"]   # every touched path within one; default: any
     deny_paths = ["**/secrets/**"]   # none within any
@@ -22,7 +22,8 @@ repository directly (docs/SECURITY.md)::
     max_files = 50
 
 A call is allowed when some ``[[allow]]`` rule names its caller and allows
-all of it, and no touched path is in the top-level ``deny_paths``.  Path
+all of it, and no path the patch names (a copy's source too) is in the
+top-level ``deny_paths``.  Path
 patterns are git's ignore-file globs: ``*`` and ``?`` stay within a folder,
 ``**`` crosses folders, a pattern without a slash matches a name at any
 depth, and a pattern matching a folder matches everything in it.  Unknown
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from receipts.store import ReceiptStore
 
 __all__ = ["POLICY_SCHEMA", "POLICY_FILE", "POLICY_ENV", "Caller", "Request", "Rule", "Policy", "policy_path",
-           "load_policy", "authorize"]
+           "load_policy", "authorize", "may_read"]
 
 POLICY_SCHEMA = "oncepatch.policy/1"
 POLICY_FILE = "policy.toml"
@@ -119,13 +120,47 @@ class Request:
     paths: tuple[str, ...] | None = None
     key: str | None = None
     patch_sha256: str | None = None
+    #: Remote mode (docs/REMOTE.md): the URL of the remote the key is claimed on; ``repo`` stays the local one.
+    remote: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"tool": self.tool, "repo": self.repo, "branch": self.branch, "format": self.format,
                                "patch_bytes": self.patch_bytes, "key": self.key, "patch_sha256": self.patch_sha256}
+        if self.remote is not None:
+            doc["remote"] = self.remote
         if self.paths is not None:
             doc["paths"] = list(self.paths)
         return doc
+
+
+def may_read(caller: Caller, path: str) -> bool:
+    """Whether ``caller`` could read the folder ``path`` itself: search on each folder on its way, read
+    and search on it (its nearest existing folder, if it is not made yet), by their mode bits.
+
+    A broker answers a caller only about a store the caller could read without it: it
+    must not read, for a caller, what the file system keeps from that caller.  Mode bits
+    only (an ACL that grants more is not honoured: refused, never the other way round).
+    """
+    if caller.uid == 0:
+        return True
+    parts = os.path.realpath(path).split("/")[1:]
+    while parts and not os.path.exists("/" + "/".join(parts)):
+        parts.pop()
+    for n in range(len(parts) + 1):
+        try:
+            st = os.stat("/" + "/".join(parts[:n]))
+        except OSError:
+            return False
+        if st.st_uid == caller.uid:
+            bits = st.st_mode >> 6
+        elif st.st_gid in caller.groups:
+            bits = st.st_mode >> 3
+        else:
+            bits = st.st_mode
+        need = 0o5 if n == len(parts) else 0o1
+        if bits & need != need:
+            return False
+    return True
 
 
 # -- patterns -------------------------------------------------------------------------------------
@@ -207,8 +242,10 @@ class Rule:
 
     def refusal(self, request: Request) -> str | None:
         """Why this rule does not allow ``request`` (``None``: it does)."""
-        if self.repos is not None and not any(r.fullmatch(request.repo) for r in self.repos):
-            return f"repository '{request.repo}' is not one rule {self.number} allows"
+        if self.repos is not None and not any(r.fullmatch(request.repo) or (request.remote is not None
+                                                  and r.fullmatch(request.remote)) for r in self.repos):
+            remote = f" (remote '{request.remote}')" if request.remote is not None else ""
+            return f"repository '{request.repo}'{remote} is not one rule {self.number} allows"
         if self.branches is not None and not any(b.fullmatch(request.branch) for b in self.branches):
             return f"branch '{request.branch}' is not one rule {self.number} allows"
         if self.formats is not None and request.format not in self.formats:
@@ -270,6 +307,15 @@ def _limit(path: str, where: str, value: object) -> int:
     return value
 
 
+#: A remote's URL (``scheme://...``, or scp-like ``[user@]host:path``), not a path on this machine.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://|[^/:]+:(?!/)")
+
+
+def _repo_pattern(text: str) -> str:
+    """A ``repos`` pattern as matched: a URL as written, a path made absolute."""
+    return text if _URL.match(text) else os.path.abspath(text)
+
+
 def _rule(path: str, n: int, doc: object) -> Rule:
     if not isinstance(doc, dict):
         raise _bad(path, f"allow rule {n} is not a table")
@@ -286,7 +332,7 @@ def _rule(path: str, n: int, doc: object) -> Rule:
         n,
         users=None if users is None else frozenset(users),
         groups=None if groups is None else frozenset(groups),
-        repos=None if repos is None else tuple(re.compile(_translate(os.path.abspath(r))) for r in repos),
+        repos=None if repos is None else tuple(re.compile(_translate(_repo_pattern(r))) for r in repos),
         branches=None if branches is None else tuple(_branch_regex(b) for b in branches),
         paths=None if paths is None else tuple(PathPattern.parse(p) for p in paths),
         deny_paths=tuple(PathPattern.parse(p) for p in opt("deny_paths") or ()),

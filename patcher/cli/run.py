@@ -10,6 +10,7 @@ progress go to stderr.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from typing import Any
 from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, UsageError
 from receipts import jsonio
 from receipts.lookup import status
-from receipts.policy import Caller
+from receipts.policy import Caller, may_read
 from receipts.store import ReceiptStore
 from patcher.cli import gc as cli_gc, revert as cli_revert
 from patcher.cli import advice as cli_advice, dirs as cli_dirs, doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
@@ -140,9 +141,23 @@ def _emit(doc: dict[str, Any], text: str, as_json: bool) -> None:
 
 
 def _confine(args: argparse.Namespace) -> None:
-    """What a broker refuses its callers: another store, a command run as the broker, a file read as it."""
+    """What a broker refuses its callers: another store, a command run as the broker, a file read as it,
+    a store the caller could not read itself (:func:`receipts.policy.may_read`)."""
     if getattr(args, "store", None):
         raise UsageError("the broker writes its own store: leave out --store")
+    if args.caller is not None and getattr(args, "repo", None) is not None:
+        # Resolved once: a symlink of the caller's, flipped after the check, is not followed again.
+        try:
+            args.repo = os.path.realpath(str(args.repo), strict=False)
+            root = store_root(args)
+        except OncepatchError:
+            root = None  # no repository there: the call says so itself
+        except OSError as exc:  # unchecked is refused, never let through
+            raise UsageError(f"the broker cannot tell which store '{args.repo}' names for its caller "
+                             f"({exc.strerror or exc})") from None
+        if root is not None and not may_read(args.caller, root):
+            raise UsageError(f"the broker answers only about a store its caller could read itself: "
+                             f"'{root}' is not readable by {args.caller.shown()}")
     if getattr(args, "check", None):
         raise UsageError("the broker runs no --check command (it would run as the store's owner)")
     if getattr(args, "patch", "-") != "-":

@@ -208,6 +208,8 @@ def serve(args: argparse.Namespace, call: Call) -> int:
     if args.background:
         return _background(args)
     config = _config(args)
+    if config.broker:  # what it writes is never its callers' to write, whatever umask it was started with
+        os.umask(os.umask(0o022) | 0o022)
     folder = _folder(args)
     path = connect.socket_path(folder, connect.version_token())
     ready = args.ready_fd
@@ -493,7 +495,9 @@ class _Loop:
 
 def _peer_groups(conn: socket.socket, uid: int, gid: int) -> tuple[int, ...]:
     try:
-        raw = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * 1024)
+        # 1024 bytes (256 groups) is the most Python's getsockopt takes: a larger buffer is refused
+        # (EINVAL), and the group database, below, would answer instead of the kernel.
+        raw = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 1024)
         return tuple(sorted(set(struct.unpack(f"{len(raw) // 4}I", raw))))
     except OSError:
         try:

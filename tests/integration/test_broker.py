@@ -3,11 +3,14 @@
 Real users made with ``useradd`` (so: root only, as CI runs): the broker owns
 the repository and the store; the agent calls through the broker's socket,
 reads the receipts and runs ``verify``, and cannot write the store; a user
-the broker does not allow is refused.
+the broker does not allow is refused.  Issue 26's forgeries
+(tests/integration/forgeries.py) are refused to the agent by the file system,
+and fail ``verify`` when a writer without the broker's key makes them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import secrets
@@ -24,7 +27,10 @@ from pathlib import Path
 
 import pytest
 
+import forgeries
 from conftest import ROOT, Repo, make_repo, snapshot
+
+from receipts.identity import key_hash
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
                                 reason="needs root and useradd to create the test's users (CI runs as root)")
@@ -51,10 +57,11 @@ class Box:
     servers: list[int]
 
     def run(self, user: User, *argv: str, input: bytes | None = None, env: dict[str, str] | None = None,
-            cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:
+            cwd: Path | None = None, groups: tuple[int, ...] = (), umask: int = -1) -> subprocess.CompletedProcess[bytes]:
         e = {**self.env, "HOME": str(user.home), **(env or {})}
         return subprocess.run(list(argv), input=input, env=e, cwd=cwd or self.base, capture_output=True,
-                              user=user.uid, group=user.gid, extra_groups=[], timeout=120, check=False)
+                              user=user.uid, group=user.gid, extra_groups=list(groups), umask=umask, timeout=120,
+                              check=False)
 
     def oncepatch(self, user: User, *argv: str, **kw: object) -> subprocess.CompletedProcess[bytes]:
         return self.run(user, self.python, "-m", "patcher.cli", *argv, **kw)  # type: ignore[arg-type]
@@ -135,20 +142,20 @@ def _python_for(user: User, base: Path, env: dict[str, str]) -> str:
     pytest.skip(f"no interpreter the test's users can run: {tried}")
 
 
-def _broker_repo(box: Box) -> Repo:
+def _broker_repo(box: Box, name: str = "repo") -> Repo:
     """A repository the broker owns (libgit2 opens only its own user's repositories)."""
-    repo = make_repo(box.base / "repo", {"a.txt": "a\nb\nc\n"})
+    repo = make_repo(box.base / name, {"a.txt": "a\nb\nc\n"})
     subprocess.run(["chown", "-R", f"{box.broker.uid}:{box.broker.gid}", str(repo.path)], check=True)
     repo.git("config", "--global", "--add", "safe.directory", str(repo.path))  # (the test's own git, as root)
     return repo
 
 
-def _start_broker(box: Box) -> None:
+def _start_broker(box: Box, *allow: str, umask: int = -1) -> None:
     sock = box.base / "sock"
     sock.mkdir(mode=0o755)
     os.chown(sock, box.broker.uid, box.broker.gid)
-    res = box.oncepatch(box.broker, "serve", "--background", "--broker", "--allow-user", box.agent.name,
-                        "--socket-dir", str(sock), "--idle", "120",
+    res = box.oncepatch(box.broker, "serve", "--background", "--broker", *(allow or ("--allow-user", box.agent.name)),
+                        "--socket-dir", str(sock), "--idle", "120", umask=umask,
                         env={"GIT_COMMITTER_NAME": "Broker", "GIT_COMMITTER_EMAIL": "broker@example.com",
                              "GIT_AUTHOR_NAME": "Broker", "GIT_AUTHOR_EMAIL": "broker@example.com"})
     assert res.returncode == 0 and res.stdout.startswith(b"ready"), res
@@ -191,6 +198,52 @@ def test_the_agent_calls_the_broker_reads_and_verifies_and_cannot_write_the_stor
     assert snapshot(repo) == before
 
 
+def test_the_store_stays_unwritable_by_the_brokers_group_whatever_umask_it_was_started_with(box: Box) -> None:
+    """A broker started with a group-writable umask (002, common with a group per user) serving its own
+    group (the default of --allow-group): the store it makes is still writable by the broker only."""
+    repo = _broker_repo(box)
+    _start_broker(box, "--allow-group", box.broker.name, umask=0o002)
+    member = (box.broker.gid,)  # the agent, a member of the group the broker serves
+    res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", "k1", input=PATCH, cwd=repo.path, groups=member,
+                        env={"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"})
+    assert res.returncode == 0, res
+    store = repo.store
+    writable = [str(p) for p in (store, *store.rglob("*")) if not p.is_symlink() and p.stat().st_mode & 0o022]
+    assert writable == [], writable
+    before = snapshot(repo)
+    receipt = next(store.glob("receipts/*/*.json"))
+    for target in (receipt, store / "events.jsonl", receipt.parent / "forged.json", store / "receipts" / "zz"):
+        res = box.run(box.agent, "sh", "-c", f"echo x >> '{target}'", groups=member)
+        assert res.returncode != 0, target
+    assert snapshot(repo) == before
+
+
+def test_the_broker_answers_only_about_stores_its_caller_could_read(box: Box) -> None:
+    """A repository of the broker's the agent cannot read (its folder 0700): the broker must not read
+    it, write it or apply to it for the agent, by its path or through a symlink the agent made."""
+    repo = _broker_repo(box)
+    private = _broker_repo(box, "private")
+    env = {"GIT_AUTHOR_NAME": "Broker", "GIT_AUTHOR_EMAIL": "broker@example.com",
+           "GIT_COMMITTER_NAME": "Broker", "GIT_COMMITTER_EMAIL": "broker@example.com", "ONCEPATCH_SERVER": "never"}
+    res = box.oncepatch(box.broker, "apply", "-", "--key", "secret-task", input=PATCH, env=env, cwd=private.path)
+    assert res.returncode == 0, res
+    private.path.chmod(0o700)
+    _start_broker(box)
+    link = box.agent.home / "innocent"
+    assert box.run(box.agent, "ln", "-s", str(private.path), str(link)).returncode == 0
+    agent_env = {"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"}
+    before = snapshot(private)
+    for where in (str(private.path), str(link)):
+        for argv in (("log", "--json"), ("status", "--json", "secret-task"), ("verify", "--json"),
+                     ("recover", "--json"), ("apply", "--json", "-", "--key", "k")):
+            res = box.oncepatch(box.agent, *argv, "--repo", where, input=PATCH.replace(b"+B", b"+X"), env=agent_env)
+            assert res.returncode == 2 and b"secret-task" not in res.stdout + res.stderr, (where, argv, res)
+            assert b"could read itself" in res.stdout, res
+    assert snapshot(private) == before
+    res = box.oncepatch(box.agent, "log", "--json", "--repo", str(repo.path))  # one it can read: answered
+    assert res.returncode == 0, res
+
+
 def test_a_caller_the_broker_does_not_allow_is_refused(box: Box) -> None:
     repo = _broker_repo(box)
     _start_broker(box)
@@ -210,7 +263,8 @@ def test_the_call_receives_the_caller_the_kernel_reports(box: Box) -> None:
         "from patcher.cli import parser, server\n"
         "args = parser.build_parser().parse_args(sys.argv[1:])\n"
         "def call(argv, *, caller, confined, stores):\n"
-        "    print(f'caller {caller.uid} {caller.gid} {caller.peer} confined {confined}', flush=True)\n"
+        "    groups = ','.join(map(str, sorted(caller.groups)))\n"
+        "    print(f'caller {caller.uid} {caller.gid} {caller.peer} groups {groups} confined {confined}', flush=True)\n"
         "    return 0\n"
         "server.serve(args, call)\n"
     )
@@ -221,10 +275,13 @@ def test_the_call_receives_the_caller_the_kernel_reports(box: Box) -> None:
     box.servers.append(proc.pid)
     assert proc.stderr is not None
     assert b"ready" in proc.stderr.readline()
-    res = box.oncepatch(box.agent, "status", "anything")
+    # The caller's groups are the kernel's (SO_PEERGROUPS), not the group database's: here the
+    # agent's process holds the stranger's group, which no database entry gives it.
+    res = box.oncepatch(box.agent, "status", "anything", groups=(box.stranger.gid,))
     assert res.returncode == 0, res
+    groups = ",".join(map(str, sorted({box.agent.gid, box.stranger.gid})))
     assert res.stdout.decode().split() == ["caller", str(box.agent.uid), str(box.agent.gid), "True",
-                                           "confined", "True"]
+                                           "groups", groups, "confined", "True"]
 
 
 def _signed_broker(box: Box) -> tuple[Repo, Path, Path]:
@@ -265,7 +322,11 @@ def test_the_brokers_policy_judges_the_caller_the_kernel_names_and_its_store_is_
     before = snapshot(repo)
     other = b"--- /dev/null\n+++ b/b.txt\n@@ -0,0 +1 @@\n+b\n"
     res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", "no", input=other, env=agent_env, cwd=repo.path)
-    assert res.returncode == 4 and b'"forbidden"' in res.stdout, res
+    assert res.returncode == 4, res
+    err = json.loads(res.stdout)["error"]
+    assert (err["type"], err["retryable"], err["effect_status"], err["next_action"]) == \
+        ("forbidden", False, "not_started", "none"), err
+    assert "'b.txt' is outside the paths rule 1 allows" in err["message"] and err["caller"]["uid"] == box.agent.uid
     after = snapshot(repo)
     assert {k: v for k, v in after.items() if k != "store"} == {k: v for k, v in before.items() if k != "store"}
     assert {k: v for k, v in after["store"].items() if k != "events.jsonl"} == \
@@ -276,6 +337,81 @@ def test_the_brokers_policy_judges_the_caller_the_kernel_names_and_its_store_is_
     res = box.oncepatch(box.agent, "verify", cwd=repo.path)
     assert res.returncode == 0 and b"signed store" in res.stdout, res
     assert not any(keys.iterdir()) or box.run(box.agent, "ls", str(keys)).returncode != 0
+
+
+FORGER_SCRIPT = """
+import json, os, sys
+from pathlib import Path
+import forgeries
+
+store, head = Path(sys.argv[1]), sys.argv[2]
+attempts = {
+    "an event rewritten, the chain recomputed": lambda: forgeries.rewrite_an_event(store, "one"),
+    "a receipt re-sealed": lambda: forgeries.reseal(store, "one", updated_at="2020-01-01T00:00:00.000000Z"),
+    "a signature copied from another receipt": lambda: forgeries.copy_signature(store, "two", source="one"),
+    "a receipt planted beside one":
+        lambda: (forgeries.receipt_file(store, "one").parent / "forged.json").write_text("{}"),
+    "a receipt planted in a new shard": lambda: forgeries.receipt_file(store, "ghost").parent.mkdir(),
+    "the allowed-signers list replaced": lambda: (store / "allowed_signers.json").write_text("{}"),
+    "the policy replaced": lambda: (store / "policy.toml").write_text('schema = "oncepatch.policy/1"\\n[[allow]]\\n'),
+}
+out = {}
+for name, attempt in attempts.items():
+    try:
+        attempt()
+        out[name] = "done"
+    except PermissionError:
+        out[name] = "refused"
+print(json.dumps(out))
+"""
+
+
+def test_every_forgery_fails_in_broker_mode(box: Box, tmp_path: Path) -> None:
+    """Issue 26's forgeries against a broker's signed store: the agent cannot make them (the file
+    system refuses each write, git's too), and made by a writer of the store without the broker's
+    key they fail the agent's ``verify``, through the broker and in its own process."""
+    repo, store, keys = _signed_broker(box)
+    agent_env = {"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"}
+    again = PATCH.replace(b"@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n", b"@@ -1,3 +1,3 @@\n-a\n+A\n B\n c\n")
+    for key, patch in (("one", PATCH), ("two", again)):
+        res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", key, input=patch, env=agent_env, cwd=repo.path)
+        assert res.returncode == 0, res
+    before = snapshot(repo)
+
+    # As the agent: the forgeries' own code (tests/integration/forgeries.py), run with the agent's rights.
+    helpers = {"PYTHONPATH": f"{box.env['PYTHONPATH']}:{ROOT / 'tests'}:{ROOT / 'tests' / 'integration'}"}
+    res = box.run(box.agent, box.python, "-c", FORGER_SCRIPT, str(store), repo.head(), env=helpers)
+    assert res.returncode == 0, res
+    outcome = json.loads(res.stdout)
+    assert set(outcome.values()) == {"refused"}, outcome
+    ghost_ref = f"refs/oncepatch/keys/{key_hash('ghost')}"
+    for argv in (["git", "-c", "safe.directory=*", "-C", str(repo.path), "update-ref", ghost_ref, repo.head()],
+                 [box.python, "-m", "patcher.cli", "keys", "rotate", "--note", "mine now"],
+                 [box.python, "-m", "patcher.cli", "quarantine", "one"]):
+        res = box.run(box.agent, *argv, cwd=repo.path)
+        assert res.returncode != 0, (argv, res)
+    assert snapshot(repo) == before
+    res = box.oncepatch(box.agent, "verify", cwd=repo.path)
+    assert res.returncode == 0 and b"signed store" in res.stdout, res
+
+    # The same forgeries made by a writer of the store who does not hold the broker's key (root here,
+    # standing in for a store left writable, or a copy restored over it): each fails verify.
+    head = repo.head()
+    ghost = b"--- a/a.txt\n+++ b/a.txt\n@@ -1,3 +1,3 @@\n A\n B\n-c\n+C\n"
+    forgeries.fabricate(repo, store, tmp_path / "forger-store", ghost)
+    forgeries.reseal(store, "one", updated_at="2020-01-01T00:00:00.000000Z")
+    forgeries.copy_signature(store, "two", source="one")
+    forgeries.rewrite_an_event(store, "two")
+    assert repo.git("rev-parse", ghost_ref).strip() != head
+    for argv in (("verify", "--json"), ("verify", "--json", "--no-server")):
+        res = box.oncepatch(box.agent, *argv, cwd=repo.path)
+        assert res.returncode == 6, (argv, res)
+        failures = json.loads(res.stdout)["failures"]
+        assert {"one", "two", "ghost"} <= {f.get("key") for f in failures}, failures
+        assert any("ledger line" in f["reason"] for f in failures), failures
+    for key in ("ghost", "one", "two"):
+        res = box.oncepatch(box.agent, "status", "--json", key, cwd=repo.path)
+        assert res.returncode == 6 and b'"corrupt_receipt"' in res.stdout and b'"committed"' not in res.stdout, res
 
 
 AGENT_SCRIPT = """
@@ -312,7 +448,7 @@ def test_the_agents_api_and_mcp_calls_go_through_the_broker_signed_and_judged_as
                   again.replace("\n", "\\n"), other.replace("\n", "\\n"),
                   env={"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"}, cwd=repo.path)
     assert res.returncode == 0, res
-    out = __import__("json").loads(res.stdout)
+    out = json.loads(res.stdout)
     assert out["api"]["ok"] and out["mcp-ok"]["ok"] and not out["api"]["replayed"], out
     assert out["api_no"][:2] == ["Forbidden", 4] and out["api_no"][2]["type"] == "forbidden", out
     assert out["mcp-no"]["error"]["type"] == "forbidden", out

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from conftest import Repo, run_cli, snapshot
 
 import patcher
 from receipts.errors import Forbidden
-from receipts.policy import Caller
+from receipts.policy import Caller, may_read
 
 POLICY = """\
 schema = "oncepatch.policy/1"
@@ -129,6 +131,43 @@ def test_each_limit_of_a_rule_refuses_through_the_api(repo: Repo, patch: bytes, 
     assert events(repo)[-1]["caller"]["uid"] == who.uid
 
 
+@pytest.mark.parametrize("source", ["config/secrets/db.txt", "README"], ids=["denied", "outside"])
+def test_a_copy_from_a_path_the_policy_keeps_out_is_refused(repo: Repo, source: str) -> None:
+    """A copy reads its source into the tree: copying a secret into an allowed folder is refused."""
+    repo.write("config/secrets/db.txt", "hunter2\n")
+    repo.commit_all("a secret")
+    with_policy(repo, POLICY.format(uid=os.getuid()).replace('".git*"]', '".git*", "**/secrets/**"]'))
+    copy = (f"diff --git a/{source} b/src/leak.txt\nsimilarity index 100%\n"
+            f"copy from {source}\ncopy to src/leak.txt\n").encode()
+    before = snapshot(repo)
+    r = apply_cli(repo, copy, "--key", "leak")
+    assert r.code == 4 and r.json["error"]["type"] == "forbidden", r.out
+    why = "is denied by the policy ('**/secrets/**')" if source != "README" else "is outside the paths rule 1 allows"
+    assert f"'{source}' {why}" in r.json["error"]["message"], r.out
+    assert_only_a_refusal_event(repo, before, snapshot(repo))
+    assert not (repo.path / "src/leak.txt").exists()
+    assert events(repo)[-1]["request"]["paths"] == [source, "src/leak.txt"]
+
+
+@pytest.mark.parametrize("allowed", ["repository", "remote", "neither"])
+def test_a_remote_mode_call_is_judged_by_its_repository_or_its_remote(repo: Repo, tmp_path: Path,
+                                                                      allowed: str) -> None:
+    """docs/REMOTE.md: the call's key is claimed on a remote; its rule may name either."""
+    bare = tmp_path / "remote.git"
+    repo.git("init", "-q", "--bare", "-b", "main", str(bare))
+    repo.git("remote", "add", "origin", str(bare))
+    repo.git("push", "-q", "origin", "main")
+    pattern = {"repository": str(repo.path), "remote": str(bare), "neither": str(tmp_path / "other*")}[allowed]
+    with_policy(repo, f'schema = "oncepatch.policy/1"\n[[allow]]\nrepos = ["{pattern}"]\n')
+    r = apply_cli(repo, EDIT_APP, "--key", "r", "--remote", "origin")
+    if allowed != "neither":
+        assert r.code == 0 and r.json["status"] == "committed", r.out
+        return
+    assert r.code == 4 and r.json["error"]["type"] == "forbidden", r.out
+    assert f"repository '{repo.path}' (remote '{bare}') is not one rule 1 allows" in r.json["error"]["message"]
+    assert events(repo)[-1]["request"]["remote"] == str(bare)
+
+
 def test_a_policy_that_cannot_be_read_refuses_every_call(repo: Repo) -> None:
     with_policy(repo, POLICY.format(uid=os.getuid()).replace("deny_paths =", "deny_path ="))
     before = snapshot(repo)
@@ -146,3 +185,28 @@ def test_a_policy_named_by_the_environment_is_used_and_must_exist(repo: Repo, tm
     r = run_cli("apply", "--repo", str(repo.path), "--json", "-", input=EDIT_APP,
                 env={"ONCEPATCH_POLICY": str(tmp_path / "missing.toml")})
     assert r.code == 2 and "no such file" in r.json["error"]["message"]
+
+
+def test_may_read_judges_each_folder_on_the_way_by_its_mode_bits(tmp_path: Path) -> None:
+    """What a broker asks before it answers about a store for its caller (docs/SECURITY.md, the broker)."""
+    base = Path(tempfile.mkdtemp(dir="/tmp"))  # (pytest's own folder is its user's alone)
+    try:
+        base.chmod(0o755)
+        group, other = Caller(54321, 54321, frozenset({54321, 4711})), Caller(54322, 54322, frozenset({54322}))
+        store = base / "repo" / ".git" / "oncepatch"
+        store.mkdir(parents=True)
+        assert may_read(other, str(store)) and may_read(other, str(store / "not" / "made"))
+        os.chown(base / "repo", 0, 4711)
+        (base / "repo").chmod(0o750)  # the group's: a member reads it, no one else
+        assert may_read(group, str(store)) and not may_read(other, str(store))
+        link = base / "link"
+        link.symlink_to(base / "repo")
+        assert not may_read(other, str(link / ".git" / "oncepatch"))  # a symlink is judged where it leads
+        (base / "repo").chmod(0o711)  # searchable, not listable: a store not made yet needs its folder read
+        assert may_read(other, str(store)) and not may_read(other, str(base / "repo" / "new"))
+        if os.geteuid() == 0:
+            os.chown(store, 54322, 54322)
+            store.chmod(0o700)
+            assert may_read(other, str(store)) and not may_read(group, str(store))
+    finally:
+        shutil.rmtree(base)

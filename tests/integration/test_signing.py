@@ -17,10 +17,8 @@ import pytest
 
 from conftest import Repo, make_repo, run_cli, snapshot
 
+import forgeries
 import patcher
-from cas.hashing import sha256_hex
-from receipts.canonical import canonical_json
-from receipts.identity import key_hash
 from receipts.store import ReceiptStore
 
 BASE: dict[str, str | bytes] = {"README": "hello\n", "src/app.py": "".join(f"line {i}\n" for i in range(1, 21))}
@@ -45,22 +43,17 @@ def make(tmp_path: Path, *, signed: bool) -> Repo:
     return repo
 
 
+def signing_key(repo: Repo) -> str:
+    key_id: str = json.loads((repo.store / "allowed_signers.json").read_text())["keys"][0]["key_id"]
+    return key_id
+
+
 def verify(repo: Repo, **env: str) -> Any:
     return run_cli("verify", "--repo", str(repo.path), "--json", "--jobs", "1", env=env)
 
 
 def ledger_lines(repo: Repo) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (repo.store / "events.jsonl").read_bytes().splitlines()]
-
-
-def write_rechained(repo: Repo, events: list[dict[str, Any]]) -> None:
-    """Write ``events`` as the ledger, seq and prev recomputed as an append would (signatures left as they are)."""
-    prev, out = "0" * 64, b""
-    for n, e in enumerate(events, 1):
-        e = {**e, "seq": n, "prev": prev}
-        line = canonical_json(e)
-        prev, out = sha256_hex(line), out + line + b"\n"
-    (repo.store / "events.jsonl").write_bytes(out)
+    return forgeries.ledger_lines(repo.store)
 
 
 # -- what a signed store writes -----------------------------------------------------------------
@@ -96,9 +89,7 @@ def test_an_unsigned_store_says_it_proved_consistency_only(tmp_path: Path) -> No
 def test_an_event_rewritten_with_its_chain_recomputed(tmp_path: Path, signed: bool) -> None:
     repo = make(tmp_path, signed=signed)
     events = ledger_lines(repo)
-    target = next(i for i, e in enumerate(events) if e.get("key") == "one" and e["event"] == "committed")
-    events[target] = {**events[target], "at": "2020-01-01T00:00:00.000000Z", "note": "nothing happened here"}
-    write_rechained(repo, events)
+    target = forgeries.rewrite_an_event(repo.store, "one")
     r = verify(repo)
     if not signed:
         assert r.code == 0, r.out  # the limit of an unsigned store: consistency, not authorship
@@ -117,22 +108,8 @@ def _fabricate(repo: Repo, tmp_path: Path, forger_store: Path) -> dict[str, Any]
     """A key that never ran in ``repo.store``: its commit, a key ref made with ``git update-ref``,
     its receipt and two ledger events, all made in ``forger_store`` and carried over."""
     patch = change(repo, 9, "ghost")
-    env = {"ONCEPATCH_KEY_DIR": str(tmp_path / "forger-keys")}
-    r = run_cli("apply", "--repo", str(repo.path), "--store", str(forger_store), "--key", "ghost", "--json", "-",
-                input=patch, env=env)
-    assert r.code == 0, r.out + r.err
-    commit = r.json["commit"]
-    ref = f"refs/oncepatch/keys/{key_hash('ghost')}"
-    repo.git("update-ref", "-d", ref)
-    repo.git("update-ref", ref, commit)
-    src = Path(ReceiptStore(str(forger_store)).receipt_path("ghost"))
-    dst = Path(ReceiptStore(str(repo.store)).receipt_path("ghost"))
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
-    forged = [e for e in (json.loads(x) for x in (forger_store / "events.jsonl").read_bytes().splitlines())
-              if e.get("key") == "ghost"]
-    assert [e["event"] for e in forged] == ["prepared", "committed"]
-    write_rechained(repo, ledger_lines(repo) + forged)
+    commit = forgeries.fabricate(repo, repo.store, forger_store, patch,
+                                 env={"ONCEPATCH_KEY_DIR": str(tmp_path / "forger-keys")})
     return {"patch": patch, "commit": commit}
 
 
@@ -168,16 +145,34 @@ def test_a_fabricated_key_with_its_key_ref_and_two_events(tmp_path: Path, signed
     assert rec.code == 6 and any("ghost" in json.dumps(c) or "ledger" in c["reason"] for c in rec.json["corrupt"])
 
 
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+def test_a_receipt_resealed_with_its_digest_recomputed(tmp_path: Path, signed: bool) -> None:
+    repo = make(tmp_path, signed=signed)
+    # A field git cannot contradict: the receipt's own story of when and by whom it ran.
+    forgeries.reseal(repo.store, "one", updated_at="2020-01-01T00:00:00.000000Z",
+                     owner={"host": "elsewhere", "pid": 1, "start": 0})
+    r = verify(repo)
+    status = run_cli("status", "--repo", str(repo.path), "one", "--json")
+    if not signed:
+        assert r.code == 0, r.out  # the limit of an unsigned store: the digest is no one's
+        assert status.code == 0 and status.json["receipt"]["status"] == "committed"
+        return
+    assert r.code == 6, r.out
+    failures = r.json["failures"]
+    assert ("one", f"corrupt: its signature by key '{signing_key(repo)}' does not verify") in \
+        [(f.get("key"), f["reason"]) for f in failures], failures
+    assert any("ledger line" in f["reason"] for f in failures), failures  # the event that named its digest
+    assert status.code == 6 and status.json["error"]["type"] == "corrupt_receipt", status.out
+    assert run_cli("recover", "--repo", str(repo.path), "--json", "--jobs", "1").code == 6
+
+
 def test_a_signature_copied_from_another_receipt_does_not_verify(tmp_path: Path) -> None:
     repo = make(tmp_path, signed=True)
-    store = ReceiptStore(str(repo.store))
-    one, two = Path(store.receipt_path("one")), Path(store.receipt_path("two"))
-    doc = json.loads(one.read_text())
-    doc["signature"] = json.loads(two.read_text())["signature"]
-    one.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    forgeries.copy_signature(repo.store, "one", source="two")
     r = verify(repo)
     assert r.code == 6 and any(f["key"] == "one" and "does not verify" in f["reason"] for f in r.json["failures"])
-    assert run_cli("status", "--repo", str(repo.path), "one").code == 6
+    status = run_cli("status", "--repo", str(repo.path), "one", "--json")
+    assert status.code == 6 and status.json["error"]["type"] == "corrupt_receipt", status.out
 
 
 # -- keys: rotation, loss, trust outside the store ---------------------------------------------------
@@ -235,6 +230,34 @@ def test_a_list_kept_outside_the_store_still_catches_a_forger_who_removes_the_st
     r = verify(repo, ONCEPATCH_ALLOWED_SIGNERS=str(pinned))
     assert r.code == 6 and r.json["signatures"]["allowed_signers"] == str(pinned)
     assert any(f["key"] == "ghost" for f in r.json["failures"]), r.out
+
+
+def test_a_list_replaced_in_the_store_is_caught_by_a_pinned_one_only(tmp_path: Path) -> None:
+    """The store's own list vouches for whatever it lists: a writer of the store who puts its own key
+    there (the real one kept, as retired) signs a fabricated key that passes; the pinned list fails it."""
+    repo = make(tmp_path, signed=True)
+    pinned = tmp_path / "pinned_signers.json"
+    shutil.copyfile(repo.store / "allowed_signers.json", pinned)
+    forger = {"ONCEPATCH_KEY_DIR": str(tmp_path / "forger-keys")}
+    r = run_cli("keys", "init", "--store", str(tmp_path / "forger-store"), "--repo", str(repo.path), env=forger)
+    assert r.code == 0, r.err
+    theirs = json.loads((tmp_path / "forger-store" / "allowed_signers.json").read_text())["keys"]
+    doc = json.loads((repo.store / "allowed_signers.json").read_text())
+    doc["keys"] = [{**k, "status": "retired", "retired_at": "2026-01-01T00:00:00.000000Z"} for k in doc["keys"]]
+    doc["keys"] += theirs
+    (repo.store / "allowed_signers.json").write_text(json.dumps(doc))
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "ghost", "--json", "-", input=change(repo, 9, "ghost"),
+                env=forger)
+    assert r.code == 0, r.out + r.err
+    assert verify(repo).code == 0  # docs/SECURITY.md, "Where the list is trusted from"
+    r = verify(repo, ONCEPATCH_ALLOWED_SIGNERS=str(pinned))
+    assert r.code == 6, r.out
+    failures = r.json["failures"]
+    assert any(f["key"] == "ghost" and "not an allowed signer" in f["reason"] for f in failures), failures
+    assert sum("ledger line" in f["reason"] for f in failures) == 2, failures
+    status = run_cli("status", "--repo", str(repo.path), "ghost", "--json",
+                     env={"ONCEPATCH_ALLOWED_SIGNERS": str(pinned)})
+    assert status.code == 6 and status.json["error"]["type"] == "corrupt_receipt", status.out
 
 
 def test_recover_settles_a_crashed_call_of_a_signed_store_with_signatures(tmp_path: Path) -> None:

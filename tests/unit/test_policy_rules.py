@@ -1,6 +1,8 @@
-"""The policy's rules and patterns (receipts/policy.py), pure: no disk, no repository."""
+"""The policy's rules and patterns (receipts/policy.py), pure: no repository (one test reads the doc's example)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +34,11 @@ def req(*paths: str, branch: str = "refs/heads/main", fmt: str = "unified", size
     ("secret?.txt", "secret1.txt", True),
     ("[ab].txt", "c.txt", False),
     ("a+b(c).txt", "a+b(c).txt", True),  # regex characters are literal
+    ("**/secrets/**", "secrets/db.txt", True),
+    ("**/secrets/**", "config/secrets/prod/db.txt", True),
+    ("**/secrets/**", "src/secrets.py", False),
+    ("*.pem", "deploy/keys/site.pem", True),
+    (".husky/**", ".husky/pre-commit", True),
 ])
 def test_path_patterns_follow_gits_ignore_globs(pattern: str, path: str, hit: bool) -> None:
     assert PathPattern.parse(pattern).matches(path) is hit
@@ -86,3 +93,33 @@ def test_a_policy_it_cannot_read_is_refused_whole(text: str, why: str) -> None:
         policy(text)
     with pytest.raises(UsageError, match="schema"):
         parse_policy("p.toml", "[[allow]]\n")
+
+
+def test_the_documented_policy_parses_and_keeps_out_workflows_git_files_hooks_and_secrets() -> None:
+    """docs/SECURITY.md's example policy, as written: what issue 26 names (CI workflows, git's own
+    config files, hooks, secrets) is refused to every caller it allows."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "SECURITY.md").read_text()
+    p = parse_policy("SECURITY.md", doc.split("```toml\n", 1)[1].split("```", 1)[0])
+    agent = Caller(1001, 1001, frozenset({1001}), "agent", frozenset({"agent"}))
+    allowed = req("src/app.py", branch="refs/heads/agent/fix", fmt="unified", repo="/srv/repos/app")
+    assert p.refusal(agent, allowed) is None
+    for path in (".github/workflows/ci.yml", ".gitattributes", ".gitmodules", "sub/.gitignore",
+                 ".githooks/pre-commit", ".husky/pre-push", ".pre-commit-config.yaml", "src/secrets/token",
+                 "src/config/secrets/db.txt"):
+        assert "denied by the policy" in str(p.refusal(agent, req(path, branch="refs/heads/agent/fix",
+                                                                   repo="/srv/repos/app"))), path
+        # one such path refuses the whole call
+        assert p.refusal(agent, req("src/app.py", path, branch="refs/heads/agent/fix", repo="/srv/repos/app"))
+
+
+def test_a_remote_mode_call_is_judged_by_its_repository_or_its_remotes_url() -> None:
+    """docs/REMOTE.md: the key is claimed on a remote; a rule may name the local repository or that URL."""
+    remote = Request("apply_patch", "/srv/repos/app", "refs/heads/main", "unified", 10, paths=("a",),
+                     remote="https://git.example.com/org/app.git")
+    for repos in ('["/srv/repos/*"]', '["https://git.example.com/org/*"]'):
+        assert policy(f"[[allow]]\nrepos = {repos}\n").refusal(ME, remote) is None, repos
+    why = policy('[[allow]]\nrepos = ["https://git.example.com/other/*"]\n').refusal(ME, remote)
+    assert why == "repository '/srv/repos/app' (remote 'https://git.example.com/org/app.git') is not one rule 1 allows"
+    assert policy('[[allow]]\nrepos = ["git@git.example.com:org/*"]\n').refusal(
+        ME, Request("apply_patch", "/srv/repos/app", "refs/heads/main", "unified", 10,
+                    remote="git@git.example.com:org/app.git")) is None
