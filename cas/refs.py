@@ -323,20 +323,6 @@ class RefUpdates:
         except DurableWriteError as exc:
             raise _sync_unknown(exc) from exc
 
-    def reflog_names(self, ref: str, oid: str) -> bool:
-        """Whether the reflog of ``ref`` ever recorded ``oid`` as a new value."""
-        path = os.path.join(self.common_dir, "logs", ref)
-        try:
-            with open(path, "rb") as fh:
-                needle = oid.encode()
-                for line in fh:
-                    parts = line.split(b" ", 2)
-                    if len(parts) >= 2 and parts[1] == needle:
-                        return True
-        except FileNotFoundError:
-            return False
-        return False
-
 
 def _while_locked(attempt: Callable[[], T], timeout: float) -> T:
     """``attempt()``, tried again while it finds the ref's lock held, for up to ``timeout`` seconds.
