@@ -87,7 +87,6 @@ if TYPE_CHECKING:
     from cas.errors import EffectStatus, NextAction
 
 __all__ = [
-    "GenericAdapter",
     "NoQueryAdapter",
     "EffectCall",
     "EffectResult",
@@ -197,10 +196,6 @@ def result_digest(result: Mapping[str, Any] | None) -> str | None:
 
 
 # -- adapters ---------------------------------------------------------------------------
-
-
-#: What :func:`effect` needs of a tool's adapter: the one adapter protocol (``prepare`` is optional).
-GenericAdapter = EffectAdapter
 
 
 class NoQueryAdapter:

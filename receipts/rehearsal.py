@@ -54,8 +54,6 @@ from receipts.store import ReceiptStore
 
 __all__ = ["Recorder", "WouldWrite", "RecordedCall", "Rehearsal", "recorded_calls", "decide", "rehearse"]
 
-DECISIONS = ("replay", "execute", "conflict", "query", "person", "corrupt")
-
 
 class WouldWrite(RuntimeError):
     """A rehearsal reached a step that writes (an adapter's ``execute`` or ``settle``): recorded, refused."""
