@@ -202,10 +202,9 @@ class Client:
                 if strict:
                     argv.append("--strict")
                 data = patch.encode("utf-8", "surrogateescape") if isinstance(patch, str) else patch
-                if not any("\0" in a for a in argv):  # (a NUL cannot cross the wire: refused in process)
-                    doc = self._through(argv, how, data)
-                    if doc is not None:
-                        return _result(doc)
+                doc = self._through(argv, how, data)
+                if doc is not None:
+                    return _result(doc)
         return apply(
             self._repo(repo), patch, key=key, branch=branch if branch is not None else self.branch,
             contract_sha256=contract_sha256, attempt=attempt, format=format, check=check, message=message,
@@ -226,19 +225,25 @@ class Client:
             if self.store is not None:
                 argv.append(f"--store={self.store}")
             argv += ["--", key]
-            doc = self._through(argv, how) if not any("\0" in a for a in argv) else None
+            doc = self._through(argv, how)
             if doc is not None:
                 return parse_receipt(jsonio.dumps(doc["receipt"]), path=str(doc["path"]))
         rstore = self.receipt_store(repo)
         return _status(key, store=rstore, adapters=lambda r: self._adapters(r, read_only=True))
 
-    def _through(self, argv: list[str], how: str, stdin: bytes = b"") -> dict[str, Any] | None:
-        """The envelope of ``argv`` run by a server (an error envelope raised as its error), or None: in process."""
+    def _through(self, argv: list[str], how: str, stdin: bytes = b"", *,
+                 report: bool = False) -> dict[str, Any] | None:
+        """The envelope of ``argv`` run by a server (an error envelope raised as its error), or None: in process.
+
+        ``report``: ``recover``/``verify``, whose ``ok: false`` is a report, not an error.
+        """
+        if any("\0" in a for a in argv):
+            return None  # a NUL cannot cross the wire: refused in process
         try:
             doc = remote.run(argv, how, stdin=stdin)
         except OSError as exc:  # an in-memory file or the folder could not be made: nothing was sent
             raise foreign_error(exc, effect_status="not_started", key=None) from exc
-        if doc is None or doc.get("ok"):
+        if doc is None or ("error" not in doc if report else doc.get("ok")):
             return doc
         found = doc.get("error")
         err: dict[str, Any] = found if isinstance(found, dict) else {"type": "internal", "message": str(doc)}
@@ -250,17 +255,7 @@ class Client:
         if how == "never":
             return None
         argv = [*argv, f"--repo={self._repo(repo)}"] + ([f"--store={self.store}"] if self.store is not None else [])
-        if any("\0" in a for a in argv):
-            return None
-        try:
-            doc = remote.run(argv, how)
-        except OSError as exc:  # an in-memory file or the folder could not be made: nothing was sent
-            raise foreign_error(exc, effect_status="not_started", key=None) from exc
-        if doc is None or "error" not in doc:
-            return doc
-        found = doc["error"]
-        err: dict[str, Any] = found if isinstance(found, dict) else {"type": "internal", "message": str(doc)}
-        raise error_from_envelope(err, err.get("key"), _ANSWERS, OncepatchError, replayed=False)
+        return self._through(argv, how, report=True)
 
     @_translated("unknown")  # it may have settled some receipts before it failed
     def recover(self, *, repo: str | os.PathLike[str] | None = None, dry_run: bool = False,
