@@ -117,16 +117,13 @@ class _Tools:
         return UsageError(f"this server serves '{self.client.repo}' only, not '{repo}' "
                           "(start it with --any-repo to allow others)")
 
-    def _ok(self, doc: dict[str, Any]) -> Any:
+    def _result(self, doc: dict[str, Any], *, error: bool = False) -> Any:
         text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
         return self.types.CallToolResult(content=[self.types.TextContent(type="text", text=text)],
-                                         structuredContent=doc, isError=False)
+                                         structuredContent=doc, isError=error)
 
     def _err(self, exc: OncepatchError) -> Any:
-        doc = {"ok": False, "error": exc.envelope()}
-        text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
-        return self.types.CallToolResult(content=[self.types.TextContent(type="text", text=text)],
-                                         structuredContent=doc, isError=True)
+        return self._result({"ok": False, "error": exc.envelope()}, error=True)
 
     def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> Any:
         try:
@@ -139,7 +136,7 @@ class _Tools:
             err = OncepatchError(f"{type(exc).__name__}: {exc}", effect_status="unknown",
                                  next_action="query_before_retry")
             return self._err(err)
-        return self._ok(doc)
+        return self._result(doc)
 
     # -- bodies ----------------------------------------------------------------
 
