@@ -34,7 +34,7 @@ from typing import Any
 import filelock
 import orjson
 
-from cas.durable import DurableBatch, NotRegularFile, fsync_dir, make_dirs, open_dir_nofollow, open_regular
+from cas.durable import DurableBatch, NotRegularFile, fsync_dir, make_dirs, open_dir_nofollow, open_regular, write_all
 from cas.errors import DurableWriteError, UnsafeWorktreePath, UsageError
 from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
@@ -108,9 +108,7 @@ class StoreFile:
                     raise CorruptReceipt(self.path, "a symlink, not a scratch file of the store") from None
                 raise
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, data)
             finally:
                 os.close(fd)
 
