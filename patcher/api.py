@@ -33,9 +33,8 @@ from receipts.receipt import Receipt, parse_receipt
 from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport, RecoveryRow, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from receipts.verifier import DEFAULT_GRACE, Failure, VerifyReport, verify
-from patcher import remote
-
-_server_client = remote  # the server's client, by a name apply's ``remote=`` argument does not shadow
+# The server's client, by a name apply's ``remote=`` argument (a git remote) does not shadow.
+from patcher import remote as server_client
 from patcher.git_adapter import adapters
 from patcher.outcome import REJECTIONS
 from patcher.protocol import ApplyResult, Caller, apply, foreign_error, store_root_for
@@ -187,7 +186,7 @@ class Client:
         if dir is not None:
             repo = _objects_of(dir)
         if caller is None:
-            how = _server_client.choose(self.server)  # (``remote`` here is the git remote's name)
+            how = server_client.choose(self.server)
             if how != "never":
                 path = self._repo(repo)
                 # '--flag=value': a key or message that starts with '-' stays a value.
@@ -219,7 +218,7 @@ class Client:
         Raises:
             ReceiptNotFound, CorruptReceipt.
         """
-        how = remote.choose(self.server)
+        how = server_client.choose(self.server)
         if how != "never":
             argv = ["status", "--json", f"--repo={self._repo(repo)}"]
             if self.store is not None:
@@ -240,7 +239,7 @@ class Client:
         if any("\0" in a for a in argv):
             return None  # a NUL cannot cross the wire: refused in process
         try:
-            doc = remote.run(argv, how, stdin=stdin)
+            doc = server_client.run(argv, how, stdin=stdin)
         except OSError as exc:  # an in-memory file or the folder could not be made: nothing was sent
             raise foreign_error(exc, effect_status="not_started", key=None) from exc
         if doc is None or ("error" not in doc if report else doc.get("ok")):
@@ -251,7 +250,7 @@ class Client:
 
     def _report(self, argv: list[str], repo: str | os.PathLike[str] | None) -> dict[str, Any] | None:
         """The report of ``recover``/``verify`` run by a server (``ok: false`` is a report, not an error), or None."""
-        how = remote.choose(self.server)
+        how = server_client.choose(self.server)
         if how == "never":
             return None
         argv = [*argv, f"--repo={self._repo(repo)}"] + ([f"--store={self.store}"] if self.store is not None else [])
