@@ -395,10 +395,8 @@ class EffectCall:
                 "query it ('oncepatch recover') or settle it by hand ('oncepatch resolve') before retrying",
                 key=self.key, error_type=c.type,
             )
-        envelope = err.envelope()
-        envelope.update(type=c.type, retryable=c.retryable, effect_status=c.effect_status,
-                        next_action=c.next_action)
         err.retryable, err.effect_status, err.next_action = c.retryable, c.effect_status, c.next_action
+        envelope = err.envelope()  # (its type is c.type in every branch above)
         err.details.setdefault("receipt", self.receipt_path)
         if c.status == "rejected":
             new = self._call.reject(envelope)
