@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from cas.gitdir import discover
-from patcher.protocol import store_root_for
+from receipts import lookup
 
 __all__ = ["Option", "COMMON_OPTIONS", "add_common", "add_options", "store_root", "seconds", "positive_seconds",
            "at_least_one", "path_given"]
@@ -94,8 +92,5 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def store_root(args: argparse.Namespace) -> str:
-    if args.store:
-        return os.path.abspath(str(args.store))
-    if os.environ.get("ONCEPATCH_STORE"):
-        return os.path.abspath(os.environ["ONCEPATCH_STORE"])
-    return store_root_for(discover(str(args.repo)).common_dir)
+    """The store of the command: ``--store``, ``$ONCEPATCH_STORE``, or the repository's default."""
+    return lookup.store_root(args.store, args.repo)
