@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 from receipts import lookup
 
-__all__ = ["Option", "COMMON_OPTIONS", "add_common", "add_options", "store_root", "seconds", "positive_seconds",
-           "at_least_one", "path_given"]
-
-
-#: (flags, dest, default, type, metavar, help) of one option that takes a value
-Option = tuple[tuple[str, ...], str, Any, Callable[[str], Any] | None, str | None, str]
+__all__ = ["add_common", "store_root", "seconds", "positive_seconds", "at_least_one", "path_given"]
 
 
 def _refuse(message: str) -> NoReturn:
@@ -54,22 +48,6 @@ def path_given(text: str) -> str:
     return text
 
 
-#: The options every command takes that have a value (``--json`` is the common flag).
-COMMON_OPTIONS: tuple[Option, ...] = (
-    (("--repo",), "repo", ".", path_given, None, "repository (default: the current folder)"),
-    (("--store",), "store", None, path_given, None,
-     "receipt store (default: $ONCEPATCH_STORE or <git-common-dir>/oncepatch)"),
-)
-
-
-def add_options(p: argparse.ArgumentParser, options: tuple[Option, ...]) -> None:
-    for flags, dest, default, kind, metavar, help_ in options:
-        extra: dict[str, Any] = {"type": kind} if kind is not None else {}
-        if metavar is not None:
-            extra["metavar"] = metavar
-        p.add_argument(*flags, dest=dest, default=default, help=help_, **extra)
-
-
 class _DirOption(argparse.Action):
     """``--dir PATH``: a directory target (docs/DIRECTORIES.md); its object database is the repository."""
 
@@ -82,7 +60,10 @@ class _DirOption(argparse.Action):
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    add_options(p, COMMON_OPTIONS)
+    """The options every command takes."""
+    p.add_argument("--repo", default=".", type=path_given, help="repository (default: the current folder)")
+    p.add_argument("--store", type=path_given,
+                   help="receipt store (default: $ONCEPATCH_STORE or <git-common-dir>/oncepatch)")
     p.add_argument("--dir", action=_DirOption, default=None, type=path_given, metavar="PATH",
                    help="a directory target instead of a repository (docs/DIRECTORIES.md)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
