@@ -18,12 +18,11 @@ import os
 import pygit2
 
 from cas.objects import GitStore
+from cas.refs import KEY_REF_PREFIX
 from receipts.identity import key_hash
 from receipts.receipt import Receipt
 
 __all__ = ["BranchHistory", "KEY_REF_PREFIX", "contradictions", "trailer_problems"]
-
-KEY_REF_PREFIX = "refs/oncepatch/keys/"
 
 _DIR_MODE = 0o040000
 
