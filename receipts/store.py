@@ -358,9 +358,7 @@ class ReceiptStore:
     def locks_folder(self) -> contextlib.AbstractContextManager[int]:
         """A descriptor of ``locks/`` (made if missing), reached from the root without following a symlink.
 
-        Every lock file is opened by its name in it (:mod:`receipts.flock`): a
-        ``locks/`` swapped for a symlink after :meth:`check_folders` is refused
-        (:class:`CorruptReceipt`), and no lock file is created where it points.
+        Every lock file is opened by its name in it (why: :mod:`receipts.flock`).
         """
         return self.folder_fd(self.locks_dir, create=True)
 
@@ -374,12 +372,10 @@ class ReceiptStore:
 
     @contextlib.contextmanager
     def lock(self, key: str, timeout: float = DEFAULT_LOCK_TIMEOUT) -> Iterator[None]:
-        """Hold the key's lock; raise :class:`InProgress` if it is still held after ``timeout`` s.
-
-        The lock is an flock on ``locks/<h>.lock``: the kernel drops it when the
-        holder dies, so a crashed owner never leaves the key stuck.
+        """Hold the key's lock (an flock on ``locks/<h>.lock``: :mod:`receipts.flock`) for the ``with`` block.
 
         Raises:
+            InProgress: it is still held after ``timeout`` seconds.
             CorruptReceipt: a store folder on the way to the key's lock or
                 receipt is a symlink (:meth:`check_folders`, and again through
                 the descriptors the lock is opened by); nothing was started.
