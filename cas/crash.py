@@ -3,16 +3,8 @@
 ``ONCEPATCH_CRASH_AT=<point>`` makes the process exit with status 137 (a
 SIGKILL's) at that point, through ``os._exit``: no ``finally``, no atexit, no
 flush, as if the machine had killed it there.  Unset, a point costs one dict
-lookup.  The points are :data:`POINTS` (docs/DESIGN.md section 4, and
-recovery's own); at ``after-index-ahead`` the worktrees' indexes show the
-candidate under the branch's lock and the branch has not moved;
-``after-generation`` is a directory target's new generation built and
-renamed into place, the folder's symlink not switched yet;
-``after-push`` is remote mode's: the atomic push landed, the local receipt
-still says ``prepared`` (docs/REMOTE.md); ``check-running`` is inside
-``--check``; at ``effect-after-execute`` a generic effect ran and its receipt
-is not written; ``gc-after-removed`` is gc's: a receipt's ``removed`` event
-written, its file not yet removed.
+lookup.  The points are :data:`POINTS`; where each one is: docs/DESIGN.md
+section 4, "Crash points" (gc's ``gc-after-removed``: docs/LIFECYCLE.md).
 """
 
 from __future__ import annotations

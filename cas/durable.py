@@ -104,7 +104,7 @@ def fsync_dir(path: str | None = None, *, dir_fd: int | None = None) -> None:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
+def write_all(fd: int, data: bytes | memoryview) -> None:
     """Write every byte of ``data`` to ``fd`` (looping on short writes)."""
     view = memoryview(data)
     while view:
@@ -119,7 +119,6 @@ def write_durable(
     mode: int = 0o644,
     dir_fd: int | None = None,
     before_replace: Callable[[], None] | None = None,
-    sync_dir: bool = True,
 ) -> None:
     """Replace ``path`` with ``data`` atomically and durably (steps in the module docstring).
 
@@ -138,7 +137,7 @@ def write_durable(
         raise DurableWriteError(path, exc) from exc
     try:
         try:
-            _write_all(fd, data)
+            write_all(fd, data)
             os.fchmod(fd, mode)
             os.fsync(fd)
         finally:
@@ -153,12 +152,11 @@ def write_durable(
         if isinstance(exc, OSError):
             raise DurableWriteError(path, exc) from exc
         raise
-    if sync_dir:
-        try:
-            fsync_dir(folder or ".", dir_fd=dir_fd)
-        except OSError as exc:
-            # The rename happened; only its durability is in doubt.
-            raise DurableWriteError(path, exc, effect_status="unknown") from exc
+    try:
+        fsync_dir(folder or ".", dir_fd=dir_fd)
+    except OSError as exc:
+        # The rename happened; only its durability is in doubt.
+        raise DurableWriteError(path, exc, effect_status="unknown") from exc
 
 
 def append_durable(path: str, data: bytes, *, sync: bool = True) -> None:
@@ -178,7 +176,7 @@ def append_durable(path: str, data: bytes, *, sync: bool = True) -> None:
         # O_NOFOLLOW: a log replaced by a symlink is refused, never appended through.
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
         try:
-            _write_all(fd, data)
+            write_all(fd, data)
             if sync:
                 os.fsync(fd)
         finally:
@@ -596,7 +594,7 @@ class DurableBatch:
         keep = len(self._open) + self._kept < _KEEP_OPEN_MAX
         try:
             assert item.data is not None
-            _write_all(fd, item.data)
+            write_all(fd, item.data)
             os.fchmod(fd, item.mode)
         except BaseException:
             os.close(fd)
@@ -685,16 +683,13 @@ def write_new(path: str, data: bytes, mode: int = 0o666) -> None:
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode)
     try:
-        _write_all(fd, data)
+        write_all(fd, data)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(path)
         raise
     os.close(fd)
-
-
-write_all = _write_all
 
 
 #: renameat2's flag for an atomic swap of two names (Linux 3.15; ext4, xfs, btrfs, tmpfs, overlayfs).

@@ -117,8 +117,9 @@ class RefUpdates:
         _while_locked(lambda: self._compare_and_swap_once(ref, expected, new, message, precondition), lock_timeout)
 
     @contextlib.contextmanager
-    def _locked(self, ref: str, verb: str, noun: str) -> Iterator[Callable[[str, str], None]]:
-        """One libgit2 transaction holding ``<ref>.lock``; yields ``set_target(oid, message)``.
+    def _locked(self, ref: str, verb: str, noun: str) -> Iterator[Callable[[str | None, str], None]]:
+        """One libgit2 transaction holding ``<ref>.lock``; yields ``set_target(oid, message)`` (``oid`` ``None``:
+        remove the ref).
 
         The transaction commits as the ``with`` block ends (nothing set: the
         lock is released).
@@ -130,9 +131,12 @@ class RefUpdates:
         """
         committing = False
 
-        def set_target(oid: str, message: str) -> None:
+        def set_target(oid: str | None, message: str) -> None:
             nonlocal committing
-            txn.set_target(ref, pygit2.Oid(hex=oid), message=" ".join(message.split()))
+            if oid is None:
+                txn.remove(ref)
+            else:
+                txn.set_target(ref, pygit2.Oid(hex=oid), message=" ".join(message.split()))
             committing = True  # the context manager commits on a clean exit
 
         try:
@@ -205,24 +209,13 @@ class RefUpdates:
         return _while_locked(lambda: self._delete_once(ref, expected), lock_timeout)
 
     def _delete_once(self, ref: str, expected: str) -> bool:
-        committing = False
-        try:
-            with self.repo.transaction() as txn:
-                try:
-                    txn.lock_ref(ref)
-                except pygit2.GitError as exc:
-                    raise RefLockedError(self._lock_path(ref)) from exc
-                current = self.resolve(ref)  # re-read under the lock: the compare of the delete
-                if current is None:
-                    return False
-                if current != expected:
-                    raise RefMovedError(ref, current, expected)
-                txn.remove(ref)
-                committing = True
-        except pygit2.GitError as exc:
-            if not committing:
-                raise GitStoreError(f"cannot remove ref '{ref}': {exc}") from exc
-            raise RefUpdateUnknown(f"removal of ref '{ref}' failed after locking: {exc}") from exc
+        with self._locked(ref, "remove", "removal") as set_target:
+            current = self.resolve(ref)  # re-read under the lock: the compare of the delete
+            if current is None:
+                return False
+            if current != expected:
+                raise RefMovedError(ref, current, expected)
+            set_target(None, "")
         return True
 
     def _create_once(self, ref: str, target: str, message: str) -> bool:
@@ -322,20 +315,6 @@ class RefUpdates:
             fsync_all(todo)
         except DurableWriteError as exc:
             raise _sync_unknown(exc) from exc
-
-    def reflog_names(self, ref: str, oid: str) -> bool:
-        """Whether the reflog of ``ref`` ever recorded ``oid`` as a new value."""
-        path = os.path.join(self.common_dir, "logs", ref)
-        try:
-            with open(path, "rb") as fh:
-                needle = oid.encode()
-                for line in fh:
-                    parts = line.split(b" ", 2)
-                    if len(parts) >= 2 and parts[1] == needle:
-                        return True
-        except FileNotFoundError:
-            return False
-        return False
 
 
 def _while_locked(attempt: Callable[[], T], timeout: float) -> T:

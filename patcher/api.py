@@ -33,9 +33,8 @@ from receipts.receipt import Receipt, parse_receipt
 from receipts.recovery import DEFAULT_TMP_AGE, RecoveryReport, RecoveryRow, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from receipts.verifier import DEFAULT_GRACE, Failure, VerifyReport, verify
-from patcher import remote
-
-_server_client = remote  # the server's client, by a name apply's ``remote=`` argument does not shadow
+# The server's client, by a name apply's ``remote=`` argument (a git remote) does not shadow.
+from patcher import remote as server_client
 from patcher.git_adapter import adapters
 from patcher.outcome import REJECTIONS
 from patcher.protocol import ApplyResult, Caller, apply, foreign_error, store_root_for
@@ -187,7 +186,7 @@ class Client:
         if dir is not None:
             repo = _objects_of(dir)
         if caller is None:
-            how = _server_client.choose(self.server)  # (``remote`` here is the git remote's name)
+            how = server_client.choose(self.server)
             if how != "never":
                 path = self._repo(repo)
                 # '--flag=value': a key or message that starts with '-' stays a value.
@@ -202,10 +201,9 @@ class Client:
                 if strict:
                     argv.append("--strict")
                 data = patch.encode("utf-8", "surrogateescape") if isinstance(patch, str) else patch
-                if not any("\0" in a for a in argv):  # (a NUL cannot cross the wire: refused in process)
-                    doc = self._through(argv, how, data)
-                    if doc is not None:
-                        return _result(doc)
+                doc = self._through(argv, how, data)
+                if doc is not None:
+                    return _result(doc)
         return apply(
             self._repo(repo), patch, key=key, branch=branch if branch is not None else self.branch,
             contract_sha256=contract_sha256, attempt=attempt, format=format, check=check, message=message,
@@ -220,25 +218,31 @@ class Client:
         Raises:
             ReceiptNotFound, CorruptReceipt.
         """
-        how = remote.choose(self.server)
+        how = server_client.choose(self.server)
         if how != "never":
             argv = ["status", "--json", f"--repo={self._repo(repo)}"]
             if self.store is not None:
                 argv.append(f"--store={self.store}")
             argv += ["--", key]
-            doc = self._through(argv, how) if not any("\0" in a for a in argv) else None
+            doc = self._through(argv, how)
             if doc is not None:
                 return parse_receipt(jsonio.dumps(doc["receipt"]), path=str(doc["path"]))
         rstore = self.receipt_store(repo)
         return _status(key, store=rstore, adapters=lambda r: self._adapters(r, read_only=True))
 
-    def _through(self, argv: list[str], how: str, stdin: bytes = b"") -> dict[str, Any] | None:
-        """The envelope of ``argv`` run by a server (an error envelope raised as its error), or None: in process."""
+    def _through(self, argv: list[str], how: str, stdin: bytes = b"", *,
+                 report: bool = False) -> dict[str, Any] | None:
+        """The envelope of ``argv`` run by a server (an error envelope raised as its error), or None: in process.
+
+        ``report``: ``recover``/``verify``, whose ``ok: false`` is a report, not an error.
+        """
+        if any("\0" in a for a in argv):
+            return None  # a NUL cannot cross the wire: refused in process
         try:
-            doc = remote.run(argv, how, stdin=stdin)
+            doc = server_client.run(argv, how, stdin=stdin)
         except OSError as exc:  # an in-memory file or the folder could not be made: nothing was sent
             raise foreign_error(exc, effect_status="not_started", key=None) from exc
-        if doc is None or doc.get("ok"):
+        if doc is None or ("error" not in doc if report else doc.get("ok")):
             return doc
         found = doc.get("error")
         err: dict[str, Any] = found if isinstance(found, dict) else {"type": "internal", "message": str(doc)}
@@ -246,21 +250,11 @@ class Client:
 
     def _report(self, argv: list[str], repo: str | os.PathLike[str] | None) -> dict[str, Any] | None:
         """The report of ``recover``/``verify`` run by a server (``ok: false`` is a report, not an error), or None."""
-        how = remote.choose(self.server)
+        how = server_client.choose(self.server)
         if how == "never":
             return None
         argv = [*argv, f"--repo={self._repo(repo)}"] + ([f"--store={self.store}"] if self.store is not None else [])
-        if any("\0" in a for a in argv):
-            return None
-        try:
-            doc = remote.run(argv, how)
-        except OSError as exc:  # an in-memory file or the folder could not be made: nothing was sent
-            raise foreign_error(exc, effect_status="not_started", key=None) from exc
-        if doc is None or "error" not in doc:
-            return doc
-        found = doc["error"]
-        err: dict[str, Any] = found if isinstance(found, dict) else {"type": "internal", "message": str(doc)}
-        raise error_from_envelope(err, err.get("key"), _ANSWERS, OncepatchError, replayed=False)
+        return self._through(argv, how, report=True)
 
     @_translated("unknown")  # it may have settled some receipts before it failed
     def recover(self, *, repo: str | os.PathLike[str] | None = None, dry_run: bool = False,

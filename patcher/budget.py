@@ -1,18 +1,11 @@
-"""The work one call may spend matching patches (pure: no I/O).
+"""The work one call may spend matching patches (pure: no I/O; docs/FORMATS.md, "work budget").
 
-Matching is linear in the file and the patch (:mod:`patcher.matching`), but a
-patch may hold many edits of one file, each applied to the result of the one
-before (:func:`patcher.formats.editblocks.apply_sequential`), and every such
-edit reads the whole file again.  So each call gets one :class:`WorkBudget`
-of *line steps* -- a line split, keyed, indexed, compared or scanned; steps
-done in Python count more than those done in C -- and a call that would spend
-more is refused with :class:`patcher.errors.TooLarge` (``too_large``, exit 4)
-before anything is written.  The limit is :data:`MAX_MATCH_WORK`
-(``ONCEPATCH_MAX_MATCH_WORK``) plus :data:`LINEAR_ALLOWANCE` steps per line of
-each file matched and of its hunks: matching that grows with the input always
-fits; work that grows faster (thousands of edits of one big file, each reading
-it whole) is stopped within seconds.
-
+Matching is linear in the file and the patch (:mod:`patcher.matching`), but
+every edit block of a file reads the whole file again
+(:func:`patcher.formats.editblocks.apply_sequential`).  So each call gets one
+:class:`WorkBudget` of *line steps*, :data:`MAX_MATCH_WORK` plus
+:data:`LINEAR_ALLOWANCE` per line matched, and a call that would spend more is
+refused with :class:`patcher.errors.TooLarge` before anything is written.
 :func:`work_budget` opens one budget for everything matched inside it (one
 call's files); outside any, :func:`current_budget` gives a fresh budget (one
 per file).

@@ -1,17 +1,11 @@
-"""``--check CMD``: run a command against the candidate tree before the branch may move.
+"""``--check CMD``: run a command against the candidate tree before the branch may move (docs/CONCURRENCY.md section 7).
 
 The candidate commit is checked out into a temporary git worktree under
-``<store>/tmp/worktrees/<h>-<pid>`` (``git worktree add --detach``: git shares
-the object database, so only the files are written — no clone, no copy of
-history).  CMD runs there through the shell, in its own process group, with a
-timeout; its combined output is captured (size-capped) and saved beside the
-receipt.  A non-zero exit or a timeout → ``rejected`` with ``type:
-check_failed``, the exit status and the sha256 of the captured output.  The
-user's worktree and branch are not touched until the check passed.
-
-The temporary worktree is removed afterwards, also when CMD fails; after a
-crash, ``recover`` removes it (its owner's key lock is free) and prunes git's
-administrative entry (``git worktree prune`` semantics).
+``<store>/tmp/worktrees/<h>-<pid>`` (git shares the object database: only the
+files are written); CMD runs there, and a non-zero exit or a timeout is
+``rejected`` (``check_failed``).  The user's worktree and branch are not
+touched until the check passed; the temporary worktree is removed
+afterwards, and after a crash by ``recover``.
 """
 
 from __future__ import annotations

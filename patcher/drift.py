@@ -1,34 +1,12 @@
 """Is my change still there?  Every applied receipt's outputs against the branch head and the worktree.
 
-``verify`` is about the receipts' own truth (a committed receipt's commit has
-its outputs); ``drift`` is about what came after: for each path a receipt
-wrote, one of
-
-* ``unchanged`` — the branch head holds the receipt's bytes, and so does every
-  worktree that has the branch checked out;
-* ``changed`` — a later commit changed it (the last one to do so is named, and
-  whether it is oncepatch's: its ``Oncepatch-Key`` / ``Oncepatch-Call``
-  trailer, or outside it);
-* ``reverted`` — the branch head holds the path as it was before the
-  receipt's commit (its parent's version), by the commit named;
-* ``gone`` — the receipt's commit is no longer on its branch (reset, rebased);
-* ``dirty`` — the branch head agrees but a worktree's file does not (an edit
-  not committed yet); also flagged (``dirty: true``) beside the states above;
-* ``compensated`` — the last commit to change it is a compensation of this
-  receipt's key (``oncepatch revert``: a receipt or a ledger event of the
-  commit's key says ``compensates: KEY``), named in ``compensated_by``.  Not
-  drift: the store holds the keyed change that undid it on purpose.
-
-A commit's key is named from its ``Oncepatch-Key`` trailer (the key's sha256)
-by this store's receipts, and by its ledger for a key whose receipt ``oncepatch
-gc`` removed (``removed_by_gc: true``).  A removed key has no receipt, so
-nothing of its own is compared.
-
-Which receipts: every ``committed`` one, and every ``prepared``/``unknown`` one
-whose candidate is on its branch (a crashed call whose commit landed and
-``recover`` has not recorded yet: its paths are the candidate's changes).  A
-receipt of another tool, or whose repository cannot be opened, is listed in
-``skipped``.  Reads only: nothing in the repository or the store changes.
+``verify`` is about the receipts' own truth; ``drift`` is about what came
+after.  The per-path states (``unchanged``, ``changed``, ``reverted``,
+``gone``, ``dirty``, ``compensated``), which receipts count as applied and
+what is skipped: docs/LIFECYCLE.md, "drift".  A commit's key is named from
+its ``Oncepatch-Key`` trailer by this store's receipts, and by its ledger for
+a key whose receipt ``oncepatch gc`` removed (``removed_by_gc: true``).
+Reads only: nothing in the repository or the store changes.
 """
 
 from __future__ import annotations

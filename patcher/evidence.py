@@ -1,30 +1,13 @@
-"""What git holds for a committed ``apply_patch`` receipt: whether it is believed (docs/DESIGN.md section 5).
+"""What git holds for a committed ``apply_patch`` receipt: whether it is believed (docs/DESIGN.md section 3).
 
 A receipt's digests prove only that nobody edited it without re-sealing it;
 whoever can write the store can re-seal.  So a ``committed`` receipt is
-believed only where git agrees (:func:`contradictions`):
-
-* its commit exists;
-* the commit carries the call's own trailer, ``Oncepatch-Call: <call_id>``
-  (and, when it has one, ``Oncepatch-Key: <sha256 of the key>``): the commit
-  of another call, or one made by hand, is not this call's;
-* the key ref ``refs/oncepatch/keys/<h>`` points at it — oncepatch creates it
-  only once the branch moved there;
-* the commit is on the call's branch (the identity's, not the receipt's
-  ``base``): reachable from its tip, or named in its reflog (the branch was
-  reset since); a branch deleted since leaves the key ref as the evidence;
-* its tree and every output (blob, mode, sha256 of the bytes) equal the
-  commit's.
-
-A receipt of a call that found its edit already in the branch
-(``already_applied``) names the branch's head of the time, a commit of
-someone else's: no trailer and no key ref are asked of it (a key ref of the
-key at another commit contradicts it), but the commit must be on the
-branch (an existing one) and the outputs must match its tree.
-
-The replay's cheap form (``cheap=True``): a key ref at the commit stands for
-"on the branch" (no walk of the history); the commit, its trailer, its tree
-and the outputs are read all the same — a few objects, the size of the change.
+believed only where git agrees (:func:`contradictions`): its commit, the
+call's trailer, the key ref, the branch, the tree and every output, as
+docs/DESIGN.md section 3 lists them, with the rule for an
+``already_applied`` receipt (someone else's commit: no trailer nor key ref
+asked of it) and the replay's cheap form (``cheap=True``: a key ref at the
+commit stands for "on the branch", no walk of the history).
 """
 
 from __future__ import annotations
@@ -35,12 +18,11 @@ import os
 import pygit2
 
 from cas.objects import GitStore
+from cas.refs import KEY_REF_PREFIX
 from receipts.identity import key_hash
 from receipts.receipt import Receipt
 
 __all__ = ["BranchHistory", "KEY_REF_PREFIX", "contradictions", "trailer_problems"]
-
-KEY_REF_PREFIX = "refs/oncepatch/keys/"
 
 _DIR_MODE = 0o040000
 

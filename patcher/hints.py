@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from patcher.lines import Lines, chomp
+from patcher.lines import Lines, line_text
 
 __all__ = ["opcodes", "closest"]
 
@@ -21,10 +21,6 @@ _PAIRS = 40_000  # line pairs difflib compares in full (beyond: the common head 
 _SCORE_PAIRS = 1_000_000  # (hunk line, file line) pairs an error's "closest" counts
 _PAIR_COST = 8  # budget units per pair difflib may compare (a dict lookup in Python)
 _HINT_LINES = 200  # lines a side that an error's diff compares in full
-
-
-def _text(line: bytes) -> str:
-    return chomp(line).decode("utf-8", "replace")
 
 
 def opcodes(f: Lines, a: Sequence[Any], b: Sequence[Any], *,
@@ -101,8 +97,8 @@ def closest(f: Lines, seq: Sequence[bytes], ref: int) -> dict[str, Any] | None:
         score[at] = shared
     start = min(score, key=lambda p: (-score[p], abs(p - ref), p))
     found = f.lines[start : start + len(seq)]
-    expected_text = [_text(x) for x in seq]
-    found_text = [_text(x) for x in found]
+    expected_text = [line_text(x) for x in seq]
+    found_text = [line_text(x) for x in found]
     diff: list[str] = []
     for tag, a0, a1, b0, b1 in opcodes(f, expected_text, found_text, bound=True):
         if tag == "equal":
@@ -112,6 +108,6 @@ def closest(f: Lines, seq: Sequence[bytes], ref: int) -> dict[str, Any] | None:
             diff.extend("+" + x for x in found_text[b0:b1])
     return {
         "line": start + 1,
-        "lines": [_text(x) for x in f.lines[start : start + _CLOSEST_LINES]],
+        "lines": [line_text(x) for x in f.lines[start : start + _CLOSEST_LINES]],
         "diff": diff[:_DIFF_LIMIT],
     }

@@ -13,16 +13,12 @@ loose match used to commit Python that no longer parsed.
 from __future__ import annotations
 
 from patcher.errors import IndentationMismatch
-from patcher.lines import Lines, chomp
+from patcher.lines import Lines, chomp, line_text
 from patcher.model import Hunk
 
 __all__ = ["LOOSE_INDENT_GRADES", "indent_shift", "shifted"]
 
 _SHOWN = 20  # matched lines an error lists
-
-
-def _text(line: bytes) -> str:
-    return chomp(line).decode("utf-8", "replace")
 
 
 _INDENT = b" \t"
@@ -93,6 +89,6 @@ def shifted(line: bytes, sign: int, ws: bytes, f: Lines, hunk: Hunk, index: int)
         return line[len(ws):]
     raise IndentationMismatch(
         f"hunk {index + 1} of '{f.path}' matches only with {len(ws)} fewer indentation character(s), and "
-        f"its added line '{_text(line).strip()[:60]}' has fewer than that to remove: nothing was changed",
-        details={"path": f.path, "hunk": index + 1, "hunk_header": hunk.header, "line": _text(line)},
+        f"its added line '{line_text(line).strip()[:60]}' has fewer than that to remove: nothing was changed",
+        details={"path": f.path, "hunk": index + 1, "hunk_header": hunk.header, "line": line_text(line)},
     )

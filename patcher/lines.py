@@ -17,7 +17,7 @@ from typing import Any
 
 from patcher.budget import WorkBudget
 
-__all__ = ["Lines", "split_lines", "chomp", "eol_of", "dominant_eol", "key_fn", "find_all", "has_lone_cr", "cr_chomp",
+__all__ = ["Lines", "split_lines", "chomp", "line_text", "eol_of", "dominant_eol", "key_fn", "find_all", "has_lone_cr", "cr_chomp",
            "cr_eol_of"]
 
 _PUNCT_TABLE = str.maketrans(
@@ -78,6 +78,11 @@ def split_lines(data: bytes) -> list[bytes]:
 def chomp(line: bytes) -> bytes:
     """``line`` without its terminator (``\\r\\n`` or ``\\n``)."""
     return line[:-2] if line.endswith(b"\r\n") else line[:-1] if line.endswith(b"\n") else line
+
+
+def line_text(line: bytes) -> str:
+    """``line`` without its terminator, as text for a message (undecodable bytes replaced)."""
+    return chomp(line).decode("utf-8", "replace")
 
 
 def eol_of(line: bytes) -> bytes:

@@ -21,12 +21,10 @@ from receipts.errors import CorruptReceipt
 from receipts.identity import key_hash
 from receipts.store import ReceiptStore, StoreFile
 
-__all__ = ["ref_lock_marker", "index_marker", "index_markers", "refuse_planted_markers", "MARKER_PREFIXES",
-           "INDEX_MARKER_PREFIX"]
+__all__ = ["ref_lock_marker", "index_marker", "index_markers", "refuse_planted_markers", "INDEX_MARKER_PREFIX"]
 
 #: Name of an index-lock marker, before the key's hash.
 INDEX_MARKER_PREFIX = "index-lock-"
-MARKER_PREFIXES = ("ref-lock-", INDEX_MARKER_PREFIX)
 
 
 def ref_lock_marker(rstore: ReceiptStore, key: str) -> StoreFile:

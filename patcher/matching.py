@@ -24,7 +24,7 @@ from patcher.grades import refuse_inexact
 from patcher.hints import closest, opcodes
 from patcher.indentation import LOOSE_INDENT_GRADES, indent_shift, shifted
 from patcher.lines import Lines as _File
-from patcher.lines import chomp, cr_eol_of, eol_of, find_all, has_lone_cr, split_lines
+from patcher.lines import chomp, cr_eol_of, eol_of, find_all, has_lone_cr, line_text, split_lines
 from patcher.lines import key_fn as _key_fn
 from patcher.model import AppliedFile, Hunk
 
@@ -171,7 +171,7 @@ def _judge(f: _File, hunk: Hunk, lo: int, carry: int, shift: int = 0) -> _Verdic
     if hunk.scopes:
         starts, missing_scope = _resolve_scopes(f, hunk.scopes, lo)
         if missing_scope is not None or not starts:
-            shown = chomp(missing_scope or b"").decode("utf-8", "replace")
+            shown = line_text(missing_scope or b"")
             raise _Failure(ContextNotFound, f"scope '{shown}' not found (tried {', '.join(GRADES)})", scope=shown)
     if not hunk.old_lines:
         return _Verdict("applies", _insertion_point(f, hunk, lo, carry, starts))
@@ -460,14 +460,10 @@ def _render(f: _File, plan: Sequence[tuple[Hunk, _Verdict, int]]) -> bytes:
     return b"".join(pieces)
 
 
-def _text(line: bytes) -> str:
-    return chomp(line).decode("utf-8", "replace")
-
-
 def _error(f: _File, hunk: Hunk, index: int, path: str, lo: int, expected: int | None,
            failure: _Failure) -> ContextNotFound | AmbiguousMatch:
     details: dict[str, Any] = {"path": path, "hunk": index + 1, "hunk_header": hunk.header,
-                               "expected": "\n".join(_text(x) for x in hunk.old_lines[:3]), "grade_tried": list(GRADES)}
+                               "expected": "\n".join(line_text(x) for x in hunk.old_lines[:3]), "grade_tried": list(GRADES)}
     details.update(failure.extra)
     details["closest"] = closest(f, hunk.old_lines, lo if expected is None else expected)
     message = f"hunk {index + 1} of '{path}' does not apply: {failure.reason}"

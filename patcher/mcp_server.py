@@ -2,44 +2,16 @@
 
 Built on the official ``mcp`` SDK: ``mcp.server.mcpserver.MCPServer`` (SDK 2.x;
 ``mcp.server.fastmcp.FastMCP`` of SDK 1.x is used when that is what is
-installed: the same ``add_tool`` call, the same wire result).
+installed: the same ``add_tool`` call, the same wire result).  Each tool is a
+thin layer over one :class:`patcher.api.Client` per server (repositories and
+stores stay open between calls, which run on worker threads).  The tools,
+their hints and why ``apply_patch`` is not destructive nor open-world:
+docs/AGENTS.md, "The MCP server".
 
-Tools, each a thin layer over :class:`patcher.api.Client` (one per server, so
-repositories and stores stay open between calls; calls run on worker
-threads, and the client keeps one open repository per thread).  The client
-sends ``apply_patch`` and ``receipt_status`` to a running ``oncepatch serve``
-or broker by the CLI's rules (``ONCEPATCH_SERVER``; docs/AGENTS.md), with
-the repository resolved once here (its real path and common git dir):
-
-=================  ===========  =============  ==========  =========
-tool               readOnly     destructive    idempotent  openWorld
-=================  ===========  =============  ==========  =========
-``apply_patch``    false        **false**      true        false
-``receipt_status`` true         —              true        false
-``recover``        false        false          true        false
-``verify``         true         —              true        false
-=================  ===========  =============  ==========  =========
-
-Why ``apply_patch`` is *not* destructive (the spec: "if false, the tool
-performs only additive updates"): it adds objects and moves the branch
-forward by compare-and-swap onto a new commit whose parent is the old tip
-— history is never rewritten, nothing is deleted from the object database,
-and a worktree path with uncommitted changes is refused before anything is
-written, so no uncommitted work is overwritten.  A deletion in a patch is a
-new commit that deletes; ``git revert`` undoes it.  It is idempotent because
-``idempotency_key`` is required: the same key with the same patch replays
-the stored receipt and changes nothing (the same key with a different patch
-is an ``idempotency_conflict`` error).  ``--check`` is not offered here: it
-runs arbitrary commands (it would make the tool open-world).  ``remote`` (remote
-mode, docs/REMOTE.md) names a git remote the repository's config already has,
-never a URL: the tool reaches only what the repository was set up to reach, so
-it stays not open-world.
-
-Errors come back as tool errors (``isError: true``) whose text and
-``structuredContent`` are the CLI's envelope ``{"ok": false, "error": {...}}``.
-Nothing but the protocol goes to stdout: logs go to stderr (and the SDK
-points fd 1 at stderr while serving, so a child process cannot write to the
-wire either).
+Errors come back as tool errors (``isError: true``) carrying the CLI's
+envelope.  Nothing but the protocol goes to stdout: logs go to stderr (and
+the SDK points fd 1 at stderr while serving, so a child process cannot write
+to the wire either).
 """
 
 from __future__ import annotations
@@ -145,16 +117,13 @@ class _Tools:
         return UsageError(f"this server serves '{self.client.repo}' only, not '{repo}' "
                           "(start it with --any-repo to allow others)")
 
-    def _ok(self, doc: dict[str, Any]) -> Any:
+    def _result(self, doc: dict[str, Any], *, error: bool = False) -> Any:
         text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
         return self.types.CallToolResult(content=[self.types.TextContent(type="text", text=text)],
-                                         structuredContent=doc, isError=False)
+                                         structuredContent=doc, isError=error)
 
     def _err(self, exc: OncepatchError) -> Any:
-        doc = {"ok": False, "error": exc.envelope()}
-        text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
-        return self.types.CallToolResult(content=[self.types.TextContent(type="text", text=text)],
-                                         structuredContent=doc, isError=True)
+        return self._result({"ok": False, "error": exc.envelope()}, error=True)
 
     def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> Any:
         try:
@@ -167,7 +136,7 @@ class _Tools:
             err = OncepatchError(f"{type(exc).__name__}: {exc}", effect_status="unknown",
                                  next_action="query_before_retry")
             return self._err(err)
-        return self._ok(doc)
+        return self._result(doc)
 
     # -- bodies ----------------------------------------------------------------
 

@@ -1,28 +1,10 @@
-"""The apply protocol (docs/DESIGN.md section 4) for a git branch: its public face and the replay.
+"""The apply protocol for a git branch: its public face and the replay (docs/DESIGN.md section 4).
 
-:func:`apply` is what the CLI and the MCP server call.  Steps:
-
-0. normalise args, compute the identity and key; **authorize** the caller
-   (:func:`_authorize`, :mod:`receipts.policy`: before the key is looked up,
-   so a refused call never replays); **replay fast path**: a final
-   receipt is read without the lock, and a committed one answered from only
-   where git agrees (:meth:`patcher.git_adapter.GitAdapter.confirm`: the key
-   ref at its commit, the commit's trailer, its outputs);
-1. under the key's lock: re-read the receipt (replay / conflict / settle a
-   ``prepared`` or ``unknown`` one through :class:`patcher.git_adapter.GitAdapter`);
-2. decode the patch, check paths; open the repository;
-3. stage blobs, trees and the candidate commit (``after-stage``); refuse dirty
-   or symlinked worktree paths;
-4. write the ``prepared`` receipt with the next fencing token (``after-prepare``);
-5. compare-and-swap the branch, then create the key ref (``after-ref``); if the
-   branch moved, re-stage onto its new head (bounded rounds) or reject;
-6. materialise touched paths in every worktree on the branch (``after-materialise``);
-7. write the ``committed`` receipt (``before-receipt-replace``) and its ledger event.
-
-The protocol's generic steps (lookup, replay, conflict, the key lock,
-settling a dead owner's call, ``prepared`` with the fencing token, the fence,
-``committed`` / ``rejected`` / ``unknown``, the ledger) are
-:class:`receipts.engine.Call`'s, as for every tool; the git steps 1 to 7 are
+:func:`apply` is what the CLI and the MCP server call: normalise, authorize
+(before the key is looked up, so a refused call never replays), then the
+replay fast path (a final receipt is read without the lock, and a committed
+one answered only where git agrees).  The protocol's generic steps are
+:class:`receipts.engine.Call`'s, as for every tool; the git steps are
 :mod:`patcher.execute`'s, imported by the first call that is not a replay.
 """
 

@@ -2,29 +2,13 @@
 
 The same engine call as a local one (:class:`receipts.engine.Call`: the key's
 lock, ``prepared`` with its fencing token, the fence, ``committed``); only
-the branch's move differs.  Locally the move is a compare-and-swap of
-``refs/heads/<b>``; here it is one ``git push --atomic`` that, all or nothing:
-
-* moves the remote's branch from the head the candidate was staged on
-  (``--force-with-lease=<branch>:<expected>``),
-* creates ``refs/oncepatch/keys/<h>`` at the candidate (expected absent:
-  create-only), and
-* creates ``refs/oncepatch/receipts/<h>``: a commit whose tree holds the
-  committed receipt as ``receipt.json`` (expected absent too).
-
-:func:`execute_remote`, step by step::
-
-    fetch the branch and the key's refs       # the remote's head, its key ref
-    key ref there?  -> answer from the remote # replay (checked) or conflict
-    stage on the remote's head; --check       # after-stage
-    prepared (its remote field names it)      # after-prepare
-    push --atomic                             # pause point before-push (the first push)
-      rejected by a lease: fetch; key there? answer from the remote; else re-stage (bounded)
-      nothing sent (unreachable): rejected, retryable
-      sent, answer lost: the effect is unknown (recover asks the remote)
-    after-push                                # crash and pause point
-    local refs follow: the remote-tracking branch, a mirror of the key's
-    refs, the local key ref; committed        # before-receipt-replace
+the branch's move differs: one ``git push --atomic`` that moves the remote's
+branch by lease and creates the key's two refs, create-only, all or nothing.
+:func:`execute_remote` runs the steps of docs/REMOTE.md, "How a call runs",
+with the crash and pause points ``before-push`` and ``after-push``: a push
+refused by a lease fetches again and answers from the remote or re-stages
+(bounded); one that sent nothing is rejected, retryable; one whose answer
+was lost leaves the effect unknown (recover asks the remote).
 
 The local branch and worktrees are not moved: the remote's branch is the
 target, ``git pull`` brings it (docs/REMOTE.md says why).  The refs, the fetch and

@@ -1,27 +1,13 @@
 """Compensation for a git change (``oncepatch revert KEY --key NEW_KEY``; docs/LIFECYCLE.md, "revert").
 
-Undoing a change is not a rollback: it is a new keyed effect with its own
-receipt.  :func:`revert` reads the original key's committed receipt, takes
-the inverse of its commit's diff (:func:`cas.revert.inverse_patch`: a
-function of that commit alone, so a retry sends the same patch) and applies
-it through the one apply path (:func:`patcher.protocol.apply`) under
-``NEW_KEY``, strict (only exact hunks), with ``compensates: KEY`` in the
-args.  So the same ``NEW_KEY`` and ``KEY`` replay, ``NEW_KEY`` with another
-``KEY`` is an idempotency conflict, and a crash during it is recovered as any
-call's.
-
-Before the first attempt (no receipt for ``NEW_KEY`` yet) a three-way merge
-(:func:`cas.revert.revert_conflicts`, as ``git revert``) tells whether later
-commits touched the same lines: then a ``conflict`` error, nothing written.
-
-The undo goes where the change went, or nowhere (a usage error, nothing
-changed): the repository ``repo`` opens as must be the one the original
-receipt names (the same common git dir: a clone of it, sharing a store, is
-another repository); a remote-mode original (its receipt's ``remote`` field,
-docs/REMOTE.md) is undone through the same remote name, which must still
-name the URL the receipt recorded; and the original commit must still be on
-the branch (its head, or for a remote-mode original the remote-tracking
-branch, descends from it).
+Undoing a change is not a rollback: :func:`revert` applies the inverse of
+``KEY``'s commit diff (:func:`cas.revert.inverse_patch`: a function of that
+commit alone, so a retry sends the same patch) through the one apply path
+(:func:`patcher.protocol.apply`) under ``NEW_KEY``, strict, with
+``compensates: KEY`` in the args, after a three-way merge
+(:func:`cas.revert.revert_conflicts`) found no later change to the same
+lines.  The undo goes where the change went, or nowhere: the rules for the
+repository, the remote and the branch are in docs/LIFECYCLE.md, "revert".
 """
 
 from __future__ import annotations

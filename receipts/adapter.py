@@ -1,18 +1,8 @@
-"""The adapter protocol: how a tool with side effects plugs into receipts.
+"""The adapter protocol: how a tool with side effects plugs into receipts (docs/EFFECTS.md, "Adapters").
 
-``receipts`` is generic: it knows keys, receipts, locks and the ledger, not git.
-A tool registers an adapter that can
-
-* ``query(receipt)`` — after a crash, tell whether the effect of a ``prepared``
-  or ``unknown`` receipt happened: :class:`QueryResult` with ``applied``,
-  ``not_applied`` or ``unknown`` (plus the fields to record, e.g. commit and
-  outputs), and
-* ``settle(receipt)`` — optional follow-up once a receipt is known to be
-  applied (git: bring a stale worktree to the commit).
-
-An adapter that cannot query returns ``unknown``; recovery then leaves the
-receipt ``unknown`` for a person to resolve.  A local git effect can always be
-queried, so it never stays ``unknown``.
+``receipts`` is generic: it knows keys, receipts, locks and the ledger, not
+git; what it needs of a tool is :class:`EffectAdapter`.  An adapter that
+cannot query returns ``unknown``, and recovery leaves the receipt for a person.
 """
 
 from __future__ import annotations
@@ -53,8 +43,8 @@ class EffectAdapter(Protocol):
     ``compensation(receipt, **inputs) -> (args, run)`` (the action that undoes
     a committed effect, run as a new keyed effect by
     :func:`receipts.effects.compensate`); ``forget(receipt, *, dry_run) ->
-    list[str]`` (what the world holds for a receipt ``oncepatch gc`` removes,
-    removed with it: git's key ref); ``collect_unneeded(kept, *, dry_run) ->
+    list[str]`` (whether what the world holds for a receipt ``oncepatch gc``
+    removes still stands for it: git's key ref, kept as a tombstone); ``collect_unneeded(kept, *, dry_run) ->
     list[str]`` (state of the tool's own that none of the receipts that stay,
     ``kept``, needs any more: gc's extension point).
     """

@@ -1,27 +1,19 @@
 """gc's archives: a compressed, verifiable bundle of receipts and a ledger range (docs/LIFECYCLE.md, "gc").
 
-A ``.tar.gz`` holding, in this order:
-
-* ``manifest.json`` — schema ``oncepatch.archive/1``: when, the store, every
-  member's sha256, and the ledger range (``first_seq``, ``last_seq``, the
-  ``prev`` its first line chains onto, the ``head``: the digest of its last line);
-* ``events.jsonl`` — the ledger lines of the range, byte for byte;
-* ``receipts/<h[:2]>/<h>.json`` — each receipt file, byte for byte (a signed
-  store's signatures included).
-
-Members are written with fixed owner and time, so the same content makes the
-same bytes.  :func:`verify_archive` proves a bundle without unpacking it to
-disk: every member's digest, every receipt's own verification (its key's hash
-its name, :func:`receipts.receipt.parse_receipt`), the range's chain from
+A ``.tar.gz`` of ``manifest.json`` (schema ``oncepatch.archive/1``), the
+ledger lines of the range and the receipt files, byte for byte: its layout is
+docs/LIFECYCLE.md's, "What a run does, in order".  Members are written with
+fixed owner and time, so the same content makes the same bytes.
+:func:`verify_archive` proves a bundle without unpacking it to disk: every
+member's digest, every receipt's own verification, the range's chain from
 ``prev`` to ``head`` (:func:`receipts.ledger.check_chain`; signatures too
 when the store's signing is given), and, given the store's ledger events,
 that the store names the bundle (a ``removed``, ``checkpoint`` or
 ``compacted`` event's ``bundle_sha256``).  A manifest of any other shape is
 "not an archive gc wrote"; the bytes read are capped per member and in all
-(:data:`_TOTAL_MAX`).  The file is written once, atomically
-(:func:`cas.durable.write_durable`), through a descriptor of its folder
-reached from the store root without following a symlink
-(:meth:`receipts.store.ReceiptStore.folder_fd`).
+(:data:`_TOTAL_MAX`).  The file is written once, atomically, through a
+descriptor of its folder reached from the store root without following a
+symlink (:meth:`receipts.store.ReceiptStore.folder_fd`).
 """
 
 from __future__ import annotations

@@ -1,63 +1,11 @@
 """The generic effect ledger: any tool's side effect, executed effectively once per key.
 
-The protocol itself is :mod:`receipts.engine`'s (the one every tool goes
-through, ``apply_patch`` included); this module gives it the shape a tool
-written in Python needs (docs/DESIGN.md section 1: "any tool with side effects can
-use it" — e-mail, tickets, payments, HTTP calls, files):
-
-1. compute the identity of ``(tool, tool_version, args)`` and the key (the
-   caller's business key, else the call_id); a **final** receipt is replayed
-   without the lock (it is immutable);
-2. take the key's lock; re-read the receipt: same key with other args →
-   :class:`~receipts.errors.IdempotencyConflict`; ``prepared``/``unknown``
-   (its owner died: a live one would hold the lock) → settle it through the
-   adapter's ``query`` first; final → replay;
-3. **prepare phase**: ``adapter.prepare(args)`` (optional) validates and
-   returns extra fields for the receipt; an error here is a *validation
-   error before sending*: ``rejected``, not retryable, replayed as such;
-4. write ``prepared`` (the next fencing token, the owner), durable; the
-   fence (the receipt is still this attempt's own) is checked before the tool
-   runs and before every later write;
-5. run the tool (the ``with`` body, or ``fn`` of :func:`perform`);
-6. record ``committed`` with the result and its digest — or, when the tool
-   raised, ``rejected`` or ``unknown`` per :func:`classify`;
-7. release the lock.
-
-Error classification (:func:`classify`) — the one rule: a failure is
-``rejected`` only when the effect provably did not happen, else ``unknown``:
-
-==============================================  ===========================
-raised                                          recorded
-==============================================  ===========================
-:class:`EffectRejected` (the tool says so,      ``rejected``, retryable as
-e.g. an HTTP 4xx answer)                        the tool says
-inside :meth:`EffectCall.before_send`, or in    ``rejected``: not retryable
-``adapter.prepare``: ``ValueError``,            (``validation_error``)
-``TypeError``, :class:`InvalidEffectArgs`
-inside ``before_send``: any other error         ``rejected``, retryable
-                                                (``failed_before_send``)
-anything after the request may have gone out    ``unknown`` (``timeout``,
-(the default for the whole body)                ``connection_lost``,
-                                                ``failed_after_send``)
-==============================================  ===========================
-
-``unknown`` is never read as failed: a repeat call with the same key does not
-run the tool again; it asks the adapter's ``query`` (an adapter that cannot
-tell leaves it for ``oncepatch resolve KEY --as committed|rejected``).
-
-Usage, as a context manager (check ``replayed``: a ``with`` body cannot be
-skipped by the context manager itself)::
-
-    with effect("send_email", {"to": to, "body_sha256": digest}, key=f"welcome:{user}",
-                store=store) as call:
-        if not call.replayed:
-            with call.before_send():
-                msg = build(to, body)          # ValueError here: rejected, not retried
-            call.commit({"message_id": smtp.send(msg)})
-    print(call.result)
-
-or as a function (:func:`perform`) or a decorator (:func:`effectful`), which
-skip the tool on a replay by themselves.
+The protocol is :mod:`receipts.engine`'s, the one every tool goes through;
+this module gives it the shape a tool written in Python needs: :func:`effect`
+(a context manager: check ``replayed``, a ``with`` body cannot be skipped),
+:func:`perform` and :func:`effectful`.  The sequence, the classification table
+of :func:`classify` (``rejected`` only when the effect provably did not happen,
+else ``unknown``) and a worked example: docs/EFFECTS.md.
 """
 
 from __future__ import annotations
@@ -87,7 +35,6 @@ if TYPE_CHECKING:
     from cas.errors import EffectStatus, NextAction
 
 __all__ = [
-    "GenericAdapter",
     "NoQueryAdapter",
     "EffectCall",
     "EffectResult",
@@ -197,10 +144,6 @@ def result_digest(result: Mapping[str, Any] | None) -> str | None:
 
 
 # -- adapters ---------------------------------------------------------------------------
-
-
-#: What :func:`effect` needs of a tool's adapter: the one adapter protocol (``prepare`` is optional).
-GenericAdapter = EffectAdapter
 
 
 class NoQueryAdapter:
@@ -452,10 +395,8 @@ class EffectCall:
                 "query it ('oncepatch recover') or settle it by hand ('oncepatch resolve') before retrying",
                 key=self.key, error_type=c.type,
             )
-        envelope = err.envelope()
-        envelope.update(type=c.type, retryable=c.retryable, effect_status=c.effect_status,
-                        next_action=c.next_action)
         err.retryable, err.effect_status, err.next_action = c.retryable, c.effect_status, c.next_action
+        envelope = err.envelope()  # (its type is c.type in every branch above)
         err.details.setdefault("receipt", self.receipt_path)
         if c.status == "rejected":
             new = self._call.reject(envelope)

@@ -1,49 +1,13 @@
 """Retention (``oncepatch gc``): plan, archive, redact, remove, compact the ledger.
 
-The plan (:func:`plan`) reads the store and the policy
-(:mod:`receipts.retention`) and decides per receipt:
-
-* **stays** — whatever the policy says: a ``prepared`` or ``unknown``
-  receipt (an unsettled call: recovery needs it); one whose key lock is held
-  (a live call); one whose key the policy keeps; one named by the retained
-  ledger range; one a ``must_stay`` hook names (:func:`plan`); a corrupt one
-  (for a person); and one whose key ref points elsewhere than its commit
-  (the ref's current state is explained by its receipt, so neither goes);
-* **goes** — a settled receipt the ``[remove]`` rule matches;
-* **redacted** — a settled receipt that stays and the ``[redact]`` rule matches.
-
-:func:`collect` then, in this order (each step safe to crash after: the next
-run finishes it):
-
-1. writes the **archive** of the receipts that go and the ledger range to
-   compact (:mod:`receipts.archive`), atomically;
-2. per receipt that goes, under its key lock (taken without waiting: a call
-   that started since keeps it), re-read and still the one planned: a
-   ``removed`` ledger event (its digest, the archive's), then the receipt
-   file.  The key ref stays, a tombstone (:mod:`receipts.retired`); a crash
-   between the two (crash point ``gc-after-removed``) leaves the receipt and
-   its key ref as they were, which every command reads as before and the
-   next run removes;
-3. per redaction, under the key lock: the bodies replaced by their digests,
-   the receipt rewritten (and signed, in a signed store) with a ``redacted``
-   event naming the old and new digests;
-4. **compaction**, under the ledger lock: the oldest events, up to the first
-   one that names a key with a receipt (or that the policy retains), are
-   replaced by one ``checkpoint`` event that chains onto what they chained
-   onto and whose ``head`` the next line chains onto unchanged, followed by a
-   ``compacted`` event that confirms it (:func:`receipts.ledger.check_chain`);
-   one atomic rewrite of ``events.jsonl``.  The checkpoint lists the keys
-   whose ``removed`` events it replaces (``retired``), and a later
-   checkpoint carries an earlier one's on: the record that a key was
-   retired is never compacted away;
-5. asks every adapter that has ``collect_unneeded(kept, dry_run=...)`` to
-   drop what only removed receipts needed (the receipts that stay are passed:
-   what must stay).
-
-A key whose receipt gc removed is retired, never new again: a call with it
-is refused (``IdempotencyConflict``, exit 3, nothing written), since run as
-a first call it would commit its change a second time after a revert.  Git
-objects are never deleted.
+:func:`plan` decides per receipt (stays, goes, redacted) from the store and
+the policy (:mod:`receipts.retention`); :func:`collect` then archives,
+removes, redacts, compacts and asks the adapters, in the order of
+docs/LIFECYCLE.md, "What a run does, in order" — each step safe to crash
+after, the next run finishes it.  A removed key is retired, never new again
+(its key ref stays, a tombstone: :mod:`receipts.retired`): run as a first
+call it could commit its change a second time after a revert.  Git objects
+are never deleted.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""Identity of a call (pure): call_id, args hash, key hash.
+"""Identity of a call (pure): call_id, args hash, key hash (docs/DESIGN.md section 2).
 
-``call_id`` = ``"opc1:" + sha256(canonical_json(identity))`` where ``identity``
-is ``{"contract_sha256", "attempt", "tool", "tool_version", "args"}`` with the
-args already normalised by the tool's schema.  The tag is versioned: a change
-of this recipe gets a new tag, never a silent collision with old ids.
-
-``args_sha256`` = sha256 of the canonical JSON of ``{"tool", "tool_version",
-"args"}``: what a caller-chosen key binds (not the attempt, not the contract).
-
-The key (caller's business key, or the call_id by default) is stored under
-``key_hash(key)`` = sha256 hex of its UTF-8 bytes: file names and ref names
-stay fixed-width and safe whatever the key contains.
+``call_id`` = ``"opc1:" + sha256(canonical_json(identity))``; the tag is
+versioned: a change of this recipe gets a new tag, never a silent collision
+with old ids.  ``args_sha256`` covers tool, tool version and args: what a
+caller-chosen key binds.  The key is stored under ``key_hash(key)`` (sha256
+hex of its UTF-8 bytes): file names and ref names stay fixed-width and safe
+whatever the key contains.
 """
 
 from __future__ import annotations

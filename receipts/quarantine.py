@@ -1,24 +1,11 @@
-"""Quarantine: evidence a person moves aside, never deletes (docs/RECOVERY.md).
+"""Quarantine: evidence a person moves aside, never deletes (docs/RECOVERY.md, "quarantine").
 
-``recover`` never settles a store changed by hand (a ledger that lost events,
-a chain break, a key ref the branch never held, a corrupt receipt): it
-reports it, exit 6.  A person who has looked at it moves it aside:
-
-* :func:`quarantine_receipt` -- one key's receipt file moves to
-  ``<store>/quarantine/<stamp>/receipts/<h>.json`` and the ledger gets a
-  ``quarantined`` event naming the key.  The key has no receipt from then on:
-  ``verify`` reports it as quarantined (not as a missing file), and the next
-  call with that key runs as a new one (git: it finds its change already on
-  the branch, or applies it, or is refused with the usual error).
-  A receipt file already gone (removed by hand, the store emptied) is
-  quarantined the same way with nothing to move: the record says
-  ``what: "missing_receipt"`` and names what still shows the key (its ledger
-  events, or ``evidence``, e.g. the git key ref the caller found).
-* :func:`quarantine_ledger` -- ``events.jsonl`` moves to
-  ``<store>/quarantine/<stamp>/events.jsonl``; a new ledger starts with a
-  ``quarantined`` event (the old file's sha256 and size), then one
-  ``adopted`` event per receipt that verifies: the person's word that these
-  receipts stand, recorded as such.  Corrupt receipts are not adopted.
+``recover`` never settles a store changed by hand: it reports it, exit 6.  A
+person who has looked at it moves it aside: :func:`quarantine_receipt` (one
+key's receipt file, or a record of one already gone) or
+:func:`quarantine_ledger` (``events.jsonl``, then a new ledger that adopts
+every receipt that verifies).  Where each goes and what the ledger records:
+docs/RECOVERY.md.
 
 Each quarantine folder holds ``record.json`` (what moved where, its sha256,
 when, the note), written after the move: a crash in between leaves the

@@ -1,34 +1,16 @@
 """Recovery after a crash (docs/DESIGN.md section 5), generic over tools.
 
-:func:`recover` does it (with ``dry_run``, reports what it would do).  For every ``prepared`` or ``unknown`` receipt whose
-key lock can be taken without waiting (a live owner holds it otherwise, and
-is never touched), the tool's adapter is queried:
+:func:`recover` (with ``dry_run``, reports what it would do) queries the
+tool's adapter for every ``prepared`` or ``unknown`` receipt whose key lock
+can be taken without waiting (a live owner is never touched), then repairs
+the ledger and removes leftovers — only names this project creates, only past
+an age bound.  What it settles, repairs and removes: docs/RECOVERY.md.
 
-* ``applied``      → ``committed`` (then the adapter settles follow-up state);
-* ``not_applied``  → ``rejected``, retryable, reason ``crashed_before_commit``;
-* ``unknown``      → stays ``unknown`` for a person (``oncepatch resolve``).
-
-Recovery never launders: a ledger changed by hand (a chain break, a
-missing genesis, a torn last line that is no append of ours) is reported
-corrupt and nothing is settled; a receipt whose history the ledger does not
-name at all (a ledger that lost events) is reported corrupt, not recorded
-anew; a key ref the branch contradicts is reported corrupt by the adapter.
-Every ``committed`` receipt is asked of its tool's adapter too
-(``verify_committed``; ``confirm`` while its follow-up is pending): one the
-world contradicts is reported corrupt (exit 6) and nothing of it is settled,
-logged or repaired — never "nothing to do".  A person quarantines such
-evidence (:mod:`receipts.quarantine`).
-
-Then the store is tidied: the ledger's own torn last line is cut, or
-completed when only its newline is missing (by appending a
-``ledger_repaired`` event), the ledger gets an event for every receipt whose
-latest state it lacks (a crash between the receipt write and the append),
-and leftovers are removed — only names this project creates, only past an
-age bound: tmp files of the durable-write helper, index-lock markers whose
-owner is gone, lock files of keys that have no receipt.
-
-A second run finds nothing to do.  A crash during recovery leaves receipts
-still ``prepared`` (nothing was written yet) or already settled (written
+Recovery never launders: a ledger changed by hand, a receipt whose history
+the ledger does not name at all, or a committed receipt its adapter finds
+contradicted by the world is reported corrupt (exit 6) and nothing of it is
+settled, logged or repaired — never "nothing to do".  A crash during
+recovery leaves receipts still ``prepared`` or already settled (written
 atomically), so running it again finishes the job.
 """
 
@@ -144,7 +126,7 @@ def recover(
     parallel_min: int | None = None,
     adapters_factory: str | None = None,
 ) -> RecoveryReport:
-    """Resolve every unresolved receipt and tidy the store (see the module docstring).
+    """Resolve every unresolved receipt and tidy the store (docs/RECOVERY.md).
 
     With ``jobs > 1``, from ``parallel_min`` receipt files on, worker
     processes take the cheap first look at the files (:func:`_scan_chunk`;
@@ -406,10 +388,7 @@ def _contradictions(adapters: Mapping[str, EffectAdapter], receipt: Receipt) -> 
     """
     adapter = adapters.get(receipt.tool)
     check = getattr(adapter, "confirm" if receipt.extra.get("warnings") else "verify_committed", None)
-    if check is None:
-        return []
-    problems: list[str] = check(receipt)
-    return problems
+    return [] if check is None else list(check(receipt))
 
 
 def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, EffectAdapter],

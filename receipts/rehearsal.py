@@ -2,40 +2,14 @@
 
 Not the engine's replay of a final receipt (:meth:`receipts.engine.Call.replay`,
 which answers a call): a *rehearsal* asks, for each call the ledger recorded,
-what the engine would decide for it today, against today's store and
-repository, and compares that with what the ledger says the key came to.
-
-The decision follows the engine's steps (:mod:`receipts.engine`) with the same
-pieces, read-only:
-
-1. **lookup**: the key's receipt, verified on read (corrupt: ``corrupt``);
-   none: ``execute``;
-2. **conflict check** (:func:`~receipts.engine.check_same_intent`): the
-   receipt is another call's: ``conflict``;
-3. **final** receipt: ``replay`` (a committed one only where the adapter's
-   ``confirm`` agrees, else ``corrupt``); rejected and retryable: ``execute``;
-4. **claim and settle** a ``prepared``/``unknown`` receipt through the adapter's
-   ``query``: ``applied`` / ``not_applied``: ``query`` (the settle would write
-   ``committed`` / ``rejected``, retryable); cannot tell: ``person``.
+what the engine would decide for it today, with the engine's own pieces,
+read-only, and compares that with what the key's last ledger event implies.
+The decisions and what counts as a divergence: docs/LIFECYCLE.md, "replay".
 
 No lock is taken (a lock file is a write), nothing is settled and no ledger
 event is appended.  Every adapter is wrapped in a :class:`Recorder`: its
-``query`` and ``confirm`` are asked (adapters given read-only), and ``execute``
-and ``settle`` are recorded and refused (:class:`WouldWrite`).
-
-What the ledger says a key's call would get now (the *expected* decision) is
-read from the key's last recorded event: ``committed`` or a final
-``rejected``: ``replay``; a retryable ``rejected`` or a quarantined
-receipt: ``execute``; one ``oncepatch gc`` removed (``removed``: the key is
-retired, :mod:`receipts.retired`): ``conflict`` (a call with it is
-refused), or ``replay`` while its receipt is still there (gc was stopped
-between its ``removed`` event and the file); ``prepared`` / ``unknown``:
-``query`` or ``person``.  A key
-whose receipt on disk is not the one its last event names (``receipt_sha256``)
-diverges too: a receipt changed or replaced outside a call.  gc's
-``redacted`` event names the redacted receipt's digest, so a redacted receipt
-is the one its last event names; the events gc compacted into a
-``checkpoint`` are no calls to decide (only removed keys' events are).
+``query`` and ``confirm`` are asked, and ``execute`` and ``settle`` are
+recorded and refused (:class:`WouldWrite`).
 """
 
 from __future__ import annotations
@@ -53,8 +27,6 @@ from receipts.states import needs_resolution
 from receipts.store import ReceiptStore
 
 __all__ = ["Recorder", "WouldWrite", "RecordedCall", "Rehearsal", "recorded_calls", "decide", "rehearse"]
-
-DECISIONS = ("replay", "execute", "conflict", "query", "person", "corrupt")
 
 
 class WouldWrite(RuntimeError):

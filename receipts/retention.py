@@ -1,38 +1,11 @@
 """The retention policy of ``oncepatch gc`` (pure): what may go, what must stay, what is redacted.
 
-A TOML file (read with ``tomllib``; docs/LIFECYCLE.md, "gc")::
-
-    schema = "oncepatch.retention/1"
-
-    [remove]                       # a receipt may go when it matches every line given
-    older_than_days = 30           # last written at least this long ago (default 0)
-    states = ["committed", "rejected"]   # final states only (the default: both)
-    key_prefixes = ["task-17/"]    # its key starts with one of these (default: any key)
-    tools = ["apply_patch"]        # default: any tool
-
-    [keep]                         # what stays besides live and unsettled calls
-    key_prefixes = ["release/"]
-    ledger_days = 7                # the ledger's events this recent stay, with every receipt they name
-    ledger_events = 1000           # the last N events likewise
-
-    [redact]                       # receipts that stay: bodies replaced by their digests
-    older_than_days = 7
-    fields = ["args.message", "args.check", "error.message", "result"]
-
-    [archive]
-    dir = "archives"               # a folder under the store root (the default: archives)
-
-Unknown keys are refused (a misspelt ``older_than_day`` must not widen what
-goes): :class:`cas.errors.UsageError`, exit 2, nothing changed.  A
-``prepared`` or ``unknown`` receipt never goes, whatever the file says: the
-states it may name are the final ones.
-
+A TOML file (read with ``tomllib``); its tables and rules: docs/LIFECYCLE.md,
+"The policy".  Unknown keys are refused (a misspelt ``older_than_day`` must
+not widen what goes): :class:`cas.errors.UsageError`, exit 2, nothing changed.
 Only free-text bodies may be redacted (:data:`REDACTABLE`): what the engine,
-verify, replay, drift or recovery read from a receipt (``args.repo``,
-``args.branch``, ``args.patch_sha256``, ``args.compensates``, ...) would make
-a committed receipt unreadable or break a link, so it is refused (exit 2).
-``archive.dir`` is a relative folder under the store root, without ``..``:
-the archive holds whole receipts and must not land outside the store.
+verify, replay, drift or recovery read from a receipt would make a committed
+receipt unreadable or break a link.
 """
 
 from __future__ import annotations

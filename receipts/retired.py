@@ -1,14 +1,10 @@
 """Keys ``oncepatch gc`` retired: their receipts archived and removed, never to run again.
 
-gc removes a receipt with a ``removed`` ledger event and keeps the key's
-ref (git: ``refs/oncepatch/keys/<h>``) as a tombstone.  A key is retired
-when its last event is ``removed``, or when a ``checkpoint`` lists it
-(``retired``: a compaction that replaces ``removed`` events carries them on,
-so the record that a key went is never compacted away).  A call with a
-retired key is refused (``IdempotencyConflict``, exit 3, nothing written):
-executed again it would commit its change a second time (after a revert,
-say) under a key that already committed once.  verify, recover and doctor
-read a retired key's ref as explained, not as a stray one.
+A key is retired when its last event is ``removed``, or when a
+``checkpoint`` lists it (``retired``: a compaction carries removed keys on, so
+the record that a key went is never compacted away); its ref stays as a
+tombstone.  Why a call with it is refused, and how every command reads it:
+docs/LIFECYCLE.md, "A removed key is retired".
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
-"""Receipt states and their allowed transitions (pure).
-
-::
-
-    (no receipt) ──► prepared ──► committed                      final, replayed
-                        │    └──► rejected (retryable: false)   final, replayed
-                        │    └──► rejected (retryable: true) ─► prepared (next fencing token)
-                        └───────► unknown ──► committed | rejected   (recover / resolve)
+"""Receipt states and their allowed transitions (pure; the diagram: docs/DESIGN.md section 3).
 
 The seven-state vocabulary maps onto these: NEW = no receipt, ACCEPTED/RUNNING
 = ``prepared`` (with a live owner holding the key lock), SUCCEEDED =

@@ -1,58 +1,13 @@
 """Counts over the event ledger: what ``oncepatch stats`` reports (docs/LIFECYCLE.md, "stats").
 
-The ledger is read as ``verify`` reads it (:meth:`Ledger.verify_chain`: every
-line's ``seq``, ``prev`` and, in a signed store, signature); a ledger that fails
-is refused (:class:`~receipts.errors.CorruptLedger`, exit 6): numbers drawn from
-a changed ledger would be numbers about nothing.
-
-What one call leaves in the ledger (:mod:`receipts.engine`)::
-
-    prepared (token t) [restaged …] committed | rejected | unknown   an execution
-    rejected | committed (no prepared)                             refused before, or found done
-    replayed                                                        a final receipt answered again
-    recovered | resolved                                            a dead owner's call settled
-                                                                    (by the adapter's query / a person)
-
-From these (pure: :func:`count_events` takes the events, does no I/O):
-
-* a **call** starts at ``prepared``, ``replayed``, or a ``committed``/``rejected``
-  without this attempt's ``prepared``; a **duplicate request** is a call for a key
-  an earlier call already used;
-* a **lease takeover** is the key's next call settling an attempt its owner
-  left ``prepared`` or ``unknown`` (a dead owner, or a lost key lock), to run
-  with the next fencing token: the settle's event says ``takeover: true``
-  (:func:`receipts.engine.settle`); also a ``prepared`` over an attempt still
-  ``prepared`` with no settle between (a ledger that lost the settle's event);
-* **latency** is from an execution's ``prepared`` to its own final event;
-  a call settled later by ``recover`` or a person has no latency (the gap is
-  the time it lay crashed, not the call's);
-* an **idempotency conflict** is refused before anything is written (not even a
-  ledger line, docs/DESIGN.md section 6): the ledger cannot count it, and
-  :data:`NOT_COUNTED` says so in every report.
-
-``since`` (seconds): only events at most that old are counted; the history
-before them still tells which key was seen before.  The states (``keys``)
-are every key's state now, whatever the window.
-
-After ``oncepatch gc`` (:mod:`receipts.gc`):
-
-* a **compacted** ledger starts with a ``checkpoint`` that stands for the
-  events ``first_seq``..``seq`` it replaced; it holds their count and chain
-  head, not what they did, so the counts are of the events *since the
-  checkpoint* (:attr:`Stats.compacted` says which range is not counted; the
-  archive holds it).  Compaction replaces only the events of keys gc
-  removed, so every key that still has a receipt keeps its whole history;
-* a ``removed`` event ends its key's state: a key whose last event is
-  ``removed`` has no receipt and is in no state (it is counted in
-  ``removals``); its next call is a call like any other (a duplicate
-  request, if the ledger still shows its earlier ones);
-* a ``redacted`` event rewrites a settled receipt's bodies: no call, no
-  change of state;
-* ``checkpoint`` and ``compacted`` are the store's own events, no call's.
-
-A **compensation** is a call whose events carry ``compensates: KEY``
-(``oncepatch revert``, :func:`receipts.effects.compensate`): counted per
-call that starts (not its replays), beside ``calls``.
+The ledger is read as ``verify`` reads it (:meth:`Ledger.verify_chain`); a
+ledger that fails is refused (:class:`~receipts.errors.CorruptLedger`, exit 6):
+numbers drawn from a changed ledger would be numbers about nothing.
+:func:`count_events` is pure.  What counts as a call, a duplicate, a takeover,
+a latency, and how ``since``, gc's checkpoints, ``removed`` and ``redacted``
+events and compensations are read: docs/LIFECYCLE.md, "stats", which this
+module implements.  Idempotency conflicts leave no ledger line, so they are
+never counted (:data:`NOT_COUNTED` says so in every report).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from typing import Any
 import filelock
 import orjson
 
-from cas.durable import DurableBatch, NotRegularFile, fsync_dir, make_dirs, open_dir_nofollow, open_regular
+from cas.durable import DurableBatch, NotRegularFile, fsync_dir, make_dirs, open_dir_nofollow, open_regular, write_all
 from cas.errors import DurableWriteError, UnsafeWorktreePath, UsageError
 from receipts import jsonio
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
@@ -108,9 +108,7 @@ class StoreFile:
                     raise CorruptReceipt(self.path, "a symlink, not a scratch file of the store") from None
                 raise
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, data)
             finally:
                 os.close(fd)
 
@@ -360,9 +358,7 @@ class ReceiptStore:
     def locks_folder(self) -> contextlib.AbstractContextManager[int]:
         """A descriptor of ``locks/`` (made if missing), reached from the root without following a symlink.
 
-        Every lock file is opened by its name in it (:mod:`receipts.flock`): a
-        ``locks/`` swapped for a symlink after :meth:`check_folders` is refused
-        (:class:`CorruptReceipt`), and no lock file is created where it points.
+        Every lock file is opened by its name in it (why: :mod:`receipts.flock`).
         """
         return self.folder_fd(self.locks_dir, create=True)
 
@@ -376,12 +372,10 @@ class ReceiptStore:
 
     @contextlib.contextmanager
     def lock(self, key: str, timeout: float = DEFAULT_LOCK_TIMEOUT) -> Iterator[None]:
-        """Hold the key's lock; raise :class:`InProgress` if it is still held after ``timeout`` s.
-
-        The lock is an flock on ``locks/<h>.lock``: the kernel drops it when the
-        holder dies, so a crashed owner never leaves the key stuck.
+        """Hold the key's lock (an flock on ``locks/<h>.lock``: :mod:`receipts.flock`) for the ``with`` block.
 
         Raises:
+            InProgress: it is still held after ``timeout`` seconds.
             CorruptReceipt: a store folder on the way to the key's lock or
                 receipt is a symlink (:meth:`check_folders`, and again through
                 the descriptors the lock is opened by); nothing was started.

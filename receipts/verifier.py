@@ -1,28 +1,11 @@
 """``verify``: prove that every receipt matches what it claims (docs/DESIGN.md section 5).
 
-Checks, each failure naming the receipt and the reason:
-
-* every receipt file verifies on read (:mod:`receipts.receipt`);
-* every ``committed`` receipt passes its adapter's ``verify_committed``
-  (git, :mod:`patcher.evidence`: the commit exists and carries the call's
-  trailer, the key ref points at it, it is or was on the call's branch, each
-  output's digest equals the blob of that commit);
-* no unresolved ``prepared`` receipt: its call is gone (its key lock is
-  free: ``recover`` settles it), or it is still held but older than the grace
-  period (stuck); no ``unknown`` receipt (a person must look);
-* the ledger's hash chain is unbroken, and every receipt's latest state
-  (its ``receipt_sha256``) appears in the ledger — unless its call is still
-  running (its key lock held: it renames the receipt, then appends the
-  event); every key the ledger records a receipt of has its receipt file;
-* in a signed store (:mod:`receipts.signing`), every receipt and every
-  ledger event carries a signature by a key of the allowed-signers list;
-  the report says which mode it proved (``signatures``);
-* a ``rejected`` receipt, for a verifier with ``verify_rejected`` (git, a
-  remote-mode call: the remote claims the key for it after all);
-* the other direction, for a verifier with ``verify_refs`` (git): every key
-  ref has its receipt in the store, one that says it committed — a store
-  deleted or emptied is a failure, not "ok: 0 receipts".
-
+What is checked, and when a ``prepared`` receipt counts as unresolved:
+docs/RECOVERY.md, "verify".  The tool's part is its verifier's:
+``verify_committed`` for every committed receipt, and optionally
+``verify_rejected`` (a remote-mode call the remote claims after all) and
+``verify_refs`` (the other direction: what the world holds that the store has
+no receipt for, so that a deleted store fails rather than "ok: 0 receipts").
 The watcher is never needed for any of this: verify reads the store itself.
 """
 
@@ -113,7 +96,7 @@ def verify(
     verifiers_factory: str | None = None,
     parallel_min: int | None = None,
 ) -> VerifyReport:
-    """Verify the whole store (checks in the module docstring).
+    """Verify the whole store (docs/RECOVERY.md, "verify").
 
     With ``jobs > 1`` and ``verifiers_factory`` (``"module:function"`` taking
     the store and returning the verifiers), the receipt files are split over
@@ -152,6 +135,13 @@ def verify(
             if r.digest not in digests:
                 unlogged.append((position[path], path, r.digest, r.key, r.status))
         found += [(position[path], 1, f) for f in _check_one(store, item, verifiers, grace, now)]
+    return _finish(store, verifiers, report, found, unlogged, missing, summaries)
+
+
+def _finish(store: ReceiptStore, verifiers: Mapping[str, CommitVerifier], report: VerifyReport,
+            found: list[tuple[int, int, Failure]], unlogged: list[tuple[int, str, str, str, str]],
+            missing: list[Failure], summaries: Mapping[str, Summary]) -> VerifyReport:
+    """Add the failures of the receipts (``found``, by file position), the ledger's and the key refs' to ``report``."""
     found += [(pos, 0, f) for pos, f in _not_in_ledger(store, unlogged)]
     found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
     report.failures += [f for _pos, _kind, f in found]
@@ -215,14 +205,11 @@ def _not_in_ledger(store: ReceiptStore, unlogged: list[tuple[int, str, str, str,
         try:
             lock = store.try_lock(key)
         except OSError:
-            lock = None  # a read-only store: liveness cannot be told
-            running = False
+            pass  # a read-only store: liveness cannot be told
         else:
-            running = lock is None
-            if lock is not None:
-                lock.release()
-        if running:
-            continue
+            if lock is None:
+                continue  # its call is still running
+            lock.release()
         out.append((pos, Failure(key, path, f"latest state '{status}' is not in the ledger")))
     return out
 
@@ -377,12 +364,7 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
                 unlogged.append((position[chunk[i]], chunk[i], digest, key, status))
         found += [(position.get(p, len(paths)) if p is not None else len(paths), 1, Failure(k, p, reason))
                   for k, p, reason in failures]
-    found += [(pos, 0, f) for pos, f in _not_in_ledger(store, unlogged)]
-    found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
-    report.failures += [f for _pos, _kind, f in found]
-    report.failures += missing
-    report.failures += _stray_refs(store, verifiers, summaries, missing, report.quarantined_keys)
-    return report
+    return _finish(store, verifiers, report, found, unlogged, missing, summaries)
 
 
 def _unresolved_prepared(store: ReceiptStore, r: Receipt, grace: float, now: float) -> str | None:

@@ -3,34 +3,17 @@
 A watchdog observer on ``<store>/receipts`` feeds receipt paths (created,
 modified, and moved events read by their *destination*, since every receipt
 write is an atomic rename) into a queue; a periodic full rescan catches what
-events miss (events can be lost, and a writer that crashed emits none).
-
-A ``prepared`` receipt is flagged once its ``updated_at`` is older than the
-grace period **and** its key lock can be taken without waiting (the owner is
-gone: the kernel dropped its flock).  A live apply that is merely slow holds
-the lock and is never flagged.  Each flag is one JSON object handed to
-``on_flag``; with ``recover=True`` the receipt is resolved on the spot, and
-then ``cleanup`` runs (the tool's tidying that ``recover`` does after its
-resolutions: for git, a dead call's ``index.lock`` and the index it kept).
-
-A ``committed`` receipt that carries warnings (a follow-up step failed after
-the effect landed: a worktree not brought along, a directory target's folder
-not switched) is asked of its adapter's optional ``unfinished(receipt) ->
-list[str]``: what its ``settle`` would still do, read-only (``[]``: done
-since).  Anything left is flagged (``unfinished``, once per version of the
-file); with ``recover=True`` the adapter's ``settle`` runs, under the key lock
-taken without waiting.  Whether anything is left is the adapter's question
-(git: is the folder at the branch's tip); the watcher only asks it.
-
-A receipt file that does not verify is flagged too (``corrupt_receipt``,
-once per version of the file): docs/DESIGN.md section 3 has a corrupt receipt
-reported, never skipped, and ``verify`` fails on it.
-
-The rescan keeps each file's mtime and last status, so files that have not
+events miss (events can be lost, and a writer that crashed emits none).  The
+rescan keeps each file's mtime and last status, so files that have not
 changed since the previous scan and were final are not parsed again.
 
-The watcher is never the source of truth: ``recover`` and ``verify`` find
-everything it flags without it.
+A ``prepared`` receipt is flagged once past the grace period **and** its key
+lock can be taken without waiting (the kernel dropped its owner's flock): a
+live apply that is merely slow holds the lock and is never flagged.  What is
+flagged (orphans, corrupt receipts, committed ones whose adapter's optional
+``unfinished(receipt)`` names a follow-up left undone) and what ``recover=True``
+then does: docs/RECOVERY.md, "watch".  The watcher is never the source of
+truth: ``recover`` and ``verify`` find everything it flags without it.
 """
 
 from __future__ import annotations

@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Callable
 from typing import Any, NoReturn
 
-from cas.gitdir import discover
-from patcher.protocol import store_root_for
+from receipts import lookup
 
-__all__ = ["Option", "COMMON_OPTIONS", "add_common", "add_options", "store_root", "seconds", "positive_seconds",
-           "at_least_one", "path_given"]
-
-
-#: (flags, dest, default, type, metavar, help) of one option that takes a value
-Option = tuple[tuple[str, ...], str, Any, Callable[[str], Any] | None, str | None, str]
+__all__ = ["add_common", "store_root", "seconds", "positive_seconds", "at_least_one", "path_given"]
 
 
 def _refuse(message: str) -> NoReturn:
@@ -56,22 +48,6 @@ def path_given(text: str) -> str:
     return text
 
 
-#: The options every command takes that have a value (``--json`` is the common flag).
-COMMON_OPTIONS: tuple[Option, ...] = (
-    (("--repo",), "repo", ".", path_given, None, "repository (default: the current folder)"),
-    (("--store",), "store", None, path_given, None,
-     "receipt store (default: $ONCEPATCH_STORE or <git-common-dir>/oncepatch)"),
-)
-
-
-def add_options(p: argparse.ArgumentParser, options: tuple[Option, ...]) -> None:
-    for flags, dest, default, kind, metavar, help_ in options:
-        extra: dict[str, Any] = {"type": kind} if kind is not None else {}
-        if metavar is not None:
-            extra["metavar"] = metavar
-        p.add_argument(*flags, dest=dest, default=default, help=help_, **extra)
-
-
 class _DirOption(argparse.Action):
     """``--dir PATH``: a directory target (docs/DIRECTORIES.md); its object database is the repository."""
 
@@ -84,7 +60,10 @@ class _DirOption(argparse.Action):
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    add_options(p, COMMON_OPTIONS)
+    """The options every command takes."""
+    p.add_argument("--repo", default=".", type=path_given, help="repository (default: the current folder)")
+    p.add_argument("--store", type=path_given,
+                   help="receipt store (default: $ONCEPATCH_STORE or <git-common-dir>/oncepatch)")
     p.add_argument("--dir", action=_DirOption, default=None, type=path_given, metavar="PATH",
                    help="a directory target instead of a repository (docs/DIRECTORIES.md)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -94,8 +73,5 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def store_root(args: argparse.Namespace) -> str:
-    if args.store:
-        return os.path.abspath(str(args.store))
-    if os.environ.get("ONCEPATCH_STORE"):
-        return os.path.abspath(os.environ["ONCEPATCH_STORE"])
-    return store_root_for(discover(str(args.repo)).common_dir)
+    """The store of the command: ``--store``, ``$ONCEPATCH_STORE``, or the repository's default."""
+    return lookup.store_root(args.store, args.repo)

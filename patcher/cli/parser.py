@@ -12,25 +12,9 @@ from patcher.cli import gc as cli_gc, revert as cli_revert
 from patcher.cli import dirs as cli_dirs, doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
 from patcher.cli import drift as cli_drift, replay as cli_replay, stats as cli_stats
 from patcher.version import version
-from patcher.cli.common import Option, add_common, add_options, at_least_one, positive_seconds, seconds
+from patcher.cli.common import add_common, at_least_one, positive_seconds, seconds
 
-__all__ = ["APPLY_OPTIONS", "build_parser", "the_parser"]
-
-#: ``apply``'s own options (besides ``--repo``, ``--store``, ``--json`` and the patch).
-APPLY_OPTIONS: tuple[Option, ...] = (
-    (("--branch",), "branch", None, None, None, "target branch (default: the checked-out branch)"),
-    (("--key",), "key", None, None, None, "idempotency key (default: the call_id)"),
-    (("--contract-sha256",), "contract_sha256", None, None, None, "sha256 of the contract the call was made under"),
-    (("--attempt",), "attempt", 1, at_least_one, None, "attempt number: a new intent with the same patch"),
-    (("--format",), "format", "auto", None, None,
-     f"patch format: auto (detected, the default), or one of {', '.join(BUILTIN_NAMES)} (docs/FORMATS.md)"),
-    (("--check",), "check", None, None, "CMD", "run CMD in a temporary worktree of the candidate"),
-    (("--check-timeout",), "check_timeout", 600.0, positive_seconds, None,
-     "seconds before --check is stopped (default 600)"),
-    (("--message", "-m"), "message", None, None, None, "commit subject (default: names the touched files)"),
-    (("--lock-timeout",), "lock_timeout", 30.0, seconds, None,
-     "seconds to wait for each lock of the call (key, index.lock, branch) (default 30)"),
-)
+__all__ = ["build_parser", "the_parser"]
 
 
 #: Exit codes, as docs/DESIGN.md section 6 has them (shown by ``oncepatch apply --help``).
@@ -82,7 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(p)
     p.add_argument("patch", help="patch file, or - for standard input")
-    add_options(p, APPLY_OPTIONS)
+    p.add_argument("--branch", help="target branch (default: the checked-out branch)")
+    p.add_argument("--key", help="idempotency key (default: the call_id)")
+    p.add_argument("--contract-sha256", help="sha256 of the contract the call was made under")
+    p.add_argument("--attempt", type=at_least_one, default=1, help="attempt number: a new intent with the same patch")
+    p.add_argument("--format", default="auto", help="patch format: auto (detected, the default), or one of "
+                   f"{', '.join(BUILTIN_NAMES)} (docs/FORMATS.md)")
+    p.add_argument("--check", metavar="CMD", help="run CMD in a temporary worktree of the candidate")
+    p.add_argument("--check-timeout", type=positive_seconds, default=600.0,
+                   help="seconds before --check is stopped (default 600)")
+    p.add_argument("--message", "-m", help="commit subject (default: names the touched files)")
+    p.add_argument("--lock-timeout", type=seconds, default=30.0,
+                   help="seconds to wait for each lock of the call (key, index.lock, branch) (default 30)")
     p.add_argument("--strict", action="store_true",
                    help="refuse a hunk that matches only loosely (below the exact grade)")
     # The common git dir the caller resolved the repository to (patcher.remote): refused if it differs.

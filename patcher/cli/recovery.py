@@ -292,9 +292,6 @@ def _key_ref_evidence(repo: str, key: str) -> str | None:
     return None if target is None else f"key ref '{ref}' -> {str(target.target)[:12]}"
 
 
-HOOK_MARK = doctor.HOOK_MARK
-
-
 def _hooks_dir(layout: GitLayout) -> tuple[str, bool]:
     """The folder git runs hooks from, and whether ``core.hooksPath`` (any config level) chose it.
 
@@ -329,7 +326,7 @@ def _cmd_install_hook(args: argparse.Namespace) -> tuple[int, dict[str, Any], st
     # No --grace: verify fails at once on a prepared receipt whose call is gone (its
     # key lock is free), and a live call's only after $ONCEPATCH_VERIFY_GRACE (300 s).
     script = f"""#!/bin/sh
-{HOOK_MARK}
+{doctor.HOOK_MARK}
 # Runs the hook that was here before (if any; its failure blocks the commit), then
 # 'oncepatch verify' (an orphaned or failing receipt blocks it: run 'oncepatch recover').
 here="$(dirname "$0")"
@@ -346,16 +343,15 @@ echo "oncepatch pre-commit hook: neither {exe} nor 'oncepatch' on PATH; reinstal
 exit 1
 """
     framework = False  # the hook moved aside is the pre-commit framework's
+    current: bytes | None = None
     if os.path.exists(hook):
         with open(hook, "rb") as fh:
             current = fh.read()
         if current == script.encode():
             return EXIT_OK, {"ok": True, "hook": hook, "chained": os.path.exists(chained), "changed": False}, \
                 f"hook already installed: {hook}\n"
-        ours = HOOK_MARK.encode() in current  # an earlier install (another --store): rewritten
-    else:
-        ours = False
-    if os.path.exists(hook) and not ours:
+    # An earlier install (another --store) is rewritten; anyone else's hook is moved aside.
+    if current is not None and doctor.HOOK_MARK.encode() not in current:
         if configured:
             # A hooks folder another tool manages (husky and the like find the
             # user's hook by the name it runs under): not renamed under it.
