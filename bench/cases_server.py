@@ -148,10 +148,11 @@ def _server_replay(c: Contenders, env_vars: dict[str, str]) -> Callable[[int], A
 
 
 def _client_imports(repo: BenchRepo, env_vars: dict[str, str]) -> dict[str, Any]:
-    """What the thin client loads on a served call: ``-X importtime`` of ``status`` through the server."""
-    res = run([PYTHON, "-X", "importtime", "-m", "patcher.cli", "status", "none", "--json", "--repo", repo.path],
-              cwd=repo.path, env={**os.environ, **env_vars}, check=False)
-    floor = run([PYTHON, "-X", "importtime", "-c", "pass"], cwd=repo.path)
+    """What the installed command loads on a served call: ``PYTHONPROFILEIMPORTTIME`` of ``status`` through the server."""
+    timed = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    res = run([ONCEPATCH, "status", "none", "--json", "--repo", repo.path], cwd=repo.path,
+              env={**timed, **env_vars}, check=False)
+    floor = run([PYTHON, "-c", "pass"], cwd=repo.path, env=timed)
 
     def mods(text: bytes) -> dict[str, int]:
         found = {}
@@ -274,7 +275,7 @@ def render_server(s: dict[str, Any]) -> str:
     parts.append(_table(["target", "measured", ""], checks))
     imp = s.get("client_imports")
     if imp:
-        parts.append(f"\nThe thin client's own imports on a served call (beyond `python -c pass`): "
+        parts.append(f"\nThe installed command's own imports on a served call (beyond `python -c pass`): "
                      f"{len(imp['modules'])} modules, {imp['import_ms']} ms, pygit2 loaded: {imp['pygit2']} "
                      f"({', '.join(f'`{m}`' for m in imp['modules'])}).\n")
     return "".join(parts)

@@ -13,8 +13,6 @@ Errors are :class:`patcher.OncepatchError` instances carrying the envelope.
 
 from __future__ import annotations
 
-import importlib
-
 # Not typing's: every CLI process imports this package first, and the thin client
 # (patcher.connect) must not pay for typing (mypy takes any TYPE_CHECKING as true).
 TYPE_CHECKING = False
@@ -40,6 +38,8 @@ def __getattr__(name: str) -> Any:
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module 'patcher' has no attribute '{name}'")
+    import importlib  # here, not above: the thin client never needs it (it brings `warnings`)
+
     value = getattr(importlib.import_module(where), name)
     globals()[name] = value
     return value

@@ -32,7 +32,12 @@ import stat
 import sys
 import zlib
 
-__all__ = ["COMMANDS", "PROTOCOL", "NoServer", "call", "exchange", "mode", "socket_dir", "socket_path", "version_token"]
+TYPE_CHECKING = False  # (typing's would load typing: mypy takes any TYPE_CHECKING as true)
+if TYPE_CHECKING:
+    from typing import NoReturn
+
+__all__ = ["COMMANDS", "PROTOCOL", "NoServer", "call", "exchange", "leave", "mode", "socket_dir", "socket_path",
+           "version_token"]
 
 #: The commands a server answers (the others always run in process).
 COMMANDS = frozenset({"apply", "status", "verify", "recover", "log"})
@@ -258,3 +263,22 @@ def call(argv: list[str]) -> int | None:
         return None
     return _fail(argv, "unknown", "the oncepatch server ended during the call: whether it committed is not "
                  "known here", effect_status="unknown", next_action="recover", code=5, retryable=False)
+
+
+def leave(code: int) -> NoReturn:
+    """End this client process with the server's exit status, without the interpreter's finalization.
+
+    Nothing of this process needs finalizing: the call ran in the server, which
+    wrote its answer to this process's own descriptors, and the client starts no
+    thread and registers no ``atexit`` handler.  Tearing down the interpreter's
+    modules and objects would cost 2-3 ms of a 30 ms call (docs/BENCHMARKS.md,
+    issue 27).  Its own buffered text is flushed first; a flush that fails (a
+    closed pipe) exits 120, as the interpreter's own shutdown would.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            code = 120
+    os._exit(code)

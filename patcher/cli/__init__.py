@@ -1,9 +1,11 @@
 """``oncepatch`` command line (docs/DESIGN.md section 6).
 
-:func:`main` is the console script.  Run from the command line it first asks
-a running ``oncepatch serve`` (:mod:`patcher.connect`, a few standard
-modules only), and runs the command in this process (:mod:`patcher.cli.run`)
-when there is none.  Called with an explicit ``argv`` it always runs in process.
+:func:`main` is the command (``patcher/__main__.py``).  Run from the command
+line it first asks a running ``oncepatch serve`` (:mod:`patcher.connect`, a few
+standard modules only) and, when the server answers, exits with its status
+there and then (:func:`patcher.connect.leave`); it runs the command in this
+process (:mod:`patcher.cli.run`) when there is none.  Called with an explicit
+``argv`` it always runs in process and returns the exit status.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
 
         code = connect.call(sys.argv[1:])
         if code is not None:
-            return code
+            connect.leave(code)  # the server answered: this process has nothing left to do
     from patcher.cli import run
 
     return run.main(argv)

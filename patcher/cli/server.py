@@ -211,7 +211,8 @@ def serve(args: argparse.Namespace, call: Call) -> int:
     if config.broker:  # what it writes is never its callers' to write, whatever umask it was started with
         os.umask(os.umask(0o022) | 0o022)
     folder = _folder(args)
-    path = connect.socket_path(folder, connect.version_token())
+    token = connect.version_token()  # of the code loaded now: what every call of this server runs
+    path = connect.socket_path(folder, token)
     ready = args.ready_fd
 
     def say(text: str) -> None:
@@ -248,7 +249,7 @@ def serve(args: argparse.Namespace, call: Call) -> int:
     try:
         watch = None if args.no_watch else _WatchSettings(args.watch_grace, args.watch_rescan,
                                                           os.path.join(folder, WATCH_LOG))
-        _Loop(listener, path, inode, config, call, args.idle, watch, lock=lock).run(lambda: say(f"ready {path} pid {os.getpid()}"))
+        _Loop(listener, path, inode, config, call, args.idle, watch, lock=lock, token=token).run(lambda: say(f"ready {path} pid {os.getpid()}"))
     finally:
         try:
             if os.stat(path).st_ino == inode:
@@ -284,6 +285,7 @@ class _Loop:
     roots: set[str] = field(default_factory=set)
     watcher: tuple[int, int] | None = None  # (pid, the pipe it reads store roots from)
     lock: int = -1  # the flock that says a server of this version runs: the listener's alone
+    token: str = ""  # the version token in the socket's name (connect.version_token at start)
     stop: bool = False
 
     def run(self, ready: Callable[[], None]) -> None:
@@ -453,7 +455,7 @@ class _Loop:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         def body() -> int:
             parent_end.close()  # (the server's end)
-            return _work(child_end, self.call, self.config)
+            return _work(child_end, self.call, self.config, self.token)
 
         pid = self._fork(body, keep=(child_end.fileno(),))
         child_end.close()
@@ -525,7 +527,7 @@ def _read_frame(conn: socket.socket) -> tuple[bytes, list[int]]:
     return data[4:4 + int.from_bytes(data[:4], "big")], fds
 
 
-def _work(chan: socket.socket, call: Call, config: _Config) -> int:
+def _work(chan: socket.socket, call: Call, config: _Config, token: str) -> int:
     """A worker: run the calls the server hands over, one after another, until it closes the channel.
 
     Between calls the worker is as it was forked: standard streams on
@@ -548,7 +550,7 @@ def _work(chan: socket.socket, call: Call, config: _Config) -> int:
             return 0
         conn = socket.socket(fileno=fds[0])
         try:
-            root = _serve_call(conn, msg, call, config, announced, chan)
+            root = _serve_call(conn, msg, call, config, announced, chan, token)
         finally:
             _settle_streams(null, base_env, base_umask)
             conn.close()
@@ -578,7 +580,7 @@ def _settle_streams(null: int, env: dict[bytes, bytes], umask: int) -> None:
 
 
 def _serve_call(conn: socket.socket, msg: bytes, call: Call, config: _Config, announced: set[str],
-                chan: socket.socket) -> str | None:
+                chan: socket.socket, token: str) -> str | None:
     """One call: take the caller's streams, folder, umask and environment, run it, answer; its store's root."""
     pid, uid, gid, n = struct.unpack("!4i", msg[:16])
     groups = struct.unpack(f"!{n}i", msg[16:16 + 4 * n])
@@ -588,7 +590,7 @@ def _serve_call(conn: socket.socket, msg: bytes, call: Call, config: _Config, an
         fields = payload.split(b"\0")
         if fields[0] != connect.PROTOCOL or len(received) != 4:
             raise ValueError("not an oncepatch-serve/1 request")
-        if fields[1].decode() != connect.version_token():
+        if fields[1].decode() != token:  # (not walked again per call: the loaded code is the start's)
             raise ValueError("another version")
         umask, argc = int(fields[2]), int(fields[3])
         argv = [os.fsdecode(a) for a in fields[4:4 + argc]]

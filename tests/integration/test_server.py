@@ -394,17 +394,42 @@ def test_an_idle_server_exits_and_takes_its_socket_away(tmp_path: Path) -> None:
 
 
 def test_a_served_call_loads_only_the_thin_client(tmp_path: Path, server: Server) -> None:
+    """The installed ``oncepatch`` command, through a server: the thin client's modules and no more.
+
+    ``PYTHONPROFILEIMPORTTIME`` names every module the process imports, the
+    launcher's own included (a console-script launcher imports ``re``, and
+    ``re`` imports ``enum``); the process ends without the interpreter's
+    finalization, so the list is read from stderr, not from ``sys.modules``.
+    """
     repo = make_repo(tmp_path / "repo", FILES)
-    probe = ("import sys\nsys.argv = ['oncepatch', 'log', '--json']\nfrom patcher.cli import main\nrc = main()\n"
-             "sys.stderr.write('MODULES ' + ' '.join(sorted(sys.modules)) + '\\n')\nsys.exit(rc)\n")
-    res = subprocess.run([sys.executable, "-c", probe], cwd=repo.path, env={**os.environ, **server.env},
+    command = Path(sys.executable).parent / "oncepatch"
+    assert command.read_text().startswith("#!")
+    res = subprocess.run([str(command), "log", "--json"], cwd=repo.path,
+                         env={**os.environ, **server.env, "PYTHONPROFILEIMPORTTIME": "1"},
                          capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert '"events":[]' in res.stdout.replace(" ", "")
-    mods = set(res.stderr.split("MODULES ")[-1].split())
+    mods = {line.rsplit("|", 1)[1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
+    assert {"patcher", "patcher.cli", "patcher.connect"} <= mods, mods
     heavy = {m for m in mods if m.split(".")[0] in {"pygit2", "cas", "receipts", "orjson", "filelock", "json",
-                                                     "argparse", "typing", "dataclasses", "socket", "selectors", "enum"}}
+                                                     "argparse", "typing", "dataclasses", "socket", "selectors", "enum",
+                                                     "re", "importlib", "warnings"}}
     assert not heavy and "patcher.cli.run" not in mods, heavy
+
+
+def test_a_served_call_ends_with_its_answer_flushed_and_its_status(tmp_path: Path, server: Server) -> None:
+    """The client leaves without finalizing: what it wrote itself still arrives, and the server's status is its own."""
+    repo = make_repo(tmp_path / "repo", FILES)
+    command = Path(sys.executable).parent / "oncepatch"
+    env = {**os.environ, **server.env}
+    res = subprocess.run([str(command), "status", "nope", "--json"], cwd=repo.path, env=env,
+                         capture_output=True, check=False)
+    assert res.returncode == 2 and json.loads(res.stdout)["error"]["type"] == "not_found", res
+    # A refusal the client answers itself (under require) is written by this process: flushed before it ends.
+    bad = {**env, "ONCEPATCH_SERVER_DIR": str(tmp_path / "none")}
+    res = subprocess.run([str(command), "status", "nope", "--json"], cwd=repo.path, env=bad,
+                         capture_output=True, check=False)
+    assert res.returncode == 5 and json.loads(res.stdout)["error"]["type"] == "io_error", res
 
 
 def test_start_runs_this_call_here_and_starts_a_server_for_the_next(tmp_path: Path) -> None:
