@@ -96,8 +96,8 @@ def test_pre_commit_hooks_yaml_declares_oncepatch_verify() -> None:
     assert h["language"] == "python"
     assert h["pass_filenames"] is False and h["always_run"] is True
     assert h["minimum_pre_commit_version"] == "3.2.0"
-    # The entry is the command pyproject installs (patcher/__main__.py, as a shared script).
-    assert '"patcher/__main__.py" = "oncepatch"' in (ROOT / "pyproject.toml").read_text()
+    # The entry is the command pyproject installs (a console script).
+    assert 'oncepatch = "patcher.cli:main"' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_the_entry_runs_verify(repo: Repo, tmp_path: Path) -> None:
