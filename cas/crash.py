@@ -4,8 +4,10 @@
 SIGKILL's) at that point, through ``os._exit``: no ``finally``, no atexit, no
 flush, as if the machine had killed it there.  Unset, a point costs one dict
 lookup.  The points are :data:`POINTS` (docs/DESIGN.md section 4, and
-recovery's own); at ``after-index-ahead`` the worktrees' indexes show the
-candidate under the branch's lock and the branch has not moved;
+recovery's own); at ``after-worktree-ahead`` the touched files of the
+worktrees on the branch hold the candidate's content under the branch's lock
+and the branch has not moved; at ``after-index-ahead`` their indexes show
+the candidate too;
 ``after-generation`` is a directory target's new generation built and
 renamed into place, the folder's symlink not switched yet;
 ``after-push`` is remote mode's: the atomic push landed, the local receipt
@@ -23,7 +25,7 @@ from collections.abc import Callable
 __all__ = ["POINTS", "CRASH_ENV", "crash_point", "crash_hook"]
 
 CRASH_ENV = "ONCEPATCH_CRASH_AT"
-POINTS = frozenset({"after-stage", "after-prepare", "after-index-ahead", "after-ref", "after-push",
+POINTS = frozenset({"after-stage", "after-prepare", "after-worktree-ahead", "after-index-ahead", "after-ref", "after-push",
                     "after-materialise", "after-generation", "before-receipt-replace", "recover-after-resolve",
                     "recover-before-receipt-replace", "check-running", "effect-after-execute",
                     "gc-after-removed"})

@@ -38,8 +38,9 @@ from cas.gitdir import common_dir_of, worktrees_on
 from cas.loose_objects import stale_tmp_objdirs
 from cas.objects import GitStore, TreeEntry, open_store
 from cas.pids import gone
-from cas.index_lock import break_dead_own_index_lock, dead_own_index_lock, update_index
-from cas.worktree import index_matches, materialise, worktree_files_match
+from cas.index_lock import (break_dead_own_index_lock, dead_own_index_lock, drop_orphan_kept, hold_index_lock,
+                            update_index)
+from cas.worktree import index_matches, materialise, worktree_files_match, write_files
 from receipts.adapter import QueryResult
 from receipts.adapters import builtin_adapters
 from receipts.errors import CorruptReceipt
@@ -209,7 +210,69 @@ class GitAdapter:
             raise CorruptReceipt(path, f"key ref '{key_ref}' points at the candidate {candidate[:12]}, which "
                                        f"branch '{branch}' never held (neither on it nor in its reflog)",
                                  key=receipt.key)
+        if not self._read_only:
+            notes += self._put_back_ahead(gstore, receipt)
         return QueryResult("not_applied", "crashed_before_commit", {"notes": notes})
+
+    def _put_back_ahead(self, gstore: GitStore, receipt: Receipt) -> list[str]:
+        """Undo what the dead call of ``receipt`` wrote ahead of a move that never happened (caller holds the key lock).
+
+        The apply protocol writes the candidate's index entries and touched
+        files before the branch moves (docs/DESIGN.md section 4).  A path is
+        put back to the base (as git checks it out) only where its file or
+        index entry still holds the candidate's, i.e. what this call wrote: a
+        file edited since is left alone.  Nothing is put back once the branch
+        has changed any of the touched paths since the base (a person who
+        committed the change, or part of it, made it theirs).  The dead call's
+        ``index.lock`` is broken on the way, which puts back the index it kept.
+
+        Raises:
+            RefLockedError: a worktree's ``index.lock`` stayed held (the receipt stays ``prepared``).
+            GitStoreError: a file could not be written.
+        """
+        candidate = receipt.candidate
+        if not candidate or not gstore.has_object(candidate):
+            return []
+        branch = _branch_of(receipt)
+        tip = gstore.resolve(branch)
+        base_commit = (receipt.base or {}).get("commit")
+        base_tree = gstore.commit_tree(base_commit) if base_commit else None
+        cand_tree = gstore.commit_tree(candidate)
+        tip_tree = gstore.commit_tree(tip) if tip else None
+        touched = [str(p) for p in receipt.extra.get("touched", [])] or [str(o["path"]) for o in receipt.outputs]
+        was = {p: gstore.lookup_file(base_tree, p) for p in touched}
+        ahead = {p: gstore.lookup_file(cand_tree, p) for p in touched}
+        ours = [p for p in touched if was[p] != ahead[p]]
+        done: list[str] = []
+        if any(gstore.lookup_file(tip_tree, p) != was[p] for p in touched):
+            # The branch changed a touched path since the crash: a person committed the change
+            # (or part of it) as theirs.  What the worktree holds is theirs too, left as it is.
+            ours = []
+            done.append(f"left the worktree alone: branch '{branch}' has changed the call's paths since")
+        for workdir, git_dir in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
+            for tmp in _remove_dead_tmp_files(workdir, git_dir, touched):
+                done.append(f"removed '{tmp}' left by a crashed call")
+            if not any(_matches(gstore, workdir, p, (ahead[p],)) or _index_matches(workdir, p, (ahead[p],))
+                       for p in ours):
+                drop_orphan_kept(os.path.realpath(git_dir), candidate)
+                continue
+            marker = index_marker(self._rstore, receipt.key) if self._rstore is not None else None
+            # Taking the lock breaks the dead call's own, which puts back the index it kept.
+            lock = hold_index_lock(workdir, timeout=self._lock_timeout, lock_marker=marker, git_dir=git_dir)
+            try:
+                files = {p: was[p] for p in ours if _matches(gstore, workdir, p, (ahead[p],))}
+                entries = {p: was[p] for p in ours if _index_matches(workdir, p, (ahead[p],))}
+                write_files(gstore, workdir, files, tree=base_tree)
+                if entries:  # (its lock removed by hand: the index still shows the candidate)
+                    kept = [p for p, e in entries.items() if e is not None]
+                    update_index(workdir, [p for p, e in entries.items() if e is None], kept, held=lock,
+                                 known=entries, unstat=set(kept))
+                drop_orphan_kept(lock.git_dir, candidate)
+            finally:
+                lock.release()
+            done.append(f"put back {len(files)} file(s) and {len(entries)} index entr(ies) in '{workdir}' as "
+                        f"before the call (its branch never moved)")
+        return done
 
     @staticmethod
     def _fields(gstore: GitStore, commit: str, notes: list[str]) -> dict[str, Any]:
@@ -248,6 +311,7 @@ class GitAdapter:
             # beside it: untracked residue in the user's worktree unless removed here.
             for tmp in _remove_dead_tmp_files(workdir, _gd, touched):
                 done.append(f"removed '{tmp}' left by a crashed call")
+            drop_orphan_kept(os.path.realpath(_gd), candidate)  # its index.lock removed by hand
             stale: dict[str, TreeEntry | None] = {}
             index_only: dict[str, TreeEntry | None] = {}
             left: list[str] = []
