@@ -360,8 +360,8 @@ def put_back(originals: Originals) -> None:
         with contextlib.ExitStack() as stack:
             for path in sorted(paths):
                 was = paths[path]
-                if was.kind not in ("file", "link"):
-                    continue
+                if was.kind not in ("file", "link") or _still(workdir, path, was):
+                    continue  # (a write that failed before its renames changed nothing)
                 folder, name = os.path.split(path)
                 dfd = stack.enter_context(open_dir_nofollow(workdir, folder, create=True))
                 with contextlib.suppress(FileNotFoundError):
@@ -383,6 +383,17 @@ def put_back(originals: Originals) -> None:
             os.makedirs(os.path.join(workdir, path), exist_ok=True)
     except OSError as exc:
         raise GitStoreError(f"cannot put back worktree '{workdir}': {exc}") from exc
+
+
+def _still(workdir: str, path: str, was: Original) -> bool:
+    """Whether ``path`` holds ``was`` (a file or a link) now: same kind, bytes and mode."""
+    try:
+        if was.kind == "link":
+            return os.fsencode(os.readlink(os.path.join(workdir, path))) == was.data
+        now = _original(workdir, path)
+    except (OSError, UnsafeWorktreePath, GitStoreError):
+        return False
+    return now == was
 
 
 def _unlink_entry(workdir: str, path: str) -> None:

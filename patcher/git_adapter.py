@@ -250,8 +250,6 @@ class GitAdapter:
             ours = []
             done.append(f"left the worktree alone: branch '{branch}' has changed the call's paths since")
         for workdir, git_dir in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
-            for tmp in _remove_dead_tmp_files(workdir, git_dir, touched):
-                done.append(f"removed '{tmp}' left by a crashed call")
             if not any(_matches(gstore, workdir, p, (ahead[p],)) or _index_matches(workdir, p, (ahead[p],))
                        for p in ours):
                 drop_orphan_kept(os.path.realpath(git_dir), candidate)
@@ -260,6 +258,9 @@ class GitAdapter:
             # Taking the lock breaks the dead call's own, which puts back the index it kept.
             lock = hold_index_lock(workdir, timeout=self._lock_timeout, lock_marker=marker, git_dir=git_dir)
             try:
+                # A write ahead killed half way leaves its tmp files beside the touched paths.
+                for tmp in _remove_dead_tmp_files(workdir, git_dir, touched):
+                    done.append(f"removed '{tmp}' left by a crashed call")
                 files = {p: was[p] for p in ours if _matches(gstore, workdir, p, (ahead[p],))}
                 entries = {p: was[p] for p in ours if _index_matches(workdir, p, (ahead[p],))}
                 write_files(gstore, workdir, files, tree=base_tree)
@@ -349,6 +350,10 @@ class GitAdapter:
                                 f"'{workdir}' (the files keep their edits)")
             if left:
                 done.append(f"left {len(left)} path(s) in '{workdir}' alone: changed since the crash")
+        if self._rstore is not None and not self._read_only:
+            # Committed now: the marker no longer protects the call's index.lock (left by a
+            # call killed after its move, with worktree and index already written ahead).
+            index_marker(self._rstore, receipt.key).remove()
         layout = target_of(gstore)
         if layout is not None:  # a directory target: its folder follows the branch (docs/DIRECTORIES.md)
             done += sync(gstore, layout, self._lock_timeout)
