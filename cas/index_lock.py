@@ -18,7 +18,7 @@ HEAD and the old index would revert the change just landed.  git's own
 commands change the index first and HEAD after, and so does the apply
 protocol, under the branch's ref lock just before the rename that moves it
 (docs/CONCURRENCY.md tells the race and why the staging is not earlier).  The
-staged entries have no stat data: the files still hold the base, and git
+staged entries have no stat data: the files are written after them, and git
 compares their content.  The index they replaced is kept, hard-linked, as
 ``<git-dir>/index.oncepatch-base.<pid>.<candidate>`` until :func:`settle_ahead`
 knows whether the branch moved; whoever breaks a dead call's marked

@@ -12,6 +12,11 @@
   entries of the index under git's ``index.lock`` (:mod:`cas.index_lock`,
   which also says why the apply protocol stages the index before the branch
   moves and holds the lock until the index is written).
+* :func:`write_files` — the same writes without the index: the apply
+  protocol writes the candidate's files ahead of its branch's move;
+  :func:`originals_of` reads what they held first and :func:`put_back`
+  brings it back (bytes, mode, links, the folders) when the branch did not
+  move (docs/DESIGN.md section 4).
 """
 
 from __future__ import annotations

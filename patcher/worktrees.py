@@ -1,4 +1,4 @@
-"""Worktrees that have the target branch checked out: checks before, writes after the commit."""
+"""Worktrees that have the target branch checked out: checks before, writes ahead of and after the move."""
 
 from __future__ import annotations
 
