@@ -648,11 +648,11 @@ def _undone_since(gstore: GitStore, branch: str, tip: str, candidate: str, base_
                   touched: list[str]) -> list[str]:
     """A warning when the branch's tip holds a touched path as it was *before* the call.
 
-    After a crash the worktree still shows the base; removing the call's
-    ``index.lock`` by hand (git's advice) and running ``git commit -a``
-    commits those stale files: a revert nobody asked for.  The receipt stays
-    ``committed`` (the call's commit is on the branch); this says the tip no
-    longer holds its change.
+    A commit made since undid the change: a revert by hand, or a ``git
+    commit -a`` of old files (which a call killed after its move left before
+    the worktree was written ahead of the move, docs/DESIGN.md section 4).
+    The receipt stays ``committed`` (the call's commit is on the branch);
+    this says the tip no longer holds its change.
     """
     if tip == candidate:
         return []
@@ -662,7 +662,7 @@ def _undone_since(gstore: GitStore, branch: str, tip: str, candidate: str, base_
     if not undone:
         return []
     return [f"warning: '{branch}' at {tip[:12]} has {', '.join(repr(p) for p in undone)} back as before this call: "
-            f"a later commit undid its change (a 'git commit -a' of the files a crash left behind?); "
+            f"a later commit undid its change (a revert by hand, or a commit of old files after a crash?); "
             f"'git revert' that commit, or apply the change again under a new key"]
 
 
