@@ -250,12 +250,17 @@ class GitAdapter:
             ours = []
             done.append(f"left the worktree alone: branch '{branch}' has changed the call's paths since")
         for workdir, git_dir in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
-            if not any(_matches(gstore, workdir, p, (ahead[p],)) or _index_matches(workdir, p, (ahead[p],))
-                       for p in ours):
+            # The dead call's own index.lock still there: whoever breaks it puts back the index it
+            # kept (recover's cleanup, a later call), so only files written ahead are work here.
+            dead_lock = dead_own_index_lock(os.path.join(os.path.realpath(git_dir), "index.lock"))
+            if not any(_matches(gstore, workdir, p, (ahead[p],))
+                       or (not dead_lock and _index_matches(workdir, p, (ahead[p],))) for p in ours):
                 drop_orphan_kept(os.path.realpath(git_dir), candidate)
                 continue
+            freed = _remove_dead_marked_index_lock(git_dir)  # the kept index back first
+            if freed is not None:
+                done.append(f"removed stale '{freed}' left by a crashed call")
             marker = index_marker(self._rstore, receipt.key) if self._rstore is not None else None
-            # Taking the lock breaks the dead call's own, which puts back the index it kept.
             lock = hold_index_lock(workdir, timeout=self._lock_timeout, lock_marker=marker, git_dir=git_dir)
             try:
                 # A write ahead killed half way leaves its tmp files beside the touched paths.
