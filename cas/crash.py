@@ -15,7 +15,7 @@ from collections.abc import Callable
 __all__ = ["POINTS", "CRASH_ENV", "crash_point", "crash_hook"]
 
 CRASH_ENV = "ONCEPATCH_CRASH_AT"
-POINTS = frozenset({"after-stage", "after-prepare", "after-index-ahead", "after-ref", "after-push",
+POINTS = frozenset({"after-stage", "after-prepare", "after-worktree-ahead", "after-index-ahead", "after-ref", "after-push",
                     "after-materialise", "after-generation", "before-receipt-replace", "recover-after-resolve",
                     "recover-before-receipt-replace", "check-running", "effect-after-execute",
                     "gc-after-removed"})

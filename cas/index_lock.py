@@ -18,7 +18,7 @@ HEAD and the old index would revert the change just landed.  git's own
 commands change the index first and HEAD after, and so does the apply
 protocol, under the branch's ref lock just before the rename that moves it
 (docs/CONCURRENCY.md tells the race and why the staging is not earlier).  The
-staged entries have no stat data: the files still hold the base, and git
+staged entries have no stat data: the files are written after them, and git
 compares their content.  The index they replaced is kept, hard-linked, as
 ``<git-dir>/index.oncepatch-base.<pid>.<candidate>`` until :func:`settle_ahead`
 knows whether the branch moved; whoever breaks a dead call's marked
@@ -49,7 +49,7 @@ from cas.pids import gone
 
 __all__ = ["INDEX_LOCK_MARK", "IndexLock", "LockMarker", "RELEASE_ATTEMPTS", "hold_index_lock", "drop_lock_marks",
            "index_lock_owner", "dead_own_index_lock", "break_dead_own_index_lock", "update_index", "KEPT_PREFIX",
-           "kept_indexes", "stage_ahead", "settle_ahead"]
+           "kept_indexes", "drop_orphan_kept", "stage_ahead", "settle_ahead", "on_branch"]
 
 #: Content of an index.lock held by oncepatch (git's own locks hold index data).
 INDEX_LOCK_MARK = b"oncepatch-index-lock "
@@ -383,6 +383,35 @@ def kept_indexes(git_dir: str, pid: int | None = None) -> list[str]:
     return sorted(os.path.join(git_dir, n) for n in names if n.startswith(want))
 
 
+def drop_orphan_kept(git_dir: str, candidate: str) -> list[str]:
+    """Remove the kept indexes of ``candidate`` whose call is gone and whose ``index.lock`` is not there; return them.
+
+    The lock was removed by hand (breaking it settles the kept index): the
+    index has moved on since, and the kept one is no longer the one to bring
+    back.  A kept index whose dead call's lock is still there is left for
+    whoever breaks that lock.
+    """
+    dropped: list[str] = []
+    for kept in kept_indexes(git_dir):
+        pid_text, _dot, named = os.path.basename(kept)[len(KEPT_PREFIX):].partition(".")
+        try:
+            pid = int(pid_text)
+        except ValueError:
+            continue
+        if named != candidate or not gone(pid):
+            continue
+        try:
+            with open(os.path.join(git_dir, "index.lock"), "rb") as fh:
+                if _dead_own_pid(fh.read(256)) == pid:
+                    continue
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(kept)
+            dropped.append(kept)
+    return dropped
+
+
 def stage_ahead(workdir: str, lock: IndexLock, changes: Mapping[str, TreeEntry | None], candidate: str) -> bool:
     """Set ``changes`` (path → the candidate's entry, ``None``: no file) in the index, keeping the index it replaces.
 
@@ -427,7 +456,7 @@ def settle_ahead(git_dir: str, moved: bool | None, *, pid: int | None = None, sy
     index = os.path.join(git_dir, "index")
     for kept in kept_indexes(git_dir, os.getpid() if pid is None else pid):
         candidate = os.path.basename(kept)[len(KEPT_PREFIX):].split(".", 1)[-1]
-        stays = moved if moved is not None else _on_branch(git_dir, candidate) and _readable(index)
+        stays = moved if moved is not None else on_branch(git_dir, candidate) and _readable(index)
         if stays:
             with contextlib.suppress(OSError):
                 if sync_index:
@@ -447,7 +476,7 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _on_branch(git_dir: str, candidate: str) -> bool:
+def on_branch(git_dir: str, candidate: str) -> bool:
     """Whether ``candidate`` is the head of ``git_dir``'s checked-out branch, or behind it."""
     try:
         repo = pygit2.Repository(git_dir)

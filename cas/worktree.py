@@ -12,6 +12,11 @@
   entries of the index under git's ``index.lock`` (:mod:`cas.index_lock`,
   which also says why the apply protocol stages the index before the branch
   moves and holds the lock until the index is written).
+* :func:`write_files` — the same writes without the index: the apply
+  protocol writes the candidate's files ahead of its branch's move;
+  :func:`originals_of` reads what they held first and :func:`put_back`
+  brings it back (bytes, mode, links, the folders) when the branch did not
+  move (docs/DESIGN.md section 4).
 """
 
 from __future__ import annotations
@@ -20,20 +25,21 @@ import contextlib
 import os
 import stat
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 import pygit2
 
 from cas.durable import DurableBatch, fsync_all, fsync_dir, open_dir_nofollow
-from cas.errors import DurableWriteError, GitStoreError
+from cas.errors import DurableWriteError, GitStoreError, UnsafeWorktreePath
 from cas.git_filters import apply_filters, blob_id_by_git, cleaned_oid, git_output, needs_git, smudged_by_git
 from cas.hashing import git_blob_oid
 from cas.index import IndexSnapshot, snapshot_for
 from cas.index_lock import IndexLock, LockMarker, update_index
 from cas.objects import GitStore, TreeEntry
 
-__all__ = ["outside_sparse_checkout", "dirty_paths", "unsafe_worktree_paths", "materialise", "worktree_files_match",
-           "index_matches"]
+__all__ = ["outside_sparse_checkout", "dirty_paths", "unsafe_worktree_paths", "materialise", "write_files",
+           "Original", "Originals", "originals_of", "put_back", "worktree_files_match", "index_matches"]
 
 _MODE_LINK = 0o120000
 _MODE_EXEC = 0o100755
@@ -169,43 +175,13 @@ def materialise(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry |
         RefLockedError: the worktree's ``index.lock`` stayed held.
         GitStoreError: libgit2 failed.
     """
-    deletes = sorted((p for p, e in changes.items() if e is None), reverse=True)
-    writes = sorted((p, e) for p, e in changes.items() if e is not None)
-    plain = tree is not None and plain_checkout(store, workdir, [p for p, _ in writes], tree)
+    deletes, writes = _split(changes)
     # The last batch's folders are synced with the new index file, before its
     # rename (the index names those files): their descriptors stay open until then.
     last_folders: list[str | int] = []
     with contextlib.ExitStack() as keep:
-        try:
-            if sync_first and (deletes or not writes):
-                first = sync_first
-                _syncing(store, first, lambda: fsync_all(first))
-                sync_first = None
-            for path in deletes:
-                _remove_path(workdir, path)
-            # Written in durable batches: tmp files synced together, renamed in path
-            # order, their folders synced together (not two fsyncs per file in turn).
-            umask = os.umask(0)  # files get git's modes less the umask, as git checks them out
-            os.umask(umask)
-            for start in range(0, len(writes), _WRITE_CHUNK):
-                last = start + _WRITE_CHUNK >= len(writes)
-                batch = DurableBatch()
-                if sync_first:
-                    batch.sync_first(sync_first)
-                with contextlib.ExitStack() as stack:
-                    folders: dict[str, int] = {}
-                    for path, entry in writes[start:start + _WRITE_CHUNK]:
-                        data, mode = store.read_blob(entry.oid), entry.mode
-                        if mode == _MODE_LINK and not _setting(store, workdir, "core.symlinks"):
-                            mode = 0o100644  # core.symlinks=false: git writes the target as a plain file
-                        elif mode != _MODE_LINK and not plain:
-                            # '*.bat eol=crlf', 'ident', a filter driver: written as git would
-                            data = smudged(workdir, path, data, store.worktree_repo(workdir), oid=entry.oid)
-                        _queue_path(batch, keep if last else stack, folders, workdir, path, data, mode, umask)
-                    _syncing(store, sync_first, lambda: batch.commit(defer_folders=last_folders if last else None))
-                sync_first = None
-        except OSError as exc:  # (an UnsafeWorktreePath, not an OSError, goes through as it is)
-            raise GitStoreError(f"cannot write worktree '{workdir}': {exc}") from exc
+        _write_paths(store, workdir, deletes, writes, tree=tree, sync_first=sync_first, keep=keep,
+                     last_folders=last_folders)
         try:
             update_index(workdir, deletes, [p for p, _ in writes], lock_marker=lock_marker, held=held, timeout=timeout,
                          known=dict(writes), also_sync=last_folders, defer_dir=defer_dir)
@@ -215,6 +191,231 @@ def materialise(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry |
             raise
         if last_folders:  # no index was written (nothing to change in it)
             fsync_all(last_folders)
+
+
+def _split(changes: Mapping[str, TreeEntry | None]) -> tuple[list[str], list[tuple[str, TreeEntry]]]:
+    """The deletions (deepest first) and the writes (in path order) of ``changes``."""
+    deletes = sorted((p for p, e in changes.items() if e is None), reverse=True)
+    writes = sorted((p, e) for p, e in changes.items() if e is not None)
+    return deletes, writes
+
+
+def _write_paths(store: GitStore, workdir: str, deletes: list[str], writes: list[tuple[str, TreeEntry]], *,
+                 tree: str | None, sync_first: list[str] | None, keep: contextlib.ExitStack,
+                 last_folders: list[str | int]) -> None:
+    """Delete, then write, the files of ``workdir`` (:func:`materialise`'s file step; the index is left alone).
+
+    The last batch's folders are not synced: they go to ``last_folders``, their
+    descriptors kept open in ``keep``.
+
+    Raises:
+        UnsafeWorktreePath: a folder on a path is a symlink.
+        GitStoreError: a file could not be written.
+    """
+    plain = tree is not None and plain_checkout(store, workdir, [p for p, _ in writes], tree)
+    try:
+        if sync_first and (deletes or not writes):
+            first = sync_first
+            _syncing(store, first, lambda: fsync_all(first))
+            sync_first = None
+        for path in deletes:
+            _remove_path(workdir, path)
+        # Written in durable batches: tmp files synced together, renamed in path
+        # order, their folders synced together (not two fsyncs per file in turn).
+        umask = os.umask(0)  # files get git's modes less the umask, as git checks them out
+        os.umask(umask)
+        for start in range(0, len(writes), _WRITE_CHUNK):
+            last = start + _WRITE_CHUNK >= len(writes)
+            batch = DurableBatch()
+            if sync_first:
+                batch.sync_first(sync_first)
+            with contextlib.ExitStack() as stack:
+                folders: dict[str, int] = {}
+                for path, entry in writes[start:start + _WRITE_CHUNK]:
+                    data, mode = store.read_blob(entry.oid), entry.mode
+                    if mode == _MODE_LINK and not _setting(store, workdir, "core.symlinks"):
+                        mode = 0o100644  # core.symlinks=false: git writes the target as a plain file
+                    elif mode != _MODE_LINK and not plain:
+                        # '*.bat eol=crlf', 'ident', a filter driver: written as git would
+                        data = smudged(workdir, path, data, store.worktree_repo(workdir), oid=entry.oid)
+                    _queue_path(batch, keep if last else stack, folders, workdir, path, data, mode, umask)
+                _syncing(store, sync_first, lambda: batch.commit(defer_folders=last_folders if last else None))
+            sync_first = None
+    except OSError as exc:  # (an UnsafeWorktreePath, not an OSError, goes through as it is)
+        raise GitStoreError(f"cannot write worktree '{workdir}': {exc}") from exc
+
+
+def write_files(store: GitStore, workdir: str, changes: Mapping[str, TreeEntry | None], *,
+                tree: str | None = None) -> None:
+    """Write the touched files of ``workdir`` to match ``changes``, durably; the index is left alone.
+
+    As :func:`materialise` writes them (deletions first, git's modes and
+    filters; ``tree``: the tree the changes come from), every file and folder
+    synced before this returns.  The apply protocol writes the candidate's
+    files this way before its branch moves (docs/DESIGN.md section 4), and
+    ``recover`` writes the base's back where a call killed before the move left them.
+
+    Raises:
+        UnsafeWorktreePath: a folder on a path is a symlink.
+        GitStoreError: a file could not be written.
+    """
+    deletes, writes = _split(changes)
+    folders: list[str | int] = []
+    with contextlib.ExitStack() as keep:
+        _write_paths(store, workdir, deletes, writes, tree=tree, sync_first=None, keep=keep, last_folders=folders)
+        try:
+            fsync_all(folders)
+        except OSError as exc:
+            raise GitStoreError(f"cannot write worktree '{workdir}': {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Original:
+    """What one touched path of a worktree held: ``kind`` ``none``, ``dir``, ``file`` (``data``, ``mode``) or ``link``."""
+
+    kind: str
+    data: bytes = b""
+    mode: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Originals:
+    """The touched paths of one worktree as they were (:func:`originals_of`), for :func:`put_back`.
+
+    ``folders``: the folders on those paths that existed (the others were made by the write).
+    """
+
+    workdir: str
+    paths: dict[str, Original]
+    folders: frozenset[str]
+
+
+def originals_of(workdir: str, paths: list[str]) -> Originals:
+    """Read what ``paths`` of ``workdir`` hold now: bytes and mode of a file, a link's target, a folder, nothing.
+
+    Held in memory until the call knows whether its branch moved (a touched
+    file is at most the size of the patch's target, read for the write anyway).
+
+    Raises:
+        UnsafeWorktreePath: a folder on a path is a symlink.
+        GitStoreError: a path could not be read, or is neither file, link nor folder.
+    """
+    found: dict[str, Original] = {}
+    folders: set[str] = set()
+    try:
+        for path in paths:
+            parts = path.split("/")
+            where = ""
+            for part in parts[:-1]:
+                where = f"{where}/{part}" if where else part
+                try:
+                    st = os.lstat(os.path.join(workdir, where))
+                except FileNotFoundError:
+                    break
+                if stat.S_ISLNK(st.st_mode):
+                    raise UnsafeWorktreePath(f"refusing to write '{path}' in '{workdir}': '{where}' is a symlink")
+                if not stat.S_ISDIR(st.st_mode):
+                    break
+                folders.add(where)
+            else:
+                found[path] = _original(workdir, path)
+                continue
+            found[path] = Original("none")
+    except OSError as exc:
+        raise GitStoreError(f"cannot read worktree '{workdir}': {exc}") from exc
+    return Originals(workdir, found, frozenset(folders))
+
+
+def _original(workdir: str, path: str) -> Original:
+    folder, name = os.path.split(path)
+    with open_dir_nofollow(workdir, folder) as dfd:
+        try:
+            st = os.lstat(name, dir_fd=dfd)
+        except FileNotFoundError:
+            return Original("none")
+        if stat.S_ISLNK(st.st_mode):
+            return Original("link", os.fsencode(os.readlink(name, dir_fd=dfd)))
+        if stat.S_ISDIR(st.st_mode):
+            return Original("dir")
+        if not stat.S_ISREG(st.st_mode):
+            raise GitStoreError(f"cannot write '{path}' in '{workdir}': it is neither a file, a link nor a folder")
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        with os.fdopen(fd, "rb") as fh:
+            return Original("file", fh.read(), stat.S_IMODE(os.fstat(fh.fileno()).st_mode))
+
+
+def put_back(originals: Originals) -> None:
+    """Make the touched paths of a worktree hold again what :func:`originals_of` read: bytes, mode, links, folders.
+
+    Safe to repeat.  Files and links come back through one durable batch;
+    what the write made where nothing was is removed, and so are the folders
+    it made (left empty); a folder that gave way to a file is made again.
+    The index is not touched (its caller puts back the index it kept).
+
+    Raises:
+        UnsafeWorktreePath: a folder on a path is a symlink.
+        GitStoreError: a path could not be put back.
+    """
+    workdir, paths = originals.workdir, originals.paths
+    try:
+        for path in sorted(paths, reverse=True):  # deepest first: a folder empties before its own path
+            if paths[path].kind not in ("file", "link"):
+                _unlink_entry(workdir, path)
+        batch = DurableBatch()
+        with contextlib.ExitStack() as stack:
+            for path in sorted(paths):
+                was = paths[path]
+                if was.kind not in ("file", "link") or _still(workdir, path, was):
+                    continue  # (a write that failed before its renames changed nothing)
+                folder, name = os.path.split(path)
+                dfd = stack.enter_context(open_dir_nofollow(workdir, folder, create=True))
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISDIR(os.lstat(name, dir_fd=dfd).st_mode):
+                        os.rmdir(name, dir_fd=dfd)  # a folder the write made where the file was: empty by now
+                if was.kind == "link":
+                    batch.add_in_dir(dfd, name, symlink=os.fsdecode(was.data))
+                else:
+                    batch.add_in_dir(dfd, name, was.data, mode=was.mode)
+            batch.commit()
+        made = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)} - originals.folders
+        for folder in sorted(made, key=lambda f: (-f.count("/"), f)):
+            if paths.get(folder, Original("none")).kind == "dir":
+                continue
+            with contextlib.suppress(OSError):  # not empty, or gone: not the write's to remove
+                os.rmdir(os.path.join(workdir, folder))
+                fsync_dir(os.path.dirname(os.path.join(workdir, folder)))
+        for path in sorted(p for p, was in paths.items() if was.kind == "dir"):
+            os.makedirs(os.path.join(workdir, path), exist_ok=True)
+    except OSError as exc:
+        raise GitStoreError(f"cannot put back worktree '{workdir}': {exc}") from exc
+
+
+def _still(workdir: str, path: str, was: Original) -> bool:
+    """Whether ``path`` holds ``was`` (a file or a link) now: same kind, bytes and mode."""
+    try:
+        if was.kind == "link":
+            return os.fsencode(os.readlink(os.path.join(workdir, path))) == was.data
+        now = _original(workdir, path)
+    except (OSError, UnsafeWorktreePath, GitStoreError):
+        return False
+    return now == was
+
+
+def _unlink_entry(workdir: str, path: str) -> None:
+    """Remove the file or link at ``path`` (not a folder), its folder synced; nothing if there is none."""
+    folder, name = os.path.split(path)
+    try:
+        with open_dir_nofollow(workdir, folder) as dfd:
+            try:
+                st = os.lstat(name, dir_fd=dfd)
+            except FileNotFoundError:
+                return
+            if stat.S_ISDIR(st.st_mode):
+                return
+            os.unlink(name, dir_fd=dfd)
+            fsync_dir(dir_fd=dfd)
+    except (FileNotFoundError, NotADirectoryError):
+        return
 
 
 def _syncing(store: GitStore, synced: list[str] | None, step: Callable[[], None]) -> None:

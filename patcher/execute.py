@@ -16,8 +16,9 @@ one function per step, in the order :func:`_execute` runs them:
 5. :func:`_land` under the branch writers' turn: :func:`_hold_index_locks`,
    :func:`_refuse_changed_worktrees`, :func:`_move_branch` (the branch's
    compare-and-swap, :func:`_move_refs`, re-staged onto a moved head by
-   :func:`_restage`; ``after-index-ahead``, ``after-ref``),
-   :func:`_materialise` the worktrees (``after-materialise``);
+   :func:`_restage`; the worktrees' indexes and files written first,
+   ``after-index-ahead``, ``after-worktree-ahead``; ``after-ref``),
+   :func:`_materialise` the worktrees' index entries (``after-materialise``);
 6. :func:`_finalise`: the key ref and the ``committed`` receipt, one batch
    (``before-receipt-replace``).
 
@@ -338,7 +339,7 @@ def _land(run: _Run, staged: Staged) -> tuple[Staged, list[str]]:
         moved = True
         crash_point("after-ref")
         pause_point("after-ref")
-        warnings = _materialise(run, held)
+        warnings = _materialise(run, held, ahead.written)
         materialised = not warnings
         warnings += _switch_generation(run)
     except BaseException as exc:
@@ -392,9 +393,12 @@ def _refuse_changed_worktrees(run: _Run) -> None:
 
 
 def _move_branch(run: _Run, staged: Staged, ahead: IndexesAhead) -> Staged:
-    """The branch's compare-and-swap with the candidate staged in the worktrees' indexes first.
+    """The branch's compare-and-swap with the candidate written in the worktrees' files and indexes first.
 
-    libgit2 syncs the move before it returns (the worktrees' files change only after).
+    Under the branch's lock, after the compare and the fence: the indexes
+    (``after-index-ahead``), then the touched files (``after-worktree-ahead``),
+    then the move, which libgit2 syncs before it returns.  A failure before the
+    move puts files and indexes back (:meth:`IndexesAhead.settle`).
     """
     # Proof for recovery that an empty ref lock left behind was ours (see GitAdapter):
     # written only when libgit2 moves the branch (its lock is born empty).
@@ -406,16 +410,27 @@ def _move_branch(run: _Run, staged: Staged, ahead: IndexesAhead) -> Staged:
         ref_marker.write(run.args.branch.encode() + b"\n")
         marked.append(ref_marker.path)
 
+    def ahead_of_the_move(candidate: str) -> None:
+        # The worktrees' indexes first, then their files, all before the branch moves.
+        # Killed in between, a person who removes index.lock and runs 'git commit -a'
+        # (or 'git add -A') stages the old files again: nothing of the change, not half
+        # of it (files first, its new files would be left out as untracked).
+        ahead.stage(candidate)
+        crash_point("after-index-ahead")
+        ahead.write_files(candidate)
+
     try:
-        return _move_refs(run, staged, before_libgit2=write_marker, before_swap=ahead.stage)
+        return _move_refs(run, staged, before_libgit2=write_marker, before_swap=ahead_of_the_move)
     finally:
         # Reached on every outcome but a crash: our ref locks are released by now.
         if marked:
             ref_marker.remove()
 
 
-def _materialise(run: _Run, held: dict[str, IndexLock]) -> list[str]:
+def _materialise(run: _Run, held: dict[str, IndexLock], written: dict[str, dict[str, Any]]) -> list[str]:
     """Bring the touched paths of the worktrees on the branch to the new commit; return warnings.
+
+    ``written``: the files already written ahead of the move (their index entries get stat data).
 
     Raises:
         RefUpdateUnknown: the move's own sync failed in a worktree's round (receipt ``unknown``).
@@ -423,7 +438,7 @@ def _materialise(run: _Run, held: dict[str, IndexLock]) -> list[str]:
     gstore = run.gstore
     try:
         warnings = materialise_all(gstore, run.rstore, run.worktrees, run.args.branch, run.paths, run.key, held,
-                                   run.lock_timeout)
+                                   run.lock_timeout, written)
     except BaseException:
         with contextlib.suppress(Exception):
             gstore.sync_refs()  # the move is made durable even when this fails
@@ -656,9 +671,9 @@ def _under_ref_lock(run: _Run, candidate: str, before_swap: Callable[[str], None
             # commit of the transaction follows.
             try:
                 before_swap(candidate)
-            except OncepatchError as exc:  # an index could not be staged: nothing has moved
+            except OncepatchError as exc:  # an index or a file could not be written: nothing has moved
                 raise _NotStaged(exc) from exc
-            crash_point("after-index-ahead")
+            crash_point("after-worktree-ahead")
         run.branch = "swapping"  # from here a failure may come after the rename
 
     return precondition

@@ -38,8 +38,9 @@ from cas.gitdir import common_dir_of, worktrees_on
 from cas.loose_objects import stale_tmp_objdirs
 from cas.objects import GitStore, TreeEntry, open_store
 from cas.pids import gone
-from cas.index_lock import break_dead_own_index_lock, dead_own_index_lock, update_index
-from cas.worktree import index_matches, materialise, worktree_files_match
+from cas.index_lock import (break_dead_own_index_lock, dead_own_index_lock, drop_orphan_kept, hold_index_lock,
+                            update_index)
+from cas.worktree import index_matches, materialise, worktree_files_match, write_files
 from receipts.adapter import QueryResult
 from receipts.adapters import builtin_adapters
 from receipts.errors import CorruptReceipt
@@ -209,7 +210,75 @@ class GitAdapter:
             raise CorruptReceipt(path, f"key ref '{key_ref}' points at the candidate {candidate[:12]}, which "
                                        f"branch '{branch}' never held (neither on it nor in its reflog)",
                                  key=receipt.key)
+        if not self._read_only:
+            notes += self._put_back_ahead(gstore, receipt)
         return QueryResult("not_applied", "crashed_before_commit", {"notes": notes})
+
+    def _put_back_ahead(self, gstore: GitStore, receipt: Receipt) -> list[str]:
+        """Undo what the dead call of ``receipt`` wrote ahead of a move that never happened (caller holds the key lock).
+
+        The apply protocol writes the candidate's index entries and touched
+        files before the branch moves (docs/DESIGN.md section 4).  A path is
+        put back to the base (as git checks it out) only where its file or
+        index entry still holds the candidate's, i.e. what this call wrote: a
+        file edited since is left alone.  Nothing is put back once the branch
+        has changed any of the touched paths since the base (a person who
+        committed the change, or part of it, made it theirs).  The dead call's
+        ``index.lock`` is broken on the way, which puts back the index it kept.
+
+        Raises:
+            RefLockedError: a worktree's ``index.lock`` stayed held (the receipt stays ``prepared``).
+            GitStoreError: a file could not be written.
+        """
+        candidate = receipt.candidate
+        if not candidate or not gstore.has_object(candidate):
+            return []
+        branch = _branch_of(receipt)
+        tip = gstore.resolve(branch)
+        base_commit = (receipt.base or {}).get("commit")
+        base_tree = gstore.commit_tree(base_commit) if base_commit else None
+        cand_tree = gstore.commit_tree(candidate)
+        tip_tree = gstore.commit_tree(tip) if tip else None
+        touched = [str(p) for p in receipt.extra.get("touched", [])] or [str(o["path"]) for o in receipt.outputs]
+        was = {p: gstore.lookup_file(base_tree, p) for p in touched}
+        ahead = {p: gstore.lookup_file(cand_tree, p) for p in touched}
+        ours = [p for p in touched if was[p] != ahead[p]]
+        done: list[str] = []
+        if any(gstore.lookup_file(tip_tree, p) != was[p] for p in touched):
+            # The branch changed a touched path since the crash: a person committed the change
+            # (or part of it) as theirs.  What the worktree holds is theirs too, left as it is.
+            ours = []
+            done.append(f"left the worktree alone: branch '{branch}' has changed the call's paths since")
+        for workdir, git_dir in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
+            # The dead call's own index.lock still there: whoever breaks it puts back the index it
+            # kept (recover's cleanup, a later call), so only files written ahead are work here.
+            dead_lock = dead_own_index_lock(os.path.join(os.path.realpath(git_dir), "index.lock"))
+            if not any(_matches(gstore, workdir, p, (ahead[p],))
+                       or (not dead_lock and _index_matches(workdir, p, (ahead[p],))) for p in ours):
+                drop_orphan_kept(os.path.realpath(git_dir), candidate)
+                continue
+            freed = _remove_dead_marked_index_lock(git_dir)  # the kept index back first
+            if freed is not None:
+                done.append(f"removed stale '{freed}' left by a crashed call")
+            marker = index_marker(self._rstore, receipt.key) if self._rstore is not None else None
+            lock = hold_index_lock(workdir, timeout=self._lock_timeout, lock_marker=marker, git_dir=git_dir)
+            try:
+                # A write ahead killed half way leaves its tmp files beside the touched paths.
+                for tmp in _remove_dead_tmp_files(workdir, git_dir, touched):
+                    done.append(f"removed '{tmp}' left by a crashed call")
+                files = {p: was[p] for p in ours if _matches(gstore, workdir, p, (ahead[p],))}
+                entries = {p: was[p] for p in ours if _index_matches(workdir, p, (ahead[p],))}
+                write_files(gstore, workdir, files, tree=base_tree)
+                if entries:  # (its lock removed by hand: the index still shows the candidate)
+                    kept = [p for p, e in entries.items() if e is not None]
+                    update_index(workdir, [p for p, e in entries.items() if e is None], kept, held=lock,
+                                 known=entries, unstat=set(kept))
+                drop_orphan_kept(lock.git_dir, candidate)
+            finally:
+                lock.release()
+            done.append(f"put back {len(files)} file(s) and {len(entries)} index entr(ies) in '{workdir}' as "
+                        f"before the call (its branch never moved)")
+        return done
 
     @staticmethod
     def _fields(gstore: GitStore, commit: str, notes: list[str]) -> dict[str, Any]:
@@ -248,6 +317,7 @@ class GitAdapter:
             # beside it: untracked residue in the user's worktree unless removed here.
             for tmp in _remove_dead_tmp_files(workdir, _gd, touched):
                 done.append(f"removed '{tmp}' left by a crashed call")
+            drop_orphan_kept(os.path.realpath(_gd), candidate)  # its index.lock removed by hand
             stale: dict[str, TreeEntry | None] = {}
             index_only: dict[str, TreeEntry | None] = {}
             left: list[str] = []
@@ -285,6 +355,10 @@ class GitAdapter:
                                 f"'{workdir}' (the files keep their edits)")
             if left:
                 done.append(f"left {len(left)} path(s) in '{workdir}' alone: changed since the crash")
+        if self._rstore is not None and not self._read_only:
+            # Committed now: the marker no longer protects the call's index.lock (left by a
+            # call killed after its move, with worktree and index already written ahead).
+            index_marker(self._rstore, receipt.key).remove()
         layout = target_of(gstore)
         if layout is not None:  # a directory target: its folder follows the branch (docs/DIRECTORIES.md)
             done += sync(gstore, layout, self._lock_timeout)
@@ -579,11 +653,11 @@ def _undone_since(gstore: GitStore, branch: str, tip: str, candidate: str, base_
                   touched: list[str]) -> list[str]:
     """A warning when the branch's tip holds a touched path as it was *before* the call.
 
-    After a crash the worktree still shows the base; removing the call's
-    ``index.lock`` by hand (git's advice) and running ``git commit -a``
-    commits those stale files: a revert nobody asked for.  The receipt stays
-    ``committed`` (the call's commit is on the branch); this says the tip no
-    longer holds its change.
+    A commit made since undid the change: a revert by hand, or a ``git
+    commit -a`` of old files (which a call killed after its move left before
+    the worktree was written ahead of the move, docs/DESIGN.md section 4).
+    The receipt stays ``committed`` (the call's commit is on the branch);
+    this says the tip no longer holds its change.
     """
     if tip == candidate:
         return []
@@ -593,7 +667,7 @@ def _undone_since(gstore: GitStore, branch: str, tip: str, candidate: str, base_
     if not undone:
         return []
     return [f"warning: '{branch}' at {tip[:12]} has {', '.join(repr(p) for p in undone)} back as before this call: "
-            f"a later commit undid its change (a 'git commit -a' of the files a crash left behind?); "
+            f"a later commit undid its change (a revert by hand, or a commit of old files after a crash?); "
             f"'git revert' that commit, or apply the change again under a new key"]
 
 

@@ -1,7 +1,8 @@
-"""Worktrees that have the target branch checked out: checks before, writes after the commit."""
+"""Worktrees that have the target branch checked out: checks before, writes ahead of and after the move."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 from collections.abc import Callable
@@ -14,9 +15,10 @@ from cas.gitdir import worktrees_on
 from cas.hashing import sha256_hex
 from cas.durable import fsync_dir
 from cas.index import prefetch
-from cas.index_lock import IndexLock, hold_index_lock, settle_ahead, stage_ahead
+from cas.index_lock import IndexLock, hold_index_lock, on_branch, settle_ahead, stage_ahead, update_index
 from cas.objects import GitStore, TreeEntry
-from cas.worktree import dirty_paths, materialise, outside_sparse_checkout, unsafe_worktree_paths
+from cas.worktree import (Originals, dirty_paths, materialise, originals_of, outside_sparse_checkout, put_back,
+                          unsafe_worktree_paths, write_files)
 from receipts.engine import settle
 from receipts.states import needs_resolution
 from receipts.store import ReceiptStore
@@ -220,11 +222,18 @@ SETTLE_ATTEMPTS = 3
 
 
 class IndexesAhead:
-    """The indexes of the worktrees on the branch, staged ahead of its move (:func:`cas.index_lock.stage_ahead`), for one call.
+    """The files and indexes of the worktrees on the branch, written ahead of its move, for one call.
 
-    Calling sequence: :meth:`stage` once, with the candidate, under the
-    branch's lock just before it moves; then :meth:`settle` once, with the
-    index locks still held, whatever happened.
+    Calling sequence, with the index locks held throughout: :meth:`stage`
+    once, then :meth:`write_files` once (which stages the deletions last),
+    both with the candidate, under the branch's lock just before it moves;
+    then :meth:`settle` once, whatever happened.
+
+    A call killed after the files are written leaves a worktree whose index
+    and files hold the change (docs/RECOVERY.md): a person who removes the
+    dead call's ``index.lock`` and runs ``git commit -a`` then commits nothing
+    of it against a branch that moved, or the whole change against one that
+    did not (git refuses while the branch's lock is left), never a revert.
     """
 
     def __init__(self, gstore: GitStore, held: dict[str, IndexLock], paths: list[str]) -> None:
@@ -232,9 +241,53 @@ class IndexesAhead:
         self._held = held
         self._paths = paths
         self._staged: list[str] = []  # the git dirs whose index shows the candidate (or may)
+        self._files: list[tuple[str, Originals]] = []  # (git dir, what its worktree held) where files may be written
+        self._candidate: str | None = None
+        self._changes: dict[str, TreeEntry | None] = {}
+        #: workdir -> the entries its touched files hold now (written ahead, whole)
+        self.written: dict[str, dict[str, TreeEntry | None]] = {}
+
+    def _changes_of(self, candidate: str) -> dict[str, TreeEntry | None]:
+        if self._candidate != candidate:
+            tree = self._gstore.commit_tree(candidate)
+            self._candidate = candidate
+            self._changes = {p: self._gstore.lookup_file(tree, p) for p in self._paths}
+        return self._changes
+
+    def write_files(self, candidate: str) -> None:
+        """Write ``candidate``'s version of the touched files in every held worktree, keeping what they held.
+
+        Then the deletions :meth:`stage` left are staged in each index.
+
+        Raises:
+            UnsafeWorktreePath: a folder on a touched path is a symlink (nothing moved; :meth:`settle` puts back).
+            GitStoreError: a file could not be read or written (the same).
+        """
+        assert not self._files, "written once per call"  # (after stage())
+        if not self._held:
+            return
+        changes = self._changes_of(candidate)
+        tree = self._gstore.commit_tree(candidate)
+        staged = set(self._staged)
+        for workdir, lock in sorted(self._held.items()):
+            originals = originals_of(workdir, self._paths)
+            self._files.append((lock.git_dir, originals))  # before any write: settle() looks at it
+            write_files(self._gstore, workdir, changes, tree=tree)
+            self.written[workdir] = changes
+            later = _deletions_after_files(changes)
+            if later and lock.git_dir in staged:
+                update_index(workdir, later, [], held=lock, sync=False)
 
     def stage(self, candidate: str) -> None:
-        """Stage ``candidate``'s entries of the touched paths in every held worktree's index.
+        """Stage ``candidate``'s entries of the touched paths in every held worktree's index (deletions: see below).
+
+        A deleted path's entry is removed only after the files are written
+        (:meth:`write_files`), unless a path the candidate adds goes through
+        it or under it (the index cannot hold both).  Race guarded: killed in
+        between, a person who removes ``index.lock`` and runs ``git commit -a``
+        would commit the deletion alone (the file, still there, is untracked
+        to git then), half of the change; with the entry kept, the commit
+        stages the old files again, nothing of the change.
 
         Raises:
             GitStoreError: an index could not be written (nothing has moved; :meth:`settle` restores).
@@ -242,43 +295,71 @@ class IndexesAhead:
         assert not self._staged, "staged once per call"
         if not self._held:
             return
-        tree = self._gstore.commit_tree(candidate)
-        changes: dict[str, TreeEntry | None] = {p: self._gstore.lookup_file(tree, p) for p in self._paths}
+        changes = self._changes_of(candidate)
+        later = set(_deletions_after_files(changes))
+        first = {p: e for p, e in changes.items() if p not in later}
         for workdir, lock in sorted(self._held.items()):
             self._staged.append(lock.git_dir)  # before any write: settle() looks at it
-            if not stage_ahead(workdir, lock, changes, candidate):
+            if not stage_ahead(workdir, lock, first, candidate):
                 self._staged.pop()  # no index there yet: the materialised files make the first
 
     def settle(self, materialised: bool, moved: bool | None) -> None:
-        """Keep the staged indexes if the branch moved to the candidate, else bring back those they replaced.
+        """Keep the files and staged indexes if the branch moved to the candidate, else bring back what they replaced.
 
         ``moved``: whether the swap moved the branch; ``None``: unknown (see
-        :func:`cas.index_lock.settle_ahead`).  ``materialised``: the files and
-        their index were written after the move (else a staged index that
-        stays is synced first).
+        :func:`cas.index_lock.settle_ahead`; the files stay where the
+        candidate is on the branch).  ``materialised``: the index was written
+        after the move (else a staged index that stays is synced first).
+        Files are put back before their index: a ``git commit`` that takes
+        the lock next sees them as they were.
 
         Raises:
-            OSError: an index could not be put back; the caller must then leave
+            OSError, GitStoreError: a worktree could not be put back; the caller must then leave
                 the index locks held (a marked dead lock is settled by whoever breaks it).
         """
+        for git_dir, originals in self._files:
+            assert self._candidate is not None
+            if moved if moved is not None else on_branch(git_dir, self._candidate):
+                continue
+            _repeated(functools.partial(put_back, originals))
+            self.written.pop(originals.workdir, None)
+        self._files.clear()
         for git_dir in self._staged:
             # A transient fault (EIO on the rename or the folder's sync) is tried again:
             # a settle that fails leaves the call's index.lock held (see _settle_and_release).
             # settle_ahead repeats safely: a kept index already put back is not there any more.
-            for attempt in range(SETTLE_ATTEMPTS):
-                try:
-                    settle_ahead(git_dir, moved, sync_index=not materialised)
-                    if attempt:
-                        fsync_dir(git_dir)  # the rename of the attempt that failed on its sync
-                    break
-                except OSError:
-                    if attempt == SETTLE_ATTEMPTS - 1:
-                        raise
+            _repeated(functools.partial(settle_ahead, git_dir, moved, sync_index=not materialised),
+                      then=functools.partial(fsync_dir, git_dir))
         self._staged.clear()
 
 
+def _deletions_after_files(changes: dict[str, TreeEntry | None]) -> list[str]:
+    """The deletions of ``changes`` staged after the files are written: those no added path collides with."""
+    added = {p for p, e in changes.items() if e is not None}
+    folders = {a[:i] for a in added for i, c in enumerate(a) if c == "/"}  # the folders an added path goes through
+
+    def collides(path: str) -> bool:
+        return path in folders or any(path[:i] in added for i, c in enumerate(path) if c == "/")
+
+    return sorted(p for p, e in changes.items() if e is None and not collides(p))
+
+
+def _repeated(step: Callable[[], None], then: Callable[[], None] | None = None) -> None:
+    """``step``, tried up to :data:`SETTLE_ATTEMPTS` times; ``then`` after a retry that succeeded."""
+    for attempt in range(SETTLE_ATTEMPTS):
+        try:
+            step()
+            if attempt and then is not None:
+                then()  # the rename of the attempt that failed on its sync
+            return
+        except (OSError, GitStoreError):
+            if attempt == SETTLE_ATTEMPTS - 1:
+                raise
+
+
 def materialise_all(gstore: GitStore, rstore: ReceiptStore, worktrees: list[tuple[str, str]], branch: str,
-                    paths: list[str], key: str, held: dict[str, IndexLock] | None, timeout: float) -> list[str]:
+                    paths: list[str], key: str, held: dict[str, IndexLock] | None, timeout: float,
+                    written: dict[str, dict[str, TreeEntry | None]] | None = None) -> list[str]:
     """Bring each worktree's touched paths and index to the branch's *current* head; return warnings.
 
     Under a per-worktree lock, the head is re-read and its entries for the
@@ -287,6 +368,8 @@ def materialise_all(gstore: GitStore, rstore: ReceiptStore, worktrees: list[tupl
     shared path back to its own older version.
 
     ``held``: index locks taken by :func:`hold_index_locks` (used, not released).
+    ``written``: :attr:`IndexesAhead.written`; a worktree whose files already
+    hold the head's entries only gets its index entries (with stat data).
     ``timeout``: the call's lock timeout, for each worktree's materialise lock
     (and its ``index.lock`` when not ``held``).
 
@@ -316,6 +399,11 @@ def materialise_all(gstore: GitStore, rstore: ReceiptStore, worktrees: list[tupl
             # first round, before the committed receipt (one flush point less).
             renamed: list[str] = []
             try:
+                if lock is not None and (written or {}).get(workdir) == changes:
+                    update_index(workdir, [p for p, e in changes.items() if e is None],
+                                 [p for p, e in changes.items() if e is not None], held=lock, known=changes,
+                                 defer_dir=renamed)
+                    continue
                 materialise(gstore, workdir, changes, lock_marker=None if lock else index_marker(rstore, key),
                             held=lock, timeout=timeout, tree=tree, sync_first=gstore.unsynced(), defer_dir=renamed)
             finally:

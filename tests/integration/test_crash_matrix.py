@@ -14,14 +14,17 @@ Predicted outcomes:
   an orphan that ``--tmp-age 0`` removes.
 * ``after-prepare`` — not done: as above, the receipt ``rejected`` with
   ``retryable: true`` (``crashed_before_commit``).
-* ``after-index-ahead`` — not done, as ``after-prepare``: killed under the
-  branch's lock with the index staged for the candidate; recover removes the
-  branch's lock (it holds the candidate) and, as it breaks the dead call's
-  ``index.lock``, puts back the index the staged one replaced, byte for byte.
+* ``after-worktree-ahead`` — not done, as ``after-prepare``: killed under the
+  branch's lock with the touched files written for the candidate; recover
+  removes the branch's lock and writes the base's files back (bytes, modes,
+  added, deleted and renamed paths): the worktree is as before.
+* ``after-index-ahead`` — not done, as ``after-worktree-ahead``, and the index
+  staged for the candidate too; as recover breaks the dead call's
+  ``index.lock``, it puts back the index the staged one replaced, byte for byte.
 * ``after-ref``, ``after-materialise``, ``before-receipt-replace`` — done: the
   branch is one commit ahead with the target tree, the key ref points at it,
   the receipt is ``committed`` naming it, and worktree + index match the commit
-  (``after-ref`` crashed before materialising: recover does it).
+  (``after-ref`` crashed with files and index already written ahead).
   ``before-receipt-replace`` leaves the committed receipt's tmp file beside
   the prepared one: recover removes it.
 """
@@ -82,6 +85,7 @@ EDITS: dict[str, Callable[[Repo], None]] = {
 POINTS: dict[str, bool] = {
     "after-stage": False,
     "after-prepare": False,
+    "after-worktree-ahead": False,
     "after-index-ahead": False,
     "after-ref": True,
     "after-materialise": True,
@@ -152,7 +156,7 @@ def test_crash_then_recover_then_retry_lands_once(tmp_path: Path, point: str, ed
         assert (r.status, r.commit, r.tree) == ("committed", head, target_tree)
         assert [(row["from"], row["to"], row["commit"]) for row in report["rows"]] == [("prepared", "committed", head)]
         assert repo.git("rev-parse", "refs/oncepatch/keys/" + key_hash(r.key)).strip() == head
-        # Worktree and index are the commit's (after-ref crashed before materialising).
+        # Worktree and index are the commit's (written ahead of the move).
         assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
         assert repo.git("diff-index", "--cached", "HEAD") == ""
     else:

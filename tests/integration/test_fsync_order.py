@@ -378,19 +378,20 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
         "the branch's folder not synced between its move and the committed receipt"
     # worktree files are renamed inside a folder opened without following links: renameat(fd, name, fd, name)
     worktree_moves = [c for c, _, dst in landings if dst == str(repo.path / "README")]
-    if name == "main":  # checked out: the move is durable before the worktree's file changes
-        assert len(worktree_moves) == 1 and branch_move.n < worktree_moves[0].n < committed.n
-        assert _folder_synced_between(calls, os.path.dirname(branch), branch_move.n, worktree_moves[0].n)
-        assert _synced_before(calls, reflog, worktree_moves[0].n)
-        # the index is staged for the candidate before the branch moves (git commit reads it
-        # without a lock), the index it replaced kept until the call ends
+    if name == "main":  # checked out: index and files are written ahead of the move (docs/DESIGN.md section 4)
+        # the index is staged for the candidate first (git commit reads it without a lock),
+        # the index it replaced kept until the call ends; then the worktree's file, durable
+        # (its folder synced) before the branch moves: a commit after a crash reverts nothing
         staged_moves = [c for c, _, dst in landings if dst == os.path.join(git_dir, "index")]
-        assert len(staged_moves) == 2 and prepared.n < staged_moves[0].n < branch_move.n
+        assert len(worktree_moves) == 1 and len(staged_moves) == 2
+        assert prepared.n < staged_moves[0].n < worktree_moves[0].n < branch_move.n
         kept = [c for c, _, dst in landings if os.path.basename(dst).startswith("index.oncepatch-base.")]
         assert len(kept) == 1 and kept[0].n < staged_moves[0].n
-        # the worktree file's folder is synced (with the new index) before the index names it
+        folder_fd = int(worktree_moves[0].arg(0))  # renameat(dirfd, …): the folder, opened without following links
+        assert any(c.n < branch_move.n for c in _fd_calls(calls, folder_fd, worktree_moves[0].n, {"fsync"}))
+        # after the move, the index gets the file's stat data, before the committed receipt
         index_moves = staged_moves[1:]
-        assert worktree_moves[0].n < index_moves[0].n < committed.n
+        assert branch_move.n < index_moves[0].n < committed.n
         # the index's folder after its rename, in the finalise batch's first round (with the
         # committed receipt's tmp file, before its rename; libgit2 creates the key ref
         # meanwhile), not in a flush point of its own
@@ -399,8 +400,6 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
         assert index_moves[0].n < committed_tmp.n
         assert _folder_synced_between(calls, git_dir, committed_tmp.n, committed.n)
         assert not _folder_synced_between(calls, git_dir, index_moves[0].n, committed_tmp.n)
-        folder_fd = int(worktree_moves[0].arg(0))  # renameat(dirfd, …): the folder, opened without following links
-        assert any(c.n < index_moves[0].n for c in _fd_calls(calls, folder_fd, worktree_moves[0].n, {"fsync"}))
     else:
         assert worktree_moves == []
     for src in libgit2_tmp:

@@ -243,7 +243,7 @@ def test_git_commit_that_read_the_index_during_the_move_commits_the_change(tmp_p
 
 @both_indexes
 def test_the_index_is_staged_before_the_branch_moves(tmp_path: Path, index: str) -> None:
-    """After the move, before the files: HEAD and the index agree on the touched path (git reads both freely)."""
+    """After the move: HEAD, the index and the file agree on the touched path (all written ahead of the move)."""
     import os
     import signal
 
@@ -251,8 +251,8 @@ def test_the_index_is_staged_before_the_branch_moves(tmp_path: Path, index: str)
     proc = _paused_apply(repo, PATCH_F, at="after-ref")
     try:
         assert repo.git("diff-index", "--cached", "--name-only", "main") == ""  # index == HEAD
-        assert (repo.path / "f.txt").read_text() == "a\nb\nc\n"  # the file follows after
-        assert repo.git("diff", "--name-only") == "f.txt\n"  # ... and git sees that it has not yet
+        assert (repo.path / "f.txt").read_text() == "a\nB\nc\n"  # the file was written before the move
+        assert repo.git("diff", "--name-only") == ""  # ... and git sees it (the index's stat data follows)
         kept = list((repo.path / ".git").glob("index.oncepatch-base.*"))
         assert [k.name.rsplit(".", 1)[1] for k in kept] == [repo.head("main")]
     finally:

@@ -579,7 +579,7 @@ def test_recover_names_the_fix_for_a_split_index_and_finishes_once_it_is_off(tmp
     (row,) = rec.json["rows"]
     assert row["to"] == "committed"
     assert any("split index" in n and "--no-split-index" in n for n in row["notes"]), row["notes"]
-    assert (repo.path / "a/a.txt").read_text() == "a\n", "the worktree was left as it was"
+    assert (repo.path / "a/a.txt").read_text() == "A\n", "the file was written ahead of the move"
     repo.git("config", "core.splitIndex", "false")
     repo.git("update-index", "--no-split-index")
     again = run_cli("recover", "--json", cwd=repo.path)

@@ -1,9 +1,11 @@
 """``oncepatch drift``: is every applied change still there? (docs/LIFECYCLE.md, "drift").
 
-The sequence of issue 29: a call killed at ``after-ref`` (the branch moved,
-worktree and index did not follow), then git's own advice taken (``rm
-.git/index.lock``, ``git commit -a``): the commit reverts the change, ``verify``
-cannot see it, ``drift`` names the reverting commit as outside oncepatch.
+The sequence of issue 29: a call killed at ``after-ref`` (the branch moved),
+then git's own advice taken (``rm .git/index.lock``, ``git commit -a``).  The
+worktree is written ahead of the move now, so that commit keeps the change
+(issue 31, tests/integration/test_crash_then_git.py); a person who undoes the
+change by hand and commits reverts it, ``verify`` cannot see it, ``drift``
+names the reverting commit as outside oncepatch.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ def _path(doc: dict[str, Any], key: str, path: str) -> dict[str, Any]:
     return item
 
 
-def test_crash_then_git_commit_a_is_named_as_an_outside_revert(tmp_path: Path) -> None:
+def test_crash_then_a_revert_by_hand_is_named_as_an_outside_revert(tmp_path: Path) -> None:
     repo = _repo(tmp_path)
     assert _apply(repo, PATCH, "k1", ONCEPATCH_CRASH_AT="after-ref") == 137
     (repo.path / ".git" / "index.lock").unlink()  # git's advice, taken
+    (repo.path / "greet.py").write_text("hello\n")  # the change undone by hand
     done = subprocess.run(["git", "commit", "-q", "-a", "-m", "x"], cwd=repo.path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     reverting = repo.head()

@@ -639,8 +639,8 @@ def test_dead_calls_tmp_files_in_the_worktree_are_removed(tmp_path: Path) -> Non
 def test_live_gits_index_lock_is_never_removed(tmp_path: Path) -> None:
     """An ``index.lock`` that is not provably a dead oncepatch call's is left alone, even with
     that call's marker beside it: here someone removed the crashed call's lock by hand and a
-    ``git commit`` (index data in its lock) holds it now.  recover still commits the receipt and
-    reports the worktree as not brought along, rather than deleting a live git's lock."""
+    ``git commit`` (index data in its lock) holds it now.  recover still commits the receipt,
+    never deleting a live git's lock; the worktree needs no follow-up (written ahead of the move)."""
     repo, pf = crashed(tmp_path, "after-ref")
     index_lock = repo.path / ".git/index.lock"
     index_lock.unlink(missing_ok=True)  # the user's 'rm .git/index.lock' ...
@@ -650,7 +650,8 @@ def test_live_gits_index_lock_is_never_removed(tmp_path: Path) -> None:
     assert rec.code == 0, rec.err
     assert [(x["from"], x["to"]) for x in rec.json["rows"]] == [("prepared", "committed")]
     assert index_lock.exists()
-    assert any("follow-up not done" in n for n in rec.json["rows"][0]["notes"]), rec.json
+    assert not any("follow-up not done" in n for n in rec.json["rows"][0]["notes"]), rec.json
+    assert "line 7 changed" in (repo.path / "src/app.py").read_text()
 
 
 def test_status_by_call_id_reports_a_corrupt_receipt(tmp_path: Path) -> None:

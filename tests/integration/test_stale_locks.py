@@ -376,15 +376,18 @@ def test_a_long_lock_timeout_governs_the_branch_lock(repo: Repo, patch: Path) ->
 def test_recover_waits_for_an_index_lock_as_long_as_its_lock_timeout(repo: Repo, patch: Path) -> None:
     """``recover --lock-timeout 0.5``: a worktree whose ``index.lock`` a live process holds is left for later.
 
-    A call killed after its branch moved leaves the worktree to bring along; while a
-    live git holds ``index.lock``, recover settles the receipt, notes the follow-up it
-    could not do, and returns after its own timeout (it used to wait 10 s); run again
-    once the lock is let go, it brings the worktree along.
+    A call killed after writing the worktree ahead of its move, before the move,
+    leaves files to put back; while a live git holds ``index.lock``, recover leaves
+    the receipt ``prepared`` (skipped, naming the lock) and returns after its own
+    timeout (it used to wait 10 s); run again once the lock is let go, it puts the
+    files back and settles the call ``rejected``.
     """
+    base = (repo.path / "README").read_bytes()
     crashed = subprocess.run([sys.executable, "-m", "patcher.cli", "apply", str(patch), "--repo", str(repo.path),
-                              "--json", "--key", "K"], env=dict(os.environ, ONCEPATCH_CRASH_AT="after-ref"),
+                              "--json", "--key", "K"], env=dict(os.environ, ONCEPATCH_CRASH_AT="after-worktree-ahead"),
                              capture_output=True, check=False)
     assert crashed.returncode == 137, crashed.stderr
+    assert (repo.path / "README").read_text() == "hello\nafter the stale lock\n"  # written ahead
     lock = repo.path / ".git/index.lock"
     lock.unlink()  # the dead call's own lock (recover would settle it), taken over by a live git
     holder = _hold(lock)
@@ -392,16 +395,16 @@ def test_recover_waits_for_an_index_lock_as_long_as_its_lock_timeout(repo: Repo,
         t0 = time.monotonic()
         r = run_cli("recover", "--repo", str(repo.path), "--json", "--tmp-age", "0", "--lock-timeout", "0.5")
         elapsed = time.monotonic() - t0
-        assert r.code == 0, r.out + r.err
-        (row,) = r.json["rows"]
-        assert (row["key"], row["to"]) == ("K", "committed")
-        assert any("follow-up not done" in n and str(lock) in n for n in row["notes"]), row["notes"]
+        assert r.code == 5, r.out + r.err
+        (skipped,) = r.json["skipped"]
+        assert skipped["key"] == "K" and str(lock) in skipped["reason"], skipped
         assert elapsed < 5, elapsed
         assert lock.read_bytes() == b"held by a live process"
     finally:
         _release(holder)
     again = run_cli("recover", "--repo", str(repo.path), "--json", "--tmp-age", "0", "--lock-timeout", "0.5")
     assert again.code == 0, again.out + again.err
-    assert (repo.path / "README").read_text() == "hello\nafter the stale lock\n"
+    assert [(row["key"], row["to"]) for row in again.json["rows"]] == [("K", "rejected")]
+    assert (repo.path / "README").read_bytes() == base
     assert repo.git("status", "--porcelain") == ""
     assert run_cli("verify", "--repo", str(repo.path), "--json").code == 0
