@@ -1,0 +1,65 @@
+"""The CLI contract driven as an outside user drives it: hostile options and inputs that once got past it.
+
+Each test names what it guards against; every refusal is checked to leave the repository (its git
+dir included, where the refusal is about the git dir) and the store as they were.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import Repo, git, make_repo, run_cli, snapshot
+
+PATCH = b"--- /dev/null\n+++ b/added.txt\n@@ -0,0 +1 @@\n+x\n"
+
+
+def git_dir_files(repo: Repo) -> list[str]:
+    """Every path under ``.git``: a refusal must not add one (a receipt where git reads refs or objects)."""
+    gd = repo.path / ".git"
+    return sorted(p.relative_to(gd).as_posix() for p in gd.rglob("*"))
+
+
+@pytest.mark.parametrize("inside", ["", "refs", "refs/heads", "objects", "logs", "hooks", "info"])
+def test_a_store_inside_the_git_dir_but_outside_its_oncepatch_folder_is_refused(tmp_path: Path, inside: str) -> None:
+    # A store in `.git/refs` made `refs/events.jsonl` and `refs/receipts/..` refs to git: `git gc`
+    # then failed ("bad object refs/events.jsonl") and `git fsck` reported broken refs.
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    store = repo.path / ".git" / inside if inside else repo.path / ".git"
+    before, files = snapshot(repo), git_dir_files(repo)
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "k", "--store", str(store), input=PATCH)
+    assert r.code == 2, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "usage" and err["effect_status"] == "not_started", err
+    assert "inside the git directory" in err["message"]
+    assert snapshot(repo) == before and git_dir_files(repo) == files
+    # The same through the environment.
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "k", input=PATCH,
+                env={"ONCEPATCH_STORE": str(store)})
+    assert r.code == 2 and "inside the git directory" in r.json["error"]["message"], r.out + r.err
+    assert snapshot(repo) == before and git_dir_files(repo) == files
+    git(repo.path, "gc", "-q")
+    git(repo.path, "fsck", "--full", "--strict")
+
+
+def test_the_default_store_and_a_folder_under_it_are_accepted(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    for key, extra in (("k1", []), ("k2", ["--store", str(repo.path / ".git" / "oncepatch" / "other")])):
+        patch = PATCH.replace(b"added.txt", key.encode())
+        r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", key, *extra, input=patch)
+        assert r.code == 0, r.out + r.err
+    git(repo.path, "gc", "-q")
+    git(repo.path, "fsck", "--full", "--strict")
+
+
+def test_a_store_in_the_git_dir_of_a_linked_worktree_is_refused(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    repo.git("worktree", "add", "-q", "-b", "side", str(tmp_path / "wt"))
+    store = repo.path / ".git" / "worktrees" / "wt" / "store"
+    r = run_cli("apply", "-", "--repo", str(tmp_path / "wt"), "--json", "--key", "k", "--store", str(store),
+                input=PATCH)
+    assert r.code == 2 and "inside the git directory" in r.json["error"]["message"], r.out + r.err
+    assert not store.exists()
+    assert sorted(os.listdir(tmp_path / "wt")) == [".git", "README"]
