@@ -11,7 +11,7 @@ from cas.gitdir import discover
 from patcher.protocol import store_root_for
 
 __all__ = ["Option", "COMMON_OPTIONS", "add_common", "add_options", "store_root", "seconds", "positive_seconds",
-           "at_least_one", "path_given"]
+           "at_least_one", "path_given", "text"]
 
 
 #: (flags, dest, default, type, metavar, help) of one option that takes a value
@@ -54,6 +54,19 @@ def path_given(text: str) -> str:
     if not text:
         _refuse("must be a path, not empty (leave the option out for the default)")
     return text
+
+
+def text(value: str) -> str:
+    """An argparse type: text that is UTF-8 (a key, a note), unlike a path, which may be any bytes.
+
+    Bytes that are not UTF-8 reach ``sys.argv`` as lone surrogates, which no receipt, ledger or
+    envelope can hold: refused here, before anything is read or written.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        _refuse("not valid UTF-8")
+    return value
 
 
 #: The options every command takes that have a value (``--json`` is the common flag).

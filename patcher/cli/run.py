@@ -131,9 +131,27 @@ def _cmd_serve(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 _HANDLERS["serve"] = _cmd_serve
 
 
+def _utf8(value: Any) -> Any:
+    """``value`` with each string's undecodable bytes (lone surrogates from ``sys.argv``) shown as ``\\xNN``."""
+    if isinstance(value, str):
+        try:
+            return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:  # a surrogate no byte escapes to (one from JSON input): shown as \\udNNN
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_utf8(k): _utf8(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_utf8(v) for v in value]
+    return value
+
+
 def _emit(doc: dict[str, Any], text: str, as_json: bool) -> None:
     if as_json:
-        sys.stdout.buffer.write(jsonio.dumps(doc) + b"\n")
+        try:
+            data = jsonio.dumps(doc)
+        except jsonio.JsonError:  # a message quoting an argument that is not UTF-8 (a path's bytes)
+            data = jsonio.dumps(_utf8(doc))
+        sys.stdout.buffer.write(data + b"\n")
     else:
         sys.stdout.write(text)
     sys.stdout.flush()

@@ -63,3 +63,54 @@ def test_a_store_in_the_git_dir_of_a_linked_worktree_is_refused(tmp_path: Path) 
     assert r.code == 2 and "inside the git directory" in r.json["error"]["message"], r.out + r.err
     assert not store.exists()
     assert sorted(os.listdir(tmp_path / "wt")) == [".git", "README"]
+
+
+BAD = os.fsdecode(b"a\xffb")  # not UTF-8: the shell passes such bytes through, Python's argv escapes them
+
+
+def _committed(tmp_path: Path) -> Repo:
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "done", input=PATCH)
+    assert r.code == 0, r.out + r.err
+    return repo
+
+
+@pytest.mark.parametrize("argv", [
+    ["status", BAD],
+    ["resolve", BAD, "--as", "committed", "--note", "x"],
+    ["quarantine", BAD],
+    ["revert", BAD, "--key", "undo"],
+    ["revert", "done", "--key", BAD],
+    # A note that cannot be written into the ledger: quarantine moved the receipt aside, then failed to
+    # record it (internal, exit 1), and verify then said the ledger's receipt file was missing.
+    ["quarantine", "done", "--note", os.fsdecode(b"n\xff")],
+    ["resolve", "done", "--as", "committed", "--note", os.fsdecode(b"n\xff")],
+], ids=["status", "resolve", "quarantine", "revert-key", "revert-new-key", "quarantine-note", "resolve-note"])
+def test_an_argument_that_is_not_utf8_is_a_usage_error_that_changes_nothing(tmp_path: Path, argv: list[str]) -> None:
+    repo = _committed(tmp_path)
+    before = snapshot(repo)
+    r = run_cli(*argv, "--repo", str(repo.path), "--json")
+    assert r.code == 2, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "usage" and err["effect_status"] == "not_started" and "UTF-8" in err["message"], err
+    assert snapshot(repo) == before
+    r = run_cli(*argv, "--repo", str(repo.path))  # text: one line on stderr, no traceback
+    assert r.code == 2 and "Traceback" not in r.err and r.out == "", r.err
+    assert run_cli("verify", "--repo", str(repo.path)).code == 0
+
+
+@pytest.mark.parametrize("argv", [
+    ["apply", os.fsdecode(b"/nonexistent/\xff.diff")],
+    ["apply", "-", "--contract-sha256", BAD],
+    ["apply", "-", "--format", BAD],
+], ids=["patch-path", "contract", "format"])
+def test_an_error_naming_bytes_that_are_not_utf8_is_still_one_json_envelope(tmp_path: Path, argv: list[str]) -> None:
+    # The message quoted the argument, and writing the envelope failed on it: a traceback, nothing on stdout.
+    repo = _committed(tmp_path)
+    before = snapshot(repo)
+    r = run_cli(*argv, "--repo", str(repo.path), "--json", "--key", "k2", input=PATCH)
+    assert r.code == 2, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "usage" and err["effect_status"] == "not_started" and "\\xff" in err["message"], err
+    assert "Traceback" not in r.err
+    assert snapshot(repo) == before
