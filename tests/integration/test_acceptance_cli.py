@@ -85,7 +85,9 @@ def _committed(tmp_path: Path) -> Repo:
     # record it (internal, exit 1), and verify then said the ledger's receipt file was missing.
     ["quarantine", "done", "--note", os.fsdecode(b"n\xff")],
     ["resolve", "done", "--as", "committed", "--note", os.fsdecode(b"n\xff")],
-], ids=["status", "resolve", "quarantine", "revert-key", "revert-new-key", "quarantine-note", "resolve-note"])
+    ["keys", "init", "--note", os.fsdecode(b"n\xff")],
+], ids=["status", "resolve", "quarantine", "revert-key", "revert-new-key", "quarantine-note", "resolve-note",
+        "keys-note"])
 def test_an_argument_that_is_not_utf8_is_a_usage_error_that_changes_nothing(tmp_path: Path, argv: list[str]) -> None:
     repo = _committed(tmp_path)
     before = snapshot(repo)
