@@ -34,6 +34,8 @@ __all__ = ["main", "build_parser"]
 def _read_patch(name: str) -> bytes:
     try:
         if name == "-":
+            if sys.stdin is None:  # started with file descriptor 0 closed
+                raise UsageError("cannot read patch '-': standard input is closed")
             return sys.stdin.buffer.read()
         with open(name, "rb") as fh:
             return fh.read()

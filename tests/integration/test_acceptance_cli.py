@@ -6,6 +6,7 @@ dir included, where the refusal is about the git dir) and the store as they were
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -115,4 +116,20 @@ def test_an_error_naming_bytes_that_are_not_utf8_is_still_one_json_envelope(tmp_
     err = r.json["error"]
     assert err["type"] == "usage" and err["effect_status"] == "not_started" and "\\xff" in err["message"], err
     assert "Traceback" not in r.err
+    assert snapshot(repo) == before
+
+
+def test_apply_from_a_closed_standard_input_is_a_usage_error(tmp_path: Path) -> None:
+    # `oncepatch apply - <&-`: Python's sys.stdin is None, and reading it was an internal error (exit 1).
+    import subprocess
+    import sys
+
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    before = snapshot(repo)
+    res = subprocess.run([sys.executable, "-m", "patcher.cli", "apply", "-", "--repo", str(repo.path), "--json",
+                          "--key", "k"], stdin=None, capture_output=True, check=False, timeout=120,
+                         preexec_fn=lambda: os.close(0))
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    err = json.loads(res.stdout)["error"]
+    assert err["type"] == "usage" and err["effect_status"] == "not_started" and "closed" in err["message"], err
     assert snapshot(repo) == before
