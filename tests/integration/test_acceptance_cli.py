@@ -6,6 +6,7 @@ dir included, where the refusal is about the git dir) and the store as they were
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -133,3 +134,25 @@ def test_apply_from_a_closed_standard_input_is_a_usage_error(tmp_path: Path) -> 
     err = json.loads(res.stdout)["error"]
     assert err["type"] == "usage" and err["effect_status"] == "not_started" and "closed" in err["message"], err
     assert snapshot(repo) == before
+
+
+def test_a_committed_receipt_whose_key_ref_was_deleted_is_corrupt_for_the_replay_as_for_status(
+        tmp_path: Path) -> None:
+    # `git update-ref -d refs/oncepatch/keys/<h>`: status, verify and recover said corrupt (exit 6), while
+    # the replay walked the branch instead, answered the receipt (exit 0) and logged a `replayed` event.
+    repo = _committed(tmp_path)
+    h = hashlib.sha256(b"done").hexdigest()
+    repo.git("update-ref", "-d", f"refs/oncepatch/keys/{h}")
+    before = snapshot(repo)
+    answers = {}
+    for argv in (["apply", "-", "--key", "done"], ["status", "done"]):
+        r = run_cli(*argv, "--repo", str(repo.path), "--json", input=PATCH)
+        assert r.code == 6, (argv, r.out + r.err)
+        err = r.json["error"]
+        assert err["type"] == "corrupt_receipt" and f"refs/oncepatch/keys/{h}" in err["reason"], err
+        assert "commit" not in err and "outputs" not in err
+        answers[argv[0]] = err["reason"]
+    assert answers["apply"] == answers["status"]
+    assert run_cli("verify", "--repo", str(repo.path)).code == 6
+    assert snapshot(repo) == before
+
