@@ -156,3 +156,21 @@ def test_a_committed_receipt_whose_key_ref_was_deleted_is_corrupt_for_the_replay
     assert run_cli("verify", "--repo", str(repo.path)).code == 6
     assert snapshot(repo) == before
 
+
+@pytest.mark.parametrize("line", [b"garbage line\n", b"{}\n", b'{"seq": "x"}\n'])
+def test_a_ledger_whose_last_whole_line_is_no_event_refuses_the_call_before_it_writes(tmp_path: Path,
+                                                                                      line: bytes) -> None:
+    # The check before the first write looked only for a torn (unterminated) last line: with a whole
+    # line added by hand the call wrote its `prepared` receipt, then failed to append (exit 6) and left
+    # that receipt for recover, which refuses a broken ledger.
+    repo = _committed(tmp_path)
+    with open(repo.store / "events.jsonl", "ab") as fh:
+        fh.write(line)
+    before = snapshot(repo)
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "next",
+                input=PATCH.replace(b"added.txt", b"next.txt"))
+    assert r.code == 6, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "corrupt_receipt" and err["effect_status"] == "not_started", err
+    assert "quarantine --ledger" in err["message"]
+    assert snapshot(repo) == before  # no receipt, no lock file, no ledger line
