@@ -174,3 +174,19 @@ def test_a_ledger_whose_last_whole_line_is_no_event_refuses_the_call_before_it_w
     assert err["type"] == "corrupt_receipt" and err["effect_status"] == "not_started", err
     assert "quarantine --ledger" in err["message"]
     assert snapshot(repo) == before  # no receipt, no lock file, no ledger line
+
+
+@pytest.mark.parametrize("path", [b"x" * 300, b"/".join([b"d"] * 3000), b"/".join([b"y" * 200] * 30)],
+                         ids=["long-component", "deep", "long-path"])
+def test_a_path_no_checkout_can_write_is_unsafe_not_an_internal_error(tmp_path: Path, path: bytes) -> None:
+    # ENAMETOOLONG from the worktree checks came out as `internal` (exit 1) with `next_action: retry`,
+    # which could never help: the patch is what has to change.
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    before = snapshot(repo)
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "k",
+                input=b"--- /dev/null\n+++ b/" + path + b"\n@@ -0,0 +1 @@\n+x\n")
+    assert r.code == 4, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "unsafe_path" and err["effect_status"] == "not_started", err
+    assert err["next_action"] == "fix_input" and "longer than" in err["reason"], err
+    assert snapshot(repo) == before
