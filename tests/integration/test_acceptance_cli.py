@@ -120,6 +120,21 @@ def test_an_error_naming_bytes_that_are_not_utf8_is_still_one_json_envelope(tmp_
     assert snapshot(repo) == before
 
 
+def test_a_binary_patch_claiming_a_size_past_64_bits_is_too_large_in_one_envelope(tmp_path: Path) -> None:
+    # The refusal's `size` detail could not be written as JSON: a traceback and an empty stdout (exit 1).
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    before = snapshot(repo)
+    size = 10 ** 20 - 1  # 20 digits: past 64 bits (more digits are cut to the limit by the parser)
+    patch = (b"diff --git a/README b/README\nindex 1..2 100644\nGIT binary patch\nliteral %d\nzcmV?d00001\n\n"
+             b"literal 0\nHcmV?d00001\n\n" % size)
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "k", input=patch)
+    assert r.code == 4, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "too_large" and err["effect_status"] == "not_started" and str(size) in err["message"], err
+    assert "Traceback" not in r.err
+    assert snapshot(repo) == before
+
+
 def test_apply_from_a_closed_standard_input_is_a_usage_error(tmp_path: Path) -> None:
     # `oncepatch apply - <&-`: Python's sys.stdin is None, and reading it was an internal error (exit 1).
     import subprocess
