@@ -205,3 +205,27 @@ def test_a_path_no_checkout_can_write_is_unsafe_not_an_internal_error(tmp_path: 
     assert err["type"] == "unsafe_path" and err["effect_status"] == "not_started", err
     assert err["next_action"] == "fix_input" and "longer than" in err["reason"], err
     assert snapshot(repo) == before
+
+
+@pytest.mark.parametrize("line", [b"garbage line\n", b"garbage, no newline"], ids=["whole-line", "foreign-torn-tail"])
+def test_doctor_names_a_ledger_that_refuses_every_call(tmp_path: Path, line: bytes) -> None:
+    # doctor said "nothing pending" (exit 0, next: install-hook) while every apply, recover and verify
+    # refused the store (exit 6) and pointed at doctor for what to do.
+    repo = _committed(tmp_path)
+    with open(repo.store / "events.jsonl", "ab") as fh:
+        fh.write(line)
+    before = snapshot(repo)
+    r = run_cli("doctor", "--repo", str(repo.path), "--json")
+    assert r.code == 6, r.out + r.err
+    doc = r.json
+    assert doc["ok"] is False and doc["next"] == "oncepatch quarantine --ledger", doc
+    assert [c["receipt"] for c in doc["corrupt"]] == [str(repo.store / "events.jsonl")], doc
+    assert snapshot(repo) == before
+    r = run_cli("doctor", "--repo", str(repo.path))
+    assert r.code == 6 and "next: oncepatch quarantine --ledger" in r.out, r.out
+    # The command it names is the way out: afterwards a call goes through.
+    assert run_cli("quarantine", "--ledger", "--repo", str(repo.path)).code == 0
+    assert run_cli("doctor", "--repo", str(repo.path), "--json").json["corrupt"] == []
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "after",
+                input=PATCH.replace(b"added.txt", b"after.txt"))
+    assert r.code == 0, r.out + r.err
