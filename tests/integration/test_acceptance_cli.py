@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,9 +139,6 @@ def test_a_binary_patch_claiming_a_size_past_64_bits_is_too_large_in_one_envelop
 
 def test_apply_from_a_closed_standard_input_is_a_usage_error(tmp_path: Path) -> None:
     # `oncepatch apply - <&-`: Python's sys.stdin is None, and reading it was an internal error (exit 1).
-    import subprocess
-    import sys
-
     repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
     before = snapshot(repo)
     res = subprocess.run([sys.executable, "-m", "patcher.cli", "apply", "-", "--repo", str(repo.path), "--json",
