@@ -2,7 +2,8 @@
 
 A read-only look, quick enough to run first after any surprise: receipts
 still ``prepared`` or ``unknown`` (and whether their call is alive), receipt
-files that fail verification, every worktree's ``index.lock`` and the
+files that fail verification, a ledger line that is no event (which every
+call refuses), every worktree's ``index.lock`` and the
 branches' ``.lock`` files (oncepatch's, of a crashed call, or someone
 else's), whether the pre-commit hook runs ``verify``.  It changes nothing:
 a key's lock is only tried, never waited for; nothing is removed.
@@ -54,8 +55,12 @@ def _receipts(store: ReceiptStore) -> tuple[int, list[dict[str, Any]], list[dict
         for e in store.ledger.events():
             if isinstance(e.get("key"), str):
                 last[e["key"]] = str(e.get("event"))
-    except OncepatchError:
-        pass  # a broken ledger is verify's to name
+        # What every call checks before its first write: a last line no append of ours wrote.
+        store.ledger.refuse_foreign_tail()
+    except OncepatchError as exc:
+        # A line that is no event refuses every call, recover and verify: named here, first (its
+        # quarantine comes before any receipt's, which would append to it). Its chain is verify's.
+        corrupt.append({"receipt": store.ledger.path, "key": None, "reason": exc.message, "ledger": True})
     by_hash: dict[str, str] = {key_hash(k): k for k in last}
     for item in store.scan():
         count += 1
@@ -161,6 +166,9 @@ def _hook(layout: GitLayout, hooks_dir: str) -> dict[str, Any]:
 def _next(pending: list[dict[str, Any]], corrupt: list[dict[str, Any]], locks: list[dict[str, Any]],
           hook: dict[str, Any]) -> tuple[str, str]:
     """The one command to run next, and why."""
+    if corrupt and corrupt[0].get("ledger"):
+        return ("oncepatch quarantine --ledger",
+                "the ledger holds a line no append wrote: every call refuses it; move it aside (kept as evidence)")
     if corrupt:
         key = corrupt[0]["key"]
         return (f"oncepatch quarantine {shlex.quote(key) if isinstance(key, str) else 'KEY'}",

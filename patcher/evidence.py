@@ -8,6 +8,7 @@ docs/DESIGN.md section 3 lists them, with the rule for an
 ``already_applied`` receipt (someone else's commit: no trailer nor key ref
 asked of it) and the replay's cheap form (``cheap=True``: a key ref at the
 commit stands for "on the branch", no walk of the history).
+A missing key ref contradicts the receipt in both forms.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def contradictions(gstore: GitStore, receipt: Receipt, *, cheap: bool = False,
         problems.append(f"base ref '{receipt.base.get('ref')}' is not the call's branch '{branch}'")
     if at is not None and at != commit:
         problems.append(f"key ref '{key_ref}' points at {at[:12]}, not at {commit[:12]}")
-    elif at is None and not already and not cheap:
+    elif at is None and not already:  # the cheap form too: a replay answers only what status would show
         problems.append(f"key ref '{key_ref}' does not point at {commit[:12]}")
     if not (cheap and at == commit and not already):
         problems += _branch_problems(gstore, commit, branch, history, key_ref_agrees=at == commit and not already)

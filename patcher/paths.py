@@ -24,6 +24,10 @@ __all__ = ["check_path", "check_paths", "verify_path"]
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 _DRIVE = re.compile(r"^[A-Za-z]:")
+#: The longest file name (NAME_MAX) and relative path (PATH_MAX less its terminator) a checkout can write
+#: on Linux: git takes longer ones into a tree, but no worktree can hold them (ENAMETOOLONG).
+_NAME_MAX = 255
+_PATH_MAX = 4095
 # Code points HFS+ ignores when comparing names (git's next_hfs_char).
 _HFS_IGNORABLE = frozenset([0x200C, 0x200D, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x206A, 0x2070), 0xFEFF])
 _MODE_LINK = 0o120000
@@ -175,6 +179,8 @@ def check_path(path: str) -> str:
             raise _refuse(path, "'..' component")
         if _names_git_dir(_rest(components, n)):
             raise _refuse(path, "'.git' component")
+        if len(component) > _NAME_MAX // 4 and len(component.encode("utf-8")) > _NAME_MAX:
+            raise _refuse(path, f"path component longer than {_NAME_MAX} bytes")
         parts.append(component)
     if not parts:
         raise _refuse(path, "empty path")
@@ -209,7 +215,7 @@ def check_paths(paths: Iterable[str], *, removed: Iterable[str] = ()) -> None:
     a file may become a folder (delete ``x``, add ``x/y``) and back.
 
     Raises:
-        UnsafePath: a path is unsafe; two paths normalise to the same path
+        UnsafePath: a path is unsafe, or longer than a checkout can write; two paths normalise to the same path
             (reason ``duplicate path``); or of two paths that both remain, one
             is a leading directory of the other (``details["conflicts_with"]``
             names the deeper one).
@@ -219,6 +225,8 @@ def check_paths(paths: Iterable[str], *, removed: Iterable[str] = ()) -> None:
         norm = check_path(raw)
         if norm in seen:
             raise _refuse(raw, "duplicate path")
+        if len(norm) > _PATH_MAX // 4 and len(norm.encode("utf-8")) > _PATH_MAX:
+            raise _refuse(raw, f"path longer than {_PATH_MAX} bytes")
         seen[norm] = raw
     gone = {check_path(raw) for raw in removed}
     for norm, raw in seen.items():

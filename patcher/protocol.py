@@ -29,9 +29,23 @@ from patcher.outcome import KEY_REF_PREFIX, REJECTIONS, ApplyResult, foreign_err
 __all__ = ["ApplyResult", "Caller", "apply", "store_root_for", "replay_final", "foreign_error", "KEY_REF_PREFIX", "REJECTIONS"]
 
 def store_root_for(common_dir: str, store: str | None = None) -> str:
-    """``--store``, else ``$ONCEPATCH_STORE``, else ``<git-common-dir>/oncepatch``."""
-    root = store or os.environ.get("ONCEPATCH_STORE") or os.path.join(common_dir, "oncepatch")
-    return os.path.abspath(root)
+    """``--store``, else ``$ONCEPATCH_STORE``, else ``<git-common-dir>/oncepatch``.
+
+    Raises:
+        UsageError: a store inside the git directory but outside its ``oncepatch`` folder: git reads
+            every file there as its own (a receipt under ``refs/`` is a broken ref that fails `git gc`).
+    """
+    default = os.path.join(common_dir, "oncepatch")
+    root = os.path.abspath(store or os.environ.get("ONCEPATCH_STORE") or default)
+    real, git_dir = os.path.realpath(root), os.path.realpath(common_dir)
+    if _is_within(real, git_dir) and not _is_within(real, os.path.realpath(default)):
+        raise UsageError(f"cannot use the store '{root}': it lies inside the git directory '{common_dir}', "
+                         f"where git reads every file as its own (use '{default}' or a folder outside it)")
+    return root
+
+
+def _is_within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def apply(

@@ -196,10 +196,11 @@ class Ledger:
         return TornTail(good_len, data, complete, own)
 
     def refuse_foreign_tail(self, **kw: Any) -> None:
-        """Raise if the ledger's last line is torn and is no append of ours (one byte read when it is not torn).
+        """Raise if the ledger's last line is torn and is no append of ours, or is a whole line that is no
+        event (the last line read when it is not torn).
 
         Raises:
-            CorruptLedger: such a tail (``kw``: the error's fields), or an unreadable last full line.
+            CorruptLedger: such a tail or last line (``kw``: the error's fields).
         """
         try:
             fd = open_regular(self.path)
@@ -207,11 +208,22 @@ class Ledger:
             return  # none, or unreadable: the append itself reports it
         try:
             size = os.fstat(fd).st_size
-            if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
-                return
+            whole = size == 0 or os.pread(fd, 1, size - 1) == b"\n"
         finally:
             os.close(fd)
-        torn = self.torn_tail()
+        if size == 0:
+            return
+        try:
+            # A whole last line that is no event (added by hand) fails the append after the call's first
+            # receipt write (a `prepared` receipt left behind): refused here, before it.
+            if whole:
+                self._tail()
+                return
+            torn = self.torn_tail()
+        except CorruptLedger as exc:
+            raise CorruptLedger(f"{exc.message}: nothing is appended to it; 'oncepatch recover' reports it, "
+                                "'oncepatch quarantine --ledger' moves it aside", next_action="recover",
+                                details={"path": self.path}, **kw) from None
         if torn is not None and not torn.own:
             raise self._foreign_tail(**kw)
 

@@ -26,6 +26,9 @@ REMOVABLE_STATES = ("committed", "rejected")
 #: the error's message, a tool's result); every other arg is read by the engine, verify, replay or drift.
 REDACTABLE = ("args.message", "args.check", "error.message", "result")
 _DAY = 86400.0
+#: The longest age a policy may name: a hundred years. Past it a float of seconds loses whole days, and
+#: ``inf`` or a TOML integer beyond a float's range would overflow where the age is compared or shown.
+_MAX_DAYS = 36500
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +78,8 @@ def _table(path: str, doc: dict[str, Any], name: str, known: set[str]) -> dict[s
 
 
 def _days(path: str, where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise _bad(path, f"'{where}' must be a number of days, 0 or more")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= _MAX_DAYS:
+        raise _bad(path, f"'{where}' must be a number of days from 0 to {_MAX_DAYS}")
     return float(value) * _DAY
 
 

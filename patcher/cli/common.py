@@ -7,7 +7,7 @@ from typing import Any, NoReturn
 
 from receipts import lookup
 
-__all__ = ["add_common", "store_root", "seconds", "positive_seconds", "at_least_one", "path_given"]
+__all__ = ["add_common", "store_root", "seconds", "positive_seconds", "at_least_one", "path_given", "text"]
 
 
 def _refuse(message: str) -> NoReturn:
@@ -46,6 +46,19 @@ def path_given(text: str) -> str:
     if not text:
         _refuse("must be a path, not empty (leave the option out for the default)")
     return text
+
+
+def text(value: str) -> str:
+    """An argparse type: text that is UTF-8 (a key, a note), unlike a path, which may be any bytes.
+
+    Bytes that are not UTF-8 reach ``sys.argv`` as lone surrogates, which no receipt, ledger or
+    envelope can hold: refused here, before anything is read or written.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        _refuse("not valid UTF-8")
+    return value
 
 
 class _DirOption(argparse.Action):

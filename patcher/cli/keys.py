@@ -9,7 +9,7 @@ from cas.errors import EXIT_OK
 from receipts.receipt import now_iso
 from receipts.signing import init_keys, list_keys, rotate_keys, signers_path
 from receipts.store import ReceiptStore
-from patcher.cli.common import add_common, store_root
+from patcher.cli.common import add_common, store_root, text
 
 __all__ = ["register", "HANDLERS"]
 
@@ -18,7 +18,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("keys", help="a signed store's keys: init, rotate, list")
     add_common(p)
     p.add_argument("action", choices=["init", "rotate", "list"])
-    p.add_argument("--note", default="", help="why (kept with the key in the allowed-signers list)")
+    p.add_argument("--note", default="", type=text, help="why (kept with the key in the allowed-signers list)")
 
 
 def _cmd_keys(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:

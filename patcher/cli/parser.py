@@ -12,7 +12,7 @@ from patcher.cli import gc as cli_gc, revert as cli_revert
 from patcher.cli import dirs as cli_dirs, doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
 from patcher.cli import drift as cli_drift, replay as cli_replay, stats as cli_stats
 from patcher.version import version
-from patcher.cli.common import add_common, at_least_one, positive_seconds, seconds
+from patcher.cli.common import add_common, at_least_one, positive_seconds, seconds, text
 
 __all__ = ["build_parser", "the_parser"]
 
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="the verified receipt of a key or call_id")
     add_common(p)
-    p.add_argument("key", metavar="KEY", help="the idempotency key (--key of apply), or a call_id (opc1:...)")
+    p.add_argument("key", metavar="KEY", type=text, help="the idempotency key (--key of apply), or a call_id (opc1:...)")
 
     p = sub.add_parser("log", help="the event ledger")
     add_common(p)

@@ -26,7 +26,7 @@ from receipts.watcher import Watcher
 from patcher import doctor
 from cas.progress import count
 from patcher.cli.progress import shown as with_progress
-from patcher.cli.common import add_common, at_least_one, positive_seconds, seconds, store_root
+from patcher.cli.common import add_common, at_least_one, positive_seconds, seconds, store_root, text
 
 __all__ = ["register", "HANDLERS"]
 
@@ -83,21 +83,21 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("resolve", help="settle an unknown receipt by hand")
     add_common(p)
-    p.add_argument("key", metavar="KEY", help="the key (or call_id) of the unknown receipt")
+    p.add_argument("key", metavar="KEY", type=text, help="the key (or call_id) of the unknown receipt")
     p.add_argument("--as", dest="as_", required=True, choices=["committed", "rejected"],
                    help="what happened: committed (the effect took place) or rejected (it did not); "
                         "a claim its adapter contradicts is refused")
-    p.add_argument("--note", default="", help="why (recorded in the ledger)")
+    p.add_argument("--note", default="", type=text, help="why (recorded in the ledger)")
     p.add_argument("--lock-timeout", type=seconds, default=DEFAULT_LOCK_TIMEOUT,
                    help=f"seconds to wait for the key's lock and a worktree's index.lock "
                         f"(default {DEFAULT_LOCK_TIMEOUT:g})")
 
     p = sub.add_parser("quarantine", help="move a receipt, or the ledger, aside as evidence (never deleted)")
     add_common(p)
-    p.add_argument("key", nargs="?", help="the key whose receipt file moves aside")
+    p.add_argument("key", nargs="?", type=text, help="the key whose receipt file moves aside")
     p.add_argument("--ledger", action="store_true",
                    help="move events.jsonl aside and start a new ledger adopting the receipts that verify")
-    p.add_argument("--note", default="", help="why (recorded with the evidence and in the ledger)")
+    p.add_argument("--note", default="", type=text, help="why (recorded with the evidence and in the ledger)")
     p.add_argument("--lock-timeout", type=seconds, default=DEFAULT_LOCK_TIMEOUT,
                    help=f"seconds to wait for the key's or the ledger's lock (default {DEFAULT_LOCK_TIMEOUT:g})")
 

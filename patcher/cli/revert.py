@@ -7,7 +7,7 @@ from typing import Any
 
 from cas.errors import EXIT_OK
 from receipts.store import ReceiptStore
-from patcher.cli.common import add_common, seconds, store_root
+from patcher.cli.common import add_common, seconds, store_root, text
 from patcher.cli.progress import shown
 
 __all__ = ["register", "HANDLERS"]
@@ -18,8 +18,8 @@ def register(sub: Any) -> None:
                        description="Apply the inverse of KEY's commit to its branch as a new keyed call "
                                    "(NEW_KEY), once; its receipt names KEY ('compensates'). docs/LIFECYCLE.md")
     add_common(p)
-    p.add_argument("key", metavar="KEY", help="the key (or call_id) whose change is undone")
-    p.add_argument("--key", dest="new_key", required=True, metavar="NEW_KEY",
+    p.add_argument("key", metavar="KEY", type=text, help="the key (or call_id) whose change is undone")
+    p.add_argument("--key", dest="new_key", required=True, metavar="NEW_KEY", type=text,
                    help="the idempotency key of the compensating call")
     p.add_argument("--lock-timeout", type=seconds, default=30.0, help="seconds to wait for each lock (default 30)")
 

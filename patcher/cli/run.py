@@ -35,6 +35,8 @@ __all__ = ["main", "build_parser"]
 def _read_patch(name: str) -> bytes:
     try:
         if name == "-":
+            if sys.stdin is None:  # started with file descriptor 0 closed
+                raise UsageError("cannot read patch '-': standard input is closed")
             return sys.stdin.buffer.read()
         with open(name, "rb") as fh:
             return fh.read()
@@ -132,9 +134,30 @@ def _cmd_serve(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 _HANDLERS["serve"] = _cmd_serve
 
 
+def _printable(value: Any) -> Any:
+    """``value`` as JSON can hold it: each string's undecodable bytes (lone surrogates from ``sys.argv``)
+    shown as ``\\xNN``, an integer past 64 bits (a size a patch claims) as its decimal string."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 64):
+        return str(value)
+    if isinstance(value, str):
+        try:
+            return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:  # a surrogate no byte escapes to (one from JSON input): shown as \\udNNN
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_printable(v) for v in value]
+    return value
+
+
 def _emit(doc: dict[str, Any], text: str, as_json: bool) -> None:
     if as_json:
-        sys.stdout.buffer.write(jsonio.dumps(doc) + b"\n")
+        try:
+            data = jsonio.dumps(doc)
+        except jsonio.JsonError:  # a message quoting bytes that are not UTF-8, a size past 64 bits
+            data = jsonio.dumps(_printable(doc))
+        sys.stdout.buffer.write(data + b"\n")
     else:
         sys.stdout.write(text)
     sys.stdout.flush()

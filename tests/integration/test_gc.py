@@ -84,6 +84,12 @@ def test_dry_run_changes_nothing(tmp_path: Path) -> None:
     ("[remvoe]\nolder_than_days = 0\n", "unknown key 'remvoe'"),
     ("[remove]\nstates = [\"prepared\"]\n", "may name only committed and rejected"),
     ("[remove\n", "not TOML"),
+    # An age past any float (a TOML integer of 400 digits) or infinite used to overflow: internal, exit 1.
+    (f"[remove]\nolder_than_days = {10 ** 400}\n", "'remove.older_than_days' must be a number of days from 0"),
+    ("[remove]\nolder_than_days = inf\n", "'remove.older_than_days' must be a number of days from 0"),
+    (f"[keep]\nledger_days = {10 ** 400}\n[remove]\n", "'keep.ledger_days' must be a number of days from 0"),
+    ("[keep]\nledger_days = inf\n[remove]\n", "'keep.ledger_days' must be a number of days from 0"),
+    ("[redact]\nolder_than_days = 1e400\nfields = [\"result\"]\n", "'redact.older_than_days' must be a number"),
 ])
 def test_a_policy_with_a_misspelt_key_is_refused_and_changes_nothing(tmp_path: Path, policy: str, why: str) -> None:
     repo = three_calls(tmp_path)

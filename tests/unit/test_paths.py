@@ -23,6 +23,8 @@ from patcher.paths import check_path, check_paths, verify_path
         ("café/ü.txt", "café/ü.txt"),
         ("a..b/c...", "a..b/c..."),
         ("name with spaces", "name with spaces"),
+        ("x" * 255, "x" * 255),
+        ("/".join(["d" * 200] * 20), "/".join(["d" * 200] * 20)),  # 4019 bytes
     ],
 )
 def test_safe_paths_are_normalised(path: str, normal: str) -> None:
@@ -68,6 +70,8 @@ def test_safe_paths_are_normalised(path: str, normal: str) -> None:
         ("a/", "trailing slash"),
         ("a/b/", "trailing slash"),
         ("a//b", "empty path component"),
+        ("x" * 256, "path component longer than 255 bytes"),
+        ("d/" + "\u00e9" * 128, "path component longer than 255 bytes"),  # 256 bytes in UTF-8
     ],
 )
 def test_unsafe_paths_are_refused(path: str, reason: str) -> None:
@@ -81,6 +85,13 @@ def test_unsafe_paths_are_refused(path: str, reason: str) -> None:
 
 def test_check_paths_accepts_distinct_paths() -> None:
     check_paths(["a/b", "a/c", "b", "ab/c", "a.txt"])
+
+
+def test_check_paths_refuses_a_path_longer_than_a_checkout_can_write() -> None:
+    check_paths(["/".join(["d" * 200] * 20)])  # 4019 bytes
+    with pytest.raises(UnsafePath) as info:
+        check_paths(["ok", "/".join(["d" * 200] * 21)])
+    assert info.value.details["reason"] == "path longer than 4095 bytes"
 
 
 def test_check_paths_checks_each_path() -> None:

@@ -55,7 +55,9 @@ dir = "kept/archives"
 
 @pytest.mark.parametrize("text", [
     "[remove]\nolder_then_days = 1\n", "[keep]\nledger_day = 1\n", "retain = 1\n", "[remove]\nstates = [\"unknown\"]\n",
-    "[remove]\nolder_than_days = -1\n", "[redact]\nfields = [\"body\"]\n", "[keep]\nledger_events = true\n",
+    "[remove]\nolder_than_days = -1\n", "[remove]\nolder_than_days = inf\n", "[remove]\nolder_than_days = nan\n",
+    f"[remove]\nolder_than_days = {10 ** 400}\n", "[keep]\nledger_days = inf\n", f"[keep]\nledger_days = {10 ** 30}\n",
+    "[redact]\nolder_than_days = 36501\n", "[redact]\nfields = [\"body\"]\n", "[keep]\nledger_events = true\n",
     "schema = \"oncepatch.retention/2\"\n",
     # What verify, replay, drift or a compensation link read: never redacted.
     "[redact]\nfields = [\"args.repo\"]\n", "[redact]\nfields = [\"args.branch\"]\n",
