@@ -229,6 +229,16 @@ def exchange(argv: list[str], how: str, fds: tuple[int, int, int, int] | None = 
         s.close()
 
 
+def _standard_fds_open() -> bool:
+    """Whether descriptors 0, 1 and 2 are open (a caller may start this process with one closed)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            return False
+    return True
+
+
 def call(argv: list[str]) -> int | None:
     """Run ``argv`` through a server: its exit status, or None to run it in process instead."""
     how = mode(argv)
@@ -240,6 +250,8 @@ def call(argv: list[str]) -> int | None:
         return None
     if os.environ.get("ONCEPATCH_PAUSE_AT"):
         return None  # a pause point stops the process running the call: its caller watches this one
+    if not _standard_fds_open():
+        return None  # the socket would take the closed number and be passed as the call's own stream
     try:
         started, last = exchange(argv, how)
     except NoServer as exc:

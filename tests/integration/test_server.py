@@ -383,6 +383,25 @@ def test_a_client_killed_mid_call_does_not_stop_the_call(tmp_path: Path, server:
     assert run_cli("verify", cwd=repo.path, env=server.env).code == 0
 
 
+def test_a_call_with_its_standard_input_closed_is_answered_not_left_reading_the_socket(
+        tmp_path: Path, server: Server) -> None:
+    """``oncepatch apply - <&-`` with a server: the client's socket took descriptor 0 and was passed as stdin.
+
+    The call then read its patch from its own connection and never ended; it
+    now runs in process, which refuses a closed standard input (exit 2).
+    """
+    repo = make_repo(tmp_path / "repo", FILES)
+    before = repo.git("rev-parse", "HEAD").strip()
+    command = Path(sys.executable).parent / "oncepatch"
+    res = subprocess.run([str(command), "apply", "-", "--json", "--key", "k"], cwd=repo.path,
+                         env={**os.environ, **server.env}, stdin=None, capture_output=True, check=False,
+                         timeout=120, preexec_fn=lambda: os.close(0))
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    err = json.loads(res.stdout)["error"]
+    assert err["type"] == "usage" and err["effect_status"] == "not_started" and "closed" in err["message"], err
+    assert repo.git("rev-parse", "HEAD").strip() == before and repo.count() == 1
+
+
 def test_an_idle_server_exits_and_takes_its_socket_away(tmp_path: Path) -> None:
     folder = tmp_path / "srv"
     pid = start_server(folder, "--idle", "0.5")
