@@ -10,13 +10,13 @@ identity, so it changes only when the same args would produce another effect.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from cas.errors import UsageError
 from cas.gitdir import GitLayout, discover, main_worktree_of, read_head, resolve_symbolic
 from cas.hashing import sha256_hex
+from receipts.environ import env_int
 from patcher.errors import TooLarge
 from patcher.formats import BUILTIN_NAMES, known_format
 from patcher.remote_mode import Remote, resolve_remote
@@ -26,7 +26,7 @@ __all__ = ["TOOL", "TOOL_VERSION", "MAX_PATCH_BYTES", "CallArgs", "check_message
 
 TOOL = "apply_patch"
 TOOL_VERSION = "1"
-MAX_PATCH_BYTES = int(os.environ.get("ONCEPATCH_MAX_PATCH_BYTES", str(64 << 20)))
+MAX_PATCH_BYTES = env_int("ONCEPATCH_MAX_PATCH_BYTES", 64 << 20)
 
 #: What ``git check-ref-format`` refuses in a branch name, as a pattern (for reference and the
 #: tests; :func:`bad_branch_name` checks it without ``re``, which a replay never imports):

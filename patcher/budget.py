@@ -13,17 +13,17 @@ per file).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+from receipts.environ import env_int
 from patcher.errors import TooLarge
 
 __all__ = ["MAX_MATCH_WORK", "LINEAR_ALLOWANCE", "WorkBudget", "work_budget", "current_budget"]
 
 #: The line steps one call may spend matching beyond :data:`LINEAR_ALLOWANCE` (module docstring).
-MAX_MATCH_WORK = int(os.environ.get("ONCEPATCH_MAX_MATCH_WORK", str(16_000_000)))
+MAX_MATCH_WORK = env_int("ONCEPATCH_MAX_MATCH_WORK", 16_000_000)
 
 #: Steps allowed per line of each file matched and of its hunks, on top of :data:`MAX_MATCH_WORK`:
 #: splitting, keying at every grade, one search.

@@ -18,7 +18,6 @@ the push are :mod:`patcher.remote_refs`'s (the git adapter asks it too, for
 
 from __future__ import annotations
 
-import os
 import random
 import time
 
@@ -26,6 +25,7 @@ from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch
 from cas.errors import OncepatchError, RefUpdateUnknown
 from receipts.engine import check_same_intent, pause_point
+from receipts.environ import env_int
 from receipts.errors import CorruptReceipt
 from receipts.identity import key_hash
 from receipts.receipt import Receipt
@@ -43,7 +43,7 @@ __all__ = ["MAX_REMOTE_ROUNDS", "execute_remote"]
 
 #: Re-stages onto a moved remote head before the call gives up with a conflict.  Higher than
 #: the local bound: no turn-taking lock spans machines, so a loser may lose several rounds.
-MAX_REMOTE_ROUNDS = int(os.environ.get("ONCEPATCH_REMOTE_ROUNDS", "64"))
+MAX_REMOTE_ROUNDS = env_int("ONCEPATCH_REMOTE_ROUNDS", 64)
 #: The first wait after a lost lease is up to this long (then doubling, up to ``BACKOFF_MAX_S``).
 BACKOFF_S = 0.01
 BACKOFF_MAX_S = 0.1

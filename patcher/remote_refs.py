@@ -30,6 +30,7 @@ import pygit2
 from cas.errors import EXIT_REJECTED, CasError, EffectStatus, GitStoreError, NextAction, UsageError
 from cas.objects import GitStore, TreeEntry
 from receipts.adapter import QueryResult
+from receipts.environ import env_float
 from receipts.errors import CorruptReceipt
 from receipts.identity import key_hash
 from receipts.receipt import DIGEST_FIELD, SIGNATURE_FIELD, Receipt, parse_receipt, receipt_doc_bytes
@@ -47,7 +48,7 @@ __all__ = ["RECEIPTS_REF_PREFIX", "RECEIPT_FILE", "Pushed", "RemoteUnreachable",
 RECEIPTS_REF_PREFIX = "refs/oncepatch/receipts/"
 RECEIPT_FILE = "receipt.json"
 #: How long one fetch or push may take before it is given up (its outcome then unknown).
-GIT_TIMEOUT = float(os.environ.get("ONCEPATCH_REMOTE_TIMEOUT", "120"))
+GIT_TIMEOUT = env_float("ONCEPATCH_REMOTE_TIMEOUT", 120.0)
 
 
 def tracking_ref(remote: Remote, branch: str) -> str:

@@ -37,6 +37,7 @@ import orjson
 from cas.durable import DurableBatch, NotRegularFile, fsync_dir, make_dirs, open_dir_nofollow, open_regular, write_all
 from cas.errors import DurableWriteError, UnsafeWorktreePath, UsageError
 from receipts import jsonio
+from receipts.environ import env_int
 from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
 from receipts.flock import FolderLock, file_lock, held_elsewhere
 from receipts.identity import key_hash
@@ -55,7 +56,7 @@ DEFAULT_LOCK_TIMEOUT = 30.0
 #: patch (measured: 300 deletions, a 6,522-byte patch, a 40,163-byte receipt), and a patch at
 #: most 64 MiB (ONCEPATCH_MAX_PATCH_BYTES).  Anything larger was not written by a call:
 #: refused by its size (fstat), never read.
-MAX_RECEIPT_BYTES = int(os.environ.get("ONCEPATCH_MAX_RECEIPT_BYTES", str(512 << 20)))
+MAX_RECEIPT_BYTES = env_int("ONCEPATCH_MAX_RECEIPT_BYTES", 512 << 20)
 
 #: Read errors that may pass: a retry may read the file (``io_error``, exit 5), not a corrupt store.
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EINTR, errno.ENOMEM, errno.EAGAIN, errno.ENFILE,

@@ -18,6 +18,7 @@ from cas.durable import write_durable
 from cas.errors import EXIT_IN_PROGRESS, EXIT_OK, EXIT_VERIFY, UsageError
 from cas.gitdir import GitLayout, discover
 from receipts import jsonio
+from receipts.environ import env_float
 from receipts.manual import resolve_by_hand
 from receipts.recovery import DEFAULT_TMP_AGE, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore, check_store_root
@@ -41,14 +42,6 @@ def _adapters(rstore: Any, *, read_only: bool = False, lock_timeout: float | Non
     # grow (to hundreds of MiB over 100k receipts) without ever being hit.
     pygit2.settings.enable_caching(False)
     return adapters(rstore, {}, read_only=read_only, lock_timeout=lock_timeout)
-
-
-def _env_seconds(name: str, default: float) -> float:
-    """A default taken from the environment (ignored when not a number)."""
-    try:
-        return float(os.environ.get(name) or default)
-    except ValueError:
-        return default
 
 
 def register(sub: Any) -> None:
@@ -158,7 +151,7 @@ def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
 
 def _cmd_verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     rstore = ReceiptStore(store_root(args))
-    grace = args.grace if args.grace is not None else _env_seconds("ONCEPATCH_VERIFY_GRACE", 300.0)
+    grace = args.grace if args.grace is not None else env_float("ONCEPATCH_VERIFY_GRACE", 300.0)
     with with_progress("verifying: receipts read"):
         report = verify(rstore, _adapters(rstore), grace=grace, progress=_progress,
                         jobs=args.jobs or (os.cpu_count() or 1), verifiers_factory="patcher.cli.recovery:_adapters")

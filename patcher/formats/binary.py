@@ -10,9 +10,9 @@ of the patch (agents and mailers drop trailing blank lines).
 
 from __future__ import annotations
 
-import os
 import zlib
 
+from receipts.environ import env_int
 from patcher.errors import ContextNotFound, ParseError, TooLarge
 from patcher.matching import chomp
 
@@ -21,7 +21,7 @@ __all__ = ["BinaryHunk", "InflateBudget", "MAX_BINARY_BYTES", "read_binary_hunks
 
 #: The largest file a binary hunk may inflate to, or a delta may make (bytes).  The
 #: patch's own limit does not bound them: deflated data and deltas are far smaller.
-MAX_BINARY_BYTES = int(os.environ.get("ONCEPATCH_MAX_BINARY_BYTES", str(512 << 20)))
+MAX_BINARY_BYTES = env_int("ONCEPATCH_MAX_BINARY_BYTES", 512 << 20)
 
 #: (method, inflated bytes): method is ``"literal"`` or ``"delta"``.
 BinaryHunk = tuple[str, bytes]

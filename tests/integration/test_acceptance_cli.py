@@ -228,3 +228,16 @@ def test_doctor_names_a_ledger_that_refuses_every_call(tmp_path: Path, line: byt
     r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "after",
                 input=PATCH.replace(b"added.txt", b"after.txt"))
     assert r.code == 0, r.out + r.err
+
+
+@pytest.mark.parametrize("name", ["ONCEPATCH_MAX_PATCH_BYTES", "ONCEPATCH_MAX_RECEIPT_BYTES",
+                                  "ONCEPATCH_MAX_BINARY_BYTES", "ONCEPATCH_MAX_MATCH_WORK",
+                                  "ONCEPATCH_REMOTE_ROUNDS", "ONCEPATCH_REMOTE_TIMEOUT"])
+def test_a_limit_in_the_environment_that_is_not_a_number_leaves_the_default(tmp_path: Path, name: str) -> None:
+    # Read with a bare int()/float() at import: every command crashed with a traceback (exit 1, no JSON).
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    patch = b"--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hello world\n"
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "k", input=patch, env={name: "abc"})
+    assert r.code == 0, r.out + r.err
+    assert "Traceback" not in r.err and r.json["status"] == "committed"
+    assert (repo.path / "README").read_text() == "hello world\n"
