@@ -54,7 +54,7 @@ def check_message(message: object) -> str | None:
 
     Raises:
         UsageError: not a string; a control character other than newline and
-            tab; a line starting ``Oncepatch-`` (any case, after any blanks).
+            tab; a blank first line; a line starting ``Oncepatch-`` (any case, after any blanks).
     """
     if message is None:
         return None
@@ -65,6 +65,10 @@ def check_message(message: object) -> str | None:
         raise UsageError(f"the message holds a control character ({message[at]!r} at character {at}): "
                          "only newline and tab are allowed",
                          details={"reason": "control_character", "at": at})
+    if message and not message.split("\n", 1)[0].strip(" \t"):
+        # git strips blank lines and refuses what is left empty; libgit2 would write a blank subject.
+        raise UsageError("the message's first line is blank: give a subject, or leave out --message for "
+                         "the default one", details={"reason": "blank_subject"})
     for n, line in enumerate(message.split("\n"), 1):
         if line.lstrip(" \t").lower().startswith(_OWN_TRAILER):
             raise UsageError(f"the message's line {n} starts with 'Oncepatch-': oncepatch writes its own "

@@ -45,8 +45,9 @@ def envelope(result: Any) -> dict[str, Any]:
 # -- messages ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("message", ["fix\x00it", "fix\r\nit", "fix \x1b[31mred", FORGED, "x\n\noncepatch-key: 00"],
-                         ids=["nul", "carriage_return", "escape", "forged_trailers", "forged_lowercase"])
+@pytest.mark.parametrize("message", ["fix\x00it", "fix\r\nit", "fix \x1b[31mred", FORGED, "x\n\noncepatch-key: 00",
+                                     "   "],
+                         ids=["nul", "carriage_return", "escape", "forged_trailers", "forged_lowercase", "blank"])
 def test_the_api_refuses_a_message_git_would_not_keep_and_nothing_changes(repo: Repo, message: str) -> None:
     before = snapshot(repo)
     with patcher.Client(repo.path) as client:
@@ -61,7 +62,7 @@ def test_the_api_refuses_a_message_git_would_not_keep_and_nothing_changes(repo: 
 
 
 def test_the_cli_refuses_a_message_git_would_not_keep_and_nothing_changes(repo: Repo) -> None:
-    for message in ("fix \x1b[2J", FORGED):
+    for message in ("fix \x1b[2J", FORGED, "   "):
         before = snapshot(repo)
         r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "k", "--message", message,
                     input=EDIT.encode())

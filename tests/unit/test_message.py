@@ -59,3 +59,11 @@ def test_trailers_of_our_own_are_refused(message: str, line: int) -> None:
 def test_a_message_that_is_not_text_is_refused() -> None:
     with pytest.raises(UsageError):
         check_message(b"fix")
+
+
+@pytest.mark.parametrize("message", ["   ", "\t", "\n", " \nbody", "\n\nsubject after blank lines"])
+def test_a_blank_subject_is_refused(message: str) -> None:
+    # git refuses an empty message after stripping blank lines; libgit2 would write an empty subject line.
+    with pytest.raises(UsageError) as info:
+        check_message(message)
+    assert info.value.details == {"reason": "blank_subject"}
