@@ -46,8 +46,9 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import pygit2
@@ -59,7 +60,8 @@ from cas.pids import gone as pid_gone
 
 __all__ = ["DirLayout", "layout_of", "current_tree", "build", "switch", "outside_edits", "digest_mismatches",
            "generation_folders", "remove_generation", "switch_lock", "leftovers", "tree_files", "syncfs", "BRANCH",
-           "HOME_SUFFIX", "QUARANTINE", "is_real_folder", "trusted_generation", "quarantine"]
+           "HOME_SUFFIX", "QUARANTINE", "is_real_folder", "trusted_generation", "quarantine", "compare_folder",
+           "remove_tree", "LAYOUT_CONFIG"]
 
 BRANCH = "refs/heads/generations"
 HOME_SUFFIX = ".oncepatch"
@@ -75,10 +77,17 @@ class DirLayout:
     """Where a directory target's parts live (module docstring)."""
 
     path: str  # PATH, absolute, as given (not resolved: it is the symlink)
+    #: The shared layout (``init --dir --share-folders``, :mod:`cas.tree_folders`): one folder per git tree.
+    shared: bool = False
 
     @property
     def home(self) -> str:
         return self.path + HOME_SUFFIX
+
+    @property
+    def folder_name(self) -> str:
+        """``generations`` (one whole folder per generation) or ``trees`` (the shared layout)."""
+        return "trees" if self.shared else "generations"
 
     @property
     def objects(self) -> str:
@@ -86,7 +95,8 @@ class DirLayout:
 
     @property
     def generations(self) -> str:
-        return os.path.join(self.home, "generations")
+        """The folder holding the generations (``trees/`` in the shared layout: every tree's folder)."""
+        return os.path.join(self.home, self.folder_name)
 
     @property
     def manifests(self) -> str:
@@ -97,17 +107,33 @@ class DirLayout:
 
     def link_target(self, tree: str) -> str:
         """The symlink's text: relative to PATH's folder, so the pair can be moved together."""
-        return os.path.join(os.path.basename(self.home), "generations", tree)
+        return os.path.join(os.path.basename(self.home), self.folder_name, tree)
+
+
+#: The object database's config key naming the layout: ``shared`` (``init --dir --share-folders``), else whole.
+LAYOUT_CONFIG = "oncepatch.layout"
 
 
 def layout_of(path: str) -> DirLayout:
-    """The layout of the directory target ``path`` (absolute, trailing slashes dropped; a symlink kept)."""
+    """The layout of the directory target ``path`` (absolute, trailing slashes dropped; a symlink kept).
+
+    Shared or not as its object database's config says (``oncepatch.layout``).
+    """
     if not path:
         raise UsageError("--dir needs a folder, not an empty path")
     parent, name = os.path.split(os.path.abspath(path).rstrip("/") or "/")
     if not name:
         raise UsageError(f"'{path}' cannot be a directory target (it has no name)")
-    return DirLayout(os.path.join(os.path.realpath(parent), name))
+    found = DirLayout(os.path.join(os.path.realpath(parent), name))
+    config = os.path.join(found.objects, "config")
+    if os.path.lexists(config):
+        try:
+            shared = pygit2.Config(config)[LAYOUT_CONFIG] == "shared"
+        except (KeyError, pygit2.GitError, OSError):
+            shared = False
+        if shared:
+            return DirLayout(found.path, shared=True)
+    return found
 
 
 def current_tree(layout: DirLayout) -> str | None:
@@ -117,7 +143,7 @@ def current_tree(layout: DirLayout) -> str | None:
     except OSError:
         return None
     head, name = os.path.split(target)
-    if head != os.path.join(os.path.basename(layout.home), "generations") or not _HEX40.fullmatch(name):
+    if head != os.path.join(os.path.basename(layout.home), layout.folder_name) or not _HEX40.fullmatch(name):
         return None
     return name
 
@@ -242,6 +268,10 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
         UsageError: the tree holds a submodule (a commit entry), which a folder cannot hold.
         OSError: the disk's failure; the ``.tmp-`` folder is removed.
     """
+    if layout.shared:
+        from cas import tree_folders
+
+        return tree_folders.build(repo, layout, tree, source, moved_aside)
     final = layout.generation(tree)
     if os.path.lexists(final):
         if trusted_generation(layout, tree):
@@ -298,7 +328,7 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
         write_durable(os.path.join(layout.manifests, tree), orjson.dumps(manifest), mode=0o444)
         os.rename(tmp, final)
     except BaseException:
-        _remove_tree(tmp)
+        remove_tree(tmp)
         raise
     fsync_dir(layout.generations)
     return True
@@ -430,7 +460,7 @@ def switch(layout: DirLayout, tree: str) -> None:
         UsageError: ``PATH`` is a real folder (not adopted: ``oncepatch init --dir``).
     """
     parent, name = os.path.split(layout.path)
-    if os.path.isdir(layout.path) and not os.path.islink(layout.path):
+    if is_real_folder(layout.path):
         raise UsageError(f"'{layout.path}' is a folder, not a directory target: adopt it first with "
                          f"'oncepatch init --dir {layout.path}'")
     tmp = os.path.join(parent, f".{name}{_LINK_MARK}{os.getpid()}-{os.urandom(4).hex()}")
@@ -447,32 +477,48 @@ def switch(layout: DirLayout, tree: str) -> None:
 # -- edits outside oncepatch ------------------------------------------------------------------
 
 
-def outside_edits(layout: DirLayout, tree: str) -> list[str]:
+def outside_edits(layout: DirLayout, tree: str, paths: Iterable[str] | None = None) -> list[str]:
     """Paths of generation ``tree`` that differ from its manifest (changed, added, removed), sorted; lstat only.
 
     A generation with no manifest (built by another version, or its manifest
     lost) is reported as ``"(no manifest)"``, one whose folder is gone as
     ``"(no folder)"`` (``recover`` builds it again).
 
+    ``paths`` (the shared layout only; :func:`cas.tree_folders.outside_edits`):
+    compare only the folders those paths run through.  A whole generation is
+    compared whole, whatever ``paths`` says.
+
     Every entry is stat'ed relative to its folder's descriptor (``fstatat``, as
     the build links: no path walk per file) and compared with the manifest's
-    lists as parsed; the paths the manifest has and the folder lacks are only
-    looked for when fewer of its files were met than it lists.  (Threads were
+    lists as parsed (:func:`compare_folder`); a path the manifest lists and the
+    walk did not meet is reported, never looked up by its path.  (Threads were
     measured and dropped: the comparison holds the GIL, and it is most of the
     cost; docs/BENCHMARKS.md, "Issue 28".)
     """
+    if layout.shared:
+        from cas import tree_folders
+
+        return tree_folders.outside_edits(layout, tree, paths)
     try:
         with open(os.path.join(layout.manifests, tree), "rb") as fh:
             manifest = orjson.loads(fh.read())
     except (OSError, orjson.JSONDecodeError):
         return ["(no manifest)"]
-    root = layout.generation(tree)
+    found = compare_folder(layout.generation(tree), manifest)
+    return ["(no folder)"] if found is None else found
+
+
+def compare_folder(root: str, manifest: dict[str, Any]) -> list[str] | None:
+    """Entries below the folder ``root`` that differ from ``manifest`` (``{path: [inode, size, mtime_ns, mode]}``),
+    sorted; ``None`` when ``root`` is no real folder.  Real folders are walked (each must be 0555), symlinks
+    are compared as entries, never followed.
+    """
     try:
         top = os.open(root, _DIR_FLAGS)
-    except (FileNotFoundError, NotADirectoryError):
-        return ["(no folder)"]
+    except (FileNotFoundError, NotADirectoryError, OSError):
+        return None
     changed: list[str] = []
-    met = 0  # files of the manifest met, unchanged or not
+    met: set[str] = set()  # files of the manifest met, unchanged or not
     stack = [("", top)]
     while stack:
         rel, fd = stack.pop()
@@ -491,22 +537,14 @@ def outside_edits(layout: DirLayout, tree: str) -> list[str]:
                     if want is None:
                         changed.append(path)
                         continue
-                    met += 1
+                    met.add(path)
                     if (want[0] != st.st_ino or want[1] != st.st_size or want[2] != st.st_mtime_ns
                             or want[3] != mode):
                         changed.append(path)
         finally:
             os.close(fd)
-    if met != len(manifest):  # some listed file is gone (or is a folder now): find which
-        for path in manifest:
-            try:
-                gone = stat.S_ISDIR(os.lstat(os.path.join(root, path)).st_mode)
-            except FileNotFoundError:
-                gone = True
-            except NotADirectoryError:  # a folder on its way became a file
-                gone = True
-            if gone:
-                changed.append(path)
+    if len(met) != len(manifest):  # some listed file is gone, or was not met where the walk went (no lookup by path:
+        changed += [path for path in manifest if path not in met]  # a symlink planted on its way is never followed)
     return sorted(changed)
 
 
@@ -528,6 +566,10 @@ def _walk(root: str) -> Iterator[tuple[str, os.stat_result]]:
 
 def digest_mismatches(repo: pygit2.Repository, layout: DirLayout, tree: str) -> list[str]:
     """Paths of generation ``tree`` whose bytes or mode differ from the tree, or that one has and not the other."""
+    if layout.shared:
+        from cas import tree_folders
+
+        return tree_folders.digest_mismatches(repo, layout, tree)
     want = tree_files(repo, tree)
     root = layout.generation(tree)
     bad: list[str] = []
@@ -567,7 +609,7 @@ def generation_folders(layout: DirLayout) -> list[str]:
     return sorted(n for n in names if _HEX40.fullmatch(n))
 
 
-def _remove_tree(folder: str) -> None:
+def remove_tree(folder: str) -> None:
     """Remove a generation's folder (read-only as built), never reaching outside it.
 
     The entry is ``lstat``-ed first: a symlink (or any other non-folder) is
@@ -604,7 +646,7 @@ def remove_generation(layout: DirLayout, tree: str) -> None:
     fsync_dir(layout.generations)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(layout.manifests, tree))
-    _remove_tree(doomed)
+    remove_tree(doomed)
 
 
 def leftovers(layout: DirLayout, *, remove: bool) -> list[str]:
@@ -625,5 +667,5 @@ def leftovers(layout: DirLayout, *, remove: bool) -> list[str]:
                 found.append(os.path.join(parent, name))
     if remove:
         for path in found:
-            _remove_tree(path)  # (a symlink unlinked, never followed)
+            remove_tree(path)  # (a symlink unlinked, never followed)
     return found
