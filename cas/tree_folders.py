@@ -29,11 +29,12 @@ Calling sequence of :func:`build` (then :func:`cas.generations.switch`):
    hard-linked from the source's folder (opened one name at a time with
    ``O_NOFOLLOW``) and keeps its manifest entry; anything else is written, or
    made as a link to its tree's folder (built first if missing);
-2. the written files and the new folders are fsynced (beyond 256, the file
-   system is synced once: ``syncfs``), the folders made 0555, each manifest
-   written durably (its ``self``: the folder's own lstat, after the chmod);
-3. each folder is renamed to ``trees/<oid>``, children first, and ``trees/``
-   fsynced.  A crash before leaves ``.tmp-`` folders (``recover`` removes
+2. the folders are made 0555; the written files, the new folders and each
+   manifest's tmp file (its ``self``: the folder's own lstat, after the
+   chmod) are fsynced at once (beyond 256 files and folders, the file system
+   is synced once: ``syncfs``), then the manifests renamed into place;
+3. each folder is renamed to ``trees/<oid>``, children first, and
+   ``manifests/`` and ``trees/`` fsynced at once.  A crash before leaves ``.tmp-`` folders (``recover`` removes
    them) and perhaps complete tree folders no generation points at (``gc``).
 
 A new generation therefore costs the entries of the folders on the changed
@@ -58,7 +59,7 @@ from typing import Any
 import orjson
 import pygit2
 
-from cas.durable import fsync_dir, write_all, write_durable
+from cas.durable import DurableBatch, write_all
 from cas.errors import UsageError
 
 __all__ = ["build", "outside_edits", "digest_mismatches", "reachable", "read_manifest", "reusable"]
@@ -320,30 +321,26 @@ class _Builder:
     # -- making it durable and named
 
     def finish(self) -> None:
+        """Steps 2 and 3: two rounds of concurrent syncs (:class:`cas.durable.DurableBatch`), the renames between."""
+        for folder in sorted(self.folders, key=len, reverse=True):
+            os.chmod(folder, 0o555)
+        batch = DurableBatch()
+        for oid, tmp, manifest in self.made:
+            manifest["self"] = _self(os.lstat(tmp))  # (after the chmod; a rename in trees/ keeps the mtime)
+            batch.add(os.path.join(self.layout.manifests, oid), orjson.dumps(manifest), mode=0o444)
         if len(self.written) + len(self.folders) > _SYNC_EACH_UP_TO:
             from cas.generations import syncfs
 
-            syncfs(_trees(self.layout))
+            syncfs(_trees(self.layout))  # one sync of the file system beats thousands of fsyncs (an adoption)
         else:
-            for path in self.written:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            for folder in self.folders:
-                fsync_dir(folder)
-        for folder in sorted(self.folders, key=len, reverse=True):
-            os.chmod(folder, 0o555)
-        for oid, tmp, manifest in self.made:
-            manifest["self"] = _self(os.lstat(tmp))
-            write_durable(os.path.join(self.layout.manifests, oid), orjson.dumps(manifest), mode=0o444,
-                          sync_dir=False)
-        if self.made:
-            fsync_dir(self.layout.manifests)
-        for oid, tmp, _manifest in self.made:  # children first: a named folder's links name named folders
-            os.rename(tmp, os.path.join(_trees(self.layout), oid))
-        fsync_dir(_trees(self.layout))
+            batch.sync_first(self.written + self.folders)  # with the manifests' tmp files, in one round
+
+        def rename_all() -> list[str]:
+            for oid, tmp, _manifest in self.made:  # children first: a named folder's links name named folders
+                os.rename(tmp, os.path.join(_trees(self.layout), oid))
+            return [_trees(self.layout)]
+
+        batch.commit(after_renames=rename_all)
 
 
 def _link(sfd: int, dfd: int, name: str) -> bool:
