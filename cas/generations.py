@@ -29,6 +29,13 @@ Calling sequence of :func:`build` then :func:`switch` (the steps of
 
 A reader that resolves ``PATH`` once sees one generation, whole.
 
+That is the *whole* layout, the default.  The *shared* one (``init --dir
+--share-folders``, ``oncepatch.layout = shared`` in the object database's
+config, :attr:`DirLayout.shared`) keeps a folder per git tree under
+``trees/`` and links unchanged sub-folders: :mod:`cas.tree_folders`, to
+which :func:`build`, :func:`outside_edits` and :func:`digest_mismatches`
+hand over; switching, scanning, quarantine and removal are the same.
+
 The manifest records ``(inode, size, mtime_ns, mode)`` and not ``ctime``:
 linking a file into the next generation changes its ctime, a write or a
 chmod changes what is recorded.  :func:`outside_edits` compares the

@@ -264,7 +264,7 @@ class _Builder:
                 known = src.manifest["files"].get(srel) if src is not None and same else None
                 if mode == _TREE:
                     if known is not None and src is not None and src.manifest["links"].get(srel) == eid \
-                            and not self.inline_all:
+                            and not self.inline_all and _is_dir_nofollow(os.path.join(_trees(self.layout), eid)):
                         # Shared in the source: the folder is that tree's; its link is reused at the same depth.
                         self.ready.add(eid)
                         links[path] = eid
@@ -286,8 +286,8 @@ class _Builder:
                     continue
                 if mode == _LINK:
                     climb = max(climb, link_climb(self.repo[eid].peel(pygit2.Blob).data))
-                if known is not None and sfd is not None and srel not in src.manifest["links"] \
-                        and _link(sfd, dfd, name):
+                if known is not None and src is not None and sfd is not None \
+                        and srel not in src.manifest["links"] and _link(sfd, dfd, name):
                     files[path] = known  # (a write into it since shows against the source's entry)
                     continue
                 files[path] = self.write(dfd, here, name, eid, mode, path)

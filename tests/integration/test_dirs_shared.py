@@ -301,3 +301,32 @@ def test_a_symlink_in_place_of_the_current_generation_is_not_followed_by_verify(
     assert ver.code == 6 and "not a folder oncepatch built" in " ".join(ver.json["dir"]["problems"]), ver.out
     res = run_cli("apply", str(change(tmp_path, "add")[0]), "--dir", str(site), "--key", "k", "--json")
     assert res.code == 4 and res.json["error"]["reason"] == "generation_replaced", res.out + res.err
+
+
+def test_a_patch_cannot_write_through_a_symlink_it_made(tmp_path: Path) -> None:
+    site = adopt(tmp_path, NESTED, layout="shared")
+    victim = tmp_path / "victim"
+    write_tree(victim, {"keep.txt": "not oncepatch's\n"})
+    before_victim = snapshot_tree(victim)
+    scratch = tmp_path / "scratch-evil"
+    scratch.mkdir()
+    git(scratch, "init", "-q")
+    write_tree(scratch, NESTED)
+    git(scratch, "add", "-A")
+    git(scratch, "commit", "-qm", "before")
+    os.symlink(str(victim), scratch / "a/evil")  # a link of the content: kept as a link, never followed
+    git(scratch, "add", "-A")
+    pf = tmp_path / "evil.diff"
+    pf.write_bytes(git(scratch, "diff", "--cached", "--full-index", "--binary").encode())
+    apply(site, pf, "evil")
+    assert os.readlink(site / "a/evil") == str(victim)
+    through = tmp_path / "through.patch"
+    through.write_text("*** Begin Patch\n*** Add File: a/evil/planted.txt\n+x\n*** End Patch\n")
+    res = run_cli("apply", str(through), "--dir", str(site), "--key", "through", "--json")
+    assert res.code == 4 and res.json["error"]["type"] == "unsafe_path", res.out + res.err
+    up = tmp_path / "up.patch"
+    up.write_text("*** Begin Patch\n*** Add File: a/../../escape.txt\n+x\n*** End Patch\n")
+    res = run_cli("apply", str(up), "--dir", str(site), "--key", "up", "--json")
+    assert res.code == 4 and res.json["error"]["type"] == "unsafe_path", res.out + res.err
+    assert snapshot_tree(victim) == before_victim and not (tmp_path / "escape.txt").exists()
+    assert run_cli("verify", "--dir", str(site), "--grace", "0").code == 0
