@@ -50,17 +50,17 @@ import errno
 import fcntl
 import os
 import re
-import shutil
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 import pygit2
 
 from cas.crash import crash_point
+from cas.folder_ops import (QUARANTINE, compare_folder, is_real_folder, quarantine_entry, remove_tree, syncfs,
+                            tree_files)
 from cas.durable import fsync_dir, write_all, write_durable
 from cas.errors import UsageError
 from cas.pids import gone as pid_gone
@@ -73,8 +73,6 @@ __all__ = ["DirLayout", "layout_of", "current_tree", "build", "switch", "outside
 BRANCH = "refs/heads/generations"
 HOME_SUFFIX = ".oncepatch"
 _TMP = ".tmp-"
-#: The prefix of an entry found under a generation's name and not trusted (:func:`quarantine`); never removed.
-QUARANTINE = ".quarantine-"
 _HEX40 = re.compile(r"[0-9a-f]{40}")
 _LINK_MARK = ".oncepatch-link-"
 
@@ -201,30 +199,6 @@ def _read_manifest(layout: DirLayout, tree: str) -> dict[str, _Entry] | None:
     return {path: (e[0], e[1], e[2], e[3]) for path, e in raw.items()}
 
 
-def tree_files(repo: pygit2.Repository, tree: str) -> dict[str, tuple[str, int]]:
-    """Every non-tree entry of ``tree`` by path: ``(blob id, filemode)``."""
-    out: dict[str, tuple[str, int]] = {}
-
-    def walk(t: pygit2.Tree, prefix: str) -> None:
-        for entry in t:
-            name = prefix + str(entry.name)
-            if entry.filemode == pygit2.enums.FileMode.TREE:
-                walk(repo[entry.id].peel(pygit2.Tree), name + "/")
-            else:
-                out[name] = (str(entry.id), int(entry.filemode))
-
-    walk(repo[tree].peel(pygit2.Tree), "")
-    return out
-
-
-def is_real_folder(path: str) -> bool:
-    """``path`` is a folder itself (``lstat``: a symlink to one is not)."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
-
-
 def trusted_generation(layout: DirLayout, tree: str) -> bool:
     """``generations/<tree>`` is what a build made: a real folder (not a symlink), with a manifest it matches.
 
@@ -240,18 +214,12 @@ def trusted_generation(layout: DirLayout, tree: str) -> bool:
 def quarantine(layout: DirLayout, tree: str) -> str | None:
     """Move the entry ``generations/<tree>`` aside, unread and undeleted; return where (``None``: nothing there).
 
-    The new name, ``generations/.quarantine-<tree>-<pid>-<rand>``, is never
-    pointed at, never linked from, and never removed by ``gc`` or ``recover``:
-    it is evidence for its owner to look at (docs/DIRECTORIES.md).
+    :func:`cas.folder_ops.quarantine_entry`: the new name,
+    ``generations/.quarantine-<tree>-<pid>-<rand>``, is never pointed at,
+    never linked from, and never removed by ``gc`` or ``recover``: it is
+    evidence for its owner to look at (docs/DIRECTORIES.md).
     """
-    final = layout.generation(tree)
-    aside = os.path.join(layout.generations, f"{QUARANTINE}{tree}-{os.getpid()}-{os.urandom(4).hex()}")
-    try:
-        os.rename(final, aside)
-    except FileNotFoundError:
-        return None
-    fsync_dir(layout.generations)
-    return aside
+    return quarantine_entry(layout.generations, tree)
 
 
 def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | None,
@@ -446,20 +414,6 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def syncfs(path: str) -> None:
-    """syncfs(2) of the file system holding ``path`` (``os.sync()`` where libc has none)."""
-    import ctypes
-    import ctypes.util
-
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        if getattr(libc, "syncfs", None) is None or libc.syncfs(fd) != 0:
-            os.sync()
-    finally:
-        os.close(fd)
-
-
 def switch(layout: DirLayout, tree: str) -> None:
     """Point ``PATH`` at ``generations/<tree>``: a new symlink renamed over it (step 4), then its folder synced.
 
@@ -513,49 +467,6 @@ def outside_edits(layout: DirLayout, tree: str, paths: Iterable[str] | None = No
         return ["(no manifest)"]
     found = compare_folder(layout.generation(tree), manifest)
     return ["(no folder)"] if found is None else found
-
-
-def compare_folder(root: str, manifest: dict[str, Any]) -> list[str] | None:
-    """Entries below the folder ``root`` that differ from ``manifest`` (``{path: [inode, size, mtime_ns, mode]}``),
-    sorted; ``None`` when ``root`` is no real folder.  Real folders are walked (each must be 0555), symlinks
-    are compared as entries, never followed.
-    """
-    try:
-        top = os.open(root, _DIR_FLAGS)
-    except (FileNotFoundError, NotADirectoryError, OSError):
-        return None
-    changed: list[str] = []
-    met: set[str] = set()  # files of the manifest met, unchanged or not
-    stack = [("", top)]
-    while stack:
-        rel, fd = stack.pop()
-        try:
-            with os.scandir(fd) as it:
-                for entry in it:
-                    st = entry.stat(follow_symlinks=False)
-                    path = rel + entry.name
-                    mode = st.st_mode
-                    if stat.S_ISDIR(mode):
-                        if stat.S_IMODE(mode) != 0o555:
-                            changed.append(path + "/")
-                        stack.append((path + "/", os.open(entry.name, _DIR_FLAGS, dir_fd=fd)))
-                        continue
-                    want = manifest.get(path)
-                    if want is None:
-                        changed.append(path)
-                        continue
-                    met.add(path)
-                    if (want[0] != st.st_ino or want[1] != st.st_size or want[2] != st.st_mtime_ns
-                            or want[3] != mode):
-                        changed.append(path)
-        finally:
-            os.close(fd)
-    if len(met) != len(manifest):  # some listed file is gone, or was not met where the walk went (no lookup by path:
-        changed += [path for path in manifest if path not in met]  # a symlink planted on its way is never followed)
-    return sorted(changed)
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 def _walk(root: str) -> Iterator[tuple[str, os.stat_result]]:
@@ -614,32 +525,6 @@ def generation_folders(layout: DirLayout) -> list[str]:
     except FileNotFoundError:
         return []
     return sorted(n for n in names if _HEX40.fullmatch(n))
-
-
-def remove_tree(folder: str) -> None:
-    """Remove a generation's folder (read-only as built), never reaching outside it.
-
-    The entry is ``lstat``-ed first: a symlink (or any other non-folder) is
-    unlinked, never followed -- a link planted as ``generations/<tree>`` or
-    ``.tmp-...`` must not make this chmod or delete what it points at.  A real
-    folder is walked through directory descriptors (``os.fwalk`` without
-    following links: each folder opened ``O_NOFOLLOW`` and checked to be the
-    one listed), made writable with ``fchmod`` on its descriptor (never a
-    ``chmod`` by path, which a swapped-in symlink would redirect), then removed
-    by ``shutil.rmtree``'s descriptor-based walk.
-    """
-    try:
-        st = os.lstat(folder)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(folder)
-        return
-    for _root, _dirs, _files, root_fd in os.fwalk(folder, follow_symlinks=False):
-        with contextlib.suppress(OSError):
-            os.fchmod(root_fd, 0o755)
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def remove_generation(layout: DirLayout, tree: str) -> None:

@@ -44,7 +44,7 @@ whose own lstat is its manifest's ``self`` (a cheap proof: an entry added,
 removed or renamed in it, or a chmod of it, changes that; a write into one of
 its files does not -- :func:`outside_edits` without ``paths``, as ``verify``
 runs it, compares every entry).  Anything else under a tree's name is moved
-aside (:func:`cas.generations.quarantine`) and the folder built again.
+aside (:func:`cas.folder_ops.quarantine_entry`) and the folder built again.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ import pygit2
 
 from cas.durable import DurableBatch, write_all
 from cas.errors import UsageError
+from cas.folder_ops import compare_folder, is_real_folder, quarantine_entry, remove_tree, syncfs, tree_files
 
 __all__ = ["build", "outside_edits", "digest_mismatches", "reachable", "read_manifest", "reusable"]
 
@@ -226,9 +227,7 @@ class _Builder:
             if reusable(self.layout, oid):
                 self.ready.add(oid)
                 return
-            from cas.generations import quarantine
-
-            aside = quarantine(self.layout, oid)
+            aside = quarantine_entry(_trees(self.layout), oid)
             if aside is not None:
                 self.moved_aside.append(aside)
         self.make(oid, src)
@@ -329,8 +328,6 @@ class _Builder:
             manifest["self"] = _self(os.lstat(tmp))  # (after the chmod; a rename in trees/ keeps the mtime)
             batch.add(os.path.join(self.layout.manifests, oid), orjson.dumps(manifest), mode=0o444)
         if len(self.written) + len(self.folders) > _SYNC_EACH_UP_TO:
-            from cas.generations import syncfs
-
             syncfs(_trees(self.layout))  # one sync of the file system beats thousands of fsyncs (an adoption)
         else:
             batch.sync_first(self.written + self.folders)  # with the manifests' tmp files, in one round
@@ -377,14 +374,12 @@ def build(repo: pygit2.Repository, layout: Any, tree: str, source: str | None,
         UsageError: the tree holds a submodule.
         OSError: the disk's failure; every ``.tmp-`` folder of this build is removed.
     """
-    from cas.generations import is_real_folder, quarantine
-
     final = os.path.join(_trees(layout), tree)
     if os.path.lexists(final):
         m = read_manifest(layout, tree)
         if is_real_folder(final) and m is not None and not _compare(final, m["files"]):
             return False
-        aside = quarantine(layout, tree)
+        aside = quarantine_entry(_trees(layout), tree)
         if aside is not None and moved_aside is not None:
             moved_aside.append(aside)
     os.makedirs(_trees(layout), exist_ok=True)
@@ -407,8 +402,6 @@ def build(repo: pygit2.Repository, layout: Any, tree: str, source: str | None,
 
 
 def _remove_all(tmps: Iterable[str]) -> None:
-    from cas.generations import remove_tree
-
     for tmp in tmps:
         remove_tree(tmp)
 
@@ -418,8 +411,6 @@ def _remove_all(tmps: Iterable[str]) -> None:
 
 def _compare(root: str, files: dict[str, Any]) -> list[str] | None:
     """Entries of the folder ``root`` (inline folders walked, links not followed) that differ from ``files``."""
-    from cas.generations import compare_folder
-
     return compare_folder(root, files)
 
 
@@ -465,8 +456,6 @@ def outside_edits(layout: Any, root: str, paths: Iterable[str] | None = None) ->
     """
     if read_manifest(layout, root) is None:
         return ["(no manifest)"]
-    from cas.generations import is_real_folder
-
     if not is_real_folder(os.path.join(_trees(layout), root)):
         return ["(no folder)"]
     out: list[str] = []
@@ -487,8 +476,6 @@ def digest_mismatches(repo: pygit2.Repository, layout: Any, root: str) -> list[s
     name the tree git has there; it is then entered by its name under
     ``trees/`` (``O_NOFOLLOW``), never by following the link.
     """
-    from cas.generations import tree_files
-
     want = tree_files(repo, root)
     bad: list[str] = []
     seen: set[str] = set()
