@@ -52,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -414,8 +414,12 @@ def _compare(root: str, files: dict[str, Any]) -> list[str] | None:
     return compare_folder(root, files)
 
 
-def _folders(layout: Any, root: str, paths: Iterable[str] | None) -> Iterator[tuple[str, str]]:
-    """(tree oid, its path in the generation) of each tree folder to check: every one reached, or those on ``paths``."""
+def _folders(layout: Any, root: str, paths: Iterable[str] | None,
+             read: Callable[[str], dict[str, Any] | None]) -> Iterator[tuple[str, str]]:
+    """(tree oid, its path in the generation) of each tree folder to check: every one reached, or those on ``paths``.
+
+    ``read``: a manifest by its tree (read once per call, whatever the number of paths).
+    """
     seen: set[str] = set()
     if paths is None:
         todo = [(root, "")]
@@ -425,16 +429,17 @@ def _folders(layout: Any, root: str, paths: Iterable[str] | None) -> Iterator[tu
                 continue
             seen.add(oid)
             yield oid, prefix
-            m = read_manifest(layout, oid)
+            m = read(oid)
             for rel, sub in (m or {}).get("links", {}).items():
                 todo.append((sub, f"{prefix}{rel}/"))
         return
     yield root, ""
     seen.add(root)
-    for path in paths:
+    folders = {os.path.dirname(os.path.normpath(p)) for p in paths}  # (paths the patch layer checked: no "..")
+    for folder in sorted(folders):
         oid, prefix, rel = root, "", ""
-        for part in os.path.normpath(path).split("/")[:-1]:  # (paths the patch layer checked: no "..")
-            m = read_manifest(layout, oid)
+        for part in folder.split("/") if folder else []:
+            m = read(oid)
             sub = (m or {}).get("links", {}).get(rel + part)
             if sub is None:
                 rel += part + "/"
@@ -454,13 +459,20 @@ def outside_edits(layout: Any, root: str, paths: Iterable[str] | None = None) ->
     ``"(no manifest)"`` / ``"(no folder)"`` as in :func:`cas.generations.outside_edits`; a shared
     sub-folder with neither is reported by its path with a trailing ``/``.
     """
-    if read_manifest(layout, root) is None:
+    cache: dict[str, dict[str, Any] | None] = {}
+
+    def read(oid: str) -> dict[str, Any] | None:
+        if oid not in cache:
+            cache[oid] = read_manifest(layout, oid)
+        return cache[oid]
+
+    if read(root) is None:
         return ["(no manifest)"]
     if not is_real_folder(os.path.join(_trees(layout), root)):
         return ["(no folder)"]
     out: list[str] = []
-    for oid, prefix in _folders(layout, root, paths):
-        m = read_manifest(layout, oid)
+    for oid, prefix in _folders(layout, root, paths, read):
+        m = read(oid)
         found = None if m is None else _compare(os.path.join(_trees(layout), oid), m["files"])
         if found is None:
             out.append(prefix or "(no manifest)")
