@@ -151,6 +151,8 @@ class _Source:
 class _Builder:
     def __init__(self, repo: pygit2.Repository, layout: Any, inline_all: bool) -> None:
         self.repo, self.layout, self.inline_all = repo, layout, inline_all
+        self.trees = _trees(layout)
+        self.trees_fd: int | None = None
         self.climbs: dict[str, int] = {}
         self.ready: set[str] = set()  # tree folders there (reused) or made by this build
         self.made: list[tuple[str, str, dict[str, Any]]] = []  # (oid, tmp, manifest) children first
@@ -205,7 +207,7 @@ class _Builder:
             return None
         fd = None
         try:
-            fd = os.open(_trees(self.layout), _DIR_FLAGS)
+            fd = os.open(self.trees, _DIR_FLAGS)
             for name in [src.folder] + [p for p in src.rel.split("/") if p]:
                 sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
                 os.close(fd)
@@ -222,18 +224,18 @@ class _Builder:
         """``trees/<oid>`` there: reused when :func:`reusable`, else built (a planted entry moved aside first)."""
         if oid in self.ready:
             return
-        final = os.path.join(_trees(self.layout), oid)
+        final = os.path.join(self.trees, oid)
         if os.path.lexists(final):
             if reusable(self.layout, oid):
                 self.ready.add(oid)
                 return
-            aside = quarantine_entry(_trees(self.layout), oid)
+            aside = quarantine_entry(self.trees, oid)
             if aside is not None:
                 self.moved_aside.append(aside)
         self.make(oid, src)
 
     def make(self, oid: str, src: _Source | None) -> None:
-        tmp = os.path.join(_trees(self.layout), f"{_TMP}{oid}-{os.getpid()}-{os.urandom(4).hex()}")
+        tmp = os.path.join(self.trees, f"{_TMP}{oid}-{os.getpid()}-{os.urandom(4).hex()}")
         os.mkdir(tmp, 0o700)
         self.tmps.append(tmp)
         files: dict[str, list[int]] = {}
@@ -263,7 +265,7 @@ class _Builder:
                 known = src.manifest["files"].get(srel) if src is not None and same else None
                 if mode == _TREE:
                     if known is not None and src is not None and src.manifest["links"].get(srel) == eid \
-                            and not self.inline_all and _is_dir_nofollow(os.path.join(_trees(self.layout), eid)):
+                            and not self.inline_all and self.is_folder(eid):
                         # Shared in the source: the folder is that tree's; its link is reused at the same depth.
                         self.ready.add(eid)
                         links[path] = eid
@@ -295,6 +297,20 @@ class _Builder:
             if sfd is not None:
                 os.close(sfd)
         return climb
+
+    def is_folder(self, oid: str) -> bool:
+        """``trees/<oid>`` is a real folder (``fstatat`` in ``trees/``'s descriptor: no path walk, no link followed)."""
+        if self.trees_fd is None:
+            self.trees_fd = os.open(self.trees, _DIR_FLAGS)
+        try:
+            return stat.S_ISDIR(os.stat(oid, dir_fd=self.trees_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        if self.trees_fd is not None:
+            os.close(self.trees_fd)
+            self.trees_fd = None
 
     def share_link(self, dfd: int, name: str, oid: str, depth: int) -> list[int]:
         os.symlink("../" * (depth + 1) + oid, name, dir_fd=dfd)
@@ -328,14 +344,14 @@ class _Builder:
             manifest["self"] = _self(os.lstat(tmp))  # (after the chmod; a rename in trees/ keeps the mtime)
             batch.add(os.path.join(self.layout.manifests, oid), orjson.dumps(manifest), mode=0o444)
         if len(self.written) + len(self.folders) > _SYNC_EACH_UP_TO:
-            syncfs(_trees(self.layout))  # one sync of the file system beats thousands of fsyncs (an adoption)
+            syncfs(self.trees)  # one sync of the file system beats thousands of fsyncs (an adoption)
         else:
             batch.sync_first(self.written + self.folders)  # with the manifests' tmp files, in one round
 
         def rename_all() -> list[str]:
             for oid, tmp, _manifest in self.made:  # children first: a named folder's links name named folders
-                os.rename(tmp, os.path.join(_trees(self.layout), oid))
-            return [_trees(self.layout)]
+                os.rename(tmp, os.path.join(self.trees, oid))
+            return [self.trees]
 
         batch.commit(after_renames=rename_all)
 
@@ -395,6 +411,8 @@ def build(repo: pygit2.Repository, layout: Any, tree: str, source: str | None,
         except BaseException:
             _remove_all(b.tmps)
             raise
+        finally:
+            b.close()
         if moved_aside is not None:
             moved_aside.extend(b.moved_aside)
         return True
