@@ -136,8 +136,8 @@ def _rows(env: Any, label: str, n: int, layout: str, rounds: int, log: Any, appl
             _by_hand(plain, rn, files)
             hand.append(time.perf_counter() - t)
         out.append({"size": label, "layout": layout, "files": n, "changed": files, "init_s": init_s,
-                     "apply_s": median(ours), "generation_s": median(gen), "check_s": median(chk), "by_hand_s": median(hand),
-                     "rounds": rounds})
+                    "apply_s": median(ours), "generation_s": median(gen), "check_s": median(chk),
+                    "by_hand_s": median(hand), "rounds": rounds})
     subprocess.run(["chmod", "-R", "u+w", root], check=False)  # read-only generations
     shutil.rmtree(root, ignore_errors=True)
     return out

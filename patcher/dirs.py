@@ -23,8 +23,8 @@ import pygit2
 
 from cas.crash import crash_point
 from cas.errors import GitStoreError, UsageError
-from cas.generations import (BRANCH, HOME_SUFFIX, LAYOUT_CONFIG, DirLayout, build, current_tree, digest_mismatches,
-                             generation_folders, is_real_folder, layout_of, leftovers, outside_edits,
+from cas.generations import (BRANCH, HOME_SUFFIX, LAYOUT_CONFIG, DirLayout, build, current_tree,
+                             digest_mismatches, generation_folders, is_real_folder, layout_of, leftovers, outside_edits,
                              remove_generation, remove_tree, switch, switch_lock, syncfs)
 from cas.objects import GitStore, open_store
 from receipts.identity import key_hash

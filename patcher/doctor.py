@@ -237,7 +237,8 @@ def _next_for_folder(folder: dict[str, Any], command: str, why: str) -> tuple[st
         return (f"oncepatch verify {flag}",
                 f"'{paths[0]}'{f' and {len(paths) - 1} more path(s)' if len(paths) > 1 else ''} of generation "
                 f"{folder['shows'][:12]} changed outside oncepatch; the next apply "
-                f"{'whose paths run through them ' if folder.get('layout') == 'shared' else ''}refuses; verify compares "
+                f"{'whose paths run through them ' if folder.get('layout') == 'shared' else ''}refuses; "
+                f"verify compares "
                 f"every byte and lists them: undo the edits, or make them a patch")
     if folder["leftovers"]:
         return f"oncepatch recover {flag}", "a crashed build left files no one points at: recover removes them"

@@ -185,7 +185,7 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore, lock
     parsed = parse_patch(args.patch, args.format)
     _refuse_store_paths(args, rstore.root, touched_paths(parsed))
     gstore = open_store(args.where, stores)
-    refuse_outside_edits(gstore, touched_paths(parsed))  # a directory target's generation, written to by another program
+    refuse_outside_edits(gstore, touched_paths(parsed))  # a directory target's generation, written to outside
     _read_identities(gstore)
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)

@@ -128,9 +128,8 @@ def around(command: str, handler: Handler) -> Handler:
     if command == "verify":
         def verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
             code, doc, text = handler(args)
-            from patcher.dirs import verify_dir
-
             from cas.generations import layout_of
+            from patcher.dirs import verify_dir
 
             folder = layout_of(str(args.dir)).path
             problems = verify_dir(folder)

@@ -1,4 +1,4 @@
-"""The shared layout of a directory target (docs/DIRECTORIES.md, "Sharing folders"), and the gaps of ``init``/``verify``.
+"""The shared layout of a directory target (docs/DIRECTORIES.md, "Sharing folders"); ``init`` and ``verify``'s gaps.
 
 ``init --dir --share-folders`` keeps one read-only folder per git tree under
 ``PATH.oncepatch/trees/``; an unchanged sub-folder of a new generation is a
