@@ -63,7 +63,7 @@ from cas.durable import DurableBatch, write_all
 from cas.errors import UsageError
 from cas.folder_ops import compare_folder, is_real_folder, quarantine_entry, remove_tree, syncfs, tree_files
 
-__all__ = ["build", "outside_edits", "digest_mismatches", "reachable", "read_manifest", "reusable"]
+__all__ = ["build", "repair", "outside_edits", "digest_mismatches", "reachable", "read_manifest", "reusable"]
 
 _TMP = ".tmp-"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -417,6 +417,45 @@ def build(repo: pygit2.Repository, layout: Any, tree: str, source: str | None,
             moved_aside.extend(b.moved_aside)
         return True
     raise AssertionError("unreachable: an inline build raises no _InlineAll")
+
+
+def repair(repo: pygit2.Repository, layout: Any, root: str, *, dry_run: bool = False) -> list[str]:
+    """Build again each tree folder generation ``root`` reaches that is gone, no real folder, or has no manifest.
+
+    The root's own folder is :func:`build`'s; this follows its manifests'
+    links (``recover --dir``: a shared folder removed by hand leaves links
+    that name nothing).  An entry under such a tree's name is moved aside;
+    the folder is built from the objects.  Returns the trees (to build, with
+    ``dry_run``).  The caller holds ``switch.lock``.
+
+    Raises:
+        OSError: the disk's failure; the ``.tmp-`` folders of this repair are removed.
+    """
+    b = _Builder(repo, layout, False)
+    missing: list[str] = []
+    try:
+        seen: set[str] = set()
+        todo = [str(v) for v in (read_manifest(layout, root) or {}).get("links", {}).values()]
+        while todo:
+            oid = todo.pop()
+            if oid in seen:
+                continue
+            seen.add(oid)
+            m = read_manifest(layout, oid)
+            if m is not None and b.is_folder(oid):
+                todo += [str(v) for v in m["links"].values()]
+                continue
+            missing.append(oid)
+            if not dry_run:
+                b.ensure(oid, None)
+        if b.made:
+            b.finish()
+    except BaseException:
+        _remove_all(b.tmps)
+        raise
+    finally:
+        b.close()
+    return sorted(missing)
 
 
 def _remove_all(tmps: Iterable[str]) -> None:

@@ -370,8 +370,26 @@ def repair_leftovers(path: str, *, dry_run: bool) -> list[str]:
         tip = gstore.resolve(BRANCH)
         if tip is not None and current_tree(layout) != gstore.commit_tree(tip):
             notes.append(f"would switch '{layout.path}' to generation {gstore.commit_tree(tip)[:12]}")
-        return notes
-    return notes + sync(open_store(layout.objects, None), layout, 30.0)
+        return notes + _repair_shared(layout, dry_run=True)
+    return notes + sync(open_store(layout.objects, None), layout, 30.0) + _repair_shared(layout, dry_run=False)
+
+
+def _repair_shared(layout: DirLayout, *, dry_run: bool) -> list[str]:
+    """The shared layout: build again the tree folders the current generation links to and that are gone."""
+    tree = current_tree(layout)
+    if not layout.shared or tree is None or not is_real_folder(layout.generation(tree)):
+        return []
+    from cas.tree_folders import repair
+
+    repo = pygit2.Repository(layout.objects)
+    if dry_run:
+        found = repair(repo, layout, tree, dry_run=True)
+    else:
+        with switch_lock(layout, 30.0):
+            found = repair(repo, layout, tree)
+    verb = "would build" if dry_run else "built"
+    return [f"{verb} again tree folder {t[:12]} of generation {tree[:12]}: it was gone or not what oncepatch built"
+            for t in found]
 
 
 # -- history, rollback, retention ---------------------------------------------------------------

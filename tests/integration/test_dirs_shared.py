@@ -330,3 +330,24 @@ def test_a_patch_cannot_write_through_a_symlink_it_made(tmp_path: Path) -> None:
     assert res.code == 4 and res.json["error"]["type"] == "unsafe_path", res.out + res.err
     assert snapshot_tree(victim) == before_victim and not (tmp_path / "escape.txt").exists()
     assert run_cli("verify", "--dir", str(site), "--grace", "0").code == 0
+
+
+def test_recover_builds_again_a_shared_folder_removed_by_hand(tmp_path: Path) -> None:
+    import shutil
+
+    site = adopt(tmp_path, NESTED, layout="shared")
+    first = tree_of(objects(site))
+    y = trees(site) / subtree(objects(site), first, "x/y")
+    os.chmod(y, 0o755)
+    shutil.rmtree(y)  # the link x/y now names nothing
+    assert not (site / "x/y/z.txt").exists()
+    ver = run_cli("verify", "--dir", str(site), "--grace", "0", "--json")
+    assert ver.code == 6 and "'x/y/'" in " ".join(ver.json["dir"]["problems"]), ver.out
+    dry = run_cli("recover", "--dir", str(site), "--dry-run", "--json")
+    assert dry.code == 0 and any("would build again" in n for n in dry.json["dir"]["done"]) and not y.exists()
+    rec = run_cli("recover", "--dir", str(site), "--json")
+    assert rec.code == 0 and any(f"built again tree folder {y.name[:12]}" in n for n in rec.json["dir"]["done"])
+    assert view_of_folder(site) == expected_view(NESTED) and os.readlink(site) == f"site.oncepatch/trees/{first}"
+    assert run_cli("verify", "--dir", str(site), "--grace", "0").code == 0
+    again = run_cli("recover", "--dir", str(site), "--json")
+    assert again.code == 0 and not [n for n in again.json["dir"]["done"] if "built again" in n]
