@@ -1,7 +1,10 @@
 """Directory targets (docs/DIRECTORIES.md): ``apply`` to a folder of 1k and 100k files beside writing the files by hand.
 
-For each size a folder of ``n`` small files (100 per sub-folder) is adopted
-(``oncepatch init --dir``, timed once).  Then, per round, a change of 1 and of
+For each size and each layout a folder of ``n`` small files (100 per
+sub-folder) is adopted (``oncepatch init --dir``, timed once): *whole* (a
+folder per generation, every file hard-linked) and *shared*
+(``--share-folders``: a folder per git tree, unchanged sub-folders shared by
+symlinks).  Then, per round, a change of 1 and of
 100 files (each a new file, so every round is a new generation), through the
 in-process API:
 
@@ -92,40 +95,49 @@ def section_dirs(env: Any, sizes: dict[str, int], rounds: int, log: Any) -> dict
     rows: list[dict[str, Any]] = []
     try:
         for label, n in sizes.items():
-            root = os.path.join(env.tmp, f"dirs-{label}")
-            shutil.rmtree(root, ignore_errors=True)
-            os.makedirs(root)
-            site, plain = os.path.join(root, "site"), os.path.join(root, "plain")
-            log(f"[dirs] making two folders of {label} files")
-            _make_folder(site, n)
-            _make_folder(plain, n)
-            t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "patcher.cli", "init", "--dir", site, "--no-server"], check=True,
-                           capture_output=True)
-            init_s = time.perf_counter() - t
-            objects = site + ".oncepatch/objects.git"
-            for files in (1, 100):
-                log(f"[dirs] {label} files: {rounds} rounds of {files}-file changes")
-                ours, hand, gen, chk = [], [], [], []
-                for r in range(rounds):
-                    rn = files * 1000 + r
-                    data = _patch(rn, files)
-                    timed.clear()
-                    checked.clear()
-                    t = time.perf_counter()
-                    patcher.apply(objects, data, key=f"bench-{files}-{r}")
-                    ours.append(time.perf_counter() - t)
-                    gen.append(sum(timed))
-                    chk.append(sum(checked))
-                    t = time.perf_counter()
-                    _by_hand(plain, rn, files)
-                    hand.append(time.perf_counter() - t)
-                rows.append({"size": label, "files": n, "changed": files, "init_s": init_s,
-                             "apply_s": median(ours), "generation_s": median(gen), "check_s": median(chk), "by_hand_s": median(hand),
-                             "rounds": rounds})
-            subprocess.run(["chmod", "-R", "u+w", root], check=False)  # read-only generations
-            shutil.rmtree(root, ignore_errors=True)
+            for layout in ("whole", "shared"):
+                rows += _rows(env, label, n, layout, rounds, log, patcher.apply, timed, checked)
     finally:
         execute.sync = real_sync  # type: ignore[assignment]
         execute.refuse_outside_edits = real_check  # type: ignore[assignment]
     return {"rows": rows}
+
+
+def _rows(env: Any, label: str, n: int, layout: str, rounds: int, log: Any, apply: Any, timed: list[float],
+          checked: list[float]) -> list[dict[str, Any]]:
+    """The 1-file and 100-file rows of one size and one layout (``timed``/``checked``: filled by the seams)."""
+    out: list[dict[str, Any]] = []
+    root = os.path.join(env.tmp, f"dirs-{label}-{layout}")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    site, plain = os.path.join(root, "site"), os.path.join(root, "plain")
+    log(f"[dirs] making two folders of {label} files ({layout})")
+    _make_folder(site, n)
+    _make_folder(plain, n)
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "patcher.cli", "init", "--dir", site, "--no-server",
+                    *(["--share-folders"] if layout == "shared" else [])], check=True, capture_output=True)
+    init_s = time.perf_counter() - t
+    objects = site + ".oncepatch/objects.git"
+    for files in (1, 100):
+        log(f"[dirs] {label} files, {layout}: {rounds} rounds of {files}-file changes")
+        ours, hand, gen, chk = [], [], [], []
+        for r in range(rounds):
+            rn = files * 1000 + r
+            data = _patch(rn, files)
+            timed.clear()
+            checked.clear()
+            t = time.perf_counter()
+            apply(objects, data, key=f"bench-{files}-{r}")
+            ours.append(time.perf_counter() - t)
+            gen.append(sum(timed))
+            chk.append(sum(checked))
+            t = time.perf_counter()
+            _by_hand(plain, rn, files)
+            hand.append(time.perf_counter() - t)
+        out.append({"size": label, "layout": layout, "files": n, "changed": files, "init_s": init_s,
+                    "apply_s": median(ours), "generation_s": median(gen), "check_s": median(chk),
+                    "by_hand_s": median(hand), "rounds": rounds})
+    subprocess.run(["chmod", "-R", "u+w", root], check=False)  # read-only generations
+    shutil.rmtree(root, ignore_errors=True)
+    return out

@@ -351,14 +351,18 @@ def render(res: dict[str, Any]) -> str:
     if dr:
         parts.append("\n### Directory targets (docs/DIRECTORIES.md; in-process API, median of "
                      f"{dr['rows'][0]['rounds'] if dr['rows'] else 0} rounds)\n\n"
-                     "*generation*: building the new generation (unchanged files hard-linked) and switching "
-                     "the symlink, part of *apply*; *outside-edit check*: the lstat of every file of the "
-                     "current generation against its manifest before the call, part of *apply*; *by hand*: the same new files written one by one into a "
-                     "plain folder, each fsynced (not atomic).\n\n")
-        rows = [[f"{r['files']:,}", str(r["changed"]), fmt_ms(r["apply_s"]), fmt_ms(r["generation_s"]),
+                     "*layout*: *whole* (a folder per generation, every unchanged file hard-linked) or *shared* "
+                     "(`init --dir --share-folders`: a folder per git tree, unchanged sub-folders shared by "
+                     "symlinks); *generation*: building the new generation and switching "
+                     "the symlink, part of *apply*; *outside-edit check*: the lstat of the current generation's "
+                     "files (whole: every file; shared: the folders the change runs through) against the "
+                     "manifests before the call, part of *apply*; *by hand*: the same new files written one by "
+                     "one into a plain folder, each fsynced (not atomic).\n\n")
+        rows = [[f"{r['files']:,}", r.get("layout", "whole"), str(r["changed"]), fmt_ms(r["apply_s"]),
+                 fmt_ms(r["generation_s"]),
                  fmt_ms(r.get("check_s", 0.0)), fmt_ms(r["apply_s"] - r["generation_s"] - r.get("check_s", 0.0)),
                  fmt_ms(r["by_hand_s"]), f"{r['init_s']:.1f} s"] for r in dr["rows"]]
-        parts.append(_table(["files in folder", "files changed", "oncepatch apply", "of which: generation",
+        parts.append(_table(["files in folder", "layout", "files changed", "oncepatch apply", "of which: generation",
                              "of which: outside-edit check", "the rest (receipts, commit)", "by hand, fsync each",
                              "init --dir (once)"], rows))
     fs = res.get("fsync")

@@ -29,6 +29,13 @@ Calling sequence of :func:`build` then :func:`switch` (the steps of
 
 A reader that resolves ``PATH`` once sees one generation, whole.
 
+That is the *whole* layout, the default.  The *shared* one (``init --dir
+--share-folders``, ``oncepatch.layout = shared`` in the object database's
+config, :attr:`DirLayout.shared`) keeps a folder per git tree under
+``trees/`` and links unchanged sub-folders: :mod:`cas.tree_folders`, to
+which :func:`build`, :func:`outside_edits` and :func:`digest_mismatches`
+hand over; switching, scanning, quarantine and removal are the same.
+
 The manifest records ``(inode, size, mtime_ns, mode)`` and not ``ctime``:
 linking a file into the next generation changes its ctime, a write or a
 chmod changes what is recorded.  :func:`outside_edits` compares the
@@ -43,29 +50,29 @@ import errno
 import fcntl
 import os
 import re
-import shutil
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import orjson
 import pygit2
 
 from cas.crash import crash_point
+from cas.folder_ops import (QUARANTINE, compare_folder, is_real_folder, quarantine_entry, remove_tree, syncfs,
+                            tree_files)
 from cas.durable import fsync_dir, write_all, write_durable
 from cas.errors import UsageError
 from cas.pids import gone as pid_gone
 
 __all__ = ["DirLayout", "layout_of", "current_tree", "build", "switch", "outside_edits", "digest_mismatches",
            "generation_folders", "remove_generation", "switch_lock", "leftovers", "tree_files", "syncfs", "BRANCH",
-           "HOME_SUFFIX", "QUARANTINE", "is_real_folder", "trusted_generation", "quarantine"]
+           "HOME_SUFFIX", "QUARANTINE", "is_real_folder", "trusted_generation", "quarantine", "compare_folder",
+           "remove_tree", "LAYOUT_CONFIG"]
 
 BRANCH = "refs/heads/generations"
 HOME_SUFFIX = ".oncepatch"
 _TMP = ".tmp-"
-#: The prefix of an entry found under a generation's name and not trusted (:func:`quarantine`); never removed.
-QUARANTINE = ".quarantine-"
 _HEX40 = re.compile(r"[0-9a-f]{40}")
 _LINK_MARK = ".oncepatch-link-"
 
@@ -75,10 +82,17 @@ class DirLayout:
     """Where a directory target's parts live (module docstring)."""
 
     path: str  # PATH, absolute, as given (not resolved: it is the symlink)
+    #: The shared layout (``init --dir --share-folders``, :mod:`cas.tree_folders`): one folder per git tree.
+    shared: bool = False
 
     @property
     def home(self) -> str:
         return self.path + HOME_SUFFIX
+
+    @property
+    def folder_name(self) -> str:
+        """``generations`` (one whole folder per generation) or ``trees`` (the shared layout)."""
+        return "trees" if self.shared else "generations"
 
     @property
     def objects(self) -> str:
@@ -86,7 +100,8 @@ class DirLayout:
 
     @property
     def generations(self) -> str:
-        return os.path.join(self.home, "generations")
+        """The folder holding the generations (``trees/`` in the shared layout: every tree's folder)."""
+        return os.path.join(self.home, self.folder_name)
 
     @property
     def manifests(self) -> str:
@@ -97,17 +112,33 @@ class DirLayout:
 
     def link_target(self, tree: str) -> str:
         """The symlink's text: relative to PATH's folder, so the pair can be moved together."""
-        return os.path.join(os.path.basename(self.home), "generations", tree)
+        return os.path.join(os.path.basename(self.home), self.folder_name, tree)
+
+
+#: The object database's config key naming the layout: ``shared`` (``init --dir --share-folders``), else whole.
+LAYOUT_CONFIG = "oncepatch.layout"
 
 
 def layout_of(path: str) -> DirLayout:
-    """The layout of the directory target ``path`` (absolute, trailing slashes dropped; a symlink kept)."""
+    """The layout of the directory target ``path`` (absolute, trailing slashes dropped; a symlink kept).
+
+    Shared or not as its object database's config says (``oncepatch.layout``).
+    """
     if not path:
         raise UsageError("--dir needs a folder, not an empty path")
     parent, name = os.path.split(os.path.abspath(path).rstrip("/") or "/")
     if not name:
         raise UsageError(f"'{path}' cannot be a directory target (it has no name)")
-    return DirLayout(os.path.join(os.path.realpath(parent), name))
+    found = DirLayout(os.path.join(os.path.realpath(parent), name))
+    config = os.path.join(found.objects, "config")
+    if os.path.lexists(config):
+        try:
+            shared = pygit2.Config(config)[LAYOUT_CONFIG] == "shared"
+        except (KeyError, pygit2.GitError, OSError):
+            shared = False
+        if shared:
+            return DirLayout(found.path, shared=True)
+    return found
 
 
 def current_tree(layout: DirLayout) -> str | None:
@@ -117,7 +148,7 @@ def current_tree(layout: DirLayout) -> str | None:
     except OSError:
         return None
     head, name = os.path.split(target)
-    if head != os.path.join(os.path.basename(layout.home), "generations") or not _HEX40.fullmatch(name):
+    if head != os.path.join(os.path.basename(layout.home), layout.folder_name) or not _HEX40.fullmatch(name):
         return None
     return name
 
@@ -168,30 +199,6 @@ def _read_manifest(layout: DirLayout, tree: str) -> dict[str, _Entry] | None:
     return {path: (e[0], e[1], e[2], e[3]) for path, e in raw.items()}
 
 
-def tree_files(repo: pygit2.Repository, tree: str) -> dict[str, tuple[str, int]]:
-    """Every non-tree entry of ``tree`` by path: ``(blob id, filemode)``."""
-    out: dict[str, tuple[str, int]] = {}
-
-    def walk(t: pygit2.Tree, prefix: str) -> None:
-        for entry in t:
-            name = prefix + str(entry.name)
-            if entry.filemode == pygit2.enums.FileMode.TREE:
-                walk(repo[entry.id].peel(pygit2.Tree), name + "/")
-            else:
-                out[name] = (str(entry.id), int(entry.filemode))
-
-    walk(repo[tree].peel(pygit2.Tree), "")
-    return out
-
-
-def is_real_folder(path: str) -> bool:
-    """``path`` is a folder itself (``lstat``: a symlink to one is not)."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
-
-
 def trusted_generation(layout: DirLayout, tree: str) -> bool:
     """``generations/<tree>`` is what a build made: a real folder (not a symlink), with a manifest it matches.
 
@@ -207,18 +214,12 @@ def trusted_generation(layout: DirLayout, tree: str) -> bool:
 def quarantine(layout: DirLayout, tree: str) -> str | None:
     """Move the entry ``generations/<tree>`` aside, unread and undeleted; return where (``None``: nothing there).
 
-    The new name, ``generations/.quarantine-<tree>-<pid>-<rand>``, is never
-    pointed at, never linked from, and never removed by ``gc`` or ``recover``:
-    it is evidence for its owner to look at (docs/DIRECTORIES.md).
+    :func:`cas.folder_ops.quarantine_entry`: the new name,
+    ``generations/.quarantine-<tree>-<pid>-<rand>``, is never pointed at,
+    never linked from, and never removed by ``gc`` or ``recover``: it is
+    evidence for its owner to look at (docs/DIRECTORIES.md).
     """
-    final = layout.generation(tree)
-    aside = os.path.join(layout.generations, f"{QUARANTINE}{tree}-{os.getpid()}-{os.urandom(4).hex()}")
-    try:
-        os.rename(final, aside)
-    except FileNotFoundError:
-        return None
-    fsync_dir(layout.generations)
-    return aside
+    return quarantine_entry(layout.generations, tree)
 
 
 def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | None,
@@ -242,6 +243,10 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
         UsageError: the tree holds a submodule (a commit entry), which a folder cannot hold.
         OSError: the disk's failure; the ``.tmp-`` folder is removed.
     """
+    if layout.shared:
+        from cas import tree_folders
+
+        return tree_folders.build(repo, layout, tree, source, moved_aside)
     final = layout.generation(tree)
     if os.path.lexists(final):
         if trusted_generation(layout, tree):
@@ -298,7 +303,7 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
         write_durable(os.path.join(layout.manifests, tree), orjson.dumps(manifest), mode=0o444)
         os.rename(tmp, final)
     except BaseException:
-        _remove_tree(tmp)
+        remove_tree(tmp)
         raise
     fsync_dir(layout.generations)
     return True
@@ -409,20 +414,6 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def syncfs(path: str) -> None:
-    """syncfs(2) of the file system holding ``path`` (``os.sync()`` where libc has none)."""
-    import ctypes
-    import ctypes.util
-
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        if getattr(libc, "syncfs", None) is None or libc.syncfs(fd) != 0:
-            os.sync()
-    finally:
-        os.close(fd)
-
-
 def switch(layout: DirLayout, tree: str) -> None:
     """Point ``PATH`` at ``generations/<tree>``: a new symlink renamed over it (step 4), then its folder synced.
 
@@ -430,7 +421,7 @@ def switch(layout: DirLayout, tree: str) -> None:
         UsageError: ``PATH`` is a real folder (not adopted: ``oncepatch init --dir``).
     """
     parent, name = os.path.split(layout.path)
-    if os.path.isdir(layout.path) and not os.path.islink(layout.path):
+    if is_real_folder(layout.path):
         raise UsageError(f"'{layout.path}' is a folder, not a directory target: adopt it first with "
                          f"'oncepatch init --dir {layout.path}'")
     tmp = os.path.join(parent, f".{name}{_LINK_MARK}{os.getpid()}-{os.urandom(4).hex()}")
@@ -447,70 +438,35 @@ def switch(layout: DirLayout, tree: str) -> None:
 # -- edits outside oncepatch ------------------------------------------------------------------
 
 
-def outside_edits(layout: DirLayout, tree: str) -> list[str]:
+def outside_edits(layout: DirLayout, tree: str, paths: Iterable[str] | None = None) -> list[str]:
     """Paths of generation ``tree`` that differ from its manifest (changed, added, removed), sorted; lstat only.
 
     A generation with no manifest (built by another version, or its manifest
     lost) is reported as ``"(no manifest)"``, one whose folder is gone as
     ``"(no folder)"`` (``recover`` builds it again).
 
+    ``paths`` (the shared layout only; :func:`cas.tree_folders.outside_edits`):
+    compare only the folders those paths run through.  A whole generation is
+    compared whole, whatever ``paths`` says.
+
     Every entry is stat'ed relative to its folder's descriptor (``fstatat``, as
     the build links: no path walk per file) and compared with the manifest's
-    lists as parsed; the paths the manifest has and the folder lacks are only
-    looked for when fewer of its files were met than it lists.  (Threads were
+    lists as parsed (:func:`compare_folder`); a path the manifest lists and the
+    walk did not meet is reported, never looked up by its path.  (Threads were
     measured and dropped: the comparison holds the GIL, and it is most of the
     cost; docs/BENCHMARKS.md, "Issue 28".)
     """
+    if layout.shared:
+        from cas import tree_folders
+
+        return tree_folders.outside_edits(layout, tree, paths)
     try:
         with open(os.path.join(layout.manifests, tree), "rb") as fh:
             manifest = orjson.loads(fh.read())
     except (OSError, orjson.JSONDecodeError):
         return ["(no manifest)"]
-    root = layout.generation(tree)
-    try:
-        top = os.open(root, _DIR_FLAGS)
-    except (FileNotFoundError, NotADirectoryError):
-        return ["(no folder)"]
-    changed: list[str] = []
-    met = 0  # files of the manifest met, unchanged or not
-    stack = [("", top)]
-    while stack:
-        rel, fd = stack.pop()
-        try:
-            with os.scandir(fd) as it:
-                for entry in it:
-                    st = entry.stat(follow_symlinks=False)
-                    path = rel + entry.name
-                    mode = st.st_mode
-                    if stat.S_ISDIR(mode):
-                        if stat.S_IMODE(mode) != 0o555:
-                            changed.append(path + "/")
-                        stack.append((path + "/", os.open(entry.name, _DIR_FLAGS, dir_fd=fd)))
-                        continue
-                    want = manifest.get(path)
-                    if want is None:
-                        changed.append(path)
-                        continue
-                    met += 1
-                    if (want[0] != st.st_ino or want[1] != st.st_size or want[2] != st.st_mtime_ns
-                            or want[3] != mode):
-                        changed.append(path)
-        finally:
-            os.close(fd)
-    if met != len(manifest):  # some listed file is gone (or is a folder now): find which
-        for path in manifest:
-            try:
-                gone = stat.S_ISDIR(os.lstat(os.path.join(root, path)).st_mode)
-            except FileNotFoundError:
-                gone = True
-            except NotADirectoryError:  # a folder on its way became a file
-                gone = True
-            if gone:
-                changed.append(path)
-    return sorted(changed)
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
+    found = compare_folder(layout.generation(tree), manifest)
+    return ["(no folder)"] if found is None else found
 
 
 def _walk(root: str) -> Iterator[tuple[str, os.stat_result]]:
@@ -528,6 +484,10 @@ def _walk(root: str) -> Iterator[tuple[str, os.stat_result]]:
 
 def digest_mismatches(repo: pygit2.Repository, layout: DirLayout, tree: str) -> list[str]:
     """Paths of generation ``tree`` whose bytes or mode differ from the tree, or that one has and not the other."""
+    if layout.shared:
+        from cas import tree_folders
+
+        return tree_folders.digest_mismatches(repo, layout, tree)
     want = tree_files(repo, tree)
     root = layout.generation(tree)
     bad: list[str] = []
@@ -567,32 +527,6 @@ def generation_folders(layout: DirLayout) -> list[str]:
     return sorted(n for n in names if _HEX40.fullmatch(n))
 
 
-def _remove_tree(folder: str) -> None:
-    """Remove a generation's folder (read-only as built), never reaching outside it.
-
-    The entry is ``lstat``-ed first: a symlink (or any other non-folder) is
-    unlinked, never followed -- a link planted as ``generations/<tree>`` or
-    ``.tmp-...`` must not make this chmod or delete what it points at.  A real
-    folder is walked through directory descriptors (``os.fwalk`` without
-    following links: each folder opened ``O_NOFOLLOW`` and checked to be the
-    one listed), made writable with ``fchmod`` on its descriptor (never a
-    ``chmod`` by path, which a swapped-in symlink would redirect), then removed
-    by ``shutil.rmtree``'s descriptor-based walk.
-    """
-    try:
-        st = os.lstat(folder)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(folder)
-        return
-    for _root, _dirs, _files, root_fd in os.fwalk(folder, follow_symlinks=False):
-        with contextlib.suppress(OSError):
-            os.fchmod(root_fd, 0o755)
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 def remove_generation(layout: DirLayout, tree: str) -> None:
     """Remove generation ``tree``: renamed to a ``.tmp-`` name first (never seen half removed), then its manifest.
 
@@ -604,7 +538,7 @@ def remove_generation(layout: DirLayout, tree: str) -> None:
     fsync_dir(layout.generations)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(layout.manifests, tree))
-    _remove_tree(doomed)
+    remove_tree(doomed)
 
 
 def leftovers(layout: DirLayout, *, remove: bool) -> list[str]:
@@ -625,5 +559,5 @@ def leftovers(layout: DirLayout, *, remove: bool) -> list[str]:
                 found.append(os.path.join(parent, name))
     if remove:
         for path in found:
-            _remove_tree(path)  # (a symlink unlinked, never followed)
+            remove_tree(path)  # (a symlink unlinked, never followed)
     return found

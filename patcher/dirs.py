@@ -23,9 +23,9 @@ import pygit2
 
 from cas.crash import crash_point
 from cas.errors import GitStoreError, UsageError
-from cas.generations import (BRANCH, HOME_SUFFIX, DirLayout, build, current_tree, digest_mismatches,
-                             generation_folders, is_real_folder, layout_of, leftovers, outside_edits,
-                             remove_generation, switch, switch_lock, syncfs)
+from cas.generations import (BRANCH, HOME_SUFFIX, LAYOUT_CONFIG, DirLayout, build, current_tree,
+                             digest_mismatches, generation_folders, is_real_folder, layout_of, leftovers, outside_edits,
+                             remove_generation, remove_tree, switch, switch_lock, syncfs)
 from cas.objects import GitStore, open_store
 from receipts.identity import key_hash
 from receipts.receipt import Receipt
@@ -158,36 +158,57 @@ def adoption_refusal(path: str) -> str | None:
     return None
 
 
-def adopt(path: str, *, lock_timeout: float = 30.0) -> dict[str, Any]:
+def adopt(path: str, *, lock_timeout: float = 30.0, share_folders: bool = False) -> dict[str, Any]:
     """Adopt the folder ``path`` as generation one (``oncepatch init --dir``); return what was made.
 
     The folder's files become the first commit of ``refs/heads/generations``
     in a new bare object database; the generation is built; the original
     folder is moved to ``PATH.oncepatch/adopted`` (kept, never deleted) and
     ``PATH`` becomes the symlink.  Run again after a crash, it finishes.
+    ``share_folders``: the shared layout (:mod:`cas.tree_folders`), recorded
+    as ``oncepatch.layout = shared`` in the object database's config.
+
+    A failure before the folder is moved aside (a fifo in it, a file it
+    cannot read, the disk) removes ``PATH.oncepatch`` when this call made it:
+    nothing is left changed.
 
     Raises:
         UsageError: ``path`` is no folder, or is a target already, or :func:`adoption_refusal`
             names why it must not be adopted (nothing is changed).
     """
     layout = layout_of(path)
-    adopted_before = os.path.isdir(layout.objects) and not (os.path.isdir(layout.path)
-                                                            and not os.path.islink(layout.path))
+    adopted_before = is_real_folder(layout.objects) and not is_real_folder(layout.path)
     if adopted_before:
         # A target already (or a crash between moving the folder aside and making the symlink): finish.
         gstore = open_store(layout.objects, None)
         if gstore.resolve(BRANCH) is not None:
             sync(gstore, layout, lock_timeout)
             return {"path": layout.path, "home": layout.home, "tree": current_tree(layout),
-                    "commit": gstore.resolve(BRANCH), "adopted": False}
-    if os.path.islink(layout.path) or not os.path.isdir(layout.path):
+                    "commit": gstore.resolve(BRANCH), "adopted": False, "layout": _layout_name(layout)}
+    if not is_real_folder(layout.path):
         raise UsageError(f"'{path}' is not a folder: 'oncepatch init --dir' adopts an existing folder")
     why = adoption_refusal(layout.path)
     if why is not None:
         raise UsageError(f"cannot adopt '{path}' as a directory target: {why}")
+    if os.path.lexists(layout.home) and not is_real_folder(layout.home):
+        raise UsageError(f"cannot adopt '{path}' as a directory target: '{layout.home}' is there and is no folder")
+    made_home = not os.path.lexists(layout.home)
+    if share_folders:
+        layout = DirLayout(layout.path, shared=True)
+    try:
+        return _adopt(layout, lock_timeout, share_folders)
+    except BaseException:
+        if made_home and is_real_folder(layout.path):  # not moved aside yet: undo everything this call made
+            remove_tree(layout.home)
+        raise
+
+
+def _adopt(layout: DirLayout, lock_timeout: float, share_folders: bool) -> dict[str, Any]:
     os.makedirs(layout.home, exist_ok=True)
     repo = pygit2.init_repository(layout.objects, bare=True, initial_head="generations")
     repo.config[CONFIG] = layout.path
+    if share_folders:
+        repo.config[LAYOUT_CONFIG] = "shared"
     tree_id = _tree_of_folder(repo, layout.path)
     gstore = open_store(layout.objects, None)
     gstore.read_identities()
@@ -210,7 +231,12 @@ def adopt(path: str, *, lock_timeout: float = 30.0) -> dict[str, Any]:
             aside = os.path.join(layout.home, f"adopted-{n}")
         os.rename(layout.path, aside)
         switch(layout, str(tree_id))
-    return {"path": layout.path, "home": layout.home, "tree": str(tree_id), "commit": str(commit), "adopted": True}
+    return {"path": layout.path, "home": layout.home, "tree": str(tree_id), "commit": str(commit), "adopted": True,
+            "layout": _layout_name(layout)}
+
+
+def _layout_name(layout: DirLayout) -> str:
+    return "shared" if layout.shared else "whole"
 
 
 # -- the step after the move --------------------------------------------------------------------
@@ -259,7 +285,7 @@ def unfinished_switch(gstore: GitStore, layout: DirLayout) -> list[str]:
         return []
     tree = gstore.commit_tree(tip)
     shows = current_tree(layout)
-    if shows == tree and os.path.isdir(layout.generation(tree)):
+    if shows == tree and is_real_folder(layout.generation(tree)):
         return []
     what = ("no generation" if shows is None else f"generation {shows[:12]}, whose folder is gone"
             if shows == tree else f"generation {shows[:12]}")
@@ -267,8 +293,13 @@ def unfinished_switch(gstore: GitStore, layout: DirLayout) -> list[str]:
             f"'oncepatch recover --dir {layout.path}'"]
 
 
-def refuse_outside_edits(gstore: GitStore) -> None:
+def refuse_outside_edits(gstore: GitStore, paths: Iterable[str] | None = None) -> None:
     """Refuse a call on a directory target whose current generation was written to outside oncepatch.
+
+    ``paths``: the paths the call touches.  A whole generation (the default
+    layout) is compared whole; a shared one only in the folders those paths
+    run through (:func:`cas.tree_folders.outside_edits`: what the build links
+    from), so the check costs the change, not the folder.
 
     Raises:
         DirtyPath: a path of the current generation differs from what was built
@@ -279,7 +310,7 @@ def refuse_outside_edits(gstore: GitStore) -> None:
         return
     tree = current_tree(layout)
     if tree is None:
-        if os.path.isdir(layout.path) and not os.path.islink(layout.path):
+        if is_real_folder(layout.path):
             raise UsageError(f"'{layout.path}' was replaced by a real folder: it is no longer the directory target")
         return  # never switched yet (a crash during init): the sync after the move makes it
     gen = layout.generation(tree)
@@ -288,7 +319,7 @@ def refuse_outside_edits(gstore: GitStore) -> None:
                         f"(a symlink or a file was put in its place): 'oncepatch recover --dir {layout.path}' "
                         f"moves it aside and builds it again", retryable=False, next_action="recover",
                         details={"reason": "generation_replaced", "generation": tree})
-    edited = outside_edits(layout, tree)
+    edited = outside_edits(layout, tree, None if paths is None else list(paths))
     if edited == ["(no folder)"]:
         raise DirtyPath(f"the folder of generation {tree[:12]}, which '{layout.path}' shows, is gone: "
                         f"'oncepatch recover --dir {layout.path}' builds it again", retryable=False,
@@ -313,7 +344,10 @@ def verify_dir(path: str) -> list[str]:
         return [f"'{BRANCH}' does not exist in '{layout.objects}'"]
     if tree is None:
         return [f"'{layout.path}' is not a symlink to one of its generations"]
-    if not os.path.isdir(layout.generation(tree)):
+    if not is_real_folder(layout.generation(tree)):
+        if os.path.lexists(layout.generation(tree)):
+            return [f"generation {tree[:12]} is not a folder oncepatch built (a symlink or a file is in its place): "
+                    f"'oncepatch recover --dir {layout.path}' moves it aside and builds it again"]
         return [f"generation {tree[:12]}'s folder is gone: 'oncepatch recover --dir {layout.path}' builds it again"]
     if tree != gstore.commit_tree(tip):
         problems.append(f"'{layout.path}' shows generation {tree[:12]}, the branch's tip is "
@@ -322,7 +356,7 @@ def verify_dir(path: str) -> list[str]:
     for p in digest_mismatches(repo, layout, tree):
         problems.append(f"'{p}' in generation {tree[:12]} differs from the tree (changed outside oncepatch)")
     for p in outside_edits(layout, tree):
-        if p.endswith("/") or p == "(no manifest)":
+        if p.endswith("/") or p == "(no manifest)":  # (a file's edit is named by the byte comparison above)
             problems.append(f"'{p}' in generation {tree[:12]} was changed outside oncepatch")
     return problems
 
@@ -336,8 +370,26 @@ def repair_leftovers(path: str, *, dry_run: bool) -> list[str]:
         tip = gstore.resolve(BRANCH)
         if tip is not None and current_tree(layout) != gstore.commit_tree(tip):
             notes.append(f"would switch '{layout.path}' to generation {gstore.commit_tree(tip)[:12]}")
-        return notes
-    return notes + sync(open_store(layout.objects, None), layout, 30.0)
+        return notes + _repair_shared(layout, dry_run=True)
+    return notes + sync(open_store(layout.objects, None), layout, 30.0) + _repair_shared(layout, dry_run=False)
+
+
+def _repair_shared(layout: DirLayout, *, dry_run: bool) -> list[str]:
+    """The shared layout: build again the tree folders the current generation links to and that are gone."""
+    tree = current_tree(layout)
+    if not layout.shared or tree is None or not is_real_folder(layout.generation(tree)):
+        return []
+    from cas.tree_folders import repair
+
+    repo = pygit2.Repository(layout.objects)
+    if dry_run:
+        found = repair(repo, layout, tree, dry_run=True)
+    else:
+        with switch_lock(layout, 30.0):
+            found = repair(repo, layout, tree)
+    verb = "would build" if dry_run else "built"
+    return [f"{verb} again tree folder {t[:12]} of generation {tree[:12]}: it was gone or not what oncepatch built"
+            for t in found]
 
 
 # -- history, rollback, retention ---------------------------------------------------------------
@@ -435,6 +487,10 @@ def prune_generations(path: str, rstore: ReceiptStore, *, dry_run: bool = False,
         tip = gstore.resolve(BRANCH)
         if tip is not None:
             keep.add(gstore.commit_tree(tip))
+        if layout.shared:  # a tree folder stays while a kept generation reaches it through a link
+            from cas.tree_folders import reachable
+
+            keep |= reachable(pygit2.Repository(layout.objects), layout, (t for t in keep if t))
         return [t for t in generation_folders(layout) if t not in keep]
 
     if dry_run:

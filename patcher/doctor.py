@@ -209,7 +209,8 @@ def _folder(path: str) -> dict[str, Any]:
     shows = current_tree(layout)
     found: dict[str, Any] = {"path": layout.path, "shows": shows, "tip": tip_tree, "pending_switch": False,
                              "generation_missing": False, "edited_outside": [], "not_linked": shows is None,
-                             "leftovers": leftovers(layout, remove=False)}
+                             "leftovers": leftovers(layout, remove=False),
+                             "layout": "shared" if layout.shared else "whole"}
     if shows is None:
         return found
     found["pending_switch"] = tip_tree is not None and shows != tip_tree
@@ -243,7 +244,9 @@ def _next_for_folder(folder: dict[str, Any], command: str, why: str) -> tuple[st
         paths = folder["edited_outside"]
         return (f"oncepatch verify {flag}",
                 f"'{paths[0]}'{f' and {len(paths) - 1} more path(s)' if len(paths) > 1 else ''} of generation "
-                f"{folder['shows'][:12]} changed outside oncepatch; the next apply refuses; verify compares "
+                f"{folder['shows'][:12]} changed outside oncepatch; the next apply "
+                f"{'whose paths run through them ' if folder.get('layout') == 'shared' else ''}refuses; "
+                f"verify compares "
                 f"every byte and lists them: undo the edits, or make them a patch")
     if folder["leftovers"]:
         return f"oncepatch recover {flag}", "a crashed build left files no one points at: recover removes them"

@@ -186,7 +186,7 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore, lock
     parsed = parse_patch(args.patch, args.format)
     _refuse_store_paths(args, rstore.root, touched_paths(parsed))
     gstore = open_store(args.where, stores)
-    refuse_outside_edits(gstore)  # a directory target's current generation, written to by another program
+    refuse_outside_edits(gstore, touched_paths(parsed))  # a directory target's generation, written to outside
     _read_identities(gstore)
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
@@ -280,7 +280,7 @@ def _open(run: _Run, pre: _PreCheck | None) -> None:
     gstore = run.gstore = open_store(args.where, run.stores)
     gstore.discard_pending()  # whatever an earlier call staged and never wrote
     if pre is None:
-        refuse_outside_edits(gstore)
+        refuse_outside_edits(gstore, run.paths)
         _read_identities(gstore)  # (read by the pre-check otherwise)
     run.message = _commit_message(args, run.patch, run.call.call_id, run.key)
 

@@ -29,6 +29,9 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--no-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lock-timeout", type=seconds, default=30.0, help="seconds to wait for the switch lock")
+    p.add_argument("--share-folders", action="store_true",
+                   help="one folder per git tree, unchanged sub-folders shared by symlinks between generations: "
+                        "an apply costs the change, not the folder (docs/DIRECTORIES.md)")
 
     p = sub.add_parser("rollback",
                        help="switch a directory target back to an earlier generation, as a new keyed change")
@@ -47,7 +50,7 @@ def _need_dir(args: argparse.Namespace) -> str:
 def _cmd_init(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     from patcher.dirs import adopt
 
-    made = adopt(args.dir, lock_timeout=args.lock_timeout)
+    made = adopt(args.dir, lock_timeout=args.lock_timeout, share_folders=args.share_folders)
     verb = "adopted" if made["adopted"] else "already a directory target"
     return EXIT_OK, {"ok": True, **made}, f"{verb}: '{made['path']}' -> generation {str(made['tree'])[:12]}\n"
 
@@ -125,13 +128,18 @@ def around(command: str, handler: Handler) -> Handler:
     if command == "verify":
         def verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
             code, doc, text = handler(args)
+            from cas.generations import layout_of
             from patcher.dirs import verify_dir
 
-            problems = verify_dir(str(args.dir))
-            doc["dir"] = {"path": str(args.dir), "problems": problems}
-            if problems:
-                doc["ok"] = False
-                code = code or EXIT_VERIFY
-            return code, doc, text + "".join(f"FAIL {p}\n" for p in problems)
+            folder = layout_of(str(args.dir)).path
+            problems = verify_dir(folder)
+            # As verify's contract has it (and Client.verify(dir=...)): each problem a failure, the folder its path.
+            doc.setdefault("failures", []).extend({"key": None, "receipt": folder, "reason": p} for p in problems)
+            doc["dir"] = {"path": folder, "problems": problems}
+            if not problems:
+                return code, doc, text
+            doc["ok"] = False
+            return code or EXIT_VERIFY, doc, text + "".join(f"{folder}: {p}\n" for p in problems) + (
+                f"verification failed: {len(problems)} problem(s) in '{folder}'\n")
         return verify
     return handler

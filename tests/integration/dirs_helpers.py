@@ -36,9 +36,13 @@ def patch_between(scratch: Path, before: dict[str, str | bytes], after: dict[str
 
 
 def read_view(dir_fd: int) -> dict[str, str]:
-    """Every file under ``dir_fd`` (a folder opened once) by path: its sha256; read relative to the descriptor."""
+    """Every file under ``dir_fd`` (a folder opened once) by path: its sha256; read relative to the descriptor.
+
+    Sub-folders are entered through symlinks (a shared layout's are links to their trees' folders), as a
+    reader that follows links reads.
+    """
     out: dict[str, str] = {}
-    for root, _dirs, files, rootfd in os.fwalk(".", dir_fd=dir_fd):
+    for root, _dirs, files, rootfd in os.fwalk(".", dir_fd=dir_fd, follow_symlinks=True):
         for name in files:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=rootfd)
             try:

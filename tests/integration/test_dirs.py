@@ -57,13 +57,23 @@ POINTS = {"after-stage": False, "after-prepare": False, "after-index-ahead": Fal
           "after-materialise": True, "after-generation": True, "before-receipt-replace": True}
 
 
-def adopt(tmp_path: Path, files: dict[str, str | bytes] | None = None) -> Path:
+#: The two layouts (docs/DIRECTORIES.md, "Sharing folders"): ``init --dir``'s options for each.
+LAYOUTS = {"whole": (), "shared": ("--share-folders",)}
+
+
+def adopt(tmp_path: Path, files: dict[str, str | bytes] | None = None, layout: str = "whole") -> Path:
     site = tmp_path / "site"
     site.mkdir()
     write_tree(site, BASE if files is None else files)
-    res = run_cli("init", "--dir", str(site), "--json")
+    res = run_cli("init", "--dir", str(site), "--json", *LAYOUTS[layout])
     assert res.code == 0, res.out + res.err
+    assert res.json["layout"] == layout
     return site
+
+
+def folder_name(site: Path) -> str:
+    """``generations`` (a whole folder per generation) or ``trees`` (the shared layout)."""
+    return "trees" if (Path(str(site) + ".oncepatch") / "trees").is_dir() else "generations"
 
 
 def objects(site: Path) -> Path:
@@ -85,14 +95,21 @@ def expected_view(files: dict[str, str | bytes]) -> dict[str, str]:
 
 
 def generation_folders(site: Path) -> list[str]:
-    return sorted(os.listdir(Path(str(site) + ".oncepatch") / "generations"))
+    """The generations' folders (and any dot-entry beside them); in the shared layout not the sub-trees' own."""
+    names = os.listdir(Path(str(site) + ".oncepatch") / folder_name(site))
+    if folder_name(site) == "generations":
+        return sorted(names)
+    roots = set(git(objects(site), "log", "--format=%T", "refs/heads/generations").split())
+    return sorted(n for n in names if n in roots or n.startswith("."))
 
 
-def test_init_apply_replay_log_rollback_gc(tmp_path: Path) -> None:
-    site = adopt(tmp_path)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_init_apply_replay_log_rollback_gc(tmp_path: Path, layout: str) -> None:
+    site = adopt(tmp_path, layout=layout)
+    folder = folder_name(site)
     assert site.is_symlink()
     first = tree_of(objects(site))
-    assert os.readlink(site) == f"site.oncepatch/generations/{first}"
+    assert os.readlink(site) == f"site.oncepatch/{folder}/{first}"
     assert view_of_folder(site) == expected_view(BASE)
     assert (Path(str(site) + ".oncepatch") / "adopted" / "README").read_text() == "hello\n"  # the original, kept
 
@@ -101,12 +118,12 @@ def test_init_apply_replay_log_rollback_gc(tmp_path: Path) -> None:
     assert res.code == 0, res.out + res.err
     doc = res.json
     second = doc["tree"]
-    assert os.readlink(site) == f"site.oncepatch/generations/{second}"
+    assert os.readlink(site) == f"site.oncepatch/{folder}/{second}"
     assert view_of_folder(site) == expected_view(after)
     assert {o["path"]: o["op"] for o in doc["outputs"]} == {
         "pkg/new/added.txt": "add", "src/app.py": "modify", "docs/guide.txt": "delete", "src/helpers.py": "rename"}
     # Read-only, and the unchanged files shared with the first generation (one inode).
-    gen1, gen2 = Path(str(site) + f".oncepatch/generations/{first}"), site.resolve()
+    gen1, gen2 = Path(str(site) + f".oncepatch/{folder}/{first}"), site.resolve()
     assert stat.S_IMODE((gen2 / "README").stat().st_mode) == 0o444
     assert stat.S_IMODE(gen2.stat().st_mode) == 0o555
     assert (gen1 / "README").stat().st_ino == (gen2 / "README").stat().st_ino
@@ -122,7 +139,7 @@ def test_init_apply_replay_log_rollback_gc(tmp_path: Path) -> None:
 
     rb = run_cli("rollback", "--dir", str(site), "--to", first[:10], "--key", "rb", "--json")
     assert rb.code == 0, rb.out + rb.err
-    assert rb.json["tree"] == first and os.readlink(site) == f"site.oncepatch/generations/{first}"
+    assert rb.json["tree"] == first and os.readlink(site) == f"site.oncepatch/{folder}/{first}"
     assert view_of_folder(site) == expected_view(BASE)
     rb2 = run_cli("rollback", "--dir", str(site), "--to", first[:10], "--key", "rb", "--json")
     assert rb2.code == 0 and rb2.json["replayed"] is True, rb2.out + rb2.err
@@ -217,10 +234,11 @@ def test_a_folder_not_adopted_is_refused(tmp_path: Path) -> None:
     assert res.code == 2 and "oncepatch init --dir" in res.json["error"]["message"]
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("edit", list(EDITS))
 @pytest.mark.parametrize("point", list(POINTS))
-def test_crash_then_recover_then_retry_lands_once(tmp_path: Path, point: str, edit: str) -> None:
-    site = adopt(tmp_path)
+def test_crash_then_recover_then_retry_lands_once(tmp_path: Path, point: str, edit: str, layout: str) -> None:
+    site = adopt(tmp_path, layout=layout)
     base_tree = tree_of(objects(site))
     pf, after = change(tmp_path, edit)
     argv = ("apply", str(pf), "--dir", str(site), "--key", "k", "--json")
@@ -232,7 +250,7 @@ def test_crash_then_recover_then_retry_lands_once(tmp_path: Path, point: str, ed
     views = tree_views(objects(site))
     for name in generation_folders(site):
         if not name.startswith(".tmp-"):  # a complete generation under its final name is exactly its tree
-            assert view_of_folder(Path(str(site) + ".oncepatch/generations") / name) == views[name]
+            assert view_of_folder(Path(str(site) + f".oncepatch/{folder_name(site)}") / name) == views[name]
 
     rec = run_cli("recover", "--dir", str(site), "--json", "--tmp-age", "0")
     assert rec.code == 0, rec.out + rec.err
@@ -240,7 +258,7 @@ def test_crash_then_recover_then_retry_lands_once(tmp_path: Path, point: str, ed
     assert not [n for n in os.listdir(tmp_path) if ".oncepatch-link-" in n]
     lands = POINTS[point]
     now = tree_of(objects(site))
-    assert os.readlink(site) == f"site.oncepatch/generations/{now}"
+    assert os.readlink(site) == f"site.oncepatch/{folder_name(site)}/{now}"
     assert view_of_folder(site) == expected_view(after if lands else BASE)
     assert (now != base_tree) is lands
 

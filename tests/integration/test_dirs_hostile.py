@@ -207,13 +207,13 @@ def test_recover_removes_planted_leftovers_without_following_them(tmp_path: Path
 
 
 def test_remove_tree_never_chmods_through_a_link(tmp_path: Path) -> None:
-    from cas.generations import _remove_tree
+    from cas.generations import remove_tree
 
     v = victim(tmp_path)
     before = snapshot(v)
     link = tmp_path / "link"
     os.symlink(v, link)
-    _remove_tree(str(link))
+    remove_tree(str(link))
     assert not os.path.lexists(link) and snapshot(v) == before
     folder = tmp_path / "folder"
     (folder / "a").mkdir(parents=True)
@@ -221,7 +221,7 @@ def test_remove_tree_never_chmods_through_a_link(tmp_path: Path) -> None:
     os.symlink(v / "sub", folder / "s")
     os.chmod(folder / "a", 0o555)
     os.chmod(folder, 0o555)
-    _remove_tree(str(folder))
+    remove_tree(str(folder))
     assert not os.path.lexists(folder) and snapshot(v) == before
 
 

@@ -17,8 +17,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import git, run_cli
 from dirs_helpers import patch_between, read_view, tree_of, tree_views, view_of_folder, write_tree
+from test_dirs import LAYOUTS
 from torture_driver import commits_with_trailer, seed_from_env
 
 CALLS = 6
@@ -45,12 +48,12 @@ def _edit(i: int, files: dict[str, str | bytes]) -> None:
         files[f"g{i}/renamed.txt"] = files.pop(f"g{i}/b.txt")
 
 
-def _setup(tmp_path: Path, calls: int) -> tuple[Path, list[Path], dict[str, str | bytes]]:
+def _setup(tmp_path: Path, calls: int, layout: str = "whole") -> tuple[Path, list[Path], dict[str, str | bytes]]:
     base = _base(calls)
     site = tmp_path / "site"
     site.mkdir()
     write_tree(site, base)
-    res = run_cli("init", "--dir", str(site))
+    res = run_cli("init", "--dir", str(site), *LAYOUTS[layout])
     assert res.code == 0, res.err
     final = dict(base)
     patches = []
@@ -111,8 +114,9 @@ class Readers:
             t.join()
 
 
-def test_several_processes_apply_distinct_keys_each_lands_once(tmp_path: Path) -> None:
-    site, patches, final = _setup(tmp_path, CALLS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_several_processes_apply_distinct_keys_each_lands_once(tmp_path: Path, layout: str) -> None:
+    site, patches, final = _setup(tmp_path, CALLS, layout)
     with Readers(site) as readers:
         procs = [subprocess.Popen(_apply_argv(site, pf, f"k{i}"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                  for i, pf in enumerate(patches)]
@@ -129,7 +133,8 @@ def test_several_processes_apply_distinct_keys_each_lands_once(tmp_path: Path) -
     assert run_cli("verify", "--dir", str(site), "--grace", "0").code == 0
 
 
-def test_kill9_torture_with_readers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_kill9_torture_with_readers(tmp_path: Path, layout: str) -> None:
     seed = seed_from_env()
     rounds = int(os.environ.get("ONCEPATCH_DIR_TORTURE_ROUNDS", "2"))
     for rnd in range(rounds):
@@ -139,12 +144,12 @@ def test_kill9_torture_with_readers(tmp_path: Path) -> None:
         # The measured run time: one clean apply on a scratch target of the same shape.
         scratch = folder / "scratch"
         scratch.mkdir()
-        s_site, s_patches, _ = _setup(scratch, 1)
+        s_site, s_patches, _ = _setup(scratch, 1, layout)
         t0 = time.monotonic()
         assert subprocess.run(_apply_argv(s_site, s_patches[0], "t"), capture_output=True).returncode == 0
         measured = time.monotonic() - t0
 
-        site, patches, final = _setup(folder, CALLS)
+        site, patches, final = _setup(folder, CALLS, layout)
         objects = Path(str(site) + ".oncepatch/objects.git")
         with Readers(site) as readers:
             procs = []
@@ -170,8 +175,9 @@ def test_kill9_torture_with_readers(tmp_path: Path) -> None:
         for r in results:
             assert commits_with_trailer(objects, r.json["call_id"], "refs/heads/generations") == [r.json["commit"]]
         assert int(git(objects, "rev-list", "--count", "refs/heads/generations")) == 1 + CALLS
-        assert os.readlink(site) == f"site.oncepatch/generations/{tree_of(objects)}"
-        assert not [n for n in os.listdir(Path(str(site) + ".oncepatch/generations")) if n.startswith(".")]
+        folder_name = "trees" if layout == "shared" else "generations"
+        assert os.readlink(site) == f"site.oncepatch/{folder_name}/{tree_of(objects)}"
+        assert not [n for n in os.listdir(Path(str(site) + f".oncepatch/{folder_name}")) if n.startswith(".")]
         views = {frozenset(v.items()) for v in tree_views(objects).values()}
         assert readers.reads > 0 and not readers.errors, (seed, rnd, readers.errors[:5])
         assert readers.views <= views, (seed, rnd, "a reader saw a folder that is no generation")
