@@ -240,10 +240,9 @@ def _present(odb: pygit2.Odb, oids: list[str]) -> set[str]:
         ids = {oid: pygit2.Oid(hex=oid) for oid in oids}
         missing = [oid for oid, one in ids.items() if not any(b.exists(one) for b in backends)]
         if missing:
-            # As git_odb_exists: rescanned, only the backends that rescan are asked again (the
-            # loose one has nothing to rescan: pygit2 answers NotImplemented for it).
-            again = [b for b in backends if b.refresh() is not NotImplemented]
-            missing = [oid for oid in missing if not any(b.exists(ids[oid]) for b in again)]
+            for backend in backends:
+                backend.refresh()  # (nothing to rescan in the loose one)
+            missing = [oid for oid in missing if not any(b.exists(ids[oid]) for b in backends)]
     except pygit2.GitError as exc:
         raise GitStoreError(f"cannot look objects up: {exc}") from exc
     return set(oids).difference(missing)
