@@ -41,13 +41,12 @@ import os
 import stat
 import sys
 import threading
+from queue import SimpleQueue
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
 from cas.errors import DurableWriteError, UnsafeWorktreePath
 
-if TYPE_CHECKING:
-    from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
     "TMP_MARK",
@@ -237,7 +236,7 @@ def open_dir_nofollow(root: str, rel_dir: str, *, create: bool = False, mode: in
 
 # -- several files at once ------------------------------------------------------
 
-_POOL: ThreadPoolExecutor | None = None
+_POOL: _Syncers | None = None
 _POOL_PID = 0
 _POOL_GUARD = threading.Lock()
 _POOL_THREADS = 8
@@ -259,14 +258,70 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
-def _pool() -> ThreadPoolExecutor:
+_Synced = str | int | tuple[int, str]
+
+
+class _Round:
+    """One round's syncs handed to the threads: what failed, and a latch the last one opens.
+
+    The caller waits once for the whole round (a future per sync woke it once per
+    unfinished sync, and cost a condition each: about half of a round's overhead).
+    """
+
+    __slots__ = ("_left", "_guard", "_done", "failures")
+
+    def __init__(self, n: int) -> None:
+        self._left = n
+        self._guard = threading.Lock()
+        self._done = threading.Lock()
+        self._done.acquire()  # released by the round's last sync, in whichever thread
+        self.failures: dict[int, tuple[_Synced, BaseException]] = {}  # by position in the round
+
+    def run(self, n: int, target: _Synced) -> None:
+        try:
+            _fsync_path(target)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            self.failures[n] = (target, exc)
+        with self._guard:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._done.release()
+
+    def wait(self) -> None:
+        self._done.acquire()
+
+
+class _Syncers:
+    """The fsync threads: daemons that take ``(round, position, target)`` from one queue."""
+
+    def __init__(self) -> None:
+        self._queue: SimpleQueue[tuple[_Round, int, _Synced]] = SimpleQueue()
+        for n in range(_POOL_THREADS):
+            threading.Thread(target=self._serve, name=f"oncepatch-fsync-{n}", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            rnd, n, target = self._queue.get()
+            rnd.run(n, target)
+
+    def start(self, targets: list[_Synced], first: int = 0) -> _Round:
+        """Hand ``targets`` to the threads (positions counted from ``first``); the caller waits on the round."""
+        rnd = _Round(len(targets))
+        for n, target in enumerate(targets, first):
+            self._queue.put((rnd, n, target))
+        return rnd
+
+
+def _pool() -> _Syncers:
     """The fsync threads (re-made in a forked child, where the parent's threads do not exist)."""
     global _POOL, _POOL_PID
-    from concurrent.futures import ThreadPoolExecutor  # only a call that syncs several files needs it
-
+    pool = _POOL
+    if pool is not None and _POOL_PID == os.getpid():
+        return pool
     with _POOL_GUARD:
         if _POOL is None or _POOL_PID != os.getpid():
-            _POOL = ThreadPoolExecutor(max_workers=_POOL_THREADS, thread_name_prefix="oncepatch-fsync")
+            _POOL = _Syncers()
             _POOL_PID = os.getpid()
         return _POOL
 
@@ -316,57 +371,53 @@ def fsync_all(paths: Iterable[str | int | tuple[int, str]], *, alongside: Callab
         return
     if not todo:
         return
-    first: tuple[str | int | tuple[int, str], OSError] | None = None
-    failed: list[object] = []
     if len(todo) <= _INLINE_MAX:
         # A thread hand-off costs ~50-100 µs; for one file it buys nothing.
-        for p in todo:
+        failures: dict[int, tuple[_Synced, BaseException]] = {}
+        for n, p in enumerate(todo):
             try:
                 _fsync_path(p)
             except OSError as exc:
-                first = first or (p, exc)
-                failed.append(p)
+                failures[n] = (p, exc)
     else:
-        futures = [(p, _pool().submit(_fsync_path, p)) for p in todo[1:]]
+        rnd = _pool().start(todo[1:], first=1)
         try:
             _fsync_path(todo[0])  # this thread syncs one too instead of only waiting
         except OSError as exc:
-            first = (todo[0], exc)
-            failed.append(todo[0])
-        first = _wait_all(futures, first, failed)
-    if first is not None:
-        _raise_sync_failure(first, failed)
+            rnd.failures[0] = (todo[0], exc)
+        finally:
+            rnd.wait()
+        failures = rnd.failures
+    _raise_failures(failures)
 
 
-_Synced = str | int | tuple[int, str]
+def _raise_failures(failures: dict[int, tuple[_Synced, BaseException]]) -> None:
+    """Raise the round's first failure (by position) as :class:`DurableWriteError` naming every failed path.
 
-
-def _wait_all(futures: list[tuple[_Synced, Any]], first: tuple[_Synced, OSError] | None,
-              failed: list[object]) -> tuple[_Synced, OSError] | None:
-    """Wait for every sync of ``futures``; add each failed path to ``failed``; the first failure (``first`` if set)."""
-    for p, fut in futures:
-        err = fut.exception()
-        if err is None:
-            continue
-        if not isinstance(err, OSError):
-            raise err
-        failed.append(p)
-        if first is None:
-            first = (p, err)
-    return first
+    Anything but an ``OSError`` (a bug) is raised as it is.
+    """
+    if not failures:
+        return
+    found = [failures[n] for n in sorted(failures)]
+    for _target, exc in found:
+        if not isinstance(exc, OSError):
+            raise exc
+    first = found[0]
+    assert isinstance(first[1], OSError)
+    _raise_sync_failure((first[0], first[1]), [target for target, _exc in found])
 
 
 def _fsync_alongside(todo: list[str | int | tuple[int, str]], alongside: Callable[[], None]) -> None:
     """:func:`fsync_all` with ``alongside``: every sync in the pool, ``alongside()`` here."""
-    futures = [(p, _pool().submit(_fsync_path, p)) for p in todo]
+    rnd = _pool().start(todo) if todo else None
     try:
         alongside()
     finally:
         # Every sync ends before this returns or raises: a caller may close or unlink what they use.
-        failed: list[object] = []
-        first = _wait_all(futures, None, failed)
-    if first is not None:
-        _raise_sync_failure(first, failed)
+        if rnd is not None:
+            rnd.wait()
+    if rnd is not None:
+        _raise_failures(rnd.failures)
 
 
 def _raise_sync_failure(first: tuple[str | int | tuple[int, str], OSError], failed: list[object]) -> None:

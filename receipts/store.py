@@ -231,9 +231,24 @@ def check_store_root(root: str) -> None:
         return
 
 
+def _relative(path: str, root: str) -> str:
+    """``os.path.relpath(path, root)``; for a plain path below ``root`` (the store's own), a slice of it.
+
+    (A store call asks this about twenty times: ``relpath`` normalises both
+    paths first, and cost more than the folder walks it leads to.)
+    """
+    if path == root:
+        return "."
+    if path.startswith(root) and path[len(root):len(root) + 1] == "/":
+        rest = path[len(root) + 1:]
+        if rest and rest[0] != "/" and "//" not in rest and not rest.endswith("/") and "/." not in "/" + rest:
+            return rest  # no '', '.' or '..' component: what relpath would give
+    return os.path.relpath(path, root)
+
+
 def _refuse_steering(root: str, path: str, status: Any) -> None:
     """:meth:`ReceiptStore.check_folders`, by ``lstat`` of each folder from ``root`` to ``path``."""
-    rel = os.path.relpath(path, root)
+    rel = _relative(path, root)
     here = root
     for part in [] if rel == "." else rel.split(os.sep):
         here = os.path.join(here, part)
@@ -304,14 +319,18 @@ class ReceiptStore:
         """
         _refuse_steering(self.root, path, "not_started" if before_any_effect else None)
 
-    def _ensure_dir(self, path: str) -> None:
+    def _ensure_dir(self, path: str, *, checked: bool = False) -> None:
         """Create ``path`` and its missing parents, syncing each parent that gained an entry.
+
+        ``checked``: :meth:`check_folders` passed for ``path`` just before (the descriptors
+        it is made through still refuse a symlink swapped in since).
 
         Raises:
             UsageError: a folder cannot be made there (no such place, no permission): nothing was written.
             CorruptReceipt: a store folder on the way is a symlink or no folder.
         """
-        self.check_folders(path)
+        if not checked:
+            self.check_folders(path)
         try:
             with self.folder_fd(path, create=True):
                 pass
@@ -338,7 +357,7 @@ class ReceiptStore:
                 if create:
                     for made in make_dirs(self.root):
                         fsync_dir(os.path.dirname(made))
-                fd = stack.enter_context(open_dir_nofollow(self.root, os.path.relpath(folder, self.root),
+                fd = stack.enter_context(open_dir_nofollow(self.root, _relative(folder, self.root),
                                                            create=create, mode=0o755, gained=gained))
             except UnsafeWorktreePath:
                 _refuse_steering(self.root, folder, None)  # names the symlink, or the file, on the way
@@ -393,7 +412,7 @@ class ReceiptStore:
         self.ledger.refuse_foreign_tail(effect_status="not_started", key=key)
         lk = self.key_lock(key)
         try:
-            self._ensure_dir(self.locks_dir)
+            self._ensure_dir(self.locks_dir, checked=True)  # (checked above)
             lk.acquire(timeout=timeout, poll_interval=0.01)
         except filelock.Timeout:
             raise InProgress(
@@ -470,8 +489,9 @@ class ReceiptStore:
         """
         h = key_hash(key)
         try:
-            self.check_folders(self.path_for_hash(h), before_any_effect=before_any_effect)
-            return self.read_hash(h)
+            path = self.path_for_hash(h)
+            self.check_folders(path, before_any_effect=before_any_effect)
+            return self._read_checked(h, path)
         except CorruptReceipt as exc:
             if exc.key is None:
                 exc.key = key  # the caller's key: the envelope names it
@@ -480,6 +500,10 @@ class ReceiptStore:
     def read_hash(self, h: str) -> Receipt | None:
         path = self.path_for_hash(h)
         self.check_folders(path)
+        return self._read_checked(h, path)
+
+    def _read_checked(self, h: str, path: str) -> Receipt | None:
+        """:meth:`read_hash` once :meth:`check_folders` passed for ``path``."""
         try:
             # Through descriptors reached without following a symlink: a folder swapped for
             # one after the check above is refused, not read through.
