@@ -109,19 +109,9 @@ def unsafe_worktree_paths(workdir: str, paths: list[str]) -> list[str]:
 
 
 def _remove_path(workdir: str, path: str) -> None:
-    folder, name = os.path.split(path)
-    try:
-        with open_dir_nofollow(workdir, folder) as dfd:
-            try:
-                st = os.lstat(name, dir_fd=dfd)
-            except FileNotFoundError:
-                return
-            if stat.S_ISDIR(st.st_mode):
-                return  # a folder: only its entries are ours to remove
-            os.unlink(name, dir_fd=dfd)
-            fsync_dir(dir_fd=dfd)
-    except FileNotFoundError:
+    if not _unlink_entry(workdir, path):
         return
+    folder = os.path.dirname(path)
     # Prune folders left empty, like git does.
     while folder:
         try:
@@ -401,21 +391,22 @@ def _still(workdir: str, path: str, was: Original) -> bool:
     return now == was
 
 
-def _unlink_entry(workdir: str, path: str) -> None:
-    """Remove the file or link at ``path`` (not a folder), its folder synced; nothing if there is none."""
+def _unlink_entry(workdir: str, path: str) -> bool:
+    """Remove the file or link at ``path`` (not a folder), its folder synced; whether there was one to remove."""
     folder, name = os.path.split(path)
     try:
         with open_dir_nofollow(workdir, folder) as dfd:
             try:
                 st = os.lstat(name, dir_fd=dfd)
             except FileNotFoundError:
-                return
+                return False
             if stat.S_ISDIR(st.st_mode):
-                return
+                return False  # a folder: only its entries are ours to remove
             os.unlink(name, dir_fd=dfd)
             fsync_dir(dir_fd=dfd)
     except (FileNotFoundError, NotADirectoryError):
-        return
+        return False
+    return True
 
 
 def _syncing(store: GitStore, synced: list[str] | None, step: Callable[[], None]) -> None:
