@@ -152,6 +152,8 @@ def _printable(value: Any) -> Any:
 
 
 def _emit(doc: dict[str, Any], text: str, as_json: bool) -> None:
+    if sys.stdout is None:  # started with file descriptor 1 closed: the exit status is all there is to say
+        return
     if as_json:
         try:
             data = jsonio.dumps(doc)

@@ -150,6 +150,18 @@ def test_apply_from_a_closed_standard_input_is_a_usage_error(tmp_path: Path) -> 
     assert snapshot(repo) == before
 
 
+def test_apply_with_a_closed_standard_output_commits_and_exits_0(tmp_path: Path) -> None:
+    # `oncepatch apply ... >&-`: Python's sys.stdout is None; writing the envelope of the committed call
+    # failed with a traceback and exit 1 (internal) though the change had landed.
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    res = subprocess.run([sys.executable, "-m", "patcher.cli", "apply", "-", "--repo", str(repo.path), "--json",
+                          "--key", "k"], input=PATCH, stdout=None, stderr=subprocess.PIPE, check=False, timeout=120,
+                         preexec_fn=lambda: os.close(1))
+    assert res.returncode == 0 and b"Traceback" not in res.stderr, res.stderr
+    r = run_cli("status", "k", "--repo", str(repo.path), "--json")
+    assert r.code == 0 and r.json["receipt"]["status"] == "committed", r.out + r.err
+
+
 def test_a_committed_receipt_whose_key_ref_was_deleted_is_corrupt_for_the_replay_as_for_status(
         tmp_path: Path) -> None:
     # `git update-ref -d refs/oncepatch/keys/<h>`: status, verify and recover said corrupt (exit 6), while
