@@ -266,7 +266,8 @@ class GitAdapter:
                 # A write ahead killed half way leaves its tmp files beside the touched paths.
                 for tmp in _remove_dead_tmp_files(workdir, git_dir, touched):
                     done.append(f"removed '{tmp}' left by a crashed call")
-                files = {p: was[p] for p in ours if _matches(gstore, workdir, p, (ahead[p],))}
+                files = {p: was[p] for p in ours
+                         if _matches(gstore, workdir, p, (ahead[p],)) and not _holds_others(workdir, p, touched)}
                 entries = {p: was[p] for p in ours if _index_matches(workdir, p, (ahead[p],))}
                 write_files(gstore, workdir, files, tree=base_tree)
                 if entries:  # (its lock removed by hand: the index still shows the candidate)
@@ -869,6 +870,16 @@ def _check_worktree_repo(root_fd: int, name: str) -> str | None:
 def _matches(gstore: GitStore, workdir: str, path: str, entries: tuple[TreeEntry | None, ...]) -> bool:
     """Whether the worktree's file at ``path`` is one of ``entries`` (``None``: no file)."""
     return any(worktree_files_match(gstore, workdir, {path: e}) for e in entries)
+
+
+def _holds_others(workdir: str, path: str, touched: list[str]) -> bool:
+    """Whether ``path`` is a folder of ``workdir`` holding a file the call does not touch (someone else's since)."""
+    full = os.path.join(workdir, path)
+    if os.path.islink(full) or not os.path.isdir(full):
+        return False
+    mine = set(touched)
+    return any(f"{os.path.relpath(folder, workdir).replace(os.sep, '/')}/{name}" not in mine
+               for folder, _dirs, files in os.walk(full) for name in files)
 
 
 def _index_matches(workdir: str, path: str, entries: tuple[TreeEntry | None, ...]) -> bool:

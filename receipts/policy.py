@@ -153,7 +153,7 @@ def may_read(caller: Caller, path: str) -> bool:
             return False
         if st.st_uid == caller.uid:
             bits = st.st_mode >> 6
-        elif st.st_gid in caller.groups:
+        elif st.st_gid == caller.gid or st.st_gid in caller.groups:
             bits = st.st_mode >> 3
         else:
             bits = st.st_mode

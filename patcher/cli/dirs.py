@@ -15,7 +15,7 @@ from typing import Any
 from cas.errors import EXIT_OK, UsageError
 from receipts.receipt import Receipt
 from receipts.store import ReceiptStore
-from patcher.cli.common import add_common, path_given, seconds, store_root
+from patcher.cli.common import add_common, path_given, seconds, store_root, text
 
 __all__ = ["register", "HANDLERS", "around", "gc_generations"]
 
@@ -37,7 +37,7 @@ def register(sub: Any) -> None:
                        help="switch a directory target back to an earlier generation, as a new keyed change")
     add_common(p)
     p.add_argument("--to", required=True, help="the generation (its tree hash, or a prefix) or its commit")
-    p.add_argument("--key", required=True, help="idempotency key of the rollback")
+    p.add_argument("--key", required=True, type=text, help="idempotency key of the rollback")
     p.add_argument("--lock-timeout", type=seconds, default=30.0, help="seconds to wait for each lock")
 
 

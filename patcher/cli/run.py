@@ -152,6 +152,8 @@ def _printable(value: Any) -> Any:
 
 
 def _emit(doc: dict[str, Any], text: str, as_json: bool) -> None:
+    if sys.stdout is None:  # started with file descriptor 1 closed: the exit status is all there is to say
+        return
     if as_json:
         try:
             data = jsonio.dumps(doc)
@@ -213,7 +215,7 @@ def main(argv: Sequence[str] | None = None, *, caller: Caller | None = None, con
         doc = {"ok": False, "error": exc.envelope()}
         if as_json:
             _emit(doc, "", True)
-        else:
+        elif sys.stderr is not None:  # (None: started with file descriptor 2 closed; the exit status says it)
             sys.stderr.write(f"oncepatch: {exc.error_type}: {exc.message}\n")
             if exc.key:
                 sys.stderr.write(f"key {exc.key} (next: {exc.next_action})\n")
@@ -228,7 +230,7 @@ def main(argv: Sequence[str] | None = None, *, caller: Caller | None = None, con
                "effect_status": "unknown", "key": None, "next_action": "query_before_retry"}
         if as_json:
             _emit({"ok": False, "error": err}, "", True)
-        else:
+        elif sys.stderr is not None:
             traceback.print_exc()
         return EXIT_INTERNAL
     if args.command not in ("mcp", "serve"):  # the protocol owned stdout; nothing may follow it

@@ -150,6 +150,33 @@ def test_apply_from_a_closed_standard_input_is_a_usage_error(tmp_path: Path) -> 
     assert snapshot(repo) == before
 
 
+def test_apply_with_a_closed_standard_output_commits_and_exits_0(tmp_path: Path) -> None:
+    # `oncepatch apply ... >&-`: Python's sys.stdout is None; writing the envelope of the committed call
+    # failed with a traceback and exit 1 (internal) though the change had landed.
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    res = subprocess.run([sys.executable, "-m", "patcher.cli", "apply", "-", "--repo", str(repo.path), "--json",
+                          "--key", "k"], input=PATCH, stdout=None, stderr=subprocess.PIPE, check=False, timeout=120,
+                         preexec_fn=lambda: os.close(1))
+    assert res.returncode == 0 and b"Traceback" not in res.stderr, res.stderr
+    r = run_cli("status", "k", "--repo", str(repo.path), "--json")
+    assert r.code == 0 and r.json["receipt"]["status"] == "committed", r.out + r.err
+
+
+def test_a_refusal_with_a_closed_standard_error_keeps_its_exit_status(tmp_path: Path) -> None:
+    # `oncepatch apply ... 2>&-`: sys.stderr is None; writing the refusal failed and the exit status
+    # became 1 (internal, outcome unknown) instead of the refusal's own.
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    before = snapshot(repo)
+    bad = b"--- a/missing.txt\n+++ b/missing.txt\n@@ -1 +1 @@\n-a\n+b\n"
+    res = subprocess.run([sys.executable, "-m", "patcher.cli", "apply", "-", "--repo", str(repo.path), "--key", "k"],
+                         input=bad, capture_output=False, stdout=subprocess.DEVNULL, check=False, timeout=120,
+                         preexec_fn=lambda: os.close(2))
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--key", "k2", input=bad)
+    assert r.code not in (0, 1) and res.returncode == r.code, (res.returncode, r.err)
+    assert {k: v for k, v in snapshot(repo).items() if k != "store"} == {
+        k: v for k, v in before.items() if k != "store"}
+
+
 def test_a_committed_receipt_whose_key_ref_was_deleted_is_corrupt_for_the_replay_as_for_status(
         tmp_path: Path) -> None:
     # `git update-ref -d refs/oncepatch/keys/<h>`: status, verify and recover said corrupt (exit 6), while

@@ -190,6 +190,28 @@ def test_put_back_leaves_a_file_edited_since_the_crash_alone(tmp_path: Path) -> 
     assert repo.head() == base and not list((repo.path / ".git").glob("index.oncepatch-base.*"))
 
 
+def test_put_back_leaves_a_folder_holding_a_new_file_alone(tmp_path: Path) -> None:
+    """A file the call turned into a folder, where a person added a file since: ``recover`` settles the call
+    (the call's own file removed, the person's kept), instead of failing on the folder every time."""
+    repo = make_repo(tmp_path / "repo", {"x": "one\n", "other.txt": "x\n"})
+    base = repo.head()
+    repo.git("rm", "-q", "x")
+    repo.write("x/y", "y\n")
+    repo.git("add", "-A")
+    patch = tmp_path / "change.diff"
+    patch.write_bytes(repo.git("diff", "--cached", "--full-index").encode())
+    repo.git("reset", "-q", "--hard", base)
+    assert run_cli("apply", str(patch), "--repo", str(repo.path), "--key", "k1",
+                   env={"ONCEPATCH_CRASH_AT": "after-worktree-ahead"}).code == 137
+    assert (repo.path / "x" / "y").is_file()  # written ahead of the move
+    (repo.path / "x" / "z").write_text("mine\n")
+    rec = run_cli("recover", "--repo", str(repo.path), "--json", "--tmp-age", "0")
+    assert rec.code == 0, rec.out + rec.err
+    assert [r["to"] for r in rec.json["rows"]] == ["rejected"], rec.json
+    assert (repo.path / "x" / "z").read_text() == "mine\n" and not (repo.path / "x" / "y").exists()
+    assert repo.head() == base and repo.git("diff", "--cached", "--name-only") == ""
+
+
 def test_with_the_hook_git_commit_is_refused_until_recover_then_keeps_the_change(tmp_path: Path) -> None:
     repo, patch, base, target = _prepare(tmp_path, _modify)
     assert run_cli("install-hook", "--repo", str(repo.path)).code == 0

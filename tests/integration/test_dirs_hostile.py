@@ -318,3 +318,21 @@ def test_a_folder_holding_symlinks_is_adopted_and_they_stay_links(tmp_path: Path
     res = run_cli("init", "--dir", str(site), "--json")  # (a symlink was fsynced by path: ELOOP)
     assert res.code == 0, res.out + res.err
     assert (os.readlink(site / "latest"), os.readlink(site / "dangling")) == ("index.html", "/nowhere/at/all")
+
+
+def test_a_rollback_key_that_is_not_utf8_is_a_usage_error_that_changes_nothing(tmp_path: Path) -> None:
+    # The key reached the store's lookup as it was: an internal error whose envelope said "unknown".
+    site = adopt(tmp_path)
+    first = tree_of(objects(site))
+    after = dict(BASE)
+    EDITS["modify"](after)
+    pf = tmp_path / "modify.diff"
+    pf.write_bytes(patch_between(tmp_path / "scratch", BASE, after))
+    assert run_cli("apply", str(pf), "--dir", str(site), "--key", "k1").code == 0
+    home = Path(str(site) + ".oncepatch")
+    before = snapshot(home)
+    rb = run_cli("rollback", "--dir", str(site), "--to", first, "--key", os.fsdecode(b"r\xff"), "--json")
+    assert rb.code == 2, rb.out + rb.err
+    err = rb.json["error"]
+    assert err["type"] == "usage" and err["effect_status"] == "not_started" and "UTF-8" in err["message"], err
+    assert snapshot(home) == before and view_of_folder(site) == expected_view(after)

@@ -210,3 +210,18 @@ def test_may_read_judges_each_folder_on_the_way_by_its_mode_bits(tmp_path: Path)
             assert may_read(other, str(store)) and not may_read(group, str(store))
     finally:
         shutil.rmtree(base)
+
+
+def test_may_read_counts_the_callers_own_group(tmp_path: Path) -> None:
+    """The kernel's peer groups are the supplementary ones: a folder of the caller's own group is still its to read."""
+    base = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        store = base / "repo" / ".git" / "oncepatch"
+        store.mkdir(parents=True)
+        os.chown(base / "repo", 0, 4711)
+        (base / "repo").chmod(0o750)
+        member, other = Caller(54323, 4711, frozenset()), Caller(54322, 54322, frozenset({54322}))
+        assert may_read(member, str(store)) and not may_read(other, str(store))
+    finally:
+        shutil.rmtree(base)
