@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Repo, make_repo, run_cli
+from test_crash_matrix import _delete, _modify, _new_file, _rename
 
 BASE: dict[str, str | bytes] = {
     "src/app.py": "".join(f"line {i}\n" for i in range(1, 13)),
@@ -43,23 +44,8 @@ BASE: dict[str, str | bytes] = {
 }
 
 
-def _add(r: Repo) -> None:
-    r.write("pkg/new/added.txt", "brand new\n")
-
-
-def _modify(r: Repo) -> None:
-    r.write("src/app.py", (r.path / "src/app.py").read_text().replace("line 7\n", "line seven\n"))
-
-
-def _delete(r: Repo) -> None:
-    r.git("rm", "-q", "docs/guide.txt")
-
-
-def _rename(r: Repo) -> None:
-    r.git("mv", "src/util.py", "src/helpers.py")
-
-
-EDITS: dict[str, Callable[[Repo], None]] = {"add": _add, "modify": _modify, "delete": _delete, "rename": _rename}
+#: The crash matrix's edits (its base holds the same paths): a new file, a modified line, a deletion, a rename.
+EDITS: dict[str, Callable[[Repo], None]] = {"add": _new_file, "modify": _modify, "delete": _delete, "rename": _rename}
 
 #: crash point of the checked-out path, in the order a call passes them -> where it stops:
 #: "untouched" (the worktree not written), "staged" (the index staged, under the branch's
