@@ -105,6 +105,7 @@ def apply(
             return _apply(repo, patch, key, branch, contract_sha256, attempt, format, check, message, common_dir,
                           store, lock_timeout, check_timeout, strict, caller, _stores, compensates, remote)
         except OncepatchError as exc:
+            _name_key(exc, key)
             if exc.effect_status not in ("not_started", "not_applied") or not _pack_vanished(exc.__cause__):
                 raise
             # The open repositories' pack lists are stale: a long-lived caller
@@ -119,6 +120,16 @@ def apply(
             # patcher.execute translate the rest, knowing how far they went): nothing was written.
             raise foreign_error(exc, effect_status="not_started", key=key) from exc
     raise AssertionError("unreachable")
+
+
+def _name_key(exc: OncepatchError, key: str | None) -> None:
+    """Name the call's key in an error raised before anything knew it (an unreadable argument), if it is text."""
+    if isinstance(key, str):
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            return  # not text: the envelope could not carry it
+        exc.with_key(key)
 
 
 def _pack_vanished(exc: BaseException | None) -> bool:

@@ -45,7 +45,10 @@ def _read_patch(name: str) -> bytes:
 
 
 def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    data = _read_patch(args.patch)
+    try:
+        data = _read_patch(args.patch)
+    except UsageError as exc:  # the envelope names the call's key, as every other refusal of the call does
+        raise exc.with_key(args.key) if args.key is not None else exc
     with shown("applying the patch"):
         res = apply(
             args.repo, data, key=args.key, branch=args.branch, contract_sha256=args.contract_sha256,

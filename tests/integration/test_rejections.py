@@ -401,6 +401,18 @@ def usage(repo: Repo, *args: str, cwd: Path | None = None, input: bytes | None =
     return err
 
 
+def test_an_unreadable_patch_or_message_names_the_calls_key(repo: Repo, tmp_path: Path) -> None:
+    # Refused before the call began, these envelopes said key: null although --key was given.
+    for argv, input_ in (([str(tmp_path / "missing.patch")], None), (["-", "--message", "\udcff"], MODIFY_UTIL)):
+        before = snapshot(repo)
+        r = run_cli("apply", *argv, "--repo", str(repo.path), "--json", "--key", "named", input=input_,
+                    env={"ONCEPATCH_TEST_FORK": "0"})  # the message's byte 0xff, as a shell passes it
+        assert r.code == 2, r.out + r.err
+        err = r.json["error"]
+        assert err["key"] == "named" and err["effect_status"] == "not_started", err
+        assert snapshot(repo) == before
+
+
 def test_unreadable_patch_file(repo: Repo, tmp_path: Path) -> None:
     err = usage(repo, str(tmp_path / "missing.patch"), "--repo", str(repo.path))
     assert "missing.patch" in err["message"]
