@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cas.crash import CRASH_ENV, POINTS
 from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, UsageError
 from receipts import jsonio
 from receipts.lookup import status
@@ -205,6 +206,9 @@ def main(argv: Sequence[str] | None = None, *, caller: Caller | None = None, con
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
     try:
+        point = os.environ.get(CRASH_ENV)
+        if point and point not in POINTS:  # a test that names no point would never crash, and pass
+            raise UsageError(f"{CRASH_ENV} names no crash point: '{point}' (known: {', '.join(sorted(POINTS))})")
         args = the_parser().parse_args(argv)
         args.caller = caller  # None: this process (the policy looks it up only when there is one)
         args.stores = stores

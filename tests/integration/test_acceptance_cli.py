@@ -268,3 +268,17 @@ def test_a_limit_in_the_environment_that_is_not_a_number_leaves_the_default(tmp_
     assert r.code == 0, r.out + r.err
     assert "Traceback" not in r.err and r.json["status"] == "committed"
     assert (repo.path / "README").read_text() == "hello world\n"
+
+
+def test_a_crash_point_name_that_is_no_point_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    # A misspelt point was ignored: the call committed and a crash test passed without crashing.
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    before = snapshot(repo)
+    patch = b"--- a/README\n+++ b/README\n@@ -1 +1 @@\n-hello\n+hello world\n"
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "k", input=patch,
+                env={"ONCEPATCH_CRASH_AT": "after-reff"})
+    assert r.code == 2, r.out + r.err
+    err = r.json["error"]
+    assert err["type"] == "usage" and err["effect_status"] == "not_started" and "after-reff" in err["message"], err
+    assert "after-ref" in err["message"]  # the known points are named
+    assert snapshot(repo) == before
