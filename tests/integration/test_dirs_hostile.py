@@ -72,6 +72,15 @@ def shows_its_own_generation(site: Path, tree: str) -> bool:
         and stat.S_ISDIR(os.lstat(real).st_mode)
 
 
+def _patch_file(tmp_path: Path, edit: str) -> tuple[Path, dict[str, str | bytes]]:
+    """``tmp_path/<edit>.diff``, the patch that does ``EDITS[edit]`` to ``BASE``, and the files it makes."""
+    after = dict(BASE)
+    EDITS[edit](after)
+    pf = tmp_path / f"{edit}.diff"
+    pf.write_bytes(patch_between(tmp_path / "scratch", BASE, after))
+    return pf, after
+
+
 # -- 1. an entry under a generation's name is not trusted --------------------------------------
 
 
@@ -79,10 +88,7 @@ def test_a_symlink_planted_under_a_pruned_generation_is_moved_aside_and_the_gene
         tmp_path: Path) -> None:
     site = adopt(tmp_path)
     first = tree_of(objects(site))
-    after = dict(BASE)
-    EDITS["modify"](after)
-    pf = tmp_path / "modify.diff"
-    pf.write_bytes(patch_between(tmp_path / "scratch", BASE, after))
+    pf, after = _patch_file(tmp_path, "modify")
     assert run_cli("apply", str(pf), "--dir", str(site), "--key", "k1").code == 0
     gc = run_cli("gc", "--dir", str(site), "--json")
     assert gc.code == 0 and gc.json["generations"] == [first], gc.out + gc.err
@@ -129,10 +135,7 @@ def test_a_generation_folder_edited_after_it_was_built_is_rebuilt_before_it_is_s
         tmp_path: Path) -> None:
     site = adopt(tmp_path)
     first = tree_of(objects(site))
-    after = dict(BASE)
-    EDITS["add"](after)
-    pf = tmp_path / "add.diff"
-    pf.write_bytes(patch_between(tmp_path / "scratch", BASE, after))
+    pf, after = _patch_file(tmp_path, "add")
     assert run_cli("apply", str(pf), "--dir", str(site), "--key", "k1").code == 0
     old = gens(site) / first
     os.chmod(old, 0o755)
@@ -150,10 +153,7 @@ def test_a_symlink_in_place_of_the_current_generation_is_refused_then_recover_re
         tmp_path: Path) -> None:
     site = adopt(tmp_path)
     first = tree_of(objects(site))
-    after = dict(BASE)
-    EDITS["modify"](after)
-    pf = tmp_path / "modify.diff"
-    pf.write_bytes(patch_between(tmp_path / "scratch", BASE, after))
+    pf, after = _patch_file(tmp_path, "modify")
     os.rename(gens(site) / first, tmp_path / "moved-away")  # the generation's own folder, elsewhere now
     outside = tmp_path / "outside"
     write_tree(outside, {"README": "another folder's content\n"})
@@ -324,10 +324,7 @@ def test_a_rollback_key_that_is_not_utf8_is_a_usage_error_that_changes_nothing(t
     # The key reached the store's lookup as it was: an internal error whose envelope said "unknown".
     site = adopt(tmp_path)
     first = tree_of(objects(site))
-    after = dict(BASE)
-    EDITS["modify"](after)
-    pf = tmp_path / "modify.diff"
-    pf.write_bytes(patch_between(tmp_path / "scratch", BASE, after))
+    pf, after = _patch_file(tmp_path, "modify")
     assert run_cli("apply", str(pf), "--dir", str(site), "--key", "k1").code == 0
     home = Path(str(site) + ".oncepatch")
     before = snapshot(home)
