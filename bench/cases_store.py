@@ -121,7 +121,8 @@ def _fast_ledger(path: str) -> Iterator[None]:
     fh = open(path, "ab")
     state = {"seq": 0, "prev": GENESIS}
 
-    def append(self: Ledger, event: dict[str, Any], *, sync: bool = True) -> dict[str, Any]:
+    def append(self: Ledger, event: dict[str, Any], *, sync: bool = True,
+               wait: float | None = None) -> dict[str, Any]:
         stored = dict(event)
         stored["seq"] = state["seq"] + 1
         stored["prev"] = state["prev"]
