@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         if set(wanted) - set(cfg["sizes"]):
             ap.error(f"unknown sizes: {', '.join(sorted(set(wanted) - set(cfg['sizes'])))}")
         cfg["sizes"] = {k: v for k, v in cfg["sizes"].items() if k in wanted}
+        if cfg["sizes"] and cfg["profile_size"] not in cfg["sizes"]:  # profile the largest repository asked for
+            cfg["profile_size"] = list(cfg["sizes"])[-1]
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(only) - set(SECTIONS)
     if unknown:
