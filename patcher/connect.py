@@ -60,13 +60,22 @@ def version_token() -> str:
     """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding cas/, receipts/, patcher/
     parts = [sys.version, sys.prefix, root]
-    for pkg in _PACKAGES:
-        for folder, dirs, files in os.walk(os.path.join(root, pkg)):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-            for name in sorted(files):
-                if name.endswith(".py"):
-                    st = os.stat(os.path.join(folder, name))
-                    parts.append(f"{folder[len(root):]}/{name}:{st.st_mtime_ns}:{st.st_size}")
+    # Each folder's files, then its subfolders, in name order (as os.walk would, top
+    # down): os.scandir's entries carry their type, so only the .py files are stat'ed.
+    folders = [os.path.join(root, pkg) for pkg in reversed(_PACKAGES)]
+    while folders:
+        folder = folders.pop()
+        with os.scandir(folder) as found:
+            entries = sorted(found, key=lambda e: e.name)
+        rel = folder[len(root):]
+        subfolders = []
+        for entry in entries:
+            if entry.name.endswith(".py") and not entry.is_dir():
+                st = entry.stat()
+                parts.append(f"{rel}/{entry.name}:{st.st_mtime_ns}:{st.st_size}")
+            elif entry.name != "__pycache__" and entry.is_dir():
+                subfolders.append(entry.path)
+        folders += reversed(subfolders)
     parts += sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("ONCEPATCH_MAX_"))
     data = "\0".join(parts).encode("utf-8", "surrogateescape")
     return f"{zlib.crc32(data):08x}{zlib.adler32(data):08x}"
