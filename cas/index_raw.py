@@ -441,7 +441,10 @@ class RawIndex:
         (git compares through the clean filter too: a CRLF file checked out by
         an eol filter is not changed, and smudged ``git diff-files`` would say so).
         """
-        data, path = self.data, self._path_at(e)
+        data = self.data
+        if not _be32(data, e + 36):
+            return False  # smudged already (or an empty file): smudging would change nothing
+        path = self._path_at(e)
         mode, oid = _be32(data, e + 24), data[e + 40:e + 60].hex()
         if mode == 0o160000:
             return False  # gitlinks: git always looks at their contents

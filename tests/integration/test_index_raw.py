@@ -462,6 +462,22 @@ def test_a_racy_entry_found_unchanged_is_not_read_again_until_its_file_changes(
     assert reads == ["e.txt", "e.txt"]
     assert _debug_stat(repo, "e.txt")["size"] == "0"  # smudged
     assert repo.git("diff", "--name-only") == "e.txt\n"
+    looked: list[str] = []
+
+    class CountingOs:  # cas.index_raw's os, with its lstat calls counted
+        def __getattr__(self, name: str) -> object:
+            return getattr(os, name)
+
+        def lstat(self, path: str) -> os.stat_result:
+            looked.append(os.path.basename(path))
+            return os.lstat(path)
+
+    monkeypatch.setattr(cas.index_raw, "os", CountingOs())
+    os.utime(index, ns=(m, m))
+    assert _raw_update(repo, {"g.txt": b"g2\n"})
+    assert "e.txt" not in looked  # smudged already: not looked at again
+    assert _debug_stat(repo, "e.txt")["size"] == "0"
+    assert repo.git("diff", "--name-only") == "e.txt\n"
 
 
 def test_the_new_index_keeps_the_old_ones_permissions(tmp_path: Path) -> None:
