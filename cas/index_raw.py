@@ -25,7 +25,9 @@ caller parses the index with libgit2 instead:
   cached trees are invalidated, as ``git add`` does; ``EOIE``'s hash is
   recomputed; entry offsets do not move, so ``IEOT`` stays valid.
 * **Racily clean entries** whose files changed are smudged, as git's writer
-  does (:meth:`RawIndex._racy_entries`).
+  does (:meth:`RawIndex._racy_entries`); a file found unchanged once its
+  timestamps had settled is not read again while its stat data stays the
+  same (:data:`_VERIFIED`).
 * **The checksum** of the file read is verified in a thread while the caller
   looks its paths up; the new file's starts from a state over the unchanged
   bytes before the first entry found (hashed while the call prepares).
@@ -42,6 +44,7 @@ import os
 import re
 import struct
 import threading
+import time
 from collections.abc import Iterable
 
 from cas.git_filters import cleaned_oid
@@ -62,9 +65,29 @@ _ENTRY_MODES = frozenset({0o100644, 0o100755, 0o120000})
 _MODES = _ENTRY_MODES | {0o160000, 0o040000}
 # "sdir" marks a sparse index: it holds no data, and a file entry in the cone is updated as in any index.
 _HANDLED_EXT = frozenset({b"TREE", b"REUC", b"IEOT", b"EOIE", b"sdir"})
+#: Racily clean entries whose files were read and found to hold the entry:
+#: ``{(workdir, path): (object id, mode, the file's stat signature)}``.  Race guarded: a
+#: change made after the file was read gets an mtime (and ctime) of that moment or
+#: later, so it changes the signature: unless the file was changed in the very
+#: tick it was read, which is why only a file whose timestamps are older than
+#: the read by :data:`_SETTLED_NS` (and below a second: a filesystem of whole
+#: seconds stamps a later change alike) is remembered.  What git's rule still
+#: asks of every write (each racily clean entry looked at again) then costs an
+#: ``lstat``, not a read and a hash, in a long-lived caller that writes the
+#: index several times a second (the server's workers).
+_VERIFIED: dict[tuple[str, bytes], tuple[str, int, tuple[int, ...]]] = {}
+_VERIFIED_MAX = 4096
+#: How much older than the read a file's mtime and ctime must be for :data:`_VERIFIED`
+#: (far above a filesystem clock's tick: 1 to 10 ms).
+_SETTLED_NS = 50_000_000
 _NODE = re.compile(rb"([^\0]*)\0(-?[0-9]+) ([0-9]+)\n")
 _HEAD = struct.Struct(">10I20sH")  # an entry up to its flags: 62 bytes
 _THREADED_HASH = 1 << 18  # below this the checksum is verified inline
+
+
+def _settled(st: os.stat_result, now: int) -> bool:
+    """Whether a change after ``now`` would show in ``st``'s timestamps (see :data:`_VERIFIED`)."""
+    return all(0 < ns % 1_000_000_000 and ns < now - _SETTLED_NS for ns in (st.st_mtime_ns, st.st_ctime_ns))
 
 
 class Unsupported(Exception):
@@ -418,17 +441,25 @@ class RawIndex:
         (git compares through the clean filter too: a CRLF file checked out by
         an eol filter is not changed, and smudged ``git diff-files`` would say so).
         """
-        data, path = self.data, self._path_at(e)
+        data = self.data
+        if not _be32(data, e + 36):
+            return False  # smudged already (or an empty file): smudging would change nothing
+        path = self._path_at(e)
         mode, oid = _be32(data, e + 24), data[e + 40:e + 60].hex()
         if mode == 0o160000:
             return False  # gitlinks: git always looks at their contents
         full = os.path.join(workdir, os.fsdecode(path))
+        now = time.time_ns()  # (before the lstat: see _VERIFIED)
         try:
             st = os.lstat(full)
         except OSError:
             return False  # gone: git sees that
         if ((st.st_size & 0xFFFFFFFF) != _be32(data, e + 36) or (int(st.st_mtime) & 0xFFFFFFFF) != _be32(data, e + 8)
                 or st.st_mtime_ns % 1_000_000_000 != _be32(data, e + 12)):
+            return False
+        key = (workdir, bytes(path))
+        signature = (st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if _VERIFIED.get(key) == (oid, mode, signature):
             return False
         try:
             if mode == 0o120000:
@@ -439,6 +470,10 @@ class RawIndex:
         except OSError:
             return True
         if git_blob_oid(content) == oid:
+            if _settled(st, now):
+                if len(_VERIFIED) >= _VERIFIED_MAX:
+                    _VERIFIED.clear()
+                _VERIFIED[key] = (oid, mode, signature)
             return False
         return mode == 0o120000 or cleaned_oid(workdir, os.fsdecode(path), content) != oid
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.events import FileCreatedEvent, FileModifiedEvent, FileMovedEvent, FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from receipts.adapter import EffectAdapter
@@ -276,7 +276,14 @@ class Watcher:
         with self.store.folder_fd(self.store.receipts_dir, create=True):  # made without following a symlink
             pass
         observer = Observer()
-        observer.schedule(Handler(), self.store.receipts_dir, recursive=True)
+        try:
+            # Only the events the handler reads: inotify then never reports the opens and
+            # closes of the store's own folders and receipts (dozens a call, each an event
+            # for watchdog's threads to build and drop: most of a watcher's time).
+            observer.schedule(Handler(), self.store.receipts_dir, recursive=True,
+                              event_filter=[FileCreatedEvent, FileModifiedEvent, FileMovedEvent])
+        except TypeError:  # a watchdog before event_filter: every event, filtered here
+            observer.schedule(Handler(), self.store.receipts_dir, recursive=True)
         observer.start()
         try:
             self.rescan()

@@ -68,6 +68,7 @@ _SO_PEERGROUPS = 59  # Linux's getsockopt for the peer's supplementary groups (4
 _MAX_FRAME = 16 << 20
 _IDLE_WORKERS = 2  # idle workers kept (more finish at once under load: the others exit)
 _WATCHED_STORES = 256  # stores the server's watcher is told of, at most
+_WATCH_NICE = 10  # the watcher's scheduling priority, below the calls'
 _WATCHING = 8  # stores watched at once (each an inotify instance, of the user's 128): the oldest stops for a new one
 _KEPT_REPOSITORIES = 32  # open repositories a worker keeps per configuration environment
 _KEPT_CONFIGS = 8  # configuration environments whose repositories a worker keeps open
@@ -711,6 +712,9 @@ def _watch_stores(pipe: int, settings: _WatchSettings, roots: list[str]) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    # Behind the calls: the events of a call's receipts reach it while that call (and the
+    # next caller's start) want both cores of a small machine, and a flag waits its grace anyway.
+    os.nice(_WATCH_NICE)
     waiting = list(roots)
     threads: list[tuple[threading.Thread, threading.Event]] = []
     lock = threading.Lock()

@@ -424,6 +424,62 @@ def test_racily_clean_entries_are_smudged_so_a_same_instant_change_still_shows(t
     assert repo.git("diff", "--name-only") == "e.txt\n"
 
 
+def test_a_racy_entry_found_unchanged_is_not_read_again_until_its_file_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A racily clean entry whose settled file was read once is looked at by ``lstat`` alone after that.
+
+    Its file changed behind the index (same size, mtime put back: only the
+    ctime moves) is read again, smudged, and git sees the change.
+    """
+    import time
+
+    import cas.index_raw
+
+    repo = make_repo(tmp_path / "repo", {"e.txt": "aaaa\n", "f.txt": "ffff\n", "g.txt": "gggg\n"})
+    index, e = repo.path / ".git" / "index", repo.path / "e.txt"
+    m = e.stat().st_mtime_ns - 10 * 10**9 + 123_456_789  # whole seconds would never be remembered
+    os.utime(e, ns=(m, m))
+    repo.git("update-index", "--really-refresh")
+    settled = e.stat().st_ctime_ns + cas.index_raw._SETTLED_NS
+    while time.time_ns() <= settled:  # the utime above set e.txt's ctime: until it is settled
+        time.sleep(0.01)
+    reads: list[str] = []
+
+    def counting_open(file: str, *args: object, **kwargs: object) -> object:
+        reads.append(os.path.basename(file))
+        return open(file, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(cas.index_raw, "open", counting_open, raising=False)
+    for path in ("f.txt", "g.txt"):
+        os.utime(index, ns=(m, m))  # the index written in e.txt's second: e.txt is racily clean
+        assert _raw_update(repo, {path: path.upper().encode()})
+        assert _debug_stat(repo, "e.txt")["size"] == "5"  # unchanged: not smudged
+    assert reads == ["e.txt"]  # read by the first update only
+    e.write_bytes(b"bbbb\n")  # same size, same mtime: only the ctime shows it
+    os.utime(e, ns=(m, m))
+    os.utime(index, ns=(m, m))
+    assert _raw_update(repo, {"f.txt": b"f2\n"})
+    assert reads == ["e.txt", "e.txt"]
+    assert _debug_stat(repo, "e.txt")["size"] == "0"  # smudged
+    assert repo.git("diff", "--name-only") == "e.txt\n"
+    looked: list[str] = []
+
+    class CountingOs:  # cas.index_raw's os, with its lstat calls counted
+        def __getattr__(self, name: str) -> object:
+            return getattr(os, name)
+
+        def lstat(self, path: str) -> os.stat_result:
+            looked.append(os.path.basename(path))
+            return os.lstat(path)
+
+    monkeypatch.setattr(cas.index_raw, "os", CountingOs())
+    os.utime(index, ns=(m, m))
+    assert _raw_update(repo, {"g.txt": b"g2\n"})
+    assert "e.txt" not in looked  # smudged already: not looked at again
+    assert _debug_stat(repo, "e.txt")["size"] == "0"
+    assert repo.git("diff", "--name-only") == "e.txt\n"
+
+
 def test_the_new_index_keeps_the_old_ones_permissions(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "repo", {"a.txt": "a\n", "b.txt": "b\n"})
     index = repo.path / ".git" / "index"

@@ -654,6 +654,43 @@ def test_the_servers_watcher_flags_a_call_killed_after_its_prepare(tmp_path: Pat
         srv.stop()
 
 
+def test_the_servers_watcher_asks_only_for_the_events_it_reads_and_runs_behind_the_calls(
+        tmp_path: Path, server: Server) -> None:
+    """No inotify event for an open or a close (a call opens the store's folders dozens of times); niced."""
+    from patcher.cli.server import _WATCH_NICE
+
+    repo = make_repo(tmp_path / "repo", FILES)
+    assert run_cli("apply", "--json", "-", input=PATCH, cwd=repo.path, env=server.env).code == 0
+    watched = f"ino:{os.stat(repo.store / 'receipts').st_ino:x} "
+
+    def watch_line() -> tuple[int, str] | None:
+        for pid in server.children():
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:inotify":
+                        continue
+                    with open(f"/proc/{pid}/fdinfo/{fd}") as fh:
+                        lines = [line for line in fh if watched in line]
+                except OSError:
+                    continue
+                if lines:
+                    return pid, lines[0]
+        return None
+
+    pid, line = wait_for(watch_line, "the watcher to watch the store")
+    mask = int(line.split("mask:")[1].split()[0], 16)
+    in_access, in_close_write, in_close_nowrite, in_open, in_moved_to = 0x1, 0x8, 0x10, 0x20, 0x80
+    assert mask & in_moved_to  # a receipt lands by a rename
+    assert not mask & (in_access | in_close_write | in_close_nowrite | in_open)
+    with open(f"/proc/{pid}/stat") as fh:
+        nice = int(fh.read().rsplit(")", 1)[1].split()[16])
+    assert nice == min(19, os.nice(0) + _WATCH_NICE)
+
+
 def test_the_servers_watcher_watches_the_newest_stores_within_a_bound(tmp_path: Path, server: Server) -> None:
     """Each watched store costs an inotify instance (128 per user): the oldest watcher stops for a new one."""
     from patcher.cli.server import _WATCHING
