@@ -303,6 +303,42 @@ def test_irreversible_delete_checks_the_blob_it_names(repo: Repo) -> None:
     assert not (repo.path / "docs/guide.txt").exists()
 
 
+def test_a_pure_rename_onto_someone_elses_file_is_not_already_applied(repo: Repo) -> None:
+    """Source gone, target there: a pure rename carries no content, so only a blob id it names proves the target."""
+    patch = patch_of(repo, lambda r: r.git("mv", "src/util.py", "src/helpers.py"))
+    assert b"rename from src/util.py" in patch and b"@@" not in patch and b"\nindex " not in patch
+    repo.git("rm", "-q", "src/util.py")
+    repo.write("src/helpers.py", "someone else's helpers\n")
+    repo.commit_all("util removed, an unrelated helpers.py added")
+    err = refuse(repo, patch, code=4, type="context_not_found")
+    assert err["path"] == "src/util.py" and err["target"] == "src/helpers.py"
+    # Even the very bytes that were moved are not proof without a blob id: the same refusal.
+    repo.write("src/helpers.py", "def f():\n    return 1\n")
+    repo.commit_all("helpers.py holds util's old bytes")
+    refuse(repo, patch, code=4, type="context_not_found")
+    # A rename that names its blob (an 'index' line) is proven by it: already applied, nothing new committed.
+    blob = repo.git("rev-parse", "HEAD:src/helpers.py").strip()
+    named = patch.replace(b"rename to src/helpers.py\n",
+                          b"rename to src/helpers.py\nindex " + blob.encode() + b".." + blob.encode() + b"\n")
+    head = repo.head()
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "named", input=named)
+    assert r.code == 0, r.out + r.err
+    assert r.json["already_applied"] is True and repo.head() == head
+    # The rename with an edit is proven by its edit, as before.
+    def moved_and_edited(r: Repo) -> None:
+        r.git("mv", "src/app.py", "src/main.py")
+        r.write("src/main.py", (r.path / "src/main.py").read_text().replace("line 10\n", "line ten\n"))
+
+    edit = patch_of(repo, moved_and_edited)
+    assert b"rename from src/app.py" in edit and b"+line ten" in edit
+    moved_and_edited(repo)
+    repo.commit_all("done by hand")
+    head = repo.head()
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "edited", input=edit)
+    assert r.code == 0, r.out + r.err
+    assert r.json["already_applied"] is True and repo.head() == head
+
+
 # -- dirty worktree -----------------------------------------------------------------------
 
 
