@@ -90,6 +90,8 @@ UNSAFE = [
         ("latin1_raw", add_patch(b"b/caf\xe9.txt"), "not UTF-8"),
         ("nul_quoted", b'diff --git "a/a\\000b" "b/a\\000b"\nnew file mode 100644\n--- /dev/null\n'
          b'+++ "b/a\\000b"\n@@ -0,0 +1 @@\n+x\n', "control character in path"),
+        # 2000 folders fit in PATH_MAX; the call used to end in a RecursionError (exit 1, internal).
+        ("too_deep", add_patch(b"b/" + b"d/" * 2000 + b"f"), "path deeper than 512 components"),
     ]
 
 
@@ -99,6 +101,15 @@ def test_unsafe_path_in_patch(repo: Repo, name: str, patch: bytes, reason: str) 
     assert err["reason"] == reason
     assert not Path("/etc/oncepatch-evil").exists() and not Path("/tmp/oncepatch-evil").exists()
     assert not (repo.path.parent / "escape.txt").exists()
+
+
+def test_a_path_as_deep_as_allowed_commits_and_is_checked_out(repo: Repo) -> None:
+    deep = "d/" * 511 + "f"
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "deep", input=add_patch(b"b/" + deep.encode()))
+    assert r.code == 0, r.out + r.err
+    assert (repo.path / deep).read_text() == "x\n"
+    assert repo.git("status", "--porcelain") == ""
+    assert run_cli("verify", "--repo", str(repo.path)).code == 0
 
 
 def test_unsafe_path_through_symlink_in_tree(repo: Repo, tmp_path: Path) -> None:
