@@ -378,6 +378,16 @@ def test_dirty_untracked_file_where_add_goes(repo: Repo) -> None:
     assert (repo.path / "notes/new.txt").read_text() == "my untracked notes\n"
 
 
+def test_dirty_tracked_file_replaced_by_an_empty_folder(repo: Repo) -> None:
+    """'git status' says the file is deleted: the empty folder used to pass the check and be replaced."""
+    (repo.path / "src/util.py").unlink()
+    (repo.path / "src/util.py").mkdir()
+    assert repo.git("status", "--porcelain") == " D src/util.py\n"
+    err = refuse(repo, MODIFY_UTIL, code=4, type="dirty_path", retryable=True, next_action="retry", key=None)
+    assert err["paths"] == ["src/util.py"]
+    assert (repo.path / "src/util.py").is_dir()
+
+
 def test_dirty_only_matters_on_touched_paths(repo: Repo) -> None:
     repo.write("README", "edited but not touched by the patch\n")
     r = run_cli("apply", "-", "--repo", str(repo.path), "--json", input=MODIFY_UTIL)
