@@ -469,11 +469,19 @@ def outside_edits(layout: DirLayout, tree: str, paths: Iterable[str] | None = No
     return ["(no folder)"] if found is None else found
 
 
-def _walk(root: str) -> Iterator[tuple[str, os.stat_result]]:
+def _walk(root: str, unreadable: list[str]) -> Iterator[tuple[str, os.stat_result]]:
+    """Every entry below ``root`` (symlinks not followed); a sub-folder that cannot be listed goes to ``unreadable``."""
     stack = [""]
     while stack:
         rel = stack.pop()
-        with os.scandir(os.path.join(root, rel) if rel else root) as it:
+        try:
+            it = os.scandir(os.path.join(root, rel) if rel else root)
+        except OSError:
+            if not rel:
+                raise
+            unreadable.append(rel)  # (made 0000 by hand: it differs; what it holds is not read)
+            continue
+        with it:
             for entry in it:
                 path = rel + entry.name
                 st = entry.stat(follow_symlinks=False)
@@ -492,7 +500,8 @@ def digest_mismatches(repo: pygit2.Repository, layout: DirLayout, tree: str) -> 
     root = layout.generation(tree)
     bad: list[str] = []
     seen: set[str] = set()
-    for path, st in _walk(root):
+    unreadable: list[str] = []
+    for path, st in _walk(root, unreadable):
         if stat.S_ISDIR(st.st_mode):
             continue
         seen.add(path)
@@ -504,15 +513,20 @@ def digest_mismatches(repo: pygit2.Repository, layout: DirLayout, tree: str) -> 
         if stat.S_ISLNK(st.st_mode):
             ok = entry[1] == pygit2.enums.FileMode.LINK and str(pygit2.hash(os.fsencode(os.readlink(full)))) == entry[0]
         else:
-            with open(full, "rb") as fh:
-                data = fh.read()
+            try:
+                with open(full, "rb") as fh:
+                    data = fh.read()
+            except PermissionError:  # made 0000 by hand: it differs
+                bad.append(path)
+                continue
             executable = bool(st.st_mode & 0o100)
             mode = pygit2.enums.FileMode.BLOB_EXECUTABLE if executable else pygit2.enums.FileMode.BLOB
             ok = str(pygit2.hash(data)) == entry[0] and mode == entry[1]
         if not ok:
             bad.append(path)
-    bad += [p for p in want if p not in seen]
-    return sorted(bad)
+    under = tuple(unreadable)
+    bad += [p for p in want if p not in seen and not p.startswith(under)]  # (named by their folder)
+    return sorted(bad + unreadable)
 
 
 # -- retention and leftovers ----------------------------------------------------------------

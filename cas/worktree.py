@@ -50,7 +50,8 @@ def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str 
     """Touched paths whose index entry or working file differs from ``head_tree`` (or that are untracked/ignored).
 
     A touched path that is a folder in the worktree (giving way to a file) is
-    dirty when it holds a file the patch does not touch.  Files are compared by content.
+    dirty when it holds a file the patch does not touch, or when the index or
+    ``head_tree`` has a file there (deleted by hand).  Files are compared by content.
     """
     snap = snapshot_for(os.path.realpath(store.worktree_repo(workdir).path))
     touched = set(paths)
@@ -58,6 +59,8 @@ def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str 
     def dirty(path: str) -> bool:
         full = os.path.join(workdir, path)
         if os.path.isdir(full) and not os.path.islink(full):
+            if snap.entry(path) is not None or store.lookup_file(head_tree, path) is not None:
+                return True  # a tracked file deleted by hand, a folder made in its place ('git status': D)
             return any(f"{os.path.relpath(folder, workdir).replace(os.sep, '/')}/{name}" not in touched
                        for folder, _dirs, files in os.walk(full) for name in files)
         want = store.lookup_file(head_tree, path)

@@ -28,6 +28,9 @@ _DRIVE = re.compile(r"^[A-Za-z]:")
 #: on Linux: git takes longer ones into a tree, but no worktree can hold them (ENAMETOOLONG).
 _NAME_MAX = 255
 _PATH_MAX = 4095
+#: The most components a path may have: the tree edit and the folders a checkout makes go one call
+#: deeper per folder, so a deeper path (up to 2048 fit in PATH_MAX) would end in a RecursionError.
+_MAX_DEPTH = 512
 # Code points HFS+ ignores when comparing names (git's next_hfs_char).
 _HFS_IGNORABLE = frozenset([0x200C, 0x200D, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x206A, 0x2070), 0xFEFF])
 _MODE_LINK = 0o120000
@@ -215,7 +218,8 @@ def check_paths(paths: Iterable[str], *, removed: Iterable[str] = ()) -> None:
     a file may become a folder (delete ``x``, add ``x/y``) and back.
 
     Raises:
-        UnsafePath: a path is unsafe, or longer than a checkout can write; two paths normalise to the same path
+        UnsafePath: a path is unsafe, longer than a checkout can write or deeper than the tree edit
+            goes (512 components); two paths normalise to the same path
             (reason ``duplicate path``); or of two paths that both remain, one
             is a leading directory of the other (``details["conflicts_with"]``
             names the deeper one).
@@ -227,6 +231,8 @@ def check_paths(paths: Iterable[str], *, removed: Iterable[str] = ()) -> None:
             raise _refuse(raw, "duplicate path")
         if len(norm) > _PATH_MAX // 4 and len(norm.encode("utf-8")) > _PATH_MAX:
             raise _refuse(raw, f"path longer than {_PATH_MAX} bytes")
+        if norm.count("/") >= _MAX_DEPTH:
+            raise _refuse(raw, f"path deeper than {_MAX_DEPTH} components")
         seen[norm] = raw
     gone = {check_path(raw) for raw in removed}
     for norm, raw in seen.items():

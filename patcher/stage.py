@@ -159,6 +159,25 @@ def _copy_present(store: GitStore, edit: FileEdit, target: TreeEntry, source: Tr
     return target.mode == mode and store.read_blob(target.oid) == content
 
 
+def _rename_present(store: GitStore, edit: FileEdit, target: TreeEntry, sources: dict[str, str],
+                    applier: FileApplier) -> bool:
+    """Whether the existing target of a rename whose source is gone already holds the rename's result.
+
+    A rename that edits content proves it by that edit (its hunks' new side, its
+    whole new content, its binary result).  A pure rename carries no content: only
+    a blob id the patch names for the source (the rename's own ``index`` line, or
+    another edit's, as a copy from the same source has) proves the target is what
+    was moved; any other file at the target is someone else's, and the rename is
+    refused, never "already applied" (docs/FORMATS.md, "Operations").
+    """
+    if edit.new_mode is not None and edit.new_mode != target.mode:
+        return False
+    if not edit.hunks and edit.content is None and edit.binary is None:
+        named = edit.new_blob or edit.old_blob or sources.get(edit.path)
+        return named is not None and _is_blob(target.oid, named)
+    return _apply_one(store, _as_modify(edit), target, applier)[3]
+
+
 def _apply_one(store: GitStore, edit: FileEdit, current: TreeEntry | None,
                applier: FileApplier = apply_hunks) -> tuple[bytes, int, tuple[str, ...], bool]:
     """New content, new mode, per-hunk grades, already-applied flag for a modify/rename/copy/add."""
@@ -240,6 +259,8 @@ def _plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> Stage
     blobs: list[tuple[str, bytes, int, dict[str, Any]]] = []
     # What the patch says a path held before it (a copy reads its source's old content).
     preimages = {e.path: e.old_blob for e in patch.edits if e.op != "add" and e.op != "copy" and e.old_blob}
+    # What the patch says a source held, copies' index lines included (a pure rename's only proof).
+    sources = {**{e.path: e.old_blob for e in patch.edits if e.op == "copy" and e.old_blob}, **preimages}
     for edit in patch.edits:
         current = _lookup(store, base_tree, edit.path, deleted)
         if edit.op == "add" and edit.path in deleted:
@@ -289,12 +310,12 @@ def _plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> Stage
         elif edit.op == "rename":
             target_now = _lookup(store, base_tree, edit.target, deleted)
             if current is None and target_now is not None:
-                # Already moved?  Apply the content edit to the target to check.
-                content, mode, g, done = _apply_one(store, _as_modify(edit), target_now, applier)
-                if done:
+                if _rename_present(store, edit, target_now, sources, applier):
                     present.append(edit.path)
                     continue
-                raise ContextNotFound(f"cannot rename '{edit.path}': it does not exist", details={"path": edit.path})
+                raise ContextNotFound(f"cannot rename '{edit.path}' to '{edit.target}': '{edit.path}' does not exist "
+                                      f"and nothing in the patch proves '{edit.target}' is the rename's result",
+                                      details={"path": edit.path, "target": edit.target})
             if target_now is not None and edit.target not in deleted:
                 raise ContextNotFound(f"cannot rename '{edit.path}' to '{edit.target}': the target exists",
                                       details={"path": edit.target})

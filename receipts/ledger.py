@@ -105,6 +105,44 @@ def _own_prefix(data: bytes, last_seq: int, prev: str) -> bool:
             and _field_agrees(data, b'"seq":', str(last_seq + 1).encode()))
 
 
+def _last_line_problem(before: bytes | None, line: bytes, signing: Signing | None) -> str | None:
+    """Why ``line``, the ledger's last full line, is no event of its chain (``None``: it is one).
+
+    An append chains only onto an event: an object with the fields every event
+    has (``event``, ``seq``, ``prev``) whose ``seq`` and ``prev`` follow
+    the line ``before`` it (``None``: the first line, which follows the genesis),
+    a checkpoint's ``head`` standing for the lines it replaced, and, in a signed
+    store, its signature.  A line added by hand that is JSON but none of this
+    (``{"seq":5}``) would otherwise be chained onto: what ``verify`` reports later
+    is refused before the call's first write instead.
+    """
+    obj = jsonio.loads(line)
+    if not isinstance(obj, dict):
+        return "is not an object"
+    seq, prev = obj.get("seq"), obj.get("prev")
+    if not (isinstance(obj.get("event"), str) and isinstance(seq, int) and not isinstance(seq, bool)
+            and isinstance(prev, str)):
+        return "is no event: it lacks 'event', 'seq' or 'prev'"
+    want_seq: int | None = 1
+    if before is None:
+        want_prev = GENESIS
+    else:
+        try:
+            last = jsonio.loads(before)
+        except jsonio.JsonError:
+            last = None
+        head = last.get("head") if isinstance(last, dict) and last.get("event") == "checkpoint" else None
+        want_prev = head if isinstance(head, str) else sha256_hex(before)
+        last_seq = last.get("seq") if isinstance(last, dict) else None
+        want_seq = last_seq + 1 if isinstance(last_seq, int) and not isinstance(last_seq, bool) else None
+    first = obj.get("first_seq") if obj.get("event") == "checkpoint" else seq
+    if prev != want_prev or (want_seq is not None and first != want_seq):
+        return "does not chain onto the line before it"
+    if signing is not None and (why := signing.event_problem(obj)) is not None:
+        return why
+    return None
+
+
 def _open_ledger(path: str) -> BinaryIO:
     """The ledger file for reading, a regular file (:func:`cas.durable.open_regular`).
 
@@ -158,10 +196,18 @@ class Ledger:
                     start = max(0, start - _TAIL * 4)
                     continue
                 line = head[begin + 1:]
+                # The line before the last one, whole (what the last one must chain onto).
+                before_at = head.rfind(b"\n", 0, begin) if begin >= 0 else -1
+                if begin >= 0 and before_at < 0 and start > 0:
+                    start = max(0, start - _TAIL * 4)
+                    continue
+                before = head[before_at + 1:begin] if begin >= 0 else None
                 try:
                     seq = int(jsonio.loads(line)["seq"])
                 except Exception as exc:
                     raise CorruptLedger(f"ledger '{self.path}': last line is unreadable") from exc
+                if (why := _last_line_problem(before, line, self.signing)) is not None:
+                    raise CorruptLedger(f"ledger '{self.path}': its last line {why}")
                 return seq, sha256_hex(line), start + end + 1
 
     def torn_tail(self) -> TornTail | None:

@@ -244,6 +244,30 @@ def test_the_broker_answers_only_about_stores_its_caller_could_read(box: Box) ->
     assert res.returncode == 0, res
 
 
+def test_a_repository_path_the_broker_cannot_resolve_is_refused_not_let_through(box: Box) -> None:
+    """The agent's own git dir whose 'commondir' only the agent can read, naming the broker's private repository:
+    the broker cannot tell which store the path names, so it refuses (exit 2) rather than answer unchecked."""
+    private = _broker_repo(box, "private")
+    private.path.chmod(0o700)
+    _start_broker(box)
+    fake = box.agent.home / "fake"
+    made = box.run(box.agent, "sh", "-c", f"mkdir -p '{fake}/.git/objects' && echo 'ref: refs/heads/main' > "
+                   f"'{fake}/.git/HEAD' && echo '{private.path / '.git'}' > '{fake}/.git/commondir' && "
+                   f"chmod 000 '{fake}/.git/commondir'")
+    assert made.returncode == 0, made
+    before, before_fake = snapshot(private), sorted(str(p) for p in fake.rglob("*"))
+    agent_env = {"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"}
+    for argv in (("log", "--json"), ("status", "--json", "k"), ("verify", "--json"), ("recover", "--json"),
+                 ("apply", "--json", "-", "--key", "k")):
+        res = box.oncepatch(box.agent, *argv, "--repo", str(fake), input=PATCH, env=agent_env)
+        assert res.returncode == 2, (argv, res)
+        err = json.loads(res.stdout)["error"]
+        assert err["type"] == "usage" and "cannot tell which store" in err["message"], (argv, err)
+        assert err["effect_status"] == "not_started", (argv, err)
+    assert snapshot(private) == before
+    assert sorted(str(p) for p in fake.rglob("*")) == before_fake
+
+
 def test_a_caller_the_broker_does_not_allow_is_refused(box: Box) -> None:
     repo = _broker_repo(box)
     _start_broker(box)

@@ -123,6 +123,37 @@ def test_a_call_on_a_ledger_with_a_foreign_torn_tail_is_refused_and_changes_noth
     assert _verify(repo).code == 0  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("shape", ["seq only", "another chain's prev", "a seq out of turn", "an array"])
+def test_a_whole_last_line_that_is_no_event_of_the_chain_refuses_the_call_first(tmp_path: Path, shape: str) -> None:
+    """Valid JSON with a newline but no event of the chain (`{"seq":5}`): refused before the call's first write.
+
+    Only the last line's seq used to be read, so a call wrote its receipt and chained its events onto it.
+    """
+    repo = _committed(tmp_path, 2)
+    ledger = repo.store / "events.jsonl"
+    last = _lines(repo)[-1]
+    digest = hashlib.sha256(last[:-1]).hexdigest()
+    line = {"seq only": b'{"seq":5}',
+            "another chain's prev": b'{"at":"2026-01-01T00:00:00Z","event":"x","prev":"' + b"1" * 64 + b'","seq":5}',
+            "a seq out of turn": b'{"at":"2026-01-01T00:00:00Z","event":"x","prev":"' + digest.encode()
+                                 + b'","seq":9}',
+            "an array": b'[1,2]'}[shape]
+    with open(ledger, "ab") as fh:
+        fh.write(line + b"\n")
+    before = snapshot(repo)
+    r = _apply(repo, 5, "new")
+    assert r.code == 6, r.out + r.err  # type: ignore[attr-defined]
+    err = r.json["error"]  # type: ignore[attr-defined]
+    assert (err["type"], err["effect_status"], err["next_action"]) == ("corrupt_receipt", "not_started", "recover")
+    assert "last line" in err["message"] and "oncepatch quarantine --ledger" in err["message"]
+    assert snapshot(repo) == before  # no receipt, no lock file, nothing chained onto the line
+    assert _recover(repo).code == 6  # type: ignore[attr-defined]
+    assert snapshot(repo) == before
+    assert run_cli("quarantine", "--ledger", "--repo", str(repo.path), "--json").code == 0
+    assert _apply(repo, 5, "new").code == 0  # type: ignore[attr-defined]
+    assert _verify(repo).code == 0  # type: ignore[attr-defined]
+
+
 def test_a_tail_torn_by_a_killed_append_lets_the_next_call_run_and_recover_finish(tmp_path: Path) -> None:
     """What a call killed in the middle of its last append leaves: a prefix of that event."""
     repo = _committed(tmp_path, 2)

@@ -90,6 +90,8 @@ UNSAFE = [
         ("latin1_raw", add_patch(b"b/caf\xe9.txt"), "not UTF-8"),
         ("nul_quoted", b'diff --git "a/a\\000b" "b/a\\000b"\nnew file mode 100644\n--- /dev/null\n'
          b'+++ "b/a\\000b"\n@@ -0,0 +1 @@\n+x\n', "control character in path"),
+        # 2000 folders fit in PATH_MAX; the call used to end in a RecursionError (exit 1, internal).
+        ("too_deep", add_patch(b"b/" + b"d/" * 2000 + b"f"), "path deeper than 512 components"),
     ]
 
 
@@ -99,6 +101,15 @@ def test_unsafe_path_in_patch(repo: Repo, name: str, patch: bytes, reason: str) 
     assert err["reason"] == reason
     assert not Path("/etc/oncepatch-evil").exists() and not Path("/tmp/oncepatch-evil").exists()
     assert not (repo.path.parent / "escape.txt").exists()
+
+
+def test_a_path_as_deep_as_allowed_commits_and_is_checked_out(repo: Repo) -> None:
+    deep = "d/" * 511 + "f"
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "deep", input=add_patch(b"b/" + deep.encode()))
+    assert r.code == 0, r.out + r.err
+    assert (repo.path / deep).read_text() == "x\n"
+    assert repo.git("status", "--porcelain") == ""
+    assert run_cli("verify", "--repo", str(repo.path)).code == 0
 
 
 def test_unsafe_path_through_symlink_in_tree(repo: Repo, tmp_path: Path) -> None:
@@ -303,6 +314,42 @@ def test_irreversible_delete_checks_the_blob_it_names(repo: Repo) -> None:
     assert not (repo.path / "docs/guide.txt").exists()
 
 
+def test_a_pure_rename_onto_someone_elses_file_is_not_already_applied(repo: Repo) -> None:
+    """Source gone, target there: a pure rename carries no content, so only a blob id it names proves the target."""
+    patch = patch_of(repo, lambda r: r.git("mv", "src/util.py", "src/helpers.py"))
+    assert b"rename from src/util.py" in patch and b"@@" not in patch and b"\nindex " not in patch
+    repo.git("rm", "-q", "src/util.py")
+    repo.write("src/helpers.py", "someone else's helpers\n")
+    repo.commit_all("util removed, an unrelated helpers.py added")
+    err = refuse(repo, patch, code=4, type="context_not_found")
+    assert err["path"] == "src/util.py" and err["target"] == "src/helpers.py"
+    # Even the very bytes that were moved are not proof without a blob id: the same refusal.
+    repo.write("src/helpers.py", "def f():\n    return 1\n")
+    repo.commit_all("helpers.py holds util's old bytes")
+    refuse(repo, patch, code=4, type="context_not_found")
+    # A rename that names its blob (an 'index' line) is proven by it: already applied, nothing new committed.
+    blob = repo.git("rev-parse", "HEAD:src/helpers.py").strip()
+    named = patch.replace(b"rename to src/helpers.py\n",
+                          b"rename to src/helpers.py\nindex " + blob.encode() + b".." + blob.encode() + b"\n")
+    head = repo.head()
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "named", input=named)
+    assert r.code == 0, r.out + r.err
+    assert r.json["already_applied"] is True and repo.head() == head
+    # The rename with an edit is proven by its edit, as before.
+    def moved_and_edited(r: Repo) -> None:
+        r.git("mv", "src/app.py", "src/main.py")
+        r.write("src/main.py", (r.path / "src/main.py").read_text().replace("line 10\n", "line ten\n"))
+
+    edit = patch_of(repo, moved_and_edited)
+    assert b"rename from src/app.py" in edit and b"+line ten" in edit
+    moved_and_edited(repo)
+    repo.commit_all("done by hand")
+    head = repo.head()
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "edited", input=edit)
+    assert r.code == 0, r.out + r.err
+    assert r.json["already_applied"] is True and repo.head() == head
+
+
 # -- dirty worktree -----------------------------------------------------------------------
 
 
@@ -329,6 +376,16 @@ def test_dirty_untracked_file_where_add_goes(repo: Repo) -> None:
     err = refuse(repo, patch, code=4, type="dirty_path", retryable=True, next_action="retry", key=None)
     assert err["paths"] == ["notes/new.txt"]
     assert (repo.path / "notes/new.txt").read_text() == "my untracked notes\n"
+
+
+def test_dirty_tracked_file_replaced_by_an_empty_folder(repo: Repo) -> None:
+    """'git status' says the file is deleted: the empty folder used to pass the check and be replaced."""
+    (repo.path / "src/util.py").unlink()
+    (repo.path / "src/util.py").mkdir()
+    assert repo.git("status", "--porcelain") == " D src/util.py\n"
+    err = refuse(repo, MODIFY_UTIL, code=4, type="dirty_path", retryable=True, next_action="retry", key=None)
+    assert err["paths"] == ["src/util.py"]
+    assert (repo.path / "src/util.py").is_dir()
 
 
 def test_dirty_only_matters_on_touched_paths(repo: Repo) -> None:
