@@ -790,6 +790,10 @@ def _truthful(run: _Run, exc: Exception) -> OncepatchError:
         if isinstance(exc, DurableWriteError) and exc.effect_status == "unknown":
             # The prepared receipt was renamed, its folder's sync failed: the branch is untouched.
             exc.effect_status, exc.next_action, exc.retryable = "not_applied", "retry", True
+        elif isinstance(exc, GitStoreError) and exc.effect_status == "unknown":
+            # libgit2 failed to write the call's objects (a full disk): no receipt names
+            # them and the branch is untouched, so nothing happened that a query could find.
+            exc.effect_status, exc.next_action, exc.retryable = "not_started", "retry", True
         return exc.with_key(run.key)
     if isinstance(exc, FencedOff):
         return exc.with_key(run.key)  # the key is another attempt's: what it did is its own to say
