@@ -385,11 +385,14 @@ def _refuse_changed_worktrees(run: _Run) -> None:
             f"nothing was moved: retry", details={"reason": "worktree_switched"})
         _reject(run, switched, base, candidate)
         raise switched
-    if args.check is not None and run.worktrees:
-        # The check ran for seconds since the touched paths were found clean: a
-        # person may have edited one meanwhile.  Under the index locks, look again.
+    if run.worktrees:
+        # Race guarded: the touched paths were found clean before the key's lock, the
+        # writer turn and the index locks were waited for (seconds beside other calls,
+        # and --check runs for as long as it takes): an edit a person made meanwhile
+        # would be overwritten by the files written ahead of the move, and lost.
+        # Under the index locks, look again.
         _dirty_again(run.gstore, run.worktrees, args.branch, base, run.paths,
-                     lambda err: _reject(run, err, base, candidate))
+                     "--check" if args.check else "the call", lambda err: _reject(run, err, base, candidate))
 
 
 def _move_branch(run: _Run, staged: Staged, ahead: IndexesAhead) -> Staged:
@@ -561,17 +564,25 @@ def _settle_and_release(ahead: IndexesAhead, held: dict[str, IndexLock], materia
 
 
 def _dirty_again(gstore: GitStore, worktrees: list[tuple[str, str]], branch: str, base: str | None,
-                 paths: list[str], reject: Callable[[OncepatchError], None]) -> None:
+                 paths: list[str], what: str, reject: Callable[[OncepatchError], None]) -> None:
     """Refuse (retryable, nothing moved) when a touched path changed in a worktree since the pre-check.
 
+    A path is changed when it differs from the branch's tip now and from the
+    call's base: another call that landed since brought the worktrees to the
+    tip (under these same locks); a ``git update-ref`` that moved the branch
+    left them at the base (the move's conflict check answers that).
+
     Raises:
-        DirtyPath: a touched path differs from the base there now.
+        DirtyPath: a touched path differs from both there now.
     """
-    tree = gstore.commit_tree(base) if base else None
+    tip = gstore.resolve(branch)
+    trees = [gstore.commit_tree(c) if c else None for c in dict.fromkeys((tip, base))]
     for workdir, _git_dir in worktrees:
-        dirty = dirty_paths(gstore, workdir, paths, tree)
+        dirty = paths
+        for tree in trees:
+            dirty = dirty_paths(gstore, workdir, dirty, tree) if dirty else []
         if dirty:
-            err = DirtyPath(f"'{dirty[0]}' was changed in '{workdir}' while --check ran: nothing was moved; "
+            err = DirtyPath(f"'{dirty[0]}' was changed in '{workdir}' while {what} ran: nothing was moved; "
                             f"commit or stash the change, then retry", details={"paths": dirty, "worktree": workdir})
             reject(err)
             raise err

@@ -190,6 +190,47 @@ def test_a_switch_away_from_the_branch_while_the_call_runs_moves_nothing(tmp_pat
     assert (repo.path / "f.txt").read_text() == "a\nb\nc\n"
 
 
+@pytest.mark.parametrize("at", ["after-prepare", "before-ref"])
+def test_an_edit_made_while_the_call_waits_is_never_overwritten(tmp_path: Path, at: str) -> None:
+    """A touched path found clean by the pre-check, then edited (not committed) before the move.
+
+    Found by a race sweep: the call wrote its version over the person's edit
+    and committed; the edit was in no commit and no file any more.  Now the
+    touched paths are looked at again under the index locks: ``dirty_path``,
+    retryable, nothing moved, the edit kept; stashed, the retry lands.
+    """
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"})
+    proc = _paused_apply(repo, PATCH_F, at=at)
+    (repo.path / "f.txt").write_text("a\nmine\nc\n")
+    code, doc = _resume(proc)
+    assert code == 4 and doc["error"]["type"] == "dirty_path" and doc["error"]["retryable"], doc
+    assert doc["error"]["effect_status"] == "not_applied" and doc["error"]["paths"] == ["f.txt"], doc
+    assert repo.count("main") == 1 and (repo.path / "f.txt").read_text() == "a\nmine\nc\n"
+    assert repo.git("status", "--porcelain") == " M f.txt\n"
+    repo.git("stash", "-q")
+    again = run_cli(*apply_argv(repo, repo.path / ".git/race.diff", "K"))
+    assert again.code == 0, again.out + again.err
+    assert repo.count("main") == 2 and repo.git("status", "--porcelain") == ""
+    assert (repo.path / "f.txt").read_text() == "a\nB\nc\n"
+    verify_ok(repo)
+
+
+def test_a_call_that_landed_on_the_same_file_meanwhile_is_no_edit(tmp_path: Path) -> None:
+    """The look under the index locks compares with the branch's tip: another call's landed change of
+    the same file (its worktree brought along) is not a person's edit; the paused call re-stages."""
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\nd\ne\nf\ng\n"})
+    proc = _paused_apply(repo, b"--- a/f.txt\n+++ b/f.txt\n@@ -5,3 +5,3 @@\n e\n-f\n+F\n g\n")
+    other = tmp_path / "other.diff"
+    other.write_bytes(b"--- a/f.txt\n+++ b/f.txt\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n")
+    first = run_cli(*apply_argv(repo, other, "K2"))
+    assert first.code == 0, first.out + first.err
+    code, doc = _resume(proc)
+    assert code == 0 and doc["ok"], doc
+    assert repo.count("main") == 3 and repo.git("status", "--porcelain") == ""
+    assert (repo.path / "f.txt").read_text() == "a\nB\nc\nd\ne\nF\ng\n"
+    verify_ok(repo)
+
+
 @both_indexes
 def test_git_commit_that_read_the_index_during_the_move_commits_the_change(tmp_path: Path, index: str) -> None:
     """``git commit`` reads HEAD and the index *before* it takes ``index.lock``.
