@@ -37,7 +37,7 @@ from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
 from cas.errors import (DurableWriteError, GitStoreError, ObjectsMissing, OncepatchError, RefLockedError,
                         RefMovedError, UsageError)
-from cas.gitdir import all_worktrees, read_head, worktrees_on
+from cas.gitdir import all_worktrees, read_head, worktrees_on, worktrees_rebasing
 from cas.hashing import sha256_hex
 from cas.index_lock import IndexLock
 from cas.objects import GitStore, open_store
@@ -189,6 +189,7 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore, lock
     refuse_outside_edits(gstore, touched_paths(parsed))  # a directory target's generation, written to outside
     _read_identities(gstore)
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
+    _refuse_rebasing(gstore, args)
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
     worktrees = (check_worktrees(gstore, args.branch, touched_paths(parsed), settle_dead_calls(rstore, stores),
                                  owner=rstore.root, timeout=lock_timeout)
@@ -235,6 +236,23 @@ def _read_identities(gstore: GitStore) -> None:
         gstore.read_identities()
     except ValueError as exc:
         raise UsageError(f"commit identity: {exc}") from None
+
+
+def _refuse_rebasing(gstore: GitStore, args: CallArgs) -> None:
+    """Refuse a branch a worktree is rebasing or bisecting (git counts it as checked out there).
+
+    Moved under the rebase, the branch would make its last step fail ("cannot
+    lock ref ... but expected ..."), the person's rebased commits left on a
+    detached HEAD; ``git branch -f`` refuses such a branch for the same reason.
+
+    Raises:
+        Conflict: retryable once the rebase or bisect is over; nothing written.
+    """
+    busy = worktrees_rebasing(gstore.common_dir, args.branch)
+    if busy:
+        raise Conflict(f"'{args.branch}' is being rebased or bisected in '{busy[0]}': nothing was moved; "
+                       f"retry once that is finished or aborted", effect_status="not_started",
+                       details={"reason": "branch_rebasing", "git_dir": busy[0]})
 
 
 def _branch_head(gstore: GitStore, args: CallArgs) -> str | None:
@@ -295,6 +313,8 @@ def _plan(run: _Run, pre: _PreCheck | None) -> StagePlan:
     if pre is not None and pre.plan.base_commit == base:
         run.worktrees = pre.worktrees
         return pre.plan
+    if pre is None:
+        _refuse_rebasing(gstore, args)
     plan = plan_stage(gstore, base, run.patch)
     run.worktrees = (check_worktrees(gstore, args.branch, run.paths,
                                      settle_dead_calls(run.rstore, run.stores, run.key), owner=run.rstore.root,

@@ -522,3 +522,67 @@ def test_a_dead_lock_settles_only_its_own_kept_index(tmp_path: Path) -> None:
     assert other.code == 0, other.out + other.err
     assert "A  g.txt" in repo.git("status", "--porcelain")  # the user's staging survived
     assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))  # the stale kept index is gone
+
+
+def _rebase_stopped(repo: Repo, where: Path) -> None:
+    """``feat`` (one commit on ``a.txt``) rebased onto ``main`` (another) in ``where``: stopped at the conflict."""
+    repo.git("checkout", "-q", "-b", "feat")
+    repo.write("a.txt", "feat\n")
+    repo.commit_all("feat")
+    repo.git("checkout", "-q", "main")
+    repo.write("a.txt", "main\n")
+    repo.commit_all("main")
+    if where != repo.path:
+        repo.git("checkout", "-q", "--detach")
+        repo.git("worktree", "add", "-q", str(where), "feat")
+    else:
+        repo.git("checkout", "-q", "feat")
+    res = subprocess.run(["git", "rebase", "main"], cwd=where, capture_output=True, check=False)
+    assert res.returncode != 0 and b"CONFLICT" in res.stdout, res
+
+
+@pytest.mark.parametrize("where", ["main-worktree", "linked-worktree"])
+def test_a_branch_being_rebased_is_refused_and_the_rebase_finishes(tmp_path: Path, where: str) -> None:
+    """A rebase of the branch stopped at a conflict (HEAD detached meanwhile): git counts the branch as
+    checked out there.  Found by a race sweep: the call committed to it, then 'git rebase --continue'
+    failed ("cannot lock ref 'refs/heads/feat': is at ... but expected ..."), the person's rebased
+    commits left on a detached HEAD.  Now: ``conflict``, retryable, nothing written; after the rebase
+    the retry lands on the rebased branch."""
+    repo = make_repo(tmp_path / "repo", {"a.txt": "base\n"})
+    at = repo.path if where == "main-worktree" else tmp_path / "linked"
+    _rebase_stopped(repo, at)
+    patch = tmp_path / "r.diff"
+    patch.write_bytes(b"--- /dev/null\n+++ b/r.txt\n@@ -0,0 +1 @@\n+r\n")
+    before = snapshot(repo)
+    r = run_cli(*apply_argv(repo, patch, "R", "--branch", "feat"))
+    assert r.code == 4, r.out + r.err
+    err = r.json["error"]
+    assert (err["type"], err["reason"], err["retryable"], err["effect_status"]) == (
+        "conflict", "branch_rebasing", True, "not_started"), err
+    assert snapshot(repo) == before
+    (at / "a.txt").write_text("resolved\n")
+    subprocess.run(["git", "add", "a.txt"], cwd=at, check=True)
+    done = subprocess.run(["git", "-c", "core.editor=true", "rebase", "--continue"], cwd=at, capture_output=True,
+                          check=False)
+    assert done.returncode == 0, done
+    again = run_cli(*apply_argv(repo, patch, "R", "--branch", "feat"))
+    assert again.code == 0, again.out + again.err
+    log = repo.git("log", "--format=%s", "feat").split("\n")
+    assert log[:3] == ["oncepatch: apply patch to r.txt", "feat", "main"], log
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=at, capture_output=True, check=True).stdout == b""
+    verify_ok(repo)
+
+
+def test_a_branch_being_bisected_is_refused(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", {"a.txt": "base\n"})
+    repo.write("a.txt", "two\n")
+    repo.commit_all("two")
+    repo.git("bisect", "start", "main", "main~1")
+    patch = tmp_path / "r.diff"
+    patch.write_bytes(b"--- /dev/null\n+++ b/r.txt\n@@ -0,0 +1 @@\n+r\n")
+    before = snapshot(repo)
+    r = run_cli(*apply_argv(repo, patch, "R", "--branch", "main"))
+    assert r.code == 4 and r.json["error"]["reason"] == "branch_rebasing", r.out + r.err
+    assert snapshot(repo) == before
+    repo.git("bisect", "reset")
+    assert run_cli(*apply_argv(repo, patch, "R")).code == 0
