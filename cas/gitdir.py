@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from cas.errors import UsageError
 
 __all__ = ["GitLayout", "config_section", "discover", "read_head", "common_dir_of", "worktrees_on", "read_gitfile", "core_worktree",
-           "main_worktree_of", "all_worktrees", "resolve_symbolic", "MainWorktreeUnknown"]
+           "main_worktree_of", "all_worktrees", "resolve_symbolic", "MainWorktreeUnknown", "worktrees_rebasing"]
 
 #: How many symbolic refs are followed (git's own limit is 5).
 _MAX_SYMREF_DEPTH = 5
@@ -172,6 +172,30 @@ def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tup
         if os.path.isdir(workdir):
             found.append((workdir, common_dir))
     found += [(workdir, gd) for workdir, gd in _linked_worktrees(common_dir) if _head_names(gd, common_dir, ref)]
+    return found
+
+
+def worktrees_rebasing(common_dir: str, ref: str) -> list[str]:
+    """The worktrees (their git dirs) in the middle of a rebase or a bisect of the branch ``ref``.
+
+    git counts such a branch as checked out there (``branch_checked_out``:
+    ``git branch -f`` and ``git fetch`` refuse to move it): HEAD is detached
+    meanwhile, and the rebase's last step moves the branch only from where it
+    found it.  Read from git's own state files: ``rebase-merge/head-name``,
+    ``rebase-apply/head-name`` (the full ref), ``BISECT_START`` (the branch's
+    short name).
+    """
+    short = ref.removeprefix("refs/heads/")
+    found = []
+    for git_dir in [common_dir, *(gd for _workdir, gd in _linked_worktrees(common_dir))]:
+        for name, want in (("rebase-merge/head-name", ref), ("rebase-apply/head-name", ref), ("BISECT_START", short)):
+            try:
+                named = _text(os.path.join(git_dir, name), 4096).strip()
+            except (OSError, ValueError):
+                continue
+            if named == want or resolve_symbolic(common_dir, named) == ref:
+                found.append(git_dir)
+                break
     return found
 
 

@@ -8,7 +8,11 @@ docs/DESIGN.md section 3 lists them, with the rule for an
 ``already_applied`` receipt (someone else's commit: no trailer nor key ref
 asked of it) and the replay's cheap form (``cheap=True``: a key ref at the
 commit stands for "on the branch", no walk of the history).
-A missing key ref contradicts the receipt in both forms.
+A missing key ref contradicts the receipt in both forms, but for a receipt
+that records its follow-up as not done (``warnings``: ``recover`` settled the
+call and could not create the key ref, a full disk): it is believed where the
+commit is on the branch (the history is walked), and the next ``recover``
+creates the ref.
 """
 
 from __future__ import annotations
@@ -136,7 +140,8 @@ def contradictions(gstore: GitStore, receipt: Receipt, *, cheap: bool = False,
         problems.append(f"base ref '{receipt.base.get('ref')}' is not the call's branch '{branch}'")
     if at is not None and at != commit:
         problems.append(f"key ref '{key_ref}' points at {at[:12]}, not at {commit[:12]}")
-    elif at is None and not already:  # the cheap form too: a replay answers only what status would show
+    elif at is None and not already and not _follow_up_pending(receipt):
+        # (The cheap form too: a replay answers only what status would show.)
         problems.append(f"key ref '{key_ref}' does not point at {commit[:12]}")
     if not (cheap and at == commit and not already):
         problems += _branch_problems(gstore, commit, branch, history, key_ref_agrees=at == commit and not already)
@@ -144,6 +149,15 @@ def contradictions(gstore: GitStore, receipt: Receipt, *, cheap: bool = False,
     if receipt.tree and receipt.tree != tree:
         problems.append(f"tree {receipt.tree[:12]} differs from commit's tree {tree[:12]}")
     return problems + _output_problems(gstore, receipt, commit, tree)
+
+
+def _follow_up_pending(receipt: Receipt) -> bool:
+    """Whether the receipt records that settling it left its follow-up (the key ref among it) not done.
+
+    (:func:`receipts.engine.settle` writes the warning when the adapter's
+    ``settle`` failed; ``recover`` runs it again for such a receipt.)
+    """
+    return any(str(w).startswith("follow-up not done") for w in receipt.extra.get("warnings") or ())
 
 
 def _branch_problems(gstore: GitStore, commit: str, branch: str, history: BranchHistory | None, *,

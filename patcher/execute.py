@@ -37,7 +37,7 @@ from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
 from cas.errors import (DurableWriteError, GitStoreError, ObjectsMissing, OncepatchError, RefLockedError,
                         RefMovedError, UsageError)
-from cas.gitdir import all_worktrees, read_head, worktrees_on
+from cas.gitdir import all_worktrees, read_head, worktrees_on, worktrees_rebasing
 from cas.hashing import sha256_hex
 from cas.index_lock import IndexLock
 from cas.objects import GitStore, open_store
@@ -189,6 +189,7 @@ def _precheck(args: CallArgs, stores: dict[str, Any], rstore: ReceiptStore, lock
     refuse_outside_edits(gstore, touched_paths(parsed))  # a directory target's generation, written to outside
     _read_identities(gstore)
     prefetch_indexes(gstore, args.branch)  # read while the patch is planned
+    _refuse_rebasing(gstore, args)
     plan = plan_stage(gstore, _branch_head(gstore, args), parsed)
     worktrees = (check_worktrees(gstore, args.branch, touched_paths(parsed), settle_dead_calls(rstore, stores),
                                  owner=rstore.root, timeout=lock_timeout)
@@ -235,6 +236,23 @@ def _read_identities(gstore: GitStore) -> None:
         gstore.read_identities()
     except ValueError as exc:
         raise UsageError(f"commit identity: {exc}") from None
+
+
+def _refuse_rebasing(gstore: GitStore, args: CallArgs) -> None:
+    """Refuse a branch a worktree is rebasing or bisecting (git counts it as checked out there).
+
+    Moved under the rebase, the branch would make its last step fail ("cannot
+    lock ref ... but expected ..."), the person's rebased commits left on a
+    detached HEAD; ``git branch -f`` refuses such a branch for the same reason.
+
+    Raises:
+        Conflict: retryable once the rebase or bisect is over; nothing written.
+    """
+    busy = worktrees_rebasing(gstore.common_dir, args.branch)
+    if busy:
+        raise Conflict(f"'{args.branch}' is being rebased or bisected in '{busy[0]}': nothing was moved; "
+                       f"retry once that is finished or aborted", effect_status="not_started",
+                       details={"reason": "branch_rebasing", "git_dir": busy[0]})
 
 
 def _branch_head(gstore: GitStore, args: CallArgs) -> str | None:
@@ -295,6 +313,8 @@ def _plan(run: _Run, pre: _PreCheck | None) -> StagePlan:
     if pre is not None and pre.plan.base_commit == base:
         run.worktrees = pre.worktrees
         return pre.plan
+    if pre is None:
+        _refuse_rebasing(gstore, args)
     plan = plan_stage(gstore, base, run.patch)
     run.worktrees = (check_worktrees(gstore, args.branch, run.paths,
                                      settle_dead_calls(run.rstore, run.stores, run.key), owner=run.rstore.root,
@@ -385,11 +405,14 @@ def _refuse_changed_worktrees(run: _Run) -> None:
             f"nothing was moved: retry", details={"reason": "worktree_switched"})
         _reject(run, switched, base, candidate)
         raise switched
-    if args.check is not None and run.worktrees:
-        # The check ran for seconds since the touched paths were found clean: a
-        # person may have edited one meanwhile.  Under the index locks, look again.
+    if run.worktrees:
+        # Race guarded: the touched paths were found clean before the key's lock, the
+        # writer turn and the index locks were waited for (seconds beside other calls,
+        # and --check runs for as long as it takes): an edit a person made meanwhile
+        # would be overwritten by the files written ahead of the move, and lost.
+        # Under the index locks, look again.
         _dirty_again(run.gstore, run.worktrees, args.branch, base, run.paths,
-                     lambda err: _reject(run, err, base, candidate))
+                     "--check" if args.check else "the call", lambda err: _reject(run, err, base, candidate))
 
 
 def _move_branch(run: _Run, staged: Staged, ahead: IndexesAhead) -> Staged:
@@ -561,17 +584,25 @@ def _settle_and_release(ahead: IndexesAhead, held: dict[str, IndexLock], materia
 
 
 def _dirty_again(gstore: GitStore, worktrees: list[tuple[str, str]], branch: str, base: str | None,
-                 paths: list[str], reject: Callable[[OncepatchError], None]) -> None:
+                 paths: list[str], what: str, reject: Callable[[OncepatchError], None]) -> None:
     """Refuse (retryable, nothing moved) when a touched path changed in a worktree since the pre-check.
 
+    A path is changed when it differs from the branch's tip now and from the
+    call's base: another call that landed since brought the worktrees to the
+    tip (under these same locks); a ``git update-ref`` that moved the branch
+    left them at the base (the move's conflict check answers that).
+
     Raises:
-        DirtyPath: a touched path differs from the base there now.
+        DirtyPath: a touched path differs from both there now.
     """
-    tree = gstore.commit_tree(base) if base else None
+    tip = gstore.resolve(branch)
+    trees = [gstore.commit_tree(c) if c else None for c in dict.fromkeys((tip, base))]
     for workdir, _git_dir in worktrees:
-        dirty = dirty_paths(gstore, workdir, paths, tree)
+        dirty = paths
+        for tree in trees:
+            dirty = dirty_paths(gstore, workdir, dirty, tree) if dirty else []
         if dirty:
-            err = DirtyPath(f"'{dirty[0]}' was changed in '{workdir}' while --check ran: nothing was moved; "
+            err = DirtyPath(f"'{dirty[0]}' was changed in '{workdir}' while {what} ran: nothing was moved; "
                             f"commit or stash the change, then retry", details={"paths": dirty, "worktree": workdir})
             reject(err)
             raise err
@@ -790,6 +821,10 @@ def _truthful(run: _Run, exc: Exception) -> OncepatchError:
         if isinstance(exc, DurableWriteError) and exc.effect_status == "unknown":
             # The prepared receipt was renamed, its folder's sync failed: the branch is untouched.
             exc.effect_status, exc.next_action, exc.retryable = "not_applied", "retry", True
+        elif isinstance(exc, GitStoreError) and exc.effect_status == "unknown":
+            # libgit2 failed to write the call's objects (a full disk): no receipt names
+            # them and the branch is untouched, so nothing happened that a query could find.
+            exc.effect_status, exc.next_action, exc.retryable = "not_started", "retry", True
         return exc.with_key(run.key)
     if isinstance(exc, FencedOff):
         return exc.with_key(run.key)  # the key is another attempt's: what it did is its own to say

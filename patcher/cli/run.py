@@ -10,6 +10,7 @@ progress go to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
@@ -163,10 +164,31 @@ def _emit(doc: dict[str, Any], text: str, as_json: bool) -> None:
             data = jsonio.dumps(doc)
         except jsonio.JsonError:  # a message quoting bytes that are not UTF-8, a size past 64 bits
             data = jsonio.dumps(_printable(doc))
-        sys.stdout.buffer.write(data + b"\n")
-    else:
-        sys.stdout.write(text)
-    sys.stdout.flush()
+    try:
+        if as_json:
+            sys.stdout.buffer.write(data + b"\n")
+        else:
+            sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as exc:
+        # Standard output that takes no more bytes (a full disk: ENOSPC, EIO, a reader
+        # gone: EPIPE) once the call ran: as with it closed, the exit status is the
+        # call's, not a traceback's exit 1 (which says "unknown" of a call that landed).
+        _drop_stdout()
+        if sys.stderr is not None:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(f"oncepatch: cannot write to standard output: {exc.strerror or exc}\n")
+
+
+def _drop_stdout() -> None:
+    """Point file descriptor 1 at /dev/null: what is left in its buffer is flushed there at exit
+    (a second failure then would make Python exit with status 120)."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, sys.stdout.fileno())
+        finally:
+            os.close(null)
 
 
 def _confine(args: argparse.Namespace) -> None:

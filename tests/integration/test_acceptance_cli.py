@@ -162,6 +162,30 @@ def test_apply_with_a_closed_standard_output_commits_and_exits_0(tmp_path: Path)
     assert r.code == 0 and r.json["receipt"]["status"] == "committed", r.out + r.err
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize("json_out", [True, False], ids=["json", "text"])
+def test_standard_output_that_takes_no_bytes_keeps_the_calls_exit_status(tmp_path: Path, json_out: bool) -> None:
+    # `oncepatch apply ... > /dev/full` (stdout on a full disk, a reader gone): writing the envelope
+    # failed with ENOSPC, a traceback and exit 1 (internal, "unknown") though the change had landed;
+    # a conflict said 1, not 3.
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+
+    def apply(patch: bytes) -> subprocess.CompletedProcess[bytes]:
+        with open("/dev/full", "wb") as full:
+            return subprocess.run([sys.executable, "-m", "patcher.cli", "apply", "-", "--repo", str(repo.path),
+                                   "--key", "k", "--no-server", *(["--json"] if json_out else [])],
+                                  input=patch, stdout=full, stderr=subprocess.PIPE, check=False, timeout=120)
+
+    res = apply(PATCH)
+    assert res.returncode == 0 and b"Traceback" not in res.stderr, res.stderr
+    assert b"cannot write to standard output" in res.stderr, res.stderr
+    assert repo.count() == 2
+    r = run_cli("status", "k", "--repo", str(repo.path), "--json")
+    assert r.code == 0 and r.json["receipt"]["status"] == "committed", r.out + r.err
+    other = apply(b"--- /dev/null\n+++ b/other.txt\n@@ -0,0 +1 @@\n+y\n")
+    assert other.returncode == 3 and b"Traceback" not in other.stderr, other.stderr
+
+
 def test_a_refusal_with_a_closed_standard_error_keeps_its_exit_status(tmp_path: Path) -> None:
     # `oncepatch apply ... 2>&-`: sys.stderr is None; writing the refusal failed and the exit status
     # became 1 (internal, outcome unknown) instead of the refusal's own.

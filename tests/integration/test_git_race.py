@@ -190,6 +190,47 @@ def test_a_switch_away_from_the_branch_while_the_call_runs_moves_nothing(tmp_pat
     assert (repo.path / "f.txt").read_text() == "a\nb\nc\n"
 
 
+@pytest.mark.parametrize("at", ["after-prepare", "before-ref"])
+def test_an_edit_made_while_the_call_waits_is_never_overwritten(tmp_path: Path, at: str) -> None:
+    """A touched path found clean by the pre-check, then edited (not committed) before the move.
+
+    Found by a race sweep: the call wrote its version over the person's edit
+    and committed; the edit was in no commit and no file any more.  Now the
+    touched paths are looked at again under the index locks: ``dirty_path``,
+    retryable, nothing moved, the edit kept; stashed, the retry lands.
+    """
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\n"})
+    proc = _paused_apply(repo, PATCH_F, at=at)
+    (repo.path / "f.txt").write_text("a\nmine\nc\n")
+    code, doc = _resume(proc)
+    assert code == 4 and doc["error"]["type"] == "dirty_path" and doc["error"]["retryable"], doc
+    assert doc["error"]["effect_status"] == "not_applied" and doc["error"]["paths"] == ["f.txt"], doc
+    assert repo.count("main") == 1 and (repo.path / "f.txt").read_text() == "a\nmine\nc\n"
+    assert repo.git("status", "--porcelain") == " M f.txt\n"
+    repo.git("stash", "-q")
+    again = run_cli(*apply_argv(repo, repo.path / ".git/race.diff", "K"))
+    assert again.code == 0, again.out + again.err
+    assert repo.count("main") == 2 and repo.git("status", "--porcelain") == ""
+    assert (repo.path / "f.txt").read_text() == "a\nB\nc\n"
+    verify_ok(repo)
+
+
+def test_a_call_that_landed_on_the_same_file_meanwhile_is_no_edit(tmp_path: Path) -> None:
+    """The look under the index locks compares with the branch's tip: another call's landed change of
+    the same file (its worktree brought along) is not a person's edit; the paused call re-stages."""
+    repo = make_repo(tmp_path / "repo", {"f.txt": "a\nb\nc\nd\ne\nf\ng\n"})
+    proc = _paused_apply(repo, b"--- a/f.txt\n+++ b/f.txt\n@@ -5,3 +5,3 @@\n e\n-f\n+F\n g\n")
+    other = tmp_path / "other.diff"
+    other.write_bytes(b"--- a/f.txt\n+++ b/f.txt\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n")
+    first = run_cli(*apply_argv(repo, other, "K2"))
+    assert first.code == 0, first.out + first.err
+    code, doc = _resume(proc)
+    assert code == 0 and doc["ok"], doc
+    assert repo.count("main") == 3 and repo.git("status", "--porcelain") == ""
+    assert (repo.path / "f.txt").read_text() == "a\nB\nc\nd\ne\nF\ng\n"
+    verify_ok(repo)
+
+
 @both_indexes
 def test_git_commit_that_read_the_index_during_the_move_commits_the_change(tmp_path: Path, index: str) -> None:
     """``git commit`` reads HEAD and the index *before* it takes ``index.lock``.
@@ -481,3 +522,67 @@ def test_a_dead_lock_settles_only_its_own_kept_index(tmp_path: Path) -> None:
     assert other.code == 0, other.out + other.err
     assert "A  g.txt" in repo.git("status", "--porcelain")  # the user's staging survived
     assert not list((repo.path / ".git").glob("index.oncepatch-base.*"))  # the stale kept index is gone
+
+
+def _rebase_stopped(repo: Repo, where: Path) -> None:
+    """``feat`` (one commit on ``a.txt``) rebased onto ``main`` (another) in ``where``: stopped at the conflict."""
+    repo.git("checkout", "-q", "-b", "feat")
+    repo.write("a.txt", "feat\n")
+    repo.commit_all("feat")
+    repo.git("checkout", "-q", "main")
+    repo.write("a.txt", "main\n")
+    repo.commit_all("main")
+    if where != repo.path:
+        repo.git("checkout", "-q", "--detach")
+        repo.git("worktree", "add", "-q", str(where), "feat")
+    else:
+        repo.git("checkout", "-q", "feat")
+    res = subprocess.run(["git", "rebase", "main"], cwd=where, capture_output=True, check=False)
+    assert res.returncode != 0 and b"CONFLICT" in res.stdout, res
+
+
+@pytest.mark.parametrize("where", ["main-worktree", "linked-worktree"])
+def test_a_branch_being_rebased_is_refused_and_the_rebase_finishes(tmp_path: Path, where: str) -> None:
+    """A rebase of the branch stopped at a conflict (HEAD detached meanwhile): git counts the branch as
+    checked out there.  Found by a race sweep: the call committed to it, then 'git rebase --continue'
+    failed ("cannot lock ref 'refs/heads/feat': is at ... but expected ..."), the person's rebased
+    commits left on a detached HEAD.  Now: ``conflict``, retryable, nothing written; after the rebase
+    the retry lands on the rebased branch."""
+    repo = make_repo(tmp_path / "repo", {"a.txt": "base\n"})
+    at = repo.path if where == "main-worktree" else tmp_path / "linked"
+    _rebase_stopped(repo, at)
+    patch = tmp_path / "r.diff"
+    patch.write_bytes(b"--- /dev/null\n+++ b/r.txt\n@@ -0,0 +1 @@\n+r\n")
+    before = snapshot(repo)
+    r = run_cli(*apply_argv(repo, patch, "R", "--branch", "feat"))
+    assert r.code == 4, r.out + r.err
+    err = r.json["error"]
+    assert (err["type"], err["reason"], err["retryable"], err["effect_status"]) == (
+        "conflict", "branch_rebasing", True, "not_started"), err
+    assert snapshot(repo) == before
+    (at / "a.txt").write_text("resolved\n")
+    subprocess.run(["git", "add", "a.txt"], cwd=at, check=True)
+    done = subprocess.run(["git", "-c", "core.editor=true", "rebase", "--continue"], cwd=at, capture_output=True,
+                          check=False)
+    assert done.returncode == 0, done
+    again = run_cli(*apply_argv(repo, patch, "R", "--branch", "feat"))
+    assert again.code == 0, again.out + again.err
+    log = repo.git("log", "--format=%s", "feat").split("\n")
+    assert log[:3] == ["oncepatch: apply patch to r.txt", "feat", "main"], log
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=at, capture_output=True, check=True).stdout == b""
+    verify_ok(repo)
+
+
+def test_a_branch_being_bisected_is_refused(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", {"a.txt": "base\n"})
+    repo.write("a.txt", "two\n")
+    repo.commit_all("two")
+    repo.git("bisect", "start", "main", "main~1")
+    patch = tmp_path / "r.diff"
+    patch.write_bytes(b"--- /dev/null\n+++ b/r.txt\n@@ -0,0 +1 @@\n+r\n")
+    before = snapshot(repo)
+    r = run_cli(*apply_argv(repo, patch, "R", "--branch", "main"))
+    assert r.code == 4 and r.json["error"]["reason"] == "branch_rebasing", r.out + r.err
+    assert snapshot(repo) == before
+    repo.git("bisect", "reset")
+    assert run_cli(*apply_argv(repo, patch, "R")).code == 0

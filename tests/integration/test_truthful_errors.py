@@ -18,6 +18,7 @@ import errno
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -315,6 +316,52 @@ def test_no_raw_os_error_before_the_lock(repo: Repo, monkeypatch: pytest.MonkeyP
     err = info.value.envelope()
     assert (err["effect_status"], err["retryable"], err["errno"]) == ("unknown", True, "EIO")
     assert repo.count() == 1
+
+
+# -- libgit2 failing to write the call's objects ------------------------------------------------
+
+
+def _limit_file_size(limit: int) -> Callable[[], None]:
+    def preexec() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return preexec
+
+
+def test_objects_that_cannot_be_written_say_not_started_and_retry(repo: Repo, tmp_path: Path) -> None:
+    """A disk that takes no more bytes while the call's objects are written: ``not_started``, ``retry``.
+
+    Found with a full tmpfs: libgit2 failing to write the new blob (before any
+    receipt, the branch untouched) answered ``unknown``, not retryable,
+    ``query_before_retry``.  A file-size limit (``RLIMIT_FSIZE``) makes the
+    same real write fail portably: the blob's loose object is larger than
+    the limit, the receipt and the ledger's lines are not.
+    """
+    rng = random.Random(23)
+    lines = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(76)) for _ in range(800)]
+    patch = tmp_path / "big.diff"
+    patch.write_text(f"--- /dev/null\n+++ b/big.txt\n@@ -0,0 +1,{len(lines)} @@\n" + "".join(f"+{x}\n" for x in lines))
+    before = snapshot(repo)
+    argv = [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--repo", str(repo.path), "--key", KEY, "--json",
+            "--no-server"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run(argv, capture_output=True, env=env, check=False, timeout=120,
+                         preexec_fn=_limit_file_size(16 * 1024))
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and not doc["ok"], res.stdout + res.stderr
+    err = doc["error"]
+    assert "cannot write object" in err["message"], err
+    assert (err["effect_status"], err["retryable"], err["next_action"]) == ("not_started", True, "retry"), err
+    after = snapshot(repo)
+    assert {k: v for k, v in after.items() if k != "store"} == {k: v for k, v in before.items() if k != "store"}
+    assert not _has_receipt(repo)
+    # The retry the envelope asks for lands, once.
+    res = subprocess.run(argv, capture_output=True, env=env, check=False, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert repo.count() == 2 and receipt_of(repo)["status"] == "committed"
 
 
 # -- the CLI under libfiu ---------------------------------------------------------------------
