@@ -48,10 +48,17 @@ def session_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path | 
 @pytest.fixture(autouse=True)
 def hermetic(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
              session_server: Path | None) -> None:
-    """No developer's git config, store, crash point or running server leaks into a test."""
+    """No developer's git config, store, crash point or running server leaks into a test, nor one test's
+    server into another's."""
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    # The per-user server's default folder ($XDG_RUNTIME_DIR/oncepatch, else /tmp/oncepatch-<uid>) is
+    # this test's own: a server a test starts there is never found, nor stopped, by another test
+    # (the suite runs in several workers at once, and a developer's own server may be running).
+    runtime = home / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     for name in list(os.environ):
         if name.startswith("GIT_") or name.startswith("ONCEPATCH_"):
             monkeypatch.delenv(name, raising=False)
