@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,18 @@ def start_server(folder: Path, *extra: str, env: dict[str, str] | None = None) -
     words = res.stdout.decode().split()
     assert res.returncode == 0 and words[:1] == ["ready"], (res.returncode, res.stdout, res.stderr)
     return int(words[words.index("pid") + 1])
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A private folder with a short path, for a server's Unix socket (``<folder>/oncepatch-<token>.sock``).
+
+    A socket's path holds at most 107 bytes; ``tmp_path`` under a pytest-xdist worker
+    (``/tmp/pytest-of-<user>/pytest-<n>/popen-gw<k>/<test name, up to 30>/``) leaves too few of them.
+    """
+    path = Path(tempfile.mkdtemp(prefix="op-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
