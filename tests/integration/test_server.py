@@ -250,7 +250,15 @@ def test_a_full_backlog_runs_the_call_here(tmp_path: Path, short_tmp: Path) -> N
         os.kill(srv.pid, signal.SIGCONT)
         for s in fillers:
             s.close()
-    res = run_cli("log", "--json", cwd=repo.path, env=srv.env)  # served again once it runs
+    # Served again once it runs: it has the fillers in its backlog to accept first, and until it has, a
+    # call finds the backlog full (not started, retryable: nothing ran). The loaded machine decides when.
+    def served() -> Any:
+        r = run_cli("log", "--json", cwd=repo.path, env=srv.env)
+        if r.code == 5 and r.json["error"]["effect_status"] == "not_started" and r.json["error"]["retryable"]:
+            return None
+        return r
+
+    res = wait_for(served, "the resumed server to accept calls again")
     assert res.code == 0, res
     srv.stop()
 
