@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,18 @@ def start_server(folder: Path, *extra: str, env: dict[str, str] | None = None) -
     return int(words[words.index("pid") + 1])
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A private folder with a short path, for a server's Unix socket (``<folder>/oncepatch-<token>.sock``).
+
+    A socket's path holds at most 107 bytes; ``tmp_path`` under a pytest-xdist worker
+    (``/tmp/pytest-of-<user>/pytest-<n>/popen-gw<k>/<test name, up to 30>/``) leaves too few of them.
+    """
+    path = Path(tempfile.mkdtemp(prefix="op-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def session_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path | None]:
     if not THROUGH_SERVER:
@@ -48,10 +62,17 @@ def session_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path | 
 @pytest.fixture(autouse=True)
 def hermetic(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
              session_server: Path | None) -> None:
-    """No developer's git config, store, crash point or running server leaks into a test."""
+    """No developer's git config, store, crash point or running server leaks into a test, nor one test's
+    server into another's."""
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    # The per-user server's default folder ($XDG_RUNTIME_DIR/oncepatch, else /tmp/oncepatch-<uid>) is
+    # this test's own: a server a test starts there is never found, nor stopped, by another test
+    # (the suite runs in several workers at once, and a developer's own server may be running).
+    runtime = home / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     for name in list(os.environ):
         if name.startswith("GIT_") or name.startswith("ONCEPATCH_"):
             monkeypatch.delenv(name, raising=False)

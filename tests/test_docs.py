@@ -264,12 +264,15 @@ def scratch_env(scratch: Path) -> dict[str, str]:
     """A fresh machine: nothing inherited but the system's PATH."""
     home = scratch / "home"
     tmp = scratch / "tmp"
+    runtime = scratch / "run"  # a login's own: the per-user server's default folder is in it
     home.mkdir()
     tmp.mkdir()
+    runtime.mkdir(mode=0o700)
     return {
         "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
         "HOME": str(home),
         "TMPDIR": str(tmp),
+        "XDG_RUNTIME_DIR": str(runtime),
         "LANG": "C.UTF-8",
         "GIT_CONFIG_NOSYSTEM": "1",
         "GIT_AUTHOR_NAME": "Docs Reader",

@@ -30,8 +30,10 @@ lands exactly once.
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -170,9 +172,12 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_s
         # little); its objects, receipt, ref move and final receipt are written in the rest.
         scratch, _, _ = _setup(tmp_path / "scratch", checked_out=False)
         measured = measure_apply(procs, scratch.path, list(patches.values())[:WORKERS], "main", WORKERS)
-        lo, hi = 0.5 * measured, 1.1 * measured
         print(f"measured clean apply (4 at a time, maintenance beside): {measured:.3f}s; "
-              f"kills drawn from [{lo:.3f}s, {hi:.3f}s)")
+              f"kills drawn from [{0.5 * measured:.3f}s, {1.1 * measured:.3f}s)")
+        # The machine's load moves while the test runs (the suite's other worker starts or ends a
+        # file): every attempt that finishes is timed too, and the kills are drawn from the median of
+        # all these times, not from the first measurement alone.
+        times = [measured]
 
         # Phase 1: every key is started up to kills_per_key times, each attempt SIGKILLed at a
         # moment drawn as above; an attempt that finishes first ends the key's turn (its later
@@ -182,10 +187,13 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_s
                 rng = rng_for(seed, "worker", w)
                 for key in keys[w::WORKERS]:
                     for attempt in range(kills_per_key):
-                        at = rng.uniform(lo, hi)
+                        now = statistics.median(times)
+                        at = rng.uniform(0.5 * now, 1.1 * now)
+                        t0 = time.monotonic()
                         what, code, out = kill_at(procs, apply_argv(repo.path, patches[key], key, branch), at)
                         schedule.append(f"{key}#{attempt}@{at:.3f}s:{what}{'' if code is None else code}")
                         if what == "finished":
+                            times.append(time.monotonic() - t0)
                             p = outcome_problem(outcome_of(key, code or 0, out, b""))
                             if p is not None:
                                 problems.append(f"{key} (attempt {attempt}, not killed): {p}")

@@ -230,7 +230,7 @@ def test_mcp_lock_timeout_governs_the_index_lock(repo: Repo, tmp_path: Path) -> 
     assert repo.count() == 1
 
 
-def test_mcp_apply_patch_claims_its_key_on_a_git_remote(tmp_path: Path) -> None:
+def test_mcp_apply_patch_claims_its_key_on_a_git_remote(tmp_path: Path, short_tmp: Path) -> None:
     """``apply_patch``'s ``remote``: two machines' MCP servers (one through ``oncepatch serve``), one commit there.
 
     docs/REMOTE.md: machine A's call pushes the commit and the key's claim to
@@ -273,7 +273,7 @@ def test_mcp_apply_patch_claims_its_key_on_a_git_remote(tmp_path: Path) -> None:
         assert "'nowhere'" in nowhere["error"]["message"]
 
         # Machine B's MCP server sends its calls through an 'oncepatch serve' server: 'remote' goes along.
-        folder = tmp_path / "serve"
+        folder = short_tmp / "serve"
         serve_pid = start_server(folder, "--idle", "120")
         through = {"ONCEPATCH_SERVER": "require", "ONCEPATCH_SERVER_DIR": str(folder)}
 

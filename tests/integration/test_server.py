@@ -52,8 +52,8 @@ class Server:
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    srv = Server(tmp_path / "srv")
+def server(short_tmp: Path) -> Iterator[Server]:
+    srv = Server(short_tmp / "srv")
     yield srv
     srv.stop()
 
@@ -187,9 +187,9 @@ def test_a_server_of_another_version_is_never_asked(tmp_path: Path, server: Serv
         assert s.makefile("rb").readline().startswith(b"Ranother version")
 
 
-def test_a_stale_socket_is_passed_over_then_replaced(tmp_path: Path) -> None:
+def test_a_stale_socket_is_passed_over_then_replaced(tmp_path: Path, short_tmp: Path) -> None:
     repo = make_repo(tmp_path / "repo", FILES)
-    folder = tmp_path / "srv"
+    folder = short_tmp / "srv"
     folder.mkdir(mode=0o700)
     path = connect.socket_path(str(folder), connect.version_token())
     stale = socket.socket(socket.AF_UNIX)
@@ -208,8 +208,8 @@ def test_a_stale_socket_is_passed_over_then_replaced(tmp_path: Path) -> None:
         srv.stop()
 
 
-def test_two_servers_racing_to_start_leave_one(tmp_path: Path) -> None:
-    folder = tmp_path / "srv"
+def test_two_servers_racing_to_start_leave_one(tmp_path: Path, short_tmp: Path) -> None:
+    folder = short_tmp / "srv"
     argv = [sys.executable, "-m", "patcher.cli", "serve", "--background", "--idle", "120", "--socket-dir", str(folder)]
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     said = sorted(p.communicate(timeout=120)[0].decode().split() for p in procs)
@@ -225,8 +225,8 @@ def test_two_servers_racing_to_start_leave_one(tmp_path: Path) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def test_a_full_backlog_runs_the_call_here(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "srv", "--backlog", "1")
+def test_a_full_backlog_runs_the_call_here(tmp_path: Path, short_tmp: Path) -> None:
+    srv = Server(short_tmp / "srv", "--backlog", "1")
     repo = make_repo(tmp_path / "repo", FILES)
     fillers: list[socket.socket] = []
     os.kill(srv.pid, signal.SIGSTOP)  # listening, accepting nothing
@@ -250,7 +250,15 @@ def test_a_full_backlog_runs_the_call_here(tmp_path: Path) -> None:
         os.kill(srv.pid, signal.SIGCONT)
         for s in fillers:
             s.close()
-    res = run_cli("log", "--json", cwd=repo.path, env=srv.env)  # served again once it runs
+    # Served again once it runs: it has the fillers in its backlog to accept first, and until it has, a
+    # call finds the backlog full (not started, retryable: nothing ran). The loaded machine decides when.
+    def served() -> Any:
+        r = run_cli("log", "--json", cwd=repo.path, env=srv.env)
+        if r.code == 5 and r.json["error"]["effect_status"] == "not_started" and r.json["error"]["retryable"]:
+            return None
+        return r
+
+    res = wait_for(served, "the resumed server to accept calls again")
     assert res.code == 0, res
     srv.stop()
 
@@ -402,8 +410,8 @@ def test_a_call_with_its_standard_input_closed_is_answered_not_left_reading_the_
     assert repo.git("rev-parse", "HEAD").strip() == before and repo.count() == 1
 
 
-def test_an_idle_server_exits_and_takes_its_socket_away(tmp_path: Path) -> None:
-    folder = tmp_path / "srv"
+def test_an_idle_server_exits_and_takes_its_socket_away(short_tmp: Path) -> None:
+    folder = short_tmp / "srv"
     pid = start_server(folder, "--idle", "0.5")
     path = connect.socket_path(str(folder), connect.version_token())
     assert os.path.exists(path) and os.stat(folder).st_mode & 0o777 == 0o700
@@ -453,9 +461,9 @@ def test_a_served_call_ends_with_its_answer_flushed_and_its_status(tmp_path: Pat
     assert res.returncode == 5 and json.loads(res.stdout)["error"]["type"] == "io_error", res
 
 
-def test_start_runs_this_call_here_and_starts_a_server_for_the_next(tmp_path: Path) -> None:
+def test_start_runs_this_call_here_and_starts_a_server_for_the_next(tmp_path: Path, short_tmp: Path) -> None:
     repo = make_repo(tmp_path / "repo", FILES)
-    folder = tmp_path / "srv"
+    folder = short_tmp / "srv"
     env = {"ONCEPATCH_SERVER_DIR": str(folder)}
     res = run_cli("apply", "--json", "-", input=PATCH, cwd=repo.path, env={**env, "ONCEPATCH_SERVER": "start"})
     assert res.code == 0 and res.json["status"] == "committed"  # in process: no server was running
@@ -627,10 +635,10 @@ def test_a_worker_keeps_its_repository_open_and_never_answers_from_stale_state(
     assert run_cli("verify", cwd=repo.path, env=server.env).code == 0
 
 
-def test_the_servers_watcher_flags_a_call_killed_after_its_prepare(tmp_path: Path) -> None:
+def test_the_servers_watcher_flags_a_call_killed_after_its_prepare(tmp_path: Path, short_tmp: Path) -> None:
     from patcher.cli.server import WATCH_LOG
 
-    srv = Server(tmp_path / "srv", "--watch-grace", "0", "--watch-rescan", "3600")
+    srv = Server(short_tmp / "srv", "--watch-grace", "0", "--watch-rescan", "3600")
     try:
         repo = make_repo(tmp_path / "repo", FILES)
         assert run_cli("apply", "--json", "-", "--key", "k1", input=PATCH, cwd=repo.path, env=srv.env).code == 0
