@@ -204,10 +204,24 @@ def _fail(argv: list[str], kind: str, message: str, *, effect_status: str, next_
 
         err = {"type": kind, "message": message, "retryable": retryable, "effect_status": effect_status,
                "key": None, "next_action": next_action}
-        sys.stdout.write(json.dumps({"ok": False, "error": err}, separators=(",", ":")) + "\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(json.dumps({"ok": False, "error": err}, separators=(",", ":")) + "\n")
+            sys.stdout.flush()
+        except (OSError, ValueError) as exc:
+            # Standard output that takes no bytes (a full disk, EIO, a reader gone): the exit
+            # status is still this error's, as patcher.cli.run's _emit keeps a call's.
+            try:
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, 1)  # what is left in the buffer is flushed there at exit
+                os.close(null)
+                sys.stderr.write(f"oncepatch: cannot write to standard output: {exc}\n")
+            except (OSError, ValueError):
+                pass
     else:
-        sys.stderr.write(f"oncepatch: {kind}: {message}\n")
+        try:
+            sys.stderr.write(f"oncepatch: {kind}: {message}\n")
+        except (OSError, ValueError):
+            pass
     return code
 
 

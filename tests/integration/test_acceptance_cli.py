@@ -186,6 +186,19 @@ def test_standard_output_that_takes_no_bytes_keeps_the_calls_exit_status(tmp_pat
     assert other.returncode == 3 and b"Traceback" not in other.stderr, other.stderr
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_the_clients_own_refusal_to_a_full_standard_output_keeps_its_exit_status(tmp_path: Path) -> None:
+    # ONCEPATCH_SERVER=require with no server: the thin client answers by itself (exit 5, io_error).
+    # Written to a standard output that takes no bytes, that answer was a traceback and exit 1.
+    repo = make_repo(tmp_path / "repo", {"README": "hello\n"})
+    env = {**os.environ, "ONCEPATCH_SERVER": "require", "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    with open("/dev/full", "wb") as full:
+        res = subprocess.run([sys.executable, "-m", "patcher.cli", "status", "--repo", str(repo.path), "--json"],
+                             stdout=full, stderr=subprocess.PIPE, env=env, check=False, timeout=120)
+    assert res.returncode == 5 and b"Traceback" not in res.stderr, res.stderr
+    assert b"cannot write to standard output" in res.stderr, res.stderr
+
+
 def test_a_refusal_with_a_closed_standard_error_keeps_its_exit_status(tmp_path: Path) -> None:
     # `oncepatch apply ... 2>&-`: sys.stderr is None; writing the refusal failed and the exit status
     # became 1 (internal, outcome unknown) instead of the refusal's own.
