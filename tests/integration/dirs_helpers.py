@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import git
 
-__all__ = ["write_tree", "patch_between", "read_view", "view_of_folder", "tree_views", "snapshot_dir",
+__all__ = ["write_tree", "patch_between", "read_view", "view_of_folder", "tree_views", "snapshot_dir", "snapshot_tree",
            "tree_of"]
 
 
@@ -101,3 +101,23 @@ def snapshot_dir(path: Path) -> dict[str, object]:
         else:
             files[rel] = stat.S_IFMT(st.st_mode)
     return files
+
+
+def snapshot_tree(root: Path, *, mtimes: bool = True) -> dict[str, object]:
+    """Every entry under ``root``, itself included: type, mode, bytes or link text, and (``mtimes``) the
+    mtime of each file and sub-folder; nothing followed."""
+    out: dict[str, object] = {}
+    for folder, dirs, files in os.walk(root):
+        for name in [".", *dirs, *files]:
+            p = os.path.join(folder, name)
+            st = os.lstat(p)
+            rel = os.path.normpath(os.path.relpath(p, root))
+            when = st.st_mtime_ns if mtimes and name != "." else 0
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif stat.S_ISREG(st.st_mode):
+                out[rel] = ("file", st.st_mode, st.st_mtime_ns if mtimes else 0,
+                            hashlib.sha256(Path(p).read_bytes()).hexdigest())
+            else:
+                out[rel] = (stat.S_IFMT(st.st_mode), st.st_mode, when)
+    return out

@@ -9,7 +9,6 @@ a store, a target's own folder, ``/`` and the home folder, changing nothing.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import git, run_cli
-from dirs_helpers import patch_between, tree_of, view_of_folder, write_tree
+from dirs_helpers import patch_between, snapshot_tree, tree_of, view_of_folder, write_tree
 from test_dirs import BASE, EDITS, adopt, expected_view, objects
 
 A40 = "a" * 40
@@ -31,19 +30,7 @@ def gens(site: Path) -> Path:
 
 def snapshot(root: Path) -> dict[str, object]:
     """Every entry under ``root`` (itself included): type and mode, a file's bytes, a link's text; no link followed."""
-    out: dict[str, object] = {}
-    for folder, dirs, files, in os.walk(root):
-        for name in [".", *dirs, *files]:
-            p = os.path.join(folder, name)
-            st = os.lstat(p)
-            rel = os.path.normpath(os.path.relpath(p, root))
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISREG(st.st_mode):
-                out[rel] = ("file", st.st_mode, hashlib.sha256(Path(p).read_bytes()).hexdigest())
-            else:
-                out[rel] = ("dir", st.st_mode)
-    return out
+    return snapshot_tree(root, mtimes=False)
 
 
 def victim(tmp_path: Path, name: str = "victim") -> Path:

@@ -12,7 +12,6 @@ envelope, and a symlink in place of the current generation is not followed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import git, run_cli
-from dirs_helpers import patch_between, tree_of, tree_views, view_of_folder, write_tree
+from dirs_helpers import patch_between, snapshot_tree, tree_of, tree_views, view_of_folder, write_tree
 from test_dirs import BASE, LAYOUTS, adopt, change, expected_view, objects
 
 NESTED: dict[str, str | bytes] = {
@@ -55,23 +54,6 @@ def patch_file(tmp_path: Path, name: str, before: dict[str, str | bytes], after:
     pf = tmp_path / f"{name}.diff"
     pf.write_bytes(patch_between(tmp_path / f"scratch-{name}", before, after))
     return pf
-
-
-def snapshot_tree(root: Path) -> dict[str, object]:
-    """Every entry under ``root``, itself included: type, mode, mtime, bytes or link text; nothing followed."""
-    out: dict[str, object] = {}
-    for folder, dirs, files in os.walk(root):
-        for name in [".", *dirs, *files]:
-            p = os.path.join(folder, name)
-            st = os.lstat(p)
-            rel = os.path.normpath(os.path.relpath(p, root))
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISREG(st.st_mode):
-                out[rel] = ("file", st.st_mode, st.st_mtime_ns, hashlib.sha256(Path(p).read_bytes()).hexdigest())
-            else:
-                out[rel] = (stat.S_IFMT(st.st_mode), st.st_mode, st.st_mtime_ns if name != "." else 0)
-    return out
 
 
 # -- cost: only the folders on the changed paths -------------------------------------------------
