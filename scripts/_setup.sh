@@ -15,9 +15,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "setting up $VENV" >&2
   "$PY" -m venv "$VENV"
 fi
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
+# What the stamp holds: the set-up's own version, so that a .venv made by an older set-up is redone.
+# 2: pip >= 25.2 first, whose console-script launcher does not import `re` (about 8 ms of every
+#    one-shot call; docs/DECISIONS.md, "The command stays a console-script entry point").
+SETUP_VERSION=2
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$(cat "$STAMP")" != "$SETUP_VERSION" ]; then
   echo "installing oncepatch and its dependencies into $VENV (first run only: about a minute)" >&2
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[dev,test]" >&2
-  touch "$STAMP"
+  "$VENV/bin/python" -m pip install -qq --disable-pip-version-check 'pip>=25.2' >&2
+  "$VENV/bin/python" -m pip install -qq --disable-pip-version-check -e "$ROOT[dev,test]" >&2
+  echo "$SETUP_VERSION" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
