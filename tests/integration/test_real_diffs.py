@@ -1,0 +1,87 @@
+"""Shapes of real `git diff` output that a sweep over released source trees met, checked against git.
+
+Each test builds its small tree here, makes the change with git, sends git's
+own diff through `oncepatch apply` (the CLI), and compares the branch's tree
+with the one `git apply --index` gives on the same base, and the worktree's
+files with git's checkout of it; a refusal must change nothing (as
+tests/integration/test_rejections.py checks them).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cas.worktree import originals_of, put_back
+from conftest import Repo, git, make_repo, run_cli, snapshot
+from test_rejections import refuse
+
+
+def _files(root: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if rel == ".git" or rel.startswith(".git/"):
+            continue
+        if p.is_symlink():
+            out[rel] = "link:" + os.readlink(p)
+        elif p.is_file():
+            out[rel] = f"{oct(p.stat().st_mode)}:{p.read_bytes()!r}"
+    return out
+
+
+def _diff(repo: Repo, change) -> bytes:  # type: ignore[no-untyped-def]
+    """git's diff of ``change`` made on HEAD; the repository is put back at HEAD (its reflog emptied)."""
+    base = repo.head()
+    change(repo.path)
+    repo.git("add", "-A")
+    repo.git("commit", "-q", "-m", "target")
+    data = git(repo.path, "diff", "--binary", "-M", base, "HEAD").encode("utf-8", "surrogateescape")
+    repo.git("reset", "-q", "--hard", base)
+    repo.git("reflog", "expire", "--expire=all", "--all")
+    assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
+    return data
+
+
+def _git_apply(tmp_path: Path, repo: Repo, patch: bytes) -> tuple[str, dict[str, str]]:
+    """The tree and the worktree's files `git apply --index` makes of ``patch`` on a clone of ``repo``."""
+    oracle = tmp_path / "oracle"
+    git(tmp_path, "clone", "-q", str(repo.path), str(oracle))
+    git(oracle, "apply", "--index", "-", input=patch)
+    return git(oracle, "write-tree").strip(), _files(oracle)
+
+
+def test_untracked_file_where_a_new_folder_goes_is_refused_with_nothing_changed(tmp_path: Path) -> None:
+    # 'git apply --index' refuses too ("already exists in working directory"); the refusal
+    # used to come only when the files were written: the index held the new entry, its
+    # index.lock stayed held, and the envelope said 'not_applied' over a changed index.
+    repo = make_repo(tmp_path / "repo", {"keep": "k\n"})
+    patch = _diff(repo, lambda root: (root / "x" / "y").mkdir(parents=True)
+                  or (root / "x" / "y" / "z.txt").write_bytes(b"new\n"))
+    (repo.path / "x").write_bytes(b"someone's untracked notes\n")
+    err = refuse(repo, patch, code=4, type="dirty_path", retryable=True, next_action="retry")
+    assert err["paths"] == ["x"]
+    assert (repo.path / "x").read_bytes() == b"someone's untracked notes\n"
+    assert not (repo.path / ".git" / "index.lock").exists()
+    (repo.path / "x").unlink()  # once it is moved away, the same call goes through
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "K", input=patch)
+    assert r.code == 0, r.out + r.err
+    assert (repo.path / "x" / "y" / "z.txt").read_bytes() == b"new\n"
+    assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
+
+
+def test_put_back_passes_over_a_file_where_a_folder_of_the_path_goes(tmp_path: Path) -> None:
+    # A write that never got past the file 'x' left nothing below it to remove: putting
+    # the worktree back must not fail there (it did, and left the call's index.lock held).
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "x").write_bytes(b"untracked\n")
+    (work / "kept").write_bytes(b"kept\n")
+    originals = originals_of(str(work), ["x/y/z.txt", "kept"])
+    (work / "kept").write_bytes(b"written ahead\n")
+    put_back(originals)
+    assert (work / "x").read_bytes() == b"untracked\n"
+    assert (work / "kept").read_bytes() == b"kept\n"
+    put_back(originals)  # safe to repeat
