@@ -98,11 +98,17 @@ def outside_sparse_checkout(store: GitStore, workdir: str, paths: list[str]) -> 
 
 
 def unsafe_worktree_paths(workdir: str, paths: list[str]) -> list[str]:
-    """Paths whose leading folders in ``workdir`` are symlinks (writing there would follow them)."""
+    """Paths whose leading folders in ``workdir`` are symlinks (writing there would follow them).
+
+    A symlink that is itself one of ``paths`` gives way to a folder (the
+    patch deletes it, as git's typechange): it is removed before the writes,
+    never followed.
+    """
     bad = []
+    touched = set(paths)
     for path in paths:
         for where, st in _leading(workdir, path):
-            if stat.S_ISLNK(st.st_mode):
+            if stat.S_ISLNK(st.st_mode) and where not in touched:
                 bad.append(path)
                 break
             if not stat.S_ISDIR(st.st_mode):
@@ -324,14 +330,15 @@ def originals_of(workdir: str, paths: list[str]) -> Originals:
     """
     found: dict[str, Original] = {}
     folders: set[str] = set()
+    touched = set(paths)
     try:
         for path in paths:
             depth = path.count("/")
             for where, st in _leading(workdir, path):
-                if stat.S_ISLNK(st.st_mode):
+                if stat.S_ISLNK(st.st_mode) and where not in touched:
                     raise UnsafeWorktreePath(f"refusing to write '{path}' in '{workdir}': '{where}' is a symlink")
                 if not stat.S_ISDIR(st.st_mode):
-                    break  # a file where a folder goes: nothing below it
+                    break  # a file, or a link the patch replaces, where a folder goes: nothing below it
                 folders.add(where)
                 depth -= 1
             # every leading folder there (none missing, none a file or link): the path itself is read

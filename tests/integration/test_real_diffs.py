@@ -53,6 +53,42 @@ def _git_apply(tmp_path: Path, repo: Repo, patch: bytes) -> tuple[str, dict[str,
     return git(oracle, "write-tree").strip(), _files(oracle)
 
 
+def _symlink_to_folder(root: Path) -> None:
+    (root / "d").unlink()
+    (root / "d").mkdir()
+    (root / "d" / "f").write_bytes(b"a file where the link was\n")
+
+
+def _base_with_link(tmp_path: Path) -> Repo:
+    repo = make_repo(tmp_path / "repo", {"target/a": "a\n", "keep": "k\n"})
+    os.symlink("target", repo.path / "d")
+    repo.commit_all("a link to a folder")
+    return repo
+
+
+@pytest.mark.parametrize("checked_out", [True, False], ids=["checked-out", "other-branch"])
+def test_symlink_replaced_by_a_folder_applies_as_git_applies_it(tmp_path: Path, checked_out: bool) -> None:
+    # git diff writes the typechange as a deletion of the link 'd' and an addition of 'd/f':
+    # the path goes through 'd' only in the base, and the patch removes the link first.
+    repo = _base_with_link(tmp_path)
+    patch = _diff(repo, _symlink_to_folder)
+    want_tree, want_files = _git_apply(tmp_path, repo, patch)
+    base = repo.head()
+    repo.git("branch", "other")
+    extra = [] if checked_out else ["--branch", "other"]
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "typechange", *extra, input=patch)
+    assert r.code == 0, r.out + r.err
+    ref = "main" if checked_out else "other"
+    assert repo.head(f"{ref}^{{tree}}") == want_tree == r.json["tree"]
+    assert repo.head(f"{ref}~1") == base
+    assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
+    if checked_out:
+        assert _files(repo.path) == want_files
+        assert (repo.path / "d").is_dir() and not (repo.path / "d").is_symlink()
+    else:
+        assert repo.head() == base and (repo.path / "d").is_symlink()
+
+
 def test_untracked_file_where_a_new_folder_goes_is_refused_with_nothing_changed(tmp_path: Path) -> None:
     # 'git apply --index' refuses too ("already exists in working directory"); the refusal
     # used to come only when the files were written: the index held the new entry, its
@@ -85,3 +121,15 @@ def test_put_back_passes_over_a_file_where_a_folder_of_the_path_goes(tmp_path: P
     assert (work / "x").read_bytes() == b"untracked\n"
     assert (work / "kept").read_bytes() == b"kept\n"
     put_back(originals)  # safe to repeat
+
+
+def test_untracked_symlink_where_a_new_folder_goes_is_still_refused(tmp_path: Path) -> None:
+    # Only a link the patch itself replaces gives way; any other is never written through.
+    repo = make_repo(tmp_path / "repo", {"keep": "k\n"})
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    patch = _diff(repo, lambda root: (root / "x").mkdir() or (root / "x" / "z.txt").write_bytes(b"new\n"))
+    os.symlink(str(outside), repo.path / "x")
+    before = snapshot(repo)
+    refuse(repo, patch, code=4, type="unsafe_path")
+    assert snapshot(repo) == before and list(outside.iterdir()) == []
