@@ -10,6 +10,7 @@ tests/integration/test_rejections.py checks them).
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,25 @@ def test_untracked_symlink_where_a_new_folder_goes_is_still_refused(tmp_path: Pa
     before = snapshot(repo)
     refuse(repo, patch, code=4, type="unsafe_path")
     assert snapshot(repo) == before and list(outside.iterdir()) == []
+
+
+def test_diff_ruN_of_a_tree_dated_at_the_epoch_applies(tmp_path: Path) -> None:
+    # A reproducible tarball dates its files at the epoch; 'diff -ruN old new' then dates a
+    # changed file's new side as 'diff -N' dates an absent one.  Its hunks have lines on that side.
+    old, new = tmp_path / "old", tmp_path / "new"
+    for root, meta, added in ((old, b"Version: 1\nName: x\n", None), (new, b"Version: 2\nName: x\n", b"n\n")):
+        root.mkdir()
+        (root / "PKG-INFO").write_bytes(meta)
+        (root / "same.txt").write_bytes(b"s\n")
+        if added is not None:
+            (root / "added.txt").write_bytes(added)
+    for p in new.iterdir():
+        os.utime(p, (0, 0))
+    diff = subprocess.run(["diff", "-ruN", "old", "new"], cwd=tmp_path, capture_output=True)
+    assert diff.returncode == 1 and b"\t1970-01-01 00:00:00" in diff.stdout, diff
+    repo = make_repo(tmp_path / "repo", {"PKG-INFO": "Version: 1\nName: x\n", "same.txt": "s\n"})
+    r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "ruN", input=diff.stdout)
+    assert r.code == 0, r.out + r.err
+    assert {o["path"]: o["op"] for o in r.json["outputs"]} == {"PKG-INFO": "modify", "added.txt": "add"}
+    assert _files(repo.path) == _files(new)
+    assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
