@@ -5,7 +5,8 @@
   ignored file sits where the patch writes), checked *before* anything is
   prepared, so a user's work is never overwritten.
 * :func:`unsafe_worktree_paths` — touched paths whose folders in the worktree
-  are symlinks or files (a write would go through them).
+  are symlinks (a write would go through them); :func:`in_the_way` — files
+  that stand where a touched path's folder goes and that the patch does not remove.
 * :func:`materialise` — write each touched file atomically (tmp beside it,
   fsync, rename; symlinks as symlinks; exec bit from the mode), reached
   through folder fds opened with ``O_NOFOLLOW``; then update just those
@@ -24,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -38,7 +39,7 @@ from cas.index import IndexSnapshot, snapshot_for
 from cas.index_lock import IndexLock, LockMarker, update_index
 from cas.objects import GitStore, TreeEntry
 
-__all__ = ["outside_sparse_checkout", "dirty_paths", "unsafe_worktree_paths", "materialise", "write_files",
+__all__ = ["outside_sparse_checkout", "dirty_paths", "in_the_way", "unsafe_worktree_paths", "materialise", "write_files",
            "Original", "Originals", "originals_of", "put_back", "worktree_files_match", "index_matches"]
 
 _MODE_LINK = 0o120000
@@ -52,7 +53,12 @@ def dirty_paths(store: GitStore, workdir: str, paths: list[str], head_tree: str 
     A touched path that is a folder in the worktree (giving way to a file) is
     dirty when it holds a file the patch does not touch, or when the index or
     ``head_tree`` has a file there (deleted by hand).  Files are compared by content.
+    A file or link standing where a touched path's folder goes, which the
+    patch does not touch (:func:`in_the_way`), is answered instead: its own path.
     """
+    blocking = in_the_way(workdir, paths)
+    if blocking:
+        return blocking  # untracked files (or links) where a folder goes: nothing is read further
     snap = snapshot_for(os.path.realpath(store.worktree_repo(workdir).path))
     touched = set(paths)
 
@@ -92,23 +98,52 @@ def outside_sparse_checkout(store: GitStore, workdir: str, paths: list[str]) -> 
 
 
 def unsafe_worktree_paths(workdir: str, paths: list[str]) -> list[str]:
-    """Paths whose leading folders in ``workdir`` are symlinks (writing there would follow them)."""
+    """Paths whose leading folders in ``workdir`` are symlinks (writing there would follow them).
+
+    A symlink that is itself one of ``paths`` gives way to a folder (the
+    patch deletes it, as git's typechange): it is removed before the writes,
+    never followed.
+    """
     bad = []
+    touched = set(paths)
     for path in paths:
-        parts = path.split("/")[:-1]
-        cur = workdir
-        for part in parts:
-            cur = os.path.join(cur, part)
-            try:
-                st = os.lstat(cur)
-            except FileNotFoundError:
-                break
-            if stat.S_ISLNK(st.st_mode):
+        for where, st in _leading(workdir, path):
+            if stat.S_ISLNK(st.st_mode) and where not in touched:
                 bad.append(path)
                 break
             if not stat.S_ISDIR(st.st_mode):
                 break  # a file where a folder goes: the tree replaces it
     return bad
+
+
+def _leading(workdir: str, path: str) -> Iterator[tuple[str, os.stat_result]]:
+    """The leading folders of ``path`` in ``workdir`` that exist, each with its ``lstat``, up to the first missing one."""
+    where = ""
+    for part in path.split("/")[:-1]:
+        where = f"{where}/{part}" if where else part
+        try:
+            st = os.lstat(os.path.join(workdir, where))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        yield where, st
+        if not stat.S_ISDIR(st.st_mode):
+            return
+
+
+def in_the_way(workdir: str, paths: list[str]) -> list[str]:
+    """Files or symlinks of ``workdir`` that stand where a folder of a touched path goes, and that no touched path names.
+
+    ``git apply`` refuses them ("already exists in working directory"):
+    an untracked file ``x`` keeps ``x/y`` from being written, and the patch
+    does not remove it.  A file the patch deletes gives way (not listed).
+    """
+    touched = set(paths)
+    found: dict[str, None] = {}
+    for path in paths:
+        for where, st in _leading(workdir, path):
+            if not stat.S_ISDIR(st.st_mode) and where not in touched:
+                found.setdefault(where, None)
+    return list(found)
 
 
 def _remove_path(workdir: str, path: str) -> None:
@@ -295,25 +330,19 @@ def originals_of(workdir: str, paths: list[str]) -> Originals:
     """
     found: dict[str, Original] = {}
     folders: set[str] = set()
+    touched = set(paths)
     try:
         for path in paths:
-            parts = path.split("/")
-            where = ""
-            for part in parts[:-1]:
-                where = f"{where}/{part}" if where else part
-                try:
-                    st = os.lstat(os.path.join(workdir, where))
-                except FileNotFoundError:
-                    break
-                if stat.S_ISLNK(st.st_mode):
+            depth = path.count("/")
+            for where, st in _leading(workdir, path):
+                if stat.S_ISLNK(st.st_mode) and where not in touched:
                     raise UnsafeWorktreePath(f"refusing to write '{path}' in '{workdir}': '{where}' is a symlink")
                 if not stat.S_ISDIR(st.st_mode):
-                    break
+                    break  # a file, or a link the patch replaces, where a folder goes: nothing below it
                 folders.add(where)
-            else:
-                found[path] = _original(workdir, path)
-                continue
-            found[path] = Original("none")
+                depth -= 1
+            # every leading folder there (none missing, none a file or link): the path itself is read
+            found[path] = _original(workdir, path) if depth == 0 else Original("none")
     except OSError as exc:
         raise GitStoreError(f"cannot read worktree '{workdir}': {exc}") from exc
     return Originals(workdir, found, frozenset(folders))
@@ -407,7 +436,9 @@ def _unlink_entry(workdir: str, path: str) -> bool:
                 return False  # a folder: only its entries are ours to remove
             os.unlink(name, dir_fd=dfd)
             fsync_dir(dir_fd=dfd)
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, UnsafeWorktreePath):
+        # A file or a symlink where a folder of the path goes: nothing of ours is below it
+        # (writes never go through one), and nothing is removed through a link.
         return False
     return True
 

@@ -72,13 +72,13 @@ def _lookup(store: GitStore, tree: str | None, path: str, deleted: set[str]) -> 
             raise UnsafePath(f"refusing to write '{path}': '{found.blocked_by}' is a submodule (a repository of its "
                              f"own): apply the change in that repository",
                              details={"path": path, "reason": "in_submodule", "submodule": found.blocked_by})
-        if found.blocked_mode == MODE_LINK:
+        if found.blocked_mode == MODE_LINK and found.blocked_by not in deleted:
             raise UnsafePath(f"refusing to write '{path}': '{found.blocked_by}' is a symlink in the tree",
                              details={"path": path, "reason": "through_symlink", "symlink": found.blocked_by})
         if found.blocked_by not in deleted:
             raise ContextNotFound(f"cannot write '{path}': '{found.blocked_by}' is a file, not a folder",
                                   details={"path": path, "blocked_by": found.blocked_by})
-        return None
+        return None  # a file or a symlink giving way to a folder: the patch deletes it (git's typechange)
     if found.entry is not None and found.entry.mode == _MODE_GITLINK:
         raise UnsafePath(f"refusing to change '{path}': it is a submodule, and oncepatch does not change submodules",
                          details={"path": path, "reason": "submodule", "submodule": path})

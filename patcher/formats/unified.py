@@ -410,8 +410,13 @@ def _plain_names(minus: bytes | None, plus: bytes | None) -> tuple[bytes | None,
 
 def _names(block: _Block) -> tuple[bytes | None, bytes | None]:
     """The old and new path of a block; ``None`` for the absent side of an add or a delete."""
-    minus = None if block.minus == _DEV_NULL or block.minus_epoch else block.minus
-    plus = None if block.plus == _DEV_NULL or block.plus_epoch else block.plus
+    # 'diff -N' dates the absent side of an add or a delete at the epoch; a file that is
+    # really dated so (a reproducible tarball's: pip's own sdists) has lines on that side
+    # of its hunks, and is there (as GNU patch reads it; git apply refuses the patch).
+    minus_absent = block.minus_epoch and not any(h.old_lines for h in block.hunks)
+    plus_absent = block.plus_epoch and not any(h.new_lines for h in block.hunks)
+    minus = None if block.minus == _DEV_NULL or minus_absent else block.minus
+    plus = None if block.plus == _DEV_NULL or plus_absent else block.plus
     absent_old = block.minus is not None and minus is None
     absent_new = block.plus is not None and plus is None
     if not block.git:

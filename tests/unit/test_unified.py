@@ -482,6 +482,25 @@ def test_epoch_timestamp_after_a_quoted_name_means_absent_side() -> None:
     assert (kept.op, kept.path) == ("modify", "x y.txt")
 
 
+def test_epoch_dated_file_with_lines_on_both_sides_is_there() -> None:
+    """A file really dated at the epoch (a reproducible tarball's, as in pip's sdists) changed by 'diff -ruN'.
+
+    Its hunks hold lines on the epoch side, so the file is there: a change, as GNU
+    patch reads it (git apply refuses "deleted file still has contents").
+    """
+    changed = _one(_p("--- old/PKG-INFO\t2023-07-22 09:17:02.010808000 +0000",
+                      "+++ new/PKG-INFO\t1970-01-01 00:00:00.000000000 +0000",
+                      "@@ -1,2 +1,2 @@", "-Version: 1", "+Version: 2", " Name: x"))
+    assert (changed.op, changed.path) == ("modify", "PKG-INFO")
+    assert changed.hunks[0].old_lines == (b"Version: 1\n", b"Name: x\n")
+    older = _one(_p("--- old/a.txt\t1970-01-01 00:00:00.000000000 +0000",
+                    "+++ new/a.txt\t2024-01-01 00:00:00.000000000 +0000", "@@ -1 +1 @@", "-x", "+y"))
+    assert (older.op, older.path) == ("modify", "a.txt")
+    emptied = _one(_p("--- old/e.txt\t2024-01-01 00:00:00 +0000", "+++ new/e.txt\t1970-01-01 00:00:00 +0000",
+                      "@@ -1 +0,0 @@", "-x"))
+    assert (emptied.op, emptied.path) == ("delete", "e.txt")  # no lines on the epoch side: diff -N's absent file
+
+
 def test_unsafe_path_in_patch_is_refused() -> None:
     with pytest.raises(UnsafePath):
         parse_unified(
