@@ -253,6 +253,10 @@ class GitAdapter:
             # The dead call's own index.lock still there: whoever breaks it puts back the index it
             # kept (recover's cleanup, a later call), so only files written ahead are work here.
             dead_lock = dead_own_index_lock(os.path.join(os.path.realpath(git_dir), "index.lock"))
+            # A write ahead killed half way leaves its tmp files beside the touched paths, also
+            # where no file was renamed into place yet (nothing else to put back then).
+            for tmp in _remove_dead_tmp_files(workdir, git_dir, touched):
+                done.append(f"removed '{tmp}' left by a crashed call")
             if not any(_matches(gstore, workdir, p, (ahead[p],))
                        or (not dead_lock and _index_matches(workdir, p, (ahead[p],))) for p in ours):
                 drop_orphan_kept(os.path.realpath(git_dir), candidate)
@@ -263,9 +267,6 @@ class GitAdapter:
             marker = index_marker(self._rstore, receipt.key) if self._rstore is not None else None
             lock = hold_index_lock(workdir, timeout=self._lock_timeout, lock_marker=marker, git_dir=git_dir)
             try:
-                # A write ahead killed half way leaves its tmp files beside the touched paths.
-                for tmp in _remove_dead_tmp_files(workdir, git_dir, touched):
-                    done.append(f"removed '{tmp}' left by a crashed call")
                 files = {p: was[p] for p in ours
                          if _matches(gstore, workdir, p, (ahead[p],)) and not _holds_others(workdir, p, touched)}
                 entries = {p: was[p] for p in ours if _index_matches(workdir, p, (ahead[p],))}
