@@ -733,3 +733,23 @@ def test_the_servers_watcher_watches_the_newest_stores_within_a_bound(tmp_path: 
 
     found = wait_for(watching_the_newest, "the watcher to watch the newest store")
     assert len(found) <= _WATCHING
+
+
+def test_a_worker_that_ends_takes_its_temporary_object_folder_with_it(tmp_path: Path, short_tmp: Path) -> None:
+    """A worker keeps ``objects/tmp_objdir-oncepatch-<pid>-…`` for its calls' objects (cas.loose_objects) and
+    ends by ``os._exit``, which runs no exit handler: it removes the folder itself, else every worker that
+    ever served a repository would leave one there (an idle one beyond the spares, or at the server's end)."""
+    repo = make_repo(tmp_path / "repo", FILES)
+    srv = Server(short_tmp / "srv")
+    try:
+        res = run_cli("apply", "--json", "-", "--key", "k", input=PATCH, cwd=repo.path, env=srv.env)
+        assert res.code == 0, res
+        objects = repo.path / ".git" / "objects"
+        (kept,) = [p for p in objects.iterdir() if p.name.startswith("tmp_objdir-oncepatch-")]
+        worker = int(kept.name.split("-")[2])
+        assert worker in srv.children()  # the worker that ran the call, alive: its folder is in use
+        os.kill(srv.pid, signal.SIGTERM)  # the server ends; its idle workers read the end of their channel
+        wait_for(lambda: gone(worker), "the worker to end")
+        assert not kept.exists()
+    finally:
+        srv.stop()
