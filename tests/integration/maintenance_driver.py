@@ -60,6 +60,10 @@ __all__ = [
     "measure_apply",
     "fsck_full",
     "tmp_leftovers",
+    "worktree_problems",
+    "kill_worker_at",
+    "kill_paused_at",
+    "PAUSE_POINTS",
     "committed_receipts",
     "settled_events",
     "final_problems",
@@ -67,6 +71,7 @@ __all__ = [
     "git_apply_commit",
     "seed_from_env",
     "SEED_ENV",
+    "DEADLINE",
 ]
 
 #: What git supports beside concurrent writers (each keeps young and referenced objects).
@@ -349,7 +354,8 @@ def fsck_full(repo: Path) -> tuple[bool, str]:
 #: Names of temporary files oncepatch (cas/durable.py, cas/objects.py, cas/loose_refs.py) or the
 #: libgit2 it drives (loose objects, ref and index locks) creates; none may outlive ``recover``.
 def _is_tmp_name(name: str) -> bool:
-    return (".optmp-" in name or name.startswith(("tmp_", ".tmp-")) or name.endswith(".lock"))
+    return (".optmp-" in name or name.startswith(("tmp_", ".tmp-", "index.oncepatch-base."))
+            or name.endswith(".lock"))
 
 
 def tmp_leftovers(repo: Path) -> list[str]:
@@ -362,7 +368,7 @@ def tmp_leftovers(repo: Path) -> list[str]:
     """
     git_dir = repo / ".git"
     found: list[str] = []
-    for dirpath, _, filenames in os.walk(git_dir):
+    for dirpath, dirnames, filenames in os.walk(git_dir):
         here = Path(dirpath)
         rel = here.relative_to(git_dir)
         in_store_tmp = rel.parts[:2] == ("oncepatch", "tmp")
@@ -371,7 +377,39 @@ def tmp_leftovers(repo: Path) -> list[str]:
             if in_store_tmp or (_is_tmp_name(name) and not (in_store_locks and name.endswith(".lock")
                                                              and ".optmp-" not in name)):
                 found.append(str((here / name).relative_to(git_dir)))
+        # git's quarantine folders (tmp_objdir-*) and libgit2's: a folder, not a file.
+        found += [str((here / name).relative_to(git_dir)) + "/" for name in dirnames if name.startswith("tmp_objdir")]
+    # A checked-out worktree: the durable writes' tmp files beside the touched paths.
+    for dirpath, dirnames, filenames in os.walk(repo):
+        if Path(dirpath) == repo:
+            dirnames[:] = [d for d in dirnames if d != ".git"]
+        found += [str((Path(dirpath) / name).relative_to(repo)) for name in filenames if ".optmp-" in name]
     return sorted(found)
+
+
+def worktree_problems(repo: Path) -> list[str]:
+    """A checked-out branch's worktree and index agree with HEAD, without git refreshing anything first.
+
+    ``git diff-index --quiet HEAD`` runs first: it trusts the index's stat data
+    (an entry written without it, never refreshed, shows as changed), where
+    ``git status`` would refresh the index and hide that.
+    """
+    problems: list[str] = []
+    res = subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--"], cwd=repo, capture_output=True, check=False)
+    if res.returncode != 0:
+        names = subprocess.run(["git", "diff-index", "--name-status", "HEAD", "--"], cwd=repo, capture_output=True,
+                               check=False).stdout.decode(errors="replace")
+        problems.append(f"git diff-index --quiet HEAD exited {res.returncode}: {names[:1000]}")
+    res = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=repo, capture_output=True,
+                         check=False)
+    if res.returncode != 0 or res.stdout:
+        problems.append(f"git status --porcelain (exit {res.returncode}) is not clean: "
+                        f"{(res.stdout + res.stderr).decode(errors='replace')[:1000]}")
+    symbolic = subprocess.run(["git", "symbolic-ref", "HEAD"], cwd=repo, capture_output=True, check=False)
+    if symbolic.stdout.decode().strip() != "refs/heads/main":
+        problems.append(f"HEAD is {symbolic.stdout.decode().strip() or symbolic.stderr.decode().strip()!r}, "
+                        "not refs/heads/main")
+    return problems
 
 
 def settled_events(procs: Procs, repo: Path) -> int:
@@ -503,6 +541,109 @@ def kill_at(procs: Procs, argv: Sequence[str], delay: float) -> tuple[str, int |
             proc.send_signal(signal.SIGKILL)
             proc.communicate()
             return "killed", None, b""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        procs.done(proc)
+
+
+def _children(pid: int) -> list[int]:
+    """The live children of ``pid`` (``/proc/<pid>/task/*/children``)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _fd_target(pid: int, fd: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return None
+
+
+def kill_worker_at(procs: Procs, argv: Sequence[str], delay: float, server: int) -> tuple[str, int | None, bytes]:
+    """:func:`kill_at` through ``oncepatch serve`` (pid ``server``): SIGKILL the server's worker running the call.
+
+    ``argv`` is the thin client; the call runs in one of the server's workers,
+    which takes the client's standard streams: the worker whose stdout is the
+    client's stdout pipe is the call's.  When none is (the call not handed
+    over yet, or already answered), the client alone is killed.
+    ('killed-worker'|'killed-client'|'finished', code, out).
+    """
+    proc = procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        try:
+            out, _ = proc.communicate(timeout=delay)
+            return "finished", proc.returncode, out
+        except subprocess.TimeoutExpired:
+            pipe = _fd_target(proc.pid, 1)
+            victims = [w for w in _children(server) if pipe is not None and _fd_target(w, 1) == pipe]
+            for w in victims:
+                try:
+                    os.kill(w, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if victims:
+                # The server tells the client how its worker ended (137): the client's own end.
+                try:
+                    out, _ = proc.communicate(timeout=DEADLINE)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.communicate()
+                    return "killed-worker", None, b""
+                return "killed-worker", proc.returncode, out
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+            return "killed-client", None, b""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        procs.done(proc)
+
+
+#: The pause points of the apply protocol (docs/CONCURRENCY.md section 6), in the order a call passes them.
+PAUSE_POINTS = ("after-prepare", "before-ref", "after-ref", "before-finalise")
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def kill_paused_at(procs: Procs, argv: Sequence[str], point: str) -> tuple[str, int | None, bytes]:
+    """Start ``argv`` paused at ``point`` (``ONCEPATCH_PAUSE_AT``, in process) and SIGKILL it once it stopped there.
+
+    A kill inside the protocol every time, wherever the start-up's time goes:
+    ('killed'|'finished', code, out) — 'finished' when the call ended without
+    reaching the point (a rejection, say).
+    """
+    env = dict(os.environ, ONCEPATCH_PAUSE_AT=point)
+    proc = procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while proc.poll() is None and not _stopped(proc.pid):
+            assert time.monotonic() < deadline, f"{' '.join(argv)} neither paused at {point} nor ended"
+            time.sleep(0.005)  # (a poll of the process's state: the stop is the event waited for)
+        if proc.poll() is not None:
+            out, _ = proc.communicate()
+            return "finished", proc.returncode, out
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        return "killed", None, b""
     finally:
         if proc.poll() is None:
             proc.kill()
