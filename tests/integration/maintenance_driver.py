@@ -387,19 +387,44 @@ def tmp_leftovers(repo: Path) -> list[str]:
     return sorted(found)
 
 
+def _put_back(repo: Path, line: str) -> bool:
+    """Whether a ``git diff-index --name-status HEAD`` line is a file put back after a call that never moved
+    its branch (docs/RECOVERY.md): the index put back byte for byte, so the entry keeps the stat data the
+    file had before the call rewrote it, the file and the entry holding HEAD's version.  An entry with no
+    stat data (never given it) or another content is not."""
+    status, _, path = line.partition("\t")
+    if status != "M" or not path:
+        return False
+
+    def out(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, check=False).stdout.decode().strip()
+
+    debug = out("ls-files", "--debug", "--", path)
+    if "mtime: 0:0" in debug or "size: 0\t" in debug and (repo / path).stat().st_size:
+        return False
+    head = out("rev-parse", f"HEAD:{path}")
+    staged = out("ls-files", "-s", "--", path).split()
+    return bool(head) and staged[1:2] == [head] and out("hash-object", "--", path) == head
+
+
 def worktree_problems(repo: Path) -> list[str]:
     """A checked-out branch's worktree and index agree with HEAD, without git refreshing anything first.
 
     ``git diff-index --quiet HEAD`` runs first: it trusts the index's stat data
     (an entry written without it, never refreshed, shows as changed), where
-    ``git status`` would refresh the index and hide that.
+    ``git status`` would refresh the index and hide that.  The one difference
+    it may show is a file put back after a call that never moved its branch,
+    whose entry the index put back byte for byte keeps the file's old stat
+    data (:func:`_put_back`, docs/RECOVERY.md).
     """
     problems: list[str] = []
     res = subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--"], cwd=repo, capture_output=True, check=False)
     if res.returncode != 0:
         names = subprocess.run(["git", "diff-index", "--name-status", "HEAD", "--"], cwd=repo, capture_output=True,
                                check=False).stdout.decode(errors="replace")
-        problems.append(f"git diff-index --quiet HEAD exited {res.returncode}: {names[:1000]}")
+        unexplained = [line for line in names.splitlines() if not _put_back(repo, line)]
+        if unexplained:
+            problems.append(f"git diff-index --quiet HEAD exited {res.returncode}: {unexplained[:20]}")
     res = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=repo, capture_output=True,
                          check=False)
     if res.returncode != 0 or res.stdout:
