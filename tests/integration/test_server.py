@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from conftest import Repo, make_repo, run_cli, start_server
+from maintenance_driver import tmp_leftovers, worktree_problems
 from torture_driver import commits_with_trailer
 
 from patcher import connect
@@ -263,27 +264,37 @@ def test_a_full_backlog_runs_the_call_here(tmp_path: Path, short_tmp: Path) -> N
     srv.stop()
 
 
-@pytest.mark.parametrize("point", ["after-stage", "after-prepare", "after-index-ahead", "after-ref",
-                                   "after-materialise", "before-receipt-replace"])
+@pytest.mark.parametrize("whole", [False, True], ids=["worker", "whole-server"])
+@pytest.mark.parametrize("point", ["after-stage", "after-prepare", "after-index-ahead", "after-worktree-ahead",
+                                   "after-ref", "after-materialise", "before-receipt-replace"])
 def test_a_call_process_killed_at_a_crash_point_ends_in_one_commit_or_none(
-        tmp_path: Path, server: Server, point: str) -> None:
+        tmp_path: Path, server: Server, point: str, whole: bool) -> None:
+    """On the checked-out branch: the worker dies at the point (and with ``whole``, the server with all its
+    processes right after: ``recover`` then runs in process); worktree, index and HEAD agree afterwards."""
     repo = make_repo(tmp_path / "repo", FILES)
     res = run_cli("apply", "--json", "-", "--key", "k", input=PATCH, cwd=repo.path,
                   env={**server.env, "ONCEPATCH_CRASH_AT": point})
     assert res.code == 137 and res.out == "", res  # as the process would have in process
     assert "recover" in res.err
-    rec = run_cli("recover", "--json", "--tmp-age", "0", cwd=repo.path, env=server.env)
+    env = server.env
+    if whole:
+        server.stop()
+        env = {"ONCEPATCH_SERVER": "never"}
+    rec = run_cli("recover", "--json", "--tmp-age", "0", cwd=repo.path, env=env)
     assert rec.code == 0, rec
-    status = run_cli("status", "--json", "k", cwd=repo.path, env=server.env)
+    status = run_cli("status", "--json", "k", cwd=repo.path, env=env)
     landed = point in ("after-ref", "after-materialise", "before-receipt-replace")
     if landed:
         assert status.json["receipt"]["status"] == "committed"
         assert len(commits_with_trailer(repo.path, status.json["receipt"]["call_id"])) == 1
     else:
         assert repo.count() == 1 and status.code in (0, 2)
-    again = run_cli("apply", "--json", "-", "--key", "k", input=PATCH, cwd=repo.path, env=server.env)
+    assert worktree_problems(repo.path) == [] and tmp_leftovers(repo.path) == []
+    again = run_cli("apply", "--json", "-", "--key", "k", input=PATCH, cwd=repo.path, env=env)
     assert again.code == 0 and repo.count() == 2
-    assert run_cli("verify", cwd=repo.path, env=server.env).code == 0
+    assert run_cli("verify", cwd=repo.path, env=env).code == 0
+    assert worktree_problems(repo.path) == []
+    assert "line seven" in (repo.path / "src/app.py").read_text()
 
 
 def _hold_the_key(repo: Repo) -> subprocess.Popen[bytes]:
