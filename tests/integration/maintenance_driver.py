@@ -95,8 +95,14 @@ DEFAULT_SEED = 20261202
 DEADLINE = 300.0
 
 
+#: The seed the run was started with, read at import: the tests' hermetic fixture takes every
+#: ONCEPATCH_* variable away before a test runs, so the printed "<SEED_ENV>=<seed> to replay" would
+#: otherwise never reach the test it names.
+_GIVEN_SEED = os.environ.get(SEED_ENV)
+
+
 def seed_from_env() -> int:
-    return int(os.environ.get(SEED_ENV) or DEFAULT_SEED)
+    return int(os.environ.get(SEED_ENV) or _GIVEN_SEED or DEFAULT_SEED)
 
 
 def key_hash(key: str) -> str:

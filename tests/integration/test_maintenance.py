@@ -369,3 +369,20 @@ def test_kill9_of_server_workers_beside_git_maintenance_soak(tmp_path: Path, sho
         _kill_torture(tmp_path, per_worker=25, kills_per_key=3, want_settled=True, checked_out=True, server=server)
     finally:
         _stop_server(server)
+
+
+def test_the_seed_a_run_is_started_with_reaches_the_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ONCEPATCH_MAINTENANCE_SEED=S pytest …`` replays S: the variable is read as the driver is imported,
+    before the hermetic fixture takes every ONCEPATCH_* variable away from the test."""
+    import importlib
+
+    import maintenance_driver
+
+    monkeypatch.setenv(SEED_ENV, "4242")
+    try:
+        driver = importlib.reload(maintenance_driver)  # as at collection, the variable set
+        monkeypatch.delenv(SEED_ENV)  # as the hermetic fixture does before the test runs
+        assert driver.seed_from_env() == 4242
+    finally:
+        monkeypatch.delenv(SEED_ENV, raising=False)
+        importlib.reload(maintenance_driver)
