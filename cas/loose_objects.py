@@ -74,7 +74,7 @@ from cas.durable import fsync_all
 from cas.errors import DurableWriteError, GitStoreError
 
 __all__ = ["BATCH", "LIBGIT2_OBJECT_TMP_PREFIX", "NewObjects", "TMP_OBJDIR_PREFIX", "TmpObjdirGone", "enable_fsync",
-           "open_repository", "stage_new", "stale_tmp_objdirs", "write_new", "write_object"]
+           "open_repository", "remove_own_tmp_objdirs", "stage_new", "stale_tmp_objdirs", "write_new", "write_object"]
 
 #: Off: every object is written and synced by libgit2 on its own, one after another (the
 #: measured baseline: ``scripts/bench --object-sync both``).
@@ -309,10 +309,13 @@ def _tmp_objdir(objects: str) -> _TmpObjdir:
 
 
 @atexit.register
-def _remove_tmp_objdirs() -> None:
+def remove_own_tmp_objdirs() -> None:
+    """Remove this process's temporary object folders: run at exit, and by a process that ends by
+    ``os._exit`` (a forked server worker, which runs no exit handler) as it ends."""
     for tmp in list(_TMP_OBJDIRS.values()):
         if tmp.odb is not None and tmp.pid == os.getpid():  # (a forked child's are its parent's)
             shutil.rmtree(tmp.path, ignore_errors=True)
+            tmp.forget()
 
 
 def _write_batch(objects: str, new: Mapping[str, tuple[bytes, bytes | memoryview]]) -> None:

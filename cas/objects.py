@@ -133,6 +133,7 @@ class GitStore(RefUpdates):
         # next call's base is usually the last call's commit, read back here without libgit2.
         self._made: dict[str, tuple[bytes, bytes]] = {}
         self._made_entries: dict[str, dict[bytes, tuple[int, bytes]]] = {}  # those trees parsed, once
+        self._packs = _packs_stamp(self.common_dir)  # objects/pack as the object database was opened
         self._signature: dict[str, Signature] = {}  # by kind: author, committer
         self._config_snapshot: pygit2.Config | None = None  # shared by both identities as a call reads them
         self._reading_identities = False
@@ -527,11 +528,17 @@ class GitStore(RefUpdates):
         Raises:
             GitStoreError: libgit2 cannot open it.
         """
+        packs = _packs_stamp(self.common_dir)
         try:
             self.repo.set_odb(pygit2.Odb(os.path.join(self.common_dir, "objects")))
         except pygit2.GitError as exc:
             raise GitStoreError(f"cannot open the object database: {exc}") from exc
+        self._packs = packs
         self._worktrees = {}
+
+    def packs_changed(self) -> bool:
+        """Whether ``objects/pack`` changed since the object database was opened (a pack added or removed)."""
+        return _packs_stamp(self.common_dir) != self._packs
 
     def discard_pending(self) -> None:
         """Forget staged objects that were never written (a call that stopped before preparing).
@@ -636,4 +643,17 @@ def open_store(repo_path: str, stores: dict[str, GitStore] | None) -> GitStore:
     found = stores.get(repo_path)
     if found is None:
         found = stores[repo_path] = GitStore(repo_path)
+    elif found.packs_changed():
+        # git's maintenance removed or replaced packs since the last call: libgit2 keeps the
+        # packs it listed, and one whose file is gone fails every read that finds an object
+        # in its index ("invalid packfile"), call after call, where a new process starts afresh.
+        found.reopen_objects()
     return found
+
+
+def _packs_stamp(common_dir: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(os.path.join(common_dir, "objects", "pack"))
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns

@@ -33,7 +33,7 @@ from typing import Any
 
 
 from cas.durable import TMP_MARK, open_regular
-from cas.errors import GitStoreError, RefMovedError, UsageError
+from cas.errors import GitStoreError, OncepatchError, RefMovedError, UsageError
 from cas.gitdir import common_dir_of, worktrees_on
 from cas.loose_objects import stale_tmp_objdirs
 from cas.objects import GitStore, TreeEntry, open_store
@@ -253,6 +253,10 @@ class GitAdapter:
             # The dead call's own index.lock still there: whoever breaks it puts back the index it
             # kept (recover's cleanup, a later call), so only files written ahead are work here.
             dead_lock = dead_own_index_lock(os.path.join(os.path.realpath(git_dir), "index.lock"))
+            # A write ahead killed half way leaves its tmp files beside the touched paths, also
+            # where no file was renamed into place yet (nothing else to put back then).
+            for tmp in _remove_dead_tmp_files(workdir, git_dir, touched):
+                done.append(f"removed '{tmp}' left by a crashed call")
             if not any(_matches(gstore, workdir, p, (ahead[p],))
                        or (not dead_lock and _index_matches(workdir, p, (ahead[p],))) for p in ours):
                 drop_orphan_kept(os.path.realpath(git_dir), candidate)
@@ -263,9 +267,6 @@ class GitAdapter:
             marker = index_marker(self._rstore, receipt.key) if self._rstore is not None else None
             lock = hold_index_lock(workdir, timeout=self._lock_timeout, lock_marker=marker, git_dir=git_dir)
             try:
-                # A write ahead killed half way leaves its tmp files beside the touched paths.
-                for tmp in _remove_dead_tmp_files(workdir, git_dir, touched):
-                    done.append(f"removed '{tmp}' left by a crashed call")
                 files = {p: was[p] for p in ours
                          if _matches(gstore, workdir, p, (ahead[p],)) and not _holds_others(workdir, p, touched)}
                 entries = {p: was[p] for p in ours if _index_matches(workdir, p, (ahead[p],))}
@@ -321,11 +322,14 @@ class GitAdapter:
             drop_orphan_kept(os.path.realpath(_gd), candidate)  # its index.lock removed by hand
             stale: dict[str, TreeEntry | None] = {}
             index_only: dict[str, TreeEntry | None] = {}
+            current: dict[str, TreeEntry] = {}
             left: list[str] = []
             for path in touched:
                 want = gstore.lookup_file(tip_tree, path)
                 was = gstore.lookup_file(base_tree, path)
                 if _matches(gstore, workdir, path, (want,)) and _index_matches(workdir, path, (want,)):
+                    if want is not None:
+                        current[path] = want
                     continue
                 if _matches(gstore, workdir, path, (was, want)) and _index_matches(workdir, path, (was, want)):
                     stale[path] = want
@@ -336,7 +340,7 @@ class GitAdapter:
                         # still holds the base, a staged revert of the commit that
                         # the next 'git commit' would make; it gets the commit's entry.
                         index_only[path] = want
-            if stale or index_only:
+            if stale or index_only or current:
                 # A call killed inside update_index leaves its marked index.lock, maybe
                 # without the store marker (killed before writing it): materialise would
                 # wait on it and give up.  Its pid is gone, so it is provably stale.
@@ -354,6 +358,23 @@ class GitAdapter:
                                  unstat=set(kept))
                     done.append(f"staged the commit's version of {len(index_only)} path(s) in the index of "
                                 f"'{workdir}' (the files keep their edits)")
+                if current:
+                    # Files and entries already the commit's, written ahead of the move by a call
+                    # killed before it gave the entries their stat data (crash point after-ref):
+                    # without it, 'git diff-index HEAD' reports each such path as modified until
+                    # something refreshes the index.  The stat data of the files, as step 6 gives it.
+                    # Looked at again under the index's lock: a file edited since keeps no stat data.
+                    try:
+                        lock = hold_index_lock(workdir, timeout=self._lock_timeout, lock_marker=marker, git_dir=_gd)
+                        try:
+                            same = {p: e for p, e in current.items() if _matches(gstore, workdir, p, (e,))
+                                    and _index_matches(workdir, p, (e,))}
+                            if same:
+                                update_index(workdir, [], list(same), held=lock, known=same)
+                        finally:
+                            lock.release()
+                    except OncepatchError as exc:
+                        done.append(f"stat data of {len(current)} path(s) not refreshed in '{workdir}': {exc.message}")
             if left:
                 done.append(f"left {len(left)} path(s) in '{workdir}' alone: changed since the crash")
         if self._rstore is not None and not self._read_only:

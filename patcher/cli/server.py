@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cas.errors import EXIT_INTERNAL, EXIT_OK, UsageError
+from cas.loose_objects import remove_own_tmp_objdirs
 from receipts.policy import Caller
 from patcher import connect
 from patcher.cli.common import path_given, seconds
@@ -456,7 +457,12 @@ class _Loop:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         def body() -> int:
             parent_end.close()  # (the server's end)
-            return _work(child_end, self.call, self.config, self.token)
+            try:
+                return _work(child_end, self.call, self.config, self.token)
+            finally:
+                # It ends by os._exit, which runs no exit handler: the temporary object folders it
+                # kept for its calls' batches (cas.loose_objects) would stay in every repository.
+                remove_own_tmp_objdirs()
 
         pid = self._fork(body, keep=(child_end.fileno(),))
         child_end.close()

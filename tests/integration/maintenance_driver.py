@@ -60,6 +60,10 @@ __all__ = [
     "measure_apply",
     "fsck_full",
     "tmp_leftovers",
+    "worktree_problems",
+    "kill_worker_at",
+    "kill_paused_at",
+    "PAUSE_POINTS",
     "committed_receipts",
     "settled_events",
     "final_problems",
@@ -67,6 +71,7 @@ __all__ = [
     "git_apply_commit",
     "seed_from_env",
     "SEED_ENV",
+    "DEADLINE",
 ]
 
 #: What git supports beside concurrent writers (each keeps young and referenced objects).
@@ -90,8 +95,14 @@ DEFAULT_SEED = 20261202
 DEADLINE = 300.0
 
 
+#: The seed the run was started with, read at import: the tests' hermetic fixture takes every
+#: ONCEPATCH_* variable away before a test runs, so the printed "<SEED_ENV>=<seed> to replay" would
+#: otherwise never reach the test it names.
+_GIVEN_SEED = os.environ.get(SEED_ENV)
+
+
 def seed_from_env() -> int:
-    return int(os.environ.get(SEED_ENV) or DEFAULT_SEED)
+    return int(os.environ.get(SEED_ENV) or _GIVEN_SEED or DEFAULT_SEED)
 
 
 def key_hash(key: str) -> str:
@@ -349,7 +360,8 @@ def fsck_full(repo: Path) -> tuple[bool, str]:
 #: Names of temporary files oncepatch (cas/durable.py, cas/objects.py, cas/loose_refs.py) or the
 #: libgit2 it drives (loose objects, ref and index locks) creates; none may outlive ``recover``.
 def _is_tmp_name(name: str) -> bool:
-    return (".optmp-" in name or name.startswith(("tmp_", ".tmp-")) or name.endswith(".lock"))
+    return (".optmp-" in name or name.startswith(("tmp_", ".tmp-", "index.oncepatch-base."))
+            or name.endswith(".lock"))
 
 
 def tmp_leftovers(repo: Path) -> list[str]:
@@ -362,7 +374,7 @@ def tmp_leftovers(repo: Path) -> list[str]:
     """
     git_dir = repo / ".git"
     found: list[str] = []
-    for dirpath, _, filenames in os.walk(git_dir):
+    for dirpath, dirnames, filenames in os.walk(git_dir):
         here = Path(dirpath)
         rel = here.relative_to(git_dir)
         in_store_tmp = rel.parts[:2] == ("oncepatch", "tmp")
@@ -371,7 +383,64 @@ def tmp_leftovers(repo: Path) -> list[str]:
             if in_store_tmp or (_is_tmp_name(name) and not (in_store_locks and name.endswith(".lock")
                                                              and ".optmp-" not in name)):
                 found.append(str((here / name).relative_to(git_dir)))
+        # git's quarantine folders (tmp_objdir-*) and libgit2's: a folder, not a file.
+        found += [str((here / name).relative_to(git_dir)) + "/" for name in dirnames if name.startswith("tmp_objdir")]
+    # A checked-out worktree: the durable writes' tmp files beside the touched paths.
+    for dirpath, dirnames, filenames in os.walk(repo):
+        if Path(dirpath) == repo:
+            dirnames[:] = [d for d in dirnames if d != ".git"]
+        found += [str((Path(dirpath) / name).relative_to(repo)) for name in filenames if ".optmp-" in name]
     return sorted(found)
+
+
+def _put_back(repo: Path, line: str) -> bool:
+    """Whether a ``git diff-index --name-status HEAD`` line is a file put back after a call that never moved
+    its branch (docs/RECOVERY.md): the index put back byte for byte, so the entry keeps the stat data the
+    file had before the call rewrote it, the file and the entry holding HEAD's version.  An entry with no
+    stat data (never given it) or another content is not."""
+    status, _, path = line.partition("\t")
+    if status != "M" or not path:
+        return False
+
+    def out(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, check=False).stdout.decode().strip()
+
+    debug = out("ls-files", "--debug", "--", path)
+    if "mtime: 0:0" in debug or "size: 0\t" in debug and (repo / path).stat().st_size:
+        return False
+    head = out("rev-parse", f"HEAD:{path}")
+    staged = out("ls-files", "-s", "--", path).split()
+    return bool(head) and staged[1:2] == [head] and out("hash-object", "--", path) == head
+
+
+def worktree_problems(repo: Path) -> list[str]:
+    """A checked-out branch's worktree and index agree with HEAD, without git refreshing anything first.
+
+    ``git diff-index --quiet HEAD`` runs first: it trusts the index's stat data
+    (an entry written without it, never refreshed, shows as changed), where
+    ``git status`` would refresh the index and hide that.  The one difference
+    it may show is a file put back after a call that never moved its branch,
+    whose entry the index put back byte for byte keeps the file's old stat
+    data (:func:`_put_back`, docs/RECOVERY.md).
+    """
+    problems: list[str] = []
+    res = subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--"], cwd=repo, capture_output=True, check=False)
+    if res.returncode != 0:
+        names = subprocess.run(["git", "diff-index", "--name-status", "HEAD", "--"], cwd=repo, capture_output=True,
+                               check=False).stdout.decode(errors="replace")
+        unexplained = [line for line in names.splitlines() if not _put_back(repo, line)]
+        if unexplained:
+            problems.append(f"git diff-index --quiet HEAD exited {res.returncode}: {unexplained[:20]}")
+    res = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=repo, capture_output=True,
+                         check=False)
+    if res.returncode != 0 or res.stdout:
+        problems.append(f"git status --porcelain (exit {res.returncode}) is not clean: "
+                        f"{(res.stdout + res.stderr).decode(errors='replace')[:1000]}")
+    symbolic = subprocess.run(["git", "symbolic-ref", "HEAD"], cwd=repo, capture_output=True, check=False)
+    if symbolic.stdout.decode().strip() != "refs/heads/main":
+        problems.append(f"HEAD is {symbolic.stdout.decode().strip() or symbolic.stderr.decode().strip()!r}, "
+                        "not refs/heads/main")
+    return problems
 
 
 def settled_events(procs: Procs, repo: Path) -> int:
@@ -503,6 +572,109 @@ def kill_at(procs: Procs, argv: Sequence[str], delay: float) -> tuple[str, int |
             proc.send_signal(signal.SIGKILL)
             proc.communicate()
             return "killed", None, b""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        procs.done(proc)
+
+
+def _children(pid: int) -> list[int]:
+    """The live children of ``pid`` (``/proc/<pid>/task/*/children``)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _fd_target(pid: int, fd: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return None
+
+
+def kill_worker_at(procs: Procs, argv: Sequence[str], delay: float, server: int) -> tuple[str, int | None, bytes]:
+    """:func:`kill_at` through ``oncepatch serve`` (pid ``server``): SIGKILL the server's worker running the call.
+
+    ``argv`` is the thin client; the call runs in one of the server's workers,
+    which takes the client's standard streams: the worker whose stdout is the
+    client's stdout pipe is the call's.  When none is (the call not handed
+    over yet, or already answered), the client alone is killed.
+    ('killed-worker'|'killed-client'|'finished', code, out).
+    """
+    proc = procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        try:
+            out, _ = proc.communicate(timeout=delay)
+            return "finished", proc.returncode, out
+        except subprocess.TimeoutExpired:
+            pipe = _fd_target(proc.pid, 1)
+            victims = [w for w in _children(server) if pipe is not None and _fd_target(w, 1) == pipe]
+            for w in victims:
+                try:
+                    os.kill(w, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if victims:
+                # The server tells the client how its worker ended (137): the client's own end.
+                try:
+                    out, _ = proc.communicate(timeout=DEADLINE)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.communicate()
+                    return "killed-worker", None, b""
+                return "killed-worker", proc.returncode, out
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+            return "killed-client", None, b""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        procs.done(proc)
+
+
+#: The pause points of the apply protocol (docs/CONCURRENCY.md section 6), in the order a call passes them.
+PAUSE_POINTS = ("after-prepare", "before-ref", "after-ref", "before-finalise")
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def kill_paused_at(procs: Procs, argv: Sequence[str], point: str) -> tuple[str, int | None, bytes]:
+    """Start ``argv`` paused at ``point`` (``ONCEPATCH_PAUSE_AT``, in process) and SIGKILL it once it stopped there.
+
+    A kill inside the protocol every time, wherever the start-up's time goes:
+    ('killed'|'finished', code, out) — 'finished' when the call ended without
+    reaching the point (a rejection, say).
+    """
+    env = dict(os.environ, ONCEPATCH_PAUSE_AT=point)
+    proc = procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while proc.poll() is None and not _stopped(proc.pid):
+            assert time.monotonic() < deadline, f"{' '.join(argv)} neither paused at {point} nor ended"
+            time.sleep(0.005)  # (a poll of the process's state: the stop is the event waited for)
+        if proc.poll() is not None:
+            out, _ = proc.communicate()
+            return "finished", proc.returncode, out
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        return "killed", None, b""
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -32,6 +32,7 @@ Predicted outcomes:
 from __future__ import annotations
 
 import hashlib
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -156,7 +157,10 @@ def test_crash_then_recover_then_retry_lands_once(tmp_path: Path, point: str, ed
         assert (r.status, r.commit, r.tree) == ("committed", head, target_tree)
         assert [(row["from"], row["to"], row["commit"]) for row in report["rows"]] == [("prepared", "committed", head)]
         assert repo.git("rev-parse", "refs/oncepatch/keys/" + key_hash(r.key)).strip() == head
-        # Worktree and index are the commit's (written ahead of the move).
+        # Worktree and index are the commit's (written ahead of the move), the entries with their
+        # files' stat data: git's plumbing, which refreshes nothing, sees no change either.
+        quiet = subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--"], cwd=repo.path, check=False)
+        assert quiet.returncode == 0, repo.git("diff-index", "--name-status", "HEAD", "--")
         assert repo.git("status", "--porcelain", "--untracked-files=all") == ""
         assert repo.git("diff-index", "--cached", "HEAD") == ""
     else:
@@ -211,3 +215,27 @@ def test_matrix_covers_every_crash_point_of_the_apply_protocol() -> None:
     armed = {p for p in re.findall(r"crash_(?:point|hook)\(\"([a-z-]+)\"\)", source) if not p.startswith("recover-")}
     assert armed == set(POINTS)
     assert armed <= DEFINED
+
+
+def test_a_write_ahead_killed_half_way_leaves_no_tmp_file_in_the_worktree(tmp_path: Path) -> None:
+    """A call killed while writing a touched file ahead of its move leaves the durable write's tmp file
+    (``.<name>.optmp-<pid>-<rand>``) beside it, the file itself not yet renamed: ``recover`` settles the
+    call ``rejected`` and removes the tmp file, which would otherwise stay untracked in the worktree."""
+    repo, pf, base, _ = prepare(tmp_path, _modify)
+    before = snapshot(repo)
+    crashed = run_cli("apply", "--repo", str(repo.path), "--json", str(pf),
+                      env={"ONCEPATCH_CRASH_AT": "after-index-ahead"})
+    assert crashed.code == 137, (crashed.code, crashed.out, crashed.err)
+    # Where the kill lands a moment later: the touched file's tmp file written, not renamed.
+    # (The crash point's own process is gone; its pid is the one the tmp file names.)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tmp = repo.path / "src" / f".app.py.optmp-{gone.pid}-2c4ce900"
+    tmp.write_text((repo.path / "src/app.py").read_text().replace("line 7\n", "line seven\n"))
+    rec = run_cli("recover", "--repo", str(repo.path), "--json", "--tmp-age", "0")
+    assert rec.code == 0, rec.out + rec.err
+    assert [row["to"] for row in rec.json["rows"]] == ["rejected"], rec.json
+    assert not tmp.exists(), rec.json
+    assert any(str(tmp) in n for n in rec.json["rows"][0]["notes"]), rec.json
+    assert worktree_view(snapshot(repo)) == worktree_view(before)
+    assert repo.head("main") == base

@@ -25,11 +25,22 @@ The kill -9 variant SIGKILLs the applies at random moments (a seeded schedule,
 printed; ``ONCEPATCH_MAINTENANCE_SEED`` replays it) drawn from a measured clean
 apply time, with the loop beside them; then ``recover --json --tmp-age 0``
 must leave no temporary file of oncepatch's, and every key, run once more,
-lands exactly once.
+lands exactly once.  On the checked-out branch each key's first attempt is
+killed stopped at a pause point (after-prepare, before-ref, after-ref,
+before-finalise: inside the protocol for sure), and after ``recover`` and at
+the end the worktree and index agree with HEAD as git's plumbing sees them
+(``git diff-index --quiet HEAD`` before anything refreshes the index, then
+``git status --porcelain``), with no tmp file beside a touched path, no kept
+index (``index.oncepatch-base.*``), no ``index.lock`` or ref lock.  Through
+``oncepatch serve`` the kill is the SIGKILL of the server's worker running
+the call (the server lives on); the server is stopped before the last look,
+so that no worker's temporary object folder is in use.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,10 +49,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Repo, make_repo
+from conftest import Repo, make_repo, start_server
 from maintenance_driver import (
     apply_each,
     outcomes_problems,
+    DEADLINE,
     SEED_ENV,
     MaintenanceLoop,
     Procs,
@@ -59,6 +71,10 @@ from maintenance_driver import (
     seed_from_env,
     settled_events,
     tmp_leftovers,
+    kill_worker_at,
+    kill_paused_at,
+    PAUSE_POINTS,
+    worktree_problems,
 )
 
 WORKERS = 4
@@ -102,10 +118,8 @@ def _torture(tmp_path: Path, *, checked_out: bool, per_worker: int) -> None:
         problems = outcomes_problems(outcomes)
         problems += final_problems(procs, repo.path, "main", base, keys, all_committed=True)
         if checked_out:
-            res = subprocess.run(["git", "status", "--porcelain"], cwd=repo.path, capture_output=True, check=False)
-            if res.returncode != 0 or res.stdout:
-                problems.append(f"git status --porcelain (exit {res.returncode}) is not clean: "
-                                f"{(res.stdout + res.stderr).decode(errors='replace')[:1000]}")
+            problems += worktree_problems(repo.path)
+            problems += [f"temporary file left: {p}" for p in tmp_leftovers(repo.path)]
     finally:
         procs.reap()
     retries = sum(len(seen) - 1 for seen in outcomes.values())
@@ -156,24 +170,40 @@ def test_git_writers_beside_the_same_maintenance_stay_clean(tmp_path: Path) -> N
 # -- kill -9 at random moments, with the maintenance loop beside ----------------------------
 
 
-def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_settled: bool) -> None:
+def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_settled: bool,
+                  checked_out: bool = False, server: int | None = None) -> None:
+    """``server``: the pid of the ``oncepatch serve`` every call goes through (the environment says
+    ONCEPATCH_SERVER=require); a kill is then the SIGKILL of the server's worker running the call."""
     seed = seed_from_env()
     print(f"maintenance kill -9 torture: seed {seed} ({SEED_ENV}={seed} to replay)")
-    repo, branch, base = _setup(tmp_path, checked_out=False)
+    repo, branch, base = _setup(tmp_path, checked_out=checked_out)
     patches = _patches(tmp_path, WORKERS, per_worker, "k")
     keys = list(patches)
     problems: list[str] = []
     schedule: list[str] = []
     procs = Procs()
+
+    def killed(argv: list[str], at: float) -> tuple[str, int | None, bytes]:
+        return kill_at(procs, argv, at) if server is None else kill_worker_at(procs, argv, at, server)
+
+    # Where kills are drawn from, in times a measured call: an in-process call spends the first half
+    # or more starting the interpreter and parsing; through the server only the thin client starts.
+    low, high = (0.5, 1.1) if server is None else (0.15, 1.0)
+
+    def checked_out_problems(when: str) -> list[str]:
+        if not checked_out:
+            return []
+        return [f"{when}: {p}" for p in worktree_problems(repo.path)]
+
     try:
         # The time a call takes under the load it meets here (four at a time beside the loop).
         # Kill moments are drawn uniformly from [0.5, 1.1] times it: the interpreter's start-up
         # and the patch's parsing fill the first half or more of a call (a kill there proves
         # little); its objects, receipt, ref move and final receipt are written in the rest.
-        scratch, _, _ = _setup(tmp_path / "scratch", checked_out=False)
-        measured = measure_apply(procs, scratch.path, list(patches.values())[:WORKERS], "main", WORKERS)
+        scratch, _, _ = _setup(tmp_path / "scratch", checked_out=checked_out)
+        measured = measure_apply(procs, scratch.path, list(patches.values())[:WORKERS], branch, WORKERS)
         print(f"measured clean apply (4 at a time, maintenance beside): {measured:.3f}s; "
-              f"kills drawn from [{0.5 * measured:.3f}s, {1.1 * measured:.3f}s)")
+              f"kills drawn from [{low * measured:.3f}s, {high * measured:.3f}s)")
         # The machine's load moves while the test runs (the suite's other worker starts or ends a
         # file): every attempt that finishes is timed too, and the kills are drawn from the median of
         # all these times, not from the first measurement alone.
@@ -187,13 +217,22 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_s
                 rng = rng_for(seed, "worker", w)
                 for key in keys[w::WORKERS]:
                     for attempt in range(kills_per_key):
-                        now = statistics.median(times)
-                        at = rng.uniform(0.5 * now, 1.1 * now)
+                        argv = apply_argv(repo.path, patches[key], key, branch)
                         t0 = time.monotonic()
-                        what, code, out = kill_at(procs, apply_argv(repo.path, patches[key], key, branch), at)
-                        schedule.append(f"{key}#{attempt}@{at:.3f}s:{what}{'' if code is None else code}")
+                        if server is None and attempt == 0:
+                            # The first attempt of a key is killed inside the protocol for sure: stopped
+                            # at a pause point, each in turn (a pause point runs the call in process).
+                            at_point = PAUSE_POINTS[keys.index(key) % len(PAUSE_POINTS)]
+                            what, code, out = kill_paused_at(procs, argv, at_point)
+                            schedule.append(f"{key}#{attempt}@{at_point}:{what}{'' if code is None else code}")
+                        else:
+                            now = statistics.median(times)
+                            at = rng.uniform(low * now, high * now)
+                            what, code, out = killed(argv, at)
+                            schedule.append(f"{key}#{attempt}@{at:.3f}s:{what}{'' if code is None else code}")
                         if what == "finished":
-                            times.append(time.monotonic() - t0)
+                            if not schedule[-1].split("@")[1][:1].isalpha():
+                                times.append(time.monotonic() - t0)
                             p = outcome_problem(outcome_of(key, code or 0, out, b""))
                             if p is not None:
                                 problems.append(f"{key} (attempt {attempt}, not killed): {p}")
@@ -210,6 +249,7 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_s
         left = tmp_leftovers(repo.path)
         if left:
             problems.append(f"temporary files left after recover: {left}")
+        problems += checked_out_problems("after recover")
         # What recover settled already holds: fsck clean, committed receipts reachable, verify.
         problems += [f"after recover: {p}" for p in
                      final_problems(procs, repo.path, "main", base, keys, all_committed=False)]
@@ -220,10 +260,19 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_s
         print(loop2.describe())
         problems += outcomes_problems(outcomes, "re-run ")
         problems += final_problems(procs, repo.path, "main", base, keys, all_committed=True)
+        settled = settled_events(procs, repo.path)
+        if server is not None:
+            # Its workers' temporary object folders are in use while they live: the server ends
+            # first (each worker takes its own folder with it), then nothing may be left.
+            _stop_server(server)
         left = tmp_leftovers(repo.path)
         if left:
             problems.append(f"temporary files left at the end: {left}")
-        settled = settled_events(procs, repo.path)
+        problems += checked_out_problems("at the end")
+        if checked_out:
+            files = {f for f in repo.git("ls-files").split() if f.startswith("w")}
+            if files != {f"w{w}/k{i:03d}.txt" for w in range(WORKERS) for i in range(per_worker)}:
+                problems.append(f"the index holds {len(files)} of the keys' files, not {len(keys)}")
     finally:
         procs.reap()
     kills = sum(1 for s in schedule if ":killed" in s)
@@ -239,12 +288,101 @@ def _kill_torture(tmp_path: Path, *, per_worker: int, kills_per_key: int, want_s
 
 
 @pytest.mark.timeout(300)
-def test_kill9_beside_git_maintenance_then_recover(tmp_path: Path) -> None:
-    _kill_torture(tmp_path, per_worker=3, kills_per_key=3, want_settled=False)
+@pytest.mark.parametrize("checked_out, per_worker, kills_per_key", [(False, 3, 3), (True, 1, 3)],
+                         ids=["branch-not-checked-out", "branch-checked-out"])
+def test_kill9_beside_git_maintenance_then_recover(tmp_path: Path, checked_out: bool, per_worker: int,
+                                                   kills_per_key: int) -> None:
+    """Checked out: the worktree and index follow every landed call, and recover leaves them agreeing with
+    HEAD (``git diff-index --quiet HEAD``, before anything refreshes the index) with no tmp file in them.
+    Each key's first attempt is killed at a pause point (the four in turn), inside the protocol for sure."""
+    _kill_torture(tmp_path, per_worker=per_worker, kills_per_key=kills_per_key, want_settled=True,
+                  checked_out=checked_out)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _stop_server(pid: int) -> None:
+    """SIGTERM ``oncepatch serve`` and wait until it and its workers have ended (their exit is the event)."""
+    family = [pid, *(c for c in _children_of(pid))]
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + DEADLINE
+    while any(_alive(p) for p in family):
+        assert time.monotonic() < deadline, f"the server {pid} or a worker of it never ended"
+        time.sleep(0.01)
+
+
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    if int(fh.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _through_server(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """An ``oncepatch serve`` every ``oncepatch`` process of the test goes through; its pid."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONCEPATCH_")}
+    pid = start_server(short_tmp, "--idle", "0", env=env)
+    monkeypatch.setenv("ONCEPATCH_SERVER", "require")
+    monkeypatch.setenv("ONCEPATCH_SERVER_DIR", str(short_tmp))
+    return pid
+
+
+@pytest.mark.timeout(300)
+def test_kill9_of_server_workers_beside_git_maintenance_on_a_checked_out_branch(
+        tmp_path: Path, short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same through ``oncepatch serve``: the worker running a call is SIGKILLed, the server lives on."""
+    server = _through_server(short_tmp, monkeypatch)
+    try:
+        _kill_torture(tmp_path, per_worker=2, kills_per_key=3, want_settled=False, checked_out=True, server=server)
+    finally:
+        _stop_server(server)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_kill9_beside_git_maintenance_soak(tmp_path: Path) -> None:
-    _kill_torture(tmp_path, per_worker=25, kills_per_key=3, want_settled=True)
+@pytest.mark.parametrize("checked_out", [False, True], ids=["branch-not-checked-out", "branch-checked-out"])
+def test_kill9_beside_git_maintenance_soak(tmp_path: Path, checked_out: bool) -> None:
+    _kill_torture(tmp_path, per_worker=25, kills_per_key=3, want_settled=True, checked_out=checked_out)
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_kill9_of_server_workers_beside_git_maintenance_soak(tmp_path: Path, short_tmp: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    server = _through_server(short_tmp, monkeypatch)
+    try:
+        _kill_torture(tmp_path, per_worker=25, kills_per_key=3, want_settled=True, checked_out=True, server=server)
+    finally:
+        _stop_server(server)
+
+
+def test_the_seed_a_run_is_started_with_reaches_the_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ONCEPATCH_MAINTENANCE_SEED=S pytest …`` replays S: the variable is read as the driver is imported,
+    before the hermetic fixture takes every ONCEPATCH_* variable away from the test."""
+    import importlib
+
+    import maintenance_driver
+
+    monkeypatch.setenv(SEED_ENV, "4242")
+    try:
+        driver = importlib.reload(maintenance_driver)  # as at collection, the variable set
+        monkeypatch.delenv(SEED_ENV)  # as the hermetic fixture does before the test runs
+        assert driver.seed_from_env() == 4242
+    finally:
+        monkeypatch.delenv(SEED_ENV, raising=False)
+        importlib.reload(maintenance_driver)

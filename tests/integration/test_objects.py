@@ -603,3 +603,26 @@ def test_unusual_modes_are_written_canonical_like_git(repo: Repo, gs: GitStore) 
     gs.flush_objects()
     listing = repo.git("ls-tree", new)
     assert listing.splitlines() == [f"100644 blob {blob}\tadded", f"100644 blob {blob}\tgroup-writable"]
+
+
+def test_a_kept_store_opens_its_object_database_again_once_git_replaced_its_packs(repo: Repo) -> None:
+    """A long-lived caller (a server's worker) keeps its GitStore between calls; git's maintenance may remove
+    the packs its object database listed.  ``open_store`` opens it again then, as a new process would: a
+    server's call beside ``git repack -a -d`` / ``multi-pack-index expire`` failed with libgit2's "invalid
+    packfile" on a pack removed since (tests/integration/test_maintenance.py, the served kill soak, 2 runs of
+    2 before, none after), call after call for that worker."""
+    from cas.objects import open_store
+
+    repo.git("repack", "-q", "-d")
+    stores: dict[str, GitStore] = {}
+    kept = open_store(str(repo.path), stores)
+    head = repo.head()
+    assert kept.has_object(head) and not kept.packs_changed()
+    assert open_store(str(repo.path), stores) is kept
+    repo.write("more.txt", "more\n")
+    repo.commit_all("more")
+    repo.git("repack", "-q", "-a", "-d")  # the old pack removed, a new one written
+    assert kept.packs_changed()
+    again = open_store(str(repo.path), stores)
+    assert again is kept and not kept.packs_changed()
+    assert bytes(kept.repo.odb.read(head)[1]) == bytes(pygit2.Repository(str(repo.path)).odb.read(head)[1])

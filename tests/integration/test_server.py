@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from conftest import Repo, make_repo, run_cli, start_server
+from maintenance_driver import tmp_leftovers, worktree_problems
 from torture_driver import commits_with_trailer
 
 from patcher import connect
@@ -263,27 +264,37 @@ def test_a_full_backlog_runs_the_call_here(tmp_path: Path, short_tmp: Path) -> N
     srv.stop()
 
 
-@pytest.mark.parametrize("point", ["after-stage", "after-prepare", "after-index-ahead", "after-ref",
-                                   "after-materialise", "before-receipt-replace"])
+@pytest.mark.parametrize("whole", [False, True], ids=["worker", "whole-server"])
+@pytest.mark.parametrize("point", ["after-stage", "after-prepare", "after-index-ahead", "after-worktree-ahead",
+                                   "after-ref", "after-materialise", "before-receipt-replace"])
 def test_a_call_process_killed_at_a_crash_point_ends_in_one_commit_or_none(
-        tmp_path: Path, server: Server, point: str) -> None:
+        tmp_path: Path, server: Server, point: str, whole: bool) -> None:
+    """On the checked-out branch: the worker dies at the point (and with ``whole``, the server with all its
+    processes right after: ``recover`` then runs in process); worktree, index and HEAD agree afterwards."""
     repo = make_repo(tmp_path / "repo", FILES)
     res = run_cli("apply", "--json", "-", "--key", "k", input=PATCH, cwd=repo.path,
                   env={**server.env, "ONCEPATCH_CRASH_AT": point})
     assert res.code == 137 and res.out == "", res  # as the process would have in process
     assert "recover" in res.err
-    rec = run_cli("recover", "--json", "--tmp-age", "0", cwd=repo.path, env=server.env)
+    env = server.env
+    if whole:
+        server.stop()
+        env = {"ONCEPATCH_SERVER": "never"}
+    rec = run_cli("recover", "--json", "--tmp-age", "0", cwd=repo.path, env=env)
     assert rec.code == 0, rec
-    status = run_cli("status", "--json", "k", cwd=repo.path, env=server.env)
+    status = run_cli("status", "--json", "k", cwd=repo.path, env=env)
     landed = point in ("after-ref", "after-materialise", "before-receipt-replace")
     if landed:
         assert status.json["receipt"]["status"] == "committed"
         assert len(commits_with_trailer(repo.path, status.json["receipt"]["call_id"])) == 1
     else:
         assert repo.count() == 1 and status.code in (0, 2)
-    again = run_cli("apply", "--json", "-", "--key", "k", input=PATCH, cwd=repo.path, env=server.env)
+    assert worktree_problems(repo.path) == [] and tmp_leftovers(repo.path) == []
+    again = run_cli("apply", "--json", "-", "--key", "k", input=PATCH, cwd=repo.path, env=env)
     assert again.code == 0 and repo.count() == 2
-    assert run_cli("verify", cwd=repo.path, env=server.env).code == 0
+    assert run_cli("verify", cwd=repo.path, env=env).code == 0
+    assert worktree_problems(repo.path) == []
+    assert "line seven" in (repo.path / "src/app.py").read_text()
 
 
 def _hold_the_key(repo: Repo) -> subprocess.Popen[bytes]:
@@ -733,3 +744,23 @@ def test_the_servers_watcher_watches_the_newest_stores_within_a_bound(tmp_path: 
 
     found = wait_for(watching_the_newest, "the watcher to watch the newest store")
     assert len(found) <= _WATCHING
+
+
+def test_a_worker_that_ends_takes_its_temporary_object_folder_with_it(tmp_path: Path, short_tmp: Path) -> None:
+    """A worker keeps ``objects/tmp_objdir-oncepatch-<pid>-…`` for its calls' objects (cas.loose_objects) and
+    ends by ``os._exit``, which runs no exit handler: it removes the folder itself, else every worker that
+    ever served a repository would leave one there (an idle one beyond the spares, or at the server's end)."""
+    repo = make_repo(tmp_path / "repo", FILES)
+    srv = Server(short_tmp / "srv")
+    try:
+        res = run_cli("apply", "--json", "-", "--key", "k", input=PATCH, cwd=repo.path, env=srv.env)
+        assert res.code == 0, res
+        objects = repo.path / ".git" / "objects"
+        (kept,) = [p for p in objects.iterdir() if p.name.startswith("tmp_objdir-oncepatch-")]
+        worker = int(kept.name.split("-")[2])
+        assert worker in srv.children()  # the worker that ran the call, alive: its folder is in use
+        os.kill(srv.pid, signal.SIGTERM)  # the server ends; its idle workers read the end of their channel
+        wait_for(lambda: gone(worker), "the worker to end")
+        assert not kept.exists()
+    finally:
+        srv.stop()

@@ -101,8 +101,14 @@ def hermetic_env(home: Path) -> dict[str, str]:
     return env
 
 
+#: The seed the run was started with, read at import: the tests' hermetic fixture takes every
+#: ONCEPATCH_* variable away before a test runs, so the printed "<SEED_ENV>=<seed> to replay" would
+#: otherwise never reach the test it names.
+_GIVEN_SEED = os.environ.get(SEED_ENV)
+
+
 def seed_from_env() -> int:
-    return int(os.environ.get(SEED_ENV) or DEFAULT_SEED)
+    return int(os.environ.get(SEED_ENV) or _GIVEN_SEED or DEFAULT_SEED)
 
 
 # -- building the calls -------------------------------------------------------------------
