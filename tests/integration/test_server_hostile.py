@@ -15,10 +15,12 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import Repo, run_cli, snapshot
+from test_broker import box  # noqa: F401 - the fixture: real users from useradd
 from test_server import Server, children_of
 
 WAIT = 60.0  # the server's deadline for a request is 10 s; this only runs out on failure
@@ -100,3 +102,69 @@ def test_descriptors_passed_with_a_request_that_never_ends_are_not_kept(server: 
     assert held == [], held
     marker.unlink()
     marker.parent.rmdir()
+
+
+AGENT_PEER = r"""
+import os, socket, sys
+(sock,) = [os.path.join(sys.argv[1], n) for n in os.listdir(sys.argv[1]) if n.endswith(".sock")]
+null = os.open(os.devnull, os.O_RDWR)
+
+
+def ask(payload, fds=()):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sock)
+    s.settimeout(60)
+    if payload is not None:
+        socket.send_fds(s, [payload], list(fds)) if fds else s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+    data = b""
+    while not data.endswith(b"\n"):
+        more = s.recv(4096)
+        if not more:
+            break
+        data += more
+    s.close()
+    return data
+
+
+def frame(*fields):
+    body = b"\0".join(fields)
+    return len(body).to_bytes(4, "big") + body
+
+
+for name, payload, fds in [
+    ("silent", None, ()),
+    ("garbage", b"\x00\x00\x00\x10" + bytes(range(16)), ()),
+    ("too large", (1 << 31).to_bytes(4, "big") + b"x", (null,) * 4),
+    ("ended early", (1000).to_bytes(4, "big") + b"oncepatch-serve/1\0", (null,) * 4),
+    ("another protocol", frame(b"http/1.1", b"x"), (null,) * 4),
+    ("another version", frame(b"oncepatch-serve/1", b"0" * 16, b"18", b"1", b"status"), (null,) * 4),
+    ("a command run in process", frame(b"oncepatch-serve/1", sys.argv[2].encode(), b"18", b"2", b"resolve", b"k"),
+     (null,) * 4),
+]:
+    print(name + "|" + ascii(ask(payload, fds)))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root and useradd to create the test's users (CI runs as root)")
+def test_a_brokers_other_user_sending_what_the_client_never_sends_is_refused_and_changes_nothing(box: Any) -> None:
+    from patcher.connect import version_token
+    from test_broker import PATCH, _broker_repo, _start_broker
+
+    repo = _broker_repo(box)
+    _start_broker(box)
+    before = snapshot(repo)
+    res = box.run(box.agent, box.python, "-c", AGENT_PEER, str(box.base / "sock"), version_token(), cwd=repo.path)
+    assert res.returncode == 0, res
+    answers = dict(line.split("|", 1) for line in res.stdout.decode().splitlines())
+    assert len(answers) == 7, answers
+    for name, got in answers.items():
+        assert got.startswith("b'R"), (name, got)  # refused, with the reason
+    assert "no whole request" in answers["silent"] and "ended early" in answers["ended early"]
+    assert "too large" in answers["too large"] and "another version" in answers["another version"]
+    assert snapshot(repo) == before
+    # And the broker serves the agent's real call, as the agent.
+    res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", "after-the-noise", input=PATCH, cwd=repo.path,
+                        env={"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"})
+    assert res.returncode == 0, res
+    assert repo.git("log", "-1", "--format=%an").strip() == "Agent"
