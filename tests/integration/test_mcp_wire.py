@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+import forgeries
 from conftest import ROOT, Repo, snapshot
 
 pytest.importorskip("mcp")
@@ -264,3 +265,79 @@ def test_the_same_key_through_two_servers_at_once_commits_once(repo: Repo, raw: 
     assert results[0]["commit"] == results[1]["commit"] == repo.head("main")
     assert repo.count() == before + 1
     assert a.close() == 0 and b.close() == 0
+
+
+OTHER_EDIT = EDIT.replace("-line 2\n+line two\n", "-line 2\n+line 2\n").replace(
+    "@@ -1,3 +1,3 @@\n line 1\n-line 2\n+line 2\n line 3\n", "@@ -9,3 +9,3 @@\n line 9\n-line 10\n+line ten\n line 11\n")
+
+
+def _copied_under_another_name(store: Path) -> str:
+    forgeries.receipt_file(store, "one").write_bytes(forgeries.receipt_file(store, "two").read_bytes())
+    return "key does not match the file name"
+
+
+def _resealed_with_another_commit(store: Path) -> str:
+    two = json.loads(forgeries.receipt_file(store, "two").read_text())
+    forgeries.reseal(store, "one", commit=two["commit"], tree=two["tree"], outputs=two["outputs"])
+    return "key ref"
+
+
+def _byte_flipped(store: Path) -> str:
+    path = forgeries.receipt_file(store, "one")
+    data = bytearray(path.read_bytes())
+    at = data.index(b'"tree":') + data[data.index(b'"tree":'):].index(b'"', 7) + 1  # the tree id's first digit
+    data[at] = ord("1") if data[at] != ord("1") else ord("2")
+    path.write_bytes(bytes(data))
+    return "receipt_sha256 does not match"
+
+
+@pytest.mark.parametrize("edit", [_copied_under_another_name, _resealed_with_another_commit, _byte_flipped],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_receipt_edited_by_hand_is_refused_through_mcp_and_never_replayed(repo: Repo, raw: Any, edit: Any) -> None:
+    s = raw()
+    s.start()
+    for rid, (key, patch) in enumerate((("one", EDIT), ("two", OTHER_EDIT))):
+        ok = s.ask(call(rid, "apply_patch", {"patch": patch, "idempotency_key": key}))
+        assert ok["result"]["structuredContent"]["status"] == "committed", ok
+    reason = edit(repo.store)
+    before = snapshot(repo)
+    for rid, (tool, arguments) in enumerate((("receipt_status", {"key": "one"}),
+                                             ("apply_patch", {"patch": EDIT, "idempotency_key": "one"})), 10):
+        err = tool_error(s.ask(call(rid, tool, arguments)))
+        assert err["type"] == "corrupt_receipt" and err["effect_status"] == "unknown", err
+        # ('none': git contradicts it; 'recover': it does not read as a receipt, and recover names it too)
+        assert err["next_action"] in ("none", "recover") and reason in err["message"], err
+        assert "commit" not in err and "outputs" not in err  # nothing answered from it
+    report = s.ask(call(20, "verify", {}))["result"]["structuredContent"]
+    assert report["ok"] is False and any(reason in f["reason"] for f in report["failures"]), report
+    assert snapshot(repo) == before  # no commit, no ledger note, no receipt rewritten
+    ok = s.ask(call(21, "apply_patch", {"patch": OTHER_EDIT, "idempotency_key": "two"}))
+    assert ok["result"]["structuredContent"]["replayed"] is True  # the other key is untouched
+    assert s.close() == 0
+
+
+def test_a_call_cancelled_in_flight_lands_once_and_its_receipt_says_so(repo: Repo, raw: Any) -> None:
+    """Cancelling cannot cut a commit in half: the call runs to its end, is not answered, and its receipt is true."""
+    s = raw(env={"ONCEPATCH_PAUSE_AT": "before-ref"})
+    s.start()
+    s.send(line(call(1, "apply_patch", {"patch": EDIT, "idempotency_key": "cancelled"})))
+    deadline = time.monotonic() + WAIT
+    while not _stopped(s.proc.pid):
+        assert time.monotonic() < deadline and s.proc.poll() is None
+        time.sleep(0.01)
+    s.send(line({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}))
+    os.kill(s.proc.pid, signal.SIGCONT)
+    got = s.ask(call(2, "receipt_status", {"key": "cancelled"}))
+    while got["id"] != 2:  # (the cancelled call's answer, if the SDK had sent one before reading the cancel)
+        got = s.recv() or {}
+    receipt = got["result"]["structuredContent"]["receipt"]
+    # Asked while the call may still be finishing: prepared or committed, never rejected; then committed once.
+    assert receipt["status"] in ("prepared", "committed"), receipt
+    s.send(b"")
+    assert s.close() == 0  # stdin ended: nothing pending, the cancelled call is not waited for an answer
+    status = Raw(repo.path)
+    status.start()
+    final = status.ask(call(3, "receipt_status", {"key": "cancelled"}))["result"]["structuredContent"]["receipt"]
+    assert final["status"] == "committed" and final["commit"] == repo.head("main")
+    assert repo.count() == 2
+    status.close()
