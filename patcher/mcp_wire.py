@@ -19,7 +19,7 @@ this wire between them and the SDK (docs/AGENTS.md, "The wire"):
   answered (or cancelled): a client that writes its requests and closes
   stdin still reads every outcome, and a call never ends unanswered
   because its input ended before its effect did;
-* only whole lines that are JSON objects reach stdout, under one lock, so
+* only whole lines that are JSON-RPC messages reach stdout, under one lock, so
   the answers written here never tear the SDK's; anything else written to
   ``sys.stdout`` goes to stderr.
 
@@ -238,7 +238,7 @@ class Wire:
             self._send(orjson.dumps(doc) + b"\n")
 
     def write(self, data: bytes) -> None:
-        """Bytes the SDK wrote: each whole line goes out at once (a JSON object) or to stderr (anything else)."""
+        """Bytes the SDK wrote: each whole line goes out at once (a message) or to the log (anything else)."""
         with self._out_lock:
             self._out_partial += data
             end = self._out_partial.rfind(b"\n")
@@ -248,16 +248,17 @@ class Wire:
             del self._out_partial[:end + 1]
             for line in lines.splitlines(keepends=True):
                 try:
-                    doc = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    doc = None
-                if not isinstance(doc, dict):
+                    # The SDK's reader, not orjson: an id past 64 bits must compare equal to the request's
+                    # (orjson reads it as a float, and stdin's end would wait for it for ever).
+                    validated = self.validate(line)
+                except Exception:  # noqa: BLE001 - pydantic's errors: the line is no message
                     if line.strip():
                         log.warning("kept off the wire (not a message): %r", line[:200])
                     continue
+                msg = getattr(validated, "root", validated)
                 self._send(line)
-                if "method" not in doc and ("result" in doc or "error" in doc):
-                    self._settle(doc.get("id"))
+                if getattr(msg, "method", None) is None and hasattr(msg, "id"):  # a response or an error
+                    self._settle(msg.id)
 
     def _send(self, data: bytes) -> None:
         """Write ``data`` whole (the caller holds the output lock); a client gone from stdout ends the waiting."""

@@ -341,3 +341,18 @@ def test_a_call_cancelled_in_flight_lands_once_and_its_receipt_says_so(repo: Rep
     assert final["status"] == "committed" and final["commit"] == repo.head("main")
     assert repo.count() == 2
     status.close()
+
+
+def test_ids_past_64_bits_are_answered_and_stdins_end_does_not_wait_for_them(repo: Repo, raw: Any) -> None:
+    """JSON allows any integer: one that orjson reads as a float never matched its answer, and the end hung."""
+    s = raw()
+    s.start()
+    for rid in (2**70, -(2**70), 2**53 + 1, "2"):
+        assert s.ask({"jsonrpc": "2.0", "id": rid, "method": "ping"}) == {"jsonrpc": "2.0", "id": rid, "result": {}}
+    s.send(b'{"jsonrpc": "2.0", "id": 7, "method": "ping"')  # a last line cut short, then the end
+    assert s.proc.stdin is not None
+    s.proc.stdin.close()
+    got = s.recv()
+    assert got is not None and got["id"] is None and got["error"]["code"] == -32700, got
+    assert s.recv() is None
+    assert s.proc.wait(WAIT) == 0
