@@ -10,7 +10,8 @@ this wire between them and the SDK (docs/AGENTS.md, "The wire"):
 * every line is checked before the SDK sees it; one that is not a message
   is answered here with JSON-RPC's error (``-32700`` not UTF-8 or not JSON,
   ``-32600`` anything else: a batch, an id that is neither a string nor an
-  integer, a request before ``initialize``, a line over :func:`max_line`
+  integer, a request before ``initialize`` (unless it carries the
+  2026-07-28 protocol's per-request version, which has no handshake), a line over :func:`max_line`
   bytes) and the server reads on;
 * a ``tools/call`` naming an argument its tool does not take is answered
   with a tool error (``check_call``): a misspelt ``branch`` would otherwise
@@ -50,6 +51,8 @@ PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
 _CHUNK = 1 << 20
 _UNGATED = frozenset({"initialize", "ping"})
+#: A request of the 2026-07-28 protocol carries its version here (``mcp_types.PROTOCOL_VERSION_META_KEY``).
+_MODERN_META_KEY = "io.modelcontextprotocol/protocolVersion"
 
 log = logging.getLogger("oncepatch.mcp")
 
@@ -175,12 +178,15 @@ class Wire:
         if not has_id:
             return line  # a client's answer to a request of the server's
         rid = msg.id
+        params = getattr(msg, "params", None) or {}
+        meta = params.get("_meta")
+        if isinstance(meta, dict) and _MODERN_META_KEY in meta:
+            self._initialized = True  # the 2026-07-28 protocol: no handshake, every request says its version
         if method not in _UNGATED and not self._initialized:
             self.answer_error(rid, INVALID_REQUEST, f"the server is not initialized: send 'initialize' before '{method}'")
             return None
         if method == "initialize":
             self._initialized = True
-        params = getattr(msg, "params", None) or {}
         if method == "tools/call" and self.check_call is not None and isinstance(params.get("arguments"), dict):
             refused = self.check_call(str(params.get("name")), params["arguments"])
             if refused is not None:

@@ -356,3 +356,14 @@ def test_ids_past_64_bits_are_answered_and_stdins_end_does_not_wait_for_them(rep
     assert got is not None and got["id"] is None and got["error"]["code"] == -32700, got
     assert s.recv() is None
     assert s.proc.wait(WAIT) == 0
+
+
+def test_a_request_of_the_handshake_free_protocol_is_served_without_initialize(repo: Repo, raw: Any) -> None:
+    """The 2026-07-28 protocol has no 'initialize': each request carries its version, and the SDK serves it."""
+    s = raw()
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {}}
+    got = s.ask({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": meta}})
+    assert "apply_patch" in {t["name"] for t in got["result"]["tools"]}, got
+    assert s.close() == 0
