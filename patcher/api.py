@@ -35,6 +35,7 @@ from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from receipts.verifier import DEFAULT_GRACE, Failure, VerifyReport, verify
 # The server's client, by a name apply's ``remote=`` argument (a git remote) does not shadow.
 from patcher import remote as server_client
+from patcher.args import check_types
 from patcher.git_adapter import adapters
 from patcher.outcome import REJECTIONS
 from patcher.protocol import ApplyResult, Caller, apply, foreign_error, store_root_for
@@ -79,6 +80,7 @@ def status(key: str, *, repo: str = ".", store: str | None = None) -> Receipt:
     Raises:
         ReceiptNotFound, CorruptReceipt, UsageError.
     """
+    check_types(frozenset({"key", "repo"}), key=key, repo=repo, store=store)
     return _status(key, store=store, repo=repo, adapters=lambda rstore: adapters(rstore, {}, read_only=True))
 
 
@@ -106,6 +108,8 @@ class Client:
         check_timeout: float = 600.0,
         server: str | None = None,
     ) -> None:
+        check_types(frozenset({"repo"}), repo=repo, store=store, branch=branch, lock_timeout=lock_timeout,
+                    check_timeout=check_timeout, server=server)
         self.repo = os.path.abspath(os.fspath(repo))
         self.store = os.path.abspath(os.fspath(store)) if store is not None else None
         self.branch = branch
@@ -183,6 +187,12 @@ class Client:
         Raises:
             OncepatchError: as :func:`apply` (conflict 3, rejected 4, in progress / unknown 5).
         """
+        try:
+            # Before the server's argv: a branch 3 would go as '--branch=3', a strict "no" as '--strict'.
+            check_types(key=key, repo=repo, branch=branch, contract_sha256=contract_sha256, format=format,
+                        check=check, message=message, common_dir=common_dir, strict=strict, dir=dir, remote=remote)
+        except UsageError as exc:
+            raise exc.with_key(key) if isinstance(key, str) else exc
         if dir is not None:
             repo = _objects_of(dir)
         if caller is None:
@@ -216,8 +226,9 @@ class Client:
         """The verified receipt of ``key`` or a call_id; a committed one only where git agrees.
 
         Raises:
-            ReceiptNotFound, CorruptReceipt.
+            ReceiptNotFound, CorruptReceipt, UsageError.
         """
+        check_types(frozenset({"key"}), key=key, repo=repo)
         how = server_client.choose(self.server)
         if how != "never":
             argv = ["status", "--json", f"--repo={self._repo(repo)}"]
@@ -269,6 +280,7 @@ class Client:
         Without ``adapters`` nor ``dir`` the call goes to a running server as the
         CLI's ``recover --json`` (chosen as :meth:`apply` chooses).
         """
+        check_types(repo=repo, dry_run=dry_run, tmp_age=tmp_age, dir=dir)
         if dir is not None:
             repo = _objects_of(dir)
         if adapters is None and dir is None:  # (a directory target's repair runs here)
@@ -307,6 +319,7 @@ class Client:
         ``verify --json`` (chosen as :meth:`apply` chooses); its report's
         ``quarantined_keys`` is then empty (the CLI's JSON does not carry it).
         """
+        check_types(repo=repo, grace=grace, dir=dir)
         if dir is not None:
             repo = _objects_of(dir)
         if verifiers is None and dir is None:

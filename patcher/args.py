@@ -10,6 +10,7 @@ identity, so it changes only when the same args would produce another effect.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from patcher.errors import TooLarge
 from patcher.formats import BUILTIN_NAMES, known_format
 from patcher.remote_mode import Remote, resolve_remote
 
-__all__ = ["TOOL", "TOOL_VERSION", "MAX_PATCH_BYTES", "CallArgs", "check_message", "normalise_args",
+__all__ = ["TOOL", "TOOL_VERSION", "MAX_PATCH_BYTES", "CallArgs", "check_message", "check_types", "normalise_args",
            "normalise_branch", "repository_path"]
 
 TOOL = "apply_patch"
@@ -32,6 +33,46 @@ MAX_PATCH_BYTES = env_int("ONCEPATCH_MAX_PATCH_BYTES", 64 << 20)
 #: tests; :func:`bad_branch_name` checks it without ``re``, which a replay never imports):
 BAD_REF_PATTERN = r"(^|/)\.|\.\.|[\x00-\x20~^:?*\[\\\x7f]|@\{|\.lock(/|$)|/$|//|^$"
 _BAD_CHARS = frozenset(map(chr, range(0x21))) | frozenset("~^:?*[\\\x7f")
+
+
+#: The Python API's arguments by what each must be (:func:`check_types`).
+_TEXT = frozenset({"key", "branch", "contract_sha256", "check", "message", "common_dir", "remote", "compensates",
+                   "server", "format"})
+_PATHS = frozenset({"repo", "store", "dir"})
+_FLAGS = frozenset({"strict", "dry_run"})
+_SECONDS = frozenset({"lock_timeout", "check_timeout", "tmp_age", "grace"})
+#: Those that may not be None.
+_REQUIRED = frozenset({"format", "strict", "dry_run", "lock_timeout", "check_timeout", "tmp_age", "grace"})
+
+
+def check_types(required: frozenset[str] = frozenset(), /, **given: object) -> None:
+    """Refuse an argument of the Python API whose type no call can mean, naming it (nothing read or written yet).
+
+    Without it, a ``branch`` given as a number failed deep inside as an internal
+    error, and through a server it became the branch ``"3"``; a ``strict``
+    given as ``"no"`` was true.  ``None`` is allowed where the argument has a
+    default of None, unless ``required`` names it.
+
+    Raises:
+        UsageError: ``'<name>' must be <what>, not <type>``.
+    """
+    for name, value in given.items():
+        if value is None and name not in _REQUIRED and name not in required:
+            continue
+        if name in _TEXT:
+            ok, what = isinstance(value, str), "a string"
+        elif name in _PATHS:
+            ok, what = isinstance(value, str) or (isinstance(value, os.PathLike)
+                                                  and isinstance(os.fspath(value), str)), "a path (str or os.PathLike)"
+        elif name in _FLAGS:
+            ok, what = isinstance(value, bool), "True or False"
+        elif name in _SECONDS:
+            ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number of seconds"
+        else:
+            raise AssertionError(f"check_types: no rule for {name!r}")
+        if not ok:
+            raise UsageError(f"'{name}' must be {what}, not {type(value).__name__}",
+                             details={"argument": name})
 
 
 def bad_branch_name(name: str) -> bool:

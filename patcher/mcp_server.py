@@ -17,6 +17,7 @@ to the wire either).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -69,6 +70,15 @@ def _import_sdk() -> tuple[Any, Any]:
 
         server_cls = importlib.import_module("mcp.server.fastmcp").FastMCP
     return server_cls, mcp_types
+
+
+def _validator(types: Any) -> Callable[[bytes], Any]:
+    """The SDK's own reader of one JSON-RPC message (what its stdio transport accepts, the wire accepts)."""
+    adapter = getattr(types, "jsonrpc_message_adapter", None)
+    if adapter is not None:  # SDK 2.x
+        return functools.partial(adapter.validate_json, by_name=False)
+    model: Callable[[bytes], Any] = types.JSONRPCMessage.model_validate_json  # SDK 1.x
+    return model
 
 
 class _Tools:
@@ -124,6 +134,24 @@ class _Tools:
 
     def _err(self, exc: OncepatchError) -> Any:
         return self._result({"ok": False, "error": exc.envelope()}, error=True)
+
+    def unknown_arguments(self, tool: str, taken: frozenset[str], arguments: dict[str, Any]) -> dict[str, Any] | None:
+        """The tool error (a ``tools/call`` result) for arguments ``tool`` does not take, or None.
+
+        The SDK would drop them unread: a misspelt ``branch`` would commit to the
+        default branch, a misspelt ``dry_run`` would recover for real.
+        """
+        unknown = sorted(set(arguments) - taken)
+        if not unknown:
+            return None
+        key = arguments.get("idempotency_key")
+        err = UsageError(f"unknown argument{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(repr(u) for u in unknown)} for '{tool}': it takes {', '.join(sorted(taken))}")
+        err.details["unknown"] = unknown
+        if isinstance(key, str):
+            err.with_key(key)
+        doc: dict[str, Any] = self._err(err).model_dump(mode="json", by_alias=True, exclude_none=True)
+        return doc
 
     def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> Any:
         try:
@@ -205,6 +233,15 @@ def build_server(repo: str = ".", *, store: str | None = None, allow_other_repos
     async def verify(repo: str | None = None) -> Any:
         return await offload("verify", lambda: tools.verify(repo))
 
+    taken = {fn.__name__: frozenset(inspect.signature(fn).parameters)
+             for fn in (apply_patch, receipt_status, recover, verify)}
+
+    def check_call(name: str, arguments: dict[str, Any]) -> dict[str, Any] | None:
+        return tools.unknown_arguments(name, taken[name], arguments) if name in taken else None
+
+    server._oncepatch_check_call = check_call  # read by serve(): the wire answers such a call itself
+    server._oncepatch_validate = _validator(types)
+
     A = types.ToolAnnotations
     server.add_tool(
         apply_patch, name="apply_patch", title="Apply a patch once",
@@ -265,7 +302,10 @@ def serve(repo: str = ".", *, store: str | None = None, allow_other_repos: bool 
                         format="oncepatch mcp: %(levelname)s %(message)s")
     server = build_server(repo, store=store, allow_other_repos=allow_other_repos, lock_timeout=lock_timeout)
     logging.getLogger().setLevel(getattr(logging, log_level.upper(), logging.WARNING))
+    from patcher.mcp_wire import claim_stdio
+
     try:
-        server.run("stdio")
+        with claim_stdio(validate=server._oncepatch_validate, check_call=server._oncepatch_check_call):
+            server.run("stdio")
     finally:
         server._oncepatch_client.close()

@@ -20,7 +20,7 @@ from receipts.engine import Call
 from receipts.identity import make_identity
 from receipts.policy import Caller, Request, authorize, load_policy
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
-from patcher.args import TOOL, TOOL_VERSION, CallArgs, normalise_args, repository_path
+from patcher.args import TOOL, TOOL_VERSION, CallArgs, check_types, normalise_args, repository_path
 from patcher.errors import PatchError
 from patcher.formats import detect
 from patcher.grades import STRICT
@@ -155,6 +155,13 @@ def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, c
            store: str | None, lock_timeout: float, check_timeout: float, strict: bool, caller: Caller | None,
            _stores: dict[str, Any], compensates: str | None = None, remote: str | None = None) -> ApplyResult:
     try:
+        check_types(frozenset({"repo"}), repo=repo, key=key, branch=branch, contract_sha256=contract_sha256,
+                    format=format, check=check, message=message, common_dir=common_dir, store=store,
+                    lock_timeout=lock_timeout, check_timeout=check_timeout, strict=strict, remote=remote,
+                    compensates=compensates)
+        if caller is not None and not isinstance(caller, Caller):
+            raise UsageError(f"'caller' must be a Caller (Caller.of(uid, gid)), not {type(caller).__name__}",
+                             details={"argument": "caller"})
         _check_options(attempt, lock_timeout, check_timeout, store)
         args = normalise_args(repo, patch, branch=branch, format=format, check=check, message=message,
                               detect=detect, remote=remote)
@@ -164,7 +171,7 @@ def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, c
             raise UsageError(f"'{repo}' is no longer the repository it was checked as ('{common_dir}'): "
                              f"it is '{args.layout.common_dir}' now; nothing was done")
     except OncepatchError as exc:
-        raise exc.with_key(key) if key is not None else exc
+        raise exc.with_key(key) if isinstance(key, str) else exc
     identity = make_identity(TOOL, TOOL_VERSION, args.as_dict(), contract_sha256=contract_sha256, attempt=attempt)
     rstore = ReceiptStore(store_root_for(args.layout.common_dir, store))
     call = Call(rstore, None, identity, key, errors=REJECTIONS, default_error=PatchError)

@@ -67,6 +67,10 @@ WATCH_LOG = "watch.jsonl"
 BROKER_ENV = frozenset({"GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_AUTHOR_DATE", "TZ"})
 _SO_PEERGROUPS = 59  # Linux's getsockopt for the peer's supplementary groups (4.13 and later)
 _MAX_FRAME = 16 << 20
+#: Seconds a connection has to send its whole request: the thin client sends it right after it
+#: connects.  A peer that sends nothing (or a byte now and then) held a worker, a whole process,
+#: for ever: a few hundred such connections from an allowed user took the broker's memory.
+_FRAME_DEADLINE = 10.0
 _IDLE_WORKERS = 2  # idle workers kept (more finish at once under load: the others exit)
 _WATCHED_STORES = 256  # stores the server's watcher is told of, at most
 _WATCH_NICE = 10  # the watcher's scheduling priority, below the calls'
@@ -523,14 +527,36 @@ def _send_quietly(conn: socket.socket, data: bytes) -> None:
 
 
 def _read_frame(conn: socket.socket) -> tuple[bytes, list[int]]:
-    data, fds, _, _ = socket.recv_fds(conn, 65536, 4)
-    while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
-        if len(data) >= 4 and int.from_bytes(data[:4], "big") > _MAX_FRAME:
-            raise ValueError("request too large")
-        more = conn.recv(65536)
-        if not more:
-            raise ValueError("the request ended early")
-        data += more
+    """The request's frame and the descriptors passed with it, whole within :data:`_FRAME_DEADLINE` seconds.
+
+    Raises:
+        ValueError: too large, ended early, or not whole by the deadline; the descriptors
+            received are closed (a peer that passes some and stops would leak them into the worker).
+    """
+    deadline = time.monotonic() + _FRAME_DEADLINE
+    fds: list[int] = []
+    try:
+        conn.settimeout(_FRAME_DEADLINE)
+        data, fds, _, _ = socket.recv_fds(conn, 65536, 4)
+        while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
+            if len(data) >= 4 and int.from_bytes(data[:4], "big") > _MAX_FRAME:
+                raise ValueError("request too large")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            conn.settimeout(remaining)  # one deadline for the whole frame, not one per byte sent
+            more = conn.recv(65536)
+            if not more:
+                raise ValueError("the request ended early")
+            data += more
+    except BaseException as exc:
+        for fd in fds:
+            os.close(fd)
+        if isinstance(exc, TimeoutError):
+            raise ValueError(f"no whole request within {_FRAME_DEADLINE:g} s") from None
+        raise
+    finally:
+        conn.settimeout(None)  # the answers are written blocking, as before
     return data[4:4 + int.from_bytes(data[:4], "big")], fds
 
 
