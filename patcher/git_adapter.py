@@ -487,31 +487,21 @@ class GitAdapter:
 
     # -- retention ---------------------------------------------------------------------
 
-    def forget(self, receipt: Receipt, *, dry_run: bool = False) -> list[str]:
-        """Remove the key ref of a receipt; git objects never.
+    def check_tombstone(self, receipt: Receipt) -> None:
+        """Raise unless the key ref of a receipt ``oncepatch gc`` removes still stands for it.
 
-        ``oncepatch gc`` asks only with ``dry_run`` (whether the ref still points
-        at the receipt's commit): it keeps the ref of a receipt it removes as a
-        tombstone, so the key never runs again (:mod:`receipts.retired`).
-
-        The ref goes only if it points at the receipt's commit (or candidate):
-        compare-and-delete under ``<ref>.lock`` (:meth:`cas.objects.GitStore.delete_key_ref`).
-        Returns what was (``dry_run``: would be) done.
+        gc keeps the ref of a receipt it removes as a tombstone, so the key
+        never runs again (:mod:`receipts.retired`); nothing here removes it.
+        A missing ref, or one at the receipt's commit (or candidate), stands.
 
         Raises:
             RefMovedError: the ref points at another commit (the receipt stays).
-            GitStoreError, RefLockedError, RefUpdateUnknown: as the removal.
+            GitStoreError: its repository cannot be read.
         """
-        gstore = self._store(receipt)
         ref = KEY_REF_PREFIX + key_hash(receipt.key)
-        current = gstore.resolve(ref)
-        if current is None:
-            return []
-        if current not in {receipt.commit, receipt.candidate}:
+        current = self._store(receipt).resolve(ref)
+        if current is not None and current not in {receipt.commit, receipt.candidate}:
             raise RefMovedError(ref, current, receipt.commit)
-        if not dry_run:
-            gstore.delete_key_ref(ref, current)
-        return [f"{'would remove' if dry_run else 'removed'} key ref '{ref}' ({current[:12]})"]
 
     # -- cleanup -------------------------------------------------------------------
 
