@@ -23,12 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from conftest import ROOT, make_repo, run_cli, snapshot
+from test_fsync_order import strace  # noqa: F401 - the fixture: strace, or a skip saying why not
 from torture_driver import fsck
 
-STRACE = shutil.which("strace")
 BASE = {"README": "hello\n", "src/app.py": "".join(f"line {i}\n" for i in range(1, 21))}
 TRACED = "openat,write,fsync,rename,renameat,renameat2,unlink,unlinkat,mkdir,link"
 MARKER = "/nonexistent-oncepatch-recover-fault-marker"
@@ -45,17 +43,6 @@ except FileNotFoundError:
 sys.exit(patcher.cli.run.main(sys.argv[1:]))
 """
 LINE = re.compile(r"^(\d+)\s+(\w+)\((.*)")
-
-
-@pytest.fixture(scope="module")
-def strace() -> str:
-    if STRACE is None:
-        pytest.skip("strace is not installed (apt-get install -y strace)")
-    probe = subprocess.run([STRACE, "-f", "-o", os.devnull, "-e", "trace=none", "true"], capture_output=True,
-                           text=True, check=False)
-    if probe.returncode != 0:
-        pytest.skip(f"strace cannot trace here (ptrace not permitted?): {probe.stderr.strip()[:200]}")
-    return STRACE
 
 
 class Crashed:
