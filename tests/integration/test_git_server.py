@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,30 +21,33 @@ def _ls_remote(server: GitServer) -> subprocess.CompletedProcess[bytes]:
                           check=False)
 
 
-def test_the_port_stays_held_while_the_server_is_down(tmp_path: Path) -> None:
-    """Down, the port refuses connects and no other process can bind it; started again, it serves."""
-    server = GitServer(make_server_repo(tmp_path)).start()
+def test_the_port_is_held_from_creation_to_close(tmp_path: Path) -> None:
+    """Before the daemon runs (and between runs) the port refuses connects and no other process can bind it.
+
+    Checked before any connection to the port, so no TIME_WAIT of an earlier
+    connection holds it instead; stopped and started again, it serves each time.
+    """
+    server = GitServer(make_server_repo(tmp_path))
     try:
-        assert server.startup is not None and server.startup > 0
-        assert _ls_remote(server).returncode == 0
-        server.stop()
         with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
             probe.connect((server.host, server.port))
         with socket.socket() as thief, pytest.raises(OSError) as taken:
             thief.bind((server.host, server.port))
         assert taken.value.errno == errno.EADDRINUSE
         thief_proc = subprocess.run(  # another process, as another test would try it
-            ["python3", "-c", f"import socket; socket.socket().bind(('{server.host}', {server.port}))"],
+            [sys.executable, "-c", f"import socket; socket.socket().bind(('{server.host}', {server.port}))"],
             capture_output=True, check=False)
         assert thief_proc.returncode != 0 and b"Address already in use" in thief_proc.stderr
         for _round in range(3):
             server.start()
+            assert server.startup is not None and server.startup > 0
             assert _ls_remote(server).returncode == 0, server.log[-5:]
             server.stop()
+            with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+                probe.connect((server.host, server.port))
     finally:
         server.close()
-    with socket.socket() as after:  # closed: the port is free again
-        after.bind((server.host, server.port))
+    assert server._reservation is None and server.proc is None
 
 
 def test_a_port_in_use_is_tried_again_within_the_measured_bound(tmp_path: Path) -> None:
