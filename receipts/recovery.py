@@ -33,7 +33,7 @@ import filelock
 import orjson
 
 from cas.durable import is_own_tmp
-from cas.errors import CasError, OncepatchError
+from cas.errors import CasError, OncepatchError, UsageError
 from receipts.adapter import EffectAdapter
 from receipts.engine import settle
 from receipts.errors import CorruptLedger, CorruptReceipt, ReadFailed, RecoveryFailed, StillUnknown
@@ -155,6 +155,10 @@ def recover(
                  adapters_factory)
     except IO_ERRORS as exc:
         raise RecoveryFailed(exc, wrote=report.wrote, done=report.to_json()) from exc
+    except UsageError as exc:
+        if report.wrote:  # a store folder that cannot be opened, met after something was written: not "not started"
+            raise RecoveryFailed(exc, wrote=True, done=report.to_json()) from exc
+        raise
     return report
 
 
@@ -428,7 +432,7 @@ def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, E
     """Query and settle one receipt; an I/O error leaves it for the next run (``skipped``, saying where it is)."""
     try:
         _resolve_locked(store, receipt, adapters, report, dry_run)
-    except IO_ERRORS as exc:
+    except (*IO_ERRORS, UsageError) as exc:  # (UsageError: a store folder that cannot be opened now)
         report.skipped.append(_interrupted(store, receipt, exc))
 
 

@@ -81,30 +81,34 @@ class Crashed:
         return res, out.read_text(errors="replace").splitlines()
 
 
-def _nth(trace: list[str], name: str, touches: Callable[[str], bool]) -> int:
+def _nth(trace: list[str], name: str, touches: Callable[[str], bool],
+         since: Callable[[str, str], bool] | None = None) -> int:
     """The count (1-based, in its thread, as strace's ``when=`` counts) of the first ``name`` call after the
-    marker whose arguments ``touches`` picks."""
+    marker, and after the first call ``since`` picks by its name and arguments, whose arguments ``touches`` picks."""
     counts: dict[tuple[str, str], int] = {}
-    after = False
+    marked = started = False
     for line in trace:
         m = LINE.match(line)
         if m is None:
             continue
         tid, call, args = m.groups()
         counts[(tid, call)] = counts.get((tid, call), 0) + 1
-        if MARKER in args:
-            after = True
-        elif after and call == name and touches(args):
+        if not marked:
+            marked = started = MARKER in args
+            started = marked and since is None
+        elif not started:
+            started = since is not None and since(call, args)
+        elif call == name and touches(args):
             return counts[(tid, call)]
     raise AssertionError(f"no {name} call picked after the marker")
 
 
-def _faulted(case: Crashed, strace: str, name: str, touches: Callable[[str], bool], err: str
-             ) -> tuple[int, dict[str, Any]]:
+def _faulted(case: Crashed, strace: str, name: str, touches: Callable[[str], bool], err: str,
+             since: Callable[[str, str], bool] | None = None) -> tuple[int, dict[str, Any]]:
     """recover with the picked call failing with ``err``: its exit code and document (checked to be one)."""
     case.reset()
     _res, trace = case.recover(strace)
-    n = _nth(trace, name, touches)
+    n = _nth(trace, name, touches, since)
     case.reset()
     res, trace = case.recover(strace, f"{name}:error={err}:when={n}")
     injected = [line for line in trace if "(INJECTED)" in line]
@@ -193,3 +197,16 @@ def test_the_store_unreadable_before_anything_changes_nothing(strace: str, tmp_p
     assert "changed nothing" in err["message"] and err["done"]["rows"] == []
     assert snapshot(case.repo) == before
     _finishes(case, "rejected")
+
+
+def test_the_locks_folder_unopenable_after_the_receipt_was_settled_says_so(strace: str, tmp_path: Path) -> None:
+    """EACCES opening the store's locks folder for the ledger's lock, the receipt already written: skipped, and
+    the reason says the receipt is settled (never a usage error saying nothing was started)."""
+    case = Crashed(tmp_path, "after-index-ahead")
+    code, doc = _faulted(case, strace, "openat", lambda a: '"locks"' in a, "EACCES",
+                         since=lambda call, a: call == "renameat" and '.json"' in a and "receipts" not in a)
+    assert code == 5 and doc["ok"] is True and doc["rows"] == [], doc
+    [skipped] = doc["skipped"]
+    assert "Permission denied" in skipped["reason"] and "its receipt is 'rejected'" in skipped["reason"], skipped
+    assert _receipt_status(case) == "rejected"
+    _finishes(case, "rejected", ledger_repaired=True)
