@@ -249,7 +249,7 @@ class GitAdapter:
             # (or part of it) as theirs.  What the worktree holds is theirs too, left as it is.
             ours = []
             done.append(f"left the worktree alone: branch '{branch}' has changed the call's paths since")
-        for workdir, git_dir in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
+        for workdir, git_dir in worktrees_on(gstore.common_dir, branch, gstore.main_workdir, strict=True):
             # The dead call's own index.lock still there: whoever breaks it puts back the index it
             # kept (recover's cleanup, a later call), so only files written ahead are work here.
             dead_lock = dead_own_index_lock(os.path.join(os.path.realpath(git_dir), "index.lock"))
@@ -313,7 +313,7 @@ class GitAdapter:
         base_tree = gstore.commit_tree(base_commit) if base_commit else None
         tip_tree = gstore.commit_tree(tip)
         done += _undone_since(gstore, branch, tip, candidate, base_tree, tip_tree, touched)
-        for workdir, _gd in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
+        for workdir, _gd in worktrees_on(gstore.common_dir, branch, gstore.main_workdir, strict=True):
             # A call killed while writing a touched file (or the index) leaves its tmp file
             # beside it: untracked residue in the user's worktree unless removed here.
             for tmp in _remove_dead_tmp_files(workdir, _gd, touched):

@@ -210,3 +210,23 @@ def test_the_locks_folder_unopenable_after_the_receipt_was_settled_says_so(strac
     assert "Permission denied" in skipped["reason"] and "its receipt is 'rejected'" in skipped["reason"], skipped
     assert _receipt_status(case) == "rejected"
     _finishes(case, "rejected", ledger_repaired=True)
+
+
+def test_a_worktree_head_unreadable_while_putting_files_back_leaves_the_receipt_prepared(strace: str,
+                                                                                         tmp_path: Path) -> None:
+    """EACCES reading the worktree's HEAD, to learn whether it has the branch checked out, while the files a call
+    wrote ahead are put back: never read as "not checked out" (which left them and said ``rejected``)."""
+    case = Crashed(tmp_path, "after-worktree-ahead")
+    case.reset()
+    ahead = snapshot(case.repo)
+    code, doc = _faulted(case, strace, "openat", lambda a: a.split(",")[1].strip().endswith('/.git/HEAD"'),
+                         "EACCES", since=lambda call, a: "multi-pack-index" in a)
+    assert code == 5 and doc["ok"] is True and doc["rows"] == [], doc
+    [skipped] = doc["skipped"]
+    assert "Permission denied" in skipped["reason"] and "its receipt is 'prepared'" in skipped["reason"], skipped
+    assert _receipt_status(case) == "prepared"
+    assert {k: v for k, v in snapshot(case.repo).items() if k != "store"} == {
+        k: v for k, v in ahead.items() if k != "store"}  # the files written ahead: left for the next run
+    done = _finishes(case, "rejected")
+    assert any("put back" in n for r in done["rows"] for n in r["notes"]), done
+    assert case.repo.git("status", "--porcelain", "--untracked-files=all") == ""
