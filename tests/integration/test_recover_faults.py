@@ -230,3 +230,15 @@ def test_a_worktree_head_unreadable_while_putting_files_back_leaves_the_receipt_
     done = _finishes(case, "rejected")
     assert any("put back" in n for r in done["rows"] for n in r["notes"]), done
     assert case.repo.git("status", "--porcelain", "--untracked-files=all") == ""
+
+
+def test_the_signers_list_unreadable_now_is_no_usage_error(strace: str, tmp_path: Path) -> None:
+    """EIO opening the store's allowed_signers.json (looked for on every open of the store): a read that may
+    pass, so ``io_error`` (retry, nothing started), not a usage error telling the person to fix the list."""
+    case = Crashed(tmp_path, "after-prepare")
+    code, doc = _faulted(case, strace, "openat", lambda a: "allowed_signers.json" in a, "EIO")
+    err = doc["error"]
+    assert code == 5 and (err["type"], err["effect_status"], err["next_action"]) == ("io_error", "not_started", "retry")
+    assert "allowed_signers.json" in err["message"] and "Input/output error" in err["message"]
+    assert _receipt_status(case) == "prepared"
+    _finishes(case, "rejected")
