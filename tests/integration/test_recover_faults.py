@@ -242,3 +242,17 @@ def test_the_signers_list_unreadable_now_is_no_usage_error(strace: str, tmp_path
     assert "allowed_signers.json" in err["message"] and "Input/output error" in err["message"]
     assert _receipt_status(case) == "prepared"
     _finishes(case, "rejected")
+
+
+def test_the_git_dir_unlistable_while_looking_for_the_kept_index_leaves_the_receipt_prepared(
+        strace: str, tmp_path: Path) -> None:
+    """EIO listing the git dir for the index a crashed call kept (its staged one written ahead): never read as
+    "none kept", which left the staged index and the files in place and said ``rejected``."""
+    case = Crashed(tmp_path, "after-index-ahead")
+    code, doc = _faulted(case, strace, "openat",
+                         lambda a: a.split(",")[1].strip().endswith('/.git"') and "O_DIRECTORY" in a, "EIO",
+                         since=lambda call, a: "multi-pack-index" in a)
+    assert code == 5 and doc["rows"] == [], doc
+    assert _receipt_status(case) == "prepared"
+    _finishes(case, "rejected")
+    assert case.repo.git("status", "--porcelain", "--untracked-files=all") == ""
