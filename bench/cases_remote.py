@@ -69,7 +69,7 @@ def _run(out: str, machines: int, per_machine: int, log: Any) -> dict[str, Any]:
                 "restages": sum(restages), "restages_max": max(restages, default=0), "errors": errors,
                 "tree_equals_serial": tree_ok, "restages_by_machine": per_machine_restages}
     finally:
-        server.stop()
+        server.close()
 
 
 def section_remote(env: Any, machines: int, per_machine: int, log: Any) -> dict[str, Any]:

@@ -57,10 +57,13 @@ def tree_files(repo: pygit2.Repository, tree: str) -> dict[str, tuple[str, int]]
 
 
 def is_real_folder(path: str) -> bool:
-    """``path`` is a folder itself (``lstat``: a symlink to one is not)."""
+    """``path`` is a folder itself (``lstat``: a symlink to one is not, nor a path through a file).
+
+    Any other error (a permission, an I/O error) is raised: never read as "no folder".
+    """
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return False
 
 

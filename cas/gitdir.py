@@ -148,18 +148,23 @@ def resolve_symbolic(common_dir: str, ref: str) -> str:
     return ref
 
 
-def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tuple[str, str]]:
+def worktrees_on(common_dir: str, ref: str, main: str | None = None, *, strict: bool = False
+                 ) -> list[tuple[str, str]]:
     """``(workdir, git_dir)`` of every worktree whose HEAD is the symbolic ref ``ref``.
 
     The main worktree (unless bare) is ``main`` when the caller opened the
     repository from there (a ``.git`` file of ``--separate-git-dir`` or of a
-    submodule), else as :func:`main_worktree_of` finds it.
+    submodule), else as :func:`main_worktree_of` finds it.  A worktree whose
+    HEAD cannot be read is not on ``ref``; with ``strict`` only one with no
+    HEAD file is not, and any other error (EIO, EACCES) is raised: recovery
+    must not read "cannot tell" as "not checked out here".
 
     Raises:
         MainWorktreeUnknown: the main worktree has ``ref`` checked out and cannot be found.
+        OSError: ``strict``, and a HEAD could not be read.
     """
     found: list[tuple[str, str]] = []
-    core = _core(common_dir) if _head_names(common_dir, common_dir, ref) else None
+    core = _core(common_dir) if _head_names(common_dir, common_dir, ref, strict) else None
     if core is not None and not _is_bare(core):
         workdir = main or _main_workdir(common_dir, core)
         if workdir is None:
@@ -171,7 +176,8 @@ def worktrees_on(common_dir: str, ref: str, main: str | None = None) -> list[tup
                 details={"reason": "main_worktree_unknown"})
         if os.path.isdir(workdir):
             found.append((workdir, common_dir))
-    found += [(workdir, gd) for workdir, gd in _linked_worktrees(common_dir) if _head_names(gd, common_dir, ref)]
+    found += [(workdir, gd) for workdir, gd in _linked_worktrees(common_dir)
+              if _head_names(gd, common_dir, ref, strict)]
     return found
 
 
@@ -244,11 +250,16 @@ def all_worktrees(common_dir: str) -> list[str]:
     return found + [workdir for workdir, _gd in _linked_worktrees(common_dir)]
 
 
-def _head_names(git_dir: str, common_dir: str, ref: str) -> bool:
-    """Whether the HEAD of ``git_dir`` is ``ref``, directly or through branch aliases."""
+def _head_names(git_dir: str, common_dir: str, ref: str, strict: bool = False) -> bool:
+    """Whether the HEAD of ``git_dir`` is ``ref``, directly or through branch aliases (``strict``: see
+    :func:`worktrees_on`)."""
     try:
         head = read_head(git_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
     except OSError:
+        if strict:
+            raise
         return False
     return head is not None and (head == ref or resolve_symbolic(common_dir, head) == ref)
 

@@ -374,10 +374,15 @@ KEPT_PREFIX = "index.oncepatch-base."
 
 
 def kept_indexes(git_dir: str, pid: int | None = None) -> list[str]:
-    """The kept indexes in ``git_dir`` (of process ``pid`` only, if given)."""
+    """The kept indexes in ``git_dir`` (of process ``pid`` only, if given).
+
+    Raises:
+        OSError: ``git_dir`` could not be listed (EIO, EACCES): never read as "none kept",
+            which would leave a crashed call's staged index in place of the one it kept.
+    """
     try:
         names = os.listdir(git_dir)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     want = KEPT_PREFIX if pid is None else f"{KEPT_PREFIX}{pid}."
     return sorted(os.path.join(git_dir, n) for n in names if n.startswith(want))

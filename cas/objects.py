@@ -319,6 +319,27 @@ class GitStore(RefUpdates):
                                  details={"blob": oid, "reason": "partial_clone"}) from exc
             raise GitStoreError(f"cannot read blob '{oid}': {exc}") from exc
 
+    def config_bool(self, name: str, default: bool = False) -> bool:
+        """A boolean setting of the repository's configuration (``default`` where unset or unreadable)."""
+        try:
+            return bool(self.repo.config.get_bool(name))
+        except (KeyError, pygit2.GitError, ValueError):
+            return default
+
+    def folder_entries(self, tree_oid: str, folder: str) -> dict[str, tuple[str, int]] | None:
+        """The entries of ``folder`` (``""``: the root) in ``tree_oid``: name -> (oid, mode); ``None``: no folder."""
+        self._write_staged_first()
+        tree = self.repo[_oid(tree_oid)]
+        if folder:
+            try:
+                entry = tree[folder]  # type: ignore[index]
+            except KeyError:
+                return None
+            if int(entry.filemode) != pygit2.enums.FileMode.TREE:
+                return None
+            tree = self.repo[entry.id]
+        return {e.name: (str(e.id), int(e.filemode)) for e in tree}  # type: ignore[attr-defined]
+
     def _partial_clone(self) -> bool:
         """Whether objects may be missing by design (``extensions.partialClone``, a promisor remote)."""
         try:

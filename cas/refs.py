@@ -117,9 +117,8 @@ class RefUpdates:
         _while_locked(lambda: self._compare_and_swap_once(ref, expected, new, message, precondition), lock_timeout)
 
     @contextlib.contextmanager
-    def _locked(self, ref: str, verb: str, noun: str) -> Iterator[Callable[[str | None, str], None]]:
-        """One libgit2 transaction holding ``<ref>.lock``; yields ``set_target(oid, message)`` (``oid`` ``None``:
-        remove the ref).
+    def _locked(self, ref: str, verb: str, noun: str) -> Iterator[Callable[[str, str], None]]:
+        """One libgit2 transaction holding ``<ref>.lock``; yields ``set_target(oid, message)``.
 
         The transaction commits as the ``with`` block ends (nothing set: the
         lock is released).
@@ -131,12 +130,9 @@ class RefUpdates:
         """
         committing = False
 
-        def set_target(oid: str | None, message: str) -> None:
+        def set_target(oid: str, message: str) -> None:
             nonlocal committing
-            if oid is None:
-                txn.remove(ref)
-            else:
-                txn.set_target(ref, pygit2.Oid(hex=oid), message=" ".join(message.split()))
+            txn.set_target(ref, pygit2.Oid(hex=oid), message=" ".join(message.split()))
             committing = True  # the context manager commits on a clean exit
 
         try:
@@ -190,33 +186,6 @@ class RefUpdates:
             raise RefMovedError(ref, current, None)
         self._create_reflog(ref)
         return _while_locked(lambda: self._create_once(ref, target, message), lock_timeout)
-
-    def delete_key_ref(self, ref: str, expected: str, *, lock_timeout: float = 1.0) -> bool:
-        """Remove ``ref`` if it points at ``expected``; ``False`` if it is already gone.
-
-        Retention (``oncepatch gc``) removes a key's ref together with its
-        receipt, never alone.  One libgit2 transaction: ``<ref>.lock`` taken,
-        the ref re-read under it (compare-and-delete: a ref that moved is left),
-        removed.  The objects it named are never touched.
-
-        Raises:
-            RefMovedError: it points elsewhere (nothing removed).
-            RefLockedError: ``<ref>.lock`` stayed held.
-            RefUpdateUnknown: the commit of the transaction failed; the ref may be gone.
-        """
-        if self.resolve(ref) is None:
-            return False
-        return _while_locked(lambda: self._delete_once(ref, expected), lock_timeout)
-
-    def _delete_once(self, ref: str, expected: str) -> bool:
-        with self._locked(ref, "remove", "removal") as set_target:
-            current = self.resolve(ref)  # re-read under the lock: the compare of the delete
-            if current is None:
-                return False
-            if current != expected:
-                raise RefMovedError(ref, current, expected)
-            set_target(None, "")
-        return True
 
     def _create_once(self, ref: str, target: str, message: str) -> bool:
         with self._locked(ref, "create", "creation") as set_target:

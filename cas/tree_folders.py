@@ -567,7 +567,7 @@ def digest_mismatches(repo: pygit2.Repository, layout: Any, root: str) -> list[s
             if stat.S_ISLNK(st.st_mode) and path in expected_dirs:
                 text = os.readlink(full)
                 oid = expected_dirs[path]
-                if text == "../" * (rel.count("/") + 1) + oid and _is_dir_nofollow(os.path.join(trees, oid)):
+                if text == "../" * (rel.count("/") + 1) + oid and is_real_folder(os.path.join(trees, oid)):
                     todo.append((os.path.join(trees, oid), path + "/"))
                 else:
                     bad.append(path + "/")
@@ -615,13 +615,6 @@ def _tree_dirs(repo: pygit2.Repository, root: str) -> dict[str, str]:
 
     walk(repo[root].peel(pygit2.Tree), "")
     return out
-
-
-def _is_dir_nofollow(path: str) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _scan(root: str) -> list[tuple[str, os.stat_result]]:

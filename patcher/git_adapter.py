@@ -249,7 +249,7 @@ class GitAdapter:
             # (or part of it) as theirs.  What the worktree holds is theirs too, left as it is.
             ours = []
             done.append(f"left the worktree alone: branch '{branch}' has changed the call's paths since")
-        for workdir, git_dir in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
+        for workdir, git_dir in worktrees_on(gstore.common_dir, branch, gstore.main_workdir, strict=True):
             # The dead call's own index.lock still there: whoever breaks it puts back the index it
             # kept (recover's cleanup, a later call), so only files written ahead are work here.
             dead_lock = dead_own_index_lock(os.path.join(os.path.realpath(git_dir), "index.lock"))
@@ -314,7 +314,7 @@ class GitAdapter:
         base_tree = gstore.commit_tree(base_commit) if base_commit else None
         tip_tree = gstore.commit_tree(tip)
         done += _undone_since(gstore, branch, tip, candidate, base_tree, tip_tree, touched)
-        for workdir, _gd in worktrees_on(gstore.common_dir, branch, gstore.main_workdir):
+        for workdir, _gd in worktrees_on(gstore.common_dir, branch, gstore.main_workdir, strict=True):
             # A call killed while writing a touched file (or the index) leaves its tmp file
             # beside it: untracked residue in the user's worktree unless removed here.
             for tmp in _remove_dead_tmp_files(workdir, _gd, touched):
@@ -508,31 +508,21 @@ class GitAdapter:
 
     # -- retention ---------------------------------------------------------------------
 
-    def forget(self, receipt: Receipt, *, dry_run: bool = False) -> list[str]:
-        """Remove the key ref of a receipt; git objects never.
+    def check_tombstone(self, receipt: Receipt) -> None:
+        """Raise unless the key ref of a receipt ``oncepatch gc`` removes still stands for it.
 
-        ``oncepatch gc`` asks only with ``dry_run`` (whether the ref still points
-        at the receipt's commit): it keeps the ref of a receipt it removes as a
-        tombstone, so the key never runs again (:mod:`receipts.retired`).
-
-        The ref goes only if it points at the receipt's commit (or candidate):
-        compare-and-delete under ``<ref>.lock`` (:meth:`cas.objects.GitStore.delete_key_ref`).
-        Returns what was (``dry_run``: would be) done.
+        gc keeps the ref of a receipt it removes as a tombstone, so the key
+        never runs again (:mod:`receipts.retired`); nothing here removes it.
+        A missing ref, or one at the receipt's commit (or candidate), stands.
 
         Raises:
             RefMovedError: the ref points at another commit (the receipt stays).
-            GitStoreError, RefLockedError, RefUpdateUnknown: as the removal.
+            GitStoreError: its repository cannot be read.
         """
-        gstore = self._store(receipt)
         ref = KEY_REF_PREFIX + key_hash(receipt.key)
-        current = gstore.resolve(ref)
-        if current is None:
-            return []
-        if current not in {receipt.commit, receipt.candidate}:
+        current = self._store(receipt).resolve(ref)
+        if current is not None and current not in {receipt.commit, receipt.candidate}:
             raise RefMovedError(ref, current, receipt.commit)
-        if not dry_run:
-            gstore.delete_key_ref(ref, current)
-        return [f"{'would remove' if dry_run else 'removed'} key ref '{ref}' ({current[:12]})"]
 
     # -- cleanup -------------------------------------------------------------------
 

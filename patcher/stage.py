@@ -19,6 +19,7 @@ from cas.objects import GitStore, TreeEntry
 from cas.hashing import git_blob_oid
 from patcher.budget import work_budget
 from patcher.formats.binary import InflateBudget, apply_delta, delta_result_size
+from patcher.case_paths import refuse_case_collisions
 from patcher.errors import ContextNotFound, PartiallyApplied, PatchError, UnsafePath, UnsupportedPatch
 from patcher.formats import FileApplier, get_format
 from patcher.matching import apply_hunks
@@ -230,9 +231,10 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
     Raises:
         ContextNotFound, AmbiguousMatch, PartiallyApplied: the patch does not
             apply to this base.
-        UnsafePath: a path through a symlink or into a submodule, or an entry
+        UnsafePath: a path through a symlink or into a submodule, an entry
             git refuses with its mode (:func:`patcher.paths.verify_path`:
-            ``.gitmodules`` as a symlink, ...).
+            ``.gitmodules`` as a symlink, ...), or one differing only in case
+            from another where ``core.ignorecase`` is set (:mod:`patcher.case_paths`).
         TooLarge: matching it would cost more than the call's work budget.
     """
     # A delta's result is held as a whole new blob: the patch's deltas together, like its
@@ -242,7 +244,10 @@ def plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StageP
         if edit.binary == "delta" and edit.delta is not None:
             results.take(delta_result_size(edit.delta), edit.target or edit.path, None, held=True)
     with work_budget():
-        return _plan_stage(store, base_commit, patch)
+        plan = _plan_stage(store, base_commit, patch)
+    if not plan.already_applied:
+        refuse_case_collisions(store, plan.base_tree, plan.outputs, plan.deletes)
+    return plan
 
 
 def _plan_stage(store: GitStore, base_commit: str | None, patch: Patch) -> StagePlan:

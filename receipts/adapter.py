@@ -42,8 +42,8 @@ class EffectAdapter(Protocol):
     Optional, for the receipts' lifecycle (docs/LIFECYCLE.md):
     ``compensation(receipt, **inputs) -> (args, run)`` (the action that undoes
     a committed effect, run as a new keyed effect by
-    :func:`receipts.effects.compensate`); ``forget(receipt, *, dry_run) ->
-    list[str]`` (whether what the world holds for a receipt ``oncepatch gc``
+    :func:`receipts.effects.compensate`); ``check_tombstone(receipt) -> None``
+    (raises unless what the world holds for a receipt ``oncepatch gc``
     removes still stands for it: git's key ref, kept as a tombstone); ``collect_unneeded(kept, *, dry_run) ->
     list[str]`` (state of the tool's own that none of the receipts that stay,
     ``kept``, needs any more: gc's extension point).

@@ -219,8 +219,8 @@ def settle(store: ReceiptStore, receipt: Receipt, adapter: EffectAdapter, result
                              extra={**receipt.extra, "recovered": result.reason}, **fields)
         try:
             notes += adapter.settle(new)
-        except OncepatchError as exc:
-            warning = f"follow-up not done: {exc.message}"
+        except (OncepatchError, OSError) as exc:  # an I/O error too: the effect stands, its follow-up waits
+            warning = f"follow-up not done: {exc.message if isinstance(exc, OncepatchError) else exc.strerror or exc}"
             notes.append(warning)
             # A warning, as apply leaves one: the next recover settles it again.
             new = new.evolve(extra={**new.extra, "warnings": [*new.extra.get("warnings", []), warning]})

@@ -14,6 +14,7 @@
     ├── CorruptReceipt         receipt fails verification on read         exit 6 corrupt_receipt
     ├── CorruptLedger          event ledger line unreadable               exit 6 corrupt_receipt
     ├── ReadFailed             a transient read error (EIO, EINTR, ...)   exit 5 io_error, retryable
+    ├── RecoveryFailed         recover stopped by an I/O error; run again  exit 5 io_error, retryable
     ├── ReceiptNotFound        no receipt for a key                       exit 2 not_found
     ├── SigningKeyMissing      a signed store's active key not readable here exit 2 usage
     ├── Forbidden              the policy refuses the caller this call    exit 4 forbidden
@@ -25,6 +26,7 @@
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -38,6 +40,7 @@ from cas.errors import (
 )
 
 __all__ = [
+    "TRANSIENT_ERRNOS",
     "ReceiptError",
     "CanonicalJsonError",
     "InvalidKey",
@@ -50,6 +53,7 @@ __all__ = [
     "CorruptReceipt",
     "CorruptLedger",
     "ReadFailed",
+    "RecoveryFailed",
     "ReceiptNotFound",
     "SigningKeyMissing",
     "Forbidden",
@@ -140,6 +144,11 @@ class CorruptLedger(ReceiptError):
     default_next_action = "none"
 
 
+#: Read errors that may pass (a retry may read the file): reported as :class:`ReadFailed`, never as corruption.
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EINTR, errno.ENOMEM, errno.EAGAIN, errno.ENFILE,
+                              errno.EMFILE, errno.ENOBUFS})
+
+
 class ReadFailed(ReceiptError):
     """A store file could not be read for a reason that may pass (EIO, EINTR, ENOMEM, EAGAIN, ...).
 
@@ -160,6 +169,34 @@ class ReadFailed(ReceiptError):
         details.setdefault("errno", cause.errno)
         super().__init__(f"cannot read '{path}' now ({cause.strerror or cause}): retry", details=details, **kw)
         self.path = path
+
+
+class RecoveryFailed(ReceiptError):
+    """``recover`` stopped part way by an I/O error (EIO, ENOSPC, EACCES, ...); running it again finishes the job.
+
+    ``effect_status`` is ``not_started`` when it had written nothing yet, else
+    ``unknown`` (what it finished is in ``details["done"]``; the step under
+    way may be half done, which the next run settles).
+    """
+
+    type = "io_error"
+    exit_code = EXIT_IN_PROGRESS
+    default_retryable = True
+
+    def __init__(self, cause: BaseException, *, wrote: bool, done: dict[str, Any] | None = None) -> None:
+        path = getattr(cause, "filename", None) or getattr(cause, "path", None)
+        errno_ = getattr(cause, "errno", None) or getattr(getattr(cause, "cause", None), "errno", None)
+        what = getattr(cause, "message", None) or (
+            f"{getattr(cause, 'strerror', None) or cause}{f' on {str(path)!r}' if path else ''}")
+        details: dict[str, Any] = {"path": None if path is None else str(path), "errno": errno_}
+        if done is not None:
+            details["done"] = done
+        super().__init__(
+            f"recover stopped: {what}; "
+            + ("it changed nothing" if not wrote else "what it finished is in 'done', the step under way may be half done")
+            + ": run 'oncepatch recover' again",
+            effect_status="unknown" if wrote else "not_started", next_action="recover" if wrote else "retry",
+            details=details)
 
 
 class ReceiptNotFound(ReceiptError):

@@ -216,13 +216,13 @@ def _why_stays(store: ReceiptStore, r: Receipt, policy: RetentionPolicy, retaine
         return "a live call holds its key lock"
     if must_stay is not None and (why := must_stay(r)) is not None:
         return why
-    forget = getattr(adapters.get(r.tool), "forget", None)
-    if forget is None and r.status == "committed":
+    check_tombstone = getattr(adapters.get(r.tool), "check_tombstone", None)
+    if check_tombstone is None and r.status == "committed":
         # Only a key ref outside the store (git's) retires a key: removed, this key would run again.
         return f"tool '{r.tool}' keeps no tombstone outside the store: removed, its key could run again"
-    if forget is not None:
+    if check_tombstone is not None:
         try:
-            forget(r, dry_run=True)
+            check_tombstone(r)
         except OncepatchError as exc:
             return f"its key ref does not stand for it (kept as a tombstone, it must): {exc.message}"
     return None

@@ -37,7 +37,7 @@ from cas.durable import NotRegularFile, append_durable, open_regular
 from cas.hashing import sha256_hex
 from receipts import jsonio
 from receipts.canonical import canonical_json
-from receipts.errors import CorruptLedger
+from receipts.errors import TRANSIENT_ERRNOS, CorruptLedger, ReadFailed
 from receipts.flock import FolderOpener, flocked
 from receipts.receipt import SIGNATURE_FIELD, Receipt, now_iso
 
@@ -148,7 +148,8 @@ def _open_ledger(path: str) -> BinaryIO:
 
     Raises:
         FileNotFoundError: there is none.
-        CorruptLedger: anything else is there, or it cannot be read.
+        CorruptLedger: anything else is there, or it cannot be read (a permission).
+        ReadFailed: a read error that may pass (:data:`receipts.errors.TRANSIENT_ERRNOS`): no evidence.
     """
     try:
         return os.fdopen(open_regular(path), "rb")
@@ -157,6 +158,8 @@ def _open_ledger(path: str) -> BinaryIO:
     except NotRegularFile:
         raise CorruptLedger(f"ledger '{path}' is not a regular file") from None
     except OSError as exc:
+        if exc.errno in TRANSIENT_ERRNOS:
+            raise ReadFailed(path, exc) from None
         raise CorruptLedger(f"ledger '{path}' cannot be read ({exc.strerror})") from None
 
 

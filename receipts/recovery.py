@@ -11,7 +11,11 @@ the ledger does not name at all, or a committed receipt its adapter finds
 contradicted by the world is reported corrupt (exit 6) and nothing of it is
 settled, logged or repaired — never "nothing to do".  A crash during
 recovery leaves receipts still ``prepared`` or already settled (written
-atomically), so running it again finishes the job.
+atomically), so running it again finishes the job.  An I/O error (EIO,
+ENOSPC, EACCES, ...) settling one receipt leaves it for the next run (reported
+``skipped``, exit 5); one anywhere else stops recover with
+:class:`receipts.errors.RecoveryFailed` (exit 5), which says whether anything
+was written and what was finished.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ import filelock
 import orjson
 
 from cas.durable import is_own_tmp
-from cas.errors import OncepatchError
+from cas.errors import CasError, OncepatchError, UsageError
 from receipts.adapter import EffectAdapter
 from receipts.engine import settle
-from receipts.errors import CorruptLedger, CorruptReceipt, StillUnknown
+from receipts.errors import CorruptLedger, CorruptReceipt, ReadFailed, RecoveryFailed, StillUnknown
 from receipts.flock import file_lock
 from receipts.identity import key_hash
 from receipts.quarantine import quarantined_keys
@@ -56,6 +60,10 @@ LEDGER_LOST_EVENTS = ("the ledger lacks this receipt's latest state and every ea
 
 #: Leftovers younger than this may belong to a live writer: left alone.
 DEFAULT_TMP_AGE = 600.0
+
+#: What the file system or git may raise part way (an I/O error, a full disk, a permission taken away):
+#: never evidence about a receipt, and the next run of recover finishes the job.
+IO_ERRORS = (OSError, ReadFailed, CasError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +90,7 @@ class RecoveryReport:
     removed: list[str] = field(default_factory=list)
     ledger_repaired: list[str] = field(default_factory=list)
     scanned: int = 0
+    wrote: bool = False  # a step that writes has begun (not in the report: RecoveryFailed's effect_status)
 
     @property
     def changed(self) -> bool:
@@ -134,8 +143,29 @@ def recover(
     adapters, they also ask each settled committed receipt's adapter):
     everything else, every resolution and every write, is done here, in file
     order, from the file read again; the report is the one a single process gives.
+
+    Raises:
+        RecoveryFailed: an I/O error outside a single receipt's settling (the
+            ledger, the listing, the cleanup); says whether anything was
+            written, and what was finished.
     """
     report = RecoveryReport(dry_run=dry_run)
+    try:
+        _recover(store, adapters, report, dry_run, tmp_age, progress, extra_cleanup, jobs, parallel_min,
+                 adapters_factory)
+    except IO_ERRORS as exc:
+        raise RecoveryFailed(exc, wrote=report.wrote, done=report.to_json()) from exc
+    except UsageError as exc:
+        if report.wrote:  # a store folder that cannot be opened, met after something was written: not "not started"
+            raise RecoveryFailed(exc, wrote=True, done=report.to_json()) from exc
+        raise
+    return report
+
+
+def _recover(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], report: RecoveryReport, dry_run: bool,
+             tmp_age: float, progress: Callable[[int], None] | None,
+             extra_cleanup: Callable[[ReceiptStore, bool, float], list[str]] | None, jobs: int,
+             parallel_min: int | None, adapters_factory: str | None) -> RecoveryReport:
     if not _check_ledger(store, report, dry_run):
         return report  # a ledger changed by hand: nothing is settled on it (docs/RECOVERY.md)
     paths = store.receipt_paths()
@@ -167,8 +197,9 @@ def recover(
         _look_closer(store, adapters, report, dry_run, path, h, data, ledger_digests, ledger_keys, gaps)
     report.corrupt += _missing_receipts(store, paths, ledger_keys)
     _record_gaps(store, report, gaps, dry_run)
-    report.removed += _cleanup(store, dry_run, tmp_age, now)
+    report.removed += _cleanup(store, report, dry_run, tmp_age, now)
     if extra_cleanup is not None:
+        report.wrote = report.wrote or not dry_run
         report.removed += extra_cleanup(store, dry_run, tmp_age)
     return report
 
@@ -203,6 +234,7 @@ def _check_ledger(store: ReceiptStore, report: RecoveryReport, dry_run: bool) ->
     if torn is not None:
         report.removed.append(f"{ledger.path} (torn last line)")
         if not dry_run:
+            report.wrote = True
             ledger.append({"event": "ledger_repaired", "at": now_iso(),
                            "reason": "last_line_newline" if torn.complete else "torn_last_line"})
     return True
@@ -218,7 +250,8 @@ def _record_gaps(store: ReceiptStore, report: RecoveryReport, gaps: list[Receipt
     if any(c.get("reason") == LEDGER_LOST_EVENTS for c in report.corrupt):
         report.ledger_repaired.clear()
         return
-    if not dry_run:
+    if not dry_run and gaps:
+        report.wrote = True
         for receipt in gaps:
             store.ledger.append_receipt_event("recovered", receipt, reason="ledger_gap")
 
@@ -369,7 +402,10 @@ def _look_closer(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], rep
     if needs_resolution(receipt.status):
         _resolve_one(store, receipt, adapters, report, dry_run)
     elif receipt.status == "committed" and receipt.extra.get("warnings") and not dry_run:
-        _settle_again(store, receipt, adapters, report)
+        try:
+            _settle_again(store, receipt, adapters, report)
+        except IO_ERRORS as exc:
+            report.skipped.append(_interrupted(store, receipt, exc))
     if not needs_resolution(receipt.status) and receipt.digest not in ledger_digests:
         if not _gap_explained(receipt, ledger_keys):
             report.corrupt.append({"path": path, "key": receipt.key, "reason": LEDGER_LOST_EVENTS})
@@ -393,6 +429,29 @@ def _contradictions(adapters: Mapping[str, EffectAdapter], receipt: Receipt) -> 
 
 def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, EffectAdapter],
                  report: RecoveryReport, dry_run: bool) -> None:
+    """Query and settle one receipt; an I/O error leaves it for the next run (``skipped``, saying where it is)."""
+    try:
+        _resolve_locked(store, receipt, adapters, report, dry_run)
+    except (*IO_ERRORS, UsageError) as exc:  # (UsageError: a store folder that cannot be opened now)
+        report.skipped.append(_interrupted(store, receipt, exc))
+
+
+def _interrupted(store: ReceiptStore, receipt: Receipt, exc: BaseException) -> dict[str, Any]:
+    """The ``skipped`` entry of a receipt whose settling an I/O error stopped: the error, and its status now."""
+    what = exc.message if isinstance(exc, OncepatchError) else (
+        f"{exc.strerror or exc}{f' on {str(exc.filename)!r}' if exc.filename else ''}"
+        if isinstance(exc, OSError) else str(exc))
+    try:
+        now = store.read(receipt.key)
+        status = f"its receipt is '{now.status}'" if now is not None else "its receipt is gone"
+    except (*IO_ERRORS, OncepatchError):
+        status = "its receipt cannot be read now"
+    return {"key": receipt.key,
+            "reason": f"cannot settle now ({what}); {status}: run 'oncepatch recover' again"}
+
+
+def _resolve_locked(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, EffectAdapter],
+                    report: RecoveryReport, dry_run: bool) -> None:
     adapter = adapters.get(receipt.tool)
     if adapter is None:
         report.skipped.append({"key": receipt.key, "reason": f"no adapter for tool '{receipt.tool}'"})
@@ -405,6 +464,7 @@ def _resolve_one(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, E
         current = store.read(receipt.key)
         if current is None or not needs_resolution(current.status):
             return
+        report.wrote = report.wrote or not dry_run  # the query may put files back
         try:
             result = adapter.query(current)
         except CorruptReceipt as exc:
@@ -449,11 +509,14 @@ def _settle_again(store: ReceiptStore, receipt: Receipt, adapters: Mapping[str, 
     lock = store.try_lock(receipt.key)
     if lock is None:
         return
+    report.wrote = True
     try:
         try:
             notes = adapter.settle(receipt)
         except OncepatchError as exc:
             notes = [f"follow-up not done: {exc.message}"]
+        except OSError as exc:
+            notes = [f"follow-up not done: {exc.strerror or exc}"]
     finally:
         lock.release()
     if any(n.startswith(("materialised", "created", "follow-up")) for n in notes):
@@ -468,8 +531,9 @@ def _old_enough(path: str, tmp_age: float, now: float, dir_fd: int | None = None
         return False
 
 
-def _cleanup(store: ReceiptStore, dry_run: bool, tmp_age: float, now: float) -> list[str]:
+def _cleanup(store: ReceiptStore, report: RecoveryReport, dry_run: bool, tmp_age: float, now: float) -> list[str]:
     removed: list[str] = []
+    report.wrote = report.wrote or not dry_run
     # 1. tmp files of the durable-write helper, anywhere in the store: through descriptors
     #    (fwalk follows no symlink, and a folder swapped for one meanwhile is not unlinked through).
     for folder, _dirs, files, dir_fd in os.fwalk(store.root) if os.path.isdir(store.root) else ():

@@ -44,7 +44,7 @@ from cas.errors import UsageError
 from cas.hashing import sha256_hex
 from receipts import jsonio
 from receipts.canonical import canonical_json
-from receipts.errors import CorruptReceipt, SigningKeyMissing
+from receipts.errors import TRANSIENT_ERRNOS, CorruptReceipt, ReadFailed, SigningKeyMissing
 from receipts.receipt import SIGNATURE_FIELD, Receipt, now_iso
 
 __all__ = ["SIGNERS_SCHEMA", "SIGNERS_FILE", "ALLOWED_SIGNERS_ENV", "KEY_DIR_ENV", "SignerKey", "Signers",
@@ -151,6 +151,7 @@ def read_signers(path: str) -> Signers | None:
 
     Raises:
         UsageError: it is not a regular file, cannot be read, or is not a valid list.
+        ReadFailed: a read error that may pass (EIO, ...): nothing is known of the list yet.
     """
     try:
         fd = open_regular(path)
@@ -159,6 +160,8 @@ def read_signers(path: str) -> Signers | None:
     except NotRegularFile:
         raise _bad_list(path, "not a regular file") from None
     except OSError as exc:
+        if exc.errno in TRANSIENT_ERRNOS:  # a read that may pass: no verdict on the list (io_error, exit 5)
+            raise ReadFailed(path, exc, effect_status="not_started") from None
         raise _bad_list(path, exc.strerror or str(exc)) from None
     with os.fdopen(fd, "rb") as fh:
         data = fh.read(_MAX_SIGNERS_BYTES + 1)

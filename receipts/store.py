@@ -38,7 +38,7 @@ from cas.durable import DurableBatch, NotRegularFile, fsync_dir, make_dirs, open
 from cas.errors import DurableWriteError, UnsafeWorktreePath, UsageError
 from receipts import jsonio
 from receipts.environ import env_int
-from receipts.errors import AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
+from receipts.errors import TRANSIENT_ERRNOS, AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
 from receipts.flock import FolderLock, file_lock, held_elsewhere
 from receipts.identity import key_hash
 from receipts.ledger import Ledger
@@ -58,9 +58,6 @@ DEFAULT_LOCK_TIMEOUT = 30.0
 #: refused by its size (fstat), never read.
 MAX_RECEIPT_BYTES = env_int("ONCEPATCH_MAX_RECEIPT_BYTES", 512 << 20)
 
-#: Read errors that may pass: a retry may read the file (``io_error``, exit 5), not a corrupt store.
-TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EINTR, errno.ENOMEM, errno.EAGAIN, errno.ENFILE,
-                              errno.EMFILE, errno.ENOBUFS})
 
 #: The reason given for a key the ledger records a receipt of, whose receipt file is gone.
 FILE_MISSING = "the ledger records this key's receipt, but its file is missing"

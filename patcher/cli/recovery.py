@@ -20,7 +20,8 @@ from cas.gitdir import GitLayout, discover
 from receipts import jsonio
 from receipts.environ import env_float
 from receipts.manual import resolve_by_hand
-from receipts.recovery import DEFAULT_TMP_AGE, recover
+from receipts.errors import RecoveryFailed
+from receipts.recovery import DEFAULT_TMP_AGE, IO_ERRORS, recover
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore, check_store_root
 from receipts.verifier import verify
 from receipts.watcher import Watcher
@@ -119,8 +120,11 @@ def _hint(text: str) -> None:
 
 
 def _cmd_recover(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
-    rstore = ReceiptStore(store_root(args))
-    adapters = _adapters(rstore, read_only=args.dry_run, lock_timeout=args.lock_timeout)
+    try:  # an I/O error opening the store or the repository: nothing written yet
+        rstore = ReceiptStore(store_root(args))
+        adapters = _adapters(rstore, read_only=args.dry_run, lock_timeout=args.lock_timeout)
+    except IO_ERRORS as exc:
+        raise RecoveryFailed(exc, wrote=False) from exc
     git = adapters["apply_patch"]
     with with_progress("recovering: receipts scanned"):
         report = recover(rstore, adapters, dry_run=args.dry_run, tmp_age=args.tmp_age, progress=_progress,

@@ -474,3 +474,22 @@ def test_a_committed_generic_effect_stays_its_key_has_no_tombstone(tmp_path: Pat
     again = write_file(target, b"once\n", key="fw-1", store=repo.store)
     assert again.replayed and target.read_bytes() == b"changed by hand\n"  # replayed, never run again
     verify_ok(repo)
+
+
+def test_a_receipt_whose_key_ref_was_moved_stays_and_the_ref_is_left(tmp_path: Path) -> None:
+    """gc asks the git adapter whether the key ref still stands for the receipt (``check_tombstone``).
+
+    A key ref moved by hand to another commit is no tombstone of this receipt:
+    the receipt stays, the ref is left as it is, and the other receipts go.
+    """
+    repo = three_calls(tmp_path)
+    ref = "refs/oncepatch/keys/" + key_hash("task-a/1")
+    elsewhere = repo.git("rev-parse", "main~3").strip()  # the initial commit: not task-a/1's
+    repo.git("update-ref", ref, elsewhere)
+    r = gc(repo, REMOVE_ALL, tmp=tmp_path)
+    assert r.code == 0, r.out + r.err
+    assert {row["key"] for row in r.json["removed"]} == {"task-a/2", "task-b/1"}
+    [stays] = [s for s in r.json["stays"] if s["key"] == "task-a/1"]
+    assert "its key ref does not stand for it" in stays["reason"], stays
+    assert repo.git("rev-parse", ref).strip() == elsewhere
+    assert len(key_refs(repo)) == 3  # every ref stays: nothing removes one

@@ -298,4 +298,4 @@ def test_mcp_apply_patch_claims_its_key_on_a_git_remote(tmp_path: Path, short_tm
                 os.killpg(serve_pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        git.stop()
+        git.close()

@@ -35,7 +35,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[GitServer, Cluster]]:
     try:
         yield server, make_cluster(tmp_path, server.url("server.git"), 3)
     finally:
-        server.stop()
+        server.close()
 
 
 def apply_argv(machine: Path, i: int, key: str | None = None) -> list[str]:
@@ -240,7 +240,7 @@ def test_server_killed_mid_push_is_unknown_until_recover_asks_the_remote(tmp_pat
     assert _receipt_of(a, "key-0")["status"] == "unknown"  # type: ignore[index]
     # Server back (same port), without the hook: the remote says the push never landed.
     hook.unlink()
-    restarted = GitServer(server.base, port=server.port).start()
+    server.start()  # the same port, held while down
     try:
         rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
         assert rec.code == 0, rec.out + rec.err
@@ -253,7 +253,7 @@ def test_server_killed_mid_push_is_unknown_until_recover_asks_the_remote(tmp_pat
         assert remote_commits_with(c, "key-0") == [json.loads(again.stdout)["commit"]]
         verify_all(c)
     finally:
-        restarted.stop()
+        server.stop()
 
 
 def test_server_down_before_the_call_changes_nothing(cluster: tuple[GitServer, Cluster]) -> None:
@@ -265,13 +265,13 @@ def test_server_down_before_the_call_changes_nothing(cluster: tuple[GitServer, C
     err = json.loads(res.stdout)["error"]
     assert (err["type"], err["effect_status"], err["next_action"]) == ("remote_unreachable", "not_started", "retry")
     assert _receipt_of(a, "key-0") is None
-    restarted = GitServer(server.base, port=server.port).start()
+    server.start()  # the same port, held while down
     try:
         again = cli_apply(a, 0)
         assert again.returncode == 0, again.stdout
         assert json.loads(again.stdout)["replayed"] is False
     finally:
-        restarted.stop()
+        server.stop()
 
 
 def _forge_remote_receipt(c: Cluster, key: str, **changes: Any) -> None:
@@ -464,11 +464,11 @@ def test_verify_says_the_remote_could_not_be_reached_not_that_a_receipt_is_wrong
     text = run_cli("verify", "--repo", str(a), "--grace", "0")
     assert text.code == 5 and "verification incomplete" in text.out and "could not be reached" in text.out
     assert "verification failed" not in text.out and "run 'oncepatch verify' again" in text.err
-    restarted = GitServer(server.base, port=server.port).start()
+    server.start()  # the same port, held while down
     try:
         verify_all(c)
     finally:
-        restarted.stop()
+        server.stop()
 
 
 def test_a_push_the_server_finishes_after_recover_settled_it_rejected(tmp_path: Path,

@@ -99,7 +99,7 @@ def spread(tmp_path: Path) -> Iterator[tuple[Namespaces, GitServer, Cluster]]:
         try:
             yield spaces, server, make_cluster(tmp_path, server.url("server.git"), 3)
         finally:
-            server.stop()
+            server.close()
     finally:
         spaces.destroy()
 
