@@ -136,6 +136,13 @@ class Procs:
         with self._lock:
             self._live.discard(proc)
 
+    def finish(self, proc: subprocess.Popen[bytes]) -> None:
+        """Kill ``proc`` if it still runs, wait for it, and forget it (every path out of a call's driver)."""
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        self.done(proc)
+
     def run(self, argv: Sequence[str], *, timeout: float = DEADLINE, **kw: Any) -> tuple[int, bytes, bytes]:
         proc = self.start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
         try:
@@ -143,10 +150,7 @@ class Procs:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{' '.join(argv)} hung past {timeout:g}s") from None
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-            self.done(proc)
+            self.finish(proc)
         return proc.returncode, out, err
 
     def reap(self) -> None:
@@ -573,10 +577,7 @@ def kill_at(procs: Procs, argv: Sequence[str], delay: float) -> tuple[str, int |
             proc.communicate()
             return "killed", None, b""
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        procs.done(proc)
+        procs.finish(proc)
 
 
 def _children(pid: int) -> list[int]:
@@ -637,10 +638,7 @@ def kill_worker_at(procs: Procs, argv: Sequence[str], delay: float, server: int)
             proc.communicate()
             return "killed-client", None, b""
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        procs.done(proc)
+        procs.finish(proc)
 
 
 #: The pause points of the apply protocol (docs/CONCURRENCY.md section 6), in the order a call passes them.
@@ -676,10 +674,7 @@ def kill_paused_at(procs: Procs, argv: Sequence[str], point: str) -> tuple[str, 
         proc.communicate()
         return "killed", None, b""
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        procs.done(proc)
+        procs.finish(proc)
 
 
 def rng_for(seed: int, *parts: object) -> random.Random:
