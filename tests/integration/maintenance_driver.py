@@ -565,19 +565,32 @@ def run_workers(n: int, work: Callable[[int], None]) -> None:
         raise errors[0]
 
 
-def kill_at(procs: Procs, argv: Sequence[str], delay: float) -> tuple[str, int | None, bytes]:
-    """Start ``argv``; SIGKILL it ``delay`` seconds later unless it ended first: ('killed'|'finished', code, out)."""
+Ending = tuple[str, int | None, bytes]
+
+
+def _run_or(procs: Procs, argv: Sequence[str], delay: float,
+            on_time_up: Callable[[subprocess.Popen[bytes]], Ending]) -> Ending:
+    """Start ``argv``; if it has not ended ``delay`` seconds later, ``on_time_up(proc)`` ends it and says how."""
     proc = procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         try:
             out, _ = proc.communicate(timeout=delay)
             return "finished", proc.returncode, out
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
-            proc.communicate()
-            return "killed", None, b""
+            return on_time_up(proc)
     finally:
         procs.finish(proc)
+
+
+def _sigkill(proc: subprocess.Popen[bytes], said: str) -> Ending:
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    return said, None, b""
+
+
+def kill_at(procs: Procs, argv: Sequence[str], delay: float) -> Ending:
+    """Start ``argv``; SIGKILL it ``delay`` seconds later unless it ended first: ('killed'|'finished', code, out)."""
+    return _run_or(procs, argv, delay, lambda proc: _sigkill(proc, "killed"))
 
 
 def _children(pid: int) -> list[int]:
@@ -603,7 +616,7 @@ def _fd_target(pid: int, fd: int) -> str | None:
         return None
 
 
-def kill_worker_at(procs: Procs, argv: Sequence[str], delay: float, server: int) -> tuple[str, int | None, bytes]:
+def kill_worker_at(procs: Procs, argv: Sequence[str], delay: float, server: int) -> Ending:
     """:func:`kill_at` through ``oncepatch serve`` (pid ``server``): SIGKILL the server's worker running the call.
 
     ``argv`` is the thin client; the call runs in one of the server's workers,
@@ -612,33 +625,24 @@ def kill_worker_at(procs: Procs, argv: Sequence[str], delay: float, server: int)
     over yet, or already answered), the client alone is killed.
     ('killed-worker'|'killed-client'|'finished', code, out).
     """
-    proc = procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
+    def kill_its_worker(proc: subprocess.Popen[bytes]) -> Ending:
+        pipe = _fd_target(proc.pid, 1)
+        victims = [w for w in _children(server) if pipe is not None and _fd_target(w, 1) == pipe]
+        for w in victims:
+            try:
+                os.kill(w, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not victims:
+            return _sigkill(proc, "killed-client")
+        # The server tells the client how its worker ended (137): the client's own end.
         try:
-            out, _ = proc.communicate(timeout=delay)
-            return "finished", proc.returncode, out
+            out, _ = proc.communicate(timeout=DEADLINE)
         except subprocess.TimeoutExpired:
-            pipe = _fd_target(proc.pid, 1)
-            victims = [w for w in _children(server) if pipe is not None and _fd_target(w, 1) == pipe]
-            for w in victims:
-                try:
-                    os.kill(w, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if victims:
-                # The server tells the client how its worker ended (137): the client's own end.
-                try:
-                    out, _ = proc.communicate(timeout=DEADLINE)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.communicate()
-                    return "killed-worker", None, b""
-                return "killed-worker", proc.returncode, out
-            proc.send_signal(signal.SIGKILL)
-            proc.communicate()
-            return "killed-client", None, b""
-    finally:
-        procs.finish(proc)
+            return _sigkill(proc, "killed-worker")
+        return "killed-worker", proc.returncode, out
+
+    return _run_or(procs, argv, delay, kill_its_worker)
 
 
 #: The pause points of the apply protocol (docs/CONCURRENCY.md section 6), in the order a call passes them.
