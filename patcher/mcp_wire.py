@@ -45,6 +45,8 @@ from typing import Any
 
 import orjson
 
+from cas.errors import clip
+
 __all__ = ["PARSE_ERROR", "INVALID_REQUEST", "Wire", "claim_stdio", "max_line"]
 
 PARSE_ERROR = -32700
@@ -183,7 +185,7 @@ class Wire:
         if isinstance(meta, dict) and _MODERN_META_KEY in meta:
             self._initialized = True  # the 2026-07-28 protocol: no handshake, every request says its version
         if method not in _UNGATED and not self._initialized:
-            self.answer_error(rid, INVALID_REQUEST, f"the server is not initialized: send 'initialize' before '{method}'")
+            self.answer_error(rid, INVALID_REQUEST, f"the server is not initialized: send 'initialize' before '{clip(method)}'")
             return None
         if method == "initialize":
             self._initialized = True

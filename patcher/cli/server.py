@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cas.errors import EXIT_INTERNAL, EXIT_OK, UsageError
+from cas.errors import EXIT_INTERNAL, EXIT_OK, UsageError, clip
 from cas.loose_objects import remove_own_tmp_objdirs
 from receipts.policy import Caller
 from patcher import connect
@@ -628,7 +628,7 @@ def _serve_call(conn: socket.socket, msg: bytes, call: Call, config: _Config, an
         umask, argc = int(fields[2]), int(fields[3])
         argv = [os.fsdecode(a) for a in fields[4:4 + argc]]
         if not argv or argv[0] not in connect.COMMANDS:
-            raise ValueError(f"'{argv[0] if argv else ''}' runs in the caller's process")
+            raise ValueError(f"'{clip(argv[0]) if argv else ''}' runs in the caller's process")
         env = dict(item.split(b"=", 1) for item in fields[4 + argc:] if b"=" in item)
         for target, fd in enumerate(received[:3]):
             os.dup2(fd, target)
