@@ -332,8 +332,12 @@ class ReceiptStore:
             with self.folder_fd(path, create=True):
                 pass
         except OSError as exc:
-            raise UsageError(f"cannot use the store '{self.root}': cannot make '{path}': "
-                             f"{exc.strerror or exc}") from exc
+            # A folder that is there but cannot be entered (no search permission for this user) is no
+            # folder to make: say which it is, and who was refused.
+            there = os.path.isdir(path)
+            raise UsageError(f"cannot use the store '{self.root}': cannot {'open the folder' if there else 'make'} "
+                             f"'{path}': {exc.strerror or exc} (as uid {os.geteuid()})",
+                             details={"path": path, "errno": exc.errno}) from exc
 
     @contextlib.contextmanager
     def folder_fd(self, folder: str, *, create: bool = False, gained: list[int] | None = None) -> Iterator[int]:

@@ -58,3 +58,29 @@ def test_an_unreadable_worktree_head_is_refused_not_read_as_not_checked_out(owne
     res = owner.oncepatch("apply", "p.diff", "--repo", str(repo.path), "--branch", "feature", "--key", "k1", "--json")
     assert res.returncode == 0, res
     assert (wt / "README").read_bytes() == b"hello world\n"
+
+
+def test_a_locks_folder_this_user_cannot_enter_says_so_and_nothing_is_written(owner: Owner) -> None:
+    repo = _owned_repo(owner)
+    _chown(owner, repo.path, owner.base / "p.diff")
+    locks = repo.store / "locks"
+    locks.mkdir(parents=True)
+    os.chown(repo.store, owner.user.uid, owner.user.gid)
+    locks.chmod(0o700)  # root's: there, but not to be entered by the user
+    before = snapshot(repo)
+
+    res = owner.oncepatch("apply", "p.diff", "--repo", str(repo.path), "--key", "k1", "--json")
+    assert res.returncode == 2, res
+    err = json.loads(res.stdout)["error"]
+    assert (err["type"], err["effect_status"], err["next_action"]) == ("usage", "not_started", "fix_input")
+    assert f"cannot open the folder '{locks}': Permission denied (as uid {owner.user.uid})" in err["message"], err
+    assert (err["path"], err["errno"]) == (str(locks), 13)
+    assert snapshot(repo) == before
+
+    locks.rmdir()
+    repo.store.chmod(0o555)  # now the folder is not there and cannot be made
+    res = owner.oncepatch("apply", "p.diff", "--repo", str(repo.path), "--key", "k1", "--json")
+    err = json.loads(res.stdout)["error"]
+    assert res.returncode == 2 and err["effect_status"] == "not_started", res
+    assert f"cannot make '{locks}': Permission denied" in err["message"], err
+    repo.store.chmod(0o755)
