@@ -17,7 +17,7 @@ import orjson
 
 from cas.errors import clip
 
-__all__ = ["JsonError", "DuplicateMember", "loads", "loads_unique", "dumps", "dumps_pretty"]
+__all__ = ["JsonError", "DuplicateMember", "loads", "loads_unique", "refuse_duplicates", "dumps", "dumps_pretty"]
 
 
 class JsonError(ValueError):
@@ -77,6 +77,26 @@ def loads_unique(data: bytes | str) -> Any:
         if isinstance(exc, JsonError):
             raise
         raise JsonError(str(exc)) from exc
+
+
+def refuse_duplicates(data: bytes, written: bytes) -> None:
+    """Raise if ``data``, which orjson read, names a member twice; ``written`` is the parsed value
+    dumped again as its writer writes it.
+
+    Equal bytes prove there was none (a member dropped changes them) at the cost of a dump;
+    only a file written otherwise (by hand, by another tool) is parsed again, by :func:`loads_unique`.
+
+    Raises:
+        DuplicateMember: a member given twice.
+    """
+    if written == data:
+        return
+    try:
+        loads_unique(data)
+    except DuplicateMember:
+        raise
+    except JsonError:
+        pass  # orjson read it; what else the standard library's parser minds is not this check's
 
 
 def dumps(value: Any) -> bytes:
