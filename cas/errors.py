@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 __all__ = ["EffectStatus", "NextAction", "OncepatchError", "CasError", "DurableWriteError", "RefLockedError",
            "RefMovedError", "RefUpdateUnknown", "ObjectsMissing", "UnsafeWorktreePath", "GitStoreError", "UsageError",
            "InternalError", "EXIT_OK", "EXIT_INTERNAL", "EXIT_USAGE", "EXIT_CONFLICT", "EXIT_REJECTED",
-           "EXIT_IN_PROGRESS", "EXIT_VERIFY", "EXIT_DRIFTED"]
+           "EXIT_IN_PROGRESS", "EXIT_VERIFY", "EXIT_DRIFTED", "SHOWN_CHARS", "SHOWN_PATH_CHARS", "clip"]
 
 EffectStatus = Literal["not_started", "not_applied", "applied", "unknown"]
 NextAction = Literal["fix_input", "new_key", "retry", "query_before_retry", "recover", "none"]
@@ -42,6 +42,24 @@ EXIT_IN_PROGRESS = 5
 EXIT_VERIFY = 6
 #: ``drift``: a receipt's change is no longer as it wrote it; ``replay``: a decision differs from the ledger's.
 EXIT_DRIFTED = 7
+
+#: How much of a value a caller gave (a key, a branch, a format, a hash) an error quotes: an agent may
+#: send megabytes, and an error that echoes them whole costs every log and context it lands in.
+SHOWN_CHARS = 80
+#: The same for a path: one longer than PATH_MAX names no file, and a real one is needed whole.
+SHOWN_PATH_CHARS = 4096
+#: The longest key an envelope's ``key`` holds whole: ``receipts.identity.MAX_KEY_LEN`` (a longer
+#: one is refused, and shown as :func:`clip` shows it).
+_KEY_CHARS = 512
+
+
+def clip(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``value`` as an error quotes it: whole up to ``limit`` characters, else its first ``limit``
+    and its size (``'kkkk... (10485760 bytes)'``)."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text.encode('utf-8', 'surrogatepass'))} bytes)"
 
 
 class OncepatchError(Exception):
@@ -74,8 +92,9 @@ class OncepatchError(Exception):
 
     def envelope(self) -> dict[str, Any]:
         """The ``error`` object of the CLI envelope (details merged after the fixed fields)."""
+        key = self.key if not isinstance(self.key, str) or len(self.key) <= _KEY_CHARS else clip(self.key)
         err: dict[str, Any] = {"type": self.error_type, "message": self.message, "retryable": self.retryable,
-                               "effect_status": self.effect_status, "key": self.key, "next_action": self.next_action}
+                               "effect_status": self.effect_status, "key": key, "next_action": self.next_action}
         return err | {name: value for name, value in self.details.items() if name not in err}
 
     def with_key(self, key: str) -> OncepatchError:

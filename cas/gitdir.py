@@ -13,7 +13,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 
-from cas.errors import UsageError
+from cas.errors import SHOWN_PATH_CHARS, UsageError, clip
 
 __all__ = ["GitLayout", "config_section", "discover", "read_head", "common_dir_of", "worktrees_on", "read_gitfile", "core_worktree",
            "main_worktree_of", "all_worktrees", "resolve_symbolic", "MainWorktreeUnknown", "worktrees_rebasing"]
@@ -91,7 +91,7 @@ def discover(path: str) -> GitLayout:
     """
     start = os.path.realpath(path)
     if not os.path.isdir(start):
-        raise UsageError(f"not a folder: '{path}'")
+        raise UsageError(f"not a folder: '{clip(path, SHOWN_PATH_CHARS)}'")
     cur = start
     while True:
         dotgit = os.path.join(cur, ".git")
@@ -109,7 +109,7 @@ def discover(path: str) -> GitLayout:
             return GitLayout(None, cur, common_dir_of(cur))
         parent = os.path.dirname(cur)
         if parent == cur:
-            raise UsageError(f"not a git repository (or any parent): '{path}'")
+            raise UsageError(f"not a git repository (or any parent): '{clip(path, SHOWN_PATH_CHARS)}'")
         cur = parent
 
 

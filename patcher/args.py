@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from cas.errors import UsageError
+from cas.errors import UsageError, clip
 from cas.gitdir import GitLayout, discover, main_worktree_of, read_head, resolve_symbolic
 from cas.hashing import sha256_hex
 from receipts.environ import env_int
@@ -73,6 +73,17 @@ def check_types(required: frozenset[str] = frozenset(), /, **given: object) -> N
         if not ok:
             raise UsageError(f"'{name}' must be {what}, not {type(value).__name__}",
                              details={"argument": name})
+
+
+#: The longest ref name git can write: its lock file ``<part>.lock`` within NAME_MAX (255), the
+#: whole within PATH_MAX (4096).  A longer one cannot exist as a branch git made.
+_MAX_REF_PART = 250
+_MAX_REF_BYTES = 4096
+
+
+def _unnameable(ref: str) -> bool:
+    data = ref.encode("utf-8", "surrogateescape")
+    return len(data) > _MAX_REF_BYTES or any(len(part) > _MAX_REF_PART for part in data.split(b"/"))
 
 
 def bad_branch_name(name: str) -> bool:
@@ -156,7 +167,10 @@ def normalise_branch(branch: str | None, layout: GitLayout) -> str:
     if not branch.startswith("refs/"):
         branch = "refs/heads/" + branch
     if not branch.startswith("refs/heads/") or bad_branch_name(branch[len("refs/heads/"):]):
-        raise UsageError(f"not a valid branch name: '{branch}'")
+        raise UsageError(f"not a valid branch name: '{clip(branch)}'")
+    if _unnameable(branch):
+        raise UsageError(f"not a valid branch name: '{clip(branch)}': longer than a ref file's name can be "
+                         f"({_MAX_REF_PART} bytes a part, {_MAX_REF_BYTES} in all)")
     # A branch alias (refs/heads/master -> refs/heads/main) names the branch it points at:
     # moved, the alias would be overwritten and the branch left behind.
     return resolve_symbolic(layout.common_dir, branch)
@@ -199,7 +213,7 @@ def normalise_args(repo: str, patch: str | bytes, *, branch: str | None, format:
         raise TooLarge(f"patch is {len(data)} bytes, over the limit of {MAX_PATCH_BYTES}",
                        details={"size": len(data), "limit": MAX_PATCH_BYTES})
     if not known_format(format):
-        raise UsageError(f"unknown patch format '{format}': use auto, {', '.join(BUILTIN_NAMES)}")
+        raise UsageError(f"unknown patch format '{clip(format)}': use auto, {', '.join(BUILTIN_NAMES)}")
     layout = discover(repo)
     fmt = detect(data) if format == "auto" else format
     claimed_on = resolve_remote(layout, remote)

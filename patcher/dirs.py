@@ -22,7 +22,7 @@ from typing import Any
 import pygit2
 
 from cas.crash import crash_point
-from cas.errors import GitStoreError, UsageError
+from cas.errors import SHOWN_PATH_CHARS, GitStoreError, UsageError, clip
 from cas.generations import (BRANCH, HOME_SUFFIX, LAYOUT_CONFIG, DirLayout, build, current_tree,
                              digest_mismatches, generation_folders, is_real_folder, layout_of, leftovers, outside_edits,
                              remove_generation, remove_tree, switch, switch_lock, syncfs)
@@ -61,7 +61,8 @@ def objects_of(path: str) -> str:
     """
     layout = layout_of(path)
     if not os.path.isdir(layout.objects):
-        raise UsageError(f"'{path}' is not a directory target: adopt it first with 'oncepatch init --dir {path}'")
+        raise UsageError(f"'{clip(path, SHOWN_PATH_CHARS)}' is not a directory target: adopt it first with "
+                         f"'oncepatch init --dir {clip(path, SHOWN_PATH_CHARS)}'")
     return layout.objects
 
 

@@ -36,7 +36,7 @@ from typing import Any
 from cas.crash import crash_hook, crash_point
 from cas.durable import DurableBatch, fsync_all
 from cas.errors import (DurableWriteError, GitStoreError, ObjectsMissing, OncepatchError, RefLockedError,
-                        RefMovedError, UsageError)
+                        RefMovedError, UsageError, clip)
 from cas.gitdir import all_worktrees, read_head, worktrees_on, worktrees_rebasing
 from cas.hashing import sha256_hex
 from cas.index_lock import IndexLock
@@ -263,8 +263,8 @@ def _branch_head(gstore: GitStore, args: CallArgs) -> str | None:
     """
     head = gstore.resolve(args.branch)
     if head is None and read_head(args.layout.git_dir) != args.branch:
-        raise UsageError(f"branch '{args.branch}' does not exist: create it first (e.g. 'git branch "
-                         f"{args.branch.removeprefix('refs/heads/')}')")
+        raise UsageError(f"branch '{clip(args.branch)}' does not exist: create it first (e.g. 'git branch "
+                         f"{clip(args.branch.removeprefix('refs/heads/'))}')")
     return head
 
 

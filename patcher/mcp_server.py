@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import orjson
 
-from cas.errors import OncepatchError, UsageError
+from cas.errors import SHOWN_PATH_CHARS, OncepatchError, UsageError, clip
 from cas.gitdir import discover
 from receipts.store import DEFAULT_LOCK_TIMEOUT
 from patcher.api import Client
@@ -40,6 +40,9 @@ FormatName = Literal["auto", "apply_patch", "search_replace", "str_replace", "un
 
 SERVER_NAME = "oncepatch"
 log = logging.getLogger("oncepatch.mcp")
+
+#: How many unknown argument names a refusal names.
+_UNKNOWN_SHOWN = 10
 
 INSTRUCTIONS = """\
 oncepatch applies a patch to a git branch effectively once: one atomic commit per \
@@ -124,7 +127,7 @@ class _Tools:
         return layout.workdir or layout.git_dir, layout.common_dir
 
     def _not_served(self, repo: str) -> UsageError:
-        return UsageError(f"this server serves '{self.client.repo}' only, not '{repo}' "
+        return UsageError(f"this server serves '{self.client.repo}' only, not '{clip(repo, SHOWN_PATH_CHARS)}' "
                           "(start it with --any-repo to allow others)")
 
     def _result(self, doc: dict[str, Any], *, error: bool = False) -> Any:
@@ -145,9 +148,13 @@ class _Tools:
         if not unknown:
             return None
         key = arguments.get("idempotency_key")
+        # Names as an error quotes any value (cas.errors.clip), and at most _UNKNOWN_SHOWN of them:
+        # a call may send megabytes of them.
+        named = [clip(u) for u in unknown[:_UNKNOWN_SHOWN]]
+        more = f" (and {len(unknown) - len(named)} more)" if len(unknown) > len(named) else ""
         err = UsageError(f"unknown argument{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(repr(u) for u in unknown)} for '{tool}': it takes {', '.join(sorted(taken))}")
-        err.details["unknown"] = unknown
+                         f"{', '.join(repr(u) for u in named)}{more} for '{tool}': it takes {', '.join(sorted(taken))}")
+        err.details["unknown"] = named
         if isinstance(key, str):
             err.with_key(key)
         doc: dict[str, Any] = self._err(err).model_dump(mode="json", by_alias=True, exclude_none=True)

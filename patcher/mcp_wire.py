@@ -45,6 +45,9 @@ from typing import Any
 
 import orjson
 
+from cas.errors import UsageError, clip
+from receipts import jsonio
+
 __all__ = ["PARSE_ERROR", "INVALID_REQUEST", "Wire", "claim_stdio", "max_line"]
 
 PARSE_ERROR = -32700
@@ -161,6 +164,16 @@ class Wire:
             return None
         msg = getattr(validated, "root", validated)  # SDK 1.x: a RootModel
         method = getattr(msg, "method", None)
+        if method is not None:
+            # The SDK's reader (as orjson) keeps the last of a member given twice: a call naming
+            # "branch" twice would run on whichever came last.  Refused instead (docs/DECISIONS.md).
+            try:
+                jsonio.loads_unique(line)
+            except jsonio.DuplicateMember as exc:
+                self._refuse_duplicate(msg, method, exc)
+                return None
+            except jsonio.JsonError:
+                pass  # read by the SDK's validator: what it holds is the SDK's to judge
         has_id = hasattr(msg, "id") and method is not None
         if method is not None and not has_id:  # a notification, or a request whose id the SDK ignored
             try:
@@ -183,7 +196,7 @@ class Wire:
         if isinstance(meta, dict) and _MODERN_META_KEY in meta:
             self._initialized = True  # the 2026-07-28 protocol: no handshake, every request says its version
         if method not in _UNGATED and not self._initialized:
-            self.answer_error(rid, INVALID_REQUEST, f"the server is not initialized: send 'initialize' before '{method}'")
+            self.answer_error(rid, INVALID_REQUEST, f"the server is not initialized: send 'initialize' before '{clip(method)}'")
             return None
         if method == "initialize":
             self._initialized = True
@@ -195,6 +208,21 @@ class Wire:
         with self._cond:
             self._pending[_id_key(rid)] += 1
         return line
+
+    def _refuse_duplicate(self, msg: Any, method: str, exc: jsonio.DuplicateMember) -> None:
+        rid = getattr(msg, "id", None)
+        if method != "tools/call" or rid is None:
+            self.answer_error(rid, INVALID_REQUEST, f"{exc}: send each member once")
+            return
+        arguments = (getattr(msg, "params", None) or {}).get("arguments")
+        key = arguments.get("idempotency_key") if isinstance(arguments, dict) else None
+        err = UsageError(f"{exc}: which one was meant is not the server's to guess; send each member once",
+                         key=key if isinstance(key, str) else None,
+                         details={"reason": "duplicate_member", "member": clip(exc.name)})
+        doc = {"ok": False, "error": err.envelope()}
+        self._emit({"jsonrpc": "2.0", "id": rid, "result": {
+            "content": [{"type": "text", "text": orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()}],
+            "structuredContent": doc, "isError": True}})
 
     def _refuse_unreadable(self, line: bytes) -> None:
         try:

@@ -15,7 +15,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from cas.errors import OncepatchError, UsageError
+from cas.errors import SHOWN_PATH_CHARS, OncepatchError, UsageError, clip
 from receipts.engine import Call
 from receipts.identity import make_identity
 from receipts.policy import Caller, Request, authorize, load_policy
@@ -168,7 +168,8 @@ def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, c
         if compensates is not None:
             args = replace(args, compensates=compensates)
         if common_dir is not None and args.layout.common_dir != common_dir:
-            raise UsageError(f"'{repo}' is no longer the repository it was checked as ('{common_dir}'): "
+            raise UsageError(f"'{clip(repo, SHOWN_PATH_CHARS)}' is no longer the repository it was checked as "
+                             f"('{clip(common_dir, SHOWN_PATH_CHARS)}'): "
                              f"it is '{args.layout.common_dir}' now; nothing was done")
     except OncepatchError as exc:
         raise exc.with_key(key) if isinstance(key, str) else exc

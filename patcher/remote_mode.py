@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cas.errors import UsageError
+from cas.errors import UsageError, clip
 from cas.gitdir import GitLayout, config_section
 
 __all__ = ["Remote", "configured_remote", "resolve_remote"]
@@ -54,14 +54,18 @@ def resolve_remote(layout: GitLayout, name: str | None) -> Remote | None:
         if name is None:
             return None
     if not name or name.startswith("-") or any(c in name for c in "\0\n\r\t :"):
-        raise UsageError(f"not a remote name: '{name}'")
+        raise UsageError(f"not a remote name: '{clip(name)}'")
     # Deferred: every call (a replay too) comes through this module; only one naming a remote spawns git.
     import subprocess
 
-    res = subprocess.run(["git", "--git-dir", layout.common_dir, "config", "--get", f"remote.{name}.url"],
-                         capture_output=True, check=False)
+    try:
+        res = subprocess.run(["git", "--git-dir", layout.common_dir, "config", "--get", f"remote.{name}.url"],
+                             capture_output=True, check=False)
+    except OSError as exc:  # a name of megabytes: E2BIG
+        raise UsageError(f"not a remote name: '{clip(name)}' ({exc.strerror or exc})",
+                         details={"remote": clip(name)}) from None
     url = res.stdout.decode("utf-8", "surrogateescape").strip()
     if res.returncode != 0 or not url:
-        raise UsageError(f"remote '{name}' is not configured in this repository (no remote.{name}.url): "
-                         f"add it with 'git remote add {name} URL'", details={"remote": name})
+        raise UsageError(f"remote '{clip(name)}' is not configured in this repository (no remote.{clip(name)}.url): "
+                         f"add it with 'git remote add {clip(name)} URL'", details={"remote": clip(name)})
     return Remote(name, url)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from cas.errors import GitStoreError, UsageError
+from cas.errors import GitStoreError, UsageError, clip
 from cas.gitdir import GitLayout, discover
 from cas.objects import open_store
 from cas.revert import inverse_patch, revert_conflicts
 from receipts.errors import ReceiptNotFound
+from receipts.identity import MAX_KEY_LEN
 from receipts.store import DEFAULT_LOCK_TIMEOUT, ReceiptStore
 from patcher.args import TOOL, normalise_branch, repository_path
 from patcher.errors import Conflict
@@ -46,8 +47,8 @@ def revert(repo: str, key: str, *, new_key: str, store: str | None = None,
     rstore = ReceiptStore(store_root_for(layout.common_dir, store))
     original = rstore.find(key)
     if original is None:
-        raise ReceiptNotFound(f"no receipt for key '{key}': nothing to revert", key=new_key,
-                              details={"compensates": key})
+        raise ReceiptNotFound(f"no receipt for key '{clip(key)}': nothing to revert", key=new_key,
+                              details={"compensates": clip(key, MAX_KEY_LEN)})
     if original.tool != TOOL or not original.commit or original.status != "committed":
         raise UsageError(f"key '{key}' is not a committed git change (tool '{original.tool}', status "
                          f"'{original.status}'): nothing to revert", key=new_key)

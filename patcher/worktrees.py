@@ -10,7 +10,7 @@ from typing import Any
 
 import filelock
 
-from cas.errors import GitStoreError, OncepatchError, RefLockedError
+from cas.errors import GitStoreError, OncepatchError, RefLockedError, UsageError
 from cas.gitdir import worktrees_on
 from cas.hashing import sha256_hex
 from cas.durable import fsync_dir
@@ -137,8 +137,17 @@ def check_worktrees(gstore: GitStore, branch: str, paths: list[str], on_dead: Ca
         DirtyPath: a touched path has uncommitted changes (or an untracked file) there.
         UnsafePath: a folder on a touched path is a symlink there.
         RefLockedError: a worktree's ``index.lock`` stayed held (nothing is written then).
+        UsageError: a worktree's HEAD cannot be read (EACCES, EIO): the branch may be checked out there.
     """
-    found = worktrees_on(gstore.common_dir, branch, gstore.main_workdir)
+    try:
+        found = worktrees_on(gstore.common_dir, branch, gstore.main_workdir, strict=True)
+    except OSError as exc:
+        # Read as "not checked out there", the call would move the branch under that worktree
+        # and leave its index a staged revert of the commit: cannot tell is refused instead.
+        head = exc.filename if isinstance(exc.filename, str) else "HEAD"
+        raise UsageError(f"cannot tell whether '{branch}' is checked out in the worktree of git dir '{os.path.dirname(head)}': "
+                         f"cannot read '{head}' ({exc.strerror or exc}); nothing was changed",
+                         details={"reason": "worktree_head_unreadable", "path": head, "errno": exc.errno}) from None
     for workdir, _git_dir in found:
         bad = unsafe_worktree_paths(workdir, paths)
         if bad:

@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from cas.crash import crash_point
-from cas.errors import EXIT_REJECTED, OncepatchError, UsageError
+from cas.errors import EXIT_REJECTED, OncepatchError, UsageError, clip
 from receipts.adapter import EffectAdapter, QueryResult
 from receipts.canonical import canonical_json
 from receipts.engine import Call
@@ -539,7 +539,7 @@ def compensate(
     rstore = open_store(store)
     original = rstore.find(key)
     if original is None:
-        raise ReceiptNotFound(f"no receipt for key '{key}': nothing to compensate", key=new_key)
+        raise ReceiptNotFound(f"no receipt for key '{clip(key)}': nothing to compensate", key=new_key)
     declared = getattr(adapter, "compensation", None)
     if declared is None:
         raise UsageError(f"tool '{getattr(adapter, 'tool', '?')}' declares no compensating action", key=new_key)

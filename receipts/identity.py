@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, NewType
 
+from cas.errors import clip
 from cas.hashing import sha256_hex
 from receipts.canonical import canonical_json
 from receipts.errors import InvalidKey
@@ -48,7 +49,7 @@ def make_identity(
     if contract_sha256 is not None:
         c = contract_sha256.lower()
         if len(c) != 64 or any(ch not in "0123456789abcdef" for ch in c):
-            raise InvalidKey(f"contract sha256 must be 64 hex digits: '{contract_sha256}'")
+            raise InvalidKey(f"contract sha256 must be 64 hex digits: '{clip(contract_sha256)}'")
         contract_sha256 = c
     return {
         "contract_sha256": contract_sha256,

@@ -426,6 +426,10 @@ def check_chain(lines: Iterable[bytes], *, prev: str = GENESIS, seq: int = 1, si
             prev = sha256_hex(line)
             expected_seq += 1
             continue
+        try:
+            jsonio.refuse_duplicates(line, jsonio.dumps(obj))  # events are written canonical: equal unless edited
+        except jsonio.DuplicateMember as exc:
+            problems.append(LedgerProblem(n, str(exc)))
         if each is not None:
             each(obj)
         kind = obj.get("event")

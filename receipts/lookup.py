@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cas.errors import clip
 from cas.gitdir import discover
 from receipts.errors import CorruptReceipt, InProgress, ReceiptNotFound
 from receipts.receipt import Receipt
@@ -56,7 +57,7 @@ def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = No
     if found is None:
         if rstore.key_held_elsewhere(key):
             # A first call holds the key and has not written its receipt yet: ask again.
-            raise InProgress(f"key '{key}' is being applied by a running call, which has written no "
+            raise InProgress(f"key '{clip(key)}' is being applied by a running call, which has written no "
                              f"receipt yet: ask again when it ends", key=key)
         removed = _removed_by_gc(rstore, key)
         if removed is not None:
@@ -69,7 +70,7 @@ def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = No
                                  next_action="none")  # recover cannot bring it back: a person looks
         # No receipt and no running call: nothing was done under this key (a call
         # killed before it prepared leaves only objects nothing points at).
-        raise ReceiptNotFound(f"no receipt for key or call_id '{key}': nothing was applied under it (a call "
+        raise ReceiptNotFound(f"no receipt for key or call_id '{clip(key)}': nothing was applied under it (a call "
                               f"killed before it prepared leaves none), so a retry is safe",
                               key=key, retryable=True, effect_status="not_started", next_action="retry")
     return found

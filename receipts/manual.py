@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from cas.errors import OncepatchError
+from cas.errors import OncepatchError, clip
 from receipts.adapter import EffectAdapter, QueryResult
 from receipts.engine import settle
 from receipts.errors import InProgress, NotResolvable, ReceiptNotFound
@@ -67,7 +67,7 @@ def resolve_by_hand(store: ReceiptStore, key: str, as_: str, note: str, *, lock_
         raise ValueError(as_)
     found = store.find(key)
     if found is None:
-        raise ReceiptNotFound(f"no receipt for key or call_id '{key}'", key=key)
+        raise ReceiptNotFound(f"no receipt for key or call_id '{clip(key)}'", key=key)
     try:
         with store.lock(found.key, timeout=lock_timeout):
             current = store.read(found.key)

@@ -22,9 +22,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from cas.durable import open_regular, write_durable
+from cas.errors import clip
 from receipts import jsonio
-from receipts.errors import ReceiptNotFound
+from receipts.errors import InvalidKey, ReceiptNotFound
 from receipts.flock import flocked
+from receipts.identity import check_key
 from receipts.receipt import now_iso
 from receipts.store import MAX_RECEIPT_BYTES, ReceiptStore
 
@@ -113,6 +115,10 @@ def quarantine_receipt(store: ReceiptStore, key: str, *, note: str = "", timeout
         InProgress: a live call holds the key's lock.
         CorruptReceipt: a store folder on the way is a symlink.
     """
+    try:
+        check_key(key)
+    except InvalidKey as exc:  # no call could have used it: nothing to look for, no lock file to make
+        raise ReceiptNotFound(f"no receipt for key '{clip(key)}' to quarantine: {exc.message}", key=key) from None
     path = store.receipt_path(key)
     name = os.path.basename(path)
     with store.lock(key, timeout=timeout), contextlib.ExitStack() as stack:
@@ -123,9 +129,9 @@ def quarantine_receipt(store: ReceiptStore, key: str, *, note: str = "", timeout
         except FileNotFoundError:
             last = _last_event(store, key)
             if last == "quarantined":
-                raise ReceiptNotFound(f"the receipt of '{key}' is already quarantined", key=key) from None
+                raise ReceiptNotFound(f"the receipt of '{clip(key)}' is already quarantined", key=key) from None
             if evidence is None and last is None:
-                raise ReceiptNotFound(f"no receipt for key '{key}' to quarantine, and neither the ledger nor "
+                raise ReceiptNotFound(f"no receipt for key '{clip(key)}' to quarantine, and neither the ledger nor "
                                       "a key ref names it", key=key) from None
             return _record_missing(store, stack, key, note, evidence)
         folder, folder_fd = _new_folder(store, stack, "receipt")

@@ -188,6 +188,11 @@ def parse_receipt(data: bytes, *, path: str, expected_key_hash: str | None = Non
         raise CorruptReceipt(path, f"not JSON ({exc})") from exc
     if not isinstance(doc, dict):
         raise CorruptReceipt(path, "not a JSON object")
+    try:
+        # A member given twice: orjson kept the last, another reader may keep the first.
+        jsonio.refuse_duplicates(data, receipt_doc_bytes(doc))
+    except jsonio.DuplicateMember as exc:
+        raise CorruptReceipt(path, str(exc)) from None
     for name, typ in _REQUIRED.items():
         if name not in doc:
             raise CorruptReceipt(path, f"missing field '{name}'")

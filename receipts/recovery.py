@@ -40,7 +40,7 @@ from receipts.errors import CorruptLedger, CorruptReceipt, ReadFailed, RecoveryF
 from receipts.flock import file_lock
 from receipts.identity import key_hash
 from receipts.quarantine import quarantined_keys
-from receipts.receipt import SIGNATURE_FIELD, Receipt, now_iso, parse_receipt, written_as_is
+from receipts.receipt import SIGNATURE_FIELD, Receipt, now_iso, parse_receipt, receipt_doc_bytes, written_as_is
 from receipts.signing import Signing
 from receipts.states import needs_resolution
 from receipts.store import FILE_MISSING, ReceiptStore
@@ -325,6 +325,7 @@ def _settled_digest(data: bytes, h: str, signing: Signing | None = None) -> Look
         and isinstance(head.get("receipt_sha256"), str)
         and not head.get("warnings")
         and written_as_is(head, h)
+        and receipt_doc_bytes(head) == data  # as written: no member given twice (parse_receipt's check)
         and (signing is None or signing.receipt_problem(head["receipt_sha256"], head.get(SIGNATURE_FIELD)) is None)
     ):
         return str(head["receipt_sha256"]), str(head["status"]), str(head.get("tool")), False

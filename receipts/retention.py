@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from cas.errors import UsageError
+from cas.errors import SHOWN_PATH_CHARS, UsageError, clip
 
 __all__ = ["RetentionPolicy", "RemoveRule", "RedactRule", "parse_retention", "load_retention", "REDACTABLE",
            "SCHEMA"]
@@ -62,7 +62,8 @@ class RetentionPolicy:
 
 
 def _bad(path: str, why: str) -> UsageError:
-    return UsageError(f"cannot use the retention policy '{path}': {why}", details={"policy": path})
+    shown = clip(path, SHOWN_PATH_CHARS)
+    return UsageError(f"cannot use the retention policy '{shown}': {why}", details={"policy": shown})
 
 
 def _table(path: str, doc: dict[str, Any], name: str, known: set[str]) -> dict[str, Any] | None:

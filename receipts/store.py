@@ -35,7 +35,7 @@ import filelock
 import orjson
 
 from cas.durable import DurableBatch, NotRegularFile, fsync_dir, make_dirs, open_dir_nofollow, open_regular, write_all
-from cas.errors import DurableWriteError, UnsafeWorktreePath, UsageError
+from cas.errors import SHOWN_PATH_CHARS, DurableWriteError, UnsafeWorktreePath, UsageError, clip
 from receipts import jsonio
 from receipts.environ import env_int
 from receipts.errors import TRANSIENT_ERRNOS, AmbiguousCallId, CorruptReceipt, InProgress, ReadFailed
@@ -221,7 +221,7 @@ def check_store_root(root: str) -> None:
             path = parent
             continue
         except OSError as exc:
-            raise UsageError(f"cannot use the store '{root}': {exc.strerror or exc}") from exc
+            raise UsageError(f"cannot use the store '{clip(root, SHOWN_PATH_CHARS)}': {exc.strerror or exc}") from exc
         if not stat.S_ISDIR(st.st_mode):
             where = "is" if path == root else f"lies under '{path}', which is"
             raise UsageError(f"cannot use the store '{root}': it {where} not a folder")
@@ -332,8 +332,12 @@ class ReceiptStore:
             with self.folder_fd(path, create=True):
                 pass
         except OSError as exc:
-            raise UsageError(f"cannot use the store '{self.root}': cannot make '{path}': "
-                             f"{exc.strerror or exc}") from exc
+            # A folder that is there but cannot be entered (no search permission for this user) is no
+            # folder to make: say which it is, and who was refused.
+            there = os.path.isdir(path)
+            raise UsageError(f"cannot use the store '{self.root}': cannot {'open the folder' if there else 'make'} "
+                             f"'{path}': {exc.strerror or exc} (as uid {os.geteuid()})",
+                             details={"path": path, "errno": exc.errno}) from exc
 
     @contextlib.contextmanager
     def folder_fd(self, folder: str, *, create: bool = False, gained: list[int] | None = None) -> Iterator[int]:

@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from cas.errors import EXIT_OK, EXIT_VERIFY, UsageError
+from cas.errors import EXIT_OK, EXIT_VERIFY, SHOWN_PATH_CHARS, UsageError, clip
 from receipts.archive import verify_archive
 from receipts.gc import collect
 from receipts.retention import load_retention
@@ -78,7 +78,7 @@ def _text(doc: dict[str, Any]) -> str:
 def _verify(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     path = os.path.abspath(args.verify_archive)
     if not os.path.isfile(path):
-        raise UsageError(f"cannot read archive '{path}': no such file")
+        raise UsageError(f"cannot read archive '{clip(path, SHOWN_PATH_CHARS)}': no such file")
     signing, store_events = None, None
     if args.store or os.environ.get("ONCEPATCH_STORE") or args.repo != ".":
         # A store given: its signing, and its ledger must name this bundle's digest.

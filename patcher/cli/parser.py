@@ -6,7 +6,7 @@ import argparse
 import functools
 from typing import Any, NoReturn
 
-from cas.errors import UsageError
+from cas.errors import SHOWN_CHARS, UsageError, clip
 from patcher.formats import BUILTIN_NAMES
 from patcher.cli import gc as cli_gc, revert as cli_revert
 from patcher.cli import dirs as cli_dirs, doctor as cli_doctor, keys as cli_keys, mcp as cli_mcp, recovery as cli_recovery, server as cli_server
@@ -35,7 +35,17 @@ class _Parser(argparse.ArgumentParser):
         kw.setdefault("allow_abbrev", False)
         super().__init__(*args, **kw)
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        given = [a for a in (args or []) if isinstance(a, str)]
+        given += [a.split("=", 1)[1] for a in given if a.startswith("-") and "=" in a]  # --key=VALUE
+        self._given = [a for a in given if len(a) > SHOWN_CHARS]
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
+        # argparse quotes what it could not read, whole ('unrecognized arguments: ...', 'invalid
+        # choice: ...', a type's refusal): an argument of megabytes was a message of megabytes.
+        for given in sorted(getattr(self, "_given", []), key=len, reverse=True):
+            message = message.replace(repr(given), repr(clip(given))).replace(given, clip(given))
         raise UsageError(message)
 
 

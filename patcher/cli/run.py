@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cas.crash import CRASH_ENV, POINTS
-from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, OncepatchError, UsageError
+from cas.errors import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, SHOWN_PATH_CHARS, OncepatchError, UsageError, clip
 from receipts import jsonio
 from receipts.lookup import status
 from receipts.policy import Caller, may_read
@@ -43,7 +43,7 @@ def _read_patch(name: str) -> bytes:
         with open(name, "rb") as fh:
             return fh.read()
     except OSError as exc:
-        raise UsageError(f"cannot read patch '{name}': {exc.strerror}") from exc
+        raise UsageError(f"cannot read patch '{clip(name, SHOWN_PATH_CHARS)}': {exc.strerror}") from exc
 
 
 def _cmd_apply(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
@@ -247,7 +247,7 @@ def main(argv: Sequence[str] | None = None, *, caller: Caller | None = None, con
         elif sys.stderr is not None:  # (None: started with file descriptor 2 closed; the exit status says it)
             sys.stderr.write(f"oncepatch: {exc.error_type}: {exc.message}\n")
             if exc.key:
-                sys.stderr.write(f"key {exc.key} (next: {exc.next_action})\n")
+                sys.stderr.write(f"key {doc['error']['key']} (next: {exc.next_action})\n")
             sys.stderr.write(cli_advice.details(doc["error"]))
         return exc.exit_code
     except SystemExit as exc:  # --help

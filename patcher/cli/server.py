@@ -51,13 +51,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cas.errors import EXIT_INTERNAL, EXIT_OK, UsageError
+from cas.errors import EXIT_INTERNAL, EXIT_OK, UsageError, clip
 from cas.loose_objects import remove_own_tmp_objdirs
+from receipts.environ import env_int
 from receipts.policy import Caller
 from patcher import connect
 from patcher.cli.common import path_given, seconds
 
-__all__ = ["register", "serve", "BROKER_ENV", "WATCH_LOG"]
+__all__ = ["register", "serve", "BROKER_ENV", "WATCH_LOG", "MAX_CALLS_PER_PEER"]
 
 #: The watcher's flags, in the server's folder: one JSON object a line, as ``oncepatch watch --json`` prints them.
 WATCH_LOG = "watch.jsonl"
@@ -71,6 +72,12 @@ _MAX_FRAME = 16 << 20
 #: connects.  A peer that sends nothing (or a byte now and then) held a worker, a whole process,
 #: for ever: a few hundred such connections from an allowed user took the broker's memory.
 _FRAME_DEADLINE = 10.0
+#: Calls one peer (a uid, as ``SO_PEERCRED`` names it) may have running at once: each holds a
+#: worker, a whole process, until it ends (up to its lock timeouts, or a check's 600 s).  Beyond
+#: it a connection is refused (``R``): the client runs the call in process, or under
+#: ``ONCEPATCH_SERVER=require`` answers exit 5, ``not_started``.  Without it, one user of a broker
+#: opening connections in a loop forked a process for each until the machine's memory ran out.
+MAX_CALLS_PER_PEER = max(1, env_int("ONCEPATCH_MAX_CALLS_PER_PEER", 32))
 _IDLE_WORKERS = 2  # idle workers kept (more finish at once under load: the others exit)
 _WATCHED_STORES = 256  # stores the server's watcher is told of, at most
 _WATCH_NICE = 10  # the watcher's scheduling priority, below the calls'
@@ -275,6 +282,7 @@ class _Worker:
     chan: socket.socket
     conn: socket.socket | None = None
     said: bytes = b""
+    peer: int = -1  # the uid whose call it runs (``conn``'s)
 
 
 @dataclass
@@ -362,6 +370,12 @@ class _Loop:
             _send_quietly(conn, f"Rcaller uid {uid} is not allowed by this server\n".encode())
             conn.close()
             return
+        running = sum(1 for w in self.workers.values() if w.conn is not None and w.peer == uid)
+        if running >= MAX_CALLS_PER_PEER:
+            _send_quietly(conn, f"Rcaller uid {uid} has {running} calls running in this server, its limit "
+                                f"(ONCEPATCH_MAX_CALLS_PER_PEER={MAX_CALLS_PER_PEER})\n".encode())
+            conn.close()
+            return
         # The worker that finished last: its caches (modules' first-use state, open repositories) are the warmest.
         worker = self.ready_workers.pop() if self.ready_workers else self._fork_worker()
         creds = struct.pack(f"!4i{len(groups)}i", pid, uid, gid, len(groups), *groups)
@@ -370,7 +384,7 @@ class _Loop:
         except OSError:  # the worker died: the client reads the end and runs the call itself
             conn.close()
         else:
-            worker.conn = conn
+            worker.conn, worker.peer = conn, uid
         if not self.ready_workers:
             self.ready_workers.append(self._fork_worker())  # the next call's, forked while this one runs
 
@@ -628,7 +642,7 @@ def _serve_call(conn: socket.socket, msg: bytes, call: Call, config: _Config, an
         umask, argc = int(fields[2]), int(fields[3])
         argv = [os.fsdecode(a) for a in fields[4:4 + argc]]
         if not argv or argv[0] not in connect.COMMANDS:
-            raise ValueError(f"'{argv[0] if argv else ''}' runs in the caller's process")
+            raise ValueError(f"'{clip(argv[0]) if argv else ''}' runs in the caller's process")
         env = dict(item.split(b"=", 1) for item in fields[4 + argc:] if b"=" in item)
         for target, fd in enumerate(received[:3]):
             os.dup2(fd, target)

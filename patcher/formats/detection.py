@@ -51,12 +51,20 @@ WHOLE_KEYS = frozenset({"content", "content_b64", "delete", "mode"})
 EDIT_KEYS = frozenset({"old", "new", "old_str", "new_str"})
 
 
-def json_items(data: bytes) -> list[Any] | None:
-    """The list of objects a JSON edit format carries (``None``: not a JSON list/object of objects)."""
+def json_items(data: bytes, *, unique: bool = False) -> list[Any] | None:
+    """The list of objects a JSON edit format carries (``None``: not a JSON list/object of objects).
+
+    ``unique``: an object naming a member twice raises (the parsers; detection only looks).
+
+    Raises:
+        jsonio.DuplicateMember: ``unique``, and a member given twice.
+    """
     if data.lstrip()[:1] not in (b"[", b"{"):
         return None
     try:
-        doc = jsonio.loads(data)
+        doc = jsonio.loads_unique(data) if unique else jsonio.loads(data)
+    except jsonio.DuplicateMember:
+        raise
     except jsonio.JsonError:
         return None
     items = doc if isinstance(doc, list) else [doc]

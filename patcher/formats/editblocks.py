@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 
+from cas.errors import clip
+from receipts import jsonio
 from patcher.formats.detection import json_items, looks_search_replace, looks_str_replace
 from patcher.errors import AmbiguousMatch, ContextNotFound, IndentationMismatch, ParseError, PartiallyApplied
 from patcher.formats import Format
@@ -157,7 +159,11 @@ def parse_str_replace(data: bytes) -> Patch:
         ParseError: not a JSON list of objects, a missing/unknown/non-string
             field, an empty ``old``, or ``old == new``.
     """
-    items = json_items(data)
+    try:
+        items = json_items(data, unique=True)
+    except jsonio.DuplicateMember as exc:
+        # Read as orjson reads it, the last would win: which edit was meant is not ours to guess.
+        raise _error(f"{exc}: give each field of an edit once", member=clip(exc.name)) from None
     if items is None:
         raise _error("str_replace edits must be a JSON list of objects {\"path\", \"old\", \"new\"}")
     blocks: list[tuple[str, int, list[bytes], list[bytes]]] = []

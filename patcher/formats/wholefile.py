@@ -11,6 +11,8 @@ import binascii
 from typing import Any
 
 
+from cas.errors import clip
+from receipts import jsonio
 from patcher.formats.detection import json_items, looks_whole_file
 from patcher.errors import ParseError
 from patcher.formats import Format
@@ -48,7 +50,11 @@ def parse_whole_file(data: bytes) -> Patch:
         ParseError: not JSON objects, a missing or unknown key, bad base64 or
             mode, two items for one path.
     """
-    items = json_items(data)
+    try:
+        items = json_items(data, unique=True)
+    except jsonio.DuplicateMember as exc:
+        # Read as orjson reads it, the last would win: which edit was meant is not ours to guess.
+        raise _error(f"{exc}: give each field of an edit once", member=clip(exc.name)) from None
     if items is None:
         raise _error("expected a JSON list of objects {\"path\", \"content\"|\"content_b64\"|\"delete\"}")
     edits: list[FileEdit] = []

@@ -184,3 +184,18 @@ def test_the_apply_checks_the_repository_it_opens_against_the_one_checked(two_re
         # The same path, checked as itself, applies.
         res = client.apply(EDIT, key="k", repo=other.path, common_dir=os.path.realpath(other.path / ".git"))
     assert res.commit == other.head() and before["refs"] != snapshot(other)["refs"]
+
+
+@pytest.mark.parametrize("fmt,patch", [
+    ("str_replace", b'[{"path": "src/app.py", "old": "line 2", "new": "line two", "new": "line 2b"}]'),
+    ("whole_file", b'[{"path": "README", "content": "a\\n", "content": "b\\n"}]'),
+], ids=["str_replace", "whole_file"])
+def test_a_json_patch_naming_a_field_twice_is_refused_and_nothing_changes(repo: Repo, fmt: str, patch: bytes) -> None:
+    before = snapshot(repo)
+    for given in (fmt, "auto"):
+        r = run_cli("apply", "-", "--repo", str(repo.path), "--json", "--key", "k", "--format", given, input=patch)
+        assert r.code == 4, (r.out, r.err)
+        err = r.json["error"]
+        assert (err["type"], err["effect_status"], err["next_action"]) == ("parse_error", "not_started", "fix_input")
+        assert "is given twice in one object" in err["message"], err
+    assert snapshot(repo) == before

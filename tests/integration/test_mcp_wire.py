@@ -367,3 +367,28 @@ def test_a_request_of_the_handshake_free_protocol_is_served_without_initialize(r
     got = s.ask({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": meta}})
     assert "apply_patch" in {t["name"] for t in got["result"]["tools"]}, got
     assert s.close() == 0
+
+
+def test_a_member_given_twice_is_refused_not_read_as_the_last(repo: Repo, raw: Any) -> None:
+    """The SDK's reader kept the last "branch" of two: the call ran on whichever the agent wrote last."""
+    repo.git("branch", "feature")
+    s = raw()
+    s.start()
+    before = snapshot(repo)
+    args = (b'{"patch": ' + json.dumps(EDIT).encode() + b', "idempotency_key": "twice", '
+            b'"branch": "feature", "branch": "main"}')
+    s.send(b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "apply_patch", '
+           b'"arguments": ' + args + b"}}\n")
+    got = s.recv()
+    assert got is not None and got["id"] == 1
+    err = tool_error(got)
+    assert (err["type"], err["effect_status"], err["next_action"]) == ("usage", "not_started", "fix_input"), err
+    assert err["member"] == "branch" and err["key"] == "twice" and "'branch' is given twice" in err["message"]
+    s.send(b'{"jsonrpc": "2.0", "id": 2, "id": 3, "method": "tools/list"}\n')  # outside a tool's arguments
+    got = s.recv()
+    assert got is not None and got["error"]["code"] == -32600 and "'id' is given twice" in got["error"]["message"]
+    assert s.serving()
+    assert snapshot(repo) == before
+    status = tool_error(s.ask(call(4, "receipt_status", {"key": "twice"})))
+    assert status["type"] == "not_found"  # nothing was prepared under the key either
+    assert s.close() == 0

@@ -217,3 +217,15 @@ def test_untampered_receipt_verifies(applied: Applied) -> None:
     assert r.json["receipt"] == applied.doc
     r = applied.apply()
     assert r.code == 0 and r.json["replayed"] is True
+
+
+def test_a_member_given_twice_is_corrupt_though_the_last_values_digest_holds(applied: Applied) -> None:
+    """orjson keeps the last of two "commit" members (the digest holds for it); a reader keeping the first
+    would see another commit: neither is believed."""
+    data = applied.path.read_bytes()
+    twice = data.replace(b'  "commit": "', b'  "commit": "' + b"0" * 40 + b'",\n  "commit": "', 1)
+    assert twice != data
+    applied.path.write_bytes(twice)
+    assert_corrupt_and_inert(applied, "member 'commit' is given twice")
+    r = run_cli("verify", "--repo", str(applied.repo.path), "--json")
+    assert r.code == 6, r.out

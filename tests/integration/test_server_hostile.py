@@ -168,3 +168,29 @@ def test_a_brokers_other_user_sending_what_the_client_never_sends_is_refused_and
                         env={"GIT_AUTHOR_NAME": "Agent", "GIT_AUTHOR_EMAIL": "agent@example.com"})
     assert res.returncode == 0, res
     assert repo.git("log", "-1", "--format=%an").strip() == "Agent"
+
+
+def test_calls_past_a_peers_limit_are_refused_and_run_in_process(short_tmp: Path, repo: Repo,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each connection took a worker, a whole process: one peer connecting in a loop forked without end."""
+    monkeypatch.setenv("ONCEPATCH_MAX_CALLS_PER_PEER", "2")  # (the server's and its clients' version token alike)
+    srv = Server(short_tmp / "srv", "--no-watch")
+    try:
+        held = [connect(srv) for _ in range(2)]  # two calls under way (their requests not sent yet)
+        refused = connect(srv)
+        got = answer(refused)
+        assert got.startswith(b"R") and b"has 2 calls running" in got and b"ONCEPATCH_MAX_CALLS_PER_PEER=2" in got, got
+        refused.close()
+        before = snapshot(repo)
+        r = run_cli("status", "never-used", "--repo", str(repo.path), "--json", env=srv.env)  # require
+        assert r.code == 5, r.out + r.err
+        err = r.json["error"]
+        assert (err["type"], err["effect_status"], err["next_action"]) == ("io_error", "not_started", "retry"), err
+        assert "has 2 calls running" in err["message"], err
+        assert snapshot(repo) == before
+        r = run_cli("status", "never-used", "--repo", str(repo.path), "--json", env={**srv.env, "ONCEPATCH_SERVER": "auto"})
+        assert r.code == 2 and r.json["error"]["type"] == "not_found", r.out + r.err  # ran in process
+        for s in held:
+            s.close()
+    finally:
+        srv.stop()

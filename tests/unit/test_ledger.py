@@ -299,3 +299,13 @@ def test_a_tail_torn_from_an_append_of_ours_is_allowed_and_repaired(tmp_path: Pa
     fourth = led.append({"at": "2026-01-01T00:00:01Z", "event": "fourth"})
     expected_seq = 4 if cut is None else 3  # a whole event that lost its newline is kept
     assert fourth["seq"] == expected_seq and led.verify_chain() == []
+
+
+def test_a_line_naming_a_member_twice_is_a_problem_of_the_chain(tmp_path: Path) -> None:
+    led = make_ledger(tmp_path, 3)
+    lines = lines_of(led)
+    assert led.verify_chain() == []
+    lines[1] = lines[1].replace(b'"event":"e"', b'"event":"x","event":"e"', 1)
+    write_lines(led, lines)
+    problems = led.verify_chain()
+    assert [(p.line, "member 'event' is given twice" in p.reason) for p in problems][:1] == [(2, True)], problems

@@ -409,3 +409,15 @@ def test_numbers_inside_strings_are_not_floats(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.undo()
     with pytest.raises(CorruptReceipt, match="cannot recompute hashes"):
         parse(sorted_digest(doc))
+
+
+def test_a_receipt_naming_a_member_twice_is_corrupt_though_its_digest_holds() -> None:
+    """orjson keeps the last "status" of two, whose digest holds; a reader keeping the first saw another receipt."""
+    data = receipt_bytes(make_receipt())
+    assert parse_receipt(data, path="/s/r.json").status == "committed"
+    twice = data.replace(b'  "status": "committed"', b'  "status": "rejected",\n  "status": "committed"', 1)
+    assert twice != data
+    with pytest.raises(CorruptReceipt, match="member 'status' is given twice"):
+        parse_receipt(twice, path="/s/r.json")
+    # Written otherwise (compact, keys in another order) but once each: still a receipt.
+    assert parse_receipt(orjson.dumps(dict(reversed(list(orjson.loads(data).items())))), path="/s/r.json")
