@@ -35,7 +35,8 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,6 +59,7 @@ ALGORITHM = "ed25519"
 _RECEIPT_DOMAIN = b"oncepatch.receipt/1\0"
 _EVENT_DOMAIN = b"oncepatch.event/1\0"
 _MAX_SIGNERS_BYTES = 1 << 20
+_MAX_KEY_BYTES = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +189,28 @@ def load_signing(store_root: str) -> Signing | None:
     return Signing(signers)
 
 
+def _matching_private_key(pem: bytes, public_key: bytes, refused: Callable[[str], Exception]) -> Any:
+    """The Ed25519 private key in ``pem``, whose public key must be ``public_key`` (the list's active one).
+
+    A key file replaced by another key (or by anything else) is refused here:
+    signing with it would move the branch, then write a receipt no one can verify.
+    """
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    try:
+        private = serialization.load_pem_private_key(pem, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        raise refused("is not an unencrypted PEM private key") from None
+    if not isinstance(private, Ed25519PrivateKey):
+        raise refused("is not an ed25519 key")
+    raw = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    if raw != public_key:
+        raise refused(f"is another key's (its public key's id is '{key_id_of(raw)}')")
+    return private
+
+
 @dataclass(slots=True)
 class Signing:
     """Signs with the list's active key (its private key from :func:`key_dir`) and checks against the list."""
@@ -218,18 +242,25 @@ class Signing:
         if self._private is None:
             active = self.signers.active
             path = os.path.join(key_dir(), f"{active.key_id}.key")
+
+            def refused(why: str) -> SigningKeyMissing:
+                return SigningKeyMissing(
+                    f"cannot sign for the store: its active key '{active.key_id}' at '{path}' {why}; a lost "
+                    f"key is replaced by 'oncepatch keys rotate' (docs/SECURITY.md)",
+                    details={"key_id": active.key_id, "key_path": path})
+
             try:
                 fd = open_regular(path)
             except OSError as exc:
-                raise SigningKeyMissing(
-                    f"cannot sign for the store: its active key '{active.key_id}' cannot be read at '{path}' "
-                    f"({exc.strerror or 'not a regular file'}); a lost key is replaced by 'oncepatch keys rotate' "
-                    f"(docs/SECURITY.md)", details={"key_id": active.key_id, "key_path": path}) from None
+                raise refused(f"cannot be read ({exc.strerror or 'not a regular file'})") from None
             with os.fdopen(fd, "rb") as fh:
-                pem = fh.read()
-            from cryptography.hazmat.primitives.serialization import load_pem_private_key
-
-            self._private = load_pem_private_key(pem, password=None)
+                st = os.fstat(fh.fileno())
+                if st.st_uid != os.geteuid():
+                    raise refused(f"is not this user's (owned by uid {st.st_uid})")
+                if st.st_mode & 0o077:
+                    raise refused(f"is open to other users (mode {stat.S_IMODE(st.st_mode):04o}, not 0600)")
+                pem = fh.read(_MAX_KEY_BYTES + 1)
+            self._private = _matching_private_key(pem, active.public_key, refused)
         return self._private
 
     def _sign(self, message: bytes) -> dict[str, Any]:

@@ -212,6 +212,49 @@ def test_a_lost_key_refuses_to_write_until_rotated(tmp_path: Path) -> None:
     assert verify(repo).code == 0  # the lost key's receipts still verify: its public key is kept
 
 
+def _other_private_key_pem(kind: str) -> bytes:
+    """A PEM private key file's bytes that is not the store's active key."""
+    from cryptography.hazmat.primitives import serialization as ser
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+    if kind == "garbage":
+        return b"-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n"
+    if kind == "encrypted":
+        return ed25519.Ed25519PrivateKey.generate().private_bytes(
+            ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.BestAvailableEncryption(b"secret"))
+    private = ec.generate_private_key(ec.SECP256R1()) if kind == "ecdsa" else ed25519.Ed25519PrivateKey.generate()
+    return private.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption())
+
+
+@pytest.mark.parametrize("kind", ["another_ed25519", "ecdsa", "encrypted", "garbage", "empty", "group_readable",
+                                  "world_writable"])
+def test_a_private_key_file_that_cannot_sign_for_the_list_refuses_before_anything_is_written(
+        tmp_path: Path, kind: str) -> None:
+    """The active key's file replaced by another key (a co-tenant's, one of another algorithm, an encrypted
+    one, junk) or left open to other users: the call is refused before the branch moves, never committed
+    and then sealed with a signature no one can verify; the key restored, the same call applies."""
+    repo = make(tmp_path, signed=True)
+    key_file = Path(os.environ["XDG_CONFIG_HOME"]) / "oncepatch" / "keys" / f"{signing_key(repo)}.key"
+    real = key_file.read_bytes()
+    if kind in ("group_readable", "world_writable"):
+        key_file.chmod(0o640 if kind == "group_readable" else 0o666)
+    else:
+        key_file.write_bytes(b"" if kind == "empty" else _other_private_key_pem(kind))
+    patch = change(repo, 11, "replaced")
+    before = snapshot(repo)
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "k", "--json", "-", input=patch)
+    assert r.code == 2, r.out + r.err
+    assert r.json["error"]["type"] == "usage" and r.json["error"]["effect_status"] == "not_started", r.out
+    assert str(key_file) in r.json["error"]["message"]
+    assert snapshot(repo) == before
+    assert verify(repo).code == 0
+    key_file.write_bytes(real)
+    key_file.chmod(0o600)
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "k", "--json", "-", input=patch)
+    assert r.code == 0 and not r.json["replayed"], r.out
+    assert verify(repo).code == 0
+
+
 def test_keys_init_refuses_a_store_that_holds_unsigned_receipts(tmp_path: Path) -> None:
     repo = make(tmp_path, signed=False)
     r = run_cli("keys", "init", "--repo", str(repo.path))
