@@ -255,6 +255,45 @@ def test_a_private_key_file_that_cannot_sign_for_the_list_refuses_before_anythin
     assert verify(repo).code == 0
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_an_earlier_attempts_receipt_put_back_fails_verify(tmp_path: Path, signed: bool) -> None:
+    """A key's receipt rolled back to an earlier attempt's (signed by the store's own key, its digest in the
+    ledger): an effect that was rejected as retryable, then committed, has its ``rejected`` receipt put back,
+    which would make the next call send it again. No key ref stands behind an effect: only the ledger,
+    which records the later attempt, tells. Both ``verify`` paths (one process, worker processes) name it."""
+    from patcher.cli.recovery import _adapters
+    from receipts.effects import EffectRejected, perform
+    from receipts.verifier import verify as verify_store
+
+    store = tmp_path / "store"
+    if signed:
+        r = run_cli("keys", "init", "--store", str(store), "--json")
+        assert r.code == 0, r.out + r.err
+    tries: list[int] = []
+
+    def busy_then_sent(call: Any) -> dict[str, Any]:
+        tries.append(1)
+        if len(tries) == 1:
+            raise EffectRejected("rate limited", retryable=True)
+        return {"message_id": "m-1"}
+
+    with pytest.raises(EffectRejected):
+        perform("send_email", {"to": "a@example.com"}, busy_then_sent, key="welcome", store=store)
+    first = forgeries.receipt_file(store, "welcome").read_bytes()
+    assert perform("send_email", {"to": "a@example.com"}, busy_then_sent, key="welcome",
+                   store=store).fencing_token == 2
+    assert run_cli("verify", "--store", str(store), "--json").code == 0
+    forgeries.receipt_file(store, "welcome").write_bytes(first)  # the rollback
+    r = run_cli("verify", "--store", str(store), "--json")
+    assert r.code == 6, r.out + r.err
+    assert [(f["key"], f["reason"].split(":")[0]) for f in r.json["failures"]] == [("welcome", "rolled back")]
+    assert "attempt 2" in r.json["failures"][0]["reason"]
+    rs = ReceiptStore(str(store))
+    parallel = verify_store(rs, _adapters(rs), jobs=2, verifiers_factory="patcher.cli.recovery:_adapters",
+                            parallel_min=1)
+    assert [f.reason for f in parallel.failures] == [r.json["failures"][0]["reason"]]
+
+
 def test_keys_init_refuses_a_store_that_holds_unsigned_receipts(tmp_path: Path) -> None:
     repo = make(tmp_path, signed=False)
     r = run_cli("keys", "init", "--repo", str(repo.path))
