@@ -399,6 +399,9 @@ def rotate_keys(store_root: str, *, note: str | None = None) -> tuple[Signers, s
     old = read_signers(path)
     if old is None:
         raise UsageError(f"the store is not signed (no '{path}'): 'oncepatch keys init' first")
+    from receipts.engine import pause_point
+
+    pause_point("keys-listed")  # (a test seam: another rotation may run here; the caller's lock keeps it out)
     key, pem = _new_key(note)
     private_path = _save_private(key, pem)
     at = now_iso()

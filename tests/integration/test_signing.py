@@ -196,6 +196,38 @@ def test_rotation_keeps_old_receipts_verifiable(tmp_path: Path) -> None:
     assert [(k["key_id"], k["status"]) for k in listed["keys"]] == [(old, "retired"), (new, "active")]
 
 
+def test_a_rotation_waits_for_another_and_no_key_is_dropped(tmp_path: Path) -> None:
+    """Two rotations at once: the second read the list while the first, stopped between its read and its
+    write, still held the old one; the first then wrote its list without the second's key, whose signed
+    ``keys_rotated`` event named a key no list held: every later append refused, verify failing for good.
+    One change of the list at a time: the second is refused while the first runs (``--lock-timeout 0``)."""
+    import signal
+    import subprocess
+    import sys
+
+    repo = make(tmp_path, signed=True)
+    first = subprocess.Popen([sys.executable, "-m", "patcher.cli", "keys", "rotate", "--repo", str(repo.path),
+                              "--json"], env={**os.environ, "ONCEPATCH_PAUSE_AT": "keys-listed"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _, status = os.waitpid(first.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status  # between its read of the list and its write
+        before = snapshot(repo)
+        second = run_cli("keys", "rotate", "--repo", str(repo.path), "--json", "--lock-timeout", "0")
+        assert second.code == 5 and second.json["error"]["type"] == "in_progress", second.out + second.err
+        assert snapshot(repo) == before
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, out + err
+    third = run_cli("keys", "rotate", "--repo", str(repo.path), "--json")
+    assert third.code == 0, third.out + third.err
+    listed = [k["key_id"] for k in json.loads((repo.store / "allowed_signers.json").read_text())["keys"]]
+    assert listed[1:] == [json.loads(out)["key_id"], third.json["key_id"]], listed
+    patcher.apply(str(repo.path), change(repo, 7, "three"), key="three")
+    assert verify(repo).code == 0
+
+
 def test_a_lost_key_refuses_to_write_until_rotated(tmp_path: Path) -> None:
     repo = make(tmp_path, signed=True)
     key_id = json.loads((repo.store / "allowed_signers.json").read_text())["keys"][0]["key_id"]
