@@ -48,7 +48,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 
-from cas.crash import crash_hook, crash_point
+from cas.crash import PAUSE_ENV, crash_hook, crash_point, pause_point
 from cas.durable import DurableBatch
 from cas.errors import EXIT_REJECTED, DurableWriteError, OncepatchError
 from receipts.errors import (CorruptLedger, CorruptReceipt, FencedOff, IdempotencyConflict, InProgress,
@@ -68,16 +68,6 @@ if TYPE_CHECKING:
 __all__ = ["Call", "PAUSE_ENV", "pause_point", "owner_record", "check_same_intent", "error_from_envelope",
            "settle", "after_effect"]
 
-#: Test seam (like ``ONCEPATCH_CRASH_AT``): ``ONCEPATCH_PAUSE_AT=<point>`` makes the process
-#: stop itself with SIGSTOP at that point (docs/CONCURRENCY.md lists the points).
-PAUSE_ENV = "ONCEPATCH_PAUSE_AT"
-
-
-def pause_point(name: str) -> None:
-    if os.environ.get(PAUSE_ENV) == name:
-        import signal
-
-        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 # -- the owner record ------------------------------------------------------------------------

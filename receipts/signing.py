@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cas.crash import pause_point
 from cas.durable import NotRegularFile, make_dirs, open_regular, write_durable
 from cas.errors import UsageError
 from cas.hashing import sha256_hex
@@ -399,8 +400,6 @@ def rotate_keys(store_root: str, *, note: str | None = None) -> tuple[Signers, s
     old = read_signers(path)
     if old is None:
         raise UsageError(f"the store is not signed (no '{path}'): 'oncepatch keys init' first")
-    from receipts.engine import pause_point
-
     pause_point("keys-listed")  # (a test seam: another rotation may run here; the caller's lock keeps it out)
     key, pem = _new_key(note)
     private_path = _save_private(key, pem)
