@@ -149,6 +149,26 @@ def _parse_signers(path: str, data: bytes) -> Signers:
     return Signers(path, tuple(keys))
 
 
+def _refuse_open_to_all(path: str, st: os.stat_result) -> None:
+    """Refuse a list any user may rewrite, or put another in place of: it would vouch for anyone's key.
+
+    Other users' write bit on the file, or on its folder without the sticky
+    bit (anyone could rename another file over it).  Group bits are left to
+    the person (a group of one's own is common).
+    """
+    if st.st_mode & stat.S_IWOTH:
+        raise _bad_list(path, f"any user may write it (mode {stat.S_IMODE(st.st_mode):04o}): anyone could add "
+                              f"a key of theirs; 'chmod o-w' it, and check the keys it lists")
+    try:
+        folder = os.stat(os.path.dirname(os.path.abspath(path)))
+    except OSError as exc:
+        raise _bad_list(path, f"its folder cannot be read ({exc.strerror or exc})") from None
+    if folder.st_mode & stat.S_IWOTH and not folder.st_mode & stat.S_ISVTX:
+        raise _bad_list(path, f"any user may replace it: its folder is writable by all "
+                              f"(mode {stat.S_IMODE(folder.st_mode):04o}); 'chmod o-w' the folder, and check "
+                              f"the keys the list holds")
+
+
 def read_signers(path: str) -> Signers | None:
     """The list at ``path`` (``None``: there is none).
 
@@ -167,6 +187,7 @@ def read_signers(path: str) -> Signers | None:
             raise ReadFailed(path, exc, effect_status="not_started") from None
         raise _bad_list(path, exc.strerror or str(exc)) from None
     with os.fdopen(fd, "rb") as fh:
+        _refuse_open_to_all(path, os.fstat(fh.fileno()))
         data = fh.read(_MAX_SIGNERS_BYTES + 1)
     if len(data) > _MAX_SIGNERS_BYTES:
         raise _bad_list(path, "too large")

@@ -326,6 +326,27 @@ def test_an_earlier_attempts_receipt_put_back_fails_verify(tmp_path: Path, signe
     assert [f.reason for f in parallel.failures] == [r.json["failures"][0]["reason"]]
 
 
+@pytest.mark.parametrize("where", ["list", "folder"])
+def test_a_list_any_user_may_rewrite_is_trusted_by_nothing(tmp_path: Path, where: str) -> None:
+    """The allowed-signers list writable by all, or in a folder writable by all (without the sticky bit):
+    any user on the machine could list a key of theirs and sign what they like, and verify passed it.
+    verify, status and apply refuse it (exit 2, nothing written); a sticky folder (``/tmp``'s 1777) is kept."""
+    repo = make(tmp_path, signed=True)
+    listed = repo.store / "allowed_signers.json"
+    (listed if where == "list" else repo.store).chmod(0o666 if where == "list" else 0o777)
+    patch = change(repo, 11, "open")
+    before = snapshot(repo)
+    v = verify(repo)
+    assert v.code == 2 and v.json["error"]["type"] == "usage" and "any user may" in v.json["error"]["message"], v.out
+    assert run_cli("status", "one", "--repo", str(repo.path), "--json").code == 2
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "k", "--json", "-", input=patch)
+    assert r.code == 2 and r.json["error"]["effect_status"] == "not_started", r.out
+    assert snapshot(repo) == before
+    (listed if where == "list" else repo.store).chmod(0o644 if where == "list" else 0o1777)
+    assert verify(repo).code == 0
+    repo.store.chmod(0o755)
+
+
 def test_keys_init_refuses_a_store_that_holds_unsigned_receipts(tmp_path: Path) -> None:
     repo = make(tmp_path, signed=False)
     r = run_cli("keys", "init", "--repo", str(repo.path))
