@@ -23,7 +23,7 @@ from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.recovery import receipt_age
 from receipts.quarantine import quarantines
-from receipts.retired import RETIRED_FIELD
+from receipts.retired import RETIRED_FIELD, note_attempt
 from receipts.store import FILE_MISSING, ReceiptStore, StoredReceipt
 from receipts.workers import spawn_pool, split
 
@@ -345,21 +345,15 @@ def _read_ledger(store: ReceiptStore, report: VerifyReport,
         if isinstance(retired, dict):
             # The keys whose ``removed`` events the checkpoint replaced: retired, their refs tombstones.
             report.quarantined_keys.update(k2 for k2 in retired if isinstance(k2, str))
-            if tokens is not None:
-                for k2 in retired:
-                    tokens.pop(k2, None)
+        if tokens is not None:
+            note_attempt(tokens, event)
         if isinstance(k, str):
             # A key gc removed (its receipt archived, ``removed``) has no receipt by the policy's
             # choice, as a quarantined one by a person's: neither is a missing file.
             if event.get("event") in ("quarantined", "removed"):
                 report.quarantined_keys.add(k)
-                if tokens is not None:
-                    tokens.pop(k, None)  # a later receipt of the key starts its attempts again
             else:
                 report.quarantined_keys.discard(k)
-                token = event.get("fencing_token")
-                if tokens is not None and type(token) is int and token > tokens.get(k, 0):
-                    tokens[k] = token
 
     for problem in store.ledger.verify_chain(each):
         report.failures.append(Failure(None, store.ledger.path, f"ledger line {problem.line}: {problem.reason}"))

@@ -288,13 +288,15 @@ def test_a_private_key_file_that_cannot_sign_for_the_list_refuses_before_anythin
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_an_earlier_attempts_receipt_put_back_fails_verify(tmp_path: Path, signed: bool) -> None:
+def test_an_earlier_attempts_receipt_put_back_fails_verify_and_is_not_run_again(tmp_path: Path, signed: bool) -> None:
     """A key's receipt rolled back to an earlier attempt's (signed by the store's own key, its digest in the
     ledger): an effect that was rejected as retryable, then committed, has its ``rejected`` receipt put back,
-    which would make the next call send it again. No key ref stands behind an effect: only the ledger,
-    which records the later attempt, tells. Both ``verify`` paths (one process, worker processes) name it."""
+    and the next call sent it again. No key ref stands behind an effect: only the ledger, which records the
+    later attempt, tells. Both ``verify`` paths (one process, worker processes) name it, and the next call
+    is refused (``corrupt_receipt``) before it runs anything."""
     from patcher.cli.recovery import _adapters
     from receipts.effects import EffectRejected, perform
+    from receipts.errors import CorruptReceipt
     from receipts.verifier import verify as verify_store
 
     store = tmp_path / "store"
@@ -324,6 +326,12 @@ def test_an_earlier_attempts_receipt_put_back_fails_verify(tmp_path: Path, signe
     parallel = verify_store(rs, _adapters(rs), jobs=2, verifiers_factory="patcher.cli.recovery:_adapters",
                             parallel_min=1)
     assert [f.reason for f in parallel.failures] == [r.json["failures"][0]["reason"]]
+    # The key's next call runs nothing again over it: the effect was sent once.
+    before = {p: p.read_bytes() for p in store.rglob("*") if p.is_file() and "locks" not in p.parts}
+    with pytest.raises(CorruptReceipt, match="rolled back"):
+        perform("send_email", {"to": "a@example.com"}, busy_then_sent, key="welcome", store=store)
+    assert len(tries) == 2
+    assert {p: p.read_bytes() for p in store.rglob("*") if p.is_file() and "locks" not in p.parts} == before
 
 
 @pytest.mark.parametrize("where", ["list", "folder"])
