@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from typing import Any
 
-from cas.errors import EXIT_OK
+from cas.errors import EXIT_OK, UsageError
 from receipts.flock import flocked
 from receipts.receipt import now_iso
 from receipts.signing import init_keys, list_keys, rotate_keys, signers_path
@@ -42,8 +43,15 @@ def _cmd_keys(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
     # One change of the list at a time, its ledger event included: two rotations that each read the
     # list before the other wrote it kept one new key of the two, and the other's signed event then
     # named a key no list held (every later append refused, verify failing for good).
-    with flocked(os.path.join(store.locks_dir, _KEYS_LOCK), args.lock_timeout, folder=store.locks_folder):
-        signers, private_path = make(root, note=args.note or None)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(flocked(os.path.join(store.locks_dir, _KEYS_LOCK), args.lock_timeout,
+                                       folder=store.locks_folder))
+            signers, private_path = make(root, note=args.note or None)
+        except OSError as exc:  # a store (or a key folder) this user may not write: nothing was changed
+            name = os.fsdecode(exc.filename) if exc.filename else ""
+            where = f" ('{os.path.join(store.locks_dir, name)}')" if name else ""  # (a relative one: in locks/)
+            raise UsageError(f"cannot change the keys of the store '{root}': {exc.strerror or exc}{where}") from None
         active = signers.active
         retired = [k.key_id for k in signers.keys if k.status == "retired"]
         # Recorded in the ledger, signed by the new key (a store's story names its keys).
