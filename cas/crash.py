@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-__all__ = ["POINTS", "CRASH_ENV", "crash_point", "crash_hook"]
+__all__ = ["POINTS", "CRASH_ENV", "PAUSE_ENV", "crash_point", "crash_hook", "pause_point"]
 
 CRASH_ENV = "ONCEPATCH_CRASH_AT"
 POINTS = frozenset({"after-stage", "after-prepare", "after-worktree-ahead", "after-index-ahead", "after-ref", "after-push",
@@ -31,3 +31,16 @@ def crash_point(name: str) -> None:
 def crash_hook(name: str) -> Callable[[], None] | None:
     """A ``before_replace`` callback for :func:`cas.durable.write_durable`, or ``None`` when unarmed."""
     return (lambda: crash_point(name)) if _environ.get(CRASH_ENV) == name else None
+
+
+#: Test seam (like ``ONCEPATCH_CRASH_AT``): ``ONCEPATCH_PAUSE_AT=<point>`` makes the process
+#: stop itself with SIGSTOP at that point (docs/DESIGN.md, "Pause points").
+PAUSE_ENV = "ONCEPATCH_PAUSE_AT"
+
+
+def pause_point(name: str) -> None:
+    """Stop this process (SIGSTOP) here if ``ONCEPATCH_PAUSE_AT`` names this point, until it is continued."""
+    if _environ.get(PAUSE_ENV) == name:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSTOP)

@@ -48,13 +48,14 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 
-from cas.crash import crash_hook, crash_point
+from cas.crash import PAUSE_ENV, crash_hook, crash_point, pause_point
 from cas.durable import DurableBatch
 from cas.errors import EXIT_REJECTED, DurableWriteError, OncepatchError
 from receipts.errors import (CorruptLedger, CorruptReceipt, FencedOff, IdempotencyConflict, InProgress,
                              SigningKeyMissing, StillUnknown)
 from receipts.identity import check_key, compute_args_sha256, compute_call_id
 from receipts.receipt import Receipt, now_iso
+from receipts.retired import last_attempt
 from receipts.states import needs_resolution
 from receipts.store import ReceiptStore
 
@@ -68,16 +69,6 @@ if TYPE_CHECKING:
 __all__ = ["Call", "PAUSE_ENV", "pause_point", "owner_record", "check_same_intent", "error_from_envelope",
            "settle", "after_effect"]
 
-#: Test seam (like ``ONCEPATCH_CRASH_AT``): ``ONCEPATCH_PAUSE_AT=<point>`` makes the process
-#: stop itself with SIGSTOP at that point (docs/CONCURRENCY.md lists the points).
-PAUSE_ENV = "ONCEPATCH_PAUSE_AT"
-
-
-def pause_point(name: str) -> None:
-    if os.environ.get(PAUSE_ENV) == name:
-        import signal
-
-        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 # -- the owner record ------------------------------------------------------------------------
@@ -338,8 +329,27 @@ class Call:
                 if needs_resolution(existing.status):
                     assert self.adapter is not None, "an adapter settles a dead owner's call"
                     existing = settle(self.store, existing, self.adapter, takeover=True)
+                if not existing.is_final:
+                    self._refuse_rolled_back(existing)
             self.previous = existing
             yield existing if existing is not None and existing.is_final else None
+
+    def _refuse_rolled_back(self, receipt: Receipt) -> None:
+        """Refuse to run again over a receipt the ledger has seen superseded (an earlier attempt put back).
+
+        A retryable rejection is run again under the next token; were it an
+        earlier state put back over the commit that followed it (signed, its
+        digest in the ledger), the effect would happen twice.  Read only on
+        this path (one pass over the ledger): a new key's call never pays it.
+
+        Raises:
+            CorruptReceipt: the ledger records a later attempt of the key (nothing is run).
+        """
+        last = last_attempt(self.store.ledger.events(), self.key)
+        if last > receipt.fencing_token:
+            raise CorruptReceipt(self.path, f"rolled back: the ledger records attempt {last} of this key, the "
+                                            f"receipt is attempt {receipt.fencing_token}'s ('{receipt.status}')",
+                                 key=self.key, next_action="none")
 
     def replay(self, receipt: Receipt) -> tuple[str, ...]:
         """Note the replay of a final receipt in the ledger; a stored rejection is raised again.

@@ -16,7 +16,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from receipts.store import ReceiptStore
 
-__all__ = ["RETIRED_FIELD", "retired_keys", "retirement", "retired_entry", "retired_message"]
+__all__ = ["RETIRED_FIELD", "retired_keys", "retirement", "retired_entry", "retired_message", "note_attempt",
+           "last_attempt"]
 
 #: The checkpoint's field listing the keys whose ``removed`` events it replaced: ``{key: entry}``.
 RETIRED_FIELD = "retired"
@@ -67,3 +68,40 @@ def retired_message(key: str, entry: dict[str, Any]) -> str:
     bundle = str(entry.get("bundle_sha256") or "?")[:12]
     return (f"key '{key}' was retired by 'oncepatch gc' on {at} (ledger event {entry.get('seq')}, "
             f"archive sha256 {bundle}): its receipt is in the archive and the key never runs again")
+
+
+def note_attempt(tokens: dict[str, int], event: dict[str, Any]) -> None:
+    """Fold one ledger event into ``tokens``: each key's highest fencing token.
+
+    A key whose receipt is moved aside (``quarantined``, ``removed``, a
+    checkpoint's retired keys) is forgotten: a later receipt of it starts its
+    attempts again.  A receipt of a lower token than its key's here is an
+    earlier state put back (a rollback): ``verify`` fails it, and a call never
+    runs again over it.
+    """
+    kind = event.get("event")
+    if kind == "checkpoint":
+        retired = event.get(RETIRED_FIELD)
+        if isinstance(retired, dict):
+            for k in retired:
+                tokens.pop(k, None)
+        return
+    k = event.get("key")
+    if not isinstance(k, str):
+        return
+    if kind in ("quarantined", "removed"):
+        tokens.pop(k, None)
+        return
+    token = event.get("fencing_token")
+    if type(token) is int and token > tokens.get(k, 0):
+        tokens[k] = token
+
+
+def last_attempt(events: Iterable[dict[str, Any]], key: str) -> int:
+    """The highest fencing token ``events`` (a ledger, in order) record for ``key`` since its receipt was
+    last moved aside (:func:`note_attempt`); 0: none."""
+    tokens: dict[str, int] = {}
+    for event in events:
+        if event.get("key") == key or event.get("event") == "checkpoint":
+            note_attempt(tokens, event)
+    return tokens.get(key, 0)

@@ -35,10 +35,12 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cas.crash import pause_point
 from cas.durable import NotRegularFile, make_dirs, open_regular, write_durable
 from cas.errors import UsageError
 from cas.hashing import sha256_hex
@@ -58,6 +60,7 @@ ALGORITHM = "ed25519"
 _RECEIPT_DOMAIN = b"oncepatch.receipt/1\0"
 _EVENT_DOMAIN = b"oncepatch.event/1\0"
 _MAX_SIGNERS_BYTES = 1 << 20
+_MAX_KEY_BYTES = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +149,26 @@ def _parse_signers(path: str, data: bytes) -> Signers:
     return Signers(path, tuple(keys))
 
 
+def _refuse_open_to_all(path: str, st: os.stat_result) -> None:
+    """Refuse a list any user may rewrite, or put another in place of: it would vouch for anyone's key.
+
+    Other users' write bit on the file, or on its folder without the sticky
+    bit (anyone could rename another file over it).  Group bits are left to
+    the person (a group of one's own is common).
+    """
+    if st.st_mode & stat.S_IWOTH:
+        raise _bad_list(path, f"any user may write it (mode {stat.S_IMODE(st.st_mode):04o}): anyone could add "
+                              f"a key of theirs; 'chmod o-w' it, and check the keys it lists")
+    try:
+        folder = os.stat(os.path.dirname(os.path.abspath(path)))
+    except OSError as exc:
+        raise _bad_list(path, f"its folder cannot be read ({exc.strerror or exc})") from None
+    if folder.st_mode & stat.S_IWOTH and not folder.st_mode & stat.S_ISVTX:
+        raise _bad_list(path, f"any user may replace it: its folder is writable by all "
+                              f"(mode {stat.S_IMODE(folder.st_mode):04o}); 'chmod o-w' the folder, and check "
+                              f"the keys the list holds")
+
+
 def read_signers(path: str) -> Signers | None:
     """The list at ``path`` (``None``: there is none).
 
@@ -164,6 +187,7 @@ def read_signers(path: str) -> Signers | None:
             raise ReadFailed(path, exc, effect_status="not_started") from None
         raise _bad_list(path, exc.strerror or str(exc)) from None
     with os.fdopen(fd, "rb") as fh:
+        _refuse_open_to_all(path, os.fstat(fh.fileno()))
         data = fh.read(_MAX_SIGNERS_BYTES + 1)
     if len(data) > _MAX_SIGNERS_BYTES:
         raise _bad_list(path, "too large")
@@ -185,6 +209,28 @@ def load_signing(store_root: str) -> Signing | None:
             raise _bad_list(path, f"no such file (named by ${ALLOWED_SIGNERS_ENV})")
         return None
     return Signing(signers)
+
+
+def _matching_private_key(pem: bytes, public_key: bytes, refused: Callable[[str], Exception]) -> Any:
+    """The Ed25519 private key in ``pem``, whose public key must be ``public_key`` (the list's active one).
+
+    A key file replaced by another key (or by anything else) is refused here:
+    signing with it would move the branch, then write a receipt no one can verify.
+    """
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    try:
+        private = serialization.load_pem_private_key(pem, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        raise refused("is not an unencrypted PEM private key") from None
+    if not isinstance(private, Ed25519PrivateKey):
+        raise refused("is not an ed25519 key")
+    raw = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    if raw != public_key:
+        raise refused(f"is another key's (its public key's id is '{key_id_of(raw)}')")
+    return private
 
 
 @dataclass(slots=True)
@@ -218,18 +264,25 @@ class Signing:
         if self._private is None:
             active = self.signers.active
             path = os.path.join(key_dir(), f"{active.key_id}.key")
+
+            def refused(why: str) -> SigningKeyMissing:
+                return SigningKeyMissing(
+                    f"cannot sign for the store: its active key '{active.key_id}' at '{path}' {why}; a lost "
+                    f"key is replaced by 'oncepatch keys rotate' (docs/SECURITY.md)",
+                    details={"key_id": active.key_id, "key_path": path})
+
             try:
                 fd = open_regular(path)
             except OSError as exc:
-                raise SigningKeyMissing(
-                    f"cannot sign for the store: its active key '{active.key_id}' cannot be read at '{path}' "
-                    f"({exc.strerror or 'not a regular file'}); a lost key is replaced by 'oncepatch keys rotate' "
-                    f"(docs/SECURITY.md)", details={"key_id": active.key_id, "key_path": path}) from None
+                raise refused(f"cannot be read ({exc.strerror or 'not a regular file'})") from None
             with os.fdopen(fd, "rb") as fh:
-                pem = fh.read()
-            from cryptography.hazmat.primitives.serialization import load_pem_private_key
-
-            self._private = load_pem_private_key(pem, password=None)
+                st = os.fstat(fh.fileno())
+                if st.st_uid != os.geteuid():
+                    raise refused(f"is not this user's (owned by uid {st.st_uid})")
+                if st.st_mode & 0o077:
+                    raise refused(f"is open to other users (mode {stat.S_IMODE(st.st_mode):04o}, not 0600)")
+                pem = fh.read(_MAX_KEY_BYTES + 1)
+            self._private = _matching_private_key(pem, active.public_key, refused)
         return self._private
 
     def _sign(self, message: bytes) -> dict[str, Any]:
@@ -368,6 +421,7 @@ def rotate_keys(store_root: str, *, note: str | None = None) -> tuple[Signers, s
     old = read_signers(path)
     if old is None:
         raise UsageError(f"the store is not signed (no '{path}'): 'oncepatch keys init' first")
+    pause_point("keys-listed")  # (a test seam: another rotation may run here; the caller's lock keeps it out)
     key, pem = _new_key(note)
     private_path = _save_private(key, pem)
     at = now_iso()

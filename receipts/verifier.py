@@ -23,7 +23,7 @@ from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.recovery import receipt_age
 from receipts.quarantine import quarantines
-from receipts.retired import RETIRED_FIELD
+from receipts.retired import RETIRED_FIELD, note_attempt
 from receipts.store import FILE_MISSING, ReceiptStore, StoredReceipt
 from receipts.workers import spawn_pool, split
 
@@ -112,13 +112,15 @@ def verify(
         # The workers start first; the ledger is read here meanwhile.
         return _verify_parallel(store, paths, report, grace, jobs, verifiers_factory, verifiers)
     latest: dict[str, int] = {}
-    digests = _read_ledger(store, report, latest)
+    tokens: dict[str, int] = {}
+    digests = _read_ledger(store, report, latest, tokens)
     hashed = _hashed(latest)
     missing = _missing_receipts(store, paths, hashed, report.quarantined_keys)
     position = {p: i for i, p in enumerate(paths)}
     now = time.time()
     found: list[tuple[int, int, Failure]] = []
     unlogged: list[tuple[int, str, str, str, str]] = []
+    behind: list[tuple[int, str]] = []
     ordered = _in_call_order(paths, hashed, report.ledger_events)
     del latest, hashed
     summaries: dict[str, Summary] = {}
@@ -134,15 +136,19 @@ def verify(
             summaries[os.path.basename(path)[:-5]] = _summary(r)
             if r.digest not in digests:
                 unlogged.append((position[path], path, r.digest, r.key, r.status))
+            if tokens.get(r.key, 0) > r.fencing_token:
+                behind.append((position[path], path))
         found += [(position[path], 1, f) for f in _check_one(store, item, verifiers, grace, now)]
-    return _finish(store, verifiers, report, found, unlogged, missing, summaries)
+    return _finish(store, verifiers, report, found, unlogged, missing, summaries, behind, tokens)
 
 
 def _finish(store: ReceiptStore, verifiers: Mapping[str, CommitVerifier], report: VerifyReport,
             found: list[tuple[int, int, Failure]], unlogged: list[tuple[int, str, str, str, str]],
-            missing: list[Failure], summaries: Mapping[str, Summary]) -> VerifyReport:
+            missing: list[Failure], summaries: Mapping[str, Summary],
+            behind: list[tuple[int, str]], tokens: Mapping[str, int]) -> VerifyReport:
     """Add the failures of the receipts (``found``, by file position), the ledger's and the key refs' to ``report``."""
     found += [(pos, 0, f) for pos, f in _not_in_ledger(store, unlogged)]
+    found += [(pos, 0, f) for pos, f in _rolled_back(store, behind, tokens)]
     found.sort(key=lambda t: (t[0], t[1]))  # stable: a receipt's own failures keep their order
     report.failures += [f for _pos, _kind, f in found]
     report.failures += missing
@@ -185,6 +191,30 @@ def _stray_refs(store: ReceiptStore, verifiers: Mapping[str, CommitVerifier],
 def _hashed(latest: dict[str, int]) -> dict[str, tuple[str, int]]:
     """``{key hash: (key, its last event number)}`` of the keys the ledger names."""
     return {key_hash(k): (k, n) for k, n in latest.items()}
+
+
+def _rolled_back(store: ReceiptStore, behind: list[tuple[int, str]],
+                 tokens: Mapping[str, int]) -> list[tuple[int, Failure]]:
+    """Receipts of an older attempt than the ledger's last event of their key: an earlier state put back.
+
+    Each attempt of a key writes its receipt with one more fencing token than
+    the last, then its events, and a receipt file never goes back to a lower
+    token (gc's redaction and a replay's note keep it): a file the ledger has
+    seen superseded is a rollback, whatever its signature (a ``rejected``
+    receipt of attempt 1 put back over attempt 2's ``committed`` one is
+    signed, and its digest is in the ledger).  Read again here: a worker may
+    have read the file before the ledger was read.
+    """
+    out = []
+    for pos, path in behind:
+        item = store.read_stored(path)
+        r = item.receipt if item is not None else None
+        if r is None or tokens.get(r.key, 0) <= r.fencing_token:
+            continue
+        out.append((pos, Failure(r.key, path,
+                                 f"rolled back: the ledger records attempt {tokens[r.key]} of this key, the receipt "
+                                 f"is attempt {r.fencing_token}'s ('{r.status}'), a state it had before")))
+    return out
 
 
 def _not_in_ledger(store: ReceiptStore, unlogged: list[tuple[int, str, str, str, str]]) -> list[tuple[int, Failure]]:
@@ -272,14 +302,14 @@ def _check_one(store: ReceiptStore, item: StoredReceipt, verifiers: Mapping[str,
 
 
 def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
-                  ) -> tuple[list[tuple[str | None, str | None, str]], list[tuple[int, str, str, str, Summary]], int]:
+                  ) -> tuple[list[tuple[str | None, str | None, str]], list[tuple[int, str, str, str, Summary, int]], int]:
     """Worker: verify these receipt files; return failures, (index, digest, ...) of each parsed receipt, files read."""
     module, _, func = factory.partition(":")
     store = ReceiptStore(root)
     verifiers = getattr(importlib.import_module(module), func)(store)
     now = time.time()
     failures: list[tuple[str | None, str | None, str]] = []
-    seen: list[tuple[int, str, str, str, Summary]] = []  # (index, digest, key, status, summary) of intact ones
+    seen: list[tuple[int, str, str, str, Summary, int]] = []  # (index, digest, key, status, summary, token)
     read = 0
     for i, path in enumerate(paths):
         item = store.read_stored(path)
@@ -287,17 +317,19 @@ def _verify_chunk(root: str, paths: list[str], factory: str, grace: float
             continue  # removed since the listing: not counted, as with one process
         read += 1
         if item.receipt is not None:
-            seen.append((i, item.receipt.digest, item.receipt.key, item.receipt.status, _summary(item.receipt)))
+            r = item.receipt
+            seen.append((i, r.digest, r.key, r.status, _summary(r), r.fencing_token))
         failures += [(f.key, f.path, f.reason) for f in _check_one(store, item, verifiers, grace, now)]
     return failures, seen, read
 
 
 def _read_ledger(store: ReceiptStore, report: VerifyReport,
-                 latest: dict[str, int] | None = None) -> set[str]:
+                 latest: dict[str, int] | None = None, tokens: dict[str, int] | None = None) -> set[str]:
     """Check the ledger's chain into ``report``; return the receipt digests its events name (one pass).
 
     With ``latest``, also fill it with each key's last event number (the order
-    the calls wrote in).
+    the calls wrote in); with ``tokens``, each key's highest fencing token
+    since its receipt was last moved aside (quarantined, removed by gc).
     """
     digests: set[str] = set()
 
@@ -313,6 +345,8 @@ def _read_ledger(store: ReceiptStore, report: VerifyReport,
         if isinstance(retired, dict):
             # The keys whose ``removed`` events the checkpoint replaced: retired, their refs tombstones.
             report.quarantined_keys.update(k2 for k2 in retired if isinstance(k2, str))
+        if tokens is not None:
+            note_attempt(tokens, event)
         if isinstance(k, str):
             # A key gc removed (its receipt archived, ``removed``) has no receipt by the policy's
             # choice, as a quarantined one by a person's: neither is a missing file.
@@ -342,7 +376,8 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
         # The workers start and import while the ledger is read here.
         warm = [pool.submit(_warm_up, factory) for _ in range(jobs)]
         latest: dict[str, int] = {}
-        digests = _read_ledger(store, report, latest)
+        tokens: dict[str, int] = {}
+        digests = _read_ledger(store, report, latest, tokens)
         hashed = _hashed(latest)
         ordered = _in_call_order(paths, hashed, report.ledger_events)
         missing = _missing_receipts(store, paths, hashed, report.quarantined_keys)
@@ -355,16 +390,19 @@ def _verify_parallel(store: ReceiptStore, paths: list[str], report: VerifyReport
     position = {p: i for i, p in enumerate(paths)}
     found: list[tuple[int, int, Failure]] = []
     unlogged: list[tuple[int, str, str, str, str]] = []
+    behind: list[tuple[int, str]] = []
     summaries: dict[str, Summary] = {}
     for chunk, (failures, seen, read) in zip(chunks, results):
         report.receipts += read
-        for i, digest, key, status, summary in seen:
+        for i, digest, key, status, summary, token in seen:
             summaries[os.path.basename(chunk[i])[:-5]] = summary
             if digest not in digests:
                 unlogged.append((position[chunk[i]], chunk[i], digest, key, status))
+            if tokens.get(key, 0) > token:
+                behind.append((position[chunk[i]], chunk[i]))
         found += [(position.get(p, len(paths)) if p is not None else len(paths), 1, Failure(k, p, reason))
                   for k, p, reason in failures]
-    return _finish(store, verifiers, report, found, unlogged, missing, summaries)
+    return _finish(store, verifiers, report, found, unlogged, missing, summaries, behind, tokens)
 
 
 def _unresolved_prepared(store: ReceiptStore, r: Receipt, grace: float, now: float) -> str | None:

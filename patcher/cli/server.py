@@ -635,8 +635,8 @@ def _serve_call(conn: socket.socket, msg: bytes, call: Call, config: _Config, an
     try:
         payload, received = _read_frame(conn)
         fields = payload.split(b"\0")
-        if fields[0] != connect.PROTOCOL or len(received) != 4:
-            raise ValueError("not an oncepatch-serve/1 request")
+        if fields[0] != connect.PROTOCOL or len(received) != 4 or len(fields) < 4:
+            raise ValueError("not an oncepatch-serve/1 request")  # (a short one killed the worker: IndexError)
         if fields[1].decode() != token:  # (not walked again per call: the loaded code is the start's)
             raise ValueError("another version")
         umask, argc = int(fields[2]), int(fields[3])

@@ -414,6 +414,11 @@ def test_every_forgery_fails_in_broker_mode(box: Box, tmp_path: Path) -> None:
                  [box.python, "-m", "patcher.cli", "quarantine", "one"]):
         res = box.run(box.agent, *argv, cwd=repo.path)
         assert res.returncode != 0, (argv, res)
+    # The rotation is refused as a usage error naming the store, never an internal error.
+    res = box.oncepatch(box.agent, "keys", "rotate", "--json", cwd=repo.path)
+    err = json.loads(res.stdout)["error"]
+    assert res.returncode == 2 and err["type"] == "usage" and err["effect_status"] == "not_started", res
+    assert "cannot change the keys of the store" in err["message"], err
     assert snapshot(repo) == before
     res = box.oncepatch(box.agent, "verify", cwd=repo.path)
     assert res.returncode == 0 and b"signed store" in res.stdout, res

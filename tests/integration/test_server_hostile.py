@@ -139,6 +139,8 @@ for name, payload, fds in [
     ("ended early", (1000).to_bytes(4, "big") + b"oncepatch-serve/1\0", (null,) * 4),
     ("another protocol", frame(b"http/1.1", b"x"), (null,) * 4),
     ("another version", frame(b"oncepatch-serve/1", b"0" * 16, b"18", b"1", b"status"), (null,) * 4),
+    ("no fields", frame(b"oncepatch-serve/1"), (null,) * 4),
+    ("fields cut short", frame(b"oncepatch-serve/1", sys.argv[2].encode(), b"18"), (null,) * 4),
     ("a command run in process", frame(b"oncepatch-serve/1", sys.argv[2].encode(), b"18", b"2", b"resolve", b"k"),
      (null,) * 4),
 ]:
@@ -157,11 +159,13 @@ def test_a_brokers_other_user_sending_what_the_client_never_sends_is_refused_and
     res = box.run(box.agent, box.python, "-c", AGENT_PEER, str(box.base / "sock"), version_token(), cwd=repo.path)
     assert res.returncode == 0, res
     answers = dict(line.split("|", 1) for line in res.stdout.decode().splitlines())
-    assert len(answers) == 7, answers
+    assert len(answers) == 9, answers
     for name, got in answers.items():
         assert got.startswith("b'R"), (name, got)  # refused, with the reason
     assert "no whole request" in answers["silent"] and "ended early" in answers["ended early"]
     assert "too large" in answers["too large"] and "another version" in answers["another version"]
+    for name in ("no fields", "fields cut short"):  # not a worker killed by an IndexError (answered 'D1')
+        assert "not an oncepatch-serve/1 request" in answers[name], (name, answers[name])
     assert snapshot(repo) == before
     # And the broker serves the agent's real call, as the agent.
     res = box.oncepatch(box.agent, "apply", "--json", "-", "--key", "after-the-noise", input=PATCH, cwd=repo.path,

@@ -196,6 +196,38 @@ def test_rotation_keeps_old_receipts_verifiable(tmp_path: Path) -> None:
     assert [(k["key_id"], k["status"]) for k in listed["keys"]] == [(old, "retired"), (new, "active")]
 
 
+def test_a_rotation_waits_for_another_and_no_key_is_dropped(tmp_path: Path) -> None:
+    """Two rotations at once: the second read the list while the first, stopped between its read and its
+    write, still held the old one; the first then wrote its list without the second's key, whose signed
+    ``keys_rotated`` event named a key no list held: every later append refused, verify failing for good.
+    One change of the list at a time: the second is refused while the first runs (``--lock-timeout 0``)."""
+    import signal
+    import subprocess
+    import sys
+
+    repo = make(tmp_path, signed=True)
+    first = subprocess.Popen([sys.executable, "-m", "patcher.cli", "keys", "rotate", "--repo", str(repo.path),
+                              "--json"], env={**os.environ, "ONCEPATCH_PAUSE_AT": "keys-listed"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _, status = os.waitpid(first.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status  # between its read of the list and its write
+        before = snapshot(repo)
+        second = run_cli("keys", "rotate", "--repo", str(repo.path), "--json", "--lock-timeout", "0")
+        assert second.code == 5 and second.json["error"]["type"] == "in_progress", second.out + second.err
+        assert snapshot(repo) == before
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, out + err
+    third = run_cli("keys", "rotate", "--repo", str(repo.path), "--json")
+    assert third.code == 0, third.out + third.err
+    listed = [k["key_id"] for k in json.loads((repo.store / "allowed_signers.json").read_text())["keys"]]
+    assert listed[1:] == [json.loads(out)["key_id"], third.json["key_id"]], listed
+    patcher.apply(str(repo.path), change(repo, 7, "three"), key="three")
+    assert verify(repo).code == 0
+
+
 def test_a_lost_key_refuses_to_write_until_rotated(tmp_path: Path) -> None:
     repo = make(tmp_path, signed=True)
     key_id = json.loads((repo.store / "allowed_signers.json").read_text())["keys"][0]["key_id"]
@@ -210,6 +242,117 @@ def test_a_lost_key_refuses_to_write_until_rotated(tmp_path: Path) -> None:
     r = run_cli("apply", "--repo", str(repo.path), "--key", "k", "--json", "-", input=patch)
     assert r.code == 0, r.out
     assert verify(repo).code == 0  # the lost key's receipts still verify: its public key is kept
+
+
+def _other_private_key_pem(kind: str) -> bytes:
+    """A PEM private key file's bytes that is not the store's active key."""
+    from cryptography.hazmat.primitives import serialization as ser
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+    if kind == "garbage":
+        return b"-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n"
+    if kind == "encrypted":
+        return ed25519.Ed25519PrivateKey.generate().private_bytes(
+            ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.BestAvailableEncryption(b"secret"))
+    private = ec.generate_private_key(ec.SECP256R1()) if kind == "ecdsa" else ed25519.Ed25519PrivateKey.generate()
+    return private.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption())
+
+
+@pytest.mark.parametrize("kind", ["another_ed25519", "ecdsa", "encrypted", "garbage", "empty", "group_readable",
+                                  "world_writable"])
+def test_a_private_key_file_that_cannot_sign_for_the_list_refuses_before_anything_is_written(
+        tmp_path: Path, kind: str) -> None:
+    """The active key's file replaced by another key (a co-tenant's, one of another algorithm, an encrypted
+    one, junk) or left open to other users: the call is refused before the branch moves, never committed
+    and then sealed with a signature no one can verify; the key restored, the same call applies."""
+    repo = make(tmp_path, signed=True)
+    key_file = Path(os.environ["XDG_CONFIG_HOME"]) / "oncepatch" / "keys" / f"{signing_key(repo)}.key"
+    real = key_file.read_bytes()
+    if kind in ("group_readable", "world_writable"):
+        key_file.chmod(0o640 if kind == "group_readable" else 0o666)
+    else:
+        key_file.write_bytes(b"" if kind == "empty" else _other_private_key_pem(kind))
+    patch = change(repo, 11, "replaced")
+    before = snapshot(repo)
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "k", "--json", "-", input=patch)
+    assert r.code == 2, r.out + r.err
+    assert r.json["error"]["type"] == "usage" and r.json["error"]["effect_status"] == "not_started", r.out
+    assert str(key_file) in r.json["error"]["message"]
+    assert snapshot(repo) == before
+    assert verify(repo).code == 0
+    key_file.write_bytes(real)
+    key_file.chmod(0o600)
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "k", "--json", "-", input=patch)
+    assert r.code == 0 and not r.json["replayed"], r.out
+    assert verify(repo).code == 0
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_an_earlier_attempts_receipt_put_back_fails_verify_and_is_not_run_again(tmp_path: Path, signed: bool) -> None:
+    """A key's receipt rolled back to an earlier attempt's (signed by the store's own key, its digest in the
+    ledger): an effect that was rejected as retryable, then committed, has its ``rejected`` receipt put back,
+    and the next call sent it again. No key ref stands behind an effect: only the ledger, which records the
+    later attempt, tells. Both ``verify`` paths (one process, worker processes) name it, and the next call
+    is refused (``corrupt_receipt``) before it runs anything."""
+    from patcher.cli.recovery import _adapters
+    from receipts.effects import EffectRejected, perform
+    from receipts.errors import CorruptReceipt
+    from receipts.verifier import verify as verify_store
+
+    store = tmp_path / "store"
+    if signed:
+        r = run_cli("keys", "init", "--store", str(store), "--json")
+        assert r.code == 0, r.out + r.err
+    tries: list[int] = []
+
+    def busy_then_sent(call: Any) -> dict[str, Any]:
+        tries.append(1)
+        if len(tries) == 1:
+            raise EffectRejected("rate limited", retryable=True)
+        return {"message_id": "m-1"}
+
+    with pytest.raises(EffectRejected):
+        perform("send_email", {"to": "a@example.com"}, busy_then_sent, key="welcome", store=store)
+    first = forgeries.receipt_file(store, "welcome").read_bytes()
+    assert perform("send_email", {"to": "a@example.com"}, busy_then_sent, key="welcome",
+                   store=store).fencing_token == 2
+    assert run_cli("verify", "--store", str(store), "--json").code == 0
+    forgeries.receipt_file(store, "welcome").write_bytes(first)  # the rollback
+    r = run_cli("verify", "--store", str(store), "--json")
+    assert r.code == 6, r.out + r.err
+    assert [(f["key"], f["reason"].split(":")[0]) for f in r.json["failures"]] == [("welcome", "rolled back")]
+    assert "attempt 2" in r.json["failures"][0]["reason"]
+    rs = ReceiptStore(str(store))
+    parallel = verify_store(rs, _adapters(rs), jobs=2, verifiers_factory="patcher.cli.recovery:_adapters",
+                            parallel_min=1)
+    assert [f.reason for f in parallel.failures] == [r.json["failures"][0]["reason"]]
+    # The key's next call runs nothing again over it: the effect was sent once.
+    before = {p: p.read_bytes() for p in store.rglob("*") if p.is_file() and "locks" not in p.parts}
+    with pytest.raises(CorruptReceipt, match="rolled back"):
+        perform("send_email", {"to": "a@example.com"}, busy_then_sent, key="welcome", store=store)
+    assert len(tries) == 2
+    assert {p: p.read_bytes() for p in store.rglob("*") if p.is_file() and "locks" not in p.parts} == before
+
+
+@pytest.mark.parametrize("where", ["list", "folder"])
+def test_a_list_any_user_may_rewrite_is_trusted_by_nothing(tmp_path: Path, where: str) -> None:
+    """The allowed-signers list writable by all, or in a folder writable by all (without the sticky bit):
+    any user on the machine could list a key of theirs and sign what they like, and verify passed it.
+    verify, status and apply refuse it (exit 2, nothing written); a sticky folder (``/tmp``'s 1777) is kept."""
+    repo = make(tmp_path, signed=True)
+    listed = repo.store / "allowed_signers.json"
+    (listed if where == "list" else repo.store).chmod(0o666 if where == "list" else 0o777)
+    patch = change(repo, 11, "open")
+    before = snapshot(repo)
+    v = verify(repo)
+    assert v.code == 2 and v.json["error"]["type"] == "usage" and "any user may" in v.json["error"]["message"], v.out
+    assert run_cli("status", "one", "--repo", str(repo.path), "--json").code == 2
+    r = run_cli("apply", "--repo", str(repo.path), "--key", "k", "--json", "-", input=patch)
+    assert r.code == 2 and r.json["error"]["effect_status"] == "not_started", r.out
+    assert snapshot(repo) == before
+    (listed if where == "list" else repo.store).chmod(0o644 if where == "list" else 0o1777)
+    assert verify(repo).code == 0
+    repo.store.chmod(0o755)
 
 
 def test_keys_init_refuses_a_store_that_holds_unsigned_receipts(tmp_path: Path) -> None:
