@@ -41,7 +41,8 @@ from patcher.evidence import KEY_REF_PREFIX, contradictions, trailer_problems
 from patcher.evidence import _output_problems as output_problems
 from patcher.remote_mode import Remote
 
-__all__ = ["RECEIPTS_REF_PREFIX", "RECEIPT_FILE", "Pushed", "RemoteUnreachable", "tracking_ref", "mirror_prefix",
+__all__ = ["RECEIPTS_REF_PREFIX", "RECEIPT_FILE", "Pushed", "RemoteUnreachable", "RemoteRejected", "tracking_ref",
+           "mirror_prefix",
            "fetch", "push", "receipt_commit", "read_remote_receipt", "remote_problems", "follow", "remote_of",
            "repointed", "query_remote", "settle_remote", "verify_remote", "verify_rejected_remote"]
 
@@ -72,6 +73,22 @@ class RemoteUnreachable(CasError):
     default_retryable = True
     default_effect_status: ClassVar[EffectStatus] = "not_started"
     default_next_action: ClassVar[NextAction] = "retry"
+
+
+class RemoteRejected(CasError):
+    """The server refused a push for its own reason (a hook, a lock left on it, a ref in the way): nothing changed.
+
+    Not a lost lease: the branch and the key's refs are as the push expected
+    them.  Retryable (the key stays open: the same call lands once the server
+    accepts it), but nothing is gained by retrying before a person has acted
+    on the server's reason, which the message quotes.
+    """
+
+    type = "remote_rejected"
+    exit_code = EXIT_REJECTED
+    default_retryable = True
+    default_effect_status: ClassVar[EffectStatus] = "not_applied"
+    default_next_action: ClassVar[NextAction] = "none"
 
 
 def _git(gstore: GitStore, *argv: str) -> subprocess.CompletedProcess[bytes]:
@@ -112,8 +129,15 @@ def fetch(gstore: GitStore, remote: Remote, branch: str, h: str) -> tuple[str | 
 
 @dataclass(frozen=True, slots=True)
 class Pushed:
-    outcome: str  # "pushed", "rejected" (a lease: nothing changed), "unreachable" (nothing sent), "unknown"
+    outcome: str  # "pushed", "rejected" (every ref refused: nothing changed), "unreachable" (nothing sent), "unknown"
     detail: str = ""
+    server: str = ""  # what the server said ("remote: ..." lines): a hook's or receive-pack's reason
+
+
+def _server_said(text: str) -> str:
+    """The server's own lines of a push's stderr (``remote: ...``), joined; git's padding dropped."""
+    said = [line.removeprefix("remote:").strip() for line in text.splitlines() if line.startswith("remote:")]
+    return "; ".join(line for line in said if line)
 
 
 _UNREACHABLE = ("connection refused", "could not resolve host", "unable to connect", "does not appear to be a git",
@@ -144,8 +168,11 @@ def push(gstore: GitStore, remote: Remote, branch: str, base: str, candidate: st
                          details={"remote": remote.name})
     if flags and "Done" in out.splitlines()[-1:] and not landed:
         # Every ref refused (a lease, a ref another push locked or moved, or "up to date": the
-        # same commit already there, claimed by another call): an atomic push changed nothing.
-        return Pushed("rejected", report)
+        # same commit already there, claimed by another call; or the server's own refusal, a
+        # hook's): an atomic push changed nothing.  The caller fetches to tell which.
+        summaries = {summary for _flag, summary in flags.values()}
+        said = _server_said(res.stderr.decode("utf-8", "replace"))
+        return Pushed("rejected", summaries.pop() if len(summaries) == 1 else report, said)
     if not flags and any(word in text.lower() for word in _UNREACHABLE):
         return Pushed("unreachable", text)
     return Pushed("unknown", report or text)

@@ -624,3 +624,58 @@ def test_drift_checks_a_remote_mode_receipt_on_its_tracking_branch(cluster: tupl
     (row,) = r.json["receipts"]
     assert row["key"] == "key-1" and row["state"] == "unchanged" and row["branch"] == "refs/remotes/origin/main"
     assert r.json["unchecked"] == 0
+
+
+def _clone_state(machine: Path) -> dict[str, bytes]:
+    """The clone's worktree, index, HEAD and local branches, byte for byte (its store and caches aside)."""
+    state = {str(p.relative_to(machine)): p.read_bytes() for p in machine.rglob("*")
+             if p.is_file() and ".git" not in p.relative_to(machine).parts}
+    state[".git/index"] = (machine / ".git" / "index").read_bytes()
+    state[".git/HEAD"] = (machine / ".git" / "HEAD").read_bytes()
+    state["refs/heads"] = subprocess.run(["git", "-C", str(machine), "for-each-ref", "refs/heads"],
+                                         capture_output=True, check=True).stdout
+    return state
+
+
+@pytest.mark.parametrize("refusal", ["hook", "stale-lock"])
+def test_a_push_the_server_refuses_is_remote_rejected_at_once(refusal: str, tmp_path: Path,
+                                                               cluster: tuple[GitServer, Cluster]) -> None:
+    """A pre-receive hook that declines, or a lock a crashed push left on the server: no lease was lost.
+
+    Nothing moved there, so a re-stage would be refused again: the call stops after the one push,
+    says what the server said, and claims no moved branch; the key stays open.
+    """
+    _server, c = cluster
+    a = c.machines[0]
+    before = remote_git(c, "rev-parse", "main").strip()
+    pushes = tmp_path / "pushes"
+    hook = c.server_repo / "hooks" / "pre-receive"
+    lock = c.server_repo / "refs" / "heads" / "main.lock"
+    if refusal == "hook":
+        hook.write_text(f"#!/bin/sh\ncat >/dev/null\necho push >> '{pushes}'\n"
+                        f"echo 'branch frozen for the release' >&2\nexit 1\n")
+        hook.chmod(0o755)
+    else:
+        lock.write_text(before + "\n")
+    local = _clone_state(a)
+    res = cli_apply(a, 0)
+    assert res.returncode == 4, res.stdout
+    err = json.loads(res.stdout)["error"]
+    assert (err["type"], err["effect_status"], err["retryable"]) == ("remote_rejected", "not_applied", True)
+    assert "moved" not in err["message"]
+    assert ("branch frozen for the release" if refusal == "hook" else "main.lock") in err["message"]
+    if refusal == "hook":
+        assert pushes.read_text() == "push\n"  # one push, not one per round
+    assert remote_git(c, "rev-parse", "main").strip() == before
+    assert remote_ref(c, f"refs/oncepatch/keys/{key_hash('key-0')}") is None
+    assert _clone_state(a) == local
+    receipt = _receipt_of(a, "key-0")
+    assert receipt is not None and receipt["status"] == "rejected" and receipt["retryable"]
+    verify_all(c)
+    # The server accepts again: the same call lands, once.
+    hook.unlink(missing_ok=True)
+    lock.unlink(missing_ok=True)
+    again = cli_apply(a, 0)
+    assert again.returncode == 0, again.stdout
+    assert remote_commits_with(c, "key-0") == [json.loads(again.stdout)["commit"]]
+    verify_all(c)
