@@ -107,13 +107,22 @@ def _text(res: subprocess.CompletedProcess[bytes]) -> str:
 def fetch(gstore: GitStore, remote: Remote, branch: str, h: str) -> tuple[str | None, str | None, str | None]:
     """Fetch the remote's ``branch`` and the key's two refs; ``(head, key commit, receipt commit)`` as fetched.
 
+    The branch is fetched into a ref of the key's own (``heads/<h>`` under
+    :func:`mirror_prefix`, removed once read), not into the shared
+    remote-tracking ref: calls of other keys in the clone, and a person's
+    ``git fetch``, update that one at the same moment, and git refuses a
+    fetch whose ref another process moved or holds.  The tracking ref then
+    follows when it can (:func:`_move_tracking`).
+
     Raises:
         UsageError: the remote has no such branch.
         RemoteUnreachable: the fetch failed.
     """
     mirror = mirror_prefix(remote)
-    res = _git(gstore, "fetch", "--quiet", "--no-tags", "--prune", "--no-write-fetch-head", remote.name,
-               f"+{branch}:{tracking_ref(remote, branch)}",
+    mine, tracking = f"{mirror}heads/{h}", tracking_ref(remote, branch)
+    seen = gstore.resolve(tracking)
+    res = _git(gstore, "fetch", "--quiet", "--no-tags", "--prune", "--no-write-fetch-head", "--refmap=",
+               remote.name, f"+{branch}:{mine}",
                f"+{KEY_REF_PREFIX}{h}*:{mirror}keys/{h}*",
                f"+{RECEIPTS_REF_PREFIX}{h}*:{mirror}receipts/{h}*")
     if res.returncode != 0:
@@ -123,8 +132,30 @@ def fetch(gstore: GitStore, remote: Remote, branch: str, h: str) -> tuple[str | 
                              details={"remote": remote.name})
         raise RemoteUnreachable(f"cannot fetch from remote '{remote.name}' ({remote.url}): {text}")
     gstore.reopen_objects()  # a pack git just wrote
-    return (gstore.resolve(tracking_ref(remote, branch)), gstore.resolve(f"{mirror}keys/{h}"),
-            gstore.resolve(f"{mirror}receipts/{h}"))
+    head = gstore.resolve(mine)
+    if head is not None and not _move_tracking(gstore, tracking, head, seen, also=f"delete {mine} {head}"):
+        _update_refs(gstore, [f"delete {mine} {head}"])
+    return head, gstore.resolve(f"{mirror}keys/{h}"), gstore.resolve(f"{mirror}receipts/{h}")
+
+
+def _update_refs(gstore: GitStore, lines: list[str]) -> bool:
+    """One ``git update-ref --stdin`` transaction (all or nothing); whether it went through."""
+    res = subprocess.run(["git", "--git-dir", gstore.common_dir, "update-ref", "--stdin"],
+                         input=("\n".join(lines) + "\n").encode(), capture_output=True, check=False)
+    return res.returncode == 0
+
+
+def _move_tracking(gstore: GitStore, tracking: str, new: str, seen: str | None, *, also: str = "") -> bool:
+    """The remote-tracking ref from ``seen`` (as read before) to ``new``, where nobody moved or holds it since.
+
+    A convenience for the person (``git pull``, ``drift``), never what a call
+    reads: another process that moved or locked it meanwhile (a fetch of its
+    own) wins, and this one leaves it.  ``also``: a line of the same
+    transaction.  Whether the transaction went through (``False``: nothing of it did).
+    """
+    lines = [f"update {tracking} {new} {seen or '0' * 40}"] if new != seen else []
+    lines += [also] if also else []
+    return not lines or _update_refs(gstore, lines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,19 +270,24 @@ def remote_problems(gstore: GitStore, receipt: Receipt, key_commit: str | None, 
 # -- the call -------------------------------------------------------------------------------------
 
 def follow(gstore: GitStore, remote: Remote, branch: str, h: str, commit: str, receipt_commit: str | None) -> None:
-    """The local refs follow the remote: its tracking branch (only forward) and the key's mirrored refs."""
+    """The local refs follow the remote: the key's mirrored refs, and its tracking branch (forward, when free).
+
+    Raises:
+        GitStoreError: the mirrored refs could not be updated.
+    """
     mirror = mirror_prefix(remote)
     lines = [f"update {mirror}keys/{h} {commit}"]
     if receipt_commit is not None:
         lines.append(f"update {mirror}receipts/{h} {receipt_commit}")
-    tracking = tracking_ref(remote, branch)
-    tip = gstore.resolve(tracking)
-    if tip is None or (tip != commit and gstore.is_ancestor(tip, commit)):
-        lines.append(f"update {tracking} {commit}")
     res = subprocess.run(["git", "--git-dir", gstore.common_dir, "update-ref", "--stdin"],
                          input=("\n".join(lines) + "\n").encode(), capture_output=True, check=False)
     if res.returncode != 0:
         raise GitStoreError(f"cannot update the local copies of the remote's refs: {_text(res)}")
+    tracking = tracking_ref(remote, branch)
+    tip = gstore.resolve(tracking)
+    if tip is None or (tip != commit and gstore.is_ancestor(tip, commit)):
+        _move_tracking(gstore, tracking, commit, tip)
+
 
 def remote_of(receipt: Receipt) -> Remote:
     """The remote a receipt names (``extra.remote``: its name and URL)."""

@@ -679,3 +679,51 @@ def test_a_push_the_server_refuses_is_remote_rejected_at_once(refusal: str, tmp_
     assert again.returncode == 0, again.stdout
     assert remote_commits_with(c, "key-0") == [json.loads(again.stdout)["commit"]]
     verify_all(c)
+
+
+@pytest.mark.parametrize("when", ["from-the-start", "after-the-push"])
+def test_a_busy_remote_tracking_ref_does_not_fail_the_call(when: str, cluster: tuple[GitServer, Cluster]) -> None:
+    """``refs/remotes/origin/main`` locked by another git of the clone (a person's ``git fetch``, or
+    another call's fetch: calls of different keys in one clone run at once).
+
+    The call reads the remote's head from a fetch of its own and only moves the tracking ref when it
+    can: before, a lock held during its fetch made it ``remote_unreachable``, and one held when the
+    local refs followed a landed push made it end ``applied`` with an error, ``recover`` needed.
+    """
+    _server, c = cluster
+    a = c.machines[0]
+    lock = a / ".git" / "refs" / "remotes" / "origin" / "main.lock"
+    tracking_before = subprocess.run(["git", "-C", str(a), "rev-parse", "refs/remotes/origin/main"],
+                                     capture_output=True, check=True).stdout.decode().strip()
+    if when == "from-the-start":
+        lock.write_text(tracking_before + "\n")
+        res = cli_apply(a, 0)
+        out, code = res.stdout, res.returncode
+    else:
+        proc = subprocess.Popen(apply_argv(a, 0), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env_with(ONCEPATCH_PAUSE_AT="after-push"))
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(key_patch(0).encode())
+            proc.stdin.close()
+            proc.stdin = None
+            _pid, status = os.waitpid(proc.pid, os.WUNTRACED)
+            assert os.WIFSTOPPED(status), status
+            lock.write_text(tracking_before + "\n")
+            os.kill(proc.pid, signal.SIGCONT)
+            out, _err = proc.communicate(timeout=120)
+            code = proc.returncode
+        finally:
+            _reap([proc])
+    assert code == 0, out
+    doc = json.loads(out)
+    assert doc["replayed"] is False and remote_commits_with(c, "key-0") == [doc["commit"]]
+    assert _receipt_of(a, "key-0")["status"] == "committed"  # type: ignore[index]
+    assert lock.read_text() == tracking_before + "\n"  # another's lock: never taken over nor removed
+    lock.unlink()
+    verify_all(c)
+    again = cli_apply(a, 0)  # the tracking ref follows on the next call that can take it
+    assert again.returncode == 0 and json.loads(again.stdout)["replayed"] is True
+    assert cli_apply(a, 1).returncode == 0
+    assert subprocess.run(["git", "-C", str(a), "rev-parse", "refs/remotes/origin/main"], capture_output=True,
+                          check=True).stdout.decode().strip() == remote_git(c, "rev-parse", "main").strip()
