@@ -727,3 +727,27 @@ def test_a_busy_remote_tracking_ref_does_not_fail_the_call(when: str, cluster: t
     assert cli_apply(a, 1).returncode == 0
     assert subprocess.run(["git", "-C", str(a), "rev-parse", "refs/remotes/origin/main"], capture_output=True,
                           check=True).stdout.decode().strip() == remote_git(c, "rev-parse", "main").strip()
+
+
+def test_a_call_rejected_after_staging_keeps_its_remote_for_verify(cluster: tuple[GitServer, Cluster]) -> None:
+    """A remote-mode receipt rejected in the call (here: the push refused) still names its remote and clone.
+
+    Without them verify could not check the rejected receipt against the remote (its staged
+    candidate must not have landed there), and passed with the remote out of reach.
+    """
+    server, c = cluster
+    a = c.machines[0]
+    hook = c.server_repo / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\ncat >/dev/null\nexit 1\n")
+    hook.chmod(0o755)
+    res = cli_apply(a, 0)
+    assert res.returncode == 4, res.stdout
+    receipt = _receipt_of(a, "key-0")
+    assert receipt is not None and receipt["status"] == "rejected" and receipt["candidate"]
+    named = receipt["remote"]
+    assert (named["name"], named["url"], named["local"]) == ("origin", c.url, str(a))
+    verify_all(c)
+    server.stop()
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 5, ver.out  # checked against the remote: it could not be reached
+    assert [f["kind"] for f in ver.json["failures"]] == ["unreachable"]
