@@ -751,3 +751,26 @@ def test_a_call_rejected_after_staging_keeps_its_remote_for_verify(cluster: tupl
     ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
     assert ver.code == 5, ver.out  # checked against the remote: it could not be reached
     assert [f["kind"] for f in ver.json["failures"]] == ["unreachable"]
+
+
+def test_status_and_recover_with_the_remote_down_say_not_checked_not_corrupt(
+        cluster: tuple[GitServer, Cluster]) -> None:
+    """As verify does (exit 5): a committed receipt not checked, its remote out of reach, is not a corrupt one."""
+    server, c = cluster
+    a = c.machines[0]
+    assert cli_apply(a, 0).returncode == 0
+    server.stop()
+    st = run_cli("status", "--json", "--repo", str(a), "--", "key-0")
+    assert st.code == 5, st.out
+    err = st.json["error"]
+    assert (err["type"], err["retryable"]) == ("io_error", True) and "could not be reached" in err["message"]
+    rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
+    assert rec.code == 5 and rec.json["corrupt"] == [], rec.out
+    assert [s["key"] for s in rec.json["skipped"]] == ["key-0"]
+    server.start()
+    try:
+        assert run_cli("status", "--json", "--repo", str(a), "--", "key-0").code == 0
+        assert run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0").code == 0
+        verify_all(c)
+    finally:
+        server.stop()
