@@ -778,14 +778,20 @@ class _NotStaged(Exception):
 
 def _reject(run: _Run, err: OncepatchError, base: str | None, candidate: str | None, *,
             retryable: bool | None = None) -> None:
-    """Record a rejection after staging (conflict, failed check, stale lock): base and candidate, no outputs."""
+    """Record a rejection after staging (conflict, failed check, stale lock): base and candidate, no outputs.
+
+    A remote-mode receipt keeps its ``remote`` field: the remote and the clone it names are
+    where ``verify`` checks that the staged candidate never landed (docs/REMOTE.md).
+    """
     if run.call.prepared and err.effect_status == "not_started":
         err.effect_status = "not_applied"  # (its receipt said prepared: something was started)
     envelope = err.with_key(run.key).envelope()
     if retryable is not None:
         envelope["retryable"] = retryable
+    prepared = run.call.receipt if run.call.prepared else None
+    named = prepared.extra.get("remote") if prepared is not None else None
     run.call.reject(envelope, base={"ref": run.args.branch, "commit": base}, candidate=candidate, outputs=(),
-                    extra={})
+                    extra={"remote": named} if named is not None else {})
 
 
 def _truthful(run: _Run, exc: Exception) -> OncepatchError:

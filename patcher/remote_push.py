@@ -35,8 +35,8 @@ from patcher.execute import _check_candidate, _open, _reject, _Run
 from patcher.grades import grade_warnings
 from patcher.outcome import ApplyResult
 from patcher.remote_mode import Remote
-from patcher.remote_refs import (RemoteUnreachable, fetch, follow, push, read_remote_receipt, receipt_commit,
-                                 remote_problems)
+from patcher.remote_refs import (RemoteRejected, RemoteUnreachable, fetch, follow, push, read_remote_receipt,
+                                 receipt_commit, remote_problems)
 from patcher.stage import Staged, stage
 
 __all__ = ["MAX_REMOTE_ROUNDS", "execute_remote"]
@@ -103,11 +103,21 @@ def execute_remote(run: _Run) -> ApplyResult:
                                     effect_status="not_applied", details={"remote": remote.name})
             _reject(run, err, base, candidate, retryable=True)
             raise err
-        # A lease said no: the remote moved, or the key was claimed meanwhile.
+        # Every ref refused: a lease (the remote moved, or the key was claimed meanwhile), or the server's
+        # own reason.  The fetch tells: nothing moved there, so no lease was lost and a re-stage onto the
+        # same head would only be refused again.
         _back_off(restages)
         head, key_commit, receipt_ref = fetch(gstore, remote, args.branch, h)
         if key_commit is not None or receipt_ref is not None:
             return _answer_from_remote(run, remote, head, key_commit, receipt_ref, restages=restages)
+        if head == base:
+            said = f" (the server said: {pushed.server})" if pushed.server else ""
+            refused = RemoteRejected(f"remote '{remote.name}' ({remote.url}) refused the push: {pushed.detail}{said}; "
+                                     f"no lease was lost (its branch and the key's refs are as the push expected "
+                                     f"them) and nothing changed there; the same call lands once the server accepts "
+                                     f"it", details={"remote": remote.name})
+            _reject(run, refused, base, candidate)
+            raise refused
         restages += 1
         staged = _restage_remote(run, head, restages)
     crash_point("after-push")

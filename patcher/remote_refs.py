@@ -41,7 +41,8 @@ from patcher.evidence import KEY_REF_PREFIX, contradictions, trailer_problems
 from patcher.evidence import _output_problems as output_problems
 from patcher.remote_mode import Remote
 
-__all__ = ["RECEIPTS_REF_PREFIX", "RECEIPT_FILE", "Pushed", "RemoteUnreachable", "tracking_ref", "mirror_prefix",
+__all__ = ["RECEIPTS_REF_PREFIX", "RECEIPT_FILE", "Pushed", "RemoteUnreachable", "RemoteRejected", "tracking_ref",
+           "mirror_prefix",
            "fetch", "push", "receipt_commit", "read_remote_receipt", "remote_problems", "follow", "remote_of",
            "repointed", "query_remote", "settle_remote", "verify_remote", "verify_rejected_remote"]
 
@@ -74,6 +75,22 @@ class RemoteUnreachable(CasError):
     default_next_action: ClassVar[NextAction] = "retry"
 
 
+class RemoteRejected(CasError):
+    """The server refused a push for its own reason (a hook, a lock left on it, a ref in the way): nothing changed.
+
+    Not a lost lease: the branch and the key's refs are as the push expected
+    them.  Retryable (the key stays open: the same call lands once the server
+    accepts it), but nothing is gained by retrying before a person has acted
+    on the server's reason, which the message quotes.
+    """
+
+    type = "remote_rejected"
+    exit_code = EXIT_REJECTED
+    default_retryable = True
+    default_effect_status: ClassVar[EffectStatus] = "not_applied"
+    default_next_action: ClassVar[NextAction] = "none"
+
+
 def _git(gstore: GitStore, *argv: str) -> subprocess.CompletedProcess[bytes]:
     env = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}
     try:
@@ -90,13 +107,22 @@ def _text(res: subprocess.CompletedProcess[bytes]) -> str:
 def fetch(gstore: GitStore, remote: Remote, branch: str, h: str) -> tuple[str | None, str | None, str | None]:
     """Fetch the remote's ``branch`` and the key's two refs; ``(head, key commit, receipt commit)`` as fetched.
 
+    The branch is fetched into a ref of the key's own (``heads/<h>`` under
+    :func:`mirror_prefix`, removed once read), not into the shared
+    remote-tracking ref: calls of other keys in the clone, and a person's
+    ``git fetch``, update that one at the same moment, and git refuses a
+    fetch whose ref another process moved or holds.  The tracking ref then
+    follows when it can (:func:`_move_tracking`).
+
     Raises:
         UsageError: the remote has no such branch.
         RemoteUnreachable: the fetch failed.
     """
     mirror = mirror_prefix(remote)
-    res = _git(gstore, "fetch", "--quiet", "--no-tags", "--prune", "--no-write-fetch-head", remote.name,
-               f"+{branch}:{tracking_ref(remote, branch)}",
+    mine, tracking = f"{mirror}heads/{h}", tracking_ref(remote, branch)
+    seen = gstore.resolve(tracking)
+    res = _git(gstore, "fetch", "--quiet", "--no-tags", "--prune", "--no-write-fetch-head", "--refmap=",
+               remote.name, f"+{branch}:{mine}",
                f"+{KEY_REF_PREFIX}{h}*:{mirror}keys/{h}*",
                f"+{RECEIPTS_REF_PREFIX}{h}*:{mirror}receipts/{h}*")
     if res.returncode != 0:
@@ -106,14 +132,43 @@ def fetch(gstore: GitStore, remote: Remote, branch: str, h: str) -> tuple[str | 
                              details={"remote": remote.name})
         raise RemoteUnreachable(f"cannot fetch from remote '{remote.name}' ({remote.url}): {text}")
     gstore.reopen_objects()  # a pack git just wrote
-    return (gstore.resolve(tracking_ref(remote, branch)), gstore.resolve(f"{mirror}keys/{h}"),
-            gstore.resolve(f"{mirror}receipts/{h}"))
+    head = gstore.resolve(mine)
+    if head is not None and not _move_tracking(gstore, tracking, head, seen, also=f"delete {mine} {head}"):
+        _update_refs(gstore, [f"delete {mine} {head}"])
+    return head, gstore.resolve(f"{mirror}keys/{h}"), gstore.resolve(f"{mirror}receipts/{h}")
+
+
+def _update_refs(gstore: GitStore, lines: list[str]) -> bool:
+    """One ``git update-ref --stdin`` transaction (all or nothing); whether it went through."""
+    res = subprocess.run(["git", "--git-dir", gstore.common_dir, "update-ref", "--stdin"],
+                         input=("\n".join(lines) + "\n").encode(), capture_output=True, check=False)
+    return res.returncode == 0
+
+
+def _move_tracking(gstore: GitStore, tracking: str, new: str, seen: str | None, *, also: str = "") -> bool:
+    """The remote-tracking ref from ``seen`` (as read before) to ``new``, where nobody moved or holds it since.
+
+    A convenience for the person (``git pull``, ``drift``), never what a call
+    reads: another process that moved or locked it meanwhile (a fetch of its
+    own) wins, and this one leaves it.  ``also``: a line of the same
+    transaction.  Whether the transaction went through (``False``: nothing of it did).
+    """
+    lines = [f"update {tracking} {new} {seen or '0' * 40}"] if new != seen else []
+    lines += [also] if also else []
+    return not lines or _update_refs(gstore, lines)
 
 
 @dataclass(frozen=True, slots=True)
 class Pushed:
-    outcome: str  # "pushed", "rejected" (a lease: nothing changed), "unreachable" (nothing sent), "unknown"
+    outcome: str  # "pushed", "rejected" (every ref refused: nothing changed), "unreachable" (nothing sent), "unknown"
     detail: str = ""
+    server: str = ""  # what the server said ("remote: ..." lines): a hook's or receive-pack's reason
+
+
+def _server_said(text: str) -> str:
+    """The server's own lines of a push's stderr (``remote: ...``), joined; git's padding dropped."""
+    said = [line.removeprefix("remote:").strip() for line in text.splitlines() if line.startswith("remote:")]
+    return "; ".join(line for line in said if line)
 
 
 _UNREACHABLE = ("connection refused", "could not resolve host", "unable to connect", "does not appear to be a git",
@@ -144,8 +199,11 @@ def push(gstore: GitStore, remote: Remote, branch: str, base: str, candidate: st
                          details={"remote": remote.name})
     if flags and "Done" in out.splitlines()[-1:] and not landed:
         # Every ref refused (a lease, a ref another push locked or moved, or "up to date": the
-        # same commit already there, claimed by another call): an atomic push changed nothing.
-        return Pushed("rejected", report)
+        # same commit already there, claimed by another call; or the server's own refusal, a
+        # hook's): an atomic push changed nothing.  The caller fetches to tell which.
+        summaries = {summary for _flag, summary in flags.values()}
+        said = _server_said(res.stderr.decode("utf-8", "replace"))
+        return Pushed("rejected", summaries.pop() if len(summaries) == 1 else report, said)
     if not flags and any(word in text.lower() for word in _UNREACHABLE):
         return Pushed("unreachable", text)
     return Pushed("unknown", report or text)
@@ -212,19 +270,24 @@ def remote_problems(gstore: GitStore, receipt: Receipt, key_commit: str | None, 
 # -- the call -------------------------------------------------------------------------------------
 
 def follow(gstore: GitStore, remote: Remote, branch: str, h: str, commit: str, receipt_commit: str | None) -> None:
-    """The local refs follow the remote: its tracking branch (only forward) and the key's mirrored refs."""
+    """The local refs follow the remote: the key's mirrored refs, and its tracking branch (forward, when free).
+
+    Raises:
+        GitStoreError: the mirrored refs could not be updated.
+    """
     mirror = mirror_prefix(remote)
     lines = [f"update {mirror}keys/{h} {commit}"]
     if receipt_commit is not None:
         lines.append(f"update {mirror}receipts/{h} {receipt_commit}")
-    tracking = tracking_ref(remote, branch)
-    tip = gstore.resolve(tracking)
-    if tip is None or (tip != commit and gstore.is_ancestor(tip, commit)):
-        lines.append(f"update {tracking} {commit}")
     res = subprocess.run(["git", "--git-dir", gstore.common_dir, "update-ref", "--stdin"],
                          input=("\n".join(lines) + "\n").encode(), capture_output=True, check=False)
     if res.returncode != 0:
         raise GitStoreError(f"cannot update the local copies of the remote's refs: {_text(res)}")
+    tracking = tracking_ref(remote, branch)
+    tip = gstore.resolve(tracking)
+    if tip is None or (tip != commit and gstore.is_ancestor(tip, commit)):
+        _move_tracking(gstore, tracking, commit, tip)
+
 
 def remote_of(receipt: Receipt) -> Remote:
     """The remote a receipt names (``extra.remote``: its name and URL)."""

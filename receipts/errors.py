@@ -40,6 +40,7 @@ from cas.errors import (
 )
 
 __all__ = [
+    "UNREACHABLE", "NotChecked", "only_unreachable",
     "TRANSIENT_ERRNOS",
     "ReceiptError",
     "CanonicalJsonError",
@@ -227,3 +228,27 @@ class Forbidden(ReceiptError):
     exit_code = EXIT_REJECTED
     default_effect_status = "not_started"
     default_next_action = "none"
+
+
+#: How a verifier's reason starts when what it checks against (a git remote) could not be reached:
+#: not a contradiction but a check not made (the CLI's exit 5, not 6; docs/REMOTE.md).
+UNREACHABLE = "unreachable: "
+
+
+def only_unreachable(problems: list[str]) -> bool:
+    """Whether every one of a verifier's ``problems`` is a check not made (:data:`UNREACHABLE`), none a contradiction."""
+    return bool(problems) and all(p.startswith(UNREACHABLE) for p in problems)
+
+
+class NotChecked(ReceiptError):
+    """A committed receipt that could not be checked now (its git remote out of reach): nothing found wrong.
+
+    ``status`` answers this instead of ``corrupt_receipt``: the same question
+    again, once the remote can be reached, gets the receipt.
+    """
+
+    type = "io_error"
+    exit_code = EXIT_IN_PROGRESS
+    default_retryable = True
+    default_effect_status = "unknown"
+    default_next_action = "retry"

@@ -8,7 +8,7 @@ from typing import Any
 
 from cas.errors import clip
 from cas.gitdir import discover
-from receipts.errors import CorruptReceipt, InProgress, ReceiptNotFound
+from receipts.errors import CorruptReceipt, InProgress, NotChecked, ReceiptNotFound, only_unreachable
 from receipts.receipt import Receipt
 from receipts.retired import retired_keys, retired_message
 from receipts.store import FILE_MISSING, ReceiptStore
@@ -51,6 +51,9 @@ def status(key: str, *, store: ReceiptStore | str | os.PathLike[str] | None = No
         known = adapters(rstore) if callable(adapters) else adapters
         check = getattr(known.get(found.tool), "verify_committed", None)
         problems = check(found) if check is not None else []
+        if only_unreachable(problems):
+            raise NotChecked(f"the receipt of key '{found.key}' could not be checked now: {'; '.join(problems)}",
+                             key=found.key, details={"path": rstore.receipt_path(found.key)})
         if problems:
             raise CorruptReceipt(rstore.receipt_path(found.key), "; ".join(problems), key=found.key,
                                  next_action="none", details={"contradicted_by": found.tool})

@@ -36,7 +36,8 @@ from cas.durable import is_own_tmp
 from cas.errors import CasError, OncepatchError, UsageError
 from receipts.adapter import EffectAdapter
 from receipts.engine import settle
-from receipts.errors import CorruptLedger, CorruptReceipt, ReadFailed, RecoveryFailed, StillUnknown
+from receipts.errors import (CorruptLedger, CorruptReceipt, ReadFailed, RecoveryFailed, StillUnknown,
+                             only_unreachable)
 from receipts.flock import file_lock
 from receipts.identity import key_hash
 from receipts.quarantine import quarantined_keys
@@ -396,6 +397,10 @@ def _look_closer(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], rep
         return
     if receipt.status == "committed":
         problems = _contradictions(adapters, receipt)
+        if only_unreachable(problems):
+            # Not checked (its git remote out of reach), nothing found wrong: left for the next run.
+            report.skipped.append({"key": receipt.key, "reason": f"not checked: {'; '.join(problems)}"})
+            return
         if problems:
             # Believed only where the world agrees: nothing of it is settled, logged or repaired.
             report.corrupt.append({"path": path, "key": receipt.key, "reason": "; ".join(problems)})

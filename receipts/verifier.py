@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from receipts.errors import CorruptReceipt
+from receipts.errors import UNREACHABLE, CorruptReceipt
 from receipts.identity import key_hash
 from receipts.receipt import Receipt
 from receipts.recovery import receipt_age
@@ -30,9 +30,6 @@ from receipts.workers import spawn_pool, split
 __all__ = ["Failure", "VerifyReport", "CommitVerifier", "verify", "DEFAULT_GRACE", "UNREACHABLE"]
 
 DEFAULT_GRACE = 300.0
-#: How a verifier's reason starts when what it checks against (a git remote) could not be reached:
-#: not a contradiction but a check not made (the CLI's exit 5, not 6; docs/REMOTE.md).
-UNREACHABLE = "unreachable: "
 
 
 class CommitVerifier(Protocol):

@@ -624,3 +624,153 @@ def test_drift_checks_a_remote_mode_receipt_on_its_tracking_branch(cluster: tupl
     (row,) = r.json["receipts"]
     assert row["key"] == "key-1" and row["state"] == "unchanged" and row["branch"] == "refs/remotes/origin/main"
     assert r.json["unchecked"] == 0
+
+
+def _clone_state(machine: Path) -> dict[str, bytes]:
+    """The clone's worktree, index, HEAD and local branches, byte for byte (its store and caches aside)."""
+    state = {str(p.relative_to(machine)): p.read_bytes() for p in machine.rglob("*")
+             if p.is_file() and ".git" not in p.relative_to(machine).parts}
+    state[".git/index"] = (machine / ".git" / "index").read_bytes()
+    state[".git/HEAD"] = (machine / ".git" / "HEAD").read_bytes()
+    state["refs/heads"] = subprocess.run(["git", "-C", str(machine), "for-each-ref", "refs/heads"],
+                                         capture_output=True, check=True).stdout
+    return state
+
+
+@pytest.mark.parametrize("refusal", ["hook", "stale-lock"])
+def test_a_push_the_server_refuses_is_remote_rejected_at_once(refusal: str, tmp_path: Path,
+                                                               cluster: tuple[GitServer, Cluster]) -> None:
+    """A pre-receive hook that declines, or a lock a crashed push left on the server: no lease was lost.
+
+    Nothing moved there, so a re-stage would be refused again: the call stops after the one push,
+    says what the server said, and claims no moved branch; the key stays open.
+    """
+    _server, c = cluster
+    a = c.machines[0]
+    before = remote_git(c, "rev-parse", "main").strip()
+    pushes = tmp_path / "pushes"
+    hook = c.server_repo / "hooks" / "pre-receive"
+    lock = c.server_repo / "refs" / "heads" / "main.lock"
+    if refusal == "hook":
+        hook.write_text(f"#!/bin/sh\ncat >/dev/null\necho push >> '{pushes}'\n"
+                        f"echo 'branch frozen for the release' >&2\nexit 1\n")
+        hook.chmod(0o755)
+    else:
+        lock.write_text(before + "\n")
+    local = _clone_state(a)
+    res = cli_apply(a, 0)
+    assert res.returncode == 4, res.stdout
+    err = json.loads(res.stdout)["error"]
+    assert (err["type"], err["effect_status"], err["retryable"]) == ("remote_rejected", "not_applied", True)
+    assert "moved" not in err["message"]
+    assert ("branch frozen for the release" if refusal == "hook" else "main.lock") in err["message"]
+    if refusal == "hook":
+        assert pushes.read_text() == "push\n"  # one push, not one per round
+    assert remote_git(c, "rev-parse", "main").strip() == before
+    assert remote_ref(c, f"refs/oncepatch/keys/{key_hash('key-0')}") is None
+    assert _clone_state(a) == local
+    receipt = _receipt_of(a, "key-0")
+    assert receipt is not None and receipt["status"] == "rejected" and receipt["retryable"]
+    verify_all(c)
+    # The server accepts again: the same call lands, once.
+    hook.unlink(missing_ok=True)
+    lock.unlink(missing_ok=True)
+    again = cli_apply(a, 0)
+    assert again.returncode == 0, again.stdout
+    assert remote_commits_with(c, "key-0") == [json.loads(again.stdout)["commit"]]
+    verify_all(c)
+
+
+@pytest.mark.parametrize("when", ["from-the-start", "after-the-push"])
+def test_a_busy_remote_tracking_ref_does_not_fail_the_call(when: str, cluster: tuple[GitServer, Cluster]) -> None:
+    """``refs/remotes/origin/main`` locked by another git of the clone (a person's ``git fetch``, or
+    another call's fetch: calls of different keys in one clone run at once).
+
+    The call reads the remote's head from a fetch of its own and only moves the tracking ref when it
+    can: before, a lock held during its fetch made it ``remote_unreachable``, and one held when the
+    local refs followed a landed push made it end ``applied`` with an error, ``recover`` needed.
+    """
+    _server, c = cluster
+    a = c.machines[0]
+    lock = a / ".git" / "refs" / "remotes" / "origin" / "main.lock"
+    tracking_before = subprocess.run(["git", "-C", str(a), "rev-parse", "refs/remotes/origin/main"],
+                                     capture_output=True, check=True).stdout.decode().strip()
+    if when == "from-the-start":
+        lock.write_text(tracking_before + "\n")
+        res = cli_apply(a, 0)
+        out, code = res.stdout, res.returncode
+    else:
+        proc = subprocess.Popen(apply_argv(a, 0), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env_with(ONCEPATCH_PAUSE_AT="after-push"))
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(key_patch(0).encode())
+            proc.stdin.close()
+            proc.stdin = None
+            _pid, status = os.waitpid(proc.pid, os.WUNTRACED)
+            assert os.WIFSTOPPED(status), status
+            lock.write_text(tracking_before + "\n")
+            os.kill(proc.pid, signal.SIGCONT)
+            out, _err = proc.communicate(timeout=120)
+            code = proc.returncode
+        finally:
+            _reap([proc])
+    assert code == 0, out
+    doc = json.loads(out)
+    assert doc["replayed"] is False and remote_commits_with(c, "key-0") == [doc["commit"]]
+    assert _receipt_of(a, "key-0")["status"] == "committed"  # type: ignore[index]
+    assert lock.read_text() == tracking_before + "\n"  # another's lock: never taken over nor removed
+    lock.unlink()
+    verify_all(c)
+    again = cli_apply(a, 0)  # the tracking ref follows on the next call that can take it
+    assert again.returncode == 0 and json.loads(again.stdout)["replayed"] is True
+    assert cli_apply(a, 1).returncode == 0
+    assert subprocess.run(["git", "-C", str(a), "rev-parse", "refs/remotes/origin/main"], capture_output=True,
+                          check=True).stdout.decode().strip() == remote_git(c, "rev-parse", "main").strip()
+
+
+def test_a_call_rejected_after_staging_keeps_its_remote_for_verify(cluster: tuple[GitServer, Cluster]) -> None:
+    """A remote-mode receipt rejected in the call (here: the push refused) still names its remote and clone.
+
+    Without them verify could not check the rejected receipt against the remote (its staged
+    candidate must not have landed there), and passed with the remote out of reach.
+    """
+    server, c = cluster
+    a = c.machines[0]
+    hook = c.server_repo / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\ncat >/dev/null\nexit 1\n")
+    hook.chmod(0o755)
+    res = cli_apply(a, 0)
+    assert res.returncode == 4, res.stdout
+    receipt = _receipt_of(a, "key-0")
+    assert receipt is not None and receipt["status"] == "rejected" and receipt["candidate"]
+    named = receipt["remote"]
+    assert (named["name"], named["url"], named["local"]) == ("origin", c.url, str(a))
+    verify_all(c)
+    server.stop()
+    ver = run_cli("verify", "--json", "--repo", str(a), "--grace", "0")
+    assert ver.code == 5, ver.out  # checked against the remote: it could not be reached
+    assert [f["kind"] for f in ver.json["failures"]] == ["unreachable"]
+
+
+def test_status_and_recover_with_the_remote_down_say_not_checked_not_corrupt(
+        cluster: tuple[GitServer, Cluster]) -> None:
+    """As verify does (exit 5): a committed receipt not checked, its remote out of reach, is not a corrupt one."""
+    server, c = cluster
+    a = c.machines[0]
+    assert cli_apply(a, 0).returncode == 0
+    server.stop()
+    st = run_cli("status", "--json", "--repo", str(a), "--", "key-0")
+    assert st.code == 5, st.out
+    err = st.json["error"]
+    assert (err["type"], err["retryable"]) == ("io_error", True) and "could not be reached" in err["message"]
+    rec = run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0")
+    assert rec.code == 5 and rec.json["corrupt"] == [], rec.out
+    assert [s["key"] for s in rec.json["skipped"]] == ["key-0"]
+    server.start()
+    try:
+        assert run_cli("status", "--json", "--repo", str(a), "--", "key-0").code == 0
+        assert run_cli("recover", "--json", "--repo", str(a), "--tmp-age", "0").code == 0
+        verify_all(c)
+    finally:
+        server.stop()
