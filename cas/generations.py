@@ -65,7 +65,7 @@ from cas.durable import fsync_dir, write_all, write_durable
 from cas.errors import UsageError
 from cas.pids import gone as pid_gone
 
-__all__ = ["DirLayout", "layout_of", "current_tree", "build", "switch", "outside_edits", "digest_mismatches",
+__all__ = ["DirLayout", "layout_of", "current_tree", "foreign_entry", "build", "switch", "outside_edits", "digest_mismatches",
            "generation_folders", "remove_generation", "switch_lock", "leftovers", "tree_files", "syncfs", "BRANCH",
            "HOME_SUFFIX", "QUARANTINE", "is_real_folder", "trusted_generation", "quarantine", "compare_folder",
            "remove_tree", "LAYOUT_CONFIG"]
@@ -151,6 +151,23 @@ def current_tree(layout: DirLayout) -> str | None:
     if head != os.path.join(os.path.basename(layout.home), layout.folder_name) or not _HEX40.fullmatch(name):
         return None
     return name
+
+
+def foreign_entry(layout: DirLayout) -> str | None:
+    """What ``PATH`` is when it is there but no symlink to one of its generations (``"a file"``, ...), or ``None``.
+
+    ``None`` also when ``PATH`` is missing: the moment between ``init``'s two
+    renames, which the next switch finishes.
+    """
+    try:
+        st = os.lstat(layout.path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return None if current_tree(layout) is not None else f"a symlink to '{os.readlink(layout.path)}'"
+    if stat.S_ISDIR(st.st_mode):
+        return "a real folder"
+    return "a file" if stat.S_ISREG(st.st_mode) else "a special file"
 
 
 # -- the lock ---------------------------------------------------------------------------------
@@ -418,12 +435,18 @@ def switch(layout: DirLayout, tree: str) -> None:
     """Point ``PATH`` at ``generations/<tree>``: a new symlink renamed over it (step 4), then its folder synced.
 
     Raises:
-        UsageError: ``PATH`` is a real folder (not adopted: ``oncepatch init --dir``).
+        UsageError: ``PATH`` is a real folder (not adopted: ``oncepatch init --dir``), or a file or
+            a symlink that is not to one of its generations (:func:`foreign_entry`): nothing is replaced.
     """
     parent, name = os.path.split(layout.path)
     if is_real_folder(layout.path):
         raise UsageError(f"'{layout.path}' is a folder, not a directory target: adopt it first with "
                          f"'oncepatch init --dir {layout.path}'")
+    what = foreign_entry(layout)
+    if what is not None:
+        # Renaming the link over it would delete what a person put there (a file, their own link).
+        raise UsageError(f"'{layout.path}' was replaced by {what}: it is no longer the directory target; "
+                         f"move it away, then run 'oncepatch recover --dir {layout.path}'")
     tmp = os.path.join(parent, f".{name}{_LINK_MARK}{os.getpid()}-{os.urandom(4).hex()}")
     os.symlink(layout.link_target(tree), tmp)
     try:

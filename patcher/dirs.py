@@ -23,7 +23,7 @@ import pygit2
 
 from cas.crash import crash_point
 from cas.errors import GitStoreError, UsageError
-from cas.generations import (BRANCH, HOME_SUFFIX, LAYOUT_CONFIG, DirLayout, build, current_tree,
+from cas.generations import (BRANCH, HOME_SUFFIX, LAYOUT_CONFIG, DirLayout, build, current_tree, foreign_entry,
                              digest_mismatches, generation_folders, is_real_folder, layout_of, leftovers, outside_edits,
                              remove_generation, remove_tree, switch, switch_lock, syncfs)
 from cas.objects import GitStore, open_store
@@ -310,8 +310,9 @@ def refuse_outside_edits(gstore: GitStore, paths: Iterable[str] | None = None) -
         return
     tree = current_tree(layout)
     if tree is None:
-        if is_real_folder(layout.path):
-            raise UsageError(f"'{layout.path}' was replaced by a real folder: it is no longer the directory target")
+        what = foreign_entry(layout)
+        if what is not None:
+            raise UsageError(f"'{layout.path}' was replaced by {what}: it is no longer the directory target")
         return  # never switched yet (a crash during init): the sync after the move makes it
     gen = layout.generation(tree)
     if os.path.lexists(gen) and not is_real_folder(gen):
