@@ -59,8 +59,8 @@ import orjson
 import pygit2
 
 from cas.crash import crash_point
-from cas.folder_ops import (QUARANTINE, compare_folder, is_real_folder, quarantine_entry, remove_tree, syncfs,
-                            tree_files)
+from cas.folder_ops import (QUARANTINE, compare_folder, is_real_folder, quarantine_entry, read_file_bytes, remove_tree,
+                            syncfs, tree_files)
 from cas.durable import fsync_dir, write_all, write_durable
 from cas.errors import UsageError
 from cas.pids import gone as pid_gone
@@ -537,9 +537,11 @@ def digest_mismatches(repo: pygit2.Repository, layout: DirLayout, tree: str) -> 
             ok = entry[1] == pygit2.enums.FileMode.LINK and str(pygit2.hash(os.fsencode(os.readlink(full)))) == entry[0]
         else:
             try:
-                with open(full, "rb") as fh:
-                    data = fh.read()
+                data = read_file_bytes(full)
             except PermissionError:  # made 0000 by hand: it differs
+                bad.append(path)
+                continue
+            if data is None:  # a fifo or a device where a file was: it differs, and is never waited on
                 bad.append(path)
                 continue
             executable = bool(st.st_mode & 0o100)

@@ -61,7 +61,8 @@ import pygit2
 
 from cas.durable import DurableBatch, write_all
 from cas.errors import UsageError
-from cas.folder_ops import compare_folder, is_real_folder, quarantine_entry, remove_tree, syncfs, tree_files
+from cas.folder_ops import (compare_folder, is_real_folder, quarantine_entry, read_file_bytes, remove_tree, syncfs,
+                            tree_files)
 
 __all__ = ["build", "repair", "outside_edits", "digest_mismatches", "reachable", "read_manifest", "reusable"]
 
@@ -582,18 +583,13 @@ def digest_mismatches(repo: pygit2.Repository, layout: Any, root: str) -> list[s
                 ok = entry[1] == _LINK and str(pygit2.hash(os.fsencode(os.readlink(full)))) == entry[0]
             else:
                 try:
-                    fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    data = read_file_bytes(full)
                 except PermissionError:  # made 0000 by hand: it differs
                     bad.append(path)
                     continue
-                try:
-                    chunks = []
-                    while chunk := os.read(fd, 1 << 20):
-                        chunks.append(chunk)
-                finally:
-                    os.close(fd)
                 mode = _EXEC if st.st_mode & 0o100 else _BLOB
-                ok = str(pygit2.hash(b"".join(chunks))) == entry[0] and mode == entry[1]
+                # (None: a fifo or a device where a file was; it differs, and is never waited on)
+                ok = data is not None and str(pygit2.hash(data)) == entry[0] and mode == entry[1]
             if not ok:
                 bad.append(path)
     gone = [p for p in want if p not in seen]

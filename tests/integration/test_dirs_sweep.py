@@ -4,6 +4,9 @@
 place (a file, a symlink of their own) is never renamed over: the apply
 refuses before anything is written, and a switch that meets it during a call
 is left undone (a warning, ``recover`` says the same) with the entry kept.
+An entry of the current generation replaced after the apply's check (a fifo,
+a folder, another inode) never enters the new generation, and ``verify``
+names a fifo where a file was instead of waiting on it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -21,10 +25,11 @@ import pytest
 
 from conftest import run_cli
 from dirs_helpers import snapshot_tree, tree_of
-from test_dirs import adopt, objects
+from dirs_helpers import view_of_folder
+from test_dirs import LAYOUTS, adopt, expected_view, objects
 
 PATCH = b"--- a/index.html\n+++ b/index.html\n@@ -1 +1 @@\n-<h1>old</h1>\n+<h1>new</h1>\n"
-FILES = {"index.html": "<h1>old</h1>\n", "css/site.css": "body {}\n"}
+FILES = {"index.html": "<h1>old</h1>\n", "robots.txt": "User-agent: *\n", "css/site.css": "body {}\n"}
 DEADLINE = 120.0
 
 
@@ -115,3 +120,29 @@ def test_a_file_or_foreign_symlink_put_at_path_during_a_call_is_not_switched_ove
     assert rec.code == 2, rec.out + rec.err
     assert "no longer the directory target" in rec.json["error"]["message"]
     assert _what_is_at(site) == at_path
+
+
+def _replace_entry(site: Path, rel: str, kind: str, tmp_path: Path) -> None:
+    """Put ``kind`` in place of the file ``rel`` of the generation ``site`` shows (its folder made writable)."""
+    full = Path(os.path.realpath(site / rel))
+    os.chmod(full.parent, 0o755)
+    full.unlink()
+    if kind == "fifo":
+        os.mkfifo(full)
+    elif kind == "folder":
+        full.mkdir()
+    else:  # another file's inode, with other bytes
+        other = tmp_path / "other.txt"
+        other.write_bytes(b"not what the tree holds\n")
+        os.link(other, full)
+    os.chmod(full.parent, 0o555)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_verify_names_a_fifo_where_a_file_was_and_does_not_wait_on_it(tmp_path: Path, layout: str) -> None:
+    site = adopt(tmp_path, dict(FILES), layout)
+    _replace_entry(site, "css/site.css", "fifo", tmp_path)
+
+    ver = run_cli("verify", "--dir", str(site), "--json", timeout=60)  # (a hang fails the test)
+    assert ver.code == 6, ver.out + ver.err
+    assert any("css/site.css" in f["reason"] for f in ver.json["failures"]), ver.json
