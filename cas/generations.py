@@ -299,7 +299,7 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
         if linked:
             assert src_dir is not None
             for path in _link_all(src_dir, tmp, linked, parent_of):
-                found = target[path]  # removed from the source by hand: written from the tree instead
+                found = target[path]  # removed or replaced in the source by hand: written from the tree instead
                 todo[path] = (str(found.id), int(found.filemode))
                 del linked[path]
             manifest.update(linked)
@@ -327,7 +327,10 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
 
 
 def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: Callable[[str], None]) -> list[str]:
-    """Hard-link ``paths`` from ``src_dir`` into ``dst_dir``; return those the source no longer has.
+    """Hard-link ``paths`` from ``src_dir`` into ``dst_dir``; return those the source no longer has as built.
+
+    A link whose ``lstat`` is not its manifest entry (the entry replaced since
+    the apply's check) is removed again and returned: written from the tree.
 
     Folder by folder through directory descriptors (``linkat``: no path walk
     per file), the folders on a few threads (the system calls release the GIL).
@@ -365,10 +368,18 @@ def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: C
             try:
                 gone = []
                 for name in names:
+                    path = f"{folder}/{name}" if folder else name
                     try:
                         os.link(name, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        gone.append(f"{folder}/{name}" if folder else name)
+                    except (FileNotFoundError, PermissionError):  # (EPERM: a folder put in the file's place)
+                        gone.append(path)
+                        continue
+                    # The apply's check ran before this link: an entry put in the source's place since (a
+                    # fifo, another file's inode) must not enter the new generation.  The link is that
+                    # entry's inode, so its lstat is what was linked.
+                    if list(_stat_entry(os.stat(name, dir_fd=dfd, follow_symlinks=False))) != list(paths[path]):
+                        os.unlink(name, dir_fd=dfd)
+                        gone.append(path)
                 return gone
             finally:
                 os.close(dfd)

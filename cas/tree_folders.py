@@ -270,7 +270,7 @@ class _Builder:
                         # Shared in the source: the folder is that tree's; its link is reused at the same depth.
                         self.ready.add(eid)
                         links[path] = eid
-                        if depth == src.depth and sfd is not None and _link(sfd, dfd, name):
+                        if depth == src.depth and sfd is not None and _link(sfd, dfd, name, known):
                             files[path] = known
                         else:
                             files[path] = self.share_link(dfd, name, eid, depth)
@@ -289,7 +289,7 @@ class _Builder:
                 if mode == _LINK:
                     climb = max(climb, link_climb(self.repo[eid].peel(pygit2.Blob).data))
                 if known is not None and src is not None and sfd is not None \
-                        and srel not in src.manifest["links"] and _link(sfd, dfd, name):
+                        and srel not in src.manifest["links"] and _link(sfd, dfd, name, known):
                     files[path] = known  # (a write into it since shows against the source's entry)
                     continue
                 files[path] = self.write(dfd, here, name, eid, mode, path)
@@ -357,12 +357,21 @@ class _Builder:
         batch.commit(after_renames=rename_all)
 
 
-def _link(sfd: int, dfd: int, name: str) -> bool:
+def _link(sfd: int, dfd: int, name: str, known: list[int]) -> bool:
+    """Hard-link ``name`` from the source's folder; ``False`` when it is gone or no longer ``known`` (unlinked again).
+
+    The apply's check ran before: an entry put in the source's place since (a
+    fifo, another file's inode) must not enter the new folder.  The link is that
+    entry's inode, so its ``lstat`` is what was linked.
+    """
     try:
         os.link(name, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):  # (EPERM: a folder put in the file's place)
         return False
+    if _entry(os.stat(name, dir_fd=dfd, follow_symlinks=False)) != list(known):
+        os.unlink(name, dir_fd=dfd)
+        return False
+    return True
 
 
 def _source(repo: pygit2.Repository, layout: Any, source: str | None) -> _Source | None:

@@ -138,6 +138,28 @@ def _replace_entry(site: Path, rel: str, kind: str, tmp_path: Path) -> None:
     os.chmod(full.parent, 0o555)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "folder", "other-inode"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_an_entry_replaced_after_the_check_never_enters_the_new_generation(
+        tmp_path: Path, layout: str, kind: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    site = adopt(tmp_path, dict(FILES), layout)
+    pf = tmp_path / "p.diff"
+    pf.write_bytes(PATCH)
+    proc = _paused_apply(procs, site, pf, "after-prepare", "k")  # (the check against the manifest has run)
+    _replace_entry(site, "robots.txt", kind, tmp_path)  # (beside the patched file: linked by both layouts)
+    proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=DEADLINE)
+
+    assert proc.returncode == 0, out + err
+    res = json.loads(out)
+    assert res["status"] == "committed" and "warnings" not in res, res
+    assert os.readlink(site).endswith(res["tree"])
+    assert stat.S_ISREG(os.lstat(site / "robots.txt").st_mode)  # (before reading: a fifo would be waited on)
+    assert view_of_folder(site) == expected_view({**FILES, "index.html": "<h1>new</h1>\n"})
+    ver = run_cli("verify", "--dir", str(site), "--json")
+    assert ver.code == 0, ver.out + ver.err
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_verify_names_a_fifo_where_a_file_was_and_does_not_wait_on_it(tmp_path: Path, layout: str) -> None:
     site = adopt(tmp_path, dict(FILES), layout)
