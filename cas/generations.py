@@ -240,7 +240,7 @@ def quarantine(layout: DirLayout, tree: str) -> str | None:
 
 
 def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | None,
-          moved_aside: list[str] | None = None) -> bool:
+          moved_aside: list[str] | None = None, replaced: list[str] | None = None) -> bool:
     """Materialise ``tree`` as ``generations/<tree>`` (steps 1 and 2 of the module docstring); ``False`` if there.
 
     An entry already under the final name is kept only when
@@ -254,7 +254,10 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
     from outside it.  What changed is the trees' diff (libgit2: unchanged
     subtrees are skipped by their ids); every other path of the source's
     manifest is a hard link, keeping its manifest entry.  With no source (or
-    no manifest of it) every file is written.
+    no manifest of it) every file is written.  ``replaced``: the paths whose
+    source entry was no longer as built when linked (changed outside
+    oncepatch since the apply's check) are appended; they are written from
+    the tree.
 
     Raises:
         UsageError: the tree holds a submodule (a commit entry), which a folder cannot hold.
@@ -263,7 +266,7 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
     if layout.shared:
         from cas import tree_folders
 
-        return tree_folders.build(repo, layout, tree, source, moved_aside)
+        return tree_folders.build(repo, layout, tree, source, moved_aside, replaced)
     final = layout.generation(tree)
     if os.path.lexists(final):
         if trusted_generation(layout, tree):
@@ -298,7 +301,10 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
 
         if linked:
             assert src_dir is not None
-            for path in _link_all(src_dir, tmp, linked, parent_of):
+            gone, changed = _link_all(src_dir, tmp, linked, parent_of)
+            if replaced is not None:
+                replaced.extend(changed)
+            for path in gone + changed:
                 found = target[path]  # removed or replaced in the source by hand: written from the tree instead
                 todo[path] = (str(found.id), int(found.filemode))
                 del linked[path]
@@ -326,11 +332,11 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
     return True
 
 
-def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: Callable[[str], None]) -> list[str]:
-    """Hard-link ``paths`` from ``src_dir`` into ``dst_dir``; return those the source no longer has as built.
-
-    A link whose ``lstat`` is not its manifest entry (the entry replaced since
-    the apply's check) is removed again and returned: written from the tree.
+def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: Callable[[str], None]
+              ) -> tuple[list[str], list[str]]:
+    """Hard-link ``paths`` from ``src_dir`` into ``dst_dir``; return those the source no longer has, and those
+    it no longer has as built (a link whose ``lstat`` is not its manifest entry, removed again: the entry
+    changed since the apply's check).  Both are for the caller to write from the tree.
 
     Folder by folder through directory descriptors (``linkat``: no path walk
     per file), the folders on a few threads (the system calls release the GIL).
@@ -355,32 +361,39 @@ def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: C
             fd = sub
         return fd
 
-    def link_folder(item: tuple[str, list[str]]) -> list[str]:
+    def link_folder(item: tuple[str, list[str]]) -> tuple[list[str], list[str]]:
         folder, names = item
         try:
             sfd = open_source(folder)
         except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):  # gone, or a symlink put in its place
-                return [f"{folder}/{name}" if folder else name for name in names]  # written from the tree
+            paths_here = [f"{folder}/{name}" if folder else name for name in names]
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):  # gone: written from the tree
+                return paths_here, []
+            if exc.errno == errno.ELOOP:  # a symlink put in its place
+                return [], paths_here
             raise
         try:
             dfd = os.open(os.path.join(dst_dir, folder), flags)
             try:
-                gone = []
+                gone: list[str] = []
+                changed: list[str] = []
                 for name in names:
                     path = f"{folder}/{name}" if folder else name
                     try:
                         os.link(name, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
-                    except (FileNotFoundError, PermissionError):  # (EPERM: a folder put in the file's place)
+                    except FileNotFoundError:
                         gone.append(path)
+                        continue
+                    except PermissionError:  # (EPERM: a folder put in the file's place)
+                        changed.append(path)
                         continue
                     # The apply's check ran before this link: an entry put in the source's place since (a
                     # fifo, another file's inode) must not enter the new generation.  The link is that
                     # entry's inode, so its lstat is what was linked.
                     if list(_stat_entry(os.stat(name, dir_fd=dfd, follow_symlinks=False))) != list(paths[path]):
                         os.unlink(name, dir_fd=dfd)
-                        gone.append(path)
-                return gone
+                        changed.append(path)
+                return gone, changed
             finally:
                 os.close(dfd)
         finally:
@@ -389,11 +402,13 @@ def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: C
     items = list(by_folder.items())
     try:
         if len(items) < 8:
-            return [p for item in items for p in link_folder(item)]
-        from concurrent.futures import ThreadPoolExecutor
+            results = [link_folder(item) for item in items]
+        else:
+            from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            return [p for gone in pool.map(link_folder, items) for p in gone]
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                results = list(pool.map(link_folder, items))
+        return [p for g, _c in results for p in g], [p for _g, c in results for p in c]
     finally:
         os.close(src_fd)
 

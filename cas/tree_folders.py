@@ -161,6 +161,7 @@ class _Builder:
         self.written: list[str] = []
         self.folders: list[str] = []
         self.moved_aside: list[str] = []
+        self.replaced: list[str] = []  # paths of the source not as built when linked (written from the tree)
 
     # -- what can be shared
 
@@ -270,7 +271,7 @@ class _Builder:
                         # Shared in the source: the folder is that tree's; its link is reused at the same depth.
                         self.ready.add(eid)
                         links[path] = eid
-                        if depth == src.depth and sfd is not None and _link(sfd, dfd, name, known):
+                        if depth == src.depth and sfd is not None and self.link(sfd, dfd, name, known, path):
                             files[path] = known
                         else:
                             files[path] = self.share_link(dfd, name, eid, depth)
@@ -289,7 +290,7 @@ class _Builder:
                 if mode == _LINK:
                     climb = max(climb, link_climb(self.repo[eid].peel(pygit2.Blob).data))
                 if known is not None and src is not None and sfd is not None \
-                        and srel not in src.manifest["links"] and _link(sfd, dfd, name, known):
+                        and srel not in src.manifest["links"] and self.link(sfd, dfd, name, known, path):
                     files[path] = known  # (a write into it since shows against the source's entry)
                     continue
                 files[path] = self.write(dfd, here, name, eid, mode, path)
@@ -312,6 +313,12 @@ class _Builder:
         if self.trees_fd is not None:
             os.close(self.trees_fd)
             self.trees_fd = None
+
+    def link(self, sfd: int, dfd: int, name: str, known: list[int], path: str) -> bool:
+        linked = _link(sfd, dfd, name, known)
+        if linked is None:
+            self.replaced.append(path)
+        return bool(linked)
 
     def share_link(self, dfd: int, name: str, oid: str, depth: int) -> list[int]:
         os.symlink("../" * (depth + 1) + oid, name, dir_fd=dfd)
@@ -357,8 +364,9 @@ class _Builder:
         batch.commit(after_renames=rename_all)
 
 
-def _link(sfd: int, dfd: int, name: str, known: list[int]) -> bool:
-    """Hard-link ``name`` from the source's folder; ``False`` when it is gone or no longer ``known`` (unlinked again).
+def _link(sfd: int, dfd: int, name: str, known: list[int]) -> bool | None:
+    """Hard-link ``name`` from the source's folder: ``True``; ``False`` when it is gone; ``None`` when it is no
+    longer ``known`` (the link removed again).
 
     The apply's check ran before: an entry put in the source's place since (a
     fifo, another file's inode) must not enter the new folder.  The link is that
@@ -366,11 +374,13 @@ def _link(sfd: int, dfd: int, name: str, known: list[int]) -> bool:
     """
     try:
         os.link(name, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
-    except (FileNotFoundError, PermissionError):  # (EPERM: a folder put in the file's place)
+    except FileNotFoundError:
         return False
+    except PermissionError:  # (EPERM: a folder put in the file's place)
+        return None
     if _entry(os.stat(name, dir_fd=dfd, follow_symlinks=False)) != list(known):
         os.unlink(name, dir_fd=dfd)
-        return False
+        return None
     return True
 
 
@@ -387,14 +397,16 @@ def _source(repo: pygit2.Repository, layout: Any, source: str | None) -> _Source
 
 
 def build(repo: pygit2.Repository, layout: Any, tree: str, source: str | None,
-          moved_aside: list[str] | None = None) -> bool:
+          moved_aside: list[str] | None = None, replaced: list[str] | None = None) -> bool:
     """Materialise generation ``tree`` as ``trees/<tree>`` (module docstring); ``False`` if it is there already.
 
     A root found under its name is taken as built when it is a real folder
     whose entries match its manifest (``lstat`` of each: not of its shared
     sub-folders' files, which the cheap proof covers); anything else is moved
     aside.  ``source``: the generation shown now (what unchanged entries are
-    linked from).
+    linked from).  ``replaced``: the paths whose source entry was no longer
+    as built when linked (changed outside oncepatch since the apply's check)
+    are appended; they are written from the tree.
 
     Raises:
         UsageError: the tree holds a submodule.
@@ -425,6 +437,8 @@ def build(repo: pygit2.Repository, layout: Any, tree: str, source: str | None,
             b.close()
         if moved_aside is not None:
             moved_aside.extend(b.moved_aside)
+        if replaced is not None:
+            replaced.extend(b.replaced)
         return True
     raise AssertionError("unreachable: an inline build raises no _InlineAll")
 
