@@ -10,6 +10,7 @@ reaching outside it, one sync of the file system, a tree's files by path.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
@@ -19,8 +20,8 @@ import pygit2
 
 from cas.durable import fsync_dir
 
-__all__ = ["DIR_FLAGS", "QUARANTINE", "compare_folder", "is_real_folder", "quarantine_entry", "remove_tree",
-           "syncfs", "tree_files"]
+__all__ = ["DIR_FLAGS", "QUARANTINE", "compare_folder", "is_real_folder", "quarantine_entry", "read_file_bytes",
+           "remove_tree", "syncfs", "tree_files"]
 
 #: A folder opened as itself: a symlink in its place fails (``ELOOP``), never followed.
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -38,6 +39,36 @@ def quarantine_entry(folder: str, name: str) -> str | None:
         return None
     fsync_dir(folder)
     return aside
+
+
+def read_file_bytes(path: str) -> bytes | None:
+    """The bytes of the regular file ``path``, or ``None`` when it is no regular file (a fifo, a device, a socket,
+    a folder, a symlink: never followed, never waited on).
+
+    ``O_NONBLOCK``: opening a fifo put where a file was must not wait for a
+    writer that never comes (``verify`` hung there); the descriptor's own
+    ``fstat`` decides, so an entry swapped after the caller's ``lstat`` is
+    judged by what was opened.
+
+    Raises:
+        PermissionError: the file cannot be read (made ``0000`` by hand).
+        OSError: any other failure of the disk.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a symlink; a socket; a folder
+            return None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def tree_files(repo: pygit2.Repository, tree: str) -> dict[str, tuple[str, int]]:

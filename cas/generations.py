@@ -59,13 +59,13 @@ import orjson
 import pygit2
 
 from cas.crash import crash_point
-from cas.folder_ops import (QUARANTINE, compare_folder, is_real_folder, quarantine_entry, remove_tree, syncfs,
-                            tree_files)
+from cas.folder_ops import (QUARANTINE, compare_folder, is_real_folder, quarantine_entry, read_file_bytes, remove_tree,
+                            syncfs, tree_files)
 from cas.durable import fsync_dir, write_all, write_durable
 from cas.errors import UsageError
 from cas.pids import gone as pid_gone
 
-__all__ = ["DirLayout", "layout_of", "current_tree", "build", "switch", "outside_edits", "digest_mismatches",
+__all__ = ["DirLayout", "layout_of", "current_tree", "foreign_entry", "build", "switch", "outside_edits", "digest_mismatches",
            "generation_folders", "remove_generation", "switch_lock", "leftovers", "tree_files", "syncfs", "BRANCH",
            "HOME_SUFFIX", "QUARANTINE", "is_real_folder", "trusted_generation", "quarantine", "compare_folder",
            "remove_tree", "LAYOUT_CONFIG"]
@@ -153,6 +153,23 @@ def current_tree(layout: DirLayout) -> str | None:
     return name
 
 
+def foreign_entry(layout: DirLayout) -> str | None:
+    """What ``PATH`` is when it is there but no symlink to one of its generations (``"a file"``, ...), or ``None``.
+
+    ``None`` also when ``PATH`` is missing: the moment between ``init``'s two
+    renames, which the next switch finishes.
+    """
+    try:
+        st = os.lstat(layout.path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return None if current_tree(layout) is not None else f"a symlink to '{os.readlink(layout.path)}'"
+    if stat.S_ISDIR(st.st_mode):
+        return "a real folder"
+    return "a file" if stat.S_ISREG(st.st_mode) else "a special file"
+
+
 # -- the lock ---------------------------------------------------------------------------------
 
 
@@ -223,7 +240,7 @@ def quarantine(layout: DirLayout, tree: str) -> str | None:
 
 
 def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | None,
-          moved_aside: list[str] | None = None) -> bool:
+          moved_aside: list[str] | None = None, replaced: list[str] | None = None) -> bool:
     """Materialise ``tree`` as ``generations/<tree>`` (steps 1 and 2 of the module docstring); ``False`` if there.
 
     An entry already under the final name is kept only when
@@ -237,7 +254,10 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
     from outside it.  What changed is the trees' diff (libgit2: unchanged
     subtrees are skipped by their ids); every other path of the source's
     manifest is a hard link, keeping its manifest entry.  With no source (or
-    no manifest of it) every file is written.
+    no manifest of it) every file is written.  ``replaced``: the paths whose
+    source entry was no longer as built when linked (changed outside
+    oncepatch since the apply's check) are appended; they are written from
+    the tree.
 
     Raises:
         UsageError: the tree holds a submodule (a commit entry), which a folder cannot hold.
@@ -246,7 +266,7 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
     if layout.shared:
         from cas import tree_folders
 
-        return tree_folders.build(repo, layout, tree, source, moved_aside)
+        return tree_folders.build(repo, layout, tree, source, moved_aside, replaced)
     final = layout.generation(tree)
     if os.path.lexists(final):
         if trusted_generation(layout, tree):
@@ -281,8 +301,11 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
 
         if linked:
             assert src_dir is not None
-            for path in _link_all(src_dir, tmp, linked, parent_of):
-                found = target[path]  # removed from the source by hand: written from the tree instead
+            gone, changed = _link_all(src_dir, tmp, linked, parent_of)
+            if replaced is not None:
+                replaced.extend(changed)
+            for path in gone + changed:
+                found = target[path]  # removed or replaced in the source by hand: written from the tree instead
                 todo[path] = (str(found.id), int(found.filemode))
                 del linked[path]
             manifest.update(linked)
@@ -309,8 +332,11 @@ def build(repo: pygit2.Repository, layout: DirLayout, tree: str, source: str | N
     return True
 
 
-def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: Callable[[str], None]) -> list[str]:
-    """Hard-link ``paths`` from ``src_dir`` into ``dst_dir``; return those the source no longer has.
+def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: Callable[[str], None]
+              ) -> tuple[list[str], list[str]]:
+    """Hard-link ``paths`` from ``src_dir`` into ``dst_dir``; return those the source no longer has, and those
+    it no longer has as built (a link whose ``lstat`` is not its manifest entry, removed again: the entry
+    changed since the apply's check).  Both are for the caller to write from the tree.
 
     Folder by folder through directory descriptors (``linkat``: no path walk
     per file), the folders on a few threads (the system calls release the GIL).
@@ -335,24 +361,39 @@ def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: C
             fd = sub
         return fd
 
-    def link_folder(item: tuple[str, list[str]]) -> list[str]:
+    def link_folder(item: tuple[str, list[str]]) -> tuple[list[str], list[str]]:
         folder, names = item
         try:
             sfd = open_source(folder)
         except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):  # gone, or a symlink put in its place
-                return [f"{folder}/{name}" if folder else name for name in names]  # written from the tree
+            paths_here = [f"{folder}/{name}" if folder else name for name in names]
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):  # gone: written from the tree
+                return paths_here, []
+            if exc.errno == errno.ELOOP:  # a symlink put in its place
+                return [], paths_here
             raise
         try:
             dfd = os.open(os.path.join(dst_dir, folder), flags)
             try:
-                gone = []
+                gone: list[str] = []
+                changed: list[str] = []
                 for name in names:
+                    path = f"{folder}/{name}" if folder else name
                     try:
                         os.link(name, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
                     except FileNotFoundError:
-                        gone.append(f"{folder}/{name}" if folder else name)
-                return gone
+                        gone.append(path)
+                        continue
+                    except PermissionError:  # (EPERM: a folder put in the file's place)
+                        changed.append(path)
+                        continue
+                    # The apply's check ran before this link: an entry put in the source's place since (a
+                    # fifo, another file's inode) must not enter the new generation.  The link is that
+                    # entry's inode, so its lstat is what was linked.
+                    if list(_stat_entry(os.stat(name, dir_fd=dfd, follow_symlinks=False))) != list(paths[path]):
+                        os.unlink(name, dir_fd=dfd)
+                        changed.append(path)
+                return gone, changed
             finally:
                 os.close(dfd)
         finally:
@@ -361,11 +402,13 @@ def _link_all(src_dir: str, dst_dir: str, paths: dict[str, _Entry], parent_of: C
     items = list(by_folder.items())
     try:
         if len(items) < 8:
-            return [p for item in items for p in link_folder(item)]
-        from concurrent.futures import ThreadPoolExecutor
+            results = [link_folder(item) for item in items]
+        else:
+            from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            return [p for gone in pool.map(link_folder, items) for p in gone]
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                results = list(pool.map(link_folder, items))
+        return [p for g, _c in results for p in g], [p for _g, c in results for p in c]
     finally:
         os.close(src_fd)
 
@@ -418,12 +461,18 @@ def switch(layout: DirLayout, tree: str) -> None:
     """Point ``PATH`` at ``generations/<tree>``: a new symlink renamed over it (step 4), then its folder synced.
 
     Raises:
-        UsageError: ``PATH`` is a real folder (not adopted: ``oncepatch init --dir``).
+        UsageError: ``PATH`` is a real folder (not adopted: ``oncepatch init --dir``), or a file or
+            a symlink that is not to one of its generations (:func:`foreign_entry`): nothing is replaced.
     """
     parent, name = os.path.split(layout.path)
     if is_real_folder(layout.path):
         raise UsageError(f"'{layout.path}' is a folder, not a directory target: adopt it first with "
                          f"'oncepatch init --dir {layout.path}'")
+    what = foreign_entry(layout)
+    if what is not None:
+        # Renaming the link over it would delete what a person put there (a file, their own link).
+        raise UsageError(f"'{layout.path}' was replaced by {what}: it is no longer the directory target; "
+                         f"move it away, then run 'oncepatch recover --dir {layout.path}'")
     tmp = os.path.join(parent, f".{name}{_LINK_MARK}{os.getpid()}-{os.urandom(4).hex()}")
     os.symlink(layout.link_target(tree), tmp)
     try:
@@ -514,9 +563,11 @@ def digest_mismatches(repo: pygit2.Repository, layout: DirLayout, tree: str) -> 
             ok = entry[1] == pygit2.enums.FileMode.LINK and str(pygit2.hash(os.fsencode(os.readlink(full)))) == entry[0]
         else:
             try:
-                with open(full, "rb") as fh:
-                    data = fh.read()
+                data = read_file_bytes(full)
             except PermissionError:  # made 0000 by hand: it differs
+                bad.append(path)
+                continue
+            if data is None:  # a fifo or a device where a file was: it differs, and is never waited on
                 bad.append(path)
                 continue
             executable = bool(st.st_mode & 0o100)

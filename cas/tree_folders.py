@@ -61,7 +61,8 @@ import pygit2
 
 from cas.durable import DurableBatch, write_all
 from cas.errors import UsageError
-from cas.folder_ops import compare_folder, is_real_folder, quarantine_entry, remove_tree, syncfs, tree_files
+from cas.folder_ops import (compare_folder, is_real_folder, quarantine_entry, read_file_bytes, remove_tree, syncfs,
+                            tree_files)
 
 __all__ = ["build", "repair", "outside_edits", "digest_mismatches", "reachable", "read_manifest", "reusable"]
 
@@ -160,6 +161,7 @@ class _Builder:
         self.written: list[str] = []
         self.folders: list[str] = []
         self.moved_aside: list[str] = []
+        self.replaced: list[str] = []  # paths of the source not as built when linked (written from the tree)
 
     # -- what can be shared
 
@@ -269,7 +271,7 @@ class _Builder:
                         # Shared in the source: the folder is that tree's; its link is reused at the same depth.
                         self.ready.add(eid)
                         links[path] = eid
-                        if depth == src.depth and sfd is not None and _link(sfd, dfd, name):
+                        if depth == src.depth and sfd is not None and self.link(sfd, dfd, name, known, path):
                             files[path] = known
                         else:
                             files[path] = self.share_link(dfd, name, eid, depth)
@@ -288,7 +290,7 @@ class _Builder:
                 if mode == _LINK:
                     climb = max(climb, link_climb(self.repo[eid].peel(pygit2.Blob).data))
                 if known is not None and src is not None and sfd is not None \
-                        and srel not in src.manifest["links"] and _link(sfd, dfd, name):
+                        and srel not in src.manifest["links"] and self.link(sfd, dfd, name, known, path):
                     files[path] = known  # (a write into it since shows against the source's entry)
                     continue
                 files[path] = self.write(dfd, here, name, eid, mode, path)
@@ -311,6 +313,12 @@ class _Builder:
         if self.trees_fd is not None:
             os.close(self.trees_fd)
             self.trees_fd = None
+
+    def link(self, sfd: int, dfd: int, name: str, known: list[int], path: str) -> bool:
+        linked = _link(sfd, dfd, name, known)
+        if linked is None:
+            self.replaced.append(path)
+        return bool(linked)
 
     def share_link(self, dfd: int, name: str, oid: str, depth: int) -> list[int]:
         os.symlink("../" * (depth + 1) + oid, name, dir_fd=dfd)
@@ -356,12 +364,24 @@ class _Builder:
         batch.commit(after_renames=rename_all)
 
 
-def _link(sfd: int, dfd: int, name: str) -> bool:
+def _link(sfd: int, dfd: int, name: str, known: list[int]) -> bool | None:
+    """Hard-link ``name`` from the source's folder: ``True``; ``False`` when it is gone; ``None`` when it is no
+    longer ``known`` (the link removed again).
+
+    The apply's check ran before: an entry put in the source's place since (a
+    fifo, another file's inode) must not enter the new folder.  The link is that
+    entry's inode, so its ``lstat`` is what was linked.
+    """
     try:
         os.link(name, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
-        return True
     except FileNotFoundError:
         return False
+    except PermissionError:  # (EPERM: a folder put in the file's place)
+        return None
+    if _entry(os.stat(name, dir_fd=dfd, follow_symlinks=False)) != list(known):
+        os.unlink(name, dir_fd=dfd)
+        return None
+    return True
 
 
 def _source(repo: pygit2.Repository, layout: Any, source: str | None) -> _Source | None:
@@ -377,14 +397,16 @@ def _source(repo: pygit2.Repository, layout: Any, source: str | None) -> _Source
 
 
 def build(repo: pygit2.Repository, layout: Any, tree: str, source: str | None,
-          moved_aside: list[str] | None = None) -> bool:
+          moved_aside: list[str] | None = None, replaced: list[str] | None = None) -> bool:
     """Materialise generation ``tree`` as ``trees/<tree>`` (module docstring); ``False`` if it is there already.
 
     A root found under its name is taken as built when it is a real folder
     whose entries match its manifest (``lstat`` of each: not of its shared
     sub-folders' files, which the cheap proof covers); anything else is moved
     aside.  ``source``: the generation shown now (what unchanged entries are
-    linked from).
+    linked from).  ``replaced``: the paths whose source entry was no longer
+    as built when linked (changed outside oncepatch since the apply's check)
+    are appended; they are written from the tree.
 
     Raises:
         UsageError: the tree holds a submodule.
@@ -415,6 +437,8 @@ def build(repo: pygit2.Repository, layout: Any, tree: str, source: str | None,
             b.close()
         if moved_aside is not None:
             moved_aside.extend(b.moved_aside)
+        if replaced is not None:
+            replaced.extend(b.replaced)
         return True
     raise AssertionError("unreachable: an inline build raises no _InlineAll")
 
@@ -582,18 +606,13 @@ def digest_mismatches(repo: pygit2.Repository, layout: Any, root: str) -> list[s
                 ok = entry[1] == _LINK and str(pygit2.hash(os.fsencode(os.readlink(full)))) == entry[0]
             else:
                 try:
-                    fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    data = read_file_bytes(full)
                 except PermissionError:  # made 0000 by hand: it differs
                     bad.append(path)
                     continue
-                try:
-                    chunks = []
-                    while chunk := os.read(fd, 1 << 20):
-                        chunks.append(chunk)
-                finally:
-                    os.close(fd)
                 mode = _EXEC if st.st_mode & 0o100 else _BLOB
-                ok = str(pygit2.hash(b"".join(chunks))) == entry[0] and mode == entry[1]
+                # (None: a fifo or a device where a file was; it differs, and is never waited on)
+                ok = data is not None and str(pygit2.hash(data)) == entry[0] and mode == entry[1]
             if not ok:
                 bad.append(path)
     gone = [p for p in want if p not in seen]

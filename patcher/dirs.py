@@ -23,7 +23,7 @@ import pygit2
 
 from cas.crash import crash_point
 from cas.errors import SHOWN_PATH_CHARS, GitStoreError, UsageError, clip
-from cas.generations import (BRANCH, HOME_SUFFIX, LAYOUT_CONFIG, DirLayout, build, current_tree,
+from cas.generations import (BRANCH, HOME_SUFFIX, LAYOUT_CONFIG, DirLayout, build, current_tree, foreign_entry,
                              digest_mismatches, generation_folders, is_real_folder, layout_of, leftovers, outside_edits,
                              remove_generation, remove_tree, switch, switch_lock, syncfs)
 from cas.objects import GitStore, open_store
@@ -243,8 +243,13 @@ def _layout_name(layout: DirLayout) -> str:
 # -- the step after the move --------------------------------------------------------------------
 
 
-def sync(gstore: GitStore, layout: DirLayout, lock_timeout: float) -> list[str]:
+def sync(gstore: GitStore, layout: DirLayout, lock_timeout: float, warnings: list[str] | None = None) -> list[str]:
     """Bring ``PATH`` to the branch's tip: build its generation if missing, then switch; return what was done.
+
+    ``warnings``: what a person should know is appended (and returned with the
+    rest): entries of the generation shown that were changed outside
+    oncepatch after the apply's check, whose edits the new generation does
+    not carry (it holds the tree's bytes; the edit stays in the old one).
 
     The tip, not a call's own candidate: a later call that landed first is
     not rolled back.  Under ``switch.lock``, so switches follow the branch's
@@ -267,13 +272,20 @@ def sync(gstore: GitStore, layout: DirLayout, lock_timeout: float) -> list[str]:
                 return []
             repo = pygit2.Repository(layout.objects)
             moved: list[str] = []
-            built = build(repo, layout, tree, current, moved_aside=moved)
+            replaced: list[str] = []
+            built = build(repo, layout, tree, current, moved_aside=moved, replaced=replaced)
             crash_point("after-generation")
             switch(layout, tree)
     except (OSError, TimeoutError) as exc:
         raise GitStoreError(f"cannot switch '{layout.path}' to the branch's tip: {exc}") from exc
+    edits = [f"'{p}' of generation {(current or '')[:12]} was changed outside oncepatch during the call: generation "
+             f"{tree[:12]} holds the tree's bytes, the edit stays in generation {(current or '')[:12]}'s folder "
+             f"until gc" for p in sorted(replaced)]
+    if warnings is not None:
+        warnings.extend(edits)
     return [f"moved '{m}' aside: it was under generation {tree[:12]}'s name and is not what oncepatch built"
-            for m in moved] + [f"{'built and ' if built else ''}switched '{layout.path}' to generation {tree[:12]}"]
+            for m in moved] + edits + [f"{'built and ' if built else ''}switched '{layout.path}' to generation "
+                                       f"{tree[:12]}"]
 
 
 def unfinished_switch(gstore: GitStore, layout: DirLayout) -> list[str]:
@@ -311,8 +323,9 @@ def refuse_outside_edits(gstore: GitStore, paths: Iterable[str] | None = None) -
         return
     tree = current_tree(layout)
     if tree is None:
-        if is_real_folder(layout.path):
-            raise UsageError(f"'{layout.path}' was replaced by a real folder: it is no longer the directory target")
+        what = foreign_entry(layout)
+        if what is not None:
+            raise UsageError(f"'{layout.path}' was replaced by {what}: it is no longer the directory target")
         return  # never switched yet (a crash during init): the sync after the move makes it
     gen = layout.generation(tree)
     if os.path.lexists(gen) and not is_real_folder(gen):

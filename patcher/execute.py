@@ -481,12 +481,13 @@ def _switch_generation(run: _Run) -> list[str]:
     layout = target_of(run.gstore)
     if layout is None:
         return []
+    warnings: list[str] = []
     try:
-        sync(run.gstore, layout, run.lock_timeout)
+        sync(run.gstore, layout, run.lock_timeout, warnings)
     except OncepatchError as exc:
-        return [f"'{layout.path}' not switched to the new generation: {exc.message}; run "
-                f"'oncepatch recover --dir {layout.path}'"]
-    return []
+        return warnings + [f"'{layout.path}' not switched to the new generation: {exc.message}; run "
+                           f"'oncepatch recover --dir {layout.path}'"]
+    return warnings
 
 
 def _finalise(run: _Run, staged: Staged, warnings: list[str]) -> ApplyResult:

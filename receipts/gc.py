@@ -102,7 +102,8 @@ def _ledger_lines(store: ReceiptStore) -> list[bytes]:
     problems = store.ledger.verify_chain()
     if problems:
         raise CorruptLedger(f"ledger '{store.ledger.path}' line {problems[0].line}: {problems[0].reason}: "
-                            "gc changes nothing in a store that does not verify ('oncepatch verify')")
+                            "gc changes nothing in a store that does not verify ('oncepatch verify')",
+                            effect_status="not_started")
     try:
         with open(store.ledger.path, "rb") as fh:
             return fh.read().splitlines()

@@ -200,7 +200,8 @@ def rehearse(store: ReceiptStore, adapters: Mapping[str, EffectAdapter], *, from
     if problems:
         first = problems[0]
         raise CorruptLedger(f"ledger '{store.ledger.path}' line {first.line}: {first.reason}: its calls are not "
-                            "replayed ('oncepatch verify' reports it)", details={"path": store.ledger.path})
+                            "replayed ('oncepatch verify' reports it)", effect_status="not_started",
+                            details={"path": store.ledger.path})
     recorders = {tool: Recorder(a) for tool, a in adapters.items()}
     calls, last = recorded_calls(events)
     out = Rehearsal()

@@ -232,8 +232,9 @@ def read_stats(store: ReceiptStore, *, since: datetime | None = None) -> Stats:
     if problems:
         first = problems[0]
         raise CorruptLedger(f"ledger '{store.ledger.path}' line {first.line}: {first.reason}: its events are "
-                            "not counted ('oncepatch verify' reports it)", details={"path": store.ledger.path,
-                            "problems": [{"line": p.line, "reason": p.reason} for p in problems]})
+                            "not counted ('oncepatch verify' reports it)", effect_status="not_started",
+                            details={"path": store.ledger.path,
+                                     "problems": [{"line": p.line, "reason": p.reason} for p in problems]})
     return count_events(events, since=since)
 
 
