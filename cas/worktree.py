@@ -146,21 +146,52 @@ def in_the_way(workdir: str, paths: list[str]) -> list[str]:
     return list(found)
 
 
-def _remove_path(workdir: str, path: str) -> None:
-    if not _unlink_entry(workdir, path):
-        return
-    folder = os.path.dirname(path)
-    # Prune folders left empty, like git does.
-    while folder:
-        try:
-            os.rmdir(os.path.join(workdir, folder))
-        except OSError:
-            break
-        folder = os.path.dirname(folder)
-
-
-#: Worktree files written per durable batch (each holds its bytes and an open folder until the batch commits).
+#: Worktree files written per durable batch (each holds its bytes and an open folder until the batch commits),
+#: and files removed per round of folder syncs.
 _WRITE_CHUNK = 128
+
+
+def _remove_paths(workdir: str, paths: list[str]) -> None:
+    """Remove the files or links at ``paths``, their folders synced together; then prune the folders left empty.
+
+    Each folder is reached without following links, once per round; the folders
+    of up to :data:`_WRITE_CHUNK` removals are synced in one round (concurrent
+    fsyncs: about one flush for all, not one per file in turn), every removal
+    durable before this returns.  A path whose folder is missing, a link or a
+    file, or that is itself a folder, is left alone (nothing of ours is there).
+    Emptied folders are removed deepest first, like git does.
+    """
+    emptied: dict[str, None] = {}
+    for start in range(0, len(paths), _WRITE_CHUNK):
+        with contextlib.ExitStack() as stack:
+            folders: dict[str, int | None] = {}
+            synced: dict[int, str] = {}
+            for path in paths[start:start + _WRITE_CHUNK]:
+                folder, name = os.path.split(path)
+                if folder not in folders:
+                    try:
+                        folders[folder] = stack.enter_context(open_dir_nofollow(workdir, folder))
+                    except (FileNotFoundError, NotADirectoryError, UnsafeWorktreePath):
+                        # A file or a symlink where a folder of the path goes: nothing of ours is below it
+                        # (writes never go through one), and nothing is removed through a link.
+                        folders[folder] = None
+                dfd = folders[folder]
+                if dfd is not None and _unlink_in(dfd, name):
+                    synced[dfd] = folder
+                    emptied[folder] = None
+            try:
+                fsync_all(synced)
+            except DurableWriteError as exc:
+                shown = synced.get(exc.target, exc.path) if isinstance(exc.target, int) else exc.path
+                raise GitStoreError(f"cannot write worktree '{workdir}': cannot sync '{shown or '.'}': "
+                                    f"{exc.cause.strerror or exc.cause}") from exc
+    for folder in sorted(emptied, key=lambda f: -f.count("/")):
+        while folder:
+            try:
+                os.rmdir(os.path.join(workdir, folder))
+            except OSError:
+                break
+            folder = os.path.dirname(folder)
 
 
 def _queue_path(batch: DurableBatch, stack: contextlib.ExitStack, folders: dict[str, int], workdir: str,
@@ -246,8 +277,7 @@ def _write_paths(store: GitStore, workdir: str, deletes: list[str], writes: list
             first = sync_first
             _syncing(store, first, lambda: fsync_all(first))
             sync_first = None
-        for path in deletes:
-            _remove_path(workdir, path)
+        _remove_paths(workdir, deletes)
         # Written in durable batches: tmp files synced together, renamed in path
         # order, their folders synced together (not two fsyncs per file in turn).
         umask = os.umask(0)  # files get git's modes less the umask, as git checks them out
@@ -428,18 +458,25 @@ def _unlink_entry(workdir: str, path: str) -> bool:
     folder, name = os.path.split(path)
     try:
         with open_dir_nofollow(workdir, folder) as dfd:
-            try:
-                st = os.lstat(name, dir_fd=dfd)
-            except FileNotFoundError:
+            if not _unlink_in(dfd, name):
                 return False
-            if stat.S_ISDIR(st.st_mode):
-                return False  # a folder: only its entries are ours to remove
-            os.unlink(name, dir_fd=dfd)
             fsync_dir(dir_fd=dfd)
     except (FileNotFoundError, NotADirectoryError, UnsafeWorktreePath):
         # A file or a symlink where a folder of the path goes: nothing of ours is below it
         # (writes never go through one), and nothing is removed through a link.
         return False
+    return True
+
+
+def _unlink_in(dfd: int, name: str) -> bool:
+    """Remove the file or link ``name`` of the open folder ``dfd`` (not a folder, not synced); whether there was one."""
+    try:
+        st = os.lstat(name, dir_fd=dfd)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        return False  # a folder: only its entries are ours to remove
+    os.unlink(name, dir_fd=dfd)
     return True
 
 
