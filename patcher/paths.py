@@ -123,6 +123,10 @@ def _rest(components: list[str], n: int) -> str:
 
 def _names_git_dir(rest: str) -> bool:
     """Whether the component starting ``rest`` (the rest of the path) is git's directory to git."""
+    if rest[:1] not in (".", "g", "G") and rest.isascii():
+        # Every spelling below starts with '.' or 'git' once HFS+'s ignorable code points
+        # (never ASCII) are skipped: the common case, decided without trying each.
+        return False
     return (_is_hfs_dot(rest, "git") or _is_ntfs_dotgit(rest)
             or (_lower(rest[:4]) == ".git" and rest[4:5] in ("", "/")))  # verify_dotfile
 

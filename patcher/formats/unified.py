@@ -25,6 +25,9 @@ __all__ = ["looks_unified", "parse_unified"]
 _DEV_NULL = b"/dev/null"
 _FULL_OID = (40, 64)  # hex digits of a full SHA-1 / SHA-256 object id
 _MODE_GITLINK = 0o160000
+# A hunk line's first byte, and the sides a line goes to (patcher.formats.unified._read_hunk).
+_SPACE, _MINUS, _PLUS, _BACKSLASH = b" -+\\"
+_OLD, _NEW, _BOTH = 1, 2, 3
 _HUNK = re.compile(rb"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(.*)", re.DOTALL)
 _INDEX = re.compile(rb"([0-9a-fA-F]+)\.\.([0-9a-fA-F]+)(?: +([0-7]+))? *")
 _STAMP = rb"\s*(\d{4}-\d\d-\d\d[ T]\d\d:\d\d(?::\d\d(?:\.\d+)?)?)(?:\s*([+-]\d{4}))?\s*"
@@ -296,7 +299,9 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
     new_count = 1 if head[4] is None else int(head[4])
     old: list[bytes] = []
     new: list[bytes] = []
-    sides = ""  # which side(s) the previous line went to: "o", "n" or "on"
+    to_old, to_new = old.append, new.append
+    # The side(s) the previous line went to: _BOTH (context), _OLD ('-'), _NEW ('+'), 0 (none yet, or a marker).
+    sides = 0
     want_old, want_new = old_count, new_count
     leading = trailing = 0  # context lines before the first change, after the last
     changed = False
@@ -306,50 +311,57 @@ def _read_hunk(lines: list[bytes], i: int, block: _Block) -> int:
                           f"{old_count} old and {new_count} new lines",
                           details={"line": at, "hunk_line": i + 1, "path": block.display()})
 
-    def no_newline(at: int) -> None:
+    def no_newline(at: int, sides: int) -> None:
         if not sides:
             raise fail("has a '\\ No newline' marker before any line", at)
         # A patch converted to CRLF as a whole ends the marker in CRLF too: then the
         # line before it lost a CRLF, not a bare LF (else a stray '\r' would be left).
         cut = b"\r\n" if lines[at - 1].endswith(b"\r\n") else b"\n"
-        if "o" in sides and old[-1].endswith(cut):
+        if sides & _OLD and old[-1].endswith(cut):
             old[-1] = old[-1][: -len(cut)]
-        if "n" in sides and new[-1].endswith(cut):
+        if sides & _NEW and new[-1].endswith(cut):
             new[-1] = new[-1][: -len(cut)]
 
+    # One pass over the hunk's lines, the first byte of each compared as a number: this
+    # loop is most of the time a large patch takes to parse (a line of work per diff line).
     j = i + 1
     while want_old > 0 or want_new > 0:
         if j >= n:
             raise fail("ends early", j)
         line = lines[j]
-        kind = line[:1]
-        if kind == b" " or (line in (b"\n", b"\r\n") and want_old > 0 and want_new > 0):
+        kind = line[0]
+        if kind == _SPACE or (want_old > 0 and want_new > 0 and (line == b"\n" or line == b"\r\n")):
             if want_old == 0 or want_new == 0:
                 raise fail("is longer than its header says", j + 1)
-            body = line[1:] if kind == b" " else line
-            old.append(body)
-            new.append(body)
-            want_old, want_new, sides = want_old - 1, want_new - 1, "on"
+            body = line[1:] if kind == _SPACE else line
+            to_old(body)
+            to_new(body)
+            want_old -= 1
+            want_new -= 1
+            sides = _BOTH
             trailing += 1
-            leading += not changed
-        elif kind == b"-":
+            if not changed:
+                leading += 1
+        elif kind == _MINUS:
             if want_old == 0:
                 raise fail("is longer than its header says", j + 1)
-            old.append(line[1:])
-            want_old, sides, changed, trailing = want_old - 1, "o", True, 0
-        elif kind == b"+":
+            to_old(line[1:])
+            want_old -= 1
+            sides, changed, trailing = _OLD, True, 0
+        elif kind == _PLUS:
             if want_new == 0:
                 raise fail("is longer than its header says", j + 1)
-            new.append(line[1:])
-            want_new, sides, changed, trailing = want_new - 1, "n", True, 0
-        elif kind == b"\\":
-            no_newline(j + 1)
-            sides = ""
+            to_new(line[1:])
+            want_new -= 1
+            sides, changed, trailing = _NEW, True, 0
+        elif kind == _BACKSLASH:
+            no_newline(j + 1, sides)
+            sides = 0
         else:
             raise fail("ends early", j + 1)
         j += 1
     if j < n and lines[j].startswith(b"\\"):
-        no_newline(j + 1)
+        no_newline(j + 1, sides)
         j += 1
     if j < n and not lines[j].startswith(b"@@ -") and _excess(lines, j):
         raise fail("is longer than its header says", j + 1)

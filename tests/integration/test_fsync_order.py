@@ -409,3 +409,86 @@ def test_full_apply_order_of_renames_and_fsyncs(strace: str, tmp_path: Path, nam
     fsyncs = [c for c in calls if c.name in ("fsync", "fdatasync")]
     print(f"full apply: {len(fsyncs)} fsync/fdatasync calls, {len(landings)} renames/links")
     assert len(fsyncs) >= 8
+
+
+def test_removed_files_folders_synced_in_one_round_before_the_move(strace: str, tmp_path: Path) -> None:
+    # A checked-out apply that deletes files in several folders: every removal is made
+    # durable (its folder synced after the unlink) before the branch moves, and the folders
+    # of all removals are synced together, after the last unlink (not one sync per file in turn).
+    files = {"README": "hello\n", "keep/k.txt": "k\n"}
+    gone = [f"d{n}/f{m}.txt" for n in range(3) for m in range(2)]
+    files.update({p: f"{p}\n" for p in gone})
+    repo: Repo = make_repo(tmp_path / "repo", files)
+    for p in gone:
+        repo.git("rm", "-q", p)
+    diff = repo.git("diff", "--cached").encode()
+    repo.git("reset", "-q", "--hard")
+    patch = tmp_path / "p.diff"
+    patch.write_bytes(diff)
+
+    res, calls = run_traced(strace, tmp_path, [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--json"],
+                            APPLY_TRACE + ",unlink,unlinkat", cwd=repo.path)
+    calls = resolve_fds(calls, str(repo.path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout)["status"] == "committed"
+    assert not any((repo.path / p).exists() for p in gone) and (repo.path / "keep" / "k.txt").exists()
+    assert not any((repo.path / f"d{n}").exists() for n in range(3))  # emptied folders pruned, as git does
+    assert repo.git("status", "--porcelain") == ""
+
+    branch = os.path.join(os.path.realpath(repo.path / ".git"), "refs", "heads", "main")
+    branch_move = next(c for c, _, dst in _landings(calls) if dst == branch)
+    unlinks = {}
+    for c in calls:
+        if c.name == "unlinkat" and c.ret == 0:
+            fd, name = c.arg(0), c.path_arg(1)
+            folder = next((o.where[0] for o in reversed(calls[:c.n]) if o.name == "openat" and str(o.ret) == fd), "")
+            rel = os.path.relpath(os.path.join(folder, name), os.path.realpath(repo.path))
+            if rel in gone:
+                unlinks[rel] = c
+    assert sorted(unlinks) == sorted(gone)
+    last_unlink = max(c.n for c in unlinks.values())
+    assert last_unlink < branch_move.n
+    for rel in gone:
+        folder = os.path.join(os.path.realpath(repo.path), os.path.dirname(rel))
+        assert _folder_synced_between(calls, folder, unlinks[rel].n, branch_move.n), f"{rel}: folder not synced"
+        # one round: no folder of a removal is synced between the first and the last unlink
+        assert not _folder_synced_between(calls, folder, min(c.n for c in unlinks.values()), last_unlink), rel
+
+
+def test_replaced_files_are_freed_together_after_their_renames(strace: str, tmp_path: Path) -> None:
+    # A checked-out apply that rewrites many files: each old file gets a second name (a
+    # hard link, '.<name>.optmp-<pid>-…') before the rename over it, so that the renames
+    # free no blocks one after another; the second names are unlinked after the renames and
+    # before the folders' sync and the branch's move, and none is left behind.
+    changed = [f"d{n}/f{m}.txt" for n in range(2) for m in range(6)]
+    repo: Repo = make_repo(tmp_path / "repo", {p: f"{p}\n" * 50 for p in changed})
+    for p in changed:
+        repo.write(p, f"{p}\n" * 50 + "more\n")
+    diff = repo.git("diff").encode()
+    repo.git("checkout", "-q", "--", ".")
+    patch = tmp_path / "p.diff"
+    patch.write_bytes(diff)
+
+    res, calls = run_traced(strace, tmp_path, [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--json"],
+                            APPLY_TRACE + ",unlink,unlinkat", cwd=repo.path)
+    calls = resolve_fds(calls, str(repo.path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout)["status"] == "committed"
+    assert all((repo.path / p).read_text() == f"{p}\n" * 50 + "more\n" for p in changed)
+    assert repo.git("status", "--porcelain", "--ignored") == ""
+    assert not [p for p in repo.path.rglob(f"*{TMP_MARK}*")]
+
+    root = os.path.realpath(repo.path)
+    branch = os.path.join(os.path.realpath(repo.path / ".git"), "refs", "heads", "main")
+    branch_move = next(c for c, _, dst in _landings(calls) if dst == branch)
+    for rel in changed:
+        target = os.path.join(root, rel)
+        aside = [(c, dst) for c, src, dst in _landings(calls) if c.name in ("link", "linkat") and src == target]
+        assert len(aside) == 1, (rel, aside)
+        link, second = aside[0]
+        assert os.path.basename(second).startswith(f".{os.path.basename(rel)}{TMP_MARK}")
+        rename = next(c for c, _, dst in _landings(calls) if dst == target and c.name.startswith("rename"))
+        freed = [c for c in calls if c.name == "unlinkat" and c.ret == 0 and c.path_arg(1) == os.path.basename(second)]
+        assert len(freed) == 1, rel
+        assert link.n < rename.n < freed[0].n < branch_move.n
+        assert _folder_synced_between(calls, os.path.dirname(target), freed[0].n, branch_move.n), rel

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -257,4 +258,35 @@ def test_a_prune_under_a_joined_batch_writes_the_objects_alone_then_the_batch(
     assert receipt.read_bytes() == b"x\n" and not [p for p in receipt.parent.iterdir() if p != receipt]
     for oid in oids:
         assert (objects / oid[:2] / oid[2:]).is_file(), oid
+    repo.git("fsck", "--full", "--strict")
+
+
+EXIT_WRITER = r"""
+import hashlib
+import sys
+from cas.loose_objects import write_new
+from cas.objects import GitStore
+gs = GitStore(sys.argv[1])
+blobs = {}
+for n in range(int(sys.argv[2])):
+    data = b"blob %d\n" % n
+    header = b"blob %d\0" % len(data)
+    blobs[hashlib.sha1(header + data).hexdigest()] = (header, data)
+write_new(gs.repo.odb, sys.argv[1] + "/.git/objects", blobs)
+print(len({oid[:2] for oid in blobs}))
+"""
+
+
+@pytest.mark.parametrize("count", [3, 200])
+def test_the_temporary_folder_goes_as_the_process_exits(repo: Repo, count: int) -> None:
+    # Few fan-out folders are removed in turn, many on threads (lo._RMDIR_AT_ONCE_FROM):
+    # either way nothing of the process's temporary folder is left, and the objects are there.
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    out = subprocess.run([sys.executable, "-c", EXIT_WRITER, str(repo.path), str(count)], env=env,
+                         capture_output=True, text=True, check=True)
+    fanouts = int(out.stdout)
+    assert (fanouts >= lo._RMDIR_AT_ONCE_FROM) == (count == 200), fanouts
+    objects = repo.path / ".git" / "objects"
+    assert not [p for p in objects.iterdir() if p.name.startswith(lo.TMP_OBJDIR_PREFIX)]
+    repo.git("cat-file", "-e", repo.git("hash-object", "--stdin", input=b"blob 0\n").strip())
     repo.git("fsck", "--full", "--strict")
