@@ -24,6 +24,7 @@ from patcher.args import TOOL, TOOL_VERSION, CallArgs, check_types, normalise_ar
 from patcher.errors import PatchError
 from patcher.formats import detect
 from patcher.grades import STRICT
+from receipts.errors import InProgress
 from patcher.outcome import KEY_REF_PREFIX, REJECTIONS, ApplyResult, foreign_error, replay_final
 
 __all__ = ["ApplyResult", "Caller", "apply", "store_root_for", "replay_final", "foreign_error", "KEY_REF_PREFIX", "REJECTIONS"]
@@ -100,7 +101,7 @@ def apply(
     """
     if _stores is None:
         _stores = {}  # one open repository for the whole call, even for one-shot callers
-    for round_ in (1, 2):
+    for round_ in range(1, PACK_ROUNDS + 1):
         try:
             return _apply(repo, patch, key, branch, contract_sha256, attempt, format, check, message, common_dir,
                           store, lock_timeout, check_timeout, strict, caller, _stores, compensates, remote)
@@ -110,16 +111,25 @@ def apply(
                 raise
             # The open repositories' pack lists are stale: a long-lived caller
             # would meet the same failure on every later call.  Nothing was applied,
-            # so this call is run once more on freshly opened ones, as git re-reads
+            # so this call is run again on freshly opened ones, as git re-reads
             # its packs and retries a read whose pack went away.
             _stores.clear()
-            if round_ == 2:
-                raise
+            if round_ == PACK_ROUNDS:
+                # git's maintenance replaced the packs under every read: busy, not broken.
+                raise InProgress(f"git maintenance replaced the repository's packs while this call read them, "
+                                 f"{PACK_ROUNDS} times: nothing was done; retry", effect_status=exc.effect_status,
+                                 next_action="retry", key=exc.key, details={"reason": "packs_replaced"}) from exc
         except Exception as exc:
             # Only what fails before the key's receipt is read gets here (the replay and
             # patcher.execute translate the rest, knowing how far they went): nothing was written.
             raise foreign_error(exc, effect_status="not_started", key=key) from exc
     raise AssertionError("unreachable")
+
+
+#: Times a call whose reads met a pack that git's maintenance replaced meanwhile is run on freshly
+#: opened repositories (nothing applied yet) before it answers ``in_progress``, retryable: a
+#: repack loop on a loaded machine replaced the packs under two rounds in a row.
+PACK_ROUNDS = 5
 
 
 def _name_key(exc: OncepatchError, key: str | None) -> None:
@@ -182,7 +192,7 @@ def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, c
         raise exc.with_key(call.key)
 
     # Fast path: a final receipt is immutable, so it can be read without the lock.
-    for round_ in (1, 2):
+    for round_ in range(1, PACK_ROUNDS + 1):
         try:
             final = call.lookup()
             if final is None:
@@ -195,9 +205,13 @@ def _apply(repo: str, patch: str | bytes, key: str | None, branch: str | None, c
         except OncepatchError:
             raise
         except Exception as exc:  # the key's receipt, or git's side of it, could not be read: not known
-            if round_ == 1 and _pack_vanished(exc):
+            if _pack_vanished(exc):
                 _stores.clear()  # (a replay only reads: read again, as apply() runs a call again)
-                continue
+                if round_ < PACK_ROUNDS:
+                    continue
+                raise InProgress(f"git maintenance replaced the repository's packs while this replay read them, "
+                                 f"{PACK_ROUNDS} times: retry", effect_status="unknown", next_action="retry",
+                                 key=call.key, details={"reason": "packs_replaced"}) from exc
             raise foreign_error(exc, effect_status="unknown", key=call.key, next_action="retry") from exc
 
     strictness = None

@@ -496,17 +496,23 @@ def test_a_pack_replaced_under_a_read_is_read_again_from_fresh_packs(
     assert mine.index("rejected") < mine.index("committed"), mine  # the first round's, then the second's
 
 
-def test_a_pack_that_stays_unreadable_fails_once_more_and_says_nothing_was_applied(
+def test_a_pack_that_stays_unreadable_is_read_again_a_few_times_then_busy_and_nothing_applied(
         repo: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repack loop on a loaded machine replaced the packs under two rounds in a row: the call
+    ended ``internal`` (found beside ``git maintenance``).  It is read again a bounded number of
+    times, then answers busy (``in_progress``, exit 5), retryable, with nothing applied."""
+    from patcher.protocol import PACK_ROUNDS
+
     seen = _fail_move(monkeypatch, VANISHED, times=99)
     base = repo.head()
     before = {k: v for k, v in snapshot(repo).items() if k != "store"}
     with pytest.raises(OncepatchError) as info:
         apply(str(repo.path), PATCH, key=KEY)
     err = info.value.envelope()
-    assert (err["type"], err["effect_status"], err["next_action"], err["retryable"]) == (
-        "internal", "not_applied", "retry", True)
-    assert len(seen) == 2  # one more round, never more
+    assert (err["type"], err["effect_status"], err["next_action"], err["retryable"], err["reason"]) == (
+        "in_progress", "not_applied", "retry", True, "packs_replaced")
+    assert info.value.exit_code == 5
+    assert PACK_ROUNDS > 2 and len(seen) == PACK_ROUNDS  # a few more rounds, never more
     assert repo.head() == base and commits_with_key(repo) == []
     assert {k: v for k, v in snapshot(repo).items() if k != "store"} == before
     assert receipt_of(repo)["status"] == "rejected" and receipt_of(repo)["retryable"] is True
@@ -536,3 +542,26 @@ def test_a_replay_whose_pack_was_replaced_reads_again(repo: Repo, monkeypatch: p
     monkeypatch.setattr(patcher.git_adapter.GitAdapter, "confirm", confirm)
     again = apply(str(repo.path), PATCH, key=KEY)
     assert again.replayed and again.commit == first.commit and len(calls) == 2
+
+
+def test_a_replay_whose_packs_keep_being_replaced_answers_busy_not_internal(
+        repo: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
+    import patcher.git_adapter
+    from patcher.protocol import PACK_ROUNDS
+
+    apply(str(repo.path), PATCH, key=KEY)
+    calls: list[int] = []
+
+    def confirm(self: Any, receipt: Any) -> list[str]:
+        calls.append(1)
+        raise pygit2.GitError(VANISHED)
+
+    monkeypatch.setattr(patcher.git_adapter.GitAdapter, "confirm", confirm)
+    before = snapshot(repo)
+    with pytest.raises(OncepatchError) as info:
+        apply(str(repo.path), PATCH, key=KEY)
+    err = info.value.envelope()
+    assert (err["type"], err["next_action"], err["retryable"], err["reason"]) == (
+        "in_progress", "retry", True, "packs_replaced")
+    assert info.value.exit_code == 5 and len(calls) == PACK_ROUNDS
+    assert snapshot(repo) == before  # a replay reads only
