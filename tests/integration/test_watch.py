@@ -1,8 +1,9 @@
 """``oncepatch watch``: a real watchdog observer in a real subprocess (docs/DESIGN.md section 5).
 
 * an orphan made by a crash (``after-prepare``) while the watcher runs is
-  flagged within grace + 2 s, from its file events (the periodic rescan is
-  30 s away);
+  flagged within the grace and a slack derived from the watcher's own start
+  (:meth:`WatchProc.slack`), from its file events (the periodic rescan is
+  600 s away);
 * a live apply that is merely slow (its key lock held by a live process, the
   receipt ``prepared``) is never flagged — until that process dies;
 * an orphan whose events are lost is found: made while no watcher ran (the
