@@ -192,23 +192,32 @@ def pytest_sessionfinish() -> None:
 #: ``--no-loadscope-reorder`` and this order stands).
 LONGEST_FILES = (
     "tests/test_docs.py",
+    "tests/integration/test_broker.py",
     "tests/integration/test_server.py",
     "tests/integration/test_maintenance.py",
     "tests/integration/test_concurrency.py",
     "tests/test_scripts.py",
     "tests/unit/test_format_properties.py",
     "tests/integration/test_dirs_torture.py",
+    "tests/integration/test_watch.py",
     "tests/integration/test_pack_refs_loop.py",
     "tests/integration/test_index_raw.py",
     "tests/integration/test_mcp.py",
     "tests/test_typing.py",
     "tests/integration/test_dirs_unreadable.py",
     "tests/integration/test_git_race.py",
+    "tests/integration/test_cross_format_history.py",
     "tests/integration/test_server_hostile.py",
+    "tests/integration/test_history_conformance.py",
+    "tests/integration/test_remote_netns.py",
+    "tests/integration/test_progress.py",
     "tests/integration/test_remote_mode.py",
     "tests/unit/test_detect.py",
+    "tests/integration/test_forked_cli.py",
     "tests/integration/test_recover_parallel.py",
+    "tests/integration/test_dirs_api.py",
     "tests/unit/test_branch_name.py",
+    "tests/integration/test_lifecycle_drift.py",
 )
 
 
