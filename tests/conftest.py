@@ -185,6 +185,64 @@ def pytest_sessionfinish() -> None:
     forked_cli.shutdown()
 
 
+#: The files whose tests take longest in all (``--durations`` summed by file, longest first): a
+#: worker starts them first. pytest-xdist's ``--dist loadfile`` hands out one file at a time, by
+#: default the files with the most tests first; these have few tests each, so they came last, and
+#: one worker ran the last of them alone while the other had nothing left (scripts/test passes
+#: ``--no-loadscope-reorder`` and this order stands).
+LONGEST_FILES = (
+    "tests/test_docs.py",
+    "tests/integration/test_broker.py",
+    "tests/integration/test_server.py",
+    "tests/integration/test_maintenance.py",
+    "tests/integration/test_concurrency.py",
+    "tests/test_scripts.py",
+    "tests/unit/test_format_properties.py",
+    "tests/integration/test_dirs_torture.py",
+    "tests/integration/test_watch.py",
+    "tests/integration/test_pack_refs_loop.py",
+    "tests/integration/test_index_raw.py",
+    "tests/integration/test_mcp.py",
+    "tests/test_typing.py",
+    "tests/integration/test_dirs_unreadable.py",
+    "tests/integration/test_git_race.py",
+    "tests/integration/test_cross_format_history.py",
+    "tests/integration/test_server_hostile.py",
+    "tests/integration/test_history_conformance.py",
+    "tests/integration/test_remote_netns.py",
+    "tests/integration/test_progress.py",
+    "tests/integration/test_remote_mode.py",
+    "tests/unit/test_detect.py",
+    "tests/integration/test_forked_cli.py",
+    "tests/integration/test_recover_parallel.py",
+    "tests/integration/test_dirs_api.py",
+    "tests/unit/test_branch_name.py",
+    "tests/integration/test_lifecycle_drift.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a pytest-xdist worker: the files of LONGEST_FILES first, in that order, then the others with
+    the most tests first (what xdist's own reordering does); a file's tests keep their order."""
+    if not hasattr(config, "workerinput"):
+        return
+    missing = [name for name in LONGEST_FILES if not (ROOT / name).is_file()]
+    assert not missing, f"LONGEST_FILES names files that are not there: {missing}"
+    counts: dict[str, int] = {}
+    for item in items:
+        name = item.nodeid.split("::", 1)[0]
+        counts[name] = counts.get(name, 0) + 1
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    first_seen = {name: i for i, name in enumerate(counts)}
+
+    def order(name: str) -> tuple[int, int, int]:
+        if name in rank:
+            return (0, rank[name], 0)
+        return (1, -counts[name], first_seen[name])
+
+    items.sort(key=lambda item: order(item.nodeid.split("::", 1)[0]))
+
+
 @pytest.fixture
 def cli() -> Any:
     return run_cli

@@ -15,11 +15,38 @@ version = "0"
 [project.optional-dependencies]
 dev = []
 [build-system]
-requires = ["setuptools"]
-build-backend = "setuptools.build_meta"
-[tool.setuptools]
-py-modules = []
+requires = []
+build-backend = "tiny_backend"
+backend-path = ["."]
 """
+#: The tiny project's own build backend (PEP 517/660, in the tree): pip installs nothing to build it,
+#: where a setuptools build had pip fetch and install setuptools twice in this test, ~40% of its time.
+TINY_BACKEND = r'''
+import base64, hashlib, zipfile
+
+DIST = "tiny-0.dist-info"
+FILES = {
+    DIST + "/METADATA": b"Metadata-Version: 2.1\nName: tiny\nVersion: 0\nProvides-Extra: dev\n",
+    DIST + "/WHEEL": b"Wheel-Version: 1.0\nGenerator: tiny\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+
+
+def _record(name, data):
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}\n"
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    name = "tiny-0-py3-none-any.whl"
+    with zipfile.ZipFile(f"{wheel_directory}/{name}", "w") as wheel:
+        for path, data in FILES.items():
+            wheel.writestr(path, data)
+        wheel.writestr(DIST + "/RECORD", "".join(_record(p, d) for p, d in FILES.items()) + DIST + "/RECORD,,\n")
+    return name
+
+
+build_editable = build_wheel
+'''
 
 
 def test_a_venv_without_pip_is_made_again_not_used_broken(tmp_path: Path) -> None:
@@ -30,6 +57,7 @@ def test_a_venv_without_pip_is_made_again_not_used_broken(tmp_path: Path) -> Non
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "_setup.sh", tmp_path / "scripts" / "_setup.sh")
     (tmp_path / "pyproject.toml").write_text(TINY)
+    (tmp_path / "tiny_backend.py").write_text(TINY_BACKEND)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / ".venv")], check=True)
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     res = subprocess.run(["bash", "-c", "source scripts/_setup.sh && .venv/bin/python -m pip --version"],
