@@ -277,6 +277,20 @@ def snapshot(repo: Repo, store: Path | None = None) -> dict[str, Any]:
     return state
 
 
+def wait_paused(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until ``proc`` has stopped itself (``/proc/<pid>/stat`` state T) at its pause point
+    (``ONCEPATCH_PAUSE_AT``); fails with its output if it ends first or ``timeout`` seconds pass."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{proc.pid}/stat", "rb") as fh:
+            if fh.read().rsplit(b")", 1)[1].split()[0] == b"T":
+                return
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+
+
 def diff_of(repo: Repo, a: str, b: str) -> bytes:
     return subprocess.run(["git", "diff", "--full-index", "--binary", a, b], cwd=repo.path,
                           capture_output=True, check=True).stdout

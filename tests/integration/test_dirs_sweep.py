@@ -17,13 +17,12 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, wait_paused
 from dirs_helpers import snapshot_tree, tree_of
 from dirs_helpers import view_of_folder
 from test_dirs import LAYOUTS, adopt, expected_view, objects
@@ -72,13 +71,8 @@ def _paused_apply(procs: list[subprocess.Popen[bytes]], site: Path, pf: Path, po
                              "--json", "--no-server"], env=dict(os.environ, ONCEPATCH_PAUSE_AT=point),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     procs.append(proc)
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        with open(f"/proc/{proc.pid}/stat", "rb") as fh:
-            if fh.read().rsplit(b")", 1)[1].split()[0] == b"T":
-                return proc
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.01)
+    wait_paused(proc, DEADLINE)
+    return proc
 
 
 @pytest.mark.parametrize("what", ["file", "symlink"])

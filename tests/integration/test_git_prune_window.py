@@ -17,13 +17,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import Repo, make_repo
+from conftest import Repo, make_repo, wait_paused
 from test_concurrency import DEADLINE, verify_ok
 
 PATCH = b"--- a/f.txt\n+++ b/f.txt\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n"
@@ -40,13 +39,7 @@ def _apply(repo: Repo, patch: bytes, branch: str, env: dict[str, str]) -> subpro
 
 def _wait_stopped(proc: subprocess.Popen[bytes]) -> None:
     """Until ``/proc/<pid>/stat`` shows the call stopped (state T) at its pause point."""
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        with open(f"/proc/{proc.pid}/stat", "rb") as fh:
-            if fh.read().rsplit(b")", 1)[1].split()[0] == b"T":
-                return
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.01)
+    wait_paused(proc, DEADLINE)
 
 
 def _resume(proc: subprocess.Popen[bytes]) -> tuple[int, Any]:

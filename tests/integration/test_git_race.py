@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Repo, make_repo, run_cli, snapshot
+from conftest import Repo, make_repo, run_cli, snapshot, wait_paused
 from test_concurrency import (  # noqa: F401  (workers: the fixture)
     DEADLINE,
     apply_argv,
@@ -119,13 +119,8 @@ def _paused_apply(repo: Repo, patch: bytes, *extra: str, at: str = "after-prepar
     proc = subprocess.Popen([sys.executable, "-m", "patcher.cli", "apply", str(repo.path / ".git/race.diff"),
                              "--repo", str(repo.path), "--json", "--key", "K", *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        with open(f"/proc/{proc.pid}/stat", "rb") as fh:
-            if fh.read().rsplit(b")", 1)[1].split()[0] == b"T":
-                return proc
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.01)
+    wait_paused(proc, DEADLINE)
+    return proc
 
 
 def _resume(proc: subprocess.Popen[bytes]) -> tuple[int, Any]:

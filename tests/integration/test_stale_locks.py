@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Repo, run_cli, snapshot
+from conftest import Repo, run_cli, snapshot, wait_paused
 
 PATCH = b"--- a/README\n+++ b/README\n@@ -1 +1,2 @@\n hello\n+after the stale lock\n"
 
@@ -346,12 +346,7 @@ def test_a_long_lock_timeout_governs_the_branch_lock(repo: Repo, patch: Path) ->
                             stderr=subprocess.PIPE)
     holder = None
     try:
-        while True:  # stopped by itself (SIGSTOP) at the seam
-            with open(f"/proc/{proc.pid}/stat", "rb") as fh:
-                if fh.read().rsplit(b")", 1)[1].split()[0] == b"T":
-                    break
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.01)
+        wait_paused(proc, 600)  # stopped by itself (SIGSTOP) at the seam
         base = repo.head()
         holder = _hold(repo.path / ".git/refs/heads/main.lock")
         os.kill(proc.pid, signal.SIGCONT)
