@@ -426,11 +426,7 @@ def test_removed_files_folders_synced_in_one_round_before_the_move(strace: str, 
     patch = tmp_path / "p.diff"
     patch.write_bytes(diff)
 
-    res, calls = run_traced(strace, tmp_path, [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--json"],
-                            APPLY_TRACE + ",unlink,unlinkat", cwd=repo.path)
-    calls = resolve_fds(calls, str(repo.path))
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert json.loads(res.stdout)["status"] == "committed"
+    calls = _committed_with_unlinks(strace, tmp_path, repo, patch)
     assert not any((repo.path / p).exists() for p in gone) and (repo.path / "keep" / "k.txt").exists()
     assert not any((repo.path / f"d{n}").exists() for n in range(3))  # emptied folders pruned, as git does
     assert repo.git("status", "--porcelain") == ""
@@ -455,6 +451,15 @@ def test_removed_files_folders_synced_in_one_round_before_the_move(strace: str, 
         assert not _folder_synced_between(calls, folder, min(c.n for c in unlinks.values()), last_unlink), rel
 
 
+def _committed_with_unlinks(strace: str, tmp_path: Path, repo: Repo, patch: Path) -> list[Call]:
+    """The calls of a CLI apply of ``patch`` in ``repo`` traced with its unlinks, fds resolved; it committed."""
+    res, calls = run_traced(strace, tmp_path, [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--json"],
+                            APPLY_TRACE + ",unlink,unlinkat", cwd=repo.path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout)["status"] == "committed"
+    return resolve_fds(calls, str(repo.path))
+
+
 def test_replaced_files_are_freed_together_after_their_renames(strace: str, tmp_path: Path) -> None:
     # A checked-out apply that rewrites many files: each old file gets a second name (a
     # hard link, '.<name>.optmp-<pid>-…') before the rename over it, so that the renames
@@ -469,11 +474,7 @@ def test_replaced_files_are_freed_together_after_their_renames(strace: str, tmp_
     patch = tmp_path / "p.diff"
     patch.write_bytes(diff)
 
-    res, calls = run_traced(strace, tmp_path, [sys.executable, "-m", "patcher.cli", "apply", str(patch), "--json"],
-                            APPLY_TRACE + ",unlink,unlinkat", cwd=repo.path)
-    calls = resolve_fds(calls, str(repo.path))
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert json.loads(res.stdout)["status"] == "committed"
+    calls = _committed_with_unlinks(strace, tmp_path, repo, patch)
     assert all((repo.path / p).read_text() == f"{p}\n" * 50 + "more\n" for p in changed)
     assert repo.git("status", "--porcelain", "--ignored") == ""
     assert not [p for p in repo.path.rglob(f"*{TMP_MARK}*")]
