@@ -43,7 +43,7 @@ import sys
 import threading
 from queue import SimpleQueue
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from cas.errors import DurableWriteError, UnsafeWorktreePath
 
@@ -55,6 +55,7 @@ __all__ = [
     "open_regular",
     "DurableBatch",
     "fsync_all",
+    "free_on_threads",
     "write_durable",
     "append_durable",
     "fsync_dir",
@@ -232,6 +233,45 @@ def open_dir_nofollow(root: str, rel_dir: str, *, create: bool = False, mode: in
     finally:
         for one in {fd, *kept}:
             os.close(one)
+
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+# -- freeing blocks -------------------------------------------------------------
+
+#: Threads that free files' or folders' blocks at once (:func:`free_on_threads`).  Freeing is
+#: paid inside the ``unlink``, ``rmdir`` or ``rename`` over a file, and on a disk that discards
+#: freed blocks (ext4 ``-o discard``, as many virtual disks are mounted) it waits on the
+#: device: measured, 300 small synced files freed one after another 1.7-2.9 ms each, on four
+#: threads 0.2-0.3 ms each; 256 empty folders 0.70-0.81 s in turn, 0.11-0.13 s on four threads.
+FREE_THREADS = 4
+
+
+def free_on_threads(free: Callable[[_T], _R], items: list[_T]) -> list[_R]:
+    """``[free(item) for item in items]``, spread over :data:`FREE_THREADS` threads (os calls only,
+    never libgit2).  Where no thread can be started (Python 3.12 and later refuse new threads in
+    exit handlers), the rest run in this thread.  ``free`` must not raise."""
+    results: list[_R | None] = [None] * len(items)
+
+    def part(n: int) -> None:
+        for i in range(n, len(items), FREE_THREADS):
+            results[i] = free(items[i])
+
+    started = []
+    for n in range(FREE_THREADS):
+        thread = threading.Thread(target=part, args=(n,), daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # (at interpreter shutdown)
+            for rest in range(n, FREE_THREADS):
+                part(rest)
+            break
+        started.append(thread)
+    for thread in started:
+        thread.join()
+    return results  # type: ignore[return-value]  # (every slot is filled by now)
 
 
 # -- several files at once ------------------------------------------------------

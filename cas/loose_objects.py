@@ -61,6 +61,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import functools
 import os
 import shutil
 import stat
@@ -70,7 +71,7 @@ from collections.abc import Iterator, Mapping
 
 import pygit2
 
-from cas.durable import fsync_all
+from cas.durable import free_on_threads, fsync_all
 from cas.errors import DurableWriteError, GitStoreError
 
 __all__ = ["BATCH", "LIBGIT2_OBJECT_TMP_PREFIX", "NewObjects", "TMP_OBJDIR_PREFIX", "TmpObjdirGone", "enable_fsync",
@@ -318,43 +319,21 @@ def remove_own_tmp_objdirs() -> None:
             tmp.forget()
 
 
-#: A temporary object folder with this many fan-out folders has them removed on
-#: :data:`_RMDIR_THREADS` threads.  Removing a folder frees its block, and on a disk that
-#: discards freed blocks (ext4 ``-o discard``) that waits on the device: measured, 256 empty
-#: folders 0.70-0.81 s one after another, 0.11-0.13 s on four threads.  A large patch's
-#: objects fill up to 256 of them, and a one-shot CLI process removes them as it exits.
+#: A temporary object folder with this many fan-out folders has them removed on threads
+#: (:func:`cas.durable.free_on_threads`): a large patch's objects fill up to 256 of them, and a
+#: one-shot CLI process removes them as it exits.
 _RMDIR_AT_ONCE_FROM = 16
-_RMDIR_THREADS = 4
 
 
 def _remove_tree(path: str) -> None:
-    """``shutil.rmtree(path, ignore_errors=True)``, its sub-folders on threads when there are many.
-
-    Where no thread can be started (Python 3.12 and later refuse new threads
-    in exit handlers), everything is removed in this thread.
-    """
+    """``shutil.rmtree(path, ignore_errors=True)``, its sub-folders on threads when there are many."""
     try:
         subs = [entry.path for entry in os.scandir(path) if entry.is_dir(follow_symlinks=False)]
     except OSError:
         subs = []
     if len(subs) >= _RMDIR_AT_ONCE_FROM:
-        threads = [threading.Thread(target=_remove_trees, args=(subs[n::_RMDIR_THREADS],), daemon=True)
-                   for n in range(_RMDIR_THREADS)]
-        started = []
-        for thread in threads:
-            try:
-                thread.start()
-            except RuntimeError:
-                break  # (at interpreter shutdown): the rest go in turn below
-            started.append(thread)
-        for thread in started:
-            thread.join()
+        free_on_threads(functools.partial(shutil.rmtree, ignore_errors=True), subs)
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _remove_trees(paths: list[str]) -> None:
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_batch(objects: str, new: Mapping[str, tuple[bytes, bytes | memoryview]]) -> None:

@@ -26,13 +26,12 @@ import contextlib
 import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 import pygit2
 
-from cas.durable import TMP_MARK, DurableBatch, fsync_all, fsync_dir, open_dir_nofollow
+from cas.durable import TMP_MARK, DurableBatch, free_on_threads, fsync_all, fsync_dir, open_dir_nofollow
 from cas.errors import DurableWriteError, GitStoreError, UnsafeWorktreePath
 from cas.git_filters import apply_filters, blob_id_by_git, cleaned_oid, git_output, needs_git, smudged_by_git
 from cas.hashing import git_blob_oid
@@ -150,16 +149,12 @@ def in_the_way(workdir: str, paths: list[str]) -> list[str]:
 #: Worktree files written per durable batch (each holds its bytes and an open folder until the batch commits),
 #: and files removed per round of folder syncs.
 _WRITE_CHUNK = 128
-#: Files freed on this many threads at once, from this many on.  Freeing a file's blocks is paid inside the
-#: ``unlink`` (or the ``rename`` over it), and on a disk that discards freed blocks (ext4 ``-o discard``, as
-#: many virtual disks are mounted) it waits on the device: measured, 300 small synced files freed one after
-#: another 1.7-2.9 ms each, on four threads 0.2-0.3 ms each.  Below the threshold they are freed in turn.
-_FREE_THREADS = 4
+#: Files freed together on threads (:func:`cas.durable.free_on_threads`) from this many on; fewer in turn.
 _FREE_AT_ONCE_FROM = 8
 
 
 def _unlink_names(entries: list[tuple[int, str]]) -> None:
-    """Unlink each ``(folder fd, name)``; on threads when there are many (:data:`_FREE_THREADS`).
+    """Unlink each ``(folder fd, name)``; on threads when there are many (:data:`_FREE_AT_ONCE_FROM`).
 
     Every unlink is attempted; the first failure (in ``entries``' order) is raised once all have ended.
     A name already gone is no failure.
@@ -176,11 +171,7 @@ def _unlink_names(entries: list[tuple[int, str]]) -> None:
             return exc
         return None
 
-    if len(entries) < _FREE_AT_ONCE_FROM:
-        failures = [one(e) for e in entries]
-    else:
-        with ThreadPoolExecutor(max_workers=_FREE_THREADS) as pool:
-            failures = list(pool.map(one, entries))
+    failures = [one(e) for e in entries] if len(entries) < _FREE_AT_ONCE_FROM else free_on_threads(one, entries)
     for exc in failures:
         if exc is not None:
             raise exc
@@ -262,7 +253,7 @@ def _kept_aside(replaced: list[tuple[int, str]]) -> list[tuple[int, str]]:
     """A second name for each replaced file (``.<name>`` + :data:`~cas.durable.TMP_MARK` + pid, beside it).
 
     So that the batch's renames do not free the old files' blocks one after
-    another (:data:`_FREE_THREADS`): the second names are unlinked together,
+    another (:func:`cas.durable.free_on_threads`): the second names are unlinked together,
     after the renames and before the folders' sync.  Made only for many
     files; a file that cannot be linked is freed by its rename, as before.
     Killed in between, the names are a dead call's tmp files (``recover``
